@@ -1,0 +1,185 @@
+"""`rose bench bus`: what the shared bus helpers cost over raw nats-py, on the same server, same run.
+
+Contenders answer the same GenerateRequest with the same GenerateReply (msgspec JSON both ways):
+raw nats-py (baseline), our `Bus.serve`/`Bus.request` (with tracing, dead-lettering and the
+NATS services API), and FastStream's NATS broker (for the record: it is why the runtime sits
+on nats-py). Rounds alternate between contenders so that machine noise hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from rose.contracts import GenerateReply, GenerateRequest, Heartbeat
+from rose.contracts.registry import GENERATE, HEARTBEAT, SLO_ALERT
+from rose.contracts.slo import SloAlert
+from rose.shared.bus import Bus
+from rose.shared.config import BusConfig
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
+from rose.shared.tracing import setup_tracing
+
+TARGET_P50_RATIO = 1.5
+WARMUP = 200
+PUBLISH_COUNT = 20_000
+JS_PUBLISH_COUNT = 1_000
+
+REQUEST = GenerateRequest(request_id="bench", trajectory_id="traj", turn_index=1, prompt_token_ids=list(range(64)))
+
+
+def _reply_for(msg: GenerateRequest) -> GenerateReply:
+    return GenerateReply(request_id=msg.request_id, executor_id="bench", status="ok", token_ids=msg.prompt_token_ids[:16])
+
+
+async def _latencies(call, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _summary(samples: list[list[float]]) -> dict[str, float]:
+    p50 = [statistics.median(s) for s in samples]
+    p99 = [sorted(s)[int(len(s) * 0.99)] for s in samples]
+    return {"p50_ms": round(statistics.median(p50), 4), "p99_ms": round(statistics.median(p99), 4)}
+
+
+async def _publish_rate(publish, flush, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await publish()
+    await flush()
+    return n / (time.perf_counter() - t0)
+
+
+async def run_bus_bench(*, out_json: str, requests: int = 2000, rounds: int = 3, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    setup_tracing("bench", "bench-1")  # the helpers pay for tracing exactly as services do
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
+        cfg = BusConfig(url=server.url)
+        raw_server, raw_client = await nats.connect(server.url), await nats.connect(server.url)
+        req_dec = msgspec.json.Decoder(GenerateRequest)
+        rep_dec = msgspec.json.Decoder(GenerateReply)
+        enc = msgspec.json.Encoder()
+
+        async def raw_handler(msg):
+            await msg.respond(enc.encode(_reply_for(req_dec.decode(msg.data))))
+
+        await raw_server.subscribe("bench.raw", cb=raw_handler)
+        await raw_server.flush()
+
+        from faststream.nats import NatsBroker
+        from fast_depends.msgspec import MsgSpecSerializer
+
+        broker = NatsBroker(server.url, serializer=MsgSpecSerializer(), logger=None)
+
+        @broker.subscriber("bench.faststream")
+        async def fs_handler(msg: GenerateRequest) -> GenerateReply:
+            return _reply_for(msg)
+
+        await broker.start()
+
+        async with Bus(cfg, service="bench_server", instance="bench-s") as bus_server, Bus(cfg, service="bench_client", instance="bench-c") as bus_client:
+            await provision(bus_client.js)
+
+            async def helper_handler(msg: GenerateRequest, _d) -> GenerateReply:
+                return _reply_for(msg)
+
+            await bus_server.serve(GENERATE, helper_handler, executor_id="bench")
+
+            async def raw_call():
+                rep_dec.decode((await raw_client.request("bench.raw", enc.encode(REQUEST), timeout=5)).data)
+
+            async def helper_call():
+                await bus_client.request(GENERATE, REQUEST, executor_id="bench")
+
+            async def fs_call():
+                rep_dec.decode((await raw_client.request("bench.faststream", enc.encode(REQUEST), timeout=5)).data)
+
+            contenders = {"raw_nats_py": raw_call, "rose_helpers": helper_call, "faststream": fs_call}
+            samples: dict[str, list[list[float]]] = {k: [] for k in contenders}
+            for call in contenders.values():
+                await _latencies(call, WARMUP)
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("request/reply rounds", total=rounds * len(contenders))
+                for _ in range(rounds):
+                    for name, call in contenders.items():
+                        samples[name].append(await _latencies(call, requests))
+                        progress.advance(task)
+
+            beat = Heartbeat(service="bench", instance="b", version="0", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1.0)
+            beat_bytes = enc.encode(beat)
+            subject = HEARTBEAT.subject(service="bench", instance="b")
+            raw_pub = await _publish_rate(lambda: raw_client.publish(subject, beat_bytes), raw_client.flush, PUBLISH_COUNT)
+            helper_pub = await _publish_rate(
+                lambda: bus_client.publish(HEARTBEAT, beat, service="bench", instance="b"), bus_client.nc.flush, PUBLISH_COUNT
+            )
+            alert = SloAlert(executor_id="bench", at=0.0, severity="burst", reason="bench")
+            alert_bytes, alert_subject = enc.encode(alert), SLO_ALERT.subject(executor_id="bench")
+            js = raw_client.jetstream()
+            raw_js = await _publish_rate(lambda: js.publish(alert_subject, alert_bytes), raw_client.flush, JS_PUBLISH_COUNT)
+            helper_js = await _publish_rate(lambda: bus_client.publish(SLO_ALERT, alert, executor_id="bench"), bus_client.nc.flush, JS_PUBLISH_COUNT)
+
+        await broker.stop()
+        await raw_server.close()
+        await raw_client.close()
+
+    summary = {name: _summary(s) for name, s in samples.items()}
+    ratio = summary["rose_helpers"]["p50_ms"] / summary["raw_nats_py"]["p50_ms"]
+    result: dict[str, Any] = {
+        "request_reply": summary,
+        "helper_overhead_p50": round(ratio, 3),
+        "faststream_overhead_p50": round(summary["faststream"]["p50_ms"] / summary["raw_nats_py"]["p50_ms"], 3),
+        "publish": {
+            "raw_msgs_per_s": round(raw_pub),
+            "helpers_msgs_per_s": round(helper_pub),
+            "ratio": round(helper_pub / raw_pub, 3),
+        },
+        "jetstream_publish": {
+            "raw_msgs_per_s": round(raw_js),
+            "helpers_msgs_per_s": round(helper_js),
+            "ratio": round(helper_js / raw_js, 3),
+        },
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "target_p50_ratio": TARGET_P50_RATIO,
+        "meets_target": ratio <= TARGET_P50_RATIO,
+    }
+    _print(console, result)
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"wrote {out_json}")
+    return result
+
+
+def _print(console: Console, r: dict[str, Any]) -> None:
+    table = Table(title="rose bench bus — request/reply (same server, same run)")
+    for col in ("contender", "p50 ms", "p99 ms", "p50 vs raw"):
+        table.add_column(col, justify="right")
+    raw = r["request_reply"]["raw_nats_py"]["p50_ms"]
+    for name, s in r["request_reply"].items():
+        table.add_row(name, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['p50_ms'] / raw:.2f}x")
+    console.print(table)
+    pub = Table(title="publish throughput (msgs/s)")
+    for col in ("kind", "raw nats-py", "rose helpers", "helpers / raw"):
+        pub.add_column(col, justify="right")
+    for kind in ("publish", "jetstream_publish"):
+        p = r[kind]
+        pub.add_row(kind, f"{p['raw_msgs_per_s']:,}", f"{p['helpers_msgs_per_s']:,}", f"{p['ratio']:.2f}")
+    console.print(pub)
+    verdict = "meets" if r["meets_target"] else "MISSES"
+    console.print(f"helper overhead at p50: {r['helper_overhead_p50']:.2f}x raw ({verdict} the ≤ {r['target_p50_ratio']}x target)")

@@ -1,0 +1,97 @@
+"""The `rose` command: one argparse tree, each command explained by `--help`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+from pathlib import Path
+
+from rose import __version__
+
+# Services that exist; `rose up` starts these and `rose run NAME` runs one in the foreground.
+# Each module has `main(argv) -> int`.
+SERVICE_MODULES: dict[str, str] = {}
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(SERVICE_MODULES[args.service])
+    return module.main(args.service_args)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from .up import up
+
+    return up(args)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .status import status
+
+    return asyncio.run(status(args))
+
+
+def _cmd_contracts_export(args: argparse.Namespace) -> int:
+    from rose.contracts.export import export
+
+    written = export(args.dir)
+    print(f"wrote {len(written) - 1} JSON Schemas and asyncapi.json under {Path(args.dir).resolve()}")
+    return 0
+
+
+def _cmd_bench_bus(args: argparse.Namespace) -> int:
+    from .bench_bus import run_bus_bench
+
+    result = asyncio.run(run_bus_bench(out_json=args.json, requests=args.requests, rounds=args.rounds))
+    return 0 if result["meets_target"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rose",
+        description="ROSE: agentic-RL rollouts on the spare capacity of a serving fleet, without breaking its SLO.",
+    )
+    parser.add_argument("--version", action="version", version=f"rose {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
+    p.add_argument("--state-dir", default=None, help="where the NATS store, logs and models live (default: $ROSE_STATE_DIR or ./.rose)")
+    p.add_argument("--services", nargs="*", default=None, help=f"which services to start (default: all of {sorted(SERVICE_MODULES)})")
+    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every service to report ready")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("status", help="list live services from their heartbeats, with their endpoints")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--nats-url", default=None, help="NATS to ask (default: NATS_URL, else the one `rose up` started)")
+    p.add_argument("--state-dir", default=None, help="state dir of the `rose up` to ask (default: $ROSE_STATE_DIR or ./.rose)")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("run", help="run one service in the foreground (what `rose up` and docker compose start)")
+    p.add_argument("service", choices=sorted(SERVICE_MODULES) or ["(none yet)"], help="the service to run")
+    p.add_argument("service_args", nargs=argparse.REMAINDER, help="arguments for the service, e.g. --config FILE")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("contracts", help="the bus contracts")
+    csub = p.add_subparsers(dest="contracts_command", required=True, metavar="ACTION")
+    e = csub.add_parser("export", help="write a JSON Schema per message and an AsyncAPI 3.0 document into DIR")
+    e.add_argument("dir", help="output directory")
+    e.set_defaults(func=_cmd_contracts_export)
+
+    p = sub.add_parser("bench", help="benchmarks: each compares against a baseline in the same run and writes JSON")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    b = bsub.add_parser("bus", help="request/reply latency and publish throughput: our helpers vs raw nats-py (and FastStream)")
+    b.add_argument("--json", default="bench-out/bus.json", help="where to write the JSON result")
+    b.add_argument("--requests", type=int, default=2000, help="requests per measured round")
+    b.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender (median is reported)")
+    b.set_defaults(func=_cmd_bench_bus)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

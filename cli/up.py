@@ -1,0 +1,159 @@
+"""`rose up`: the embedded default. A nats-server (unless NATS_URL is set) and every service, supervised.
+
+Each service runs as `python -m rose.cli.main run NAME` in its own process group, so Ctrl-C
+reaches only this supervisor, which then stops the services (SIGTERM, drain) before NATS.
+A service that dies is restarted with backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rose.shared.nats_server import NatsServer, state_dir
+
+from .main import SERVICE_MODULES
+from .status import UP_FILE, live_services
+
+STOP_TIMEOUT_S = 20.0
+MAX_RESTART_DELAY_S = 30.0
+
+
+@dataclass
+class Supervised:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = field(default=0.0)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, deadline: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def up(args: argparse.Namespace) -> int:
+    console = Console()
+    root = Path(args.state_dir).resolve() if args.state_dir else state_dir()
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    names = args.services if args.services is not None else sorted(SERVICE_MODULES)
+    unknown = sorted(set(names) - set(SERVICE_MODULES))
+    if unknown:
+        console.print(f"[red]unknown services {unknown}; available: {sorted(SERVICE_MODULES)}[/red]")
+        return 2
+
+    server: NatsServer | None = None
+    nats_url = os.environ.get("NATS_URL", "")
+    if not nats_url:
+        server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log").start()
+        nats_url = server.url
+    env = {**os.environ, "NATS_URL": nats_url, "ROSE_STATE_DIR": str(root)}
+    children = [
+        Supervised(name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", env) for name in names
+    ]
+    (root / UP_FILE).write_text(
+        json.dumps({"nats_url": nats_url, "pid": os.getpid(), "embedded_nats": server is not None, "services": names}, indent=2)
+    )
+
+    stop = {"now": False}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for child in children:
+            child.start()
+        console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
+        console.print(f"logs: {root / 'logs'}  services: {', '.join(names) or '(none)'}")
+        _wait_ready(console, nats_url, names, args.ready_timeout, stop)
+        console.print("[green]ROSE is up.[/green] `rose status` lists the services; Ctrl-C stops everything.")
+        _supervise(console, children, stop)
+    finally:
+        console.print("stopping services ...")
+        for child in children:
+            child.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in children:
+            child.wait(deadline)
+        if server is not None:
+            server.stop()
+        (root / UP_FILE).unlink(missing_ok=True)
+        console.print("stopped.")
+    return 0
+
+
+def _wait_ready(console: Console, url: str, names: list[str], timeout: float, stop: dict[str, bool]) -> None:
+    """Until every started service has a 'ready' heartbeat; then print where each one is."""
+    deadline = time.monotonic() + timeout
+    beats = []
+    while not stop["now"] and time.monotonic() < deadline and names:
+        beats = asyncio.run(live_services(url))
+        ready = {b.service for b in beats if b.state == "ready"}
+        if set(names) <= ready:
+            break
+        time.sleep(0.5)
+    else:
+        if names and not stop["now"]:
+            console.print(f"[yellow]not every service reported ready within {timeout:.0f}s; see the logs[/yellow]")
+    if beats:
+        table = Table(title="services")
+        for col in ("service", "instance", "state", "endpoints"):
+            table.add_column(col)
+        for b in beats:
+            table.add_row(b.service, b.instance, b.state, " ".join(f"{k}={v}" for k, v in b.endpoints.items()))
+        console.print(table)
+
+
+def _supervise(console: Console, children: list[Supervised], stop: dict[str, bool]) -> None:
+    while not stop["now"]:
+        now = time.monotonic()
+        for child in children:
+            if child.alive():
+                continue
+            if child.next_start == 0.0:
+                code = child.process.returncode if child.process else None
+                delay = min(MAX_RESTART_DELAY_S, 2.0 ** min(child.restarts, 5))
+                if now - child.started_at > 60:
+                    delay = 1.0  # it ran a good while: restart promptly
+                child.next_start = now + delay
+                console.print(f"[red]{child.name} exited ({code}); restarting in {delay:.0f}s (see {child.log_path})[/red]")
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+        time.sleep(0.2)

@@ -1,0 +1,452 @@
+"""Typed publish / subscribe / request / serve / consume over NATS JetStream, with dead letters and tracing.
+
+Why nats-py and not FastStream here: measured on this 2-core machine (`rose bench bus`, which
+re-measures it every run), a FastStream handler answers a request in ~0.42 ms p50 against
+~0.25 ms for a bare nats-py handler (1.7x), beyond the 1.5x budget for our request path, and
+FastStream only logs a payload that fails validation while the requester times out. So the
+runtime sits directly on nats-py: one `Bus` per service, handlers dispatch on the channel's
+payload type, and every refusal is answered (request/reply) and dead-lettered.
+
+Request endpoints are registered with the NATS services API (`nats.micro`), so
+`$SRV.PING`, `$SRV.INFO` and `$SRV.STATS` work for every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from nats.micro import ServiceConfig as MicroConfig
+from nats.micro import add_service
+from nats.micro.request import Request as MicroRequest
+from nats.micro.service import EndpointConfig, Service as MicroService
+
+from rose import __version__
+from rose.contracts.registry import DEAD_LETTER, Channel, Kind
+from rose.contracts.service import DeadLetter
+
+from .codec import PayloadError, decode, encode
+from .config import BusConfig
+from .tracing import incoming_span, outgoing_span
+
+log = logging.getLogger("rose.bus")
+
+T = TypeVar("T")
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+DLQ_PAYLOAD_LIMIT = 1 << 20
+CONSUME_BATCH = 16
+CONSUME_FETCH_TIMEOUT_S = 1.0
+
+
+class RemoteError(Exception):
+    """The other side answered a request with an error (4xx: the request; 5xx: the service)."""
+
+    def __init__(self, code: str, description: str) -> None:
+        super().__init__(f"{code}: {description}")
+        self.code = code
+        self.description = description
+
+
+class BusClosed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a handler knows about the message besides its payload."""
+
+    subject: str
+    headers: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+    attempt: int = 1
+
+
+Handler = Callable[[Any, Delivery], Awaitable[Any]]
+
+
+def _tls_context(config: BusConfig) -> ssl.SSLContext | None:
+    if not (config.tls_ca_file or config.tls_cert_file):
+        return None
+    ctx = ssl.create_default_context(cafile=config.tls_ca_file or None)
+    if config.tls_cert_file:
+        ctx.load_cert_chain(config.tls_cert_file, config.tls_key_file or None)
+    return ctx
+
+
+class Bus:
+    """One service's connection to the bus. Use as `async with Bus(...) as bus:`."""
+
+    def __init__(self, config: BusConfig, *, service: str, instance: str) -> None:
+        self.config = config
+        self.service = service
+        self.instance = instance
+        self._nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
+        self._micro: MicroService | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kv: dict[str, KeyValue] = {}
+        self._closing = False
+        self.dead_letters = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> Bus:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Connect with exponential backoff until `initial_connect_deadline_s`; then nats-py reconnects forever."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.initial_connect_deadline_s
+        delay = 0.1
+        options: dict[str, Any] = dict(
+            servers=cfg.servers(),
+            name=f"rose-{self.service}:{self.instance}",
+            connect_timeout=cfg.connect_timeout_s,
+            reconnect_time_wait=cfg.reconnect_wait_s,
+            max_reconnect_attempts=cfg.max_reconnect_attempts,
+            drain_timeout=int(cfg.drain_timeout_s),
+            allow_reconnect=True,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+        )
+        if cfg.creds_file:
+            options["user_credentials"] = cfg.creds_file
+        if cfg.nkey_seed_file:
+            options["nkeys_seed"] = cfg.nkey_seed_file
+        if cfg.user:
+            options["user"], options["password"] = cfg.user, cfg.password
+        tls = _tls_context(cfg)
+        if tls is not None:
+            options["tls"] = tls
+        while True:
+            try:
+                self._nc = await nats.connect(**options)
+                break
+            except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {cfg.url}: {exc!r}") from exc
+                log.warning("NATS at %s not reachable (%r); retrying in %.1fs", cfg.url, exc, delay)
+                await asyncio.sleep(delay * (1 + random.random() / 4))
+                delay = min(delay * 2, 5.0)
+        self._js = self._nc.jetstream()
+
+    async def close(self) -> None:
+        """Stop consumers, stop the service endpoints, then drain so in-flight replies go out."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        if self._micro is not None:
+            try:
+                await self._micro.stop()
+            except Exception as exc:  # a closed connection cannot unsubscribe; nothing to lose
+                log.debug("stopping service endpoints: %r", exc)
+            self._micro = None
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except Exception as exc:
+                log.debug("drain: %r", exc)
+                await self._nc.close()
+        self._nc = None
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("NATS error: %r", exc)
+
+    async def _on_disconnect(self) -> None:
+        if not self._closing:
+            log.warning("disconnected from NATS; reconnecting")
+
+    async def _on_reconnect(self) -> None:
+        log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+
+    @property
+    def nc(self) -> NatsClient:
+        if self._nc is None:
+            raise BusClosed("the bus is not connected")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            raise BusClosed("the bus is not connected")
+        return self._js
+
+    # ---- sending ---------------------------------------------------------------------
+
+    async def publish(self, channel: Channel, message: Any, **tokens: str) -> None:
+        """Publish an event; channels backed by a stream are published with a JetStream ack."""
+        subject = channel.subject(**tokens)
+        headers: dict[str, str] = {}
+        with outgoing_span("send", subject, channel.template, headers):
+            data = encode(message, channel.encoding)
+            if channel.kind is Kind.STREAM:
+                await self.js.publish(subject, data, headers=headers)
+            else:
+                await self.nc.publish(subject, data, headers=headers)
+
+    async def request(self, channel: Channel, message: Any, *, timeout: float | None = None, **tokens: str) -> Any:
+        """Send a request and return the decoded reply; an error reply raises `RemoteError`."""
+        if channel.reply is None:
+            raise TypeError(f"channel {channel.name!r} is not a request channel")
+        subject = channel.subject(**tokens)
+        headers: dict[str, str] = {}
+        with outgoing_span("request", subject, channel.template, headers):
+            reply = await self.nc.request(
+                subject, encode(message, channel.encoding), timeout=timeout or self.config.request_timeout_s, headers=headers
+            )
+        if reply.headers and ERROR_HEADER in reply.headers:
+            raise RemoteError(reply.headers.get(ERROR_CODE_HEADER, "500"), reply.headers[ERROR_HEADER])
+        return decode(reply.data, channel.reply, channel.encoding)
+
+    # ---- receiving -------------------------------------------------------------------
+
+    async def _accept(self, channel: Channel, data: bytes, subject: str, headers: dict[str, str] | None) -> Any:
+        """Decode a payload, or dead-letter it and re-raise as `PayloadError`."""
+        assert channel.payload is not None
+        try:
+            return decode(data, channel.payload, channel.encoding, channel.max_bytes)
+        except PayloadError as exc:
+            await self.dead_letter(subject, exc.kind, exc.reason, data, headers)
+            raise
+
+    async def serve(self, channel: Channel, handler: Handler, *, queue: str | None = None, **tokens: str) -> None:
+        """Answer requests on a channel: decode, call `handler(message, delivery)`, reply.
+
+        A payload that fails to decode is answered with a 400 error that says what to fix and
+        dead-lettered; a handler exception is answered with 500 and dead-lettered too.
+        """
+        if channel.kind is not Kind.REQUEST:
+            raise TypeError(f"channel {channel.name!r} is not a request channel")
+        subject = channel.subject(**tokens) if len(tokens) == len(channel.tokens) else channel.pattern(**tokens)
+        micro = await self._micro_service()
+
+        async def on_request(req: MicroRequest) -> None:
+            headers = req.headers or {}
+            try:
+                message = await self._accept(channel, req.data, req.subject, headers)
+            except PayloadError as exc:
+                await req.respond_error("400", exc.reason[:1024])
+                return
+            with incoming_span("reply", req.subject, channel.template, headers):
+                try:
+                    result = await handler(message, Delivery(req.subject, headers, channel.parse(req.subject)))
+                except Exception as exc:
+                    log.exception("handler for %s failed", req.subject)
+                    await self.dead_letter(req.subject, "handler", repr(exc), req.data, headers)
+                    await req.respond_error("500", f"{type(exc).__name__}: {exc}"[:1024])
+                    return
+                await req.respond(encode(result, channel.encoding))
+
+        await micro.add_endpoint(
+            EndpointConfig(
+                name=channel.name.replace(".", "_"),
+                subject=subject,
+                handler=on_request,
+                queue_group=queue,
+                metadata={"payload": channel.payload.__name__ if channel.payload else "", "reply": channel.reply.__name__ if channel.reply else ""},
+            )
+        )
+        await self.nc.flush()  # the server knows the endpoint before anyone is told it exists
+
+    async def subscribe(self, channel: Channel, handler: Handler, *, queue: str = "", **tokens: str) -> None:
+        """Receive events (core pub/sub). Tokens not given match anything."""
+        async def on_msg(msg: Msg) -> None:
+            headers = msg.headers or {}
+            try:
+                message = await self._accept(channel, msg.data, msg.subject, headers)
+            except PayloadError:
+                return
+            with incoming_span("process", msg.subject, channel.template, headers):
+                try:
+                    await handler(message, Delivery(msg.subject, headers, channel.parse(msg.subject)))
+                except Exception as exc:
+                    log.exception("handler for %s failed", msg.subject)
+                    await self.dead_letter(msg.subject, "handler", repr(exc), msg.data, headers)
+
+        await self.nc.subscribe(channel.pattern(**tokens), queue=queue, cb=on_msg)
+        await self.nc.flush()
+
+    async def consume(
+        self,
+        channel: Channel,
+        handler: Handler,
+        *,
+        durable: str,
+        max_deliver: int = 5,
+        ack_wait_s: float = 30.0,
+        deliver_new: bool = False,
+        **tokens: str,
+    ) -> None:
+        """Consume a JetStream channel with a durable pull consumer and explicit acks.
+
+        Success acks; a handler exception naks with a growing delay, and the last allowed
+        delivery is dead-lettered and terminated, so nothing is silently dropped.
+        """
+        if channel.stream is None:
+            raise TypeError(f"channel {channel.name!r} is not backed by a stream")
+        filter_subject = channel.pattern(**tokens)
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            filter_subject=filter_subject,
+            deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
+        )
+        sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
+        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver), name=f"consume:{durable}"))
+
+    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(CONSUME_BATCH, timeout=CONSUME_FETCH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            except Exception as exc:  # reconnecting, server restarting: try again shortly
+                log.warning("fetch on %s failed: %r", channel.name, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._consume_one(channel, handler, msg, max_deliver)
+
+    async def _consume_one(self, channel: Channel, handler: Handler, msg: Msg, max_deliver: int) -> None:
+        headers = msg.headers or {}
+        try:
+            message = await self._accept(channel, msg.data, msg.subject, headers)
+        except PayloadError:
+            await msg.term()
+            return
+        attempt = msg.metadata.num_delivered
+        with incoming_span("process", msg.subject, channel.template, headers):
+            try:
+                await handler(message, Delivery(msg.subject, headers, channel.parse(msg.subject), attempt))
+            except Exception as exc:
+                log.exception("handler for %s failed (attempt %d of %d)", msg.subject, attempt, max_deliver)
+                if attempt >= max_deliver:
+                    await self.dead_letter(msg.subject, "handler", f"gave up after {attempt} attempts: {exc!r}", msg.data, headers)
+                    await msg.term()
+                else:
+                    await msg.nak(delay=min(0.2 * 2**attempt, 10.0))
+                return
+        await msg.ack()
+
+    # ---- dead letters ----------------------------------------------------------------
+
+    async def dead_letter(self, subject: str, kind: str, reason: str, payload: bytes, headers: dict[str, str] | None) -> None:
+        """Keep a refused message with its reason on `rose.dlq.<service>`; never raises."""
+        self.dead_letters += 1
+        if len(payload) > DLQ_PAYLOAD_LIMIT:
+            reason = f"{reason} (payload truncated to the first {DLQ_PAYLOAD_LIMIT} of {len(payload)} bytes)"
+            payload = payload[:DLQ_PAYLOAD_LIMIT]
+        letter = DeadLetter(
+            service=self.service,
+            instance=self.instance,
+            subject=subject,
+            kind=kind,  # type: ignore[arg-type]
+            reason=reason,
+            at=time.time(),
+            payload=payload,
+            headers={k: v for k, v in (headers or {}).items() if not k.lower().startswith("authorization")},
+        )
+        log.warning("dead letter from %s (%s): %s", subject, kind, reason[:300])
+        try:
+            await self.js.publish(DEAD_LETTER.subject(service=self.service), encode(letter))
+        except Exception as exc:
+            log.error("could not store dead letter for %s: %r", subject, exc)
+
+    # ---- key-value -------------------------------------------------------------------
+
+    async def _bucket(self, channel: Channel) -> KeyValue:
+        assert channel.kv is not None, f"channel {channel.name!r} is not a KV channel"
+        kv = self._kv.get(channel.kv.bucket)
+        if kv is None:
+            kv = self._kv[channel.kv.bucket] = await self.js.key_value(channel.kv.bucket)
+        return kv
+
+    async def kv_put(self, channel: Channel, message: Any, **tokens: str) -> int:
+        kv = await self._bucket(channel)
+        return await kv.put(channel.subject(**tokens), encode(message, channel.encoding))
+
+    async def kv_get(self, channel: Channel, **tokens: str) -> Any | None:
+        """The decoded value, or None when the key is absent or deleted."""
+        assert channel.payload is not None
+        kv = await self._bucket(channel)
+        try:
+            entry = await kv.get(channel.subject(**tokens))
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return decode(entry.value, channel.payload, channel.encoding)
+
+    async def kv_delete(self, channel: Channel, **tokens: str) -> None:
+        kv = await self._bucket(channel)
+        try:
+            await kv.delete(channel.subject(**tokens))
+        except KeyNotFoundError:
+            pass
+
+    async def kv_values(self, channel: Channel) -> list[Any]:
+        """Every live value in the channel's bucket; undecodable entries are skipped with a warning."""
+        assert channel.payload is not None
+        kv = await self._bucket(channel)
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            if entry.value:
+                try:
+                    out.append(decode(entry.value, channel.payload, channel.encoding))
+                except PayloadError as exc:
+                    log.warning("skipping KV entry %s: %s", key, exc.reason)
+        return out
+
+    # ---- NATS services API -----------------------------------------------------------
+
+    async def _micro_service(self) -> MicroService:
+        if self._micro is None:
+            self._micro = await add_service(
+                self.nc,
+                MicroConfig(
+                    name=f"rose_{self.service}",
+                    version=__version__,
+                    description=f"ROSE {self.service.replace('_', ' ')}",
+                    metadata={"instance": self.instance},
+                ),
+            )
+        return self._micro
+
+

@@ -1,0 +1,150 @@
+"""The lifecycle every ROSE service shares, as one async context manager.
+
+    async with ServiceRuntime("executor", bus=cfg.bus, runtime=cfg.runtime) as rt:
+        await rt.bus.serve(GENERATE, handle, executor_id=rt.instance)
+        rt.ready(endpoints={"http": url})
+        await rt.wait_for_shutdown()
+
+On entry: logging, tracing, connect (with backoff), provision the registry's storage,
+SIGTERM/SIGINT handlers, a heartbeat task, a "service up" event. On exit: state "draining",
+a "service down" event, the heartbeat key removed, then the bus drained so in-flight
+replies still go out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+from rose import __version__
+from rose.contracts.registry import HEARTBEAT, SERVICE_EVENT, SERVICE_REGISTRY
+from rose.contracts.service import Heartbeat, ServiceEvent
+
+from .bus import Bus
+from .config import BusConfig, RuntimeConfig
+from .provisioning import provision
+from .tracing import setup_tracing
+
+log = logging.getLogger("rose.service")
+
+LoadFn = Callable[[], dict[str, float]]
+
+
+def default_instance(service: str) -> str:
+    """`<service>-<host>-<pid>`, made subject-safe."""
+    raw = f"{service}-{socket.gethostname()}-{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:128]
+
+
+def setup_logging(level: str, service: str, instance: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {service}[{instance}] %(name)s: %(message)s",
+    )
+
+
+class ServiceRuntime:
+    def __init__(self, service: str, *, bus: BusConfig, runtime: RuntimeConfig, load: LoadFn | None = None) -> None:
+        self.service = service
+        self.runtime = runtime
+        self.instance = runtime.instance or default_instance(service)
+        self.bus = Bus(bus, service=service, instance=self.instance)
+        self.endpoints: dict[str, str] = {}
+        self.labels: dict[str, str] = dict(runtime.labels)
+        self.state = "starting"
+        self.started_at = time.time()
+        self._load = load or (lambda: {})
+        self._stop = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> ServiceRuntime:
+        setup_logging(self.runtime.log_level, self.service, self.instance)
+        setup_tracing(self.service, self.instance)
+        await self.bus.connect()
+        await provision(self.bus.js, replicas=self.bus.config.replicas)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown)
+        await self._beat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        log.info("%s %s connected to %s", self.service, self.instance, self.bus.config.url)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.state = "draining"
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        try:
+            await self.bus.publish(
+                SERVICE_EVENT,
+                ServiceEvent(kind="down", service=self.service, instance=self.instance, at=time.time(), reason="shutdown"),
+                kind="down",
+                service=self.service,
+            )
+            await self.bus.kv_delete(SERVICE_REGISTRY, service=self.service, instance=self.instance)
+        except Exception as err:  # the bus may already be gone; the heartbeat key then expires by TTL
+            log.warning("could not announce shutdown: %r", err)
+        await self.bus.close()
+        log.info("%s %s stopped", self.service, self.instance)
+
+    def ready(self, *, endpoints: dict[str, str] | None = None) -> None:
+        """Mark the service ready (and say where it listens); announced with the next heartbeat."""
+        self.endpoints.update(endpoints or {})
+        if self.state != "ready":
+            self.state = "ready"
+            asyncio.get_running_loop().create_task(self._announce_up())
+
+    async def _announce_up(self) -> None:
+        await self._beat()
+        await self.bus.publish(
+            SERVICE_EVENT,
+            ServiceEvent(kind="up", service=self.service, instance=self.instance, at=time.time()),
+            kind="up",
+            service=self.service,
+        )
+
+    def request_shutdown(self) -> None:
+        log.info("shutdown requested")
+        self._stop.set()
+
+    async def wait_for_shutdown(self) -> None:
+        await self._stop.wait()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            service=self.service,
+            instance=self.instance,
+            version=__version__,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            sent_at=time.time(),
+            interval_s=self.runtime.heartbeat_interval_s,
+            state=self.state,  # type: ignore[arg-type]
+            load=self._load(),
+            endpoints=dict(self.endpoints),
+            labels=dict(self.labels),
+        )
+
+    async def _beat(self) -> None:
+        beat = self.heartbeat()
+        await self.bus.publish(HEARTBEAT, beat, service=self.service, instance=self.instance)
+        await self.bus.kv_put(SERVICE_REGISTRY, beat, service=self.service, instance=self.instance)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.runtime.heartbeat_interval_s)
+            try:
+                await self._beat()
+            except Exception as exc:  # reconnecting: the next beat will do
+                log.warning("heartbeat failed: %r", exc)

@@ -1,0 +1,39 @@
+"""Shared fixtures: a real nats-server with JetStream on a random port and a temp store dir."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from rose.shared.bus import Bus
+from rose.shared.config import BusConfig
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
+from rose.shared.tracing import setup_tracing
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spans() -> InMemorySpanExporter:
+    """Spans of this test process, recorded in memory (installed before anything else traces)."""
+    exporter = InMemorySpanExporter()
+    setup_tracing("tests", "tests-1", extra_processors=[SimpleSpanProcessor(exporter)])
+    return exporter
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory):
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def bus_config(nats_server: NatsServer) -> BusConfig:
+    return BusConfig(url=nats_server.url, initial_connect_deadline_s=10.0, request_timeout_s=5.0)
+
+
+@pytest.fixture
+async def bus(bus_config: BusConfig):
+    async with Bus(bus_config, service="tester", instance="tester-1") as b:
+        await provision(b.js)
+        yield b

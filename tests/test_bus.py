@@ -1,0 +1,100 @@
+"""The typed bus helpers against a real nats-server: request/reply, events, JetStream, KV, $SRV."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTask, SloAlert
+from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
+from rose.contracts.lease import Lease
+from rose.shared.bus import Bus, Delivery, RemoteError
+
+
+def _request(i: int = 0) -> GenerateRequest:
+    return GenerateRequest(request_id=f"r{i}", trajectory_id="t1", turn_index=0, prompt_token_ids=[1, 2, 3])
+
+
+async def _echo(msg: GenerateRequest, d: Delivery) -> GenerateReply:
+    return GenerateReply(request_id=msg.request_id, executor_id=d.tokens["executor_id"], status="ok", token_ids=msg.prompt_token_ids)
+
+
+async def test_request_reply_roundtrip(bus_config):
+    async with Bus(bus_config, service="executor", instance="ex-a") as server, Bus(bus_config, service="client", instance="c") as client:
+        await server.serve(GENERATE, _echo, executor_id="ex-a")
+        reply = await client.request(GENERATE, _request(), executor_id="ex-a")
+        assert isinstance(reply, GenerateReply)
+        assert reply.executor_id == "ex-a" and reply.token_ids == [1, 2, 3]
+
+
+async def test_handler_exception_is_a_500_and_a_dead_letter(bus_config, bus):
+    async def broken(msg, d):
+        raise RuntimeError("engine on fire")
+
+    async with Bus(bus_config, service="executor", instance="ex-broken") as server:
+        await server.serve(GENERATE, broken, executor_id="ex-broken")
+        with pytest.raises(RemoteError) as err:
+            await bus.request(GENERATE, _request(), executor_id="ex-broken")
+        assert err.value.code == "500" and "engine on fire" in err.value.description
+        assert server.dead_letters == 1
+
+
+async def test_services_api_ping_info_stats(bus_config, bus):
+    async with Bus(bus_config, service="executor", instance="ex-srv") as server:
+        await server.serve(GENERATE, _echo, executor_id="ex-srv")
+        await bus.request(GENERATE, _request(), executor_id="ex-srv")
+        ping = json.loads((await bus.nc.request("$SRV.PING.rose_executor", b"", timeout=2)).data)
+        assert ping["name"] == "rose_executor" and ping["metadata"]["instance"] == "ex-srv"
+        info = json.loads((await bus.nc.request("$SRV.INFO.rose_executor", b"", timeout=2)).data)
+        assert info["endpoints"][0]["subject"] == GENERATE.subject(executor_id="ex-srv")
+        stats = json.loads((await bus.nc.request("$SRV.STATS.rose_executor", b"", timeout=2)).data)
+        assert stats["endpoints"][0]["num_requests"] >= 1
+
+
+async def test_event_subscribe_with_wildcard_tokens(bus):
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_beat(msg: Heartbeat, d: Delivery) -> None:
+        await got.put((msg, d.tokens))
+
+    await bus.subscribe(HEARTBEAT, on_beat, service="executor")
+    beat = Heartbeat(service="executor", instance="ex-9", version="0", host="h", pid=1, started_at=1.0, sent_at=2.0, interval_s=1.0)
+    await bus.publish(HEARTBEAT, beat, service="executor", instance="ex-9")
+    msg, tokens = await asyncio.wait_for(got.get(), 5)
+    assert msg == beat and tokens == {"service": "executor", "instance": "ex-9"}
+
+
+async def test_jetstream_consume_acks_and_retries(bus_config, bus):
+    attempts: dict[str, int] = {}
+    done = asyncio.Event()
+
+    async def flaky(task: RolloutTask, d: Delivery) -> None:
+        attempts[task.task_id] = d.attempt
+        if d.attempt < 2:
+            raise RuntimeError("transient")
+        done.set()
+
+    async with Bus(bus_config, service="rollout_worker", instance="w1") as worker:
+        await worker.consume(ROLLOUT_TASK, flaky, durable="test_flaky", ack_wait_s=5)
+        await bus.publish(ROLLOUT_TASK, RolloutTask(task_id="task-1", env="arith", prompt="2+2"))
+        await asyncio.wait_for(done.wait(), 15)
+    await bus.js.delete_consumer("ROSE_TASKS", "test_flaky")  # a work queue allows one consumer per subject
+    assert attempts["task-1"] == 2
+
+
+async def test_stream_event_is_persisted(bus):
+    alert = SloAlert(executor_id="ex-1", at=1.0, severity="burst", reason="arrivals x3")
+    await bus.publish(SLO_ALERT, alert, executor_id="ex-1")
+    msg = await bus.js.get_last_msg("ROSE_EVENTS", SLO_ALERT.subject(executor_id="ex-1"))
+    assert msg.data and b'"burst"' in msg.data
+
+
+async def test_kv_put_get_delete(bus):
+    lease = Lease(lease_id="l1", executor_id="ex-1", epoch=3, state="active", granted_at=1.0, expires_at=2.0, kv_bytes=10, compute_share=0.5, max_rollout_batch=4)
+    await bus.kv_put(LEASE, lease, executor_id="ex-1")
+    assert await bus.kv_get(LEASE, executor_id="ex-1") == lease
+    await bus.kv_delete(LEASE, executor_id="ex-1")
+    assert await bus.kv_get(LEASE, executor_id="ex-1") is None
+    assert SERVICE_REGISTRY.kv is not None

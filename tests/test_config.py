@@ -1,0 +1,51 @@
+"""Configuration from TOML and ROSE_* variables; bad values name the field, the source and what is allowed."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rose.shared.config import BusConfig, ConfigError, RuntimeConfig, load_config
+
+
+class DemoConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    quantum_ms: float = 10.0
+
+
+def test_defaults_toml_and_env_precedence(tmp_path):
+    path = tmp_path / "rose.toml"
+    path.write_text('quantum_ms = 20.0\n[bus]\nurl = "nats://a:1"\nreplicas = 3\n')
+    cfg = load_config(DemoConfig, path=path, env={"ROSE_BUS__URL": "nats://b:2", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"})
+    assert cfg.quantum_ms == 20.0 and cfg.bus.replicas == 3
+    assert cfg.bus.url == "nats://b:2"
+    assert cfg.runtime.heartbeat_interval_s == 0.5
+
+
+def test_nats_url_is_honoured_unless_rose_bus_url_is_set():
+    assert load_config(DemoConfig, env={"NATS_URL": "nats://n:4"}).bus.url == "nats://n:4"
+    cfg = load_config(DemoConfig, env={"NATS_URL": "nats://n:4", "ROSE_BUS__URL": "nats://r:5"})
+    assert cfg.bus.url == "nats://r:5"
+    assert load_config(DemoConfig, env={"NATS_URL": "nats://a:1,nats://b:2"}).bus.servers() == ["nats://a:1", "nats://b:2"]
+
+
+def test_bad_env_value_names_field_source_and_rule():
+    with pytest.raises(ConfigError) as err:
+        load_config(DemoConfig, env={"ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "-1"})
+    text = str(err.value)
+    assert "runtime.heartbeat_interval_s" in text and "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S" in text and "> 0" in text
+
+
+def test_bad_type_and_unknown_toml_field(tmp_path):
+    with pytest.raises(ConfigError, match="quantum_ms.*Expected `float`"):
+        load_config(DemoConfig, env={"ROSE_QUANTUM_MS": "fast"})
+    path = tmp_path / "bad.toml"
+    path.write_text("[bus]\nulr = 'typo'\n")
+    with pytest.raises(ConfigError, match="unknown field `ulr`"):
+        load_config(DemoConfig, path=path, env={})
+
+
+def test_missing_or_broken_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(DemoConfig, path="/nonexistent/rose.toml", env={})
