@@ -12,7 +12,9 @@ from rose import __version__
 
 # Services that exist; `rose up` starts these and `rose run NAME` runs one in the foreground.
 # Each module has `main(argv) -> int`.
-SERVICE_MODULES: dict[str, str] = {}
+SERVICE_MODULES: dict[str, str] = {
+    "executor": "rose.services.executor.main",
+}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -40,11 +42,30 @@ def _cmd_contracts_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_init(args: argparse.Namespace) -> int:
+    from rose.shared.models import init_models
+
+    paths = init_models(args.dir, seed=args.seed)
+    print(f"serving model: {paths.serving}\npolicy model:  {paths.policy}")
+    return 0
+
+
 def _cmd_bench_bus(args: argparse.Namespace) -> int:
     from .bench_bus import run_bus_bench
 
     result = asyncio.run(run_bus_bench(out_json=args.json, requests=args.requests, rounds=args.rounds))
     return 0 if result["meets_target"] else 1
+
+
+def _cmd_bench_coserve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench_coserve import run_coserve_bench
+
+    run_coserve_bench(
+        out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console()
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dir", help="output directory")
     e.set_defaults(func=_cmd_contracts_export)
 
+    p = sub.add_parser("models", help="local models in Hugging Face format")
+    msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    m = msub.add_parser("init", help="build a tiny serving model and a tiny policy model (Qwen2, real tokenizer) in DIR")
+    m.add_argument("dir", help="output directory (gets serving/ and policy/)")
+    m.add_argument("--seed", type=int, default=0, help="random seed of weights and tokenizer corpus")
+    m.set_defaults(func=_cmd_models_init)
+
     p = sub.add_parser("bench", help="benchmarks: each compares against a baseline in the same run and writes JSON")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     b = bsub.add_parser("bus", help="request/reply latency and publish throughput: our helpers vs raw nats-py (and FastStream)")
@@ -85,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=2000, help="requests per measured round")
     b.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender (median is reported)")
     b.set_defaults(func=_cmd_bench_bus)
+    b = bsub.add_parser(
+        "coserve",
+        help="one executor, a replayed serving trace plus a rollout backlog, under serving_only / naive_share / static_partition / rose",
+    )
+    b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
+    b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
+    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_cmd_bench_coserve)
     return parser
 
 

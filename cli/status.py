@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.js.errors import BucketNotFoundError
 from rich.console import Console
 from rich.table import Table
 
@@ -37,7 +38,10 @@ def resolve_nats_url(explicit: str | None, state: str | None) -> str:
 
 async def live_services(url: str) -> list[Heartbeat]:
     async with Bus(BusConfig(url=url, initial_connect_deadline_s=3.0), service="cli", instance=f"cli-{os.getpid()}") as bus:
-        beats: list[Heartbeat] = await bus.kv_values(SERVICE_REGISTRY)
+        try:
+            beats: list[Heartbeat] = await bus.kv_values(SERVICE_REGISTRY)
+        except BucketNotFoundError:  # nothing has started on this server yet
+            return []
     now = time.time()
     fresh = [b for b in beats if now - b.sent_at <= STALE_AFTER_BEATS * max(b.interval_s, 0.5)]
     return sorted(fresh, key=lambda b: (b.service, b.instance))

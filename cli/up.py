@@ -21,7 +21,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rose.shared.bus import Bus
+from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer, state_dir
+from rose.shared.provisioning import provision
 
 from .main import SERVICE_MODULES
 from .status import UP_FILE, live_services
@@ -80,6 +83,7 @@ def up(args: argparse.Namespace) -> int:
     if not nats_url:
         server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log").start()
         nats_url = server.url
+    asyncio.run(_provision(nats_url))
     env = {**os.environ, "NATS_URL": nats_url, "ROSE_STATE_DIR": str(root)}
     children = [
         Supervised(name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", env) for name in names
@@ -115,6 +119,12 @@ def up(args: argparse.Namespace) -> int:
         (root / UP_FILE).unlink(missing_ok=True)
         console.print("stopped.")
     return 0
+
+
+async def _provision(url: str) -> None:
+    """Create every stream, bucket and store before the services start (they check again)."""
+    async with Bus(BusConfig(url=url), service="cli", instance=f"up-{os.getpid()}") as bus:
+        await provision(bus.js, replicas=bus.config.replicas)
 
 
 def _wait_ready(console: Console, url: str, names: list[str], timeout: float, stop: dict[str, bool]) -> None:

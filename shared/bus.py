@@ -50,6 +50,7 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 DLQ_PAYLOAD_LIMIT = 1 << 20
 CONSUME_BATCH = 16
 CONSUME_FETCH_TIMEOUT_S = 1.0
+NO_RESPONDERS_FIRST_RETRY_S = 0.02
 
 
 class RemoteError(Exception):
@@ -198,13 +199,19 @@ class Bus:
 
     # ---- sending ---------------------------------------------------------------------
 
-    async def publish(self, channel: Channel, message: Any, **tokens: str) -> None:
-        """Publish an event; channels backed by a stream are published with a JetStream ack."""
+    async def publish(self, channel: Channel, message: Any, *, msg_id: str | None = None, **tokens: str) -> None:
+        """Publish an event; channels backed by a stream are published with a JetStream ack.
+
+        `msg_id` (streams only) sets `Nats-Msg-Id`: the stream drops a second publish with the
+        same id inside its duplicate window, which makes at-least-once publishers idempotent.
+        """
         subject = channel.subject(**tokens)
         headers: dict[str, str] = {}
         with outgoing_span("send", subject, channel.template, headers):
             data = encode(message, channel.encoding)
             if channel.kind is Kind.STREAM:
+                if msg_id:
+                    headers["Nats-Msg-Id"] = msg_id
                 await self.js.publish(subject, data, headers=headers)
             else:
                 await self.nc.publish(subject, data, headers=headers)
@@ -215,10 +222,20 @@ class Bus:
             raise TypeError(f"channel {channel.name!r} is not a request channel")
         subject = channel.subject(**tokens)
         headers: dict[str, str] = {}
+        timeout = timeout or self.config.request_timeout_s
+        deadline = time.monotonic() + timeout
+        delay = NO_RESPONDERS_FIRST_RETRY_S
         with outgoing_span("request", subject, channel.template, headers):
-            reply = await self.nc.request(
-                subject, encode(message, channel.encoding), timeout=timeout or self.config.request_timeout_s, headers=headers
-            )
+            data = encode(message, channel.encoding)
+            while True:  # nobody listening yet (a service still starting): retry until the deadline
+                try:
+                    reply = await self.nc.request(subject, data, timeout=max(0.001, deadline - time.monotonic()), headers=headers)
+                    break
+                except nats.errors.NoRespondersError:
+                    if time.monotonic() + delay >= deadline:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
         if reply.headers and ERROR_HEADER in reply.headers:
             raise RemoteError(reply.headers.get(ERROR_CODE_HEADER, "500"), reply.headers[ERROR_HEADER])
         return decode(reply.data, channel.reply, channel.encoding)
@@ -300,12 +317,15 @@ class Bus:
         max_deliver: int = 5,
         ack_wait_s: float = 30.0,
         deliver_new: bool = False,
+        batch: int = CONSUME_BATCH,
         **tokens: str,
     ) -> None:
         """Consume a JetStream channel with a durable pull consumer and explicit acks.
 
         Success acks; a handler exception naks with a growing delay, and the last allowed
-        delivery is dead-lettered and terminated, so nothing is silently dropped.
+        delivery is dead-lettered and terminated, so nothing is silently dropped. Messages of
+        one fetch are handled in order; for N concurrent long handlers (rollout episodes) call
+        this N times with `batch=1`, so no fetched message waits out its ack deadline.
         """
         if channel.stream is None:
             raise TypeError(f"channel {channel.name!r} is not backed by a stream")
@@ -319,12 +339,12 @@ class Bus:
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
         )
         sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
-        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver), name=f"consume:{durable}"))
+        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch), name=f"consume:{durable}"))
 
-    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int) -> None:
+    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH) -> None:
         while True:
             try:
-                msgs = await sub.fetch(CONSUME_BATCH, timeout=CONSUME_FETCH_TIMEOUT_S)
+                msgs = await sub.fetch(batch, timeout=CONSUME_FETCH_TIMEOUT_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except nats.errors.ConnectionClosedError:
@@ -433,6 +453,38 @@ class Bus:
                 except PayloadError as exc:
                     log.warning("skipping KV entry %s: %s", key, exc.reason)
         return out
+
+    async def kv_watch(self, channel: Channel, handler: Callable[[str, Any | None], Awaitable[None]], **tokens: str) -> None:
+        """Call `handler(key, value)` for the current value and every change; value None means deleted.
+
+        Tokens not given match any key. An undecodable value is dead-lettered and skipped.
+        """
+        kv = await self._bucket(channel)
+        watcher = await kv.watch(channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens))
+
+        async def loop() -> None:
+            try:
+                async for entry in watcher:
+                    if entry is None:  # end of the initial values
+                        continue
+                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                        await handler(entry.key, None)
+                        continue
+                    try:
+                        value = await self._accept(channel, entry.value, f"$KV.{channel.kv.bucket}.{entry.key}", None)  # type: ignore[union-attr]
+                    except PayloadError:
+                        continue
+                    try:
+                        await handler(entry.key, value)
+                    except Exception:
+                        log.exception("KV watch handler for %s failed", entry.key)
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
+
+        self._tasks.append(asyncio.create_task(loop(), name=f"kv-watch:{channel.name}"))
 
     # ---- NATS services API -----------------------------------------------------------
 

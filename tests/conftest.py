@@ -28,6 +28,16 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Tiny real models (serving + policy, Qwen2, real tokenizer) built once per test run."""
+    from rose.shared.models import init_models
+
+    root = tmp_path_factory.mktemp("models")
+    init_models(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
 def bus_config(nats_server: NatsServer) -> BusConfig:
     return BusConfig(url=nats_server.url, initial_connect_deadline_s=10.0, request_timeout_s=5.0)
 

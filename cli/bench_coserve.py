@@ -1,0 +1,302 @@
+"""``rose bench coserve``: serving SLO vs harvested rollout throughput under four policies.
+
+One engine configuration; a replayed serving trace (Poisson arrivals at ``serving_load``
+x the serving model's measured capacity, plus short bursts at BURST_FACTOR x the rate,
+seeded) and a saturating rollout backlog, run under serving_only, naive_share,
+static_partition and rose. The SLO is set from serving_only's own measured latency:
+``SLO_MULTIPLIER`` x its p99 TTFT and p99 TPOT (printed and stored in the JSON).
+``dedicated_rollout_tokens_per_s`` is the policy model alone on the device (best of one
+and all CPU threads for its lane); ``harvest_ratio`` = rose rollout tokens/s / dedicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+
+MIB = 1 << 20
+SLO_MULTIPLIER = 2.0  # SLO = 2 x serving_only's p99 TTFT / TPOT
+SERVING_PROMPT_TOKENS = 48
+SERVING_MAX_TOKENS = 32
+ROLLOUT_PROMPT_TOKENS = 32
+ROLLOUT_MAX_TOKENS = 128
+CAPACITY_REQUESTS = 96
+BURST_EVERY_S = 5.0
+BURST_LEN_S = 0.5
+BURST_FACTOR = 3.0
+WARMUP_REQUESTS = 8
+GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
+ABORTED_MS = float("inf")  # an aborted serving request misses every SLO
+DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
+POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
+BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0)
+
+
+def _models(model_dir: str | None, seed: int):
+    from rose.shared.models import init_models, load_model, load_tokenizer
+
+    root = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="rose-bench-models-"))
+    if not (root / "serving" / "config.json").exists():
+        init_models(root, seed)
+    return [(load_model(root / name), load_tokenizer(root / name)) for name in ("serving", "policy")]
+
+
+def _trace(rate: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times: Poisson at ``rate``, at BURST_FACTOR x rate during periodic bursts."""
+    rng = np.random.default_rng(seed)
+    t, out = 0.0, []
+    while True:
+        in_burst = (t % BURST_EVERY_S) > BURST_EVERY_S - BURST_LEN_S
+        t += rng.exponential(1.0 / (rate * (BURST_FACTOR if in_burst else 1.0)))
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+def _prompt(rng: np.random.Generator, vocab: int, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in rng.integers(10, vocab, n))
+
+
+def _serving_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
+    return GenerationRequest(f"{tag}-s{i}", WorkClass.SERVING, _prompt(rng, vocab, SERVING_PROMPT_TOKENS), SamplingParams(temperature=0, max_tokens=SERVING_MAX_TOKENS, ignore_eos=True))
+
+
+def _rollout_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
+    return GenerationRequest(
+        f"{tag}-r{i}", WorkClass.ROLLOUT, _prompt(rng, vocab, ROLLOUT_PROMPT_TOKENS),
+        SamplingParams(temperature=1.0, max_tokens=ROLLOUT_MAX_TOKENS, seed=i, ignore_eos=True), stream=False,
+    )
+
+
+async def _consume(handle) -> object:
+    async for _ in handle:  # stream like an SSE client would
+        pass
+    return await handle.result()
+
+
+class _Backlog:
+    """Keeps the rollout queue saturated: 2 x max batch requests outstanding."""
+
+    def __init__(self, engine: Engine, vocab: int, seed: int, tag: str) -> None:
+        self.engine, self.vocab, self.tag = engine, vocab, tag
+        self.rng = np.random.default_rng(seed + 1)
+        self.outstanding = 2 * engine.config.rollout_max_batch
+        self.count = 0
+        self.tasks: set[asyncio.Task] = set()
+
+    def fill(self) -> None:
+        while len(self.tasks) < self.outstanding:
+            handle = self.engine.submit(_rollout_request(self.count, self.rng, self.vocab, self.tag))
+            self.count += 1
+            task = asyncio.ensure_future(handle.result())
+            self.tasks.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task) -> None:
+        self.tasks.discard(task)
+        if not self.engine._stopping:
+            self.fill()
+
+
+async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[float], seed: int, slo, with_rollout: bool = True, progress=None) -> dict:
+    (s_model, s_tok), (p_model, p_tok) = models
+    engine = Engine(s_model, s_tok, p_model, p_tok, config, policy)
+    if slo:
+        engine.set_slo(*slo)
+    engine.start()
+    vocab = min(s_model.config.vocab_size, p_model.config.vocab_size)
+    rng = np.random.default_rng(seed)
+    await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, f"warm-{policy}"))) for i in range(WARMUP_REQUESTS)])
+    backlog = None
+    if with_rollout and engine.policy.admits_rollout:
+        engine.set_rollout_lease(config.rollout_kv_bytes, time.monotonic() + 3600)
+        backlog = _Backlog(engine, vocab, seed, policy)
+        backlog.fill()
+        await asyncio.sleep(0.5)  # let the rollout batch fill up
+    engine.stats()  # start a fresh interval
+    start = time.monotonic()
+    tasks, handles = [], []
+    for i, at in enumerate(arrivals):
+        delay = start + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        handles.append(engine.submit(_serving_request(i, rng, vocab, policy)))
+        tasks.append(asyncio.ensure_future(_consume(handles[-1])))
+        if progress:
+            progress(at)
+    duration = arrivals[-1] if arrivals else 0.0
+    while time.monotonic() - start < duration:
+        await asyncio.sleep(0.05)
+    window = engine.stats()  # rollout/serving tokens over the trace window
+    await asyncio.wait(tasks, timeout=GRACE_S)
+    for handle in handles:  # still unanswered after the grace period: aborted, an SLO miss
+        handle.cancel()
+    results = await asyncio.gather(*tasks)
+    engine._stopping = True  # stop the backlog refilling before stop()
+    await engine.stop()
+    if backlog:
+        await asyncio.gather(*backlog.tasks, return_exceptions=True)
+    return {
+        "ttft_ms": [r.timings.ttft_ms if r.finish_reason != "abort" else ABORTED_MS for r in results],
+        "tpot_ms": [r.timings.tpot_ms if r.finish_reason != "abort" else ABORTED_MS for r in results],
+        "serving_tokens_per_s": sum(len(r.token_ids) for r in results) / max(1e-9, window.interval_s),
+        "rollout_tokens_per_s": window.rollout_tokens_per_s,
+        "reclaim_ms": list(engine.metrics.reclaim_ms),
+        "rss_bytes": window.device.get("process_rss_bytes", 0),
+    }
+
+
+async def _capacity(models, config: EngineConfig, seed: int) -> float:
+    """Serving requests/s the serving model sustains when saturated (serving only)."""
+    (s_model, s_tok), (p_model, p_tok) = models
+    engine = Engine(s_model, s_tok, p_model, p_tok, config, "serving_only")
+    engine.start()
+    rng = np.random.default_rng(seed)
+    vocab = s_model.config.vocab_size
+    await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, "cap-warm"))) for i in range(WARMUP_REQUESTS)])
+    start = time.monotonic()
+    await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, "cap"))) for i in range(CAPACITY_REQUESTS)])
+    elapsed = time.monotonic() - start
+    await engine.stop()
+    return CAPACITY_REQUESTS / elapsed
+
+
+async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) -> float:
+    """Rollout tokens/s of the policy model alone; best of one thread and all cores."""
+    best = 0.0
+    threads = [1] if config.device.startswith("cuda") else sorted({1, os.cpu_count() or 1})
+    for n in threads:
+        cfg = EngineConfig(**{**vars(config), "rollout_threads": n})
+        (s_model, s_tok), (p_model, p_tok) = models
+        engine = Engine(s_model, s_tok, p_model, p_tok, cfg, "rose")
+        engine.start()
+        engine.set_rollout_lease(cfg.rollout_kv_bytes, time.monotonic() + 3600)
+        backlog = _Backlog(engine, p_model.config.vocab_size, seed, f"ded{n}")
+        backlog.fill()
+        await asyncio.sleep(0.5)
+        engine.stats()
+        await asyncio.sleep(seconds)
+        best = max(best, engine.stats().rollout_tokens_per_s)
+        engine._stopping = True
+        await engine.stop()
+        await asyncio.gather(*backlog.tasks, return_exceptions=True)
+    return best
+
+
+def _p(values, q) -> float:
+    """Percentile; aborted requests (inf) are reported as the largest finite value seen x 10."""
+    finite = [v for v in values if v != ABORTED_MS]
+    if not values:
+        return 0.0
+    cap = 10 * max(finite) if finite else 1e9
+    return float(np.percentile([v if v != ABORTED_MS else cap for v in values], q))
+
+
+def _plot(path: Path, runs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    qs = [50, 90, 95, 99]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms)")):
+        width = 0.2
+        for i, (name, run) in enumerate(runs.items()):
+            ax.bar([x + i * width for x in range(len(qs))], [_p(run[key], q) for q in qs], width, label=name)
+        ax.set_xticks([x + 1.5 * width for x in range(len(qs))], [f"p{q}" for q in qs])
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration_s: float, model_dir: str | None, console) -> dict:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    import torch
+
+    torch.set_num_threads(1)
+    config = BENCH_CONFIG
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("loading models", total=len(POLICIES) + 2)
+        models = _models(model_dir, seed)
+        progress.update(task, description="measuring serving capacity")
+        capacity = asyncio.run(_capacity(models, config, seed))
+        rate = serving_load * capacity
+        arrivals = _trace(rate, duration_s, seed)
+        progress.advance(task)
+        runs: dict[str, dict] = {}
+        slo = None
+        for name in POLICIES:
+            progress.update(task, description=f"policy {name} ({len(arrivals)} serving requests)")
+            runs[name] = asyncio.run(_run_policy(name, models, config, arrivals, seed, slo))
+            if name == "serving_only":
+                base = runs[name]
+                slo = (SLO_MULTIPLIER * _p(base["ttft_ms"], 99), SLO_MULTIPLIER * _p(base["tpot_ms"], 99))
+            progress.advance(task)
+        progress.update(task, description="dedicated rollout")
+        dedicated = asyncio.run(_dedicated(models, config, max(5.0, duration_s * DEDICATED_FRACTION), seed))
+        progress.advance(task)
+
+    slo_ttft, slo_tpot = slo
+    policies = {}
+    for name, run in runs.items():
+        ok = sum(1 for a, b in zip(run["ttft_ms"], run["tpot_ms"]) if a <= slo_ttft and b <= slo_tpot)
+        policies[name] = {
+            "slo_attainment": ok / max(1, len(run["ttft_ms"])),
+            "ttft_p99_ms": _p(run["ttft_ms"], 99),
+            "tpot_p99_ms": _p(run["tpot_ms"], 99),
+            "serving_tokens_per_s": run["serving_tokens_per_s"],
+            "rollout_tokens_per_s": run["rollout_tokens_per_s"],
+        }
+    rose_reclaim = runs["rose"]["reclaim_ms"]
+    report = {
+        "policies": policies,
+        "dedicated_rollout_tokens_per_s": dedicated,
+        "harvest_ratio": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated),
+        "reclaim_latency_ms_p99": _p(rose_reclaim, 99),
+        "executor_rss_mb": max(r["rss_bytes"] for r in runs.values()) / MIB,
+        "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot, "multiplier": SLO_MULTIPLIER, "basis": "serving_only p99"},
+        "serving_load": serving_load,
+        "serving_capacity_rps": capacity,
+        "serving_requests": len(arrivals),
+        "duration_s": duration_s,
+        "seed": seed,
+        "quantum_ms": config.quantum_ms,
+        "reclaim_samples": len(rose_reclaim),
+    }
+    out = Path(out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    _plot(out.with_suffix(".png"), runs)
+
+    console.print(
+        f"SLO = {SLO_MULTIPLIER:g} x serving_only p99: TTFT {slo_ttft:.1f} ms, TPOT {slo_tpot:.2f} ms  "
+        f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {len(arrivals)} requests)"
+    )
+    table = Table(title="rose bench coserve")
+    for col in ("policy", "SLO attain", "TTFT p99 ms", "TPOT p99 ms", "serving tok/s", "rollout tok/s", "vs dedicated"):
+        table.add_column(col, justify="right")
+    for name, p in policies.items():
+        table.add_row(name, f"{p['slo_attainment']:.4f}", f"{p['ttft_p99_ms']:.1f}", f"{p['tpot_p99_ms']:.2f}",
+                      f"{p['serving_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s'] / max(1e-9, dedicated):.2f}")
+    console.print(table)
+    console.print(
+        f"dedicated rollout {dedicated:.0f} tok/s, harvest ratio {report['harvest_ratio']:.2f}, "
+        f"reclaim p99 {report['reclaim_latency_ms_p99']:.1f} ms, RSS {report['executor_rss_mb']:.0f} MiB; "
+        f"wrote {out} and {out.with_suffix('.png')}"
+    )
+    return report

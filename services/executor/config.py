@@ -1,0 +1,57 @@
+"""The executor's configuration: models, engine, HTTP, metrics, role. TOML + ROSE_* (see shared/config.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+
+MIB = 1 << 20
+Positive = Annotated[float, msgspec.Meta(gt=0.0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ModelsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where the two models live. Empty: `<state dir>/models`, built on the spot if missing."""
+
+    dir: str = ""
+    serving_dir: str = ""  # default <dir>/serving; any local HF Qwen2/Llama directory works
+    policy_dir: str = ""  # default <dir>/policy
+    serving_name: str = "rose-serving"  # the `model` name of the OpenAI API
+    init_if_missing: bool = True
+    seed: int = 0
+
+
+class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
+    serving_kv_mib: Positive = 64.0
+    rollout_kv_mib: Positive = 128.0
+    serving_max_batch: PositiveInt = 32
+    rollout_max_batch: PositiveInt = 32
+    quantum_ms: Positive = 10.0
+    slo_ttft_ms: Positive = 500.0
+    slo_tpot_ms: Positive = 100.0
+    seed: int = 0
+
+
+class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: a free port, announced in heartbeats
+    max_body_bytes: PositiveInt = 4 * MIB
+    public_host: str = ""  # how others reach it, if not `host`
+
+
+class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    # serving: takes production traffic, rollout only under a scheduler's lease.
+    # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
+    role: Literal["serving", "dedicated"] = "serving"
+    metrics_interval_s: PositiveSeconds = 1.0
+    max_lease_skew_s: PositiveSeconds = 2.0  # clock skew tolerated when turning lease expiry into local time

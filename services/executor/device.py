@@ -1,0 +1,162 @@
+"""Where the engine computes: CUDA with prioritised streams, or CPU with two threads.
+
+Chosen once at start. On CUDA, serving work runs on a high-priority stream and rollout on
+a low-priority one (``torch.cuda.Stream(priority=...)``; lower number = higher priority).
+A priority is only a hint to the block scheduler — it never preempts a running kernel —
+which is why the engine also bounds each rollout quantum. On CPU the analogue is two
+threads, one per lane, each with ``torch.set_num_threads(1)``: torch releases the GIL
+inside ops, so the two lanes run in parallel on two cores as two streams share SMs.
+
+A *lane* is one of these execution contexts plus a FIFO lock. Policies that share one
+lane between serving and rollout (``naive_share``) get strict alternation in arrival
+order; separate lanes never contend on the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+SERVING_PRIORITY = -1  # CUDA: higher priority (more negative)
+ROLLOUT_PRIORITY = 0
+CPU_THREADS_PER_LANE = 1
+
+
+class FifoLock:
+    """A ticket lock: waiters acquire in arrival order (threading.Lock is not fair)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+        self._serving = 0
+
+    def __enter__(self) -> "FifoLock":
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cv.wait()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+
+class Lane:
+    """An execution context (a CUDA stream, or the calling CPU thread) guarded by a FIFO lock."""
+
+    def __init__(self, name: str, stream: "torch.cuda.Stream | None" = None) -> None:
+        self.name = name
+        self.stream = stream
+        self._lock = FifoLock()
+
+    @contextlib.contextmanager
+    def run(self):
+        with self._lock:
+            if self.stream is None:
+                yield
+            else:
+                with torch.cuda.stream(self.stream):
+                    yield
+                self.stream.synchronize()
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Same fields as contracts.executor.DeviceTelemetry."""
+
+    kind: str
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization: float
+    process_rss_bytes: int
+
+
+def process_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class CpuDevice:
+    kind = "cpu"
+
+    def __init__(self, threads_per_lane: int = CPU_THREADS_PER_LANE) -> None:
+        self.torch_device = torch.device("cpu")
+        self.threads_per_lane = threads_per_lane
+        self._last_cpu = (time.monotonic(), time.process_time())
+
+    def lane(self, name: str, priority: int) -> Lane:
+        return Lane(name)
+
+    def init_thread(self, threads: int | None = None) -> None:
+        torch.set_num_threads(threads or self.threads_per_lane)
+
+    def telemetry(self) -> Telemetry:
+        now, cpu = time.monotonic(), time.process_time()
+        last_now, last_cpu = self._last_cpu
+        self._last_cpu = (now, cpu)
+        cores = os.cpu_count() or 1
+        util = min(1.0, (cpu - last_cpu) / max(1e-9, (now - last_now) * cores))
+        total = used = 0
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            total, used = info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
+        except (OSError, KeyError):
+            pass
+        return Telemetry("cpu", f"cpu x{cores}", total, used, util, process_rss_bytes())
+
+
+class CudaDevice:
+    """Untested here (no GPU on the development machine); exercised on GPU nodes."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        self.torch_device = torch.device("cuda", index)
+        self.index = index
+        self._nvml = None
+
+    def lane(self, name: str, priority: int) -> Lane:
+        return Lane(name, torch.cuda.Stream(device=self.torch_device, priority=priority))
+
+    def init_thread(self, threads: int | None = None) -> None:
+        torch.cuda.set_device(self.torch_device)
+
+    def telemetry(self) -> Telemetry:
+        if self._nvml is None:
+            import pynvml  # nvidia-ml-py, imported only on GPU nodes
+
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(self.index))
+        pynvml, handle = self._nvml
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        return Telemetry("cuda", name, int(mem.total), int(mem.used), util, process_rss_bytes())
+
+
+def select_device(name: str = "auto") -> CpuDevice | CudaDevice:
+    """``auto`` picks CUDA when available; ``cpu`` / ``cuda`` / ``cuda:N`` force one."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return CpuDevice()
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        return CudaDevice(int(name.split(":")[1]) if ":" in name else 0)
+    raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")

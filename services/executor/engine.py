@@ -1,0 +1,673 @@
+"""The co-serving engine: a serving model and an RL policy model on one device.
+
+Two lanes, one thread each (see ``device.py``): the serving lane runs serving iterations
+back to back; the rollout lane runs rollout work in bounded *quanta* between which it
+does its housekeeping (weight swap, lease expiry, pool shrink) and asks the policy
+whether it may continue. Each iteration is the same four steps for both classes:
+receive (take submitted requests) -> plan (``scheduling.plan_iteration``, pure) -> run
+(paged forward of the prefill chunks, then of the decodes) -> process (sample, stop,
+stream out, free). Callers use it from asyncio: ``submit`` returns a handle that is an
+async iterator of ``StreamDelta`` and whose ``result()`` is the ``GenerationResult``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from rose.shared.sketch import sketch_to_dict
+
+from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
+from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolUsage
+from .metrics import EngineMetrics
+from .model_runner import ForwardItem, PagedModelRunner, kv_shape_of
+from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_QUANTUM_MS, DEFAULT_STATIC_SHARE, Signals, make_policy
+from .prefix_cache import PrefixCache
+from .protocol import (
+    SERVING_MODEL_VERSION,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequest,
+    RolloutRejected,
+    StreamDelta,
+    Timings,
+    WorkClass,
+)
+from .sampling import SamplerState, find_stop, sample_batch
+from .scheduling import Limits, plan_iteration, plan_shrink
+from .sequence import Sequence
+from .weights import StagedWeights, stage
+
+MIB = 1 << 20
+IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
+PAUSE_POLL_S = 0.0005  # how often a paused rollout lane re-asks the policy
+EMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    serving_kv_bytes: int = 64 * MIB
+    rollout_kv_bytes: int = 128 * MIB  # the most a lease can grant; the lease bounds actual use
+    block_size: int = DEFAULT_BLOCK_SIZE
+    serving_max_batch: int = 32
+    rollout_max_batch: int = 32
+    serving_prefill_tokens: int = 512  # prefill-chunk budget per serving iteration
+    rollout_prefill_tokens: int = 64  # per rollout iteration: keeps a quantum short
+    quantum_ms: float = DEFAULT_QUANTUM_MS
+    guard_fraction: float = DEFAULT_GUARD_FRACTION
+    static_share: float = DEFAULT_STATIC_SHARE
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
+    seed: int = 0
+    device: str = "auto"
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Lease:
+    budget_bytes: int
+    expires_at: float  # monotonic seconds
+    lease_id: str = ""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot; latency sketches and rates cover the interval since the previous call."""
+
+    interval_s: float
+    ttft_ms: dict  # contracts.executor.LatencySketch fields
+    tpot_ms: dict
+    serving_arrivals: int
+    serving_completed: int
+    serving_queue: int
+    serving_running: int
+    rollout_queue: int
+    rollout_running: int
+    serving_tokens_per_s: float
+    rollout_tokens_per_s: float
+    serving_pool: PoolUsage
+    rollout_pool: PoolUsage
+    prefix_hits: int
+    prefix_misses: int
+    preemptions: int
+    compute_yields: int
+    reclaim_latency_ms: list[float]  # samples of this interval
+    max_swap_pause_ms: float
+    policy_version: int
+    lease_id: str
+    lease_budget_bytes: int
+    device: dict = field(default_factory=dict)
+
+
+class RequestHandle:
+    """Async iterator of ``StreamDelta``; ``await result()`` gives the ``GenerationResult``."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._deltas: asyncio.Queue = asyncio.Queue()
+        self._result: asyncio.Future = loop.create_future()
+        self._cancel = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        item = await self._deltas.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> GenerationResult:
+        return await asyncio.shield(self._result)
+
+    def cancel(self) -> None:
+        """Abort the generation; it finishes with finish_reason "abort"."""
+        if self._cancel:
+            self._cancel(self.request_id)
+
+    # called on the loop thread
+    def _deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
+        if delta is not None:
+            self._deltas.put_nowait(delta)
+        if result is not None and not self._result.done():
+            self._result.set_result(result)
+            self._deltas.put_nowait(None)
+
+
+class _ClassRuntime:
+    """Everything one work class owns: its model, pool, queues, lane."""
+
+    def __init__(self, work_class: WorkClass, model, tokenizer, pool: KVPool, limits: Limits, lane) -> None:
+        self.work_class = work_class
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.runner = PagedModelRunner(model, pool)
+        self.limits = limits
+        self.lane = lane
+        self.inbox: deque[Sequence] = deque()
+        self.aborts: deque[str] = deque()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.wakeup = threading.Event()
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.iteration_ms = 0.0  # EMA
+        self.unprefilled = 0  # sequences not past prefill (read by the rollout lane)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+class Engine:
+    """Hosts both models on one device and schedules serving and rollout work."""
+
+    def __init__(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, config: EngineConfig = EngineConfig(), policy: str = "rose") -> None:
+        self.config = config
+        self.policy = make_policy(policy, config.quantum_ms, config.guard_fraction, config.static_share)
+        self.device = select_device(config.device)
+        dev = self.device.torch_device
+        serving_model.to(dev)
+        policy_model.to(dev)
+        serving_lane = self.device.lane("serving", SERVING_PRIORITY)
+        rollout_lane = serving_lane if self.policy.shares_serving_lane else self.device.lane("rollout", ROLLOUT_PRIORITY)
+        s_pool = KVPool("serving", kv_shape_of(serving_model), config.serving_kv_bytes, config.block_size, dev)
+        r_pool = KVPool("rollout", kv_shape_of(policy_model), config.rollout_kv_bytes, config.block_size, dev)
+        r_pool.set_budget_bytes(0)  # no lease yet
+        self._serving = _ClassRuntime(WorkClass.SERVING, serving_model, serving_tokenizer, s_pool, Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size), serving_lane)
+        self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane)
+        self.prefix_cache = PrefixCache()
+        self.metrics = EngineMetrics()
+        self.policy_version = 0
+        self.slo_ttft_ms, self.slo_tpot_ms = config.slo_ttft_ms, config.slo_tpot_ms
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._lease: Lease | None = None
+        self._lease_ended: str = "no_lease"
+        self._revoked_at: float | None = None
+        self._staged: tuple[StagedWeights, concurrent.futures.Future] | None = None
+        self._yield_at: float | None = None
+        self._in_quantum = False
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._started = False
+        self._last_stats = time.monotonic()
+
+    @classmethod
+    def from_dirs(cls, serving_dir: str, policy_dir: str, config: EngineConfig = EngineConfig(), policy: str = "rose") -> "Engine":
+        from rose.shared.models import load_model, load_tokenizer
+
+        return cls(load_model(serving_dir, "cpu", config.dtype), load_tokenizer(serving_dir), load_model(policy_dir, "cpu", config.dtype), load_tokenizer(policy_dir), config, policy)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
+        if self.policy.admits_rollout:
+            self._threads.append(threading.Thread(target=self._rollout_loop, name="rose-rollout", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    async def stop(self) -> None:
+        """Stop both lanes; unfinished requests finish with finish_reason "abort"."""
+        self._stopping = True
+        for rt in (self._serving, self._rollout):
+            rt.wakeup.set()
+        await asyncio.to_thread(lambda: [t.join() for t in self._threads])
+        for rt in (self._serving, self._rollout):
+            for seq in list(rt.inbox) + list(rt.waiting) + list(rt.running):
+                self._finish(rt, seq, "abort")
+            rt.inbox.clear(), rt.waiting.clear(), rt.running.clear()
+
+    # ------------------------------------------------------------------ public API
+    def tokenizer_for(self, work_class: WorkClass):
+        return self._runtime(work_class).tokenizer
+
+    def max_positions(self, work_class: WorkClass) -> int:
+        return self._runtime(work_class).runner.max_positions
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Validate and queue; call from a running asyncio loop. Raises InvalidRequest or RolloutRejected."""
+        if self._stopping:
+            raise RolloutRejected("draining", "the engine is stopping")
+        rt = self._runtime(request.work_class)
+        self._validate(rt, request)
+        if rt is self._rollout:
+            self._check_lease_admits()
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
+        handle._cancel = lambda rid, rt=rt: (rt.aborts.append(rid), rt.wakeup.set())
+        seed = request.sampling.seed if request.sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        seq = Sequence(next(self._ids), request, handle, SamplerState(request.sampling, seed))
+        rt.inbox.append(seq)
+        if rt is self._serving:
+            self.metrics.serving_arrival()
+            if self.policy.yields_on_arrival and self._in_quantum and self._yield_at is None:
+                self._yield_at = time.monotonic()
+        rt.wakeup.set()
+        return handle
+
+    def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None:
+        """Grant (or change) the lease: rollout may use up to budget_bytes of KV until expiry."""
+        self._lease = Lease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
+        self._rollout.wakeup.set()
+
+    def set_rollout_budget(self, budget_bytes: int) -> None:
+        """Resize the current lease's memory budget; shrinking takes effect within one quantum."""
+        if self._lease is not None:
+            self.set_rollout_lease(budget_bytes, self._lease.expires_at, self._lease.lease_id)
+
+    def revoke_rollout(self) -> None:
+        """Take the lease back now: rollout yields within one quantum and frees its KV."""
+        if self._lease is not None:
+            self._revoked_at = time.monotonic()
+        self._lease = None
+        self._lease_ended = "lease_revoked"
+        self._rollout.wakeup.set()
+
+    def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        self.slo_ttft_ms, self.slo_tpot_ms = ttft_ms, tpot_ms
+
+    def apply_policy_weights(self, state_dict: dict, version: int) -> concurrent.futures.Future:
+        """Validate now (raises WeightUpdateError, old weights kept), swap between quanta.
+
+        Returns a future resolved with the swap pause in ms once the new version is live
+        (``await asyncio.wrap_future(f)`` from asyncio).
+        """
+        staged = stage(self._rollout.model, state_dict, version)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._started or not self.policy.admits_rollout or self._stopping:
+            self._swap(staged, done)
+        else:
+            self._staged = (staged, done)
+            self._rollout.wakeup.set()
+        return done
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        interval = self.metrics.take_interval()
+        span = max(1e-9, now - interval.started)
+        lease = self._lease
+        return EngineStats(
+            interval_s=span,
+            ttft_ms=sketch_to_dict(interval.ttft),
+            tpot_ms=sketch_to_dict(interval.tpot),
+            serving_arrivals=interval.serving_arrivals,
+            serving_completed=interval.serving_completed,
+            serving_queue=len(self._serving.inbox) + len(self._serving.waiting),
+            serving_running=len(self._serving.running),
+            rollout_queue=len(self._rollout.inbox) + len(self._rollout.waiting),
+            rollout_running=len(self._rollout.running),
+            serving_tokens_per_s=interval.serving_tokens / span,
+            rollout_tokens_per_s=interval.rollout_tokens / span,
+            serving_pool=self._serving.pool.usage(),
+            rollout_pool=self._rollout.pool.usage(self.prefix_cache.cached_blocks),
+            prefix_hits=self.prefix_cache.hits,
+            prefix_misses=self.prefix_cache.misses,
+            preemptions=self.metrics.preemptions,
+            compute_yields=self.metrics.compute_yields,
+            reclaim_latency_ms=interval.reclaim_ms,
+            max_swap_pause_ms=self.metrics.max_swap_pause_ms,
+            policy_version=self.policy_version,
+            lease_id=lease.lease_id if lease else "",
+            lease_budget_bytes=lease.budget_bytes if lease else 0,
+            device=vars(self.device.telemetry()),
+        )
+
+    # ------------------------------------------------------------------ validation and admission
+    def _runtime(self, work_class: WorkClass) -> _ClassRuntime:
+        return self._serving if work_class is WorkClass.SERVING else self._rollout
+
+    def _validate(self, rt: _ClassRuntime, request: GenerationRequest) -> None:
+        request.sampling.validate()
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequest("prompt is empty: send at least one token")
+        vocab = rt.runner.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > rt.runner.max_positions:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
+                f"the model's {rt.runner.max_positions} positions: shorten the prompt or lower max_tokens"
+            )
+        if rt.pool.blocks_for(total) > rt.pool.num_blocks:
+            raise InvalidRequest(f"{total} tokens exceed the {rt.work_class.value} KV pool ({rt.pool.num_blocks * rt.pool.block_size} tokens)")
+        if request.trajectory_id is not None and rt is self._serving:
+            raise InvalidRequest("trajectory_id is for rollout requests only")
+
+    def _check_lease_admits(self) -> None:
+        if not self.policy.admits_rollout:
+            raise RolloutRejected("no_lease", f"policy {self.policy.name} runs no rollout")
+        lease = self._lease
+        if lease is None:
+            raise RolloutRejected(self._lease_ended, "no valid rollout lease on this executor")
+        if time.monotonic() >= lease.expires_at:
+            raise RolloutRejected("lease_expired", "the rollout lease has expired")
+
+    # ------------------------------------------------------------------ serving lane
+    def _serving_loop(self) -> None:
+        self.device.init_thread()
+        rt = self._serving
+        while not self._stopping:
+            self._receive(rt)
+            if not rt.has_work():
+                rt.unprefilled = 0
+                rt.wakeup.wait(IDLE_WAIT_S)
+                rt.wakeup.clear()
+                continue
+            with rt.lane.run():
+                self._iterate_timed(rt, admit=True)
+
+    # ------------------------------------------------------------------ rollout lane
+    def _rollout_loop(self) -> None:
+        self.device.init_thread(self.config.rollout_threads)
+        rt = self._rollout
+        while not self._stopping:
+            self._between_quanta(rt)
+            self._receive(rt)
+            if not rt.has_work() or self._lease is None:
+                rt.wakeup.wait(IDLE_WAIT_S)
+                rt.wakeup.clear()
+                continue
+            if not self.policy.may_run_rollout(self._signals()):
+                time.sleep(PAUSE_POLL_S)
+                continue
+            self._run_quantum(rt)
+
+    def _signals(self) -> Signals:
+        s = self._serving
+        return Signals(time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms)
+
+    def _run_quantum(self, rt: _ClassRuntime) -> None:
+        """Run rollout iterations while the next is expected to fit the quantum (at least one)."""
+        budget_ms = self.policy.quantum_ms
+        with rt.lane.run():
+            self._in_quantum = True
+            start = time.perf_counter()
+            self._iterate_timed(rt, admit=True)
+            if budget_ms is None:  # unbounded: the batch admitted now runs to completion
+                while rt.running and not self._stopping and self._lease is not None:
+                    self._iterate_timed(rt, admit=False)
+            else:
+                while rt.has_work() and self._yield_at is None and (time.perf_counter() - start) * 1000.0 + rt.iteration_ms <= budget_ms:
+                    self._iterate_timed(rt, admit=True)
+            self._in_quantum = False
+        yielded_at = self._yield_at
+        if yielded_at is not None:
+            self._yield_at = None
+            self.metrics.reclaim((time.monotonic() - yielded_at) * 1000.0)
+
+    def _iterate_timed(self, rt: _ClassRuntime, admit: bool) -> None:
+        start = time.perf_counter()
+        self._iterate(rt, admit)
+        rt.iteration_ms += EMA_ALPHA * ((time.perf_counter() - start) * 1000.0 - rt.iteration_ms)
+
+    def _between_quanta(self, rt: _ClassRuntime) -> None:
+        """Housekeeping the rollout lane does only between quanta, never inside a batch."""
+        if self._staged is not None:
+            staged, done = self._staged
+            self._staged = None
+            self._swap(staged, done)
+        lease = self._lease
+        if lease is not None and time.monotonic() >= lease.expires_at:
+            self._lease, self._lease_ended = None, "lease_expired"
+            self._revoked_at = self._revoked_at or time.monotonic()
+            lease = None
+        rt.pool.set_budget_bytes(lease.budget_bytes if lease else 0)
+        if rt.pool.over_budget_blocks:
+            self._shrink(rt)
+        if lease is None and self._revoked_at is not None:
+            self.metrics.reclaim((time.monotonic() - self._revoked_at) * 1000.0)
+            self._revoked_at = None
+
+    def _swap(self, staged: StagedWeights, done: concurrent.futures.Future) -> None:
+        pause_ms = staged.apply(self._rollout.model)
+        self.policy_version = staged.version
+        self._rollout.pool.free(self.prefix_cache.clear())  # KV of the old version is stale
+        self.metrics.swap_pause(pause_ms)
+        done.set_result(pause_ms)
+
+    def _shrink(self, rt: _ClassRuntime) -> None:
+        """Give blocks back: evict retained prefixes (LRU), then preempt youngest rollouts."""
+        entries = [len(e.blocks) for e in self.prefix_cache._entries.values()]
+        n_evict, victims = plan_shrink(rt.pool.over_budget_blocks, entries, [(s.seq_id, len(s.blocks)) for s in rt.running])
+        for _ in range(n_evict):
+            rt.pool.free(self.prefix_cache.evict_lru())
+        for seq_id in victims:
+            self._preempt(rt, next(s for s in rt.running if s.seq_id == seq_id))
+
+    def _preempt(self, rt: _ClassRuntime, seq: Sequence) -> None:
+        rt.running.remove(seq)
+        rt.pool.free(seq.drop_kv())
+        rt.waiting.appendleft(seq)
+        self.metrics.preempted()
+
+    # ------------------------------------------------------------------ one iteration
+    def _receive(self, rt: _ClassRuntime) -> None:
+        while rt.aborts:
+            rid = rt.aborts.popleft()
+            for queue in (rt.inbox, rt.waiting, rt.running):
+                for seq in [s for s in queue if s.request.request_id == rid]:
+                    queue.remove(seq)
+                    rt.pool.free(seq.blocks)
+                    seq.blocks = []
+                    self._finish(rt, seq, "abort")
+        while rt.inbox:
+            seq = rt.inbox.popleft()
+            if rt is self._rollout and seq.request.trajectory_id is not None:
+                self._attach_prefix(rt, seq)
+            rt.waiting.append(seq)
+
+    def _attach_prefix(self, rt: _ClassRuntime, seq: Sequence) -> None:
+        hit, to_free = self.prefix_cache.take(seq.request.trajectory_id, tuple(seq.tokens), self.policy_version, rt.pool.block_size)
+        rt.pool.free(to_free)
+        if hit is not None:
+            seq.blocks, seq.num_cached, seq.prefix_cached_tokens = hit.blocks, hit.reused_tokens, hit.reused_tokens
+
+    def _iterate(self, rt: _ClassRuntime, admit: bool) -> None:
+        plan = plan_iteration(
+            [s.view() for s in rt.running],
+            [s.view() for s in rt.waiting],
+            rt.pool.free_blocks,
+            self.prefix_cache.cached_blocks if rt is self._rollout else 0,
+            rt.limits,
+            admit,
+        )
+        by_id = {s.seq_id: s for s in itertools.chain(rt.running, rt.waiting)}
+        for seq_id in plan.preempt:
+            self._preempt(rt, by_id[seq_id])
+        freed = 0
+        while freed < plan.evict_cached_blocks:
+            blocks = self.prefix_cache.evict_lru()
+            rt.pool.free(blocks)
+            freed += len(blocks)
+        now = time.monotonic()
+        for seq_id in plan.admit:
+            seq = by_id[seq_id]
+            rt.waiting.remove(seq)
+            rt.running.append(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+        for seq_id, n in plan.new_blocks.items():
+            by_id[seq_id].blocks.extend(rt.pool.allocate(n))
+        work = [(by_id[sid], n) for sid, n in plan.prefill] + [(by_id[sid], 1) for sid in plan.decode]
+        rt.unprefilled = sum(1 for s in rt.running if s.num_cached < s.prompt_len)
+        if not work:
+            return
+        decode = set(plan.decode)
+        for part in ([w for w in work if w[0].seq_id not in decode], [w for w in work if w[0].seq_id in decode]):
+            ready = self._run(rt, part)
+            if ready is None:  # abandoned at a layer safepoint: rollout yields to serving now
+                break
+            self._process(rt, ready)
+        rt.unprefilled = sum(1 for s in rt.running if s.num_cached < s.prompt_len) + len(rt.waiting)
+
+    def _run(self, rt: _ClassRuntime, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]] | None:
+        """Forward the planned tokens; returns the sequences that reached their end, with logits.
+
+        Rollout forwards stop at the next layer safepoint once serving needs the device or
+        the lease is gone (None is returned and nothing advances).
+        """
+        if not work:
+            return []
+        items = [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n]) for s, n in work]
+        logits = rt.runner.forward(items, should_stop=self._rollout_must_yield if rt is self._rollout and self.policy.yields_on_arrival else None)
+        if logits is None:
+            return None
+        ready = []
+        for row, (seq, n) in enumerate(work):
+            seq.num_cached += n
+            if seq.num_cached == len(seq.tokens):
+                ready.append((seq, logits[row]))
+        return ready
+
+    def _rollout_must_yield(self) -> bool:
+        return self._yield_at is not None or self._lease is None or self._stopping
+
+    def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
+        if not ready:
+            return
+        seqs = [s for s, _ in ready]
+        tokens, logprobs = sample_batch(torch.stack([l for _, l in ready]), [s.sampler for s in seqs])
+        now = time.monotonic()
+        version = self.policy_version if rt is self._rollout else SERVING_MODEL_VERSION
+        outbox = []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            seq.token_times.append(now)
+            reason = self._finish_reason(rt, seq, token)
+            if reason is not None:
+                rt.running.remove(seq)
+                self._retire_kv(rt, seq)
+                outbox.append(self._finish(rt, seq, reason, deliver=False))
+            elif seq.request.stream:
+                delta = self._delta(seq, final=False)
+                if delta is not None:
+                    outbox.append((seq.handle, delta, None))
+        if rt is self._serving:
+            self.metrics.tokens(len(seqs), 0)
+        else:
+            self.metrics.tokens(0, len(seqs))
+        _deliver(outbox)
+
+    def _finish_reason(self, rt: _ClassRuntime, seq: Sequence, token: int) -> str | None:
+        p = seq.request.sampling
+        if token in p.stop_token_ids or (token == rt.eos_id and not p.ignore_eos):
+            return "stop"
+        if p.stop:
+            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+            longest = max(len(s) for s in p.stop)
+            at = find_stop(seq.text, p.stop, seq.emitted_text - longest)
+            if at != -1:
+                seq.text, seq.text_final = seq.text[:at], True
+                return "stop"
+        elif seq.request.stream:
+            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+        if len(seq.output) >= p.max_tokens or len(seq.tokens) >= rt.runner.max_positions:
+            return "length"
+        return None
+
+    def _delta(self, seq: Sequence, final: bool) -> StreamDelta | None:
+        """New tokens and text since the last delta; text that may begin a stop string is held back."""
+        hold = 0 if final else max((len(s) for s in seq.request.sampling.stop), default=1) - 1
+        end = len(seq.text) - hold
+        while not final and end > seq.emitted_text and seq.text[end - 1] == "\ufffd":
+            end -= 1  # an incomplete UTF-8 sequence: wait for the next token
+        end = max(end, seq.emitted_text)
+        new_tokens = seq.output[seq.emitted_tokens :]
+        if not new_tokens and end == seq.emitted_text and not final:
+            return None
+        delta = StreamDelta(
+            seq.request.request_id,
+            tuple(new_tokens),
+            tuple(seq.logprobs[seq.emitted_tokens :]),
+            seq.text[seq.emitted_text : end],
+            final,
+            seq.finish_reason if final else None,
+        )
+        seq.emitted_tokens, seq.emitted_text = len(seq.output), end
+        return delta
+
+    def _retire_kv(self, rt: _ClassRuntime, seq: Sequence) -> None:
+        """Free a finished sequence's KV, or retain it for the trajectory's next turn."""
+        if rt is self._rollout and seq.request.trajectory_id is not None and seq.num_cached > 0:
+            cached = tuple(seq.tokens[: seq.num_cached])
+            keep = rt.pool.blocks_for(seq.num_cached)
+            rt.pool.free(seq.blocks[keep:])
+            rt.pool.free(self.prefix_cache.put(seq.request.trajectory_id, cached, seq.blocks[:keep], self.policy_version))
+        else:
+            rt.pool.free(seq.blocks)
+        seq.blocks = []
+
+    def _finish(self, rt: _ClassRuntime, seq: Sequence, reason: str, deliver: bool = True):
+        seq.finish_reason = reason
+        if not seq.text_final:
+            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+        delta = self._delta(seq, final=True) if seq.request.stream else StreamDelta(
+            seq.request.request_id, tuple(seq.output), tuple(seq.logprobs), seq.text, True, reason
+        )
+        result = self._result(rt, seq, reason)
+        if rt is self._serving and reason != "abort":
+            t = result.timings
+            self.metrics.serving_finished(t.ttft_ms, t.tpot_ms if len(seq.output) > 1 else None, len(seq.output))
+        item = (seq.handle, delta, result)
+        if deliver:
+            _deliver([item])
+        return item
+
+    def _result(self, rt: _ClassRuntime, seq: Sequence, reason: str) -> GenerationResult:
+        t0 = seq.arrival
+        times = [(t - t0) * 1000.0 for t in seq.token_times]
+        n = len(times)
+        timings = Timings(
+            queue_ms=((seq.first_scheduled or time.monotonic()) - t0) * 1000.0,
+            ttft_ms=times[0] if times else 0.0,
+            tpot_ms=(times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
+            total_ms=(time.monotonic() - t0) * 1000.0,
+            token_times_ms=tuple(times),
+            preemptions=seq.preemptions,
+        )
+        versions = tuple(seq.versions)
+        return GenerationResult(
+            seq.request.request_id,
+            seq.request.work_class,
+            tuple(seq.output),
+            tuple(seq.logprobs),
+            seq.text,
+            reason,
+            versions,
+            versions[-1] if versions else self.policy_version,
+            seq.prefix_cached_tokens,
+            timings,
+        )
+
+
+def _deliver(items: list) -> None:
+    """Hand deltas/results to their event loops, one callback per loop per iteration."""
+    by_loop: dict = {}
+    for handle, delta, result in items:
+        by_loop.setdefault(handle._loop, []).append((handle, delta, result))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_on_loop, batch)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is listening
+
+
+def _deliver_on_loop(batch: list) -> None:
+    for handle, delta, result in batch:
+        handle._deliver(delta, result)

@@ -1,0 +1,252 @@
+"""Production traffic over HTTP, OpenAI-compatible: completions, chat completions (with SSE), models.
+
+The official `openai` client works against it unchanged. Every bad request gets a 4xx with an
+OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`) whose message says
+what to fix; the executor keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine
+from .protocol import GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, WorkClass
+from .telemetry import Telemetry
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def _error_response(err: ApiError) -> web.Response:
+    body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+    return web.json_response(body, status=err.status)
+
+
+def _number(body: dict[str, Any], name: str, default: float | None, kind: type = float) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"`{name}` must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
+    return value
+
+
+class OpenAIApi:
+    def __init__(self, engine: Engine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.telemetry = telemetry
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer_for(WorkClass.SERVING)
+        self.created = int(time.time())
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+            ]
+        )
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            self._count_error(err.status)
+            return _error_response(err)
+        except InvalidRequest as err:
+            self._count_error(400)
+            return _error_response(ApiError(400, str(err)))
+        except web.HTTPRequestEntityTooLarge as err:
+            self._count_error(413)
+            return _error_response(ApiError(413, f"request body too large: {err.text}"))
+        except web.HTTPException as err:
+            self._count_error(err.status)
+            return _error_response(ApiError(err.status, err.reason or "error", kind="invalid_request_error" if err.status < 500 else "server_error"))
+
+    def _count_error(self, status: int) -> None:
+        errors = self.telemetry.totals.http_errors
+        errors[status] = errors.get(status, 0) + 1
+
+    # ---- parsing ------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; available: [{self.model_name!r}] (see GET /v1/models)", param="model", code="model_not_found")
+        if _number(body, "n", 1, int) != 1:
+            raise ApiError(400, "only n=1 is supported: send one request per completion", param="n")
+        return body
+
+    def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens") -> SamplingParams:
+        stop = body.get("stop")
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            stops = tuple(stop)
+        else:
+            raise ApiError(400, "`stop` must be a string or a list of strings", param="stop")
+        max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", None, int),
+            stop=stops,
+            seed=_number(body, "seed", None, int),
+        )
+        try:
+            params.validate()
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc)) from exc
+        return params
+
+    def _prompt_ids(self, prompt: Any) -> tuple[int, ...]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "`prompt` is empty: send some text", param="prompt")
+            return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise ApiError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
+        raise ApiError(400, "`prompt` must be a non-empty string or a list of token ids", param="prompt")
+
+    def _chat_prompt_ids(self, messages: Any) -> tuple[int, ...]:
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "`messages` must be a non-empty list of {role, content}", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a role (system|user|assistant|tool) and string content", param="messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return tuple(int(t) for t in ids)
+
+    def _submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stream: bool):
+        """Queue a serving request; the caller must `_abandon(handle)` if the client goes away."""
+        request = GenerationRequest(
+            request_id=f"srv-{uuid.uuid4().hex[:16]}", work_class=WorkClass.SERVING, prompt_token_ids=prompt_ids, sampling=sampling, stream=stream
+        )
+        return request.request_id, self.engine.submit(request)
+
+    @staticmethod
+    def _usage(prompt_len: int, result: GenerationResult) -> dict[str, int]:
+        return {"prompt_tokens": prompt_len, "completion_tokens": len(result.token_ids), "total_tokens": prompt_len + len(result.token_ids)}
+
+    # ---- endpoints ----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if body.get("echo"):
+            raise ApiError(400, "`echo` is not supported", param="echo")
+        sampling = self._sampling(body)
+        prompt_ids = self._prompt_ids(body.get("prompt"))
+        want_logprobs = body.get("logprobs") is not None
+        stream = bool(body.get("stream", False))
+        request_id, handle = self._submit(prompt_ids, sampling, stream)
+        cid = f"cmpl-{request_id}"
+        try:
+            return await self._complete(request, handle, cid, prompt_ids, stream, want_logprobs)
+        except (ConnectionResetError, asyncio.CancelledError):
+            handle.cancel()  # the client left: free the engine's slot
+            raise
+
+    async def _complete(self, request, handle, cid, prompt_ids, stream, want_logprobs) -> web.StreamResponse:
+        if stream:
+            response = await self._sse_start(request)
+            async for delta in handle:
+                chunk = {
+                    "id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                    "choices": [{"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.token_ids, delta.logprobs) if want_logprobs else None,
+                                 "finish_reason": delta.finish_reason if delta.finished else None}],
+                }
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        result = await handle.result()
+        return web.json_response(
+            {
+                "id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "text": result.text, "logprobs": self._logprobs(result.token_ids, result.logprobs) if want_logprobs else None, "finish_reason": result.finish_reason}],
+                "usage": self._usage(len(prompt_ids), result),
+            }
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        sampling = self._sampling(body, "max_completion_tokens")
+        prompt_ids = self._chat_prompt_ids(body.get("messages"))
+        stream = bool(body.get("stream", False))
+        request_id, handle = self._submit(prompt_ids, sampling, stream)
+        cid = f"chatcmpl-{request_id}"
+        try:
+            return await self._chat(request, handle, cid, prompt_ids, stream)
+        except (ConnectionResetError, asyncio.CancelledError):
+            handle.cancel()
+            raise
+
+    async def _chat(self, request, handle, cid, prompt_ids, stream) -> web.StreamResponse:
+        if stream:
+            response = await self._sse_start(request)
+            first = True
+            async for delta in handle:
+                piece: dict[str, Any] = {"content": delta.text}
+                if first:
+                    piece["role"], first = "assistant", False
+                chunk = {
+                    "id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name,
+                    "choices": [{"index": 0, "delta": piece, "finish_reason": delta.finish_reason if delta.finished else None}],
+                }
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        result = await handle.result()
+        return web.json_response(
+            {
+                "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason}],
+                "usage": self._usage(len(prompt_ids), result),
+            }
+        )
+
+    def _logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
+
+    @staticmethod
+    async def _sse_start(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        return response
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rose"}]})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self.telemetry.prometheus(), content_type="text/plain", charset="utf-8")

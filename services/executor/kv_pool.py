@@ -1,0 +1,101 @@
+"""Paged KV-cache memory: one preallocated block pool per model, accounted in bytes.
+
+Why blocks: like vLLM/SGLang, each sequence owns a table of fixed-size blocks, so memory
+use is exact (bytes = blocks x block_bytes), there is no fragmentation, and a pool can
+shrink by freeing whole blocks. The serving model and the policy model have different
+shapes, so each has its own pool (its own tensor): rollout can never take a serving
+block. The rollout pool is preallocated at its maximum and then *bounded* by a budget
+(the lease); blocks above the budget are not handed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem  # K and V
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Same fields as contracts.executor.PoolUsage."""
+
+    block_bytes: int
+    total_blocks: int  # usable now (the budget for rollout)
+    used_blocks: int  # held by sequences or by the prefix cache
+    cached_blocks: int = 0  # of used_blocks, those held only by the prefix cache
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_blocks * self.block_bytes
+
+
+class KVPool:
+    """Block allocator plus the K/V tensors: ``k[layer]`` is ``[num_blocks * block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, name: str, shape: KVShape, capacity_bytes: int, block_size: int, device: torch.device) -> None:
+        self.name = name
+        self.shape = shape
+        self.block_size = block_size
+        self.block_bytes = shape.bytes_per_token() * block_size
+        self.num_blocks = capacity_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(f"{name} KV pool of {capacity_bytes} bytes holds no {self.block_bytes}-byte block")
+        slots = self.num_blocks * block_size
+        dims = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.v = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._budget_blocks = self.num_blocks
+
+    # -- budget (the lease bounds the rollout pool)
+    @property
+    def budget_blocks(self) -> int:
+        return self._budget_blocks
+
+    def set_budget_bytes(self, budget_bytes: int) -> None:
+        self._budget_blocks = max(0, min(self.num_blocks, budget_bytes // self.block_bytes))
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks that may be allocated now (free and within the budget)."""
+        return max(0, self._budget_blocks - self.used_blocks)
+
+    @property
+    def over_budget_blocks(self) -> int:
+        return max(0, self.used_blocks - self._budget_blocks)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.free_blocks:
+            raise MemoryError(f"{self.name} KV pool: {n} blocks requested, {self.free_blocks} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    def usage(self, cached_blocks: int = 0) -> PoolUsage:
+        return PoolUsage(self.block_bytes, self._budget_blocks, self.used_blocks, cached_blocks)

@@ -1,0 +1,82 @@
+"""The executor's local lease guard: safety that does not depend on the scheduler being reachable.
+
+It watches this executor's key in the leases KV bucket and mirrors it into the engine, which
+enforces expiry on its own within one quantum. An SLO alert for this executor revokes rollout
+at once, before the scheduler reacts. A rollout request must name the current lease id and
+epoch; anything else is rejected with a reason the caller can act on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from rose.contracts.executor import GenerateRequest
+from rose.contracts.lease import Lease
+from rose.contracts.registry import LEASE, SLO_ALERT
+from rose.contracts.slo import SloAlert
+from rose.shared.bus import Bus, Delivery
+
+from .engine import Engine
+
+log = logging.getLogger("rose.executor.leases")
+
+DEDICATED_LEASE_ID = "dedicated"
+
+
+class LeaseGuard:
+    def __init__(self, engine: Engine, executor_id: str, *, dedicated: bool, rollout_kv_bytes: int) -> None:
+        self.engine = engine
+        self.executor_id = executor_id
+        self.dedicated = dedicated
+        self.rollout_kv_bytes = rollout_kv_bytes
+        self.current: Lease | None = None
+        self.revoked_reason = "no_lease"
+
+    async def start(self, bus: Bus) -> None:
+        if self.dedicated:  # a dedicated rollout executor lends itself to rollout for good
+            self.engine.set_rollout_lease(self.rollout_kv_bytes, math.inf, DEDICATED_LEASE_ID)
+            return
+        await bus.kv_watch(LEASE, self._on_lease, executor_id=self.executor_id)
+        await bus.subscribe(SLO_ALERT, self._on_alert, executor_id=self.executor_id)
+
+    async def _on_lease(self, _key: str, lease: Lease | None) -> None:
+        if lease is None or lease.state != "active":
+            self.current = None
+            self.revoked_reason = "lease_revoked"
+            self.engine.revoke_rollout()
+            log.info("lease revoked%s", f": {lease.reason}" if lease else "")
+            return
+        remaining = lease.expires_at - time.time()
+        if remaining <= 0:
+            self.current = None
+            self.revoked_reason = "lease_expired"
+            self.engine.revoke_rollout()
+            return
+        budget = min(lease.kv_bytes, self.rollout_kv_bytes)
+        self.engine.set_rollout_lease(budget, time.monotonic() + remaining, lease.lease_id)
+        self.current = lease
+        log.info("lease %s epoch %d: %d KV bytes for %.1fs", lease.lease_id, lease.epoch, budget, remaining)
+
+    async def _on_alert(self, alert: SloAlert, _d: Delivery) -> None:
+        if alert.severity in ("burst", "violation") and self.current is not None:
+            log.warning("SLO alert (%s): %s; yielding rollout now", alert.severity, alert.reason)
+            self.current = None
+            self.revoked_reason = "lease_revoked"
+            self.engine.revoke_rollout()
+
+    def admission_error(self, request: GenerateRequest) -> tuple[str, str] | None:
+        """(reason, detail) when the request does not run under the current lease, else None."""
+        if self.dedicated:
+            return None
+        lease = self.current
+        if lease is None:
+            return self.revoked_reason, "this executor holds no rollout lease"
+        if time.time() >= lease.expires_at:
+            return "lease_expired", f"lease {lease.lease_id} expired"
+        if request.lease_id != lease.lease_id:
+            return "no_lease", f"request names lease {request.lease_id!r}, the current one is {lease.lease_id!r}"
+        if request.lease_epoch != lease.epoch:
+            return "stale_lease_epoch", f"request has epoch {request.lease_epoch}, the lease is at {lease.epoch}"
+        return None

@@ -1,0 +1,104 @@
+"""The co-serving executor service: both models on one device, OpenAI API for serving, bus for rollout.
+
+connect -> load models -> start engine -> lease guard -> bus endpoints -> HTTP -> telemetry -> wait -> drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from rose.contracts.registry import GENERATE
+from rose.shared.config import load_config
+from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models
+from rose.shared.nats_server import state_dir
+from rose.shared.service import ServiceRuntime
+
+from .config import MIB, ExecutorConfig
+from .engine import Engine, EngineConfig
+from .http_api import OpenAIApi
+from .leases import LeaseGuard
+from .rollout_api import RolloutApi
+from .telemetry import Telemetry
+
+log = logging.getLogger("rose.executor")
+
+
+def model_dirs(config: ExecutorConfig) -> tuple[Path, Path]:
+    """The serving and policy model directories, built with `rose models init` logic if missing."""
+    m = config.models
+    root = Path(m.dir) if m.dir else state_dir() / "models"
+    serving = Path(m.serving_dir) if m.serving_dir else root / SERVING_DIRNAME
+    policy = Path(m.policy_dir) if m.policy_dir else root / POLICY_DIRNAME
+    missing = [p for p in (serving, policy) if not (p / "config.json").exists()]
+    if missing and not (m.init_if_missing and not m.serving_dir and not m.policy_dir):
+        raise FileNotFoundError(f"no model at {', '.join(map(str, missing))}: run `rose models init {root}` or set models.dir")
+    if missing:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".init.lock", "w") as lock:  # several executors may start at once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not all((p / "config.json").exists() for p in (serving, policy)):
+                log.info("building tiny models in %s", root)
+                init_models(root, seed=m.seed)
+    return serving, policy
+
+
+def build_engine(config: ExecutorConfig) -> Engine:
+    e = config.engine
+    serving_dir, policy_dir = model_dirs(config)
+    engine_config = EngineConfig(
+        serving_kv_bytes=int(e.serving_kv_mib * MIB),
+        rollout_kv_bytes=int(e.rollout_kv_mib * MIB),
+        serving_max_batch=e.serving_max_batch,
+        rollout_max_batch=e.rollout_max_batch,
+        quantum_ms=e.quantum_ms,
+        slo_ttft_ms=e.slo_ttft_ms,
+        slo_tpot_ms=e.slo_tpot_ms,
+        seed=e.seed,
+        device=e.device,
+    )
+    return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
+
+
+async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(api.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.http.host, config.http.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://{config.http.public_host or config.http.host}:{port}"
+
+
+async def run(config: ExecutorConfig) -> None:
+    engine = await asyncio.to_thread(build_engine, config)
+    telemetry = Telemetry(engine, "", config.role, config.metrics_interval_s)
+    async with ServiceRuntime("executor", bus=config.bus, runtime=config.runtime, load=telemetry.load) as rt:
+        telemetry.executor_id = rt.instance
+        engine.start()
+        guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
+        await guard.start(rt.bus)
+        await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance).generate, executor_id=rt.instance)
+        runner, base_url = await serve_http(OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes), config)
+        metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
+        rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
+        rt.ready(endpoints={"http": base_url, "openai": f"{base_url}/v1", "metrics": f"{base_url}/metrics"})
+        log.info("executor %s serving on %s (%s)", rt.instance, base_url, config.role)
+        try:
+            await rt.wait_for_shutdown()
+        finally:
+            metrics_task.cancel()
+            await runner.cleanup()  # stop taking HTTP traffic, let in-flight responses finish
+            await engine.stop()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rose run executor", description="Run a co-serving executor.")
+    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
+    args = parser.parse_args(argv)
+    asyncio.run(run(load_config(ExecutorConfig, path=args.config)))
+    return 0

@@ -1,0 +1,79 @@
+"""Engine metrics: mergeable latency sketches and the stats snapshot.
+
+TTFT and TPOT go into DDSketches (relative-accuracy quantiles that merge exactly by
+adding bucket counts), one pair per reporting interval: ``take_interval`` hands back the
+interval's sketches as plain dicts (same fields as ``contracts.executor.LatencySketch``)
+and starts new ones, so the SLO monitor can merge executors and windows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ddsketch import DDSketch
+
+from rose.shared.sketch import SKETCH_RELATIVE_ACCURACY
+
+MAX_RECLAIM_SAMPLES = 10_000
+
+
+@dataclass
+class IntervalCounters:
+    started: float = field(default_factory=time.monotonic)
+    ttft: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
+    tpot: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
+    serving_arrivals: int = 0
+    serving_completed: int = 0
+    serving_tokens: int = 0
+    rollout_tokens: int = 0
+    reclaim_ms: list[float] = field(default_factory=list)
+
+
+class EngineMetrics:
+    """Thread-safe recorder shared by the engine's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._interval = IntervalCounters()
+        self.preemptions = 0  # rollout sequences whose KV was dropped (recomputed later)
+        self.compute_yields = 0  # times the rollout lane yielded to serving
+        self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
+        self.max_swap_pause_ms = 0.0
+
+    def serving_arrival(self) -> None:
+        with self._lock:
+            self._interval.serving_arrivals += 1
+
+    def serving_finished(self, ttft_ms: float, tpot_ms: float | None, tokens: int) -> None:
+        with self._lock:
+            self._interval.ttft.add(ttft_ms)
+            if tpot_ms is not None:
+                self._interval.tpot.add(tpot_ms)
+            self._interval.serving_completed += 1
+
+    def tokens(self, serving: int, rollout: int) -> None:
+        with self._lock:
+            self._interval.serving_tokens += serving
+            self._interval.rollout_tokens += rollout
+
+    def reclaim(self, ms: float) -> None:
+        with self._lock:
+            self.compute_yields += 1
+            self._interval.reclaim_ms.append(ms)
+            if len(self.reclaim_ms) < MAX_RECLAIM_SAMPLES:
+                self.reclaim_ms.append(ms)
+
+    def preempted(self, n: int = 1) -> None:
+        with self._lock:
+            self.preemptions += n
+
+    def swap_pause(self, ms: float) -> None:
+        with self._lock:
+            self.max_swap_pause_ms = max(self.max_swap_pause_ms, ms)
+
+    def take_interval(self) -> IntervalCounters:
+        with self._lock:
+            done, self._interval = self._interval, IntervalCounters()
+        return done

@@ -1,0 +1,163 @@
+"""Our own forward pass for Qwen2/Llama over paged KV, reading the Hugging Face weights.
+
+Why not ``model(input_ids, past_key_values=...)``: the engine needs KV in *its* block
+pool (so memory is accounted in bytes and can be shrunk, retained and shared by block),
+and batches of sequences at different positions, some prefilling a chunk and some
+decoding one token. So this module runs the architecture itself — RMSNorm, rotary
+embeddings (the HF model's own ``inv_freq``, so ``rope_theta`` and static rope scaling
+carry over), GQA attention with ``torch.nn.functional.scaled_dot_product_attention``,
+SwiGLU MLP, q/k/v biases when present (Qwen2) — using the HF module parameters in place.
+Updating those parameters (a policy weight swap) therefore updates this forward too.
+A test checks the logits against ``model(input_ids).logits``.
+
+Not supported (checked at construction): sliding-window attention and dynamic rope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import KVPool, KVShape
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One sequence in a batch: compute ``token_ids`` at positions ``start .. start+len-1``."""
+
+    block_table: list[int]  # must cover start + len(token_ids) positions
+    start: int  # tokens already in the KV cache
+    token_ids: list[int]
+
+
+def kv_shape_of(model: torch.nn.Module) -> KVShape:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, next(model.parameters()).dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedModelRunner:
+    """Runs one HF Qwen2/Llama model against one KV pool."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+        cfg = model.config
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported by the paged runner")
+        rope_params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope_params.get("rope_type", "default") == "dynamic":
+            raise ValueError("dynamic rope scaling is not supported by the paged runner")
+        self.model = model
+        self.pool = pool
+        self.config = cfg
+        self.shape = kv_shape_of(model)
+        self.num_heads = cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = cfg.max_position_embeddings
+        self.device = next(model.parameters()).device
+        body = model.model
+        self._embed = body.embed_tokens
+        self._layers = list(body.layers)
+        self._norm = body.norm
+        self._lm_head = model.lm_head
+        self._rotary = body.rotary_emb
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Write the new tokens' K/V into the pool and return float32 logits.
+
+        Returns ``[batch, vocab]`` for each item's last token, or, with ``all_logits``,
+        ``[batch, max_new_tokens, vocab]`` (rows past an item's length are padding).
+
+        ``should_stop`` is asked between layers (a safepoint, as in ConServe's layer-wise
+        preemption): when it says yes the forward is abandoned and None returned. Nothing
+        is lost: the caller does not advance its sequences, and the K/V slots written by
+        the layers that ran are simply written again by the retry.
+        """
+        dev = self.device
+        bs = self.pool.block_size
+        batch = len(items)
+        qlens = [len(it.token_ids) for it in items]
+        max_q = max(qlens)
+        ctx = [it.start + q for it, q in zip(items, qlens)]
+        max_k = max(ctx)
+
+        tokens = torch.zeros(batch, max_q, dtype=torch.long)
+        positions = torch.zeros(batch, max_q, dtype=torch.long)
+        write_slots: list[int] = []
+        valid = torch.zeros(batch, max_q, dtype=torch.bool)
+        tables = torch.zeros(batch, -(-max_k // bs), dtype=torch.long)
+        for b, it in enumerate(items):
+            q = qlens[b]
+            tokens[b, :q] = torch.tensor(it.token_ids)
+            positions[b] = torch.arange(it.start, it.start + max_q)
+            valid[b, :q] = True
+            tables[b, : len(it.block_table)] = torch.tensor(it.block_table)[: tables.shape[1]]
+            for p in range(it.start, it.start + q):
+                write_slots.append(it.block_table[p // bs] * bs + p % bs)
+        kpos = torch.arange(max_k)
+        gather = (tables[:, kpos // bs] * bs + kpos % bs).to(dev)  # [B, max_k] slot of each key position
+        ctx_t = torch.tensor(ctx)
+        # key j visible to the query at position p iff j <= p and j < the item's context length
+        mask = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None])
+        mask = mask[:, None].to(dev)
+        slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
+        tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
+
+        x = self._embed(tokens)
+        cos, sin = self._rope(positions, x.dtype)
+        for li, layer in enumerate(self._layers):
+            if should_stop is not None and li and should_stop():
+                return None
+            x = x + self._attention(layer, li, _rms_norm(x, layer.input_layernorm.weight, self.eps), cos, sin, slots, valid, gather, mask)
+            x = x + self._mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
+        x = _rms_norm(x, self._norm.weight, self.eps)
+        if all_logits:
+            return self._lm_head(x).float()
+        last = torch.tensor([q - 1 for q in qlens], device=dev)
+        return self._lm_head(x[torch.arange(batch, device=dev), last]).float()
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._rotary.inv_freq.float()
+        freqs = positions.float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = getattr(self._rotary, "attention_scaling", 1.0)
+        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
+
+    def _attention(self, layer, li: int, h: torch.Tensor, cos, sin, slots, valid, gather, mask) -> torch.Tensor:
+        attn = layer.self_attn
+        batch, max_q, _ = h.shape
+        hd, kvh = self.shape.head_dim, self.shape.num_kv_heads
+        q = attn.q_proj(h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        v = attn.v_proj(h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = self.pool.k[li], self.pool.v[li]
+        k_cache.index_copy_(0, slots, k.transpose(1, 2)[valid])
+        v_cache.index_copy_(0, slots, v.transpose(1, 2)[valid])
+        flat = gather.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
+        values = v_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
+
+    @staticmethod
+    def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))

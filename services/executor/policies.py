@@ -1,0 +1,109 @@
+"""Co-serving policies: how rollout shares the device with serving. Chosen once.
+
+Each policy answers four questions the engine asks at rollout quantum boundaries, so the
+hot loop has no mode flags:
+- ``admits_rollout``: is rollout work accepted at all?
+- ``shares_serving_lane``: does rollout run on the serving lane (same stream / thread,
+  strict FIFO alternation) instead of its own low-priority lane?
+- ``may_run_rollout(signals)``: may the next rollout quantum start now?
+- ``quantum_ms``: the time budget of one rollout quantum; the engine runs iterations
+  while the next one is expected to fit (at least one). None = unbounded: the whole
+  current batch runs to completion.
+and ``yields_on_arrival``: does a serving arrival ask the rollout lane to yield?
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICY_NAMES = ("serving_only", "naive_share", "static_partition", "rose")
+DEFAULT_QUANTUM_MS = 10.0
+DEFAULT_GUARD_FRACTION = 0.8  # rose pauses rollout when serving step time nears this share of the TPOT SLO
+DEFAULT_STATIC_SHARE = 0.5
+DEFAULT_STATIC_PERIOD_MS = 100.0
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the engine knows about serving right now (read at a quantum boundary)."""
+
+    now: float  # monotonic seconds
+    serving_prefill_pending: int  # serving requests not yet past prefill (TTFT at stake)
+    serving_running: int
+    serving_iteration_ms: float  # recent serving iteration time (EMA) ~ current TPOT
+    slo_tpot_ms: float | None
+
+
+class ServingOnly:
+    name = "serving_only"
+    admits_rollout = False
+    shares_serving_lane = False
+    yields_on_arrival = False
+
+    def may_run_rollout(self, s: Signals) -> bool:
+        return False
+
+    quantum_ms = 0.0
+
+
+class NaiveShare:
+    """Rollout at equal priority on the same lane, unbounded quanta: whole batches run
+    to completion before serving gets the lane back (no SLO awareness)."""
+
+    name = "naive_share"
+    admits_rollout = True
+    shares_serving_lane = True
+    yields_on_arrival = False
+
+    def may_run_rollout(self, s: Signals) -> bool:
+        return True
+
+    quantum_ms = None
+
+
+class StaticPartition:
+    """A fixed duty cycle for rollout on its own lane, whatever the serving load."""
+
+    name = "static_partition"
+    admits_rollout = True
+    shares_serving_lane = False
+    yields_on_arrival = False
+
+    def __init__(self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS) -> None:
+        self.share, self.period_ms, self.quantum_ms = share, period_ms, quantum_ms
+
+    def may_run_rollout(self, s: Signals) -> bool:
+        return (s.now * 1000.0) % self.period_ms < self.share * self.period_ms
+
+
+class Rose:
+    """Rollout on its own low-priority lane in bounded quanta; yields to every serving
+    arrival until its prefill is done (TTFT), and pauses while the serving iteration time
+    is near the TPOT SLO (the local SLO guard)."""
+
+    name = "rose"
+    admits_rollout = True
+    shares_serving_lane = False
+    yields_on_arrival = True
+
+    def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION) -> None:
+        self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction
+
+    def may_run_rollout(self, s: Signals) -> bool:
+        if s.serving_prefill_pending:
+            return False
+        if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
+            return False
+        return True
+
+
+def make_policy(name: str, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, static_share: float = DEFAULT_STATIC_SHARE):
+    if name == "serving_only":
+        return ServingOnly()
+    if name == "naive_share":
+        return NaiveShare()
+    if name == "static_partition":
+        return StaticPartition(static_share, DEFAULT_STATIC_PERIOD_MS, quantum_ms)
+    if name == "rose":
+        return Rose(quantum_ms, guard_fraction)
+    raise ValueError(f"unknown co-serving policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,129 @@
+"""What callers hand the engine and what they get back: plain dataclasses, no transport.
+
+The HTTP API and the bus handlers translate their own wire types (``contracts/``) into
+these; the engine never sees JSON. Every validation problem is an ``InvalidRequest``
+(a ``ValueError``) raised by ``Engine.submit`` before anything is queued, with a message
+that says what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_STOP_STRINGS = 16
+SERVING_MODEL_VERSION = 0  # the serving model is never updated; its outputs carry version 0
+
+
+class WorkClass(enum.Enum):
+    SERVING = "serving"  # production traffic, latency SLO, always first
+    ROLLOUT = "rollout"  # RL rollout, best effort, only inside a lease
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as given (bad prompt or sampling parameters)."""
+
+
+class RolloutRejected(RuntimeError):
+    """A rollout request arrived when rollout is not admitted; ``reason`` is machine-readable."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason  # "no_lease" | "lease_expired" | "lease_revoked" | "draining"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 means greedy; seed makes sampling reproducible per request."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # do not stop at the tokenizer's eos (benchmarks with fixed lengths)
+
+    def validate(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequest(f"seed must be an integer or null, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: a serving completion, or one turn of a rollout trajectory.
+
+    ``trajectory_id`` (rollout only) keys prefix-cache retention between turns: the next
+    turn's prompt should extend this turn's prompt + output, and only the new tokens
+    are prefilled. ``stream`` False delivers a single final delta (cheaper for rollout).
+    """
+
+    request_id: str
+    work_class: WorkClass
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    trajectory_id: str | None = None
+    stream: bool = True
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New output since the previous delta (for server-sent events)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds, measured by the engine on the monotonic clock from submit()."""
+
+    queue_ms: float  # submit -> first scheduled
+    ttft_ms: float  # submit -> first output token
+    tpot_ms: float  # mean time per output token after the first (0 with one token)
+    total_ms: float  # submit -> finished
+    token_times_ms: tuple[float, ...]  # each output token, relative to submit
+    preemptions: int  # times a rollout sequence lost its KV and was recomputed
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The final output.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the model's
+    *untempered* distribution (log_softmax of the raw logits, no top-p), the quantity an
+    RL trainer compares against. ``token_versions[i]`` is the policy version whose weights
+    sampled token i: a rollout preempted across a weight update carries both versions;
+    ``policy_version`` is the version of the last token. ``token_ids`` include the tokens
+    that completed a stop string; ``text`` excludes the stop string.
+    """
+
+    request_id: str
+    work_class: WorkClass
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: FinishReason
+    token_versions: tuple[int, ...]
+    policy_version: int
+    prefix_cached_tokens: int
+    timings: Timings

@@ -1,0 +1,61 @@
+"""Rollout generation over the bus: one `GenerateRequest` per turn, admitted only under the lease."""
+
+from __future__ import annotations
+
+from rose.contracts.executor import GenerateReply, GenerateRequest, GenerateTimings
+from rose.shared.bus import Delivery
+
+from .engine import Engine
+from .leases import LeaseGuard
+from .protocol import GenerationRequest, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+
+
+class RolloutApi:
+    def __init__(self, engine: Engine, guard: LeaseGuard, executor_id: str) -> None:
+        self.engine = engine
+        self.guard = guard
+        self.executor_id = executor_id
+
+    def _rejected(self, request: GenerateRequest, reason: str, detail: str) -> GenerateReply:
+        return GenerateReply(
+            request_id=request.request_id, executor_id=self.executor_id, status="rejected", reject_reason=reason, error=detail  # type: ignore[arg-type]
+        )
+
+    async def generate(self, request: GenerateRequest, _delivery: Delivery) -> GenerateReply:
+        refused = self.guard.admission_error(request)
+        if refused is not None:
+            return self._rejected(request, *refused)
+        if self.engine.policy_version < request.min_policy_version:
+            return self._rejected(
+                request, "overloaded", f"policy version {self.engine.policy_version} is older than the requested {request.min_policy_version}"
+            )
+        s = request.sampling
+        engine_request = GenerationRequest(
+            request_id=request.request_id,
+            work_class=WorkClass.ROLLOUT,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            sampling=SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), seed=s.seed
+            ),
+            trajectory_id=request.trajectory_id,
+            stream=False,
+        )
+        try:
+            handle = self.engine.submit(engine_request)
+        except RolloutRejected as exc:
+            return self._rejected(request, exc.reason, str(exc))
+        except InvalidRequest as exc:
+            return self._rejected(request, "invalid", str(exc))
+        result = await handle.result()
+        t = result.timings
+        return GenerateReply(
+            request_id=request.request_id,
+            executor_id=self.executor_id,
+            status="ok",
+            token_ids=list(result.token_ids),
+            logprobs=list(result.logprobs),
+            finish_reason=result.finish_reason,
+            policy_version=result.policy_version,
+            prefix_cached_tokens=result.prefix_cached_tokens,
+            timings=GenerateTimings(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms, total_ms=t.total_ms, preemptions=t.preemptions),
+        )

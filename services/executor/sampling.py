@@ -1,0 +1,62 @@
+"""Token sampling and stop detection, per sequence.
+
+Each sequence has its own ``torch.Generator`` (seeded from the request, or from the
+engine's seed sequence when the request has none), so a seeded request samples the same
+tokens whatever else shares its batch and however often it is preempted: preemption
+never consumes randomness. Logprobs are of the sampled token under the *untempered*
+distribution (log_softmax of raw logits), documented in ``GenerationResult``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .protocol import SamplingParams
+
+
+class SamplerState:
+    """Per-sequence sampling state: generator and parameters."""
+
+    def __init__(self, params: SamplingParams, seed: int) -> None:
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+
+def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int], list[float]]:
+    """Sample one token per row of float32 ``logits`` [B, vocab]; return ids and their logprobs."""
+    logits = logits.cpu()
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    for row, state in enumerate(states):
+        p = state.params
+        if p.temperature == 0:
+            tokens.append(greedy[row])
+            continue
+        probs = torch.softmax(logits[row] / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            probs = _top_p_filter(probs, p.top_p)
+        tokens.append(int(torch.multinomial(probs, 1, generator=state.generator).item()))
+    picked = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return tokens, picked
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+    sorted_probs, order = probs.sort(descending=True)
+    cumulative = sorted_probs.cumsum(0)
+    drop = cumulative - sorted_probs >= top_p
+    sorted_probs[drop] = 0.0
+    filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return filtered / filtered.sum()
+
+
+def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
+    """Index of the earliest stop string starting at or after ``search_from`` (or -1)."""
+    best = -1
+    for s in stops:
+        i = text.find(s, max(0, search_from))
+        if i != -1 and (best == -1 or i < best):
+            best = i
+    return best

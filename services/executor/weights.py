@@ -1,0 +1,61 @@
+"""Policy weight updates: validate fully, stage, then swap between iterations.
+
+``stage`` checks every name, shape and dtype against the live model before anything is
+copied, so a bad state dict raises ``WeightUpdateError`` and the old weights stay. The
+swap itself (``StagedWeights.apply``) is an in-place copy into the parameters, done by
+the rollout lane between quanta — never inside a batch — so every token is produced by
+exactly one version. Partial state dicts (a subset of names) are allowed: a delta sync
+may only change some tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class WeightUpdateError(ValueError):
+    """The state dict does not fit the policy model; nothing was changed."""
+
+
+@dataclass
+class StagedWeights:
+    tensors: dict[str, torch.Tensor]
+    version: int
+
+    @torch.no_grad()
+    def apply(self, model: torch.nn.Module) -> float:
+        """Copy into the live parameters; returns the pause in milliseconds."""
+        start = time.perf_counter()
+        live = model.state_dict()
+        for name, tensor in self.tensors.items():
+            live[name].copy_(tensor)
+        if live and next(iter(live.values())).is_cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000.0
+
+
+def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
+    if not isinstance(version, int) or version < 0:
+        raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+    if not state_dict:
+        raise WeightUpdateError("empty state dict: nothing to update")
+    live = model.state_dict()
+    unknown = sorted(set(state_dict) - set(live))
+    if unknown:
+        raise WeightUpdateError(f"unknown parameter names (not in the policy model): {unknown[:5]}")
+    problems = []
+    for name, tensor in state_dict.items():
+        ref = live[name]
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name}: not a tensor")
+        elif tuple(tensor.shape) != tuple(ref.shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} != {tuple(ref.shape)}")
+        elif tensor.dtype != ref.dtype:
+            problems.append(f"{name}: dtype {tensor.dtype} != {ref.dtype}")
+    if problems:
+        raise WeightUpdateError("state dict does not match the policy model: " + "; ".join(problems[:5]))
+    device = next(iter(live.values())).device
+    return StagedWeights({n: t.detach().to(device, copy=True) for n, t in state_dict.items()}, version)

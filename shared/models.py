@@ -1,0 +1,231 @@
+"""Building and loading the models ROSE runs: a serving model and an RL policy model.
+
+Why this module exists: the executor must host two *different* real models on one device
+(the production serving model and the policy being trained), and a user must be able to
+point it at any local Hugging Face directory instead. So there is exactly one way to load
+a model (``load_model`` / ``load_tokenizer``: local files only, never a download), and
+``init_models`` builds a small default pair in that same format so everything runs on a
+laptop CPU: Qwen2 weights saved as safetensors by ``save_pretrained`` and a byte-level BPE
+tokenizer trained here with the ``tokenizers`` library on a generated corpus (arithmetic,
+plain English, Python snippets, tool-call markup), saved as ``tokenizer.json`` with a
+``tokenizer_config.json`` so ``transformers.AutoTokenizer`` loads it.
+
+The weights are random (seeded); the models are for systems work — latency, memory,
+scheduling, weight sync — not for answering questions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+DEFAULT_SEED = 0
+VOCAB_SIZE = 4096
+MAX_POSITIONS = 2048
+CORPUS_LINES = 6000
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
+
+# Qwen-style chat template, so /v1/chat/completions can render messages to a prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SERVING_DIRNAME = "serving"
+POLICY_DIRNAME = "policy"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers that define one of the default models."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+
+SERVING_SHAPE = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
+POLICY_SHAPE = ModelShape(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2, intermediate_size=1024)
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    serving: Path
+    policy: Path
+
+
+# ---------------------------------------------------------------------------- corpus
+
+_WORDS = (
+    "the a cat dog model agent tool answer result question server latency token batch "
+    "memory queue request policy reward step turn river house tree light water time day "
+    "small big fast slow good new old first last long short red blue green runs sees "
+    "makes takes gives finds reads writes adds checks returns computes sends keeps"
+).split()
+_PY_TEMPLATES = (
+    "def {f}(x, y):\n    return x {op} y\n",
+    "for i in range({n}):\n    total += i {op} {m}\n",
+    "result = {f}({n}, {m})\nprint(result)\n",
+    "if x > {n}:\n    x = x {op} {m}\nelse:\n    x = {m}\n",
+    "class {F}:\n    def __init__(self):\n        self.value = {n}\n",
+    "items = [{n}, {m}, {n} {op} {m}]\nassert len(items) == 3\n",
+)
+_OPS = ("+", "-", "*")
+
+
+def _arith(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 999), rng.randint(0, 99)
+    op = rng.choice(_OPS)
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a}{op}{b}", value
+
+
+def build_corpus(seed: int, lines: int = CORPUS_LINES) -> list[str]:
+    """A deterministic mixed corpus for training the tokenizer."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for i in range(lines):
+        kind = i % 5
+        if kind == 0:
+            expr, value = _arith(rng)
+            out.append(f"{expr} = {value}")
+        elif kind == 1:
+            n = rng.randint(5, 14)
+            sentence = " ".join(rng.choice(_WORDS) for _ in range(n))
+            out.append(sentence.capitalize() + ".")
+        elif kind == 2:
+            f = rng.choice(["add", "mul", "step", "score", "run", "calc"])
+            out.append(
+                rng.choice(_PY_TEMPLATES).format(
+                    f=f, F=f.capitalize(), op=rng.choice(_OPS), n=rng.randint(0, 99), m=rng.randint(0, 99)
+                )
+            )
+        elif kind == 3:
+            expr, value = _arith(rng)
+            out.append(
+                f"{IM_START}user\nWhat is {expr}?{IM_END}\n{IM_START}assistant\n"
+                f"<tool>calc: {expr}</tool>{IM_END}\n{IM_START}tool\n<result>{value}</result>{IM_END}\n"
+                f"{IM_START}assistant\n<answer>{value}</answer>{IM_END}{EOS_TOKEN}"
+            )
+        else:
+            expr, value = _arith(rng)
+            out.append(f"Question: what is {expr}? <tool>calc: {expr}</tool> <result>{value}</result> <answer>{value}</answer>")
+    return out
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE tokenizer and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(build_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def _qwen2_config(shape: ModelShape, vocab_size: int, eos_id: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        torch_dtype="float32",
+    )
+
+
+def build_model(shape: ModelShape, vocab_size: int, eos_id: int, seed: int):
+    """A randomly initialised Qwen2 causal LM, deterministic given seed."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(_qwen2_config(shape, vocab_size, eos_id))
+    return model.eval()
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def init_models(directory: str | Path, seed: int = DEFAULT_SEED) -> ModelPaths:
+    """Build the default serving and policy models (plus tokenizer) under ``directory``."""
+    _quiet_transformers()
+    root = Path(directory)
+    tokenizer = train_tokenizer(seed)
+    vocab = len(tokenizer)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    paths = ModelPaths(serving=root / SERVING_DIRNAME, policy=root / POLICY_DIRNAME)
+    for offset, (path, shape) in enumerate(((paths.serving, SERVING_SHAPE), (paths.policy, POLICY_SHAPE))):
+        path.mkdir(parents=True, exist_ok=True)
+        model = build_model(shape, vocab, eos_id, seed + offset)
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+    return paths
+
+
+def load_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load any local HF-format Qwen2 or Llama causal LM, in eval mode, without downloading."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{directory}: model_type {config.model_type!r} is not supported; "
+            f"use a Qwen2 or Llama checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(directory: str | Path):
+    """Load the tokenizer saved next to a model, without downloading."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
