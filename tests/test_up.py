@@ -65,6 +65,31 @@ def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
         out.close()
 
 
+def test_up_uses_nats_url_instead_of_starting_a_server(tmp_path, models_dir, nats_server):
+    state = tmp_path / "state"
+    shutil.copytree(models_dir, state / "models")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_")}
+    env.update({"NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state), "ROSE_RUNTIME__INSTANCE": "ex-up-external", "ROSE_ENGINE__DEVICE": "cpu"})
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while "ROSE is up" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        assert json.loads((state / "up.json").read_text())["embedded_nats"] is False
+        assert "external" in log.read_text()
+        report = json.loads(_rose("status", "--json", env=env).stdout)
+        assert report["nats_url"] == nats_server.url
+        assert "ex-up-external" in {s["instance"] for s in report["services"]}
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
 def _children(pid: int) -> list[int]:
     """Pids of the direct children of `pid`, from /proc."""
     kids = []
