@@ -11,12 +11,13 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from .engine import Engine
-from .protocol import GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, WorkClass
+from .engine import Engine, RequestHandle
+from .protocol import GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, StreamDelta, WorkClass
 from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -145,8 +146,7 @@ class OpenAIApi:
             ids = ids["input_ids"]
         return tuple(int(t) for t in ids)
 
-    def _submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stream: bool):
-        """Queue a serving request; the caller must `_abandon(handle)` if the client goes away."""
+    def _submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stream: bool) -> tuple[str, RequestHandle]:
         request = GenerationRequest(
             request_id=f"srv-{uuid.uuid4().hex[:16]}", work_class=WorkClass.SERVING, prompt_token_ids=prompt_ids, sampling=sampling, stream=stream
         )
@@ -167,33 +167,16 @@ class OpenAIApi:
         want_logprobs = body.get("logprobs") is not None
         stream = bool(body.get("stream", False))
         request_id, handle = self._submit(prompt_ids, sampling, stream)
-        cid = f"cmpl-{request_id}"
-        try:
-            return await self._complete(request, handle, cid, prompt_ids, stream, want_logprobs)
-        except (ConnectionResetError, asyncio.CancelledError):
-            handle.cancel()  # the client left: free the engine's slot
-            raise
 
-    async def _complete(self, request, handle, cid, prompt_ids, stream, want_logprobs) -> web.StreamResponse:
-        if stream:
-            response = await self._sse_start(request)
-            async for delta in handle:
-                chunk = {
-                    "id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                    "choices": [{"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.token_ids, delta.logprobs) if want_logprobs else None,
-                                 "finish_reason": delta.finish_reason if delta.finished else None}],
-                }
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        result = await handle.result()
-        return web.json_response(
-            {
-                "id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "text": result.text, "logprobs": self._logprobs(result.token_ids, result.logprobs) if want_logprobs else None, "finish_reason": result.finish_reason}],
-                "usage": self._usage(len(prompt_ids), result),
-            }
-        )
+        def final(result: GenerationResult) -> dict[str, Any]:
+            lp = self._logprobs(result.token_ids, result.logprobs) if want_logprobs else None
+            return {"index": 0, "text": result.text, "logprobs": lp, "finish_reason": result.finish_reason}
+
+        def chunk(delta: StreamDelta, _first: bool) -> dict[str, Any]:
+            lp = self._logprobs(delta.token_ids, delta.logprobs) if want_logprobs else None
+            return {"index": 0, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason if delta.finished else None}
+
+        return await self._answer(request, handle, f"cmpl-{request_id}", ("text_completion", "text_completion"), len(prompt_ids), stream, final, chunk)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -201,36 +184,47 @@ class OpenAIApi:
         prompt_ids = self._chat_prompt_ids(body.get("messages"))
         stream = bool(body.get("stream", False))
         request_id, handle = self._submit(prompt_ids, sampling, stream)
-        cid = f"chatcmpl-{request_id}"
-        try:
-            return await self._chat(request, handle, cid, prompt_ids, stream)
-        except (ConnectionResetError, asyncio.CancelledError):
-            handle.cancel()
-            raise
 
-    async def _chat(self, request, handle, cid, prompt_ids, stream) -> web.StreamResponse:
-        if stream:
+        def final(result: GenerationResult) -> dict[str, Any]:
+            return {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason}
+
+        def chunk(delta: StreamDelta, first: bool) -> dict[str, Any]:
+            piece = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            return {"index": 0, "delta": piece, "finish_reason": delta.finish_reason if delta.finished else None}
+
+        objects = ("chat.completion", "chat.completion.chunk")
+        return await self._answer(request, handle, f"chatcmpl-{request_id}", objects, len(prompt_ids), stream, final, chunk)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        handle: RequestHandle,
+        cid: str,
+        objects: tuple[str, str],
+        prompt_len: int,
+        stream: bool,
+        final: Callable[[GenerationResult], dict[str, Any]],
+        chunk: Callable[[StreamDelta, bool], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """One JSON answer, or server-sent events ending in [DONE]; a departed client cancels the work."""
+        head = {"id": cid, "model": self.model_name}
+        try:
+            if not stream:
+                result = await handle.result()
+                return web.json_response(
+                    {**head, "object": objects[0], "created": int(time.time()), "choices": [final(result)], "usage": self._usage(prompt_len, result)}
+                )
             response = await self._sse_start(request)
             first = True
             async for delta in handle:
-                piece: dict[str, Any] = {"content": delta.text}
-                if first:
-                    piece["role"], first = "assistant", False
-                chunk = {
-                    "id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name,
-                    "choices": [{"index": 0, "delta": piece, "finish_reason": delta.finish_reason if delta.finished else None}],
-                }
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                event = {**head, "object": objects[1], "created": int(time.time()), "choices": [chunk(delta, first)]}
+                first = False
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             return response
-        result = await handle.result()
-        return web.json_response(
-            {
-                "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason}],
-                "usage": self._usage(len(prompt_ids), result),
-            }
-        )
+        except (ConnectionResetError, asyncio.CancelledError):
+            handle.cancel()  # the client left: free the engine's slot
+            raise
 
     def _logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> dict[str, Any]:
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
