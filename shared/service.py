@@ -13,6 +13,7 @@ replies still go out.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -20,20 +21,41 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from rose import __version__
 from rose.contracts.registry import HEARTBEAT, SERVICE_EVENT, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat, ServiceEvent
 
 from .bus import Bus
-from .config import BusConfig, RuntimeConfig
+from .config import BusConfig, ConfigError, RuntimeConfig, load_config
 from .provisioning import provision
 from .tracing import setup_tracing
 
 log = logging.getLogger("rose.service")
 
 LoadFn = Callable[[], dict[str, float]]
+C = TypeVar("C")
+
+
+def service_main(argv: list[str], *, service: str, description: str, config_cls: type[C], run: Callable[[C], Awaitable[Any]]) -> int:
+    """The `main(argv)` of every service: `--config FILE`, one validation pass, run until signalled.
+
+    A bad configuration stops the service before it connects, with the field, its source
+    and what is allowed (exit code 2), not a traceback.
+    """
+    parser = argparse.ArgumentParser(prog=f"rose run {service}", description=description)
+    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(config_cls, path=args.config)  # type: ignore[type-var]
+    except ConfigError as exc:
+        print(f"rose run {service}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(run(config))
+    return 0
 
 
 def default_instance(service: str) -> str:

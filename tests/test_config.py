@@ -49,3 +49,14 @@ def test_bad_type_and_unknown_toml_field(tmp_path):
 def test_missing_or_broken_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(DemoConfig, path="/nonexistent/rose.toml", env={})
+
+
+def test_a_service_with_a_bad_value_stops_at_start_naming_the_field():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ROSE_ENGINE__QUANTUM_MS": "-3"}
+    proc = subprocess.run([sys.executable, "-m", "rose.cli.main", "run", "executor"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "engine.quantum_ms" in proc.stderr and "ROSE_ENGINE__QUANTUM_MS" in proc.stderr and "> 0" in proc.stderr

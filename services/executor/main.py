@@ -5,7 +5,6 @@ connect -> load models -> start engine -> lease guard -> bus endpoints -> HTTP -
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import logging
@@ -14,10 +13,9 @@ from pathlib import Path
 from aiohttp import web
 
 from rose.contracts.registry import GENERATE
-from rose.shared.config import load_config
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models
 from rose.shared.nats_server import state_dir
-from rose.shared.service import ServiceRuntime
+from rose.shared.service import ServiceRuntime, service_main
 
 from .config import MIB, ExecutorConfig
 from .engine import Engine, EngineConfig
@@ -97,8 +95,4 @@ async def run(config: ExecutorConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rose run executor", description="Run a co-serving executor.")
-    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
-    args = parser.parse_args(argv)
-    asyncio.run(run(load_config(ExecutorConfig, path=args.config)))
-    return 0
+    return service_main(argv, service="executor", description="Run a co-serving executor.", config_cls=ExecutorConfig, run=run)
