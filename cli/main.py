@@ -14,6 +14,10 @@ from rose import __version__
 # Each module has `main(argv) -> int`.
 SERVICE_MODULES: dict[str, str] = {
     "executor": "rose.services.executor.main",
+    "slo_monitor": "rose.services.slo_monitor.main",
+    "scheduler": "rose.services.scheduler.main",
+    "rollout_worker": "rose.services.rollout_worker.main",
+    "weight_publisher": "rose.services.weight_publisher.main",
 }
 
 
@@ -66,6 +70,25 @@ def _cmd_bench_coserve(args: argparse.Namespace) -> int:
         out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console()
     )
     return 0
+
+
+def _cmd_bench_elastic(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench_elastic import run_elastic_bench
+
+    result = run_elastic_bench(
+        out_json=args.json, seed=args.seed, executors=args.executors, dedicated=args.dedicated, burst_factor=args.burst_factor,
+        duration_s=args.duration, model_dir=args.models, console=Console(),
+    )
+    return 0 if result["tasks_lost"] == 0 else 1
+
+
+def _cmd_bench_weights(args: argparse.Namespace) -> int:
+    from .bench_weights import run_weights_bench
+
+    out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
+    return 0 if all(out["meets_target"].values()) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_cmd_bench_coserve)
+    b = bsub.add_parser("weights", help="RL-like weight deltas published by the SDK and applied by a real executor, vs nats-py's object store")
+    b.add_argument("--json", default="bench-out/weights.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--params", type=int, default=25_000_000, help="parameters of the Qwen2 policy")
+    b.add_argument("--steps", type=int, default=10, help="AdamW steps, one published version each")
+    b.add_argument("--lr", type=float, default=1e-6, help="learning rate of the fp32 master weights")
+    b.add_argument("--seed", type=int, default=0, help="seed of the weights and the training batches")
+    b.set_defaults(func=_cmd_bench_weights)
+    b = bsub.add_parser(
+        "elastic",
+        help="serving executors under a bursty trace, dedicated executors, monitor, scheduler and a rollout worker as real processes; kill -9 and NATS restart mid-run",
+    )
+    b.add_argument("--json", default="bench-out/elastic.json", help="where to write the JSON result (the timeline PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the task order")
+    b.add_argument("--executors", type=int, default=2, help="serving (opportunistic) executors")
+    b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.add_argument("--burst-factor", type=float, default=3.0, help="serving arrival rate during a burst, as a multiple of the base rate")
+    b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_cmd_bench_elastic)
     return parser
 
 

@@ -16,10 +16,19 @@ from .executor import (
     SamplingParams,
 )
 from .lease import Lease, LeaseEvent
-from .rollout import PlacementEvent, RolloutTask, ToolCall, Trajectory, TurnRecord, TurnRoute, TurnRouteRequest
+from .rollout import PlacementEvent, RolloutTask, ToolCall, Trajectory, TurnCheckpoint, TurnRecord, TurnRoute, TurnRouteRequest
 from .service import DeadLetter, Heartbeat, ServiceEvent
 from .slo import Headroom, SloAlert
-from .weights import ShardInfo, TensorInfo, WeightApplied, WeightFailed, WeightManifest
+from .weights import (
+    ShardInfo,
+    TensorInfo,
+    WeightApplied,
+    WeightFailed,
+    WeightManifest,
+    WeightPublishAccepted,
+    WeightPublishFailed,
+    WeightPublishRequest,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -45,10 +54,14 @@ __all__ = [
     "TensorInfo",
     "ToolCall",
     "Trajectory",
+    "TurnCheckpoint",
     "TurnRecord",
     "TurnRoute",
     "TurnRouteRequest",
     "WeightApplied",
     "WeightFailed",
     "WeightManifest",
+    "WeightPublishAccepted",
+    "WeightPublishFailed",
+    "WeightPublishRequest",
 ]

@@ -17,10 +17,10 @@ from enum import Enum
 from .base import Message
 from .executor import GenerateReply, GenerateRequest, MetricsSnapshot
 from .lease import Lease, LeaseEvent
-from .rollout import PlacementEvent, RolloutTask, Trajectory, TurnRoute, TurnRouteRequest
+from .rollout import PlacementEvent, RolloutTask, Trajectory, TurnCheckpoint, TurnRoute, TurnRouteRequest
 from .service import DeadLetter, Heartbeat, ServiceEvent
 from .slo import Headroom, SloAlert
-from .weights import WeightApplied, WeightFailed, WeightManifest
+from .weights import WeightApplied, WeightFailed, WeightManifest, WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 
 SUBJECT_PREFIX = "rose"
 TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -176,18 +176,27 @@ TRAJECTORIES_STREAM = StreamSpec(
 )
 MANIFESTS_STREAM = StreamSpec(
     "ROSE_WEIGHT_MANIFESTS",
-    ("rose.weights.manifest.*",),
-    "One manifest per published weight version, so a joining executor can catch up.",
+    ("rose.weights.manifest.*.*.*",),
+    "One manifest per published weight version, one subject per version, so a joining executor "
+    "finds the latest keyframe (last message on the model's keyframe subjects) and the deltas after it.",
     max_age_s=0.0,
 )
 
 SERVICES_KV = KeyValueSpec("rose_services", "Latest heartbeat of every live service instance.", ttl_s=60.0)
 LEASES_KV = KeyValueSpec("rose_leases", "The current rollout lease of each executor.", history=5)
+TURNS_KV = KeyValueSpec(
+    "rose_rollout_turns", "Finished turns by (task id, turn index), so a redelivered task resumes.", ttl_s=24 * 3600.0
+)
 WEIGHTS_OBJECTS = ObjectStoreSpec("rose_weights", "Weight shards (keyframes and deltas), chunked.")
+WEIGHTS_STAGING_OBJECTS = ObjectStoreSpec(
+    "rose_weights_staging",
+    "Dense safetensors a trainer uploads for the publisher when they share no filesystem; expire after a day.",
+    ttl_s=24 * 3600.0,
+)
 
 STREAMS = (EVENTS_STREAM, DLQ_STREAM, TELEMETRY_STREAM, TASKS_STREAM, TRAJECTORIES_STREAM, MANIFESTS_STREAM)
-KV_BUCKETS = (SERVICES_KV, LEASES_KV)
-OBJECT_STORES = (WEIGHTS_OBJECTS,)
+KV_BUCKETS = (SERVICES_KV, LEASES_KV, TURNS_KV)
+OBJECT_STORES = (WEIGHTS_OBJECTS, WEIGHTS_STAGING_OBJECTS)
 
 ALL_SERVICES = ("executor", "slo_monitor", "scheduler", "weight_publisher", "rollout_worker", "trainer")
 
@@ -327,18 +336,28 @@ TRAJECTORY = Channel(
     "rose.rollout.trajectories.{status}",
     Kind.STREAM,
     Trajectory,
-    "Completed or failed trajectories, durable, for the trainer.",
+    "Completed or failed trajectories, durable, for the trainer (de-duplicated by trajectory id).",
     publishers=("rollout_worker",),
-    consumers=("trainer", "integrations"),
+    consumers=("trainer", "scheduler", "integrations"),
     stream=TRAJECTORIES_STREAM,
     max_bytes=TRAJECTORIES_STREAM.max_msg_size,
 )
+TURN_CHECKPOINT = Channel(
+    "rollout.turn_checkpoint",
+    "{task_id}.{turn_index}",
+    Kind.KV,
+    TurnCheckpoint,
+    "A finished turn of a task: the idempotence key of at-least-once rollout.",
+    publishers=("rollout_worker",),
+    consumers=("rollout_worker",),
+    kv=TURNS_KV,
+)
 WEIGHT_MANIFEST = Channel(
     "weights.manifest",
-    "rose.weights.manifest.{model}",
+    "rose.weights.manifest.{model}.{kind}.{version}",
     Kind.STREAM,
     WeightManifest,
-    "A new weight version: its shards, encodings and digests.",
+    "A new weight version: its shards, encodings and digests; kind is `keyframe` or `delta`.",
     publishers=("weight_publisher",),
     consumers=("executor", "integrations"),
     stream=MANIFESTS_STREAM,
@@ -354,6 +373,38 @@ WEIGHT_SHARDS = Channel(
     encoding=Encoding.BYTES,
     objects=WEIGHTS_OBJECTS,
     max_bytes=BULK_CHUNK_MAX_BYTES,
+)
+WEIGHT_STAGING = Channel(
+    "weights.staging",
+    "{object_name}",
+    Kind.OBJECTS,
+    None,
+    "Dense safetensors staged by a trainer's SDK for the publisher (when they share no path).",
+    publishers=("trainer",),
+    consumers=("weight_publisher",),
+    encoding=Encoding.BYTES,
+    objects=WEIGHTS_STAGING_OBJECTS,
+    max_bytes=BULK_CHUNK_MAX_BYTES,
+)
+WEIGHT_PUBLISH = Channel(
+    "weights.publish",
+    "rose.weights.publish.{model}",
+    Kind.REQUEST,
+    WeightPublishRequest,
+    "Publish a new version of a model; answered when the request is queued, not when it is published.",
+    publishers=("trainer",),
+    consumers=("weight_publisher",),
+    reply=WeightPublishAccepted,
+)
+WEIGHT_PUBLISH_FAILED = Channel(
+    "weights.publish_failed",
+    "rose.events.weights.publish_failed.{model}",
+    Kind.STREAM,
+    WeightPublishFailed,
+    "An accepted publish request failed; the version was not published.",
+    publishers=("weight_publisher",),
+    consumers=("trainer", "integrations"),
+    stream=EVENTS_STREAM,
 )
 WEIGHT_APPLIED = Channel(
     "weights.applied",
@@ -391,8 +442,12 @@ CHANNELS: tuple[Channel, ...] = (
     PLACEMENT,
     ROLLOUT_TASK,
     TRAJECTORY,
+    TURN_CHECKPOINT,
     WEIGHT_MANIFEST,
     WEIGHT_SHARDS,
+    WEIGHT_STAGING,
+    WEIGHT_PUBLISH,
+    WEIGHT_PUBLISH_FAILED,
     WEIGHT_APPLIED,
     WEIGHT_FAILED,
 )

@@ -20,6 +20,9 @@ class RolloutTask(Message):
     max_turns: NonNegInt = 4
     env_args: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: UnixSeconds = 0.0
+    # How turns are placed: "affinity" (prefer the executor holding the prefix cache) or
+    # "random" (the baseline `rose bench elastic` measures affinity against).
+    routing: Literal["affinity", "random"] = "affinity"
 
 
 class TurnRouteRequest(Message):
@@ -29,17 +32,31 @@ class TurnRouteRequest(Message):
     turn_index: NonNegInt
     prompt_tokens: NonNegInt
     previous_executor: str = ""
+    task_id: str = ""
+    group_id: str = ""
+    group_size: NonNegInt = 1
+    routing: Literal["affinity", "random"] = "affinity"
+    exclude: list[str] = msgspec.field(default_factory=list)  # executors that refused or failed this turn
+    hedge: bool = False  # a duplicate of a straggling turn: first result wins
+    elapsed_s: NonNegFloat = 0.0  # how long the turn being hedged has run
+    typical_turn_s: NonNegFloat = 0.0  # the worker's median turn time, for the straggler test
 
 
 class TurnRoute(Message):
-    """The scheduler's answer: an executor and the lease the turn runs under."""
+    """The scheduler's answer: an executor and the lease the turn runs under.
+
+    An empty `executor_id` means no executor can take the turn now (or a hedge was not
+    worth it); the worker waits `retry_after_s` and asks again.
+    """
 
     trajectory_id: Identifier
     turn_index: NonNegInt
-    executor_id: Identifier
+    executor_id: str = ""
     lease_id: str = ""
     lease_epoch: NonNegInt = 0
+    role: Literal["serving", "dedicated", ""] = ""
     reason: str = ""
+    retry_after_s: NonNegFloat = 0.0
 
 
 class PlacementEvent(Message):
@@ -50,6 +67,9 @@ class PlacementEvent(Message):
     executor_id: Identifier
     at: UnixSeconds
     reason: str
+    lease_id: str = ""
+    lease_epoch: NonNegInt = 0
+    hedge: bool = False
 
 
 class ToolCall(msgspec.Struct, kw_only=True):
@@ -70,9 +90,26 @@ class TurnRecord(msgspec.Struct, kw_only=True):
     policy_version: NonNegInt
     executor_id: str
     finish_reason: str = ""
+    prefix_cached_tokens: NonNegInt = 0
+    attempts: NonNegInt = 1  # executors tried (refusals, failures, interrupted turns resumed by recompute)
+    text: str = ""
+    observation: str = ""  # what the environment answered after this turn
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
     started_at: UnixSeconds = 0.0
     finished_at: UnixSeconds = 0.0
+
+
+class TurnCheckpoint(Message):
+    """A finished turn, kept in a KV bucket so a redelivered task resumes instead of redoing it.
+
+    Keyed by (task id, turn index): that is the idempotence key of at-least-once rollout.
+    """
+
+    task_id: Identifier
+    trajectory_id: Identifier
+    turn: TurnRecord
+    done: bool = False
+    reward: float = 0.0
 
 
 class Trajectory(Message):
@@ -86,6 +123,7 @@ class Trajectory(Message):
     group_id: str = ""
     reason: str = ""
     reward: float = 0.0
+    routing: str = "affinity"
     turns: list[TurnRecord] = msgspec.field(default_factory=list)
     created_at: UnixSeconds = 0.0
     finished_at: UnixSeconds = 0.0

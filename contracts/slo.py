@@ -8,7 +8,13 @@ from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSec
 
 
 class Headroom(Message):
-    """How much rollout an executor can take now while keeping a margin below its SLOs."""
+    """How much rollout an executor can take now while keeping a margin below its SLOs.
+
+    `rollout_batch_slots` comes from the monitor's step-time model (see
+    `services/slo_monitor/headroom.py`); `lendable` is the monitor's verdict that latency is
+    well below the SLO. The device fields and `rollout_tokens_per_s` (the best rollout
+    throughput measured on this executor) let the scheduler weigh heterogeneous devices.
+    """
 
     executor_id: Identifier
     at: UnixSeconds
@@ -21,6 +27,20 @@ class Headroom(Message):
     slo_tpot_ms: NonNegFloat
     arrival_rate_rps: NonNegFloat
     serving_queue: NonNegInt
+    role: Literal["serving", "dedicated"] = "serving"
+    lendable: bool = False
+    reason: str = ""
+    ttft_p99_long_ms: NonNegFloat = 0.0
+    tpot_p99_long_ms: NonNegFloat = 0.0
+    arrival_rate_long_rps: NonNegFloat = 0.0
+    kv_utilisation: Fraction = 0.0
+    compute_utilisation: Fraction = 0.0
+    rollout_running: NonNegInt = 0
+    rollout_queue: NonNegInt = 0
+    rollout_tokens_per_s: NonNegFloat = 0.0
+    device_kind: str = ""
+    device_name: str = ""
+    device_memory_bytes: NonNegInt = 0
 
 
 class SloAlert(Message):

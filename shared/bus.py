@@ -50,6 +50,7 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 DLQ_PAYLOAD_LIMIT = 1 << 20
 CONSUME_BATCH = 16
 CONSUME_FETCH_TIMEOUT_S = 1.0
+MAX_CONCURRENT_REQUESTS = 256
 NO_RESPONDERS_FIRST_RETRY_S = 0.02
 
 
@@ -99,6 +100,7 @@ class Bus:
         self._js: JetStreamContext | None = None
         self._micro: MicroService | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._requests: set[asyncio.Task[None]] = set()
         self._kv: dict[str, KeyValue] = {}
         self._closing = False
         self.dead_letters = 0
@@ -155,11 +157,8 @@ class Bus:
         self._closing = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._tasks:  # bounded: a fetch in flight across a reconnect may swallow the cancel
+            await asyncio.wait(self._tasks, timeout=self.config.drain_timeout_s)
         self._tasks.clear()
         if self._micro is not None:
             try:
@@ -167,6 +166,8 @@ class Bus:
             except Exception as exc:  # a closed connection cannot unsubscribe; nothing to lose
                 log.debug("stopping service endpoints: %r", exc)
             self._micro = None
+        if self._requests:  # let requests in flight answer before the connection drains
+            await asyncio.wait(set(self._requests), timeout=self.config.drain_timeout_s)
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()
@@ -256,13 +257,24 @@ class Bus:
 
         A payload that fails to decode is answered with a 400 error that says what to fix and
         dead-lettered; a handler exception is answered with 500 and dead-lettered too.
+        Requests are answered concurrently (a NATS subscription delivers one message at a time,
+        so a long handler, e.g. a rollout turn, would otherwise serialise every caller), up to
+        `MAX_CONCURRENT_REQUESTS` at once per endpoint; `close` waits for those in flight.
         """
         if channel.kind is not Kind.REQUEST:
             raise TypeError(f"channel {channel.name!r} is not a request channel")
         subject = channel.subject(**tokens) if len(tokens) == len(channel.tokens) else channel.pattern(**tokens)
         micro = await self._micro_service()
 
+        slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
+
         async def on_request(req: MicroRequest) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(answer(req))
+            self._requests.add(task)
+            task.add_done_callback(lambda t: (self._requests.discard(t), slots.release()))
+
+        async def answer(req: MicroRequest) -> None:
             headers = req.headers or {}
             try:
                 message = await self._accept(channel, req.data, req.subject, headers)
@@ -342,7 +354,7 @@ class Bus:
         self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch), name=f"consume:{durable}"))
 
     async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH) -> None:
-        while True:
+        while not self._closing:
             try:
                 msgs = await sub.fetch(batch, timeout=CONSUME_FETCH_TIMEOUT_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):

@@ -138,7 +138,7 @@ def test_no_subject_string_is_written_outside_contracts():
     for folder in ("shared", "services", "cli"):
         for path in (REPO / folder).rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                if pattern.search(line):
+                if pattern.search(line) and "getLogger(" not in line:  # logger names are not subjects
                     offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert offenders == []
 

@@ -35,6 +35,15 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     slo_ttft_ms: Positive = 500.0
     slo_tpot_ms: Positive = 100.0
     seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of both models on the device
+
+
+class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Following the policy's published versions (weight manifests + shards on the bus)."""
+
+    follow: bool = True
+    model: str = "policy"  # the model name the trainer publishes under
+    report_digest: bool = False  # put a SHA-256 of the live policy in every WeightApplied (costs a pass over the weights)
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -50,6 +59,7 @@ class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     # serving: takes production traffic, rollout only under a scheduler's lease.
     # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
     role: Literal["serving", "dedicated"] = "serving"

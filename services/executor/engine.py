@@ -292,6 +292,10 @@ class Engine:
             self._rollout.wakeup.set()
         return done
 
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The live policy parameters (read-only use: a weight follower's base, a digest)."""
+        return self._rollout.model.state_dict()
+
     def stats(self) -> EngineStats:
         now = time.monotonic()
         interval = self.metrics.take_interval()

@@ -8,9 +8,11 @@ epoch; anything else is rejected with a reason the caller can act on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from rose.contracts.executor import GenerateRequest
 from rose.contracts.lease import Lease
@@ -33,6 +35,20 @@ class LeaseGuard:
         self.rollout_kv_bytes = rollout_kv_bytes
         self.current: Lease | None = None
         self.revoked_reason = "no_lease"
+        # called with the reason when rollout is taken back (revoked, alert, expired), so
+        # in-flight turns can be interrupted and resumed elsewhere at once
+        self.on_revoke: list[Callable[[str], None]] = []
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def _revoke(self, reason: str) -> None:
+        self.current = None
+        self.revoked_reason = reason
+        self.engine.revoke_rollout()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        for listener in self.on_revoke:
+            listener(reason)
 
     async def start(self, bus: Bus) -> None:
         if self.dedicated:  # a dedicated rollout executor lends itself to rollout for good
@@ -43,28 +59,31 @@ class LeaseGuard:
 
     async def _on_lease(self, _key: str, lease: Lease | None) -> None:
         if lease is None or lease.state != "active":
-            self.current = None
-            self.revoked_reason = "lease_revoked"
-            self.engine.revoke_rollout()
+            self._revoke("lease_revoked")
             log.info("lease revoked%s", f": {lease.reason}" if lease else "")
             return
         remaining = lease.expires_at - time.time()
         if remaining <= 0:
-            self.current = None
-            self.revoked_reason = "lease_expired"
-            self.engine.revoke_rollout()
+            self._revoke("lease_expired")
             return
         budget = min(lease.kv_bytes, self.rollout_kv_bytes)
         self.engine.set_rollout_lease(budget, time.monotonic() + remaining, lease.lease_id)
         self.current = lease
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(remaining, self._expire, lease.lease_id, lease.expires_at)
         log.info("lease %s epoch %d: %d KV bytes for %.1fs", lease.lease_id, lease.epoch, budget, remaining)
 
     async def _on_alert(self, alert: SloAlert, _d: Delivery) -> None:
         if alert.severity in ("burst", "violation") and self.current is not None:
             log.warning("SLO alert (%s): %s; yielding rollout now", alert.severity, alert.reason)
-            self.current = None
-            self.revoked_reason = "lease_revoked"
-            self.engine.revoke_rollout()
+            self._revoke("lease_revoked")
+
+    def _expire(self, lease_id: str, expires_at: float) -> None:
+        lease = self.current
+        if lease is not None and lease.lease_id == lease_id and lease.expires_at == expires_at:
+            self._expiry = None
+            self._revoke("lease_expired")
 
     def admission_error(self, request: GenerateRequest) -> tuple[str, str] | None:
         """(reason, detail) when the request does not run under the current lease, else None."""

@@ -10,17 +10,20 @@ import fcntl
 import logging
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from rose.contracts.registry import GENERATE
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models
 from rose.shared.nats_server import state_dir
 from rose.shared.service import ServiceRuntime, service_main
+from rose.shared.weight_sync import WeightFollower
 
 from .config import MIB, ExecutorConfig
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
 from .leases import LeaseGuard
+from .policy_updates import PolicyUpdates
 from .rollout_api import RolloutApi
 from .telemetry import Telemetry
 
@@ -59,6 +62,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         slo_tpot_ms=e.slo_tpot_ms,
         seed=e.seed,
         device=e.device,
+        dtype=getattr(torch, e.dtype),
     )
     return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
 
@@ -72,6 +76,18 @@ async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRun
     return runner, f"http://{config.http.public_host or config.http.host}:{port}"
 
 
+async def follow_weights(rt: ServiceRuntime, engine: Engine, config: ExecutorConfig) -> WeightFollower | None:
+    """Join the policy's version stream (latest keyframe, then every delta) unless told not to."""
+    if not config.weights.follow:
+        return None
+    updates = PolicyUpdates(engine)
+    follower = WeightFollower(
+        rt.bus, model=config.weights.model, apply=updates.apply, executor_id=rt.instance, digest=updates.digest if config.weights.report_digest else None
+    )
+    await follower.start(engine.policy_state_dict(), None)
+    return follower
+
+
 async def run(config: ExecutorConfig) -> None:
     engine = await asyncio.to_thread(build_engine, config)
     telemetry = Telemetry(engine, "", config.role, config.metrics_interval_s)
@@ -81,6 +97,7 @@ async def run(config: ExecutorConfig) -> None:
         guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
         await guard.start(rt.bus)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance).generate, executor_id=rt.instance)
+        follower = await follow_weights(rt, engine, config)
         runner, base_url = await serve_http(OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes), config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
         rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
@@ -90,6 +107,8 @@ async def run(config: ExecutorConfig) -> None:
             await rt.wait_for_shutdown()
         finally:
             metrics_task.cancel()
+            if follower is not None:
+                await follower.stop()
             await runner.cleanup()  # stop taking HTTP traffic, let in-flight responses finish
             await engine.stop()
 

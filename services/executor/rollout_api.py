@@ -15,6 +15,15 @@ class RolloutApi:
         self.engine = engine
         self.guard = guard
         self.executor_id = executor_id
+        self.inflight: dict[str, object] = {}  # request id -> engine handle
+        self.interrupted: dict[str, str] = {}  # request id -> why
+        guard.on_revoke.append(self.interrupt_all)
+
+    def interrupt_all(self, reason: str) -> None:
+        """The lease is gone: stop in-flight turns now; each replies with its tokens so far."""
+        for request_id, handle in list(self.inflight.items()):
+            self.interrupted[request_id] = reason
+            handle.cancel()  # type: ignore[attr-defined]
 
     def _rejected(self, request: GenerateRequest, reason: str, detail: str) -> GenerateReply:
         return GenerateReply(
@@ -46,12 +55,21 @@ class RolloutApi:
             return self._rejected(request, exc.reason, str(exc))
         except InvalidRequest as exc:
             return self._rejected(request, "invalid", str(exc))
-        result = await handle.result()
+        self.inflight[request.request_id] = handle
+        try:
+            result = await handle.result()
+        finally:
+            self.inflight.pop(request.request_id, None)
+            why = self.interrupted.pop(request.request_id, None)
         t = result.timings
+        # an interrupted turn is refused with what it produced, to be resumed elsewhere by recompute
+        interrupted = why is not None and result.finish_reason == "abort"
         return GenerateReply(
             request_id=request.request_id,
             executor_id=self.executor_id,
-            status="ok",
+            status="rejected" if interrupted else "ok",
+            reject_reason=why if interrupted else None,  # type: ignore[arg-type]
+            error=f"interrupted after {len(result.token_ids)} tokens: {why}" if interrupted else "",
             token_ids=list(result.token_ids),
             logprobs=list(result.logprobs),
             finish_reason=result.finish_reason,

@@ -27,12 +27,21 @@ class StagedWeights:
 
     @torch.no_grad()
     def apply(self, model: torch.nn.Module) -> float:
-        """Copy into the live parameters; returns the pause in milliseconds."""
+        """Swap the staged tensors in; returns the pause in milliseconds.
+
+        Parameters are re-pointed at the staged copies (O(1) each, so the pause does not grow
+        with the model); buffers are copied. The forward looks weights up through the
+        modules on every call, so the next iteration sees the new version whole.
+        """
         start = time.perf_counter()
-        live = model.state_dict()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
         for name, tensor in self.tensors.items():
-            live[name].copy_(tensor)
-        if live and next(iter(live.values())).is_cuda:
+            if name in params:
+                params[name].data = tensor
+            else:
+                buffers[name].copy_(tensor)
+        if self.tensors and next(iter(self.tensors.values())).is_cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1000.0
 
@@ -58,4 +67,4 @@ def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: 
     if problems:
         raise WeightUpdateError("state dict does not match the policy model: " + "; ".join(problems[:5]))
     device = next(iter(live.values())).device
-    return StagedWeights({n: t.detach().to(device, copy=True) for n, t in state_dict.items()}, version)
+    return StagedWeights({n: t.detach().to(device, copy=True).contiguous() for n, t in state_dict.items()}, version)

@@ -1,1 +1,1 @@
-
+"""The weight publisher: turns trainer weights into sharded, delta-encoded versions on the bus."""

@@ -1,0 +1,103 @@
+"""The weight publisher on the bus: take publish requests, publish versions one model at a time, in order.
+
+Requests are answered as soon as they are queued (`WeightPublishAccepted`); the result is the
+version's manifest on the manifest stream, or a `WeightPublishFailed` event. One publisher
+instance serves a model (its last version is the base of the next delta), so the request
+endpoint has no queue group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_OBJECTS, WEIGHTS_STAGING_OBJECTS
+from rose.contracts.weights import WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
+from rose.shared.bus import Bus, Delivery
+from rose.shared.weight_store import WeightStore
+
+from . import sources
+from .config import PublisherSettings
+from .versions import ModelVersions, PublishError
+
+log = logging.getLogger("rose.weight_publisher")
+
+
+class WeightPublisher:
+    def __init__(self, bus: Bus, settings: PublisherSettings) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.store: WeightStore | None = None  # made once the bus is connected
+        self.staging: WeightStore | None = None
+        self.models: dict[str, ModelVersions] = {}
+        self._queues: dict[str, asyncio.Queue[WeightPublishRequest]] = {}
+        self._accepted: dict[str, int] = {}
+        self._workers: list[asyncio.Task[None]] = []
+        self.published = 0
+
+    async def start(self) -> None:
+        self.store = WeightStore(self.bus.js, WEIGHTS_OBJECTS.bucket, chunk_bytes=self.settings.chunk_bytes)
+        self.staging = WeightStore(self.bus.js, WEIGHTS_STAGING_OBJECTS.bucket, chunk_bytes=self.settings.chunk_bytes)
+        await self.bus.serve(WEIGHT_PUBLISH, self._on_request)
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def load(self) -> dict[str, float]:
+        return {"queued": float(sum(q.qsize() for q in self._queues.values())), "published": float(self.published)}
+
+    async def _on_request(self, request: WeightPublishRequest, delivery: Delivery) -> WeightPublishAccepted:
+        if delivery.tokens.get("model") != request.model:
+            raise PublishError(f"request for model {request.model!r} sent on the subject of {delivery.tokens.get('model')!r}")
+        last = self._accepted.get(request.model)
+        if last is not None and request.version <= last:
+            raise PublishError(f"version {request.version} of {request.model} is not newer than {last}, already accepted")
+        if request.source == "path":
+            sources.check_path(request.path, self.settings)
+        elif not request.object_name:
+            raise PublishError("a staged source needs object_name")
+        self._accepted[request.model] = request.version
+        queue = self._queue(request.model)
+        await queue.put(request)
+        return WeightPublishAccepted(request_id=request.request_id, model=request.model, version=request.version, queued=queue.qsize() - 1)
+
+    def _queue(self, model: str) -> asyncio.Queue[WeightPublishRequest]:
+        if model not in self._queues:
+            self._queues[model] = asyncio.Queue()
+            assert self.store is not None, "start() first"
+            self.models[model] = ModelVersions(model, self.bus, self.store, self.settings)
+            self._workers.append(asyncio.create_task(self._work(model), name=f"publish:{model}"))
+        return self._queues[model]
+
+    async def _work(self, model: str) -> None:
+        queue, versions = self._queues[model], self.models[model]
+        while True:
+            request = await queue.get()
+            try:
+                await self.publish_one(versions, request)
+            except Exception as exc:
+                log.exception("publishing %s v%s failed", model, request.version)
+                failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
+                await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
+
+    async def publish_one(self, versions: ModelVersions, request: WeightPublishRequest) -> None:
+        assert self.staging is not None, "start() first"
+        tensors, release = await sources.load(request, self.staging, self.settings)
+        try:
+            manifest = await versions.publish(tensors, request.version, keyframe=request.keyframe)
+        finally:
+            release()
+            if request.source == "object" and request.delete_source:
+                await self.staging.delete(request.object_name)
+        self.published += 1
+        log.info(
+            "published %s v%d (%s): %d of %d bytes on the wire, %.2f%% changed",
+            manifest.model, manifest.version, manifest.kind, manifest.wire_bytes, manifest.full_bytes, 100 * manifest.changed_fraction,
+        )

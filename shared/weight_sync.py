@@ -1,0 +1,440 @@
+"""The executor side of weight sync: follow a model's versions and apply each one whole, or not at all.
+
+    follower = WeightFollower(bus, model="policy", apply=apply, tensor_filter=None)
+    await follower.start(current_state_dict, current_version)
+    ...
+    await follower.stop()
+
+`apply(state_dict, version)` is the executor's coroutine: it gets the *whole* tensors of every
+shard that changed (only those passing `tensor_filter`, e.g. a tensor-parallel rank's slice),
+swaps them in at an iteration boundary and returns the pause in ms (or None). It may raise to
+refuse the version.
+
+How a version is taken (`_advance`): check the manifest against the model (names, shapes,
+dtypes, shard sizes) before fetching anything; fetch only the shards holding wanted tensors,
+decoding each as its chunks arrive; rebuild every shard from the held base (a delta) or from
+scratch (a keyframe) into *new* buffers; verify the SHA-256 of every decoded shard. Only then
+is `apply` called, and only when it returns are the new buffers held. Any failure publishes a
+`WeightFailed` with a kind and a reason, keeps the previous version serving, and then:
+refetches once (a damaged transfer), catches up from the latest keyframe plus the deltas
+after it (a missing base), or waits for the next keyframe (a chain that cannot be repaired).
+
+A new executor joins the same way: the manifest stream keeps one subject per version, so the
+latest keyframe is one lookup, and each later delta another. The follower publishes
+`WeightApplied` / `WeightFailed` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from nats.js.errors import NotFoundError
+
+from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
+from rose.contracts.weights import ShardInfo, WeightApplied, WeightFailed, WeightManifest
+
+from .bus import Bus, Delivery
+from .codec import PayloadError, decode
+from .weight_codec import CodecError, ShardDecoder
+from .weight_layout import dtype_name, fits_live, tensor_bytes, tensor_from_bytes
+from .weight_store import StoreError, WeightStore
+
+log = logging.getLogger("rose.weight_sync")
+
+DEFAULT_MAX_SHARD_BYTES = 4 << 30  # refuse shards bigger than this (decoded or on the wire)
+FETCH_CONCURRENCY = 4  # shards fetched at once
+REFETCH_ATTEMPTS = 1  # after a damaged transfer or a wrong digest
+STOP_GRACE_S = 5.0  # how long stop() lets the version in hand finish
+
+ApplyFn = Callable[[dict[str, torch.Tensor], int], Awaitable[float | None]]
+TensorFilter = Callable[[str], bool]
+
+
+class SyncError(Exception):
+    """A version that cannot be taken; `kind` is WeightFailed.kind."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass
+class Held:
+    """A verified version: its manifest and the decoded bytes of every shard this follower needs."""
+
+    version: int
+    manifest: WeightManifest
+    shards: dict[int, np.ndarray]
+
+
+@dataclass
+class FollowerStats:
+    applied: int = 0
+    failed: int = 0
+    fetched_bytes: int = 0
+    last_pause_ms: float = 0.0
+    failures: list[WeightFailed] = field(default_factory=list)
+
+
+def _sha256(buf: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
+
+
+class WeightFollower:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        model: str,
+        apply: ApplyFn,
+        tensor_filter: TensorFilter | None = None,
+        executor_id: str | None = None,
+        bucket: str = WEIGHTS_OBJECTS.bucket,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        refetch_attempts: int = REFETCH_ATTEMPTS,
+        digest: Callable[[], Awaitable[str]] | None = None,
+    ) -> None:
+        """`digest`, when given, is awaited after each swap and reported as `params_sha256`."""
+        self.bus = bus
+        self._digest_fn = digest
+        self.model = model
+        self.executor_id = executor_id or bus.instance
+        self._apply_fn = apply
+        self._filter = tensor_filter or (lambda name: True)
+        self.store = WeightStore(bus.js, bucket)
+        self.max_shard_bytes = max_shard_bytes
+        self.refetch_attempts = refetch_attempts
+        self.stats = FollowerStats()
+        self.version: int | None = None  # the version serving now
+        self._held: Held | None = None  # its shard bytes, once known
+        self._initial: dict[str, np.ndarray] = {}  # the start state, until laid out as shards
+        self._known: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape) of the model
+        self._queue: asyncio.Queue[tuple[WeightManifest, float] | None] = asyncio.Queue()
+        self._stopping = False
+        self._worker: asyncio.Task[None] | None = None
+        self._synced_at = 0.0
+        self._changed = asyncio.Condition()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self, current_state_dict: Mapping[str, torch.Tensor] | None, current_version: int | None) -> None:
+        """Follow from the executor's current weights; catch up with what was published meanwhile."""
+        state = {n: t for n, t in (current_state_dict or {}).items() if self._filter(n)}
+        self._known = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
+        self._initial = {n: tensor_bytes(t).copy() for n, t in state.items()}
+        self.version = current_version
+        await self.bus.subscribe(WEIGHT_MANIFEST, self._on_manifest, model=self.model)
+        await self._initial_sync()
+        self._worker = asyncio.create_task(self._work(), name=f"weight-follower:{self.model}")
+
+    async def stop(self) -> None:
+        """Finish the version in hand (up to `STOP_GRACE_S`), then stop taking new ones.
+
+        Stopping is a sentinel in the queue rather than only `cancel()`: on Python 3.11 a
+        cancellation that lands as a nats-py request completes can be swallowed by
+        `asyncio.wait_for`, which would leave the worker waiting forever.
+        """
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        self._stopping = True
+        self._queue.put_nowait(None)
+        done, _ = await asyncio.wait([worker], timeout=STOP_GRACE_S)
+        while not done:
+            worker.cancel()
+            done, _ = await asyncio.wait([worker], timeout=0.5)
+
+    async def wait_for_version(self, version: int, timeout: float) -> int | None:
+        """Wait until at least `version` is serving (or the timeout); returns the version serving."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.version is not None and self.version >= version), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.version
+
+    # ---- receiving -------------------------------------------------------------------
+
+    async def _on_manifest(self, manifest: WeightManifest, delivery: Delivery) -> None:
+        if not self._stopping:
+            self._queue.put_nowait((manifest, time.perf_counter()))
+
+    async def _work(self) -> None:
+        while True:
+            item = await self._queue.get()
+            if item is None or self._stopping:
+                return
+            manifest, arrived = item
+            try:
+                await self._take(manifest, arrived)
+            except Exception as exc:  # a bug must not stop the follower; report and go on
+                log.exception("taking version %s failed", manifest.version)
+                await self._fail(manifest.version, SyncError("other", f"{type(exc).__name__}: {exc}"), "none")
+
+    async def _take(self, m: WeightManifest, arrived: float) -> None:
+        if self.version is not None and m.version <= self.version:
+            if arrived >= self._synced_at:  # not merely overtaken by a catch-up
+                await self._fail(m.version, SyncError("stale", f"version {m.version} is not newer than the serving version {self.version}"), "none")
+            return
+        attempts = 0
+        while True:
+            try:
+                held = await self._advance(m, await self._base(m.base_version))
+                break
+            except SyncError as err:
+                if err.kind == "missing_base":
+                    await self._fail(m.version, err, "catch_up")
+                    await self._catch_up(arrived)
+                    return
+                if err.kind in ("digest", "corrupt", "missing") and attempts < self.refetch_attempts:
+                    attempts += 1
+                    await self._fail(m.version, err, "refetch")
+                    continue
+                await self._fail(m.version, err, "wait_keyframe")
+                return
+        await self._commit(held, arrived, behind=0)
+
+    # ---- joining and catching up -----------------------------------------------------
+
+    async def _initial_sync(self) -> None:
+        latest = await self._lookup(kind=None)
+        if latest is None or (self.version is not None and latest.version <= self.version):
+            self._synced_at = time.perf_counter()
+            return
+        await self._catch_up(time.perf_counter())
+
+    async def _catch_up(self, arrived: float) -> None:
+        """Reach the latest published version: from the held one if its chain is intact, else from the latest keyframe."""
+        latest = await self._lookup(kind=None)
+        keyframe = await self._lookup(kind="keyframe")
+        self._synced_at = time.perf_counter()
+        if latest is None or (self.version is not None and latest.version <= self.version):
+            return
+        base = await self._base(self.version)
+        chain_from = base
+        if base is None or (keyframe is not None and keyframe.version > base.version):
+            if keyframe is None:
+                log.warning("no keyframe of %s published yet; waiting for one", self.model)
+                return
+            try:
+                chain_from = await self._advance(keyframe, None)
+            except SyncError as err:
+                await self._fail(keyframe.version, err, "wait_keyframe")
+                return
+        assert chain_from is not None
+        held, behind = chain_from, 0
+        for version in range(chain_from.version + 1, latest.version + 1):
+            m = await self._lookup(version=version)
+            if m is None:
+                break
+            try:
+                held = await self._advance(m, held)
+            except SyncError as err:
+                await self._fail(version, err, "wait_keyframe")
+                break
+            behind += 1
+        if self.version is None or held.version > self.version:
+            await self._commit(held, arrived, behind)
+
+    async def _base(self, version: int | None) -> Held | None:
+        """The held version; at first, the start weights laid out as `version`'s shards (if they verify)."""
+        if self._held is None and self._initial:
+            self._held = await self._establish(version)
+        return self._held
+
+    async def _lookup(self, *, kind: str | None = None, version: int | None = None) -> WeightManifest | None:
+        """The last manifest of the model (of a kind), or the one of a version; None if not there."""
+        if version is not None:
+            subjects = [WEIGHT_MANIFEST.subject(model=self.model, kind=k, version=str(version)) for k in ("delta", "keyframe")]
+        elif kind is not None:
+            subjects = [WEIGHT_MANIFEST.pattern(model=self.model, kind=kind)]
+        else:
+            subjects = [WEIGHT_MANIFEST.pattern(model=self.model)]
+        for subject in subjects:
+            try:
+                msg = await self.bus.js.get_last_msg(MANIFESTS_STREAM.name, subject)
+            except NotFoundError:
+                continue
+            try:
+                return decode(msg.data, WeightManifest, WEIGHT_MANIFEST.encoding)
+            except PayloadError as exc:
+                log.warning("unreadable manifest on %s: %s", subject, exc.reason)
+        return None
+
+    # ---- one version -----------------------------------------------------------------
+
+    def _wanted(self, m: WeightManifest) -> tuple[dict[str, tuple[int, int, int]], set[int]]:
+        """Check the manifest against the model; the wanted tensors' (shard, offset, nbytes) and shards."""
+        sizes = {s.shard_id: s for s in m.shards}
+        if len(sizes) != len(m.shards):
+            raise SyncError("corrupt", f"version {m.version} lists a shard twice")
+        slots: dict[str, tuple[int, int, int]] = {}
+        for t in m.tensors:
+            if not self._filter(t.name):
+                continue
+            if self._known and t.name not in self._known:
+                raise SyncError("unknown_tensor", f"version {m.version} names tensor {t.name!r}, which the model does not have")
+            if self._known and (tuple(t.shape) != self._known[t.name][1] or not fits_live(t.dtype, self._known[t.name][0])):
+                dtype, shape = self._known[t.name]
+                raise SyncError("shape", f"version {m.version}: tensor {t.name!r} is {t.dtype}{list(t.shape)}, the model has {dtype}{list(shape)}")
+            shard = sizes.get(t.shard_id)
+            if shard is None or t.offset + t.nbytes > shard.decoded_bytes:
+                raise SyncError("corrupt", f"version {m.version}: tensor {t.name!r} lies outside its shard {t.shard_id}")
+            slots[t.name] = (t.shard_id, t.offset, t.nbytes)
+        missing = sorted(set(self._known) - set(slots))
+        if m.keyframe and missing:
+            raise SyncError("shape", f"keyframe {m.version} lacks tensors the model has: {missing[:5]}")
+        shard_ids = {sid for sid, _, _ in slots.values()}
+        for sid in shard_ids:
+            s = sizes[sid]
+            if max(s.decoded_bytes, s.wire_bytes) > self.max_shard_bytes:
+                raise SyncError("oversized", f"version {m.version}: shard {sid} has {max(s.decoded_bytes, s.wire_bytes)} bytes, the limit is {self.max_shard_bytes}")
+        return slots, shard_ids
+
+    async def _advance(self, m: WeightManifest, base: Held | None) -> Held:
+        """Build and verify version `m` from `base` (None: only a keyframe can be built)."""
+        slots, shard_ids = self._wanted(m)
+        if not m.keyframe:
+            if base is None or m.base_version != base.version:
+                have = "nothing" if base is None else f"version {base.version}"
+                raise SyncError("missing_base", f"version {m.version} is a delta on {m.base_version}, this executor holds {have}")
+        infos = {s.shard_id: s for s in m.shards}
+        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def one(sid: int) -> tuple[int, np.ndarray]:
+            async with gate:
+                return sid, await self._shard(m, infos[sid], base)
+
+        shards = dict(await asyncio.gather(*(one(sid) for sid in sorted(shard_ids))))
+        return Held(m.version, m, shards)
+
+    async def _shard(self, m: WeightManifest, info: ShardInfo, base: Held | None) -> np.ndarray:
+        old = None if base is None or m.keyframe else base.shards.get(info.shard_id)
+        if not m.keyframe and old is None:
+            raise SyncError("missing_base", f"version {m.version}: no base for shard {info.shard_id}")
+        if info.encoding == "unchanged":
+            assert base is not None and old is not None
+            before = {s.shard_id: s.sha256 for s in base.manifest.shards}.get(info.shard_id)
+            if before != info.sha256:
+                raise SyncError("digest", f"version {m.version}: shard {info.shard_id} is marked unchanged but its digest differs from version {base.version}'s")
+            return old
+        if m.keyframe and info.encoding != "dense":
+            raise SyncError("corrupt", f"keyframe {m.version}: shard {info.shard_id} is {info.encoding}, not dense")
+        decoder: list[ShardDecoder] = []
+
+        def sink(size: int) -> ShardDecoder:
+            decoder.append(ShardDecoder(size, old, self.max_shard_bytes))
+            return decoder[0]
+
+        try:
+            # A dense shard's digest covers the same bytes as the object's own: hash them once.
+            dense = info.encoding == "dense"
+            await self.store.fetch(info.object_name, sink, max_bytes=self.max_shard_bytes, expect_size=info.wire_bytes, verify_digest=not dense)
+            out, digest = await asyncio.to_thread(self._finish, decoder[0])
+        except StoreError as err:
+            raise SyncError(err.kind, f"version {m.version}, shard {info.shard_id}: {err.reason}") from None
+        except CodecError as err:
+            raise SyncError("corrupt", f"version {m.version}, shard {info.shard_id}: {err}") from None
+        self.stats.fetched_bytes += info.wire_bytes
+        if out.size != info.decoded_bytes:
+            raise SyncError("corrupt", f"version {m.version}: shard {info.shard_id} decodes to {out.size} bytes, the manifest says {info.decoded_bytes}")
+        if digest != info.sha256:
+            raise SyncError("digest", f"version {m.version}: shard {info.shard_id} has SHA-256 {digest[:16]}…, the manifest says {info.sha256[:16]}…")
+        return out
+
+    @staticmethod
+    def _finish(decoder: ShardDecoder) -> tuple[np.ndarray, str]:
+        out = decoder.finish()
+        return out, _sha256(out)
+
+    async def _establish(self, version: int | None) -> Held | None:
+        """Lay the start state out as the shards of `version` and verify it; None if it does not match."""
+        if version is None or version != self.version or not self._initial:
+            return None
+        m = await self._lookup(version=version)
+        if m is None:
+            return None
+        try:
+            slots, shard_ids = self._wanted(m)
+        except SyncError:
+            return None
+        infos = {s.shard_id: s for s in m.shards}
+        shards = {sid: np.zeros(infos[sid].decoded_bytes, dtype=np.uint8) for sid in shard_ids}
+        covered = {sid: 0 for sid in shard_ids}
+        for name, (sid, offset, nbytes) in slots.items():
+            shards[sid][offset : offset + nbytes] = self._initial[name]
+            covered[sid] += nbytes
+        # A shard that also holds tensors this follower does not have cannot be rebuilt here.
+        whole = {t.shard_id: 0 for t in m.tensors}
+        for t in m.tensors:
+            whole[t.shard_id] += t.nbytes
+        if any(covered[sid] != whole.get(sid, 0) for sid in shard_ids):
+            return None
+        digests = await asyncio.to_thread(lambda: {sid: _sha256(buf) for sid, buf in shards.items()})
+        if any(digests[sid] != infos[sid].sha256 for sid in shard_ids):
+            log.warning("the start weights are not version %s as published; joining from a keyframe", version)
+            return None
+        self._initial = {}
+        return Held(version, m, shards)
+
+    # ---- applying --------------------------------------------------------------------
+
+    async def _commit(self, held: Held, arrived: float, behind: int) -> None:
+        # Unchanged shards are the very same buffers as the held version's: skip their tensors.
+        before = self._held.shards if self._held is not None else {}
+        state: dict[str, torch.Tensor] = {}
+        for t in held.manifest.tensors:
+            shard = held.shards.get(t.shard_id)
+            if shard is not None and shard is not before.get(t.shard_id) and self._filter(t.name):
+                buf = held.shards[t.shard_id][t.offset : t.offset + t.nbytes]
+                state[t.name] = tensor_from_bytes(buf, t.dtype, tuple(t.shape))
+        try:
+            pause_ms = await self._apply_fn(state, held.version) if state else 0.0
+        except Exception as exc:
+            await self._fail(held.version, SyncError("apply", f"the executor refused version {held.version}: {exc}"), "wait_keyframe")
+            return
+        self._held, self._initial = held, {}
+        async with self._changed:
+            self.version = held.version
+            self._changed.notify_all()
+        self.stats.applied += 1
+        self.stats.last_pause_ms = float(pause_ms or 0.0)
+        event = WeightApplied(
+            executor_id=self.executor_id,
+            model=self.model,
+            version=held.version,
+            at=time.time(),
+            pause_ms=float(pause_ms or 0.0),
+            fetched_bytes=self.stats.fetched_bytes,
+            fetch_apply_ms=(time.perf_counter() - arrived) * 1000.0,
+            versions_behind=behind,
+            params_sha256=await self._digest_fn() if self._digest_fn is not None else "",
+        )
+        await self.bus.publish(WEIGHT_APPLIED, event, executor_id=self.executor_id)
+
+    async def _fail(self, version: int, err: SyncError, next_step: str) -> None:
+        log.warning("weights %s v%s refused (%s): %s; next: %s", self.model, version, err.kind, err.reason, next_step)
+        event = WeightFailed(
+            executor_id=self.executor_id,
+            model=self.model,
+            version=version,
+            at=time.time(),
+            reason=err.reason,
+            kind=err.kind,  # type: ignore[arg-type]
+            kept_version=self.version,
+            next_step=next_step,  # type: ignore[arg-type]
+        )
+        self.stats.failed += 1
+        self.stats.failures.append(event)
+        try:
+            await self.bus.publish(WEIGHT_FAILED, event, executor_id=self.executor_id)
+        except Exception as exc:
+            log.error("could not publish WeightFailed: %r", exc)

@@ -1,0 +1,92 @@
+"""The executor follows published policy versions: SDK -> weight_publisher -> executor swap; a bad version is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rose.client import WeightsClient
+from rose.contracts import GenerateRequest, Lease, SamplingParams, WeightApplied, WeightFailed
+from rose.contracts.registry import GENERATE, LEASE, WEIGHT_APPLIED, WEIGHT_FAILED
+from rose.shared.bus import Delivery
+from rose.shared.models import load_model
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def publisher(nats_server, tmp_path):
+    env = {**os.environ, "NATS_URL": nats_server.url, "ROSE_RUNTIME__INSTANCE": "wp-exec-test"}
+    with open(tmp_path / "publisher.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "weight_publisher"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    yield proc
+    proc.terminate()
+    proc.wait(20)
+
+
+async def _publish(client: WeightsClient, state: dict[str, torch.Tensor], version: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            await client.publish(state, version)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)  # the publisher is still starting
+    await client.published(version, timeout=TIMEOUT_S)
+
+
+async def _next(queue: asyncio.Queue, version: int):
+    while True:
+        event = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+        if event.version == version:
+            return event
+
+
+async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, executor, publisher, models_dir):
+    ex, _ = executor
+    applied: asyncio.Queue = asyncio.Queue()
+    failed: asyncio.Queue = asyncio.Queue()
+
+    async def on_applied(e: WeightApplied, d: Delivery) -> None:
+        await applied.put(e)
+
+    async def on_failed(e: WeightFailed, d: Delivery) -> None:
+        await failed.put(e)
+
+    await bus.subscribe(WEIGHT_APPLIED, on_applied, executor_id=ex)
+    await bus.subscribe(WEIGHT_FAILED, on_failed, executor_id=ex)
+
+    # version 1: the executor's own policy in bf16 with a few weights nudged (bf16 applies exactly to fp32)
+    state = {n: t.to(torch.bfloat16).clone() for n, t in load_model(models_dir / "policy").state_dict().items()}
+    first = next(n for n in state if n.endswith("q_proj.weight"))
+    state[first].view(-1)[:64] += 0.5
+    async with WeightsClient(bus, "policy") as client:
+        await _publish(client, state, 1)
+        event = await _next(applied, 1)
+        assert event.executor_id == ex and event.pause_ms >= 0
+
+        now = time.time()
+        lease = Lease(lease_id="wl-1", executor_id=ex, epoch=11, state="active", granted_at=now, expires_at=now + 60, kv_bytes=8 << 20, compute_share=0.5, max_rollout_batch=4)
+        await bus.kv_put(LEASE, lease, executor_id=ex)
+        await asyncio.sleep(0.3)
+        turn = GenerateRequest(request_id="wv-1", trajectory_id="wtraj", turn_index=0, prompt_token_ids=[3, 4, 5], sampling=SamplingParams(temperature=0.0, max_tokens=3), lease_id="wl-1", lease_epoch=11)
+        reply = await bus.request(GENERATE, turn, executor_id=ex, timeout=30)
+        assert reply.status == "ok" and reply.policy_version == 1
+
+        # version 2 names a tensor the policy does not have: refused with a reason, version 1 keeps serving
+        bad = dict(state)
+        bad["model.layers.99.mlp.gate_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        await _publish(client, bad, 2)
+        refusal = await _next(failed, 2)
+        assert refusal.kind in ("unknown_tensor", "shape", "other") and "layers.99" in refusal.reason
+        again = GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-2"})
+        reply = await bus.request(GENERATE, again, executor_id=ex, timeout=30)
+        assert reply.status == "ok" and reply.policy_version == 1

@@ -1,0 +1,75 @@
+"""The weight_publisher service started in-process, driven by the trainer SDK, followed by an executor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rose.client import PublishFailedError, WeightsClient
+from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHTS_STAGING_OBJECTS
+from rose.contracts.weights import WeightPublishRequest
+from rose.services.weight_publisher.config import PublisherSettings, WeightPublisherConfig
+from rose.services.weight_publisher.main import run
+from rose.shared.bus import RemoteError
+from rose.shared.config import RuntimeConfig
+from rose.shared.weight_layout import save_safetensors
+from rose.shared.weight_store import WeightStore
+from rose.shared.weight_sync import WeightFollower
+from weights_helpers import Executor, make_state, rl_step, same
+
+TIMEOUT = 15.0
+
+
+@pytest.fixture
+async def publisher_service(bus_config):
+    config = WeightPublisherConfig(
+        bus=bus_config,
+        runtime=RuntimeConfig(instance="wp-test", heartbeat_interval_s=0.5),
+        publisher=PublisherSettings(shard_bytes=8192, keyframe_interval=3),
+    )
+    task = asyncio.create_task(run(config))
+    yield task
+    task.cancel()
+    await asyncio.wait([task], timeout=10)
+
+
+async def test_sdk_publish_then_published_then_applied(publisher_service, bus, follower_bus, model_name, tmp_path):
+    states = {1: make_state(21)}
+    executor = Executor(make_state(0), None)
+    follower = WeightFollower(follower_bus, model=model_name, apply=executor.apply)
+    await follower.start(executor.state, None)
+    try:
+        async with WeightsClient(bus, model_name) as staged_via_objects, WeightsClient(bus, model_name, staging_dir=tmp_path / "stage") as staged_via_path:
+            await asyncio.sleep(0.5)  # the service's endpoint is up once it has announced itself; retry until then
+            for version in range(1, 6):
+                states.setdefault(version, rl_step(states.get(version - 1, states[1]), version))
+                if version == 4:  # a safetensors file on a shared path
+                    client, source = staged_via_path, save_safetensors(states[version], tmp_path / "v4.safetensors")
+                else:
+                    client, source = (staged_via_objects if version % 2 else staged_via_path), states[version]
+                for attempt in range(40):
+                    try:
+                        accepted = await client.publish(source, version)
+                        break
+                    except Exception:  # the service is still starting
+                        await asyncio.sleep(0.25)
+                assert accepted.version == version
+                manifest = await client.published(version, timeout=TIMEOUT)
+                assert manifest.version == version and manifest.keyframe == (version in (1, 4))
+                assert await follower.wait_for_version(version, TIMEOUT) == version
+                assert same(executor.state, states[version])
+            assert list((tmp_path / "stage").iterdir()) == []  # staged files are removed once read
+            # A version that is not newer is refused at once, with the reason.
+            with pytest.raises(RemoteError, match="not newer"):
+                await staged_via_path.publish(states[5], 5)
+            # A path the publisher cannot read is refused too.
+            with pytest.raises(RemoteError, match="does not exist"):
+                await staged_via_path.publish(tmp_path / "nowhere", 6)
+            # A staged object that is not safetensors fails after acceptance: the client hears why.
+            await WeightStore(bus.js, WEIGHTS_STAGING_OBJECTS.bucket).put("junk", b"not safetensors at all")
+            await bus.request(WEIGHT_PUBLISH, WeightPublishRequest(request_id="r7", model=model_name, version=7, source="object", object_name="junk"), model=model_name)
+            with pytest.raises(PublishFailedError, match="safetensors"):
+                await staged_via_objects.published(7, timeout=TIMEOUT)
+    finally:
+        await follower.stop()
