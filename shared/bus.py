@@ -63,6 +63,14 @@ class RemoteError(Exception):
         self.description = description
 
 
+class RequestRefused(ValueError):
+    """Raised by a request handler to refuse a well-formed request: answered with `code` (4xx), not dead-lettered."""
+
+    def __init__(self, message: str, code: str = "400") -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class BusClosed(RuntimeError):
     pass
 
@@ -284,6 +292,10 @@ class Bus:
             with incoming_span("reply", req.subject, channel.template, headers):
                 try:
                     result = await handler(message, Delivery(req.subject, headers, channel.parse(req.subject)))
+                except RequestRefused as exc:
+                    log.info("refused %s: %s", req.subject, exc)
+                    await req.respond_error(exc.code, str(exc)[:1024])
+                    return
                 except Exception as exc:
                     log.exception("handler for %s failed", req.subject)
                     await self.dead_letter(req.subject, "handler", repr(exc), req.data, headers)

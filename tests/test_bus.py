@@ -10,7 +10,7 @@ import pytest
 from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTask, SloAlert
 from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
 from rose.contracts.lease import Lease
-from rose.shared.bus import Bus, Delivery, RemoteError
+from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 
 
 def _request(i: int = 0) -> GenerateRequest:
@@ -39,6 +39,18 @@ async def test_handler_exception_is_a_500_and_a_dead_letter(bus_config, bus):
             await bus.request(GENERATE, _request(), executor_id="ex-broken")
         assert err.value.code == "500" and "engine on fire" in err.value.description
         assert server.dead_letters == 1
+
+
+async def test_handler_refusal_is_a_4xx_without_dead_letter(bus_config, bus):
+    async def refuse(msg, d):
+        raise RequestRefused("version 3 is not newer than 5", code="409")
+
+    async with Bus(bus_config, service="executor", instance="ex-refuse") as server:
+        await server.serve(GENERATE, refuse, executor_id="ex-refuse")
+        with pytest.raises(RemoteError) as err:
+            await bus.request(GENERATE, _request(), executor_id="ex-refuse")
+        assert err.value.code == "409" and "not newer" in err.value.description
+        assert server.dead_letters == 0
 
 
 async def test_services_api_ping_info_stats(bus_config, bus):

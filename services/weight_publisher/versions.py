@@ -24,7 +24,7 @@ import numpy as np
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_MANIFEST
 from rose.contracts.weights import ShardInfo, TensorInfo, WeightManifest
-from rose.shared.bus import Bus
+from rose.shared.bus import Bus, RequestRefused
 from rose.shared.weight_codec import Divergence, EncodedShard, encode_shard, topk_sparsify
 from rose.shared.weight_layout import FLOAT_DTYPES, Layout, itemsize, pack_shards, plan_layout
 from rose.shared.weight_store import WeightStore
@@ -37,7 +37,7 @@ log = logging.getLogger("rose.weight_publisher")
 Tensors = Mapping[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 
-class PublishError(ValueError):
+class PublishError(RequestRefused):
     """A version that cannot be published (stale, malformed); nothing of it was stored."""
 
 

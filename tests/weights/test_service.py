@@ -61,8 +61,9 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
                 assert same(executor.state, states[version])
             assert list((tmp_path / "stage").iterdir()) == []  # staged files are removed once read
             # A version that is not newer is refused at once, with the reason.
-            with pytest.raises(RemoteError, match="not newer"):
+            with pytest.raises(RemoteError, match="not newer") as refused:
                 await staged_via_path.publish(states[5], 5)
+            assert refused.value.code == "400"  # a client error: answered, not dead-lettered
             # A path the publisher cannot read is refused too.
             with pytest.raises(RemoteError, match="does not exist"):
                 await staged_via_path.publish(tmp_path / "nowhere", 6)
