@@ -11,18 +11,10 @@ from rose.services.weight_publisher.versions import ModelVersions
 from rose.shared.weight_layout import layout_of
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
-from weights_helpers import Executor, as_sources, make_state, rl_step, same
+from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 SMALL_SHARDS = PublisherSettings(shard_bytes=8192, keyframe_interval=100)
 TIMEOUT = 10.0
-
-
-async def until(predicate, timeout: float = TIMEOUT) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 def versions_for(bus, model: str, settings: PublisherSettings = SMALL_SHARDS) -> ModelVersions:

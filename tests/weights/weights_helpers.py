@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from rose.shared.bus import Delivery
@@ -67,3 +69,10 @@ class Events:
         self.failed.append(msg)
 
 
+async def until(predicate, timeout: float = 10.0) -> None:
+    """Wait until `predicate()` holds (events arrive asynchronously), or fail the test."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
