@@ -84,6 +84,7 @@ class ServiceRuntime:
         self._load = load or (lambda: {})
         self._stop = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._announcing: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ServiceRuntime:
         setup_logging(self.runtime.log_level, self.service, self.instance)
@@ -120,7 +121,7 @@ class ServiceRuntime:
         self.endpoints.update(endpoints or {})
         if self.state != "ready":
             self.state = "ready"
-            asyncio.get_running_loop().create_task(self._announce_up())
+            self._announcing = asyncio.get_running_loop().create_task(self._announce_up())  # held: tasks are weakly referenced
 
     async def _announce_up(self) -> None:
         await self._beat()
