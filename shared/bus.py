@@ -272,7 +272,7 @@ class Bus:
         if channel.kind is not Kind.REQUEST:
             raise TypeError(f"channel {channel.name!r} is not a request channel")
         subject = channel.subject(**tokens) if len(tokens) == len(channel.tokens) else channel.pattern(**tokens)
-        micro = await self._micro_service()
+        micro = await self.services_api()
 
         slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
 
@@ -512,7 +512,8 @@ class Bus:
 
     # ---- NATS services API -----------------------------------------------------------
 
-    async def _micro_service(self) -> MicroService:
+    async def services_api(self) -> MicroService:
+        """This service in the NATS services API ($SRV.PING / INFO / STATS), created once."""
         if self._micro is None:
             self._micro = await add_service(
                 self.nc,

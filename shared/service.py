@@ -91,6 +91,7 @@ class ServiceRuntime:
         setup_tracing(self.service, self.instance)
         await self.bus.connect()
         await provision(self.bus.js, replicas=self.bus.config.replicas)
+        await self.bus.services_api()  # every service answers $SRV.PING/INFO/STATS, endpoints or not
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
@@ -101,6 +102,9 @@ class ServiceRuntime:
 
     async def __aexit__(self, *exc: object) -> None:
         self.state = "draining"
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         try:

@@ -110,3 +110,13 @@ async def test_kv_put_get_delete(bus):
     await bus.kv_delete(LEASE, executor_id="ex-1")
     assert await bus.kv_get(LEASE, executor_id="ex-1") is None
     assert SERVICE_REGISTRY.kv is not None
+
+
+async def test_every_service_runtime_answers_srv_ping(bus_config, bus):
+    from rose.shared.config import RuntimeConfig
+    from rose.shared.service import ServiceRuntime
+
+    async with ServiceRuntime("slo_monitor", bus=bus_config, runtime=RuntimeConfig(instance="mon-ping")) as rt:
+        rt.ready()
+        ping = json.loads((await bus.nc.request("$SRV.PING.rose_slo_monitor", b"", timeout=2)).data)
+        assert ping["metadata"]["instance"] == "mon-ping"

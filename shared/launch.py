@@ -1,0 +1,103 @@
+"""Start ROSE services as real processes and wait for their 'ready' heartbeat (benches and tests).
+
+`rose up` supervises its children itself (cli/up.py); this is the small piece that benches and
+end-to-end tests share: spawn `rose run NAME` with an environment, find it on the bus, stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rose.contracts.registry import SERVICE_REGISTRY
+
+from .bus import Bus
+
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class ServiceProcess:
+    service: str
+    instance: str
+    env: dict[str, str]
+    log_path: Path
+    nice: int = 0  # OS priority offset; benches use it to keep stand-in "other hardware" off the serving CPUs
+    process: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "ROSE_RUNTIME__INSTANCE": self.instance}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "rose.cli.main", "run", self.service], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the chaos step (no drain, no goodbye)."""
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if not self.alive():
+            return
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    async def wait_ready(self, bus: Bus, timeout: float) -> dict[str, str]:
+        """Until this instance's heartbeat says 'ready'; returns its endpoints."""
+        deadline = time.monotonic() + timeout
+        while True:
+            beat = await bus.kv_get(SERVICE_REGISTRY, service=self.service, instance=self.instance)
+            if beat is not None and beat.state == "ready" and beat.pid == self.pid:
+                return dict(beat.endpoints)
+            if not self.alive():
+                raise RuntimeError(f"{self.service} {self.instance} exited:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.service} {self.instance} not ready in {timeout:.0f}s:\n{self.log_tail()}")
+            await asyncio.sleep(0.2)
+
+
+async def start_all(bus: Bus, procs: list[ServiceProcess], timeout: float) -> None:
+    """Start every process at once and wait until all are ready."""
+    for p in procs:
+        p.start()
+    await asyncio.gather(*(p.wait_ready(bus, timeout) for p in procs))
+
+
+def stop_all(procs: list[ServiceProcess]) -> None:
+    for p in procs:
+        if p.alive():
+            assert p.process is not None
+            p.process.terminate()
+    for p in procs:
+        p.stop()
