@@ -18,7 +18,10 @@ SERVICE_MODULES: dict[str, str] = {
     "scheduler": "rose.services.scheduler.main",
     "rollout_worker": "rose.services.rollout_worker.main",
     "weight_publisher": "rose.services.weight_publisher.main",
+    "trainer": "rose.services.trainer.main",
 }
+# Started by `rose run NAME` only, not by a plain `rose up` (the trainer drives an RL job of its own).
+ON_DEMAND_SERVICES = ("trainer",)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -101,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
     p.add_argument("--state-dir", default=None, help="where the NATS store, logs and models live (default: $ROSE_STATE_DIR or ./.rose)")
-    p.add_argument("--services", nargs="*", default=None, help=f"which services to start (default: all of {sorted(SERVICE_MODULES)})")
+    p.add_argument("--services", nargs="*", default=None, help=f"which services to start (default: {sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))})")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every service to report ready")
     p.set_defaults(func=_cmd_up)
 

@@ -26,7 +26,7 @@ from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer, state_dir
 from rose.shared.provisioning import provision
 
-from .main import SERVICE_MODULES
+from .main import ON_DEMAND_SERVICES, SERVICE_MODULES
 from .status import UP_FILE, live_services
 
 STOP_TIMEOUT_S = 20.0
@@ -72,7 +72,7 @@ def up(args: argparse.Namespace) -> int:
     console = Console()
     root = Path(args.state_dir).resolve() if args.state_dir else state_dir()
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    names = args.services if args.services is not None else sorted(SERVICE_MODULES)
+    names = args.services if args.services is not None else sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))
     unknown = sorted(set(names) - set(SERVICE_MODULES))
     if unknown:
         console.print(f"[red]unknown services {unknown}; available: {sorted(SERVICE_MODULES)}[/red]")

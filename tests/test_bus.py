@@ -54,14 +54,14 @@ async def test_handler_refusal_is_a_4xx_without_dead_letter(bus_config, bus):
 
 
 async def test_services_api_ping_info_stats(bus_config, bus):
-    async with Bus(bus_config, service="executor", instance="ex-srv") as server:
+    async with Bus(bus_config, service="srv_probe", instance="ex-srv") as server:
         await server.serve(GENERATE, _echo, executor_id="ex-srv")
         await bus.request(GENERATE, _request(), executor_id="ex-srv")
-        ping = json.loads((await bus.nc.request("$SRV.PING.rose_executor", b"", timeout=2)).data)
-        assert ping["name"] == "rose_executor" and ping["metadata"]["instance"] == "ex-srv"
-        info = json.loads((await bus.nc.request("$SRV.INFO.rose_executor", b"", timeout=2)).data)
+        ping = json.loads((await bus.nc.request("$SRV.PING.rose_srv_probe", b"", timeout=2)).data)
+        assert ping["name"] == "rose_srv_probe" and ping["metadata"]["instance"] == "ex-srv"
+        info = json.loads((await bus.nc.request("$SRV.INFO.rose_srv_probe", b"", timeout=2)).data)
         assert info["endpoints"][0]["subject"] == GENERATE.subject(executor_id="ex-srv")
-        stats = json.loads((await bus.nc.request("$SRV.STATS.rose_executor", b"", timeout=2)).data)
+        stats = json.loads((await bus.nc.request("$SRV.STATS.rose_srv_probe", b"", timeout=2)).data)
         assert stats["endpoints"][0]["num_requests"] >= 1
 
 

@@ -1,0 +1,191 @@
+"""One turn, routed on its own: ask the scheduler where, generate there, retry elsewhere.
+
+- a refusal (no lease, stale epoch, revoked, overloaded) or a failure (timeout, no
+  responders: the executor died) excludes that executor and asks for a new route;
+- an interrupted turn (the executor lost its lease mid-turn and returned the tokens so far)
+  resumes elsewhere by recompute: its tokens are appended to the prompt and only the rest
+  is generated, so nothing produced is lost or produced twice;
+- a straggler gets a duplicate on another executor when the scheduler thinks it is worth it;
+  the first complete result wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingParams
+from rose.contracts.registry import GENERATE, ROUTE_TURN
+from rose.contracts.rollout import RolloutTask, TurnRecord, TurnRoute, TurnRouteRequest
+from rose.shared.bus import Bus
+
+from .config import TurnSettings
+
+log = logging.getLogger(__name__)
+
+TYPICAL_WINDOW = 64  # recent turn durations behind the "typical turn time"
+
+
+class TurnFailed(RuntimeError):
+    """No executor completed the turn before its deadline."""
+
+
+@dataclass
+class TurnSpec:
+    task: RolloutTask
+    trajectory_id: str
+    turn_index: int
+    prompt_token_ids: list[int]
+    previous_executor: str
+    max_tokens: int
+    stop_token_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Attempt:
+    executor_id: str
+    reply: GenerateReply | None = None
+    error: str = ""
+
+
+@dataclass
+class Progress:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    attempts: int = 0
+    prefix_cached: int = -1  # of the attempt that completed the turn
+    executor_id: str = ""
+
+
+class TurnRunner:
+    def __init__(self, bus: Bus, settings: TurnSettings) -> None:
+        self.bus, self.s = bus, settings
+        self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
+        self.stats = {"turns": 0, "refused": 0, "failed": 0, "resumed": 0, "hedges": 0, "hedge_wins": 0}
+
+    def typical(self) -> float:
+        return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
+
+    async def _route(self, spec: TurnSpec, progress: Progress, exclude: list[str], **hedge) -> TurnRoute | None:
+        req = TurnRouteRequest(
+            trajectory_id=spec.trajectory_id, turn_index=spec.turn_index, prompt_tokens=len(spec.prompt_token_ids) + len(progress.tokens),
+            previous_executor=progress.executor_id or spec.previous_executor, task_id=spec.task.task_id, group_id=spec.task.group_id,
+            group_size=spec.task.group_size, routing=spec.task.routing, exclude=list(exclude), **hedge,
+        )
+        try:
+            return await self.bus.request(ROUTE_TURN, req, timeout=self.s.route_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # scheduler restarting or the bus reconnecting
+            log.info("route request failed: %r", exc)
+            return None
+
+    async def _generate(self, spec: TurnSpec, progress: Progress, route: TurnRoute, tag: str) -> Attempt:
+        remaining = spec.max_tokens - len(progress.tokens)
+        request = GenerateRequest(
+            request_id=f"{spec.trajectory_id}-t{spec.turn_index}-{tag}",
+            trajectory_id=spec.trajectory_id,
+            turn_index=spec.turn_index,
+            prompt_token_ids=spec.prompt_token_ids + progress.tokens,
+            sampling=SamplingParams(temperature=self.s.temperature, max_tokens=remaining, stop_token_ids=spec.stop_token_ids, seed=spec.seed + len(progress.tokens)),
+            task_id=spec.task.task_id,
+            lease_id=route.lease_id,
+            lease_epoch=route.lease_epoch,
+        )
+        try:
+            reply = await self.bus.request(GENERATE, request, timeout=self.s.generate_timeout_s, executor_id=route.executor_id)
+            return Attempt(route.executor_id, reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no responders (executor gone), timeout, reconnecting
+            return Attempt(route.executor_id, error=repr(exc))
+
+    async def _attempt_with_hedge(self, spec: TurnSpec, progress: Progress, route: TurnRoute, n: int) -> Attempt:
+        """Run one attempt; if it straggles, maybe add a duplicate elsewhere; first success wins."""
+        started = time.monotonic()
+        primary = asyncio.ensure_future(self._generate(spec, progress, route, f"a{n}"))
+        typical = self.typical()
+        if not self.s.hedge or typical <= 0:
+            return await primary
+        wait_s = max(self.s.hedge_min_s, self.s.hedge_factor * typical)
+        done, _ = await asyncio.wait({primary}, timeout=wait_s)
+        if done:
+            return primary.result()
+        hedge_route = await self._route(
+            spec, progress, [route.executor_id], hedge=True, elapsed_s=time.monotonic() - started, typical_turn_s=typical
+        )
+        if hedge_route is None or not hedge_route.executor_id:
+            return await primary
+        self.stats["hedges"] += 1
+        secondary = asyncio.ensure_future(self._generate(spec, progress, hedge_route, f"a{n}h"))
+        pending = {primary, secondary}
+        first_bad: Attempt | None = None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                attempt = task.result()
+                if attempt.reply is not None and attempt.reply.status == "ok":
+                    for other in pending:
+                        other.cancel()  # the slower copy's reply is ignored
+                    if task is secondary:
+                        self.stats["hedge_wins"] += 1
+                    return attempt
+                first_bad = first_bad or attempt
+        assert first_bad is not None
+        return first_bad
+
+    async def run(self, spec: TurnSpec) -> TurnRecord:
+        """Complete the turn somewhere, or raise TurnFailed at the deadline."""
+        started_at, t0 = time.time(), time.monotonic()
+        progress, exclude = Progress(), []
+        while True:
+            if time.monotonic() - t0 > self.s.turn_deadline_s:
+                raise TurnFailed(f"turn {spec.turn_index} of {spec.trajectory_id} found no executor in {self.s.turn_deadline_s:.0f}s")
+            route = await self._route(spec, progress, exclude)
+            if route is None or not route.executor_id:
+                exclude.clear()  # leases change: everyone is a candidate again
+                await asyncio.sleep(route.retry_after_s if route and route.retry_after_s else self.s.retry_backoff_s)
+                continue
+            progress.attempts += 1
+            attempt = await self._attempt_with_hedge(spec, progress, route, progress.attempts)
+            reply = attempt.reply
+            if reply is None:
+                self.stats["failed"] += 1
+                exclude.append(attempt.executor_id)
+                await asyncio.sleep(self.s.retry_backoff_s)
+                continue
+            if reply.token_ids and reply.status != "ok":  # interrupted: keep its tokens, recompute the rest elsewhere
+                self.stats["resumed"] += 1
+            progress.tokens += reply.token_ids
+            progress.logprobs += reply.logprobs
+            progress.versions += [reply.policy_version] * len(reply.token_ids)
+            if reply.status == "ok" or len(progress.tokens) >= spec.max_tokens:
+                progress.prefix_cached = reply.prefix_cached_tokens if progress.prefix_cached < 0 else progress.prefix_cached
+                progress.executor_id = reply.executor_id
+                break
+            self.stats["refused" if reply.status == "rejected" else "failed"] += 1
+            if progress.prefix_cached < 0:
+                progress.prefix_cached = 0  # the first attempt did not complete: count no hit
+            exclude.append(attempt.executor_id)
+            progress.executor_id = ""
+        self.durations.append(time.monotonic() - t0)
+        self.stats["turns"] += 1
+        return TurnRecord(
+            turn_index=spec.turn_index,
+            prompt_token_ids=spec.prompt_token_ids,
+            token_ids=progress.tokens,
+            logprobs=progress.logprobs,
+            policy_version=min(progress.versions, default=0),
+            executor_id=progress.executor_id,
+            finish_reason=reply.finish_reason or "",
+            prefix_cached_tokens=progress.prefix_cached,
+            attempts=progress.attempts,
+            started_at=started_at,
+            finished_at=time.time(),
+        )

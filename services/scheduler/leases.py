@@ -1,0 +1,128 @@
+"""Lease decisions as a pure function of explicit inputs, so a simulator can import them.
+
+`plan_leases(now, views, settings)` returns the actions to take; `revoke_for_alert` the
+immediate revocation an SLO alert calls for. Rules:
+- grant when the executor is alive, serving, holds no active lease, its fresh headroom says
+  `lendable` (p99 latency under the monitor's grant fraction of the SLO) and no alert came in
+  the last `cooldown_s`; the epoch grows by one with every grant;
+- renew (same id and epoch, new expiry, lent amounts refreshed) while p99 TTFT and TPOT stay
+  under `keep_fraction` x SLO (> the grant fraction: hysteresis) and the model leaves a slot;
+- revoke when latency creeps past `keep_fraction`, when the executor is gone, or at once on
+  an alert; let a lease expire when headroom goes stale (the executor enforces expiry itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from rose.contracts.lease import Lease
+from rose.contracts.slo import Headroom, SloAlert
+
+from .config import LeaseSettings
+
+ActionKind = Literal["granted", "renewed", "revoked", "expired"]
+
+
+@dataclass(frozen=True)
+class ExecutorView:
+    """What the scheduler knows of one executor at `now`."""
+
+    executor_id: str
+    role: str  # "serving" | "dedicated"
+    alive: bool
+    headroom: Headroom | None
+    lease: Lease | None  # the value in the leases bucket (active or revoked)
+    last_alert_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LeaseAction:
+    kind: ActionKind
+    lease: Lease
+    reason: str
+
+
+def is_active(lease: Lease | None, now: float) -> bool:
+    return lease is not None and lease.state == "active" and lease.expires_at > now
+
+
+def _fresh(view: ExecutorView, now: float, s: LeaseSettings) -> Headroom | None:
+    h = view.headroom
+    return h if h is not None and now - h.at <= s.headroom_max_age_s else None
+
+
+def _healthy(h: Headroom, s: LeaseSettings) -> tuple[bool, str]:
+    if h.ttft_p99_ms > s.keep_fraction * h.slo_ttft_ms:
+        return False, f"ttft p99 {h.ttft_p99_ms:.0f} ms above {s.keep_fraction:.0%} of the SLO"
+    if h.tpot_p99_ms > s.keep_fraction * h.slo_tpot_ms:
+        return False, f"tpot p99 {h.tpot_p99_ms:.1f} ms above {s.keep_fraction:.0%} of the SLO"
+    if h.rollout_batch_slots < s.min_slots:
+        return False, "no rollout slot left in the headroom model"
+    return True, ""
+
+
+def _grant(view: ExecutorView, h: Headroom, now: float, s: LeaseSettings) -> Lease:
+    epoch = (view.lease.epoch if view.lease else 0) + 1
+    return Lease(
+        lease_id=f"{view.executor_id}-e{epoch}",
+        executor_id=view.executor_id,
+        epoch=epoch,
+        state="active",
+        granted_at=now,
+        expires_at=now + s.ttl_s,
+        kv_bytes=h.kv_bytes,
+        compute_share=h.compute_share,
+        max_rollout_batch=h.rollout_batch_slots,
+        reason=h.reason,
+    )
+
+
+def _revoked(lease: Lease, reason: str) -> Lease:
+    return msgspec.structs.replace(lease, state="revoked", reason=reason)
+
+
+def plan_one(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction | None:
+    if view.role != "serving":
+        return None  # dedicated executors hold a standing lease of their own
+    lease, h = view.lease, _fresh(view, now, s)
+    if is_active(lease, now):
+        assert lease is not None
+        if not view.alive:
+            return LeaseAction("revoked", _revoked(lease, "executor gone"), "executor gone")
+        if h is None:
+            return None  # no fresh measurement: neither renew nor revoke; expiry ends it
+        ok, why = _healthy(h, s)
+        if not ok:
+            return LeaseAction("revoked", _revoked(lease, why), why)
+        if lease.expires_at - now <= s.renew_before_s:
+            renewed = msgspec.structs.replace(
+                lease, expires_at=now + s.ttl_s, kv_bytes=h.kv_bytes, compute_share=h.compute_share, max_rollout_batch=h.rollout_batch_slots
+            )
+            return LeaseAction("renewed", renewed, "healthy")
+        return None
+    if lease is not None and lease.state == "active":  # past its expiry, never renewed
+        return LeaseAction("expired", _revoked(lease, "expired"), "expired without renewal")
+    if not view.alive or h is None or not h.lendable:
+        return None
+    if now - view.last_alert_at < s.cooldown_s:
+        return None
+    if h.rollout_batch_slots < s.min_slots or h.kv_bytes <= 0:
+        return None
+    return LeaseAction("granted", _grant(view, h, now, s), h.reason)
+
+
+def plan_leases(now: float, views: list[ExecutorView], s: LeaseSettings) -> list[LeaseAction]:
+    """Every lease action due now, one per executor at most."""
+    return [a for a in (plan_one(v, now, s) for v in views) if a is not None]
+
+
+def revoke_for_alert(view: ExecutorView, alert: SloAlert, now: float) -> LeaseAction | None:
+    """An SLO alert (burst or violation) takes an active lease back at once."""
+    if alert.severity == "recovered" or not is_active(view.lease, now):
+        return None
+    assert view.lease is not None
+    why = f"{alert.severity}: {alert.reason}"
+    return LeaseAction("revoked", _revoked(view.lease, why), why)

@@ -1,0 +1,51 @@
+"""The elastic rollout scheduler: leases on serving executors, turn-wise routing, straggler hedges.
+
+connect -> recover leases -> subscribe (heartbeats, headroom, alerts, trajectories) -> serve routes
+-> loop (plan leases every tick) -> drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from rose.contracts.registry import HEADROOM, HEARTBEAT, ROUTE_TURN, SLO_ALERT, TRAJECTORY
+from rose.shared.config import load_config
+from rose.shared.service import ServiceRuntime
+
+from .config import SchedulerConfig
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+async def run(config: SchedulerConfig) -> None:
+    holder: list[Scheduler] = []
+    async with ServiceRuntime("scheduler", bus=config.bus, runtime=config.runtime, load=lambda: holder[0].load() if holder else {}) as rt:
+        s = Scheduler(config, rt.bus)
+        holder.append(s)
+        await s.recover()
+        await rt.bus.subscribe(HEARTBEAT, s.on_heartbeat, service="executor")
+        await rt.bus.subscribe(HEADROOM, s.on_headroom)
+        await rt.bus.subscribe(SLO_ALERT, s.on_alert)
+        await rt.bus.subscribe(TRAJECTORY, s.on_trajectory)
+        await rt.bus.serve(ROUTE_TURN, s.route, queue="scheduler")
+        rt.ready()
+        while not rt.stopping:
+            try:
+                await s.tick()
+            except Exception as exc:  # reconnecting: executors enforce expiry on their own meanwhile
+                log.warning("lease tick failed: %r", exc)
+            try:
+                await asyncio.wait_for(rt.wait_for_shutdown(), timeout=config.tick_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rose run scheduler", description="Run the elastic rollout scheduler.")
+    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
+    args = parser.parse_args(argv)
+    asyncio.run(run(load_config(SchedulerConfig, path=args.config)))
+    return 0

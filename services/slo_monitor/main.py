@@ -1,0 +1,60 @@
+"""The SLO monitor: merges executors' metrics, publishes headroom periodically and burst alerts at once.
+
+connect -> subscribe to executor metrics -> loop (publish headroom every interval) -> drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from rose.contracts.executor import MetricsSnapshot
+from rose.contracts.registry import EXECUTOR_METRICS, HEADROOM, SLO_ALERT
+from rose.shared.bus import Bus, Delivery
+from rose.shared.config import load_config
+from rose.shared.service import ServiceRuntime
+
+from .config import SloMonitorConfig
+from .monitor import Monitor
+
+log = logging.getLogger(__name__)
+
+
+async def publish_headroom(bus: Bus, monitor: Monitor) -> None:
+    now = time.time()
+    for ex in monitor.live(now):
+        await bus.publish(HEADROOM, monitor.headroom(ex, now), executor_id=ex)
+
+
+async def run(config: SloMonitorConfig) -> None:
+    monitor = Monitor(config)
+    async with ServiceRuntime("slo_monitor", bus=config.bus, runtime=config.runtime, load=monitor.fleet_load) as rt:
+
+        async def on_metrics(snapshot: MetricsSnapshot, _d: Delivery) -> None:
+            alert = monitor.observe(snapshot)
+            if alert is not None:
+                log.warning("%s on %s: %s", alert.severity, alert.executor_id, alert.reason)
+                await rt.bus.publish(SLO_ALERT, alert, executor_id=alert.executor_id)
+
+        # core subscription: the lowest latency path, and a restarted monitor needs no history
+        await rt.bus.subscribe(EXECUTOR_METRICS, on_metrics)
+        rt.ready()
+        while not rt.stopping:
+            try:
+                await publish_headroom(rt.bus, monitor)
+            except Exception as exc:  # reconnecting: the next round will do
+                log.warning("could not publish headroom: %r", exc)
+            try:
+                await asyncio.wait_for(rt.wait_for_shutdown(), timeout=config.headroom_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rose run slo_monitor", description="Run the SLO monitor.")
+    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
+    args = parser.parse_args(argv)
+    asyncio.run(run(load_config(SloMonitorConfig, path=args.config)))
+    return 0

@@ -1,0 +1,1 @@
+"""The reference GRPO trainer: consumes trajectory groups, trains the policy, publishes weights."""

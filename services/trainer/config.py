@@ -1,0 +1,80 @@
+"""The trainer's configuration (TOML + ROSE_*, see shared/config.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+class ModelsRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The policy to train: the same `models.dir` the executors load (they start from it too)."""
+
+    dir: str = ""  # default <state dir>/models
+    policy_dir: str = ""  # default <dir>/policy
+    wait_s: PositiveSeconds = 300.0  # for an executor still building the models under `rose up`
+
+
+class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # trajectories per task
+    groups_per_step: PositiveInt = 4
+    lr: Positive = 1e-4
+    clip_eps: Positive = 0.2
+    max_grad_norm: Positive = 1.0
+    max_staleness: NonNegInt = 2  # versions a trajectory may lag the trainer and still be trained on
+    stale_policy: Literal["drop", "mask"] = "drop"
+    group_timeout_s: PositiveSeconds = 300.0  # train on an incomplete group (>= 2 usable) after this
+    micro_batch: PositiveInt = 16  # sequences per forward/backward
+    prefetch_steps: NonNegInt = 1  # steps of tasks queued ahead of the one being trained (asynchronous RL)
+
+
+class SftSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The warm start on scripted expert traces; `steps = 0` skips it."""
+
+    steps: NonNegInt = 200
+    lr: Positive = 3e-3
+    batch_size: PositiveInt = 16
+    traces_per_env: PositiveInt = 400
+
+
+class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    envs: list[str] = msgspec.field(default_factory=lambda: ["arithmetic"])
+    seed: int = 0
+    max_turns: PositiveInt = 3
+    max_tokens: PositiveInt = 16  # per turn
+    routing: Literal["affinity", "random"] = "affinity"
+
+    def __post_init__(self) -> None:
+        from rose.services.rollout_worker.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs
+
+        unknown = [name for name in self.envs if name not in tool_env_names()]
+        if unknown or not self.envs:
+            raise ValueError(f"tasks.envs must name tool environments ({', '.join(tool_env_names())}), not {unknown or 'nothing'}")
+
+
+class PublishSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = "policy"  # the name executors follow (executor `weights.model`)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # bf16 deltas are ~2-4 % of elements per step
+    staging_dir: str = ""  # a path the weight publisher can read (same host or shared volume); empty: via the object store
+    published_timeout_s: PositiveSeconds = 600.0
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    models: ModelsRef = msgspec.field(default_factory=ModelsRef)
+    grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
+    sft: SftSettings = msgspec.field(default_factory=SftSettings)
+    tasks: TasksSettings = msgspec.field(default_factory=TasksSettings)
+    publish: PublishSettings = msgspec.field(default_factory=PublishSettings)
+    max_steps: NonNegInt = 0  # GRPO steps, then exit; 0: until stopped
+    initial_version: NonNegInt = 0  # the version executors start with (the weights in models.dir)
+    durable: str = "trainer"  # the trajectory stream consumer
+    run_id: str = ""  # prefixes task and group ids; default: the instance name
+    threads: NonNegInt = 0  # torch intra-op threads; 0: torch's default

@@ -1,0 +1,97 @@
+"""Collecting trajectory groups from the stream, with a staleness bound.
+
+A group is the G trajectories of one task (same `group_id`). It is ready once every member
+has arrived (the worker publishes a trajectory for every task, completed or failed), or after
+`group_timeout_s` with at least two usable members. Each trajectory's version is the oldest
+policy version any of its tokens came from; one more than `max_staleness` versions behind
+the trainer is stale: dropped from the group (`drop`, the default) or kept for the group's
+baseline but masked out of the loss (`mask`). Failed trajectories count toward completion
+and are never trained on. Every outcome is counted in `stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rose.contracts.rollout import Trajectory
+
+from .batch import Sequence, sequences_of
+from .grpo import group_advantages
+
+StalePolicy = Literal["drop", "mask"]
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    created: float = field(default_factory=time.monotonic)
+    members: dict[str, Trajectory] = field(default_factory=dict)
+
+
+def trajectory_version(t: Trajectory) -> int:
+    return min((turn.policy_version for turn in t.turns), default=0)
+
+
+class GroupCollector:
+    def __init__(self, *, max_staleness: int, stale_policy: StalePolicy = "drop", group_timeout_s: float = 300.0) -> None:
+        self.max_staleness, self.stale_policy, self.group_timeout_s = max_staleness, stale_policy, group_timeout_s
+        self.groups: dict[str, Group] = {}
+        self.stats = {"received": 0, "duplicates": 0, "failed": 0, "stale_dropped": 0, "stale_masked": 0, "unknown_group": 0, "zero_variance_groups": 0, "groups_used": 0}
+
+    def expect(self, group_id: str, size: int) -> None:
+        """Announce a group the trainer emitted; trajectories of unknown groups are counted and ignored."""
+        self.groups.setdefault(group_id, Group(group_id, size))
+
+    def add(self, t: Trajectory) -> None:
+        self.stats["received"] += 1
+        group = self.groups.get(t.group_id)
+        if group is None:
+            self.stats["unknown_group"] += 1
+            return
+        if t.trajectory_id in group.members:
+            self.stats["duplicates"] += 1  # at-least-once delivery: the first copy counts
+            return
+        group.members[t.trajectory_id] = t
+        if t.status == "failed":
+            self.stats["failed"] += 1
+
+    def ready(self, now: float | None = None) -> list[Group]:
+        now = time.monotonic() if now is None else now
+        out = []
+        for g in list(self.groups.values()):
+            complete = len(g.members) >= g.size
+            usable = sum(1 for t in g.members.values() if t.status == "completed")
+            if complete or (now - g.created > self.group_timeout_s and usable >= 2):
+                out.append(self.groups.pop(g.group_id))
+        return out
+
+    def sequences(self, groups: list[Group], current_version: int) -> list[Sequence]:
+        """Training sequences of ready groups, with advantages, after the staleness bound."""
+        out: list[Sequence] = []
+        for g in groups:
+            kept: list[tuple[Trajectory, bool]] = []  # (trajectory, trained on)
+            for t in g.members.values():
+                if t.status != "completed":
+                    continue
+                stale = current_version - trajectory_version(t) > self.max_staleness
+                if stale and self.stale_policy == "drop":
+                    self.stats["stale_dropped"] += 1
+                    continue
+                if stale:
+                    self.stats["stale_masked"] += 1
+                kept.append((t, not stale))
+            advantages = group_advantages([t.reward for t, _ in kept])
+            if kept and not any(advantages):
+                self.stats["zero_variance_groups"] += 1
+                continue
+            self.stats["groups_used"] += 1
+            for (t, train), adv in zip(kept, advantages):
+                if not train:
+                    continue
+                for s in sequences_of(t):
+                    s.advantage = adv
+                    out.append(s)
+        return out

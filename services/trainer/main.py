@@ -1,0 +1,92 @@
+"""The trainer service: warm start, then GRPO on trajectory groups from the bus, publishing each version.
+
+load the policy (fp32 master weights) -> connect -> consume trajectories -> SFT warm start
+and publish -> emit tasks -> [wait for groups -> GRPO step -> publish -> emit] ... -> drain.
+See trainer.py for the SDK calls this makes (the public API for a user's own RL framework).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from rose.services.rollout_worker import agentic_envs
+from rose.services.rollout_worker.envs import ENVIRONMENTS
+from rose.services.rollout_worker.tool_env import ToolEnv
+from rose.shared.config import ConfigError
+from rose.shared.models import POLICY_DIRNAME, load_model, load_tokenizer
+from rose.shared.nats_server import state_dir
+from rose.shared.service import ServiceRuntime, service_main
+
+from .config import TrainerConfig
+from .local_rollout import Tokens
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def policy_dir(config: TrainerConfig) -> Path:
+    m = config.models
+    if m.policy_dir:
+        return Path(m.policy_dir)
+    return (Path(m.dir) if m.dir else state_dir() / "models") / POLICY_DIRNAME
+
+
+def tool_envs(names: list[str]) -> list[ToolEnv]:
+    agentic_envs.register_agentic_envs()
+    envs = []
+    for name in names:
+        env = ENVIRONMENTS.get(name)
+        if not isinstance(env, ToolEnv):
+            raise ConfigError(f"tasks.envs: {name!r} is not a tool environment; known: {sorted(n for n, e in ENVIRONMENTS.items() if isinstance(e, ToolEnv))}")
+        envs.append(env)
+    return envs
+
+
+async def wait_for_policy(directory: Path, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not ((directory / "config.json").exists() and (directory / "tokenizer.json").exists()):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"no policy model at {directory}: run `rose models init` or set models.dir")
+        log.info("waiting for the policy model at %s", directory)
+        await asyncio.sleep(1.0)
+    model = await asyncio.to_thread(load_model, directory)
+    tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+    return model, tokenizer
+
+
+async def run(config: TrainerConfig) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    envs = tool_envs(config.tasks.envs)
+    model, tokenizer = await wait_for_policy(policy_dir(config), config.models.wait_s)
+    holder: dict[str, Trainer] = {}
+    async with ServiceRuntime("trainer", bus=config.bus, runtime=config.runtime, load=lambda: holder["t"].load() if "t" in holder else {}) as rt:
+        trainer = holder["t"] = Trainer(rt.bus, model, Tokens(tokenizer), envs, config, config.run_id or rt.instance)
+        await trainer.start()
+        rt.ready()
+        stop = asyncio.Event()
+        stopper = asyncio.create_task(_mirror(rt, stop))
+        try:
+            await trainer.warm_start()
+            for step in range(config.grpo.prefetch_steps + 1):
+                await trainer.emit(step)
+            while not stop.is_set() and (config.max_steps == 0 or trainer.steps < config.max_steps):
+                if not await trainer.step(stop):
+                    break
+            log.info("trainer done: %d steps, version %d, rewards %s", trainer.steps, trainer.version, [round(r, 3) for r in trainer.rewards])
+        finally:
+            stopper.cancel()
+
+
+async def _mirror(rt: ServiceRuntime, stop: asyncio.Event) -> None:
+    await rt.wait_for_shutdown()
+    stop.set()
+
+
+def main(argv: list[str]) -> int:
+    return service_main(argv, service="trainer", description="Run the reference GRPO trainer.", config_cls=TrainerConfig, run=run)

@@ -1,0 +1,116 @@
+"""GRPO's pieces: advantages, the loss's sign and clip, trajectories to sequences, the staleness bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rose.contracts.rollout import Trajectory, TurnRecord
+from rose.services.trainer.batch import Sequence, pad, sequences_of, token_logprobs
+from rose.services.trainer.groups import GroupCollector
+from rose.services.trainer.grpo import grpo_loss, grpo_step, group_advantages
+from rose.shared.models import ModelShape, build_model
+
+TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+VOCAB = 64
+
+
+def turn(index: int, prompt: list[int], tokens: list[int], version: int = 0) -> TurnRecord:
+    return TurnRecord(turn_index=index, prompt_token_ids=prompt, token_ids=tokens, logprobs=[-1.0] * len(tokens), policy_version=version, executor_id="ex")
+
+
+def traj(tid: str, group: str, reward: float, version: int = 0, status: str = "completed") -> Trajectory:
+    return Trajectory(task_id=tid, trajectory_id=f"{tid}-traj", env="arithmetic", status=status, group_id=group, reward=reward,  # type: ignore[arg-type]
+                      turns=[turn(0, [1, 2, 3], [4, 5], version)])
+
+
+def test_group_advantages_are_normalised_and_zero_without_spread():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert sum(group_advantages([0.2, 0.9, 0.4])) == pytest.approx(0.0, abs=1e-9)
+    assert group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    assert group_advantages([1.0]) == [0.0]
+
+
+def test_a_multi_turn_trajectory_is_one_sequence_masked_on_generated_tokens():
+    t0 = turn(0, [1, 2], [3, 4])
+    t1 = turn(1, [1, 2, 3, 4, 9, 9], [5, 6], version=2)
+    t = Trajectory(task_id="a", trajectory_id="a-traj", env="e", status="completed", turns=[t0, t1])
+    (seq,) = sequences_of(t)
+    assert seq.tokens == [1, 2, 3, 4, 9, 9, 5, 6]
+    assert seq.mask == [False, False, True, True, False, False, True, True]
+    assert seq.version == 0  # the oldest version any token came from
+    # Turns that do not line up (another producer) fall back to one sequence per turn.
+    t1b = turn(1, [7, 7, 7], [5, 6])
+    assert len(sequences_of(Trajectory(task_id="b", trajectory_id="b-traj", env="e", status="completed", turns=[t0, t1b]))) == 2
+
+
+def test_the_loss_raises_good_tokens_and_lowers_bad_ones():
+    torch.manual_seed(0)
+    model = build_model(TINY, VOCAB, 0, seed=0)
+    good = Sequence([1, 2, 3, 4, 5], [False, False, True, True, True], [0.0] * 5, advantage=1.0)
+    bad = Sequence([1, 2, 6, 7, 8], [False, False, True, True, True], [0.0] * 5, advantage=-1.0)
+    for s in (good, bad):  # behaviour logprobs = this policy's
+        b = pad([s], 0)
+        with torch.no_grad():
+            s.old_logprobs = [0.0] + (token_logprobs(model, b)[0] * b.mask[0]).tolist()
+    batch = pad([good, bad], 0)
+    with torch.no_grad():
+        before = (token_logprobs(model, batch) * batch.mask).sum(-1)
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.5), [batch], clip_eps=0.2, max_grad_norm=10.0)
+    with torch.no_grad():
+        after = (token_logprobs(model, batch) * batch.mask).sum(-1)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4) and stats.tokens == 6
+
+
+def test_the_clip_stops_the_gradient_past_the_trust_region():
+    old = torch.zeros(1, 3)
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    batch = pad([Sequence([1, 2, 3, 4], [False, False, True, True], [0.0] * 4)], 0)
+    batch.old_logprobs, batch.mask = old, mask
+    for advantage, clipped in ((1.0, True), (-1.0, False)):
+        new = torch.full((1, 3), math.log(1.5), requires_grad=True)  # ratio 1.5 > 1 + 0.2
+        batch.advantages = torch.tensor([advantage])
+        loss, stats = grpo_loss(new, batch, clip_eps=0.2)
+        loss.backward()
+        assert (new.grad.abs().sum() == 0) == clipped
+        assert stats.clip_fraction == 1.0 and stats.mean_ratio == pytest.approx(1.5)
+
+
+def test_staleness_bound_drops_or_masks_and_everything_is_counted():
+    c = GroupCollector(max_staleness=1)
+    c.expect("g", 4)
+    for t in (traj("a", "g", 1.0, 5), traj("b", "g", 0.0, 4), traj("c", "g", 1.0, 3), traj("d", "g", 0.0, 5, status="failed")):
+        c.add(t)
+    c.add(traj("a", "g", 1.0, 5))  # redelivered
+    c.add(traj("x", "other", 1.0, 5))
+    groups = c.ready()
+    assert [g.group_id for g in groups] == ["g"]
+    seqs = c.sequences(groups, current_version=5)
+    assert len(seqs) == 2 and sorted(s.advantage for s in seqs) == pytest.approx([-1.0, 1.0], abs=1e-4)
+    assert c.stats.items() >= {"received": 6, "duplicates": 1, "unknown_group": 1, "failed": 1, "stale_dropped": 1, "groups_used": 1}.items()
+
+    masked = GroupCollector(max_staleness=1, stale_policy="mask")
+    masked.expect("g", 3)
+    for t in (traj("a", "g", 1.0, 5), traj("b", "g", 0.0, 5), traj("c", "g", 0.0, 2)):
+        masked.add(t)
+    seqs = masked.sequences(masked.ready(), current_version=5)
+    assert len(seqs) == 2 and masked.stats["stale_masked"] == 1  # in the baseline, not in the loss
+    assert max(s.advantage for s in seqs) == pytest.approx(group_advantages([1.0, 0.0, 0.0])[0])
+
+
+def test_incomplete_and_uninformative_groups():
+    c = GroupCollector(max_staleness=4, group_timeout_s=10.0)
+    c.expect("g", 3)
+    c.add(traj("a", "g", 1.0))
+    c.add(traj("b", "g", 0.0))
+    assert c.ready(now=c.groups["g"].created + 1) == []  # waits for its third member
+    groups = c.ready(now=c.groups["g"].created + 11)  # ... until the timeout, with two usable
+    assert len(groups) == 1 and len(c.sequences(groups, 0)) == 2
+    c.expect("h", 2)
+    c.add(traj("c", "h", 1.0))
+    c.add(traj("d", "h", 1.0))
+    assert c.sequences(c.ready(), 0) == [] and c.stats["zero_variance_groups"] == 1

@@ -1,0 +1,124 @@
+"""The trainer service on a real nats-server: warm start and publish v1 through a real weight
+publisher, emit task groups, consume the trajectory groups from the durable stream (one stale,
+one failed), take a GRPO step and publish v2. The test plays the rollout worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rose.client import WeightsClient
+from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAJECTORY
+from rose.contracts.rollout import RolloutTask
+from rose.services.rollout_worker import agentic_envs  # noqa: F401 - registers the envs
+from rose.services.rollout_worker.envs import ENVIRONMENTS
+from rose.services.trainer.config import GrpoSettings, ModelsRef, SftSettings, TasksSettings, TrainerConfig
+from rose.services.trainer.local_rollout import Tokens, scripted_episode
+from rose.services.trainer.main import run as run_trainer
+from rose.services.weight_publisher.config import WeightPublisherConfig
+from rose.services.weight_publisher.main import run as run_publisher
+from rose.shared.bus import Bus, Delivery
+from rose.shared.config import BusConfig, RuntimeConfig
+from rose.shared.models import ModelShape, build_model, load_tokenizer
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
+
+TIMEOUT_S = 90.0
+GROUP_SIZE, GROUPS = 4, 2
+TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+INSTANCE = "trainer-test"
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory, models_dir):
+    """A tiny policy saved like any HF model directory (the trainer loads it as it would a real one)."""
+    tokenizer = load_tokenizer(models_dir / "policy")
+    path = tmp_path_factory.mktemp("tiny") / "policy"
+    build_model(TINY, len(tokenizer), tokenizer.eos_token_id, seed=1).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Its own server: the trainer's durable consumer reads the whole trajectory stream."""
+    s = NatsServer(tmp_path_factory.mktemp("trainer-nats")).start()
+    yield s
+    s.stop()
+
+
+async def until(predicate, what: str, timeout: float = TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_policy):
+    bus_config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0)
+    config = TrainerConfig(
+        bus=bus_config,
+        runtime=RuntimeConfig(instance=INSTANCE, heartbeat_interval_s=0.3),
+        models=ModelsRef(policy_dir=str(tiny_policy)),
+        grpo=GrpoSettings(group_size=GROUP_SIZE, groups_per_step=GROUPS, max_staleness=0, prefetch_steps=0, lr=1e-3),
+        sft=SftSettings(steps=3, traces_per_env=16, batch_size=8),
+        tasks=TasksSettings(envs=["arithmetic"], max_turns=3),
+        threads=1,
+    )
+    publisher = asyncio.create_task(run_publisher(WeightPublisherConfig(bus=bus_config, runtime=RuntimeConfig(instance="wp-trainer-test"))))
+    trainer = asyncio.create_task(run_trainer(config))
+    tasks: list[RolloutTask] = []
+
+    async def take(task: RolloutTask, delivery: Delivery) -> None:
+        tasks.append(task)
+
+    try:
+        async with Bus(bus_config, service="tests", instance="trainer-test-worker") as bus:
+            await provision(bus.js)
+            await bus.consume(ROLLOUT_TASK, take, durable="test_worker")
+            async with WeightsClient(bus, "policy") as weights:
+                v1 = await weights.published(1, timeout=TIMEOUT_S)  # the warm start, published by the real publisher
+                assert v1.keyframe
+                await until(lambda: asyncio.sleep(0, len(tasks) >= GROUP_SIZE * GROUPS), "the first step's tasks")
+                groups = sorted({t.group_id for t in tasks})
+                assert len(groups) == GROUPS and all(t.env == "arithmetic" and t.group_size == GROUP_SIZE for t in tasks)
+
+                # Play the rollout worker: scripted episodes, behaviour logprobs from the initial policy.
+                env = ENVIRONMENTS["arithmetic"]
+                tokenizer = load_tokenizer(tiny_policy)
+                behaviour = build_model(TINY, len(tokenizer), tokenizer.eos_token_id, seed=1)
+                tokens = Tokens(tokenizer)
+                for task in sorted(tasks, key=lambda t: t.task_id):
+                    problem = env.problem_of(task)
+                    j = int(task.task_id.rsplit("-", 1)[1])
+                    right = j % 2 == 0
+                    completions = env.expert(problem) if right else [env.expert(problem)[0], "<answer>-1</answer>"]
+                    stale = task.group_id == groups[1] and j == 0  # sampled with v0: one version behind
+                    traj = scripted_episode(behaviour, tokens, env, task, completions, version=0 if stale else 1)
+                    if task.group_id == groups[1] and j == 3:
+                        traj.status, traj.reason, traj.reward = "failed", "tool 'calc' ran past its deadline", 0.0
+                    await bus.publish(TRAJECTORY, traj, msg_id=traj.trajectory_id, status=traj.status)
+
+                v2 = await weights.published(2, timeout=TIMEOUT_S)  # the GRPO step's weights
+                assert v2.base_version == 1 and not v2.keyframe and v2.changed_fraction > 0
+
+            async def trained():
+                beat = await bus.kv_get(SERVICE_REGISTRY, service="trainer", instance=INSTANCE)
+                return beat.load if beat is not None and beat.load.get("steps") == 1.0 else None
+
+            load = await until(trained, "the trainer's heartbeat after its step")
+            assert load["version"] == 2.0
+            assert load["collector_received"] == GROUP_SIZE * GROUPS
+            assert load["collector_stale_dropped"] == 1 and load["collector_failed"] == 1 and load["collector_groups_used"] == 2
+            assert load["sft_nll_after"] < load["sft_nll_before"]
+            assert load["reward_last"] == pytest.approx(4 / 7)  # 4 right of the 7 completed trajectories (stale included)
+    finally:
+        for task in (trainer, publisher):
+            task.cancel()
+        await asyncio.wait([trainer, publisher], timeout=10)

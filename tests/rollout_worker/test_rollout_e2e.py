@@ -1,0 +1,119 @@
+"""Rollout end to end on real processes: multi-turn episodes routed turn by turn, under leases and on
+the dedicated executor; then chaos (kill -9 the opportunistic executor and the worker mid-rollout,
+restart the NATS server) with nothing lost and nothing duplicated. Also: a turn in flight when its
+lease is revoked comes back at once with the tokens it made, to be resumed elsewhere by recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+from conftest import DEDICATED, SERVING
+
+from rose.contracts.executor import GenerateRequest, SamplingParams
+from rose.contracts.registry import GENERATE, LEASE, ROLLOUT_TASK
+from rose.contracts.rollout import RolloutTask
+
+TRAJECTORY_TIMEOUT_S = 150.0
+
+
+async def _publish_tasks(bus, n: int, turns: int, tag: str, routing: str = "affinity", max_tokens: int = 8) -> set[str]:
+    ids = set()
+    for i in range(n):
+        task = RolloutTask(
+            task_id=f"{tag}-{i}", env="conversation", prompt=f"Tell me about item {i}.", max_turns=turns, group_id=tag, group_size=n,
+            routing=routing, created_at=time.time(), env_args={"max_tokens": str(max_tokens)},  # type: ignore[arg-type]
+        )
+        await bus.publish(ROLLOUT_TASK, task)
+        ids.add(task.task_id)
+    return ids
+
+
+def _check_trajectory(t, turns: int, max_tokens: int = 8) -> None:
+    assert t.status == "completed", t.reason
+    assert [r.turn_index for r in t.turns] == list(range(turns))
+    for prev, cur in zip(t.turns, t.turns[1:]):
+        # token-in, token-out: each prompt extends the previous prompt and its completion exactly
+        assert cur.prompt_token_ids[: len(prev.prompt_token_ids) + len(prev.token_ids)] == prev.prompt_token_ids + prev.token_ids
+    for r in t.turns:
+        assert r.executor_id in (SERVING, DEDICATED) and 1 <= len(r.token_ids) <= max_tokens and len(r.logprobs) == len(r.token_ids)
+
+
+async def test_multi_turn_episodes_run_on_leased_and_dedicated_executors(fleet):
+    lease = None
+    for _ in range(100):  # the scheduler lends the idle serving executor to rollout
+        lease = await fleet.bus.kv_get(LEASE, executor_id=SERVING)
+        if lease is not None and lease.state == "active":
+            break
+        await asyncio.sleep(0.2)
+    assert lease is not None and lease.state == "active", "the idle serving executor was never leased"
+    ids = await _publish_tasks(fleet.bus, 8, 3, f"basic-{uuid.uuid4().hex[:6]}")
+    got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
+    assert set(got) == ids
+    for t in got.values():
+        _check_trajectory(t, 3)
+    executors = {r.executor_id for t in got.values() for r in t.turns}
+    assert executors == {SERVING, DEDICATED}, executors  # opportunistic and dedicated both took turns
+    later = [r for t in got.values() for r in t.turns[1:]]
+    hits = sum(r.prefix_cached_tokens > 0 for r in later)
+    assert hits >= len(later) // 2, f"only {hits} of {len(later)} later turns hit the prefix cache"
+
+
+async def test_revoked_lease_interrupts_the_turn_with_its_tokens(fleet):
+    bus = fleet.bus
+    lease = None
+    for _ in range(100):
+        lease = await bus.kv_get(LEASE, executor_id=SERVING)
+        if lease is not None and lease.state == "active" and lease.expires_at > time.time() + 1:
+            break
+        await asyncio.sleep(0.2)
+    assert lease is not None and lease.state == "active"
+    long_turn = GenerateRequest(
+        request_id=f"long-{time.monotonic_ns()}", trajectory_id=f"long-{time.monotonic_ns()}", turn_index=0, prompt_token_ids=[5, 6, 7, 8],
+        sampling=SamplingParams(temperature=1.0, max_tokens=1500, seed=1), lease_id=lease.lease_id, lease_epoch=lease.epoch,
+    )
+    pending = asyncio.ensure_future(bus.request(GENERATE, long_turn, timeout=60.0, executor_id=SERVING))
+    await asyncio.sleep(1.0)
+    assert not pending.done(), "the long turn finished before the revocation"
+    await bus.kv_put(LEASE, msgspec.structs.replace(lease, state="revoked", reason="test revoke"), executor_id=SERVING)
+    reply = await asyncio.wait_for(pending, timeout=10.0)
+    assert reply.status == "rejected" and reply.reject_reason == "lease_revoked"
+    assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 1500 and len(reply.logprobs) == len(reply.token_ids)
+
+
+async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
+    tag = f"chaos-{uuid.uuid4().hex[:6]}"
+    total, turns = 24, 6
+    ids = await _publish_tasks(fleet.bus, total, turns, tag, max_tokens=16)
+    before = len(fleet.trajectories)
+
+    def done() -> int:
+        return len({t.task_id for t in fleet.trajectories if t.task_id in ids})
+
+    async def until_done(n: int) -> None:
+        for _ in range(1200):
+            if done() >= n:
+                return
+            await asyncio.sleep(0.05)
+
+    await until_done(1)  # episodes are mid-flight on both executors
+    fleet.proc("serving").kill()  # kill -9 the opportunistic executor mid-rollout
+    fleet.proc("worker").kill()  # and the worker holding unacked tasks
+    assert done() < total, "the chaos came too late: every task had finished"
+    fleet.proc("worker").start()
+    await until_done(done() + 1)
+    assert done() < total
+    await asyncio.to_thread(fleet.server.restart)  # the NATS server goes away and comes back (file storage)
+    fleet.proc("serving").start()
+    got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
+    lost = ids - set(got)
+    assert lost == set(), f"tasks lost: {sorted(lost)}"
+    for t in got.values():
+        _check_trajectory(t, turns, max_tokens=16)
+    mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
+    assert len(mine) == len({t.trajectory_id for t in mine}), "a trajectory was published twice"
+    assert any(r.attempts > 1 for t in got.values() for r in t.turns) or any(
+        r.executor_id == SERVING for t in got.values() for r in t.turns
+    )

@@ -1,0 +1,150 @@
+"""The monitor's pure parts: window merging, the step-time headroom model, burst detection."""
+
+from __future__ import annotations
+
+from ddsketch import DDSketch
+
+from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage
+from rose.services.slo_monitor.bursts import BurstDetector
+from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, SloMonitorConfig
+from rose.services.slo_monitor.headroom import assess, fit_step_model, observations, rollout_slots
+from rose.services.slo_monitor.monitor import Monitor
+from rose.services.slo_monitor.windows import ExecutorWindow, fleet_stats
+from rose.shared.sketch import new_sketch, to_contract
+
+INTERVAL = 0.1
+
+
+def snap(at: float, *, ex: str = "ex-1", ttft: list[float] = (), tpot: list[float] = (), arrivals: int = 1, queue: int = 0,
+         serving: int = 2, rollout: int = 0, role: str = "serving", rollout_tps: float = 0.0) -> MetricsSnapshot:
+    t, p = new_sketch(), new_sketch()
+    for v in ttft:
+        t.add(v)
+    for v in tpot:
+        p.add(v)
+    return MetricsSnapshot(
+        executor_id=ex, at=at, interval_s=INTERVAL, role=role, ttft_ms=to_contract(t), tpot_ms=to_contract(p),  # type: ignore[arg-type]
+        serving_arrivals=arrivals, serving_queue=queue, serving_running=serving, rollout_running=rollout, rollout_tokens_per_s=rollout_tps,
+        serving_pool=PoolUsage(block_bytes=1024, total_blocks=100, used_blocks=10), rollout_pool=PoolUsage(block_bytes=1024, total_blocks=0, used_blocks=0),
+        device=DeviceTelemetry(kind="cpu", name="test-cpu", memory_total_bytes=8 << 30, memory_used_bytes=2 << 30, utilization=0.3),
+    )
+
+
+def test_windows_merge_sketches_exactly_per_executor_and_fleet():
+    w1, w2 = ExecutorWindow(30.0), ExecutorWindow(30.0)
+    ref = DDSketch(0.01)
+    for i in range(20):
+        values = [10.0 + i, 200.0 if i == 19 else 11.0]
+        w1.add(snap(i * INTERVAL, ttft=values), i * INTERVAL)
+        for v in values:
+            ref.add(v)
+    w2.add(snap(1.0, ex="ex-2", ttft=[500.0], arrivals=5), 1.0)
+    s = w1.stats()
+    assert abs(s.ttft_p99_ms - ref.get_quantile_value(0.99)) < 1e-6
+    assert s.arrivals == 20 and abs(s.arrival_rate_rps - 10.0) < 1e-6
+    fleet = fleet_stats([w1, w2], 30.0)
+    ref.add(500.0)
+    assert abs(fleet.ttft_p99_ms - ref.get_quantile_value(0.99)) < 1e-6  # one sketch over both executors
+    assert fleet.ttft_count == 41
+    assert abs(fleet.arrival_rate_rps - (10.0 + 50.0)) < 1e-6
+
+
+def test_long_window_drops_old_snapshots():
+    w = ExecutorWindow(2.0)
+    for i in range(50):
+        w.add(snap(i * INTERVAL), i * INTERVAL)
+    assert w.snapshots[-1].at - w.snapshots[0].at <= 2.0
+    assert len(w.recent(0.5)) == 5
+
+
+def test_step_model_recovers_batch_coefficients_and_bounds_slots():
+    obs = [(s, r, 5.0 + 0.8 * s + 0.3 * r) for s in range(1, 8) for r in (0, 4, 8, 16)]
+    model = fit_step_model(obs, fallback_tpot_ms=10.0)
+    assert abs(model.per_serving_ms - 0.8) < 0.05 and abs(model.per_rollout_ms - 0.3) < 0.05 and abs(model.base_ms - 5.0) < 0.3
+    # margin 0.7 x 40 ms = 28 ms; serving at peak 7 (+1) costs 5 + 6.4 = 11.4 ms; (28 - 11.4) / 0.3 = 55 slots, capped
+    assert rollout_slots(model, 7, 40.0, 0.7, 32) == 32
+    assert rollout_slots(model, 7, 20.0, 0.7, 32) == int((14.0 - 11.4) / model.per_rollout_ms)
+    assert rollout_slots(model, 30, 20.0, 0.7, 32) == 0  # serving alone eats the budget
+
+
+def test_thin_data_falls_back_to_the_prior():
+    model = fit_step_model([(1, 0, 7.0)], fallback_tpot_ms=10.0)
+    assert model.base_ms == 7.0 and model.observations == 1
+
+
+def test_assess_lends_only_well_below_slo():
+    cfg = HeadroomSettings(slo_ttft_ms=500.0, slo_tpot_ms=100.0)
+    w = ExecutorWindow(30.0)
+    for i in range(30):
+        w.add(snap(i * INTERVAL, ttft=[40.0], tpot=[8.0 + (i % 3)], serving=1 + i % 3, rollout=4 * (i % 2)), i * INTERVAL)
+    model = fit_step_model(observations(list(w.snapshots)), 10.0)
+    ok = assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=False)
+    assert ok.lendable and ok.slots > 0 and 0 < ok.kv_bytes <= cfg.max_lend_kv_bytes
+    hot = ExecutorWindow(30.0)
+    for i in range(30):
+        hot.add(snap(i * INTERVAL, ttft=[300.0], tpot=[60.0]), i * INTERVAL)
+    verdict = assess(hot.stats(3.0), hot.stats(), fit_step_model(observations(list(hot.snapshots)), 60.0), hot.latest, cfg, alerting=False)
+    assert not verdict.lendable and "ttft" in verdict.reason
+    assert not assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=True).lendable
+
+
+def _detector() -> tuple[ExecutorWindow, BurstDetector]:
+    cfg = BurstSettings(window_s=0.5, rate_ratio=2.0, min_arrivals=4, recover_s=1.0, realert_s=0.5)
+    return ExecutorWindow(30.0), BurstDetector("ex-1", cfg, HeadroomSettings(), short_s=3.0)
+
+
+def test_arrival_burst_is_detected_before_latency_moves_then_recovers():
+    w, d = _detector()
+    t = 0.0
+    for _ in range(50):  # 10 rps baseline, latency fine
+        w.add(snap(t, ttft=[30.0], tpot=[8.0], arrivals=1), t)
+        assert d.observe(w, t) is None
+        t += INTERVAL
+    alert = None
+    for _ in range(5):  # 30 rps: a 3x burst, latency still fine
+        w.add(snap(t, ttft=[30.0], tpot=[8.0], arrivals=3), t)
+        alert = alert or d.observe(w, t)
+        t += INTERVAL
+    assert alert is not None and alert.severity == "burst" and "arrival rate" in alert.reason
+    recovered = None
+    for _ in range(40):
+        w.add(snap(t, ttft=[30.0], tpot=[8.0], arrivals=1), t)
+        recovered = recovered or d.observe(w, t)
+        t += INTERVAL
+    assert recovered is not None and recovered.severity == "recovered"
+
+
+def test_poisson_noise_at_low_rate_is_no_burst():
+    w, d = _detector()
+    pattern = [0, 2, 0, 1, 3, 0, 1, 0, 2, 1]  # 10 rps on average, lumpy
+    alerts = []
+    for i in range(100):
+        w.add(snap(i * INTERVAL, ttft=[30.0], tpot=[8.0], arrivals=pattern[i % 10]), i * INTERVAL)
+        alerts.append(d.observe(w, i * INTERVAL))
+    assert [a for a in alerts if a is not None] == []
+
+
+def test_queue_growth_and_violation_raise_alerts():
+    w, d = _detector()
+    for i, q in enumerate([0, 0, 1, 5]):
+        w.add(snap(i * INTERVAL, ttft=[30.0], tpot=[8.0], arrivals=0, queue=q), i * INTERVAL)
+        alert = d.observe(w, i * INTERVAL)
+    assert alert is not None and "queue" in alert.reason
+    w2, d2 = _detector()
+    w2.add(snap(0.0, ttft=[900.0], tpot=[8.0], arrivals=0), 0.0)
+    alert = d2.observe(w2, 0.0)
+    assert alert is not None and alert.severity == "violation"
+
+
+def test_monitor_headroom_for_serving_and_dedicated():
+    m = Monitor(SloMonitorConfig())
+    for i in range(20):
+        m.observe(snap(i * INTERVAL, ttft=[20.0], tpot=[5.0], rollout_tps=100.0 + i), now=i * INTERVAL)
+        m.observe(snap(i * INTERVAL, ex="ded-1", role="dedicated", rollout_tps=400.0, arrivals=0), now=i * INTERVAL)
+    h = m.headroom("ex-1", 2.0)
+    assert h.role == "serving" and h.lendable and h.rollout_batch_slots > 0 and h.rollout_tokens_per_s == 119.0
+    assert h.device_kind == "cpu" and h.device_memory_bytes == 8 << 30
+    d = m.headroom("ded-1", 2.0)
+    assert d.role == "dedicated" and d.rollout_tokens_per_s == 400.0
+    assert set(m.live(2.5)) == {"ex-1", "ded-1"} and m.live(100.0) == []
+    assert m.fleet_load()["executors"] == 2.0
