@@ -103,6 +103,14 @@ class CpuDevice:
     def init_thread(self, threads: int | None = None) -> None:
         torch.set_num_threads(threads or self.threads_per_lane)
 
+    def lane_width(self, serving_idle: bool, narrow: int) -> int:
+        """Torch threads for the rollout lane now: every core while serving has no work at all
+        (the CPU analogue of best-effort kernels filling idle SMs), its own share otherwise."""
+        return (os.cpu_count() or 1) if serving_idle else narrow
+
+    def set_thread_width(self, threads: int) -> None:
+        torch.set_num_threads(threads)  # per calling thread (OpenMP ICV); the serving lane keeps its own
+
     def telemetry(self) -> Telemetry:
         now, cpu = time.monotonic(), time.process_time()
         last_now, last_cpu = self._last_cpu
@@ -131,6 +139,12 @@ class CudaDevice:
 
     def lane(self, name: str, priority: int) -> Lane:
         return Lane(name, torch.cuda.Stream(device=self.torch_device, priority=priority))
+
+    def lane_width(self, serving_idle: bool, narrow: int) -> int:
+        return narrow  # the GPU shares its SMs between streams by itself
+
+    def set_thread_width(self, threads: int) -> None:
+        pass
 
     def init_thread(self, threads: int | None = None) -> None:
         torch.cuda.set_device(self.torch_device)

@@ -377,6 +377,7 @@ class Engine:
     # ------------------------------------------------------------------ rollout lane
     def _rollout_loop(self) -> None:
         self.device.init_thread(self.config.rollout_threads)
+        narrow = width = torch.get_num_threads()
         rt = self._rollout
         while not self._stopping:
             self._between_quanta(rt)
@@ -388,6 +389,12 @@ class Engine:
             if not self.policy.may_run_rollout(self._signals()):
                 time.sleep(PAUSE_POLL_S)
                 continue
+            if self.policy.widens_when_serving_idle:
+                s = self._serving
+                want = self.device.lane_width(not (s.inbox or s.waiting or s.running), narrow)
+                if want != width:
+                    self.device.set_thread_width(want)
+                    width = want
             self._run_quantum(rt)
 
     def _signals(self) -> Signals:

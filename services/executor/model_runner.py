@@ -123,9 +123,11 @@ class PagedModelRunner:
         x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
         for li, layer in enumerate(self._layers):
-            if should_stop is not None and li and should_stop():
+            if should_stop is not None and should_stop():
                 return None
             x = x + self._attention(layer, li, _rms_norm(x, layer.input_layernorm.weight, self.eps), cos, sin, slots, valid, gather, mask)
+            if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
+                return None
             x = x + self._mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         x = _rms_norm(x, self._norm.weight, self.eps)
         if all_logits:

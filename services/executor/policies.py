@@ -9,7 +9,8 @@ hot loop has no mode flags:
 - ``quantum_ms``: the time budget of one rollout quantum; the engine runs iterations
   while the next one is expected to fit (at least one). None = unbounded: the whole
   current batch runs to completion.
-and ``yields_on_arrival``: does a serving arrival ask the rollout lane to yield?
+and ``yields_on_arrival``: does a serving arrival ask the rollout lane to yield? and
+``widens_when_serving_idle``: may rollout use the whole device while serving has no work?
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ServingOnly:
     admits_rollout = False
     shares_serving_lane = False
     yields_on_arrival = False
+    widens_when_serving_idle = False
 
     def may_run_rollout(self, s: Signals) -> bool:
         return False
@@ -54,6 +56,7 @@ class NaiveShare:
     admits_rollout = True
     shares_serving_lane = True
     yields_on_arrival = False
+    widens_when_serving_idle = False
 
     def may_run_rollout(self, s: Signals) -> bool:
         return True
@@ -68,6 +71,7 @@ class StaticPartition:
     admits_rollout = True
     shares_serving_lane = False
     yields_on_arrival = False
+    widens_when_serving_idle = False
 
     def __init__(self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS) -> None:
         self.share, self.period_ms, self.quantum_ms = share, period_ms, quantum_ms
@@ -85,6 +89,7 @@ class Rose:
     admits_rollout = True
     shares_serving_lane = False
     yields_on_arrival = True
+    widens_when_serving_idle = True  # takes the whole device while serving is idle; yields at a layer safepoint
 
     def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION) -> None:
         self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction

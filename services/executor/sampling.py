@@ -28,15 +28,16 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
     logits = logits.cpu()
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1).tolist()
+    # one batched softmax for every row (greedy rows get a harmless temperature of 1)
+    temps = torch.tensor([s.params.temperature or 1.0 for s in states], dtype=logits.dtype)
+    probs_all = torch.softmax(logits / temps[:, None], dim=-1)
     tokens: list[int] = []
     for row, state in enumerate(states):
         p = state.params
         if p.temperature == 0:
             tokens.append(greedy[row])
             continue
-        probs = torch.softmax(logits[row] / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            probs = _top_p_filter(probs, p.top_p)
+        probs = _top_p_filter(probs_all[row].clone(), p.top_p) if p.top_p < 1.0 else probs_all[row]
         tokens.append(int(torch.multinomial(probs, 1, generator=state.generator).item()))
     picked = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     return tokens, picked
