@@ -23,7 +23,6 @@ import asyncio
 import hashlib
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,10 +38,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rose.client import WeightsClient
-from rose.contracts.registry import SERVICE_REGISTRY, WEIGHT_APPLIED, WEIGHTS_OBJECTS
+from rose.contracts.registry import WEIGHT_APPLIED, WEIGHTS_OBJECTS
 from rose.contracts.weights import WeightApplied, WeightManifest
 from rose.shared.bus import Bus, Delivery
 from rose.shared.config import BusConfig
+from rose.shared.launch import ServiceProcess
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.weight_codec import ShardDecoder, decode_shard, encode_shard
@@ -217,12 +217,10 @@ def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
     return paths.serving, policy_dir
 
 
-def _start_executor(url: str, serving_dir: Path, policy_dir: Path, log: Path) -> subprocess.Popen:
+def _start_executor(url: str, serving_dir: Path, policy_dir: Path, log: Path) -> ServiceProcess:
     """The real executor service, following MODEL's versions in bf16 and reporting a digest per version."""
     env = {
-        **os.environ,
         "NATS_URL": url,
-        "ROSE_RUNTIME__INSTANCE": EXECUTOR_ID,
         "ROSE_MODELS__SERVING_DIR": str(serving_dir),
         "ROSE_MODELS__POLICY_DIR": str(policy_dir),
         "ROSE_ENGINE__DTYPE": "bfloat16",
@@ -232,19 +230,7 @@ def _start_executor(url: str, serving_dir: Path, policy_dir: Path, log: Path) ->
         "ROSE_WEIGHTS__MODEL": MODEL,
         "ROSE_WEIGHTS__REPORT_DIGEST": "true",
     }
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "executor"], env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-async def _wait_ready(bus: Bus, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        beat = await bus.kv_get(SERVICE_REGISTRY, service="executor", instance=EXECUTOR_ID)
-        if beat is not None and beat.state == "ready":
-            return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the executor did not come up (exit code {proc.poll()}):\n{log.read_text()[-2000:]}")
-        await asyncio.sleep(0.2)
+    return ServiceProcess("executor", EXECUTOR_ID, env, log).start()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -302,11 +288,11 @@ async def run_weights_bench(
             executor_log = workdir / "executor.log"
             applier = _start_executor(server.url, serving_dir, policy_dir, executor_log)
             try:
-                await _wait_ready(bus, applier, executor_log)
+                await applier.wait_ready(bus, READY_TIMEOUT_S)
                 result = await _run_versions(console, trainer, bus, workdir, steps, wait_applied)
                 baseline = await full_snapshot(server.url, result.pop("_last_state"))
             finally:
-                _stop(applier)
+                applier.stop()
                 _stop(publisher)
             digests = {v: event.params_sha256 for v, event in applied.items()}
     per_version = result["per_version"]

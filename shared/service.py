@@ -143,6 +143,13 @@ class ServiceRuntime:
     async def wait_for_shutdown(self) -> None:
         await self._stop.wait()
 
+    async def idle(self, seconds: float) -> None:
+        """Sleep up to `seconds`, waking at once when shutdown is requested (periodic loops)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stop.wait()), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()

@@ -5,17 +5,15 @@ connect -> load the policy tokenizer -> consume tasks (N episodes at once) -> wa
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
 from pathlib import Path
 
 from rose.contracts.registry import ROLLOUT_TASK
-from rose.shared.config import load_config
 from rose.shared.models import POLICY_DIRNAME, load_tokenizer
 from rose.shared.nats_server import state_dir
-from rose.shared.service import ServiceRuntime
+from rose.shared.service import ServiceRuntime, service_main
 
 from .config import RolloutWorkerConfig
 from .episode import EpisodeRunner
@@ -55,15 +53,8 @@ async def run(config: RolloutWorkerConfig) -> None:
         rt.ready()
         while not rt.stopping:
             stats.update({k: float(v) for k, v in {**turns.stats, **episodes.stats}.items()})
-            try:
-                await asyncio.wait_for(rt.wait_for_shutdown(), timeout=config.runtime.heartbeat_interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await rt.idle(config.runtime.heartbeat_interval_s)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rose run rollout_worker", description="Run a rollout worker.")
-    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
-    args = parser.parse_args(argv)
-    asyncio.run(run(load_config(RolloutWorkerConfig, path=args.config)))
-    return 0
+    return service_main(argv, service="rollout_worker", description="Run a rollout worker.", config_cls=RolloutWorkerConfig, run=run)

@@ -6,13 +6,10 @@ connect -> recover leases -> subscribe (heartbeats, headroom, alerts, trajectori
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 
 from rose.contracts.registry import HEADROOM, HEARTBEAT, ROUTE_TURN, SLO_ALERT, TRAJECTORY
-from rose.shared.config import load_config
-from rose.shared.service import ServiceRuntime
+from rose.shared.service import ServiceRuntime, service_main
 
 from .config import SchedulerConfig
 from .scheduler import Scheduler
@@ -37,15 +34,8 @@ async def run(config: SchedulerConfig) -> None:
                 await s.tick()
             except Exception as exc:  # reconnecting: executors enforce expiry on their own meanwhile
                 log.warning("lease tick failed: %r", exc)
-            try:
-                await asyncio.wait_for(rt.wait_for_shutdown(), timeout=config.tick_s)
-            except asyncio.TimeoutError:
-                pass
+            await rt.idle(config.tick_s)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rose run scheduler", description="Run the elastic rollout scheduler.")
-    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
-    args = parser.parse_args(argv)
-    asyncio.run(run(load_config(SchedulerConfig, path=args.config)))
-    return 0
+    return service_main(argv, service="scheduler", description="Run the elastic rollout scheduler.", config_cls=SchedulerConfig, run=run)

@@ -5,16 +5,13 @@ connect -> subscribe to executor metrics -> loop (publish headroom every interva
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 import time
 
 from rose.contracts.executor import MetricsSnapshot
 from rose.contracts.registry import EXECUTOR_METRICS, HEADROOM, SLO_ALERT
 from rose.shared.bus import Bus, Delivery
-from rose.shared.config import load_config
-from rose.shared.service import ServiceRuntime
+from rose.shared.service import ServiceRuntime, service_main
 
 from .config import SloMonitorConfig
 from .monitor import Monitor
@@ -46,15 +43,8 @@ async def run(config: SloMonitorConfig) -> None:
                 await publish_headroom(rt.bus, monitor)
             except Exception as exc:  # reconnecting: the next round will do
                 log.warning("could not publish headroom: %r", exc)
-            try:
-                await asyncio.wait_for(rt.wait_for_shutdown(), timeout=config.headroom_interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await rt.idle(config.headroom_interval_s)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rose run slo_monitor", description="Run the SLO monitor.")
-    parser.add_argument("--config", default=None, help="TOML file (ROSE_* variables override it)")
-    args = parser.parse_args(argv)
-    asyncio.run(run(load_config(SloMonitorConfig, path=args.config)))
-    return 0
+    return service_main(argv, service="slo_monitor", description="Run the SLO monitor.", config_cls=SloMonitorConfig, run=run)
