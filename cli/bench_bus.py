@@ -8,7 +8,6 @@ on nats-py). Rounds alternate between contenders so that machine noise hits all 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import tempfile

@@ -9,6 +9,8 @@ twice and the trajectory comes out the same; the trajectory is published with it
 
 from __future__ import annotations
 
+import asyncio
+
 import hashlib
 import logging
 import time
@@ -18,6 +20,7 @@ from rose.contracts.rollout import RolloutTask, Trajectory, TurnCheckpoint, Turn
 from rose.shared.bus import Bus, Delivery
 
 from .envs import ENVIRONMENTS, Environment
+from .tools import EnvironmentFailure
 from .turns import TurnRunner, TurnSpec
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,10 @@ class EpisodeRunner:
             return
         try:
             turns, reward = await self.run(task, env)
+        except EnvironmentFailure as exc:  # broken env or tool: another delivery would fail the same way
+            log.warning("task %s: environment failure: %s", task.task_id, exc)
+            await self._publish(task, [], "failed", 0.0, f"environment failure: {exc}")
+            return
         except Exception as exc:
             if delivery.attempt < self.max_deliver - 1:
                 raise  # nak: another delivery resumes from the checkpoints
@@ -73,7 +80,8 @@ class EpisodeRunner:
                 spec = TurnSpec(task, tid, index, list(context), previous, max_tokens, self.stop_token_ids, seed_of(task, index))
                 record = await self.runner.run(spec)
                 record.text = self.tokenizer.decode(record.token_ids, skip_special_tokens=True)
-                step = env.step(task, index, record.text, record.finish_reason, [t.finish_reason for t in turns])
+                # in a thread: a tool (the code sandbox) may block for seconds, the turns of other tasks go on
+                step = await asyncio.to_thread(env.step, task, index, record.text, record.finish_reason, [t.finish_reason for t in turns])
                 record.observation, record.tool_calls, done, reward = step.observation, step.tool_calls, step.done, step.reward
                 await self.bus.kv_put(
                     TURN_CHECKPOINT, TurnCheckpoint(task_id=task.task_id, trajectory_id=tid, turn=record, done=done, reward=reward),

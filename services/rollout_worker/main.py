@@ -15,6 +15,7 @@ from rose.shared.models import POLICY_DIRNAME, load_tokenizer
 from rose.shared.nats_server import state_dir
 from rose.shared.service import ServiceRuntime, service_main
 
+from . import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
 from .config import RolloutWorkerConfig
 from .episode import EpisodeRunner
 from .turns import TurnRunner

@@ -6,7 +6,7 @@ The decisions themselves live in leases.py and placement.py; this only keeps the
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from rose.contracts.lease import Lease

@@ -35,7 +35,7 @@ def test_its_own_dir_is_writable_and_nothing_else(sandbox, tmp_path):
     for attempt in (
         f"open({str(outside)!r}, 'w').write('escaped')",
         f"import os; os.close(os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT))",
-        f"import os; os.symlink('/etc', 'etc_link'); open('etc_link/rose-escape', 'w')",
+        "import os; os.symlink('/etc', 'etc_link'); open('etc_link/rose-escape', 'w')",
         f"import shutil; shutil.rmtree({str(tmp_path)!r})",
         f"import os; d = os.open('/tmp', os.O_RDONLY); os.open({outside.name!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d)",
     ):

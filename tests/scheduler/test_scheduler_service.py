@@ -8,7 +8,6 @@ import os
 import socket
 import time
 
-import pytest
 
 from rose.contracts.registry import EVENTS_STREAM, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
 from rose.contracts.rollout import TurnRouteRequest

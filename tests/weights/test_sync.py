@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
