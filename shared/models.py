@@ -16,11 +16,20 @@ scheduling, weight sync — not for answering questions.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
+
+from .config import PositiveSeconds
+from .nats_server import state_dir
+
+log = logging.getLogger("rose.models")
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 DEFAULT_SEED = 0
@@ -229,3 +238,32 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+# ---------------------------------------------------------------------------- where services find them
+
+
+class PolicyModelRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Config of a service that reads the policy model the executors load (worker, trainer)."""
+
+    dir: str = ""  # default <state dir>/models
+    policy_dir: str = ""  # default <dir>/policy
+    wait_s: PositiveSeconds = 300.0  # for an executor still building the models under `rose up`
+
+    def policy_path(self) -> Path:
+        return Path(self.policy_dir) if self.policy_dir else models_root(self.dir) / POLICY_DIRNAME
+
+
+def models_root(directory: str) -> Path:
+    """The models directory a service was given, or `<state dir>/models` (where `rose up` builds them)."""
+    return Path(directory) if directory else state_dir() / "models"
+
+
+async def wait_for_files(directory: Path, names: tuple[str, ...], timeout_s: float) -> None:
+    """Until every file exists (an executor may still be building the models under `rose up`)."""
+    deadline = time.monotonic() + timeout_s
+    while not all((directory / n).exists() for n in names):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"no model at {directory} (missing {[n for n in names if not (directory / n).exists()]}): run `rose models init` or set models.dir")
+        log.info("waiting for the model at %s", directory)
+        await asyncio.sleep(1.0)

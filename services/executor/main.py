@@ -14,8 +14,7 @@ import torch
 from aiohttp import web
 
 from rose.contracts.registry import GENERATE
-from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models
-from rose.shared.nats_server import state_dir
+from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_sync import WeightFollower
 
@@ -33,7 +32,7 @@ log = logging.getLogger("rose.executor")
 def model_dirs(config: ExecutorConfig) -> tuple[Path, Path]:
     """The serving and policy model directories, built with `rose models init` logic if missing."""
     m = config.models
-    root = Path(m.dir) if m.dir else state_dir() / "models"
+    root = models_root(m.dir)
     serving = Path(m.serving_dir) if m.serving_dir else root / SERVING_DIRNAME
     policy = Path(m.policy_dir) if m.policy_dir else root / POLICY_DIRNAME
     missing = [p for p in (serving, policy) if not (p / "config.json").exists()]

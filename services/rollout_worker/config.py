@@ -7,17 +7,10 @@ from typing import Annotated
 import msgspec
 
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+from rose.shared.models import PolicyModelRef
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
-
-
-class ModelsRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Where the policy's tokenizer lives: the same `models.dir` the executors use."""
-
-    dir: str = ""  # default <state dir>/models
-    policy_dir: str = ""  # default <dir>/policy
-    wait_s: PositiveSeconds = 300.0  # for an executor still building the models under `rose up`
 
 
 class TurnSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -35,7 +28,7 @@ class TurnSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RolloutWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
-    models: ModelsRef = msgspec.field(default_factory=ModelsRef)
+    models: PolicyModelRef = msgspec.field(default_factory=PolicyModelRef)
     turns: TurnSettings = msgspec.field(default_factory=TurnSettings)
     concurrency: PositiveInt = 8  # episodes in flight per worker process
     durable: str = "rollout_workers"  # the shared work-queue consumer

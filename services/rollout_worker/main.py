@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from pathlib import Path
 
 from rose.contracts.registry import ROLLOUT_TASK
-from rose.shared.models import POLICY_DIRNAME, load_tokenizer
-from rose.shared.nats_server import state_dir
+from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
 from . import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
@@ -23,26 +20,10 @@ from .turns import TurnRunner
 log = logging.getLogger(__name__)
 
 
-def policy_dir(config: RolloutWorkerConfig) -> Path:
-    m = config.models
-    if m.policy_dir:
-        return Path(m.policy_dir)
-    return (Path(m.dir) if m.dir else state_dir() / "models") / POLICY_DIRNAME
-
-
-async def wait_for_tokenizer(directory: Path, timeout_s: float):
-    """The policy's tokenizer; under `rose up` an executor may still be building the models."""
-    deadline = time.monotonic() + timeout_s
-    while not (directory / "tokenizer.json").exists():
-        if time.monotonic() > deadline:
-            raise FileNotFoundError(f"no tokenizer at {directory}: run `rose models init` or set models.dir")
-        log.info("waiting for the policy tokenizer at %s", directory)
-        await asyncio.sleep(1.0)
-    return await asyncio.to_thread(load_tokenizer, directory)
-
-
 async def run(config: RolloutWorkerConfig) -> None:
-    tokenizer = await wait_for_tokenizer(policy_dir(config), config.models.wait_s)
+    policy = config.models.policy_path()
+    await wait_for_files(policy, ("tokenizer.json",), config.models.wait_s)
+    tokenizer = await asyncio.to_thread(load_tokenizer, policy)
     stats: dict[str, float] = {}
     async with ServiceRuntime("rollout_worker", bus=config.bus, runtime=config.runtime, load=lambda: dict(stats)) as rt:
         turns = TurnRunner(rt.bus, config.turns)

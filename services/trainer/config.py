@@ -7,18 +7,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+from rose.shared.models import PolicyModelRef
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
-
-
-class ModelsRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The policy to train: the same `models.dir` the executors load (they start from it too)."""
-
-    dir: str = ""  # default <state dir>/models
-    policy_dir: str = ""  # default <dir>/policy
-    wait_s: PositiveSeconds = 300.0  # for an executor still building the models under `rose up`
 
 
 class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,7 +61,7 @@ class PublishSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
-    models: ModelsRef = msgspec.field(default_factory=ModelsRef)
+    models: PolicyModelRef = msgspec.field(default_factory=PolicyModelRef)
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     sft: SftSettings = msgspec.field(default_factory=SftSettings)
     tasks: TasksSettings = msgspec.field(default_factory=TasksSettings)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from pathlib import Path
 
 import torch
 
@@ -18,8 +16,7 @@ from rose.services.rollout_worker import agentic_envs
 from rose.services.rollout_worker.envs import ENVIRONMENTS
 from rose.services.rollout_worker.tool_env import ToolEnv
 from rose.shared.config import ConfigError
-from rose.shared.models import POLICY_DIRNAME, load_model, load_tokenizer
-from rose.shared.nats_server import state_dir
+from rose.shared.models import load_model, load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
 from .config import TrainerConfig
@@ -27,13 +24,6 @@ from .local_rollout import Tokens
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-def policy_dir(config: TrainerConfig) -> Path:
-    m = config.models
-    if m.policy_dir:
-        return Path(m.policy_dir)
-    return (Path(m.dir) if m.dir else state_dir() / "models") / POLICY_DIRNAME
 
 
 def tool_envs(names: list[str]) -> list[ToolEnv]:
@@ -47,23 +37,14 @@ def tool_envs(names: list[str]) -> list[ToolEnv]:
     return envs
 
 
-async def wait_for_policy(directory: Path, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while not ((directory / "config.json").exists() and (directory / "tokenizer.json").exists()):
-        if time.monotonic() > deadline:
-            raise FileNotFoundError(f"no policy model at {directory}: run `rose models init` or set models.dir")
-        log.info("waiting for the policy model at %s", directory)
-        await asyncio.sleep(1.0)
-    model = await asyncio.to_thread(load_model, directory)
-    tokenizer = await asyncio.to_thread(load_tokenizer, directory)
-    return model, tokenizer
-
-
 async def run(config: TrainerConfig) -> None:
     if config.threads:
         torch.set_num_threads(config.threads)
     envs = tool_envs(config.tasks.envs)
-    model, tokenizer = await wait_for_policy(policy_dir(config), config.models.wait_s)
+    policy = config.models.policy_path()
+    await wait_for_files(policy, ("config.json", "tokenizer.json"), config.models.wait_s)
+    model = await asyncio.to_thread(load_model, policy)
+    tokenizer = await asyncio.to_thread(load_tokenizer, policy)
     holder: dict[str, Trainer] = {}
     async with ServiceRuntime("trainer", bus=config.bus, runtime=config.runtime, load=lambda: holder["t"].load() if "t" in holder else {}) as rt:
         trainer = holder["t"] = Trainer(rt.bus, model, Tokens(tokenizer), envs, config, config.run_id or rt.instance)

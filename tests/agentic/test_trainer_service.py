@@ -14,7 +14,8 @@ from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAJECTORY
 from rose.contracts.rollout import RolloutTask
 from rose.services.rollout_worker import agentic_envs  # noqa: F401 - registers the envs
 from rose.services.rollout_worker.envs import ENVIRONMENTS
-from rose.services.trainer.config import GrpoSettings, ModelsRef, SftSettings, TasksSettings, TrainerConfig
+from rose.services.trainer.config import GrpoSettings, SftSettings, TasksSettings, TrainerConfig
+from rose.shared.models import PolicyModelRef
 from rose.services.trainer.local_rollout import Tokens, scripted_episode
 from rose.services.trainer.main import run as run_trainer
 from rose.services.weight_publisher.config import WeightPublisherConfig
@@ -65,7 +66,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
     config = TrainerConfig(
         bus=bus_config,
         runtime=RuntimeConfig(instance=INSTANCE, heartbeat_interval_s=0.3),
-        models=ModelsRef(policy_dir=str(tiny_policy)),
+        models=PolicyModelRef(policy_dir=str(tiny_policy)),
         grpo=GrpoSettings(group_size=GROUP_SIZE, groups_per_step=GROUPS, max_staleness=0, prefetch_steps=0, lr=1e-3),
         sft=SftSettings(steps=3, traces_per_env=16, batch_size=8),
         tasks=TasksSettings(envs=["arithmetic"], max_turns=3),

@@ -17,7 +17,7 @@ from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 
 START_TIMEOUT_S = 120.0
-SERVING, DEDICATED, WORKER = "ex-e2e-serving", "ex-e2e-dedicated", "worker-e2e"
+from fleet_ids import DEDICATED, SERVING, WORKER  # noqa: E402
 
 COMMON = {"ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"}
 EXECUTOR = {

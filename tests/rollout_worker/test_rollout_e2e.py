@@ -10,7 +10,7 @@ import time
 import uuid
 
 import msgspec
-from conftest import DEDICATED, SERVING
+from fleet_ids import DEDICATED, SERVING
 
 from rose.contracts.executor import GenerateRequest, SamplingParams
 from rose.contracts.registry import GENERATE, LEASE, ROLLOUT_TASK
