@@ -1,13 +1,13 @@
 """``rose bench elastic``: the whole elastic system on real processes and the real bus.
 
-Serving executors take a replayed trace (Poisson arrivals at ``BASE_RPS`` each, with bursts
+Serving executors take a replayed trace (Poisson arrivals at ``FleetSpec.base_rps`` each, with bursts
 of ``burst_factor`` x that rate, staggered per executor) over their OpenAI HTTP API; dedicated
 executors take only rollout; the SLO monitor, the scheduler and a rollout worker run as
 processes; multi-turn rollout tasks are fed to keep a backlog, alternating affinity and random
 routing (the same workload routed both ways in one run). Chaos, once each: ``kill -9`` an
 opportunistic executor while it holds a lease mid-rollout (restarted a few seconds later;
 serving traffic meanwhile goes to the other serving executors, as a load balancer would), and
-a restart of the NATS server. Dedicated executors run at `DEDICATED_NICE` (see there). Then every published task must come back as a trajectory.
+a restart of the NATS server. Dedicated executors run at `fleet.DEDICATED_NICE` (see there). Then every published task must come back as a trajectory.
 
 Figures: ``slo_attainment`` (client-measured TTFT and TPOT of every serving request against
 the SLO), ``rollout_tokens_per_s``, ``reclaim_latency_ms_p99`` (burst onset on an executor
@@ -22,117 +22,48 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import aiohttp
-import numpy as np
 
 from rose.contracts.registry import EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAJECTORY
 from rose.contracts.rollout import RolloutTask
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
+
+from .fleet import PROMPTS, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.sketch import from_contract
 
-SLO_TTFT_MS = 500.0
-SLO_TPOT_MS = 100.0
-BASE_RPS = 8.0  # serving arrivals per executor outside bursts
-BURST_EVERY_S = 15.0
-BURST_LEN_S = 3.0
-SERVING_MAX_TOKENS = 16
+SPEC = FleetSpec()
+SLO_TTFT_MS, SLO_TPOT_MS = SPEC.slo_ttft_ms, SPEC.slo_tpot_ms
 ROLLOUT_TURNS = 4
-ROLLOUT_MAX_TOKENS = 16
-WORKER_CONCURRENCY = 8
-BACKLOG = 2 * WORKER_CONCURRENCY  # unfinished tasks kept queued
-METRICS_INTERVAL_S = 0.1
-# Dedicated rollout executors stand in for separate hardware; on one shared CPU box they run at a
-# lower OS priority so that they do not take the serving executors' cores (a GPU they would not share).
-DEDICATED_NICE = 10
+BACKLOG = 2 * SPEC.worker_concurrency  # unfinished tasks kept queued
 CHAOS_KILL_AT = 0.35  # of the duration
 CHAOS_NATS_AT = 0.6
 RESTART_AFTER_S = 5.0
 DRAIN_TIMEOUT_S = 120.0  # after the trace, for every published task to come back
 START_TIMEOUT_S = 180.0
 RECLAIM_GRACE_S = 2.0  # a revocation later than burst end + this counts as a missed burst
-PROMPTS = ("Tell me about the weather.", "What is a good book?", "Explain the plan.", "How do trains work?", "Describe a city.")
 
 
 @dataclass
 class Record:
     """Everything the bench observes, with local receive times."""
 
-    serving: list[dict] = field(default_factory=list)  # {executor, t, ttft_ms, tpot_ms, ok}
+    serving: ServingLog = field(default_factory=ServingLog)
     alerts: list[tuple[float, str, str, float]] = field(default_factory=list)  # (t, executor, severity, the monitor's `at`)
     lease_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # (at, executor, kind, lease id)
     snapshots: list[tuple[float, str, float, int, str]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id)
     trajectories: dict[str, object] = field(default_factory=dict)
     duplicates: int = 0
     published: dict[str, str] = field(default_factory=dict)  # task id -> routing
-    bursts: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, executor)
     chaos: list[tuple[float, str]] = field(default_factory=list)
-
-
-def serving_trace(executors: list[str], duration_s: float, burst_factor: float, seed: int, rec: Record, t0: float) -> list[tuple[float, str]]:
-    """(time, executor) of every serving arrival; bursts staggered across executors."""
-    rng = np.random.default_rng(seed)
-    out: list[tuple[float, str]] = []
-    for i, ex in enumerate(executors):
-        offset = 5.0 + i * BURST_EVERY_S / max(1, len(executors))
-        start = offset
-        while start < duration_s:
-            rec.bursts.append((t0 + start, t0 + min(duration_s, start + BURST_LEN_S), ex))
-            start += BURST_EVERY_S
-        t = 0.0
-        while True:
-            in_burst = t >= offset and (t - offset) % BURST_EVERY_S < BURST_LEN_S
-            t += rng.exponential(1.0 / (BASE_RPS * (burst_factor if in_burst else 1.0)))
-            if t >= duration_s:
-                break
-            out.append((t, ex))
-    return sorted(out)
-
-
-async def serve_one(session: aiohttp.ClientSession, url: str, ex: str, prompt: str, rec: Record) -> None:
-    """One streamed completion; TTFT and TPOT as the client sees them."""
-    sent = time.monotonic()
-    times: list[float] = []
-    ok = False
-    try:
-        body = {"model": "rose-serving", "prompt": prompt, "max_tokens": SERVING_MAX_TOKENS, "temperature": 0.0, "stream": True}
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            async for line in resp.content:
-                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                    times.append(time.monotonic())
-            ok = resp.status == 200 and bool(times)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        ok = False
-    ttft = (times[0] - sent) * 1e3 if times else float("inf")
-    tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
-    rec.serving.append({"executor": ex, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok})
-
-
-async def drive_serving(trace, urls: dict[str, str], down: set[str], rec: Record, t0_mono: float, seed: int) -> None:
-    rng = random.Random(seed)
-    pending: set[asyncio.Task] = set()
-    timeout = aiohttp.ClientTimeout(total=30.0)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for at, ex in trace:
-            delay = t0_mono + at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            target = ex if ex not in down else next((e for e in urls if e not in down), ex)  # the load balancer's job
-            task = asyncio.ensure_future(serve_one(session, urls[target], target, rng.choice(PROMPTS), rec))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.wait(pending, timeout=30.0)
 
 
 async def feed_tasks(bus: Bus, rec: Record, stop: asyncio.Event, seed: int) -> None:
@@ -145,7 +76,7 @@ async def feed_tasks(bus: Bus, rec: Record, stop: asyncio.Event, seed: int) -> N
             task = RolloutTask(
                 task_id=f"bench-{seed}-{n}", env="conversation", prompt=PROMPTS[n % len(PROMPTS)], max_turns=ROLLOUT_TURNS,
                 group_id=f"bench-{seed}-g{n // 8}", group_size=8, routing=routing, created_at=time.time(),  # type: ignore[arg-type]
-                env_args={"max_tokens": str(ROLLOUT_MAX_TOKENS)},
+                env_args={"max_tokens": str(SPEC.rollout_max_tokens)},
             )
             try:
                 await bus.publish(ROLLOUT_TASK, task, msg_id=task.task_id)
@@ -208,10 +139,6 @@ async def observe(bus: Bus, rec: Record, tag: str) -> None:
     await bus.consume(TRAJECTORY, on_trajectory, durable=f"bench_trajectories_{tag}")
 
 
-def _p99(values: list[float]) -> float | None:
-    return float(np.percentile(values, 99)) if values else None
-
-
 def lease_intervals(rec: Record, end: float) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     open_: dict[str, float] = {}
@@ -227,7 +154,7 @@ def lease_intervals(rec: Record, end: float) -> dict[str, list[tuple[float, floa
 
 def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]]) -> dict:
     signal_ms, confirmed_ms, missed = [], [], 0
-    for start, end, ex in rec.bursts:
+    for start, end, ex in rec.serving.bursts:
         if not any(a <= start < b for a, b in leases.get(ex, [])):
             continue  # nothing lent there at the onset: nothing to reclaim
         signals = [t for t, e, sev, _ in rec.alerts if e == ex and sev != "recovered" and t >= start]
@@ -240,7 +167,7 @@ def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]]) -> dict:
         idle = [t for t, e, _, running, lease in rec.snapshots if e == ex and t >= first and running == 0 and not lease]
         if idle:
             confirmed_ms.append((min(idle) - start) * 1e3)
-    return {"p99": _p99(signal_ms), "confirmed_p99": _p99(confirmed_ms), "samples": len(signal_ms), "missed": missed, "all_ms": [round(v, 1) for v in signal_ms]}
+    return {"p99": p99(signal_ms), "confirmed_p99": p99(confirmed_ms), "samples": len(signal_ms), "missed": missed, "all_ms": [round(v, 1) for v in signal_ms]}
 
 
 def hit_rates(rec: Record) -> dict[str, float | None]:
@@ -259,14 +186,14 @@ def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: fl
 
     fig, axes = plt.subplots(len(serving), 1, figsize=(12, 3.2 * len(serving)), sharex=True, squeeze=False)
     for ax, ex in zip(axes[:, 0], serving):
-        reqs = [r for r in rec.serving if r["executor"] == ex]
+        reqs = [r for r in rec.serving.requests if r["executor"] == ex]
         ax.scatter([r["t"] - t0 for r in reqs], [min(max(r["ttft_ms"], 1.0), 5 * SLO_TTFT_MS) for r in reqs], s=4, c="tab:blue", label="serving TTFT (client; failed at top)")
         snaps = [s for s in rec.snapshots if s[1] == ex and s[2] == s[2]]
         ax.plot([s[0] - t0 for s in snaps], [s[2] for s in snaps], lw=0.8, c="tab:cyan", label="TTFT p99 per interval")
         ax.axhline(SLO_TTFT_MS, c="red", ls="--", lw=1, label="TTFT SLO")
         for a, b in leases.get(ex, []):
             ax.axvspan(a - t0, b - t0, color="tab:green", alpha=0.15)
-        for a, b, e in rec.bursts:
+        for a, b, e in rec.serving.bursts:
             if e == ex:
                 ax.axvspan(a - t0, b - t0, color="tab:orange", alpha=0.25)
         for t, e, sev, _ in rec.alerts:
@@ -286,25 +213,6 @@ def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: fl
     plt.close(fig)
 
 
-def _fleet(root: Path, url: str, models: Path, executors: int, dedicated: int) -> dict[str, ServiceProcess]:
-    env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
-    executor = {
-        **env, "ROSE_METRICS_INTERVAL_S": str(METRICS_INTERVAL_S), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": "32",
-        "ROSE_ENGINE__ROLLOUT_KV_MIB": "64", "ROSE_ENGINE__SLO_TTFT_MS": str(SLO_TTFT_MS), "ROSE_ENGINE__SLO_TPOT_MS": str(SLO_TPOT_MS),
-    }
-    procs = {f"bench-serving-{i}": ServiceProcess("executor", f"bench-serving-{i}", {**executor, "ROSE_ROLE": "serving"}, root / f"serving-{i}.log") for i in range(executors)}
-    procs.update({f"bench-dedicated-{i}": ServiceProcess("executor", f"bench-dedicated-{i}", {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE) for i in range(dedicated)})
-    procs["monitor"] = ServiceProcess("slo_monitor", "bench-monitor", {
-        **env, "ROSE_HEADROOM_INTERVAL_S": "0.5", "ROSE_HEADROOM__SLO_TTFT_MS": str(SLO_TTFT_MS), "ROSE_HEADROOM__SLO_TPOT_MS": str(SLO_TPOT_MS),
-        "ROSE_BURSTS__WINDOW_S": "0.25", "ROSE_WINDOWS__LONG_S": "10",
-    }, root / "monitor.log")
-    procs["scheduler"] = ServiceProcess("scheduler", "bench-scheduler", {**env, "ROSE_TICK_S": "0.25", "ROSE_LEASES__TTL_S": "6", "ROSE_LEASES__RENEW_BEFORE_S": "3", "ROSE_LEASES__COOLDOWN_S": "4"}, root / "scheduler.log")
-    procs["worker"] = ServiceProcess("rollout_worker", "bench-worker", {
-        **env, "ROSE_CONCURRENCY": str(WORKER_CONCURRENCY), "ROSE_ACK_WAIT_S": "20", "ROSE_TURNS__MAX_TOKENS": str(ROLLOUT_MAX_TOKENS), "ROSE_TURNS__GENERATE_TIMEOUT_S": "20",
-    }, root / "worker.log")
-    return procs
-
-
 async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -320,26 +228,26 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     await provision(bus.js)
     rec = Record()
     await observe(bus, rec, f"{seed}_{int(time.time())}")
-    procs = _fleet(root, server.url, models, executors, dedicated)
+    procs = fleet_processes(root, server.url, models, SPEC, executors, dedicated)
     serving = [n for n in procs if n.startswith("bench-serving-")]
     try:
         console.print(f"starting {len(procs)} processes (logs in {root}) ...")
         await start_all(bus, list(procs.values()), START_TIMEOUT_S)
         urls = {n: (await procs[n].wait_ready(bus, 10.0))["http"] for n in serving}
         t0, t0_mono = time.time(), time.monotonic()
-        trace = serving_trace(serving, duration_s, burst_factor, seed, rec, t0)
+        trace = serving_trace(serving, duration_s, replace(SPEC, burst_factor=burst_factor), seed, rec.serving, t0)
         down: set[str] = set()
         stop = asyncio.Event()
         feeder = asyncio.ensure_future(feed_tasks(bus, rec, stop, seed))
         chaos_task = asyncio.ensure_future(chaos(procs, serving[0], server, down, urls, rec, duration_s, t0, bus)) if serving else None
-        driver = asyncio.ensure_future(drive_serving(trace, urls, down, rec, t0_mono, seed))
+        driver = asyncio.ensure_future(drive_serving(trace, urls, down, SPEC, rec.serving, t0_mono, seed))
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=True) as progress:
             bar = progress.add_task("trace", total=duration_s, status="")
             while time.monotonic() - t0_mono < duration_s:
                 await asyncio.sleep(0.5)
                 granted = sum(1 for e in rec.lease_events if e[2] == "granted")
                 progress.update(bar, completed=time.monotonic() - t0_mono, status=(
-                    f"serving {len(rec.serving)} req | leases {granted} | alerts {len(rec.alerts)} | trajectories {len(rec.trajectories)}/{len(rec.published)}"
+                    f"serving {len(rec.serving.requests)} req | leases {granted} | alerts {len(rec.alerts)} | trajectories {len(rec.trajectories)}/{len(rec.published)}"
                 ))
             stop.set()
             await feeder
@@ -361,11 +269,11 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
 
 
 def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, console) -> dict:
-    met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving]
+    met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving.requests]
     misses = {
-        "failed": sum(not r["ok"] for r in rec.serving),
-        "ttft": sum(r["ok"] and r["ttft_ms"] > SLO_TTFT_MS for r in rec.serving),
-        "tpot": sum(r["ok"] and r["tpot_ms"] > SLO_TPOT_MS for r in rec.serving),
+        "failed": sum(not r["ok"] for r in rec.serving.requests),
+        "ttft": sum(r["ok"] and r["ttft_ms"] > SLO_TTFT_MS for r in rec.serving.requests),
+        "tpot": sum(r["ok"] and r["tpot_ms"] > SLO_TPOT_MS for r in rec.serving.requests),
     }
     leases = lease_intervals(rec, end)
     rl = reclaim(rec, leases)
@@ -380,11 +288,11 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
         **params,
         "duration_s": duration_s,
         "slo": {"ttft_ms": SLO_TTFT_MS, "tpot_ms": SLO_TPOT_MS},
-        "serving_requests": len(rec.serving),
+        "serving_requests": len(rec.serving.requests),
         "slo_attainment": (sum(met) / len(met)) if met else None,
         "slo_misses": misses,
-        "serving_ttft_p99_ms": _p99([r["ttft_ms"] for r in rec.serving if r["ok"]]),
-        "serving_tpot_p99_ms": _p99([r["tpot_ms"] for r in rec.serving if r["ok"]]),
+        "serving_ttft_p99_ms": p99([r["ttft_ms"] for r in rec.serving.requests if r["ok"]]),
+        "serving_tpot_p99_ms": p99([r["tpot_ms"] for r in rec.serving.requests if r["ok"]]),
         "rollout_tokens_per_s": sum(in_window) / max(1e-9, window_end - t0),
         "harvested_fraction": on_serving / max(1, sum(n for _, n, _ in tokens)),
         "reclaim_latency_ms_p99": rl["p99"],
@@ -397,7 +305,7 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
         "leases_revoked": sum(1 for e in rec.lease_events if e[2] == "revoked"),
         "leases_expired": sum(1 for e in rec.lease_events if e[2] == "expired"),
         "slo_alerts": len([a for a in rec.alerts if a[2] != "recovered"]),
-        "alert_bus_latency_ms_p99": _p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
+        "alert_bus_latency_ms_p99": p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
         "prefix_hit_rate": hit_rates(rec),
         "tasks_published": len(rec.published),
         "tasks_lost": len(lost),

@@ -41,12 +41,40 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return asyncio.run(status(args))
 
 
+def _cmd_health(args: argparse.Namespace) -> int:
+    from .health import health_command
+
+    return health_command(args)
+
+
+def _cmd_provision(args: argparse.Namespace) -> int:
+    from .provision import provision_command
+
+    return provision_command(args)
+
+
 def _cmd_contracts_export(args: argparse.Namespace) -> int:
     from rose.contracts.export import export
 
     written = export(args.dir)
     print(f"wrote {len(written) - 1} JSON Schemas and asyncapi.json under {Path(args.dir).resolve()}")
     return 0
+
+
+def _cmd_contracts_docs(args: argparse.Namespace) -> int:
+    from rose.contracts.export import events_markdown
+
+    path = Path(args.file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events_markdown())
+    print(f"wrote {path.resolve()}")
+    return 0
+
+
+def _cmd_events_forward(args: argparse.Namespace) -> int:
+    from .events_forward import forward
+
+    return forward(args)
 
 
 def _cmd_models_init(args: argparse.Namespace) -> int:
@@ -87,6 +115,13 @@ def _cmd_bench_elastic(args: argparse.Namespace) -> int:
     return 0 if result["tasks_lost"] == 0 else 1
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    summary = run_demo(out=args.out, duration=args.duration, seed=args.seed, models=args.models, serving=args.serving, dedicated=args.dedicated)
+    return 0 if summary["trajectories"]["lost"] == 0 else 1
+
+
 def _cmd_bench_weights(args: argparse.Namespace) -> int:
     from .bench_weights import run_weights_bench
 
@@ -102,10 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rose {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("demo", help="a real RL job on co-elastic capacity: the whole fleet, a live table, report/summary.json and plots (~5 min)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of serving trace and training (default: %(default)s -> the demo's own, about 3 minutes)")
+    p.add_argument("--seed", type=int, default=0, help="serving trace and task seed")
+    p.add_argument("--out", default="report", help="where summary.json, the plots, logs and the models go")
+    p.add_argument("--models", default=None, help="a models directory to reuse (default: build them under --out)")
+    p.add_argument("--serving", type=int, default=2, help="serving executors (each takes a replayed trace with bursts)")
+    p.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    p.set_defaults(func=_cmd_demo)
+
     p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
     p.add_argument("--state-dir", default=None, help="where the NATS store, logs and models live (default: $ROSE_STATE_DIR or ./.rose)")
     p.add_argument("--services", nargs="*", default=None, help=f"which services to start (default: {sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))})")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every service to report ready")
+    p.add_argument(
+        "--nats-cluster", type=int, default=1, metavar="N",
+        help="NATS nodes to start: 1 (default) one embedded server; 3 the docker compose topology, a JetStream cluster whose streams and buckets get N replicas",
+    )
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("status", help="list live services from their heartbeats, with their endpoints")
@@ -113,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=None, help="NATS to ask (default: NATS_URL, else the one `rose up` started)")
     p.add_argument("--state-dir", default=None, help="state dir of the `rose up` to ask (default: $ROSE_STATE_DIR or ./.rose)")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("health", help="exit 0 when a service has a fresh 'ready' heartbeat (and --http answers 2xx): container healthchecks")
+    p.add_argument("service", nargs="?", choices=sorted(SERVICE_MODULES), help="the service whose heartbeat must be fresh and ready")
+    p.add_argument("--instance", default=None, help="only this instance id")
+    p.add_argument("--local", action="store_true", help="only heartbeats from this host (in a container: this container)")
+    p.add_argument("--http", default=None, metavar="URL", help="also require a 2xx from this URL (e.g. the executor's /health)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds for connecting and for the HTTP check")
+    p.add_argument("--nats-url", default=None, help="NATS to ask (default: NATS_URL, else the one `rose up` started)")
+    p.add_argument("--state-dir", default=None, help="state dir of the `rose up` to ask (default: $ROSE_STATE_DIR or ./.rose)")
+    p.set_defaults(func=_cmd_health)
+
+    p = sub.add_parser("provision", help="create every stream, KV bucket and object store with N replicas (once, before services start)")
+    p.add_argument("--replicas", type=int, default=None, help="replicas of each (default: ROSE_BUS__REPLICAS, else 1); 3 on a 3-node cluster")
+    p.add_argument("--nats-url", default=None, help="NATS server(s), comma-separated (default: NATS_URL / ROSE_BUS__URL)")
+    p.add_argument("--retry-for", type=float, default=60.0, help="seconds to retry while a JetStream cluster is still forming")
+    p.set_defaults(func=_cmd_provision)
 
     p = sub.add_parser("run", help="run one service in the foreground (what `rose up` and docker compose start)")
     p.add_argument("service", choices=sorted(SERVICE_MODULES) or ["(none yet)"], help="the service to run")
@@ -124,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     e = csub.add_parser("export", help="write a JSON Schema per message and an AsyncAPI 3.0 document into DIR")
     e.add_argument("dir", help="output directory")
     e.set_defaults(func=_cmd_contracts_export)
+    e = csub.add_parser("docs", help="write the Markdown reference of every public event (docs/events.md) from the AsyncAPI document")
+    e.add_argument("file", nargs="?", default="docs/events.md", help="output file (default: docs/events.md)")
+    e.set_defaults(func=_cmd_contracts_docs)
+
+    p = sub.add_parser("events", help="integrations with ROSE's public events")
+    esub = p.add_subparsers(dest="events_command", required=True, metavar="ACTION")
+    e = esub.add_parser(
+        "forward",
+        help="a webhook bridge: POST every event on --subjects to --to (durable, retries with backoff, dead-letter file)",
+        description="POST every event on the given subjects to an HTTP URL as CloudEvents JSON. A JetStream durable consumer keeps the "
+        "place across restarts; failures are retried with exponential backoff, and events the URL refuses are appended to a dead-letter file.",
+    )
+    from .events_forward import add_arguments as add_forward_arguments
+
+    add_forward_arguments(e)
+    e.set_defaults(func=_cmd_events_forward)
 
     p = sub.add_parser("models", help="local models in Hugging Face format")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")

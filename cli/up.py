@@ -1,5 +1,9 @@
 """`rose up`: the embedded default. A nats-server (unless NATS_URL is set) and every service, supervised.
 
+`--nats-cluster 3` starts a 3-node JetStream cluster instead (the docker compose topology, as
+local processes on free ports); streams and buckets then get 3 replicas, and every service is
+told so (ROSE_BUS__REPLICAS) and given all three URLs.
+
 Each service runs as `python -m rose.cli.main run NAME` in its own process group, so Ctrl-C
 reaches only this supervisor, which then stops the services (SIGTERM, drain) before NATS.
 A service that dies is restarted with backoff.
@@ -21,12 +25,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rose.shared.bus import Bus
-from rose.shared.config import BusConfig
-from rose.shared.nats_server import NatsServer, state_dir
-from rose.shared.provisioning import provision
+from rose.shared.config import ConfigError
+from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
+from rose.shared.provisioning import ProvisioningConflict
 
 from .main import ON_DEMAND_SERVICES, SERVICE_MODULES
+from .provision import bus_config_from_env, provision_storage
 from .status import UP_FILE, live_services
 
 STOP_TIMEOUT_S = 20.0
@@ -78,18 +82,49 @@ def up(args: argparse.Namespace) -> int:
         console.print(f"[red]unknown services {unknown}; available: {sorted(SERVICE_MODULES)}[/red]")
         return 2
 
+    nodes = getattr(args, "nats_cluster", 1)
     server: NatsServer | None = None
+    cluster: NatsCluster | None = None
+    replicas: int | None = None  # None (an external NATS_URL): what the environment says (ROSE_BUS__REPLICAS), else 1
     nats_url = os.environ.get("NATS_URL", "")
-    if not nats_url:
+    if not 1 <= nodes <= 5:
+        console.print(f"[red]--nats-cluster takes 1 to 5 nodes (3 is the compose topology), not {nodes}[/red]")
+        return 2
+    if nodes > 1 and nats_url:
+        console.print(f"[red]--nats-cluster {nodes} starts its own cluster, but NATS_URL={nats_url} is set: unset one of them[/red]")
+        return 2
+    if not nats_url and nodes > 1:
+        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs").start()
+        nats_url, replicas = cluster.url, nodes
+    elif not nats_url:
         server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log").start()
-        nats_url = server.url
-    asyncio.run(_provision(nats_url))
+        nats_url, replicas = server.url, 1  # one server holds one replica, whatever the environment says
+    try:
+        asyncio.run(_provision(nats_url, replicas))
+    except (ConnectionError, ConfigError, ProvisioningConflict, RuntimeError) as exc:
+        console.print(f"[red]cannot provision JetStream storage on {nats_url}: {exc}[/red]")
+        if server is not None:
+            server.stop()
+        if cluster is not None:
+            cluster.stop()
+        return 1
     env = {**os.environ, "NATS_URL": nats_url, "ROSE_STATE_DIR": str(root)}
+    if replicas is not None:
+        env["ROSE_BUS__REPLICAS"] = str(replicas)
     children = [
         Supervised(name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", env) for name in names
     ]
     (root / UP_FILE).write_text(
-        json.dumps({"nats_url": nats_url, "pid": os.getpid(), "embedded_nats": server is not None, "services": names}, indent=2)
+        json.dumps(
+            {
+                "nats_url": nats_url,
+                "pid": os.getpid(),
+                "embedded_nats": server is not None or cluster is not None,
+                "nats_nodes": nodes if cluster is not None else 1,
+                "services": names,
+            },
+            indent=2,
+        )
     )
 
     stop = {"now": False}
@@ -102,7 +137,10 @@ def up(args: argparse.Namespace) -> int:
     try:
         for child in children:
             child.start()
-        console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
+        if cluster is not None:
+            console.print(f"NATS: {nats_url} (embedded {nodes}-node JetStream cluster, R{nodes}, stores under {cluster.root})")
+        else:
+            console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
         console.print(f"logs: {root / 'logs'}  services: {', '.join(names) or '(none)'}")
         _wait_ready(console, nats_url, names, args.ready_timeout, stop)
         console.print("[green]ROSE is up.[/green] `rose status` lists the services; Ctrl-C stops everything.")
@@ -116,15 +154,19 @@ def up(args: argparse.Namespace) -> int:
             child.wait(deadline)
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.stop()
         (root / UP_FILE).unlink(missing_ok=True)
         console.print("stopped.")
     return 0
 
 
-async def _provision(url: str) -> None:
-    """Create every stream, bucket and store before the services start (they check again)."""
-    async with Bus(BusConfig(url=url), service="cli", instance=f"up-{os.getpid()}") as bus:
-        await provision(bus.js, replicas=bus.config.replicas)
+async def _provision(url: str, replicas: int | None) -> None:
+    """Create every stream, bucket and store before the services start (they check again).
+
+    With the environment's bus settings (credentials, TLS, ROSE_BUS__REPLICAS), as the services use.
+    """
+    await provision_storage(bus_config_from_env(url=url, replicas=replicas))
 
 
 def _wait_ready(console: Console, url: str, names: list[str], timeout: float, stop: dict[str, bool]) -> None:

@@ -20,6 +20,7 @@ from .lease import Lease, LeaseEvent
 from .rollout import PlacementEvent, RolloutTask, Trajectory, TurnCheckpoint, TurnRoute, TurnRouteRequest
 from .service import DeadLetter, Heartbeat, ServiceEvent
 from .slo import Headroom, SloAlert
+from .training import TrainingStep
 from .weights import WeightApplied, WeightFailed, WeightManifest, WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 
 SUBJECT_PREFIX = "rose"
@@ -426,6 +427,16 @@ WEIGHT_FAILED = Channel(
     consumers=("weight_publisher", "trainer", "integrations"),
     stream=EVENTS_STREAM,
 )
+TRAINING_STEP = Channel(
+    "training.step",
+    "rose.events.training.{run_id}",
+    Kind.STREAM,
+    TrainingStep,
+    "A trainer took an optimizer step: reward of its groups, the version it published, loss statistics.",
+    publishers=("trainer",),
+    consumers=("cli", "integrations"),
+    stream=EVENTS_STREAM,
+)
 
 CHANNELS: tuple[Channel, ...] = (
     HEARTBEAT,
@@ -450,6 +461,7 @@ CHANNELS: tuple[Channel, ...] = (
     WEIGHT_PUBLISH_FAILED,
     WEIGHT_APPLIED,
     WEIGHT_FAILED,
+    TRAINING_STEP,
 )
 
 

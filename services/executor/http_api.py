@@ -3,6 +3,10 @@
 The official `openai` client works against it unchanged. Every bad request gets a 4xx with an
 OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`) whose message says
 what to fix; the executor keeps serving.
+
+Each request is one trace: a server span `POST /v1/...` (continuing a W3C `traceparent`
+header when the caller sends one) with a child `executor.serving` span over the engine's work
+(events `scheduled` and `first_token`). TTFT/TPOT are recorded per request as histograms.
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+from rose.shared.metrics import metrics_handler
+from rose.shared.tracing import tracer
 
 from .engine import Engine, RequestHandle
 from .protocol import GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, StreamDelta, WorkClass
@@ -50,16 +59,34 @@ class OpenAIApi:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer_for(WorkClass.SERVING)
         self.created = int(time.time())
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._traced, self._errors])
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
-                web.get("/metrics", self.metrics),
+                web.get("/metrics", metrics_handler),
             ]
         )
+
+    @web.middleware
+    async def _traced(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A server span per API request, continuing the caller's trace (HTTP semantic conventions)."""
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else request.path
+        with tracer().start_as_current_span(
+            f"{request.method} {route}",
+            context=propagate.extract(request.headers),  # case-insensitive: `Traceparent` works too
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "http.route": route, "url.path": request.path, "rose.executor_id": self.telemetry.executor_id},
+        ) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(trace.StatusCode.ERROR)
+            return response
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -79,8 +106,7 @@ class OpenAIApi:
             return _error_response(ApiError(err.status, err.reason or "error", kind="invalid_request_error" if err.status < 500 else "server_error"))
 
     def _count_error(self, status: int) -> None:
-        errors = self.telemetry.totals.http_errors
-        errors[status] = errors.get(status, 0) + 1
+        self.telemetry.http_error(status)
 
     # ---- parsing ------------------------------------------------------------------------
 
@@ -208,23 +234,44 @@ class OpenAIApi:
     ) -> web.StreamResponse:
         """One JSON answer, or server-sent events ending in [DONE]; a departed client cancels the work."""
         head = {"id": cid, "model": self.model_name}
-        try:
-            if not stream:
-                result = await handle.result()
-                return web.json_response(
-                    {**head, "object": objects[0], "created": int(time.time()), "choices": [final(result)], "usage": self._usage(prompt_len, result)}
-                )
-            response = await self._sse_start(request)
-            first = True
-            async for delta in handle:
-                event = {**head, "object": objects[1], "created": int(time.time()), "choices": [chunk(delta, first)]}
-                first = False
-                await response.write(f"data: {json.dumps(event)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        except (ConnectionResetError, asyncio.CancelledError):
-            handle.cancel()  # the client left: free the engine's slot
-            raise
+        started_ns = time.time_ns()
+        with tracer().start_as_current_span(
+            "executor.serving",
+            attributes={"rose.executor_id": self.telemetry.executor_id, "rose.request_id": handle.request_id, "gen_ai.request.model": self.model_name,
+                        "gen_ai.usage.input_tokens": prompt_len, "rose.stream": stream},
+        ) as span:
+            try:
+                if not stream:
+                    result = await handle.result()
+                    self._finished(span, result, started_ns)
+                    return web.json_response(
+                        {**head, "object": objects[0], "created": int(time.time()), "choices": [final(result)], "usage": self._usage(prompt_len, result)}
+                    )
+                response = await self._sse_start(request)
+                first = True
+                async for delta in handle:
+                    event = {**head, "object": objects[1], "created": int(time.time()), "choices": [chunk(delta, first)]}
+                    first = False
+                    await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+                self._finished(span, await handle.result(), started_ns)
+                return response
+            except (ConnectionResetError, asyncio.CancelledError):
+                handle.cancel()  # the client left: free the engine's slot
+                span.set_attribute("rose.finish_reason", "client_gone")
+                raise
+
+    def _finished(self, span: trace.Span, result: GenerationResult, started_ns: int) -> None:
+        """Metrics and span attributes of a finished serving request (timings are from submission)."""
+        self.telemetry.serving_finished(result)
+        t = result.timings
+        span.add_event("scheduled", timestamp=started_ns + int(t.queue_ms * 1e6))
+        if result.token_ids:
+            span.add_event("first_token", timestamp=started_ns + int(t.ttft_ms * 1e6))
+        span.set_attributes(
+            {"gen_ai.usage.output_tokens": len(result.token_ids), "rose.finish_reason": result.finish_reason, "rose.queue_ms": t.queue_ms,
+             "rose.ttft_ms": t.ttft_ms, "rose.tpot_ms": t.tpot_ms, "rose.preemptions": t.preemptions}
+        )
 
     def _logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> dict[str, Any]:
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
@@ -241,6 +288,3 @@ class OpenAIApi:
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
-
-    async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text=self.telemetry.prometheus(), content_type="text/plain", charset="utf-8")

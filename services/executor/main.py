@@ -95,7 +95,7 @@ async def run(config: ExecutorConfig) -> None:
         engine.start()
         guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
         await guard.start(rt.bus)
-        await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance).generate, executor_id=rt.instance)
+        await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
         runner, base_url = await serve_http(OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes), config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")

@@ -1,18 +1,25 @@
-"""Rollout generation over the bus: one `GenerateRequest` per turn, admitted only under the lease."""
+"""Rollout generation over the bus: one `GenerateRequest` per turn, admitted only under the lease.
+
+Each turn runs in an `executor.rollout` span (a child of the bus's `reply` span, so it sits in
+the rollout task's trace) that says how the turn ended and what it produced.
+"""
 
 from __future__ import annotations
 
 from rose.contracts.executor import GenerateReply, GenerateRequest, GenerateTimings
 from rose.shared.bus import Delivery
+from rose.shared.tracing import tracer
 
 from .engine import Engine
 from .leases import LeaseGuard
 from .protocol import GenerationRequest, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from .telemetry import Telemetry
 
 
 class RolloutApi:
-    def __init__(self, engine: Engine, guard: LeaseGuard, executor_id: str) -> None:
+    def __init__(self, engine: Engine, guard: LeaseGuard, executor_id: str, telemetry: Telemetry | None = None) -> None:
         self.engine = engine
+        self.telemetry = telemetry
         self.guard = guard
         self.executor_id = executor_id
         self.inflight: dict[str, object] = {}  # request id -> engine handle
@@ -31,6 +38,22 @@ class RolloutApi:
         )
 
     async def generate(self, request: GenerateRequest, _delivery: Delivery) -> GenerateReply:
+        attributes = {
+            "rose.executor_id": self.executor_id, "rose.trajectory_id": request.trajectory_id or "", "rose.turn_index": request.turn_index,
+            "rose.lease_id": request.lease_id or "", "rose.lease_epoch": request.lease_epoch, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+        }
+        with tracer().start_as_current_span("executor.rollout", attributes=attributes) as span:
+            reply = await self._generate(request)
+            outcome = "ok" if reply.status == "ok" else ("interrupted" if reply.token_ids else "rejected")
+            span.set_attributes(
+                {"rose.outcome": outcome, "rose.reject_reason": reply.reject_reason or "", "gen_ai.usage.output_tokens": len(reply.token_ids),
+                 "rose.policy_version": reply.policy_version, "rose.prefix_cached_tokens": reply.prefix_cached_tokens, "rose.finish_reason": reply.finish_reason or ""}
+            )
+            if self.telemetry is not None:
+                self.telemetry.rollout_answered(outcome, reply.reject_reason or "")
+            return reply
+
+    async def _generate(self, request: GenerateRequest) -> GenerateReply:
         refused = self.guard.admission_error(request)
         if refused is not None:
             return self._rejected(request, *refused)

@@ -1,7 +1,9 @@
-"""Every interval: read the engine's stats, publish a MetricsSnapshot, and keep running totals for /metrics.
+"""Every interval: read the engine's stats, publish a MetricsSnapshot, and record the OpenTelemetry metrics.
 
-The engine hands out each interval's latency sketches once; this is the only reader, so the
-Prometheus endpoint serves cumulative figures merged here rather than stealing intervals.
+The engine hands out each interval's latency sketches once; this is the only reader. The
+Prometheus side (the executor's `/metrics`, and the runtime's metrics endpoint) is the
+OpenTelemetry SDK's exporter: serving TTFT/TPOT are histograms recorded per request by the
+HTTP API (`serving_finished`), the rest is folded in here once per interval.
 """
 
 from __future__ import annotations
@@ -9,33 +11,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-
-from ddsketch import DDSketch
 
 from rose.contracts.executor import DeviceTelemetry, LatencySketch, MetricsSnapshot, PoolUsage
 from rose.contracts.registry import EXECUTOR_METRICS
 from rose.shared.bus import Bus
+from rose.shared.metrics import LATENCY_BUCKETS_S, meter, metric_name
 
 from .engine import Engine, EngineStats
-from rose.shared.sketch import SKETCH_RELATIVE_ACCURACY, sketch_from_dict
+from .protocol import GenerationResult
 
 log = logging.getLogger("rose.executor.telemetry")
 
-QUANTILES = (0.5, 0.9, 0.99)
 
+class ExecutorInstruments:
+    """The executor's instruments; every measurement carries `executor` (its instance id)."""
 
-@dataclass
-class Totals:
-    """Cumulative figures since start, for Prometheus counters and summaries."""
-
-    ttft: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
-    tpot: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
-    serving_requests: int = 0
-    serving_tokens: float = 0.0
-    rollout_tokens: float = 0.0
-    http_errors: dict[int, int] = field(default_factory=dict)
-    last: EngineStats | None = None
+    def __init__(self) -> None:
+        m = meter()
+        hist = dict(explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S)
+        self.ttft = m.create_histogram(metric_name("executor.ttft"), unit="s", description="Serving time to first token.", **hist)
+        self.tpot = m.create_histogram(metric_name("executor.tpot"), unit="s", description="Serving time per output token (after the first).", **hist)
+        self.serving_requests = m.create_counter(metric_name("executor.serving_requests"), unit="{request}", description="Serving requests finished, per finish reason.")
+        self.http_errors = m.create_counter(metric_name("executor.http_errors"), unit="{response}", description="HTTP error responses, per status code.")
+        self.tokens = m.create_counter(metric_name("executor.generated_tokens"), unit="{token}", description="Tokens generated, per work class (serving, rollout).")
+        self.queue = m.create_gauge(metric_name("executor.queue_length"), unit="{request}", description="Requests waiting, per work class.")
+        self.running = m.create_gauge(metric_name("executor.running"), unit="{request}", description="Requests running, per work class.")
+        self.kv_used = m.create_gauge(metric_name("executor.kv_used"), unit="By", description="KV-cache bytes in use, per pool.")
+        self.kv_capacity = m.create_gauge(metric_name("executor.kv_capacity"), unit="By", description="KV-cache bytes usable now, per pool (rollout: bounded by the lease).")
+        self.prefix_hits = m.create_counter(metric_name("executor.prefix_cache_hits"), unit="{hit}", description="Rollout prefix-cache hits.")
+        self.prefix_misses = m.create_counter(metric_name("executor.prefix_cache_misses"), unit="{miss}", description="Rollout prefix-cache misses.")
+        self.preemptions = m.create_counter(metric_name("executor.rollout_preemptions"), unit="{preemption}", description="Rollout sequences preempted (KV dropped, recomputed later).")
+        self.policy_version = m.create_gauge(metric_name("executor.policy_version"), unit="{version}", description="Policy weight version serving rollout.")
+        self.lease_bytes = m.create_gauge(metric_name("executor.rollout_lease"), unit="By", description="KV bytes lent to rollout by the current lease.")
+        self.lease_held = m.create_gauge(metric_name("executor.rollout_lease_held"), description="1 while the executor holds a rollout lease (or is dedicated), else 0.")
+        self.reclaim = m.create_histogram(
+            metric_name("executor.reclaim_latency"), unit="s", description="Serving arrival or lease revocation to rollout yielded.", **hist
+        )
+        self.rollout_requests = m.create_counter(
+            metric_name("executor.rollout_requests"), unit="{request}", description="Rollout turns answered over the bus, per outcome (ok, rejected, interrupted)."
+        )
 
 
 class Telemetry:
@@ -44,7 +58,9 @@ class Telemetry:
         self.executor_id = executor_id
         self.role = role
         self.interval_s = interval_s
-        self.totals = Totals()
+        self.last: EngineStats | None = None
+        self.instruments = ExecutorInstruments()
+        self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0}
 
     def snapshot(self, stats: EngineStats) -> MetricsSnapshot:
         return MetricsSnapshot(
@@ -72,14 +88,51 @@ class Telemetry:
             device=DeviceTelemetry(**stats.device) if stats.device else None,
         )
 
+    def _attrs(self, **extra: str) -> dict[str, str]:
+        return {"executor": self.executor_id, **extra}
+
+    def serving_finished(self, result: GenerationResult) -> None:
+        """One serving request done (called by the HTTP API): TTFT/TPOT histograms and the request count."""
+        i, t = self.instruments, result.timings
+        i.serving_requests.add(1, self._attrs(finish_reason=result.finish_reason))
+        if result.finish_reason == "abort" or not result.token_ids:
+            return
+        i.ttft.record(t.ttft_ms / 1e3, self._attrs())
+        if len(result.token_ids) > 1:
+            i.tpot.record(t.tpot_ms / 1e3, self._attrs())
+
+    def http_error(self, status: int) -> None:
+        self.instruments.http_errors.add(1, self._attrs(code=str(status)))
+
+    def rollout_answered(self, outcome: str, reason: str = "") -> None:
+        self.instruments.rollout_requests.add(1, self._attrs(outcome=outcome, reason=reason))
+
     def _accumulate(self, stats: EngineStats) -> None:
-        t = self.totals
-        t.ttft.merge(sketch_from_dict(stats.ttft_ms))
-        t.tpot.merge(sketch_from_dict(stats.tpot_ms))
-        t.serving_requests += stats.serving_completed
-        t.serving_tokens += stats.serving_tokens_per_s * stats.interval_s
-        t.rollout_tokens += stats.rollout_tokens_per_s * stats.interval_s
-        t.last = stats
+        """Fold one interval's engine stats into the instruments."""
+        i = self.instruments
+        serving, rollout = self._attrs(**{"class": "serving"}), self._attrs(**{"class": "rollout"})
+        i.tokens.add(stats.serving_tokens_per_s * stats.interval_s, serving)
+        i.tokens.add(stats.rollout_tokens_per_s * stats.interval_s, rollout)
+        i.queue.set(stats.serving_queue, serving)
+        i.queue.set(stats.rollout_queue, rollout)
+        i.running.set(stats.serving_running, serving)
+        i.running.set(stats.rollout_running, rollout)
+        for pool_name, pool in (("serving", stats.serving_pool), ("rollout", stats.rollout_pool)):
+            i.kv_used.set(pool.used_blocks * pool.block_bytes, self._attrs(pool=pool_name))
+            i.kv_capacity.set(pool.total_blocks * pool.block_bytes, self._attrs(pool=pool_name))
+        for key, counter, value in (
+            ("prefix_hits", i.prefix_hits, stats.prefix_hits),
+            ("prefix_misses", i.prefix_misses, stats.prefix_misses),
+            ("preemptions", i.preemptions, stats.preemptions),
+        ):  # the engine counts since start: add what is new
+            counter.add(max(0, value - self._cumulative[key]), self._attrs())
+            self._cumulative[key] = value
+        i.policy_version.set(stats.policy_version, self._attrs())
+        i.lease_bytes.set(stats.lease_budget_bytes, self._attrs())
+        i.lease_held.set(1 if stats.lease_id else 0, self._attrs())
+        for ms in stats.reclaim_latency_ms:
+            i.reclaim.record(ms / 1e3, self._attrs())
+        self.last = stats
 
     async def run(self, bus: Bus) -> None:
         while True:
@@ -93,7 +146,7 @@ class Telemetry:
 
     def load(self) -> dict[str, float]:
         """What the heartbeat reports as load."""
-        last = self.totals.last
+        last = self.last
         if last is None:
             return {}
         return {
@@ -103,59 +156,3 @@ class Telemetry:
             "rollout_tokens_per_s": round(last.rollout_tokens_per_s, 1),
             "serving_tokens_per_s": round(last.serving_tokens_per_s, 1),
         }
-
-    def prometheus(self) -> str:
-        """Prometheus text exposition of the executor's figures."""
-        t, last = self.totals, self.totals.last
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{labels} {value:.6g}")
-
-        ex = f'executor="{self.executor_id}"'
-        for name, sketch, help_ in (
-            ("rose_executor_ttft_seconds", t.ttft, "Serving time to first token."),
-            ("rose_executor_tpot_seconds", t.tpot, "Serving time per output token."),
-        ):
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} summary"]
-            for q in QUANTILES:
-                lines.append(f'{name}{{{ex},quantile="{q}"}} {(sketch.get_quantile_value(q) or 0.0) / 1e3:.6g}')
-            lines.append(f"{name}_sum{{{ex}}} {sketch.sum / 1e3:.6g}")
-            lines.append(f"{name}_count{{{ex}}} {sketch.count:.6g}")
-        metric("rose_executor_serving_requests_total", "counter", "Serving requests completed.", [(f"{{{ex}}}", t.serving_requests)])
-        metric(
-            "rose_executor_generated_tokens_total",
-            "counter",
-            "Tokens generated, per work class.",
-            [(f'{{{ex},class="serving"}}', t.serving_tokens), (f'{{{ex},class="rollout"}}', t.rollout_tokens)],
-        )
-        metric(
-            "rose_executor_http_errors_total",
-            "counter",
-            "HTTP error responses, per status code.",
-            [(f'{{{ex},code="{code}"}}', n) for code, n in sorted(t.http_errors.items())] or [(f'{{{ex},code="none"}}', 0)],
-        )
-        if last is not None:
-            metric("rose_executor_queue_length", "gauge", "Requests waiting, per work class.", [(f'{{{ex},class="serving"}}', last.serving_queue), (f'{{{ex},class="rollout"}}', last.rollout_queue)])
-            metric("rose_executor_running", "gauge", "Requests running, per work class.", [(f'{{{ex},class="serving"}}', last.serving_running), (f'{{{ex},class="rollout"}}', last.rollout_running)])
-            metric(
-                "rose_executor_kv_used_bytes",
-                "gauge",
-                "KV-cache bytes in use, per pool.",
-                [(f'{{{ex},pool="serving"}}', last.serving_pool.used_blocks * last.serving_pool.block_bytes), (f'{{{ex},pool="rollout"}}', last.rollout_pool.used_blocks * last.rollout_pool.block_bytes)],
-            )
-            metric(
-                "rose_executor_kv_capacity_bytes",
-                "gauge",
-                "KV-cache bytes usable now, per pool (rollout: bounded by the lease).",
-                [(f'{{{ex},pool="serving"}}', last.serving_pool.total_blocks * last.serving_pool.block_bytes), (f'{{{ex},pool="rollout"}}', last.rollout_pool.total_blocks * last.rollout_pool.block_bytes)],
-            )
-            metric("rose_executor_prefix_cache_hits_total", "counter", "Rollout prefix-cache hits.", [(f"{{{ex}}}", last.prefix_hits)])
-            metric("rose_executor_prefix_cache_misses_total", "counter", "Rollout prefix-cache misses.", [(f"{{{ex}}}", last.prefix_misses)])
-            metric("rose_executor_rollout_preemptions_total", "counter", "Rollout sequences preempted.", [(f"{{{ex}}}", last.preemptions)])
-            metric("rose_executor_policy_version", "gauge", "Policy weight version being served to rollout.", [(f"{{{ex}}}", last.policy_version)])
-            metric("rose_executor_rollout_lease_bytes", "gauge", "KV bytes lent to rollout by the current lease.", [(f"{{{ex}}}", last.lease_budget_bytes)])
-        return "\n".join(lines) + "\n"

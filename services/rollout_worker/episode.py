@@ -19,8 +19,8 @@ from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
 from rose.contracts.rollout import RolloutTask, Trajectory, TurnCheckpoint, TurnRecord
 from rose.shared.bus import Bus, Delivery
 
-from .envs import ENVIRONMENTS, Environment
-from .tools import EnvironmentFailure
+from rose.shared.agentic.envs import ENVIRONMENTS, Environment
+from rose.shared.agentic.tools import EnvironmentFailure
 from .turns import TurnRunner, TurnSpec
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from rose.contracts.registry import ROLLOUT_TASK
 from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
-from . import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
+from rose.shared.agentic import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
 from .config import RolloutWorkerConfig
-from .episode import EpisodeRunner
+from .telemetry import InstrumentedEpisodes
 from .turns import TurnRunner
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ async def run(config: RolloutWorkerConfig) -> None:
     stats: dict[str, float] = {}
     async with ServiceRuntime("rollout_worker", bus=config.bus, runtime=config.runtime, load=lambda: dict(stats)) as rt:
         turns = TurnRunner(rt.bus, config.turns)
-        episodes = EpisodeRunner(rt.bus, turns, tokenizer, rt.instance, max_tokens=config.turns.max_tokens, max_deliver=config.max_deliver)
+        episodes = InstrumentedEpisodes(rt.bus, turns, tokenizer, rt.instance, max_tokens=config.turns.max_tokens, max_deliver=config.max_deliver)
         for _ in range(config.concurrency):  # one pull loop per episode slot: nothing waits out its ack deadline
             await rt.bus.consume(
                 ROLLOUT_TASK, episodes.handle, durable=config.durable, max_deliver=config.max_deliver, ack_wait_s=config.ack_wait_s, batch=1

@@ -7,6 +7,9 @@
   is generated, so nothing produced is lost or produced twice;
 - a straggler gets a duplicate on another executor when the scheduler thinks it is worth it;
   the first complete result wins.
+
+Each turn is a `rollout.turn` span; its route and generate requests (and so the scheduler's
+and each executor's spans) are its children.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingPara
 from rose.contracts.registry import GENERATE, ROUTE_TURN
 from rose.contracts.rollout import RolloutTask, TurnRecord, TurnRoute, TurnRouteRequest
 from rose.shared.bus import Bus
+from rose.shared.tracing import tracer
 
 from .config import TurnSettings
 
@@ -141,7 +145,18 @@ class TurnRunner:
         return first_bad
 
     async def run(self, spec: TurnSpec) -> TurnRecord:
-        """Complete the turn somewhere, or raise TurnFailed at the deadline."""
+        """Complete the turn somewhere, or raise TurnFailed at the deadline (in a `rollout.turn` span)."""
+        attributes = {"rose.task_id": spec.task.task_id, "rose.trajectory_id": spec.trajectory_id, "rose.turn_index": spec.turn_index,
+                      "gen_ai.usage.input_tokens": len(spec.prompt_token_ids)}
+        with tracer().start_as_current_span("rollout.turn", attributes=attributes) as span:
+            record = await self._run(spec)
+            span.set_attributes(
+                {"rose.executor_id": record.executor_id, "rose.attempts": record.attempts, "gen_ai.usage.output_tokens": len(record.token_ids),
+                 "rose.policy_version": record.policy_version, "rose.prefix_cached_tokens": record.prefix_cached_tokens, "rose.finish_reason": record.finish_reason}
+            )
+            return record
+
+    async def _run(self, spec: TurnSpec) -> TurnRecord:
         started_at, t0 = time.time(), time.monotonic()
         progress, exclude = Progress(), []
         while True:

@@ -24,6 +24,7 @@ from .config import SchedulerConfig
 from .fleet import Fleet
 from .leases import LeaseAction, plan_leases, revoke_for_alert
 from .placement import place_turn, should_hedge
+from .telemetry import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Scheduler:
         self.rng = random.Random(config.seed)
         self.counts = {"granted": 0, "renewed": 0, "revoked": 0, "expired": 0, "routed": 0, "hedged": 0, "unroutable": 0}
         self._background: set[asyncio.Task] = set()
+        self.metrics = SchedulerMetrics()
 
     async def recover(self) -> None:
         """Leases (and their epochs) outlive a scheduler restart in the KV bucket."""
@@ -52,6 +54,7 @@ class Scheduler:
             await self.bus.kv_put(LEASE, lease, executor_id=lease.executor_id)
             self.fleet.on_lease(lease)
             self.counts[action.kind] += 1
+            self.metrics.lease(action.kind, lease)
             await self.bus.publish(
                 LEASE_EVENT, LeaseEvent(kind=action.kind, lease=lease, at=time.time(), reason=action.reason), kind=action.kind, executor_id=lease.executor_id
             )
@@ -91,12 +94,14 @@ class Scheduler:
             placement = place_turn(req, self.fleet.candidates(now), affinity, p, self.rng)
             if placement is None:
                 self.counts["unroutable"] += 1
+                self.metrics.unroutable_turn()
                 span.set_attribute("rose.reason", "no executor")
                 return TurnRoute(reason="no dedicated executor and no serving executor under a lease", **nothing)
             span.set_attribute("rose.executor_id", placement.executor_id)
             span.set_attribute("rose.reason", placement.reason)
             self.fleet.on_route(req.trajectory_id, placement.executor_id, now, hedge=req.hedge)
             self.counts["hedged" if req.hedge else "routed"] += 1
+            self.metrics.routed_turn(placement.executor_id, placement.role, req.hedge, affinity, req.routing)
             event = PlacementEvent(
                 trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id=placement.executor_id, at=now,
                 reason=placement.reason, lease_id=placement.lease_id, lease_epoch=placement.lease_epoch, hedge=req.hedge,

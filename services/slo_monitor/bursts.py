@@ -23,12 +23,13 @@ arrival on its own; the alert takes back the lease (memory, routing) after detec
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rose.contracts.slo import SloAlert
 
 from .config import BurstSettings, HeadroomSettings
-from .windows import ExecutorWindow, stats_of
+from .windows import ExecutorWindow, WindowStats, stats_of
 
 
 @dataclass
@@ -44,16 +45,37 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
     latest = window.latest
     if latest is None:
         return None
-    short = window.stats(short_s)
+    snaps = window.snapshots
+    previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
+    return classify(
+        window.stats(short_s), lambda: stats_of(window.recent(cfg.window_s)), lambda: stats_of(window.older_than(cfg.window_s)),
+        latest.serving_queue, previous, cfg, slo,
+    )
+
+
+def classify(
+    short: WindowStats, recent: WindowStats | Callable[[], WindowStats], baseline: WindowStats | Callable[[], WindowStats],
+    queue: int, previous_queue: int, cfg: BurstSettings, slo: HeadroomSettings,
+) -> tuple[str, str] | None:
+    """The signals as a pure function of window figures (the simulator calls this too).
+
+    ``short``: the short window (latency); ``recent`` / ``baseline``: the last ``cfg.window_s``
+    of arrivals and the history before it (or callables computing them, only if needed);
+    ``queue`` / ``previous_queue``: the serving queue in the latest and the previous snapshot.
+    """
     if short.ttft_p99_ms > slo.slo_ttft_ms or short.tpot_p99_ms > slo.slo_tpot_ms:
         return "violation", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms past the SLO"
-    recent = stats_of(window.recent(cfg.window_s))
-    baseline = stats_of(window.older_than(cfg.window_s))
+    recent = recent() if callable(recent) else recent
+    baseline = baseline() if callable(baseline) else baseline
     if baseline.span_s >= cfg.min_baseline_s and recent.span_s > 0:
         base_rate = max(baseline.arrival_rate_rps, cfg.min_baseline_rps)
         if recent.arrivals >= burst_threshold(base_rate * recent.span_s, cfg):
             return "burst", f"arrival rate {recent.arrival_rate_rps:.1f}/s vs baseline {base_rate:.1f}/s"
-    return _queue_or_risk(window, short, cfg, slo)
+    if queue >= cfg.queue_threshold and queue > previous_queue:
+        return "burst", f"serving queue growing: {previous_queue} -> {queue}"
+    if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:
+        return "burst", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms near the SLO"
+    return None
 
 
 def burst_threshold(expected: float, cfg: BurstSettings) -> float:
@@ -61,14 +83,17 @@ def burst_threshold(expected: float, cfg: BurstSettings) -> float:
     return max(cfg.rate_ratio * expected, expected + cfg.noise_z * math.sqrt(expected), cfg.min_arrivals)
 
 
-def _queue_or_risk(window: ExecutorWindow, short, cfg: BurstSettings, slo: HeadroomSettings) -> tuple[str, str] | None:
-    snaps = window.snapshots
-    queue = snaps[-1].serving_queue
-    previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
-    if queue >= cfg.queue_threshold and queue > previous:
-        return "burst", f"serving queue growing: {previous} -> {queue}"
-    if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:
-        return "burst", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms near the SLO"
+def next_alert(st: BurstState, found: tuple[str, str] | None, now: float, cfg: BurstSettings) -> tuple[str, str] | None:
+    """The alert's (severity, reason) to send now, if any, given this snapshot's signal; updates ``st``."""
+    if found is not None:
+        st.calm_since = now
+        if not st.alerting or now - st.last_alert_at >= cfg.realert_s:
+            st.alerting, st.last_alert_at = True, now
+            return found
+        return None
+    if st.alerting and now - st.calm_since >= cfg.recover_s:
+        st.alerting = False
+        return "recovered", f"calm for {cfg.recover_s:.1f}s"
     return None
 
 
@@ -93,13 +118,7 @@ class BurstDetector:
             ttft_p99_ms=short.ttft_p99_ms,
             tpot_p99_ms=short.tpot_p99_ms,
         )
-        if found is not None:
-            st.calm_since = now
-            if not st.alerting or now - st.last_alert_at >= self.cfg.realert_s:
-                st.alerting, st.last_alert_at = True, now
-                return SloAlert(severity=found[0], reason=found[1], **common)  # type: ignore[arg-type]
+        decided = next_alert(st, found, now, self.cfg)
+        if decided is None:
             return None
-        if st.alerting and now - st.calm_since >= self.cfg.recover_s:
-            st.alerting = False
-            return SloAlert(severity="recovered", reason=f"calm for {self.cfg.recover_s:.1f}s", **common)
-        return None
+        return SloAlert(severity=decided[0], reason=decided[1], **common)  # type: ignore[arg-type]

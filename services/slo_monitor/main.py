@@ -15,24 +15,30 @@ from rose.shared.service import ServiceRuntime, service_main
 
 from .config import SloMonitorConfig
 from .monitor import Monitor
+from .telemetry import MonitorMetrics
 
 log = logging.getLogger(__name__)
 
 
-async def publish_headroom(bus: Bus, monitor: Monitor) -> None:
+async def publish_headroom(bus: Bus, monitor: Monitor, metrics: MonitorMetrics | None = None) -> None:
     now = time.time()
     for ex in monitor.live(now):
-        await bus.publish(HEADROOM, monitor.headroom(ex, now), executor_id=ex)
+        headroom = monitor.headroom(ex, now)
+        if metrics is not None:
+            metrics.headroom(headroom)
+        await bus.publish(HEADROOM, headroom, executor_id=ex)
 
 
 async def run(config: SloMonitorConfig) -> None:
     monitor = Monitor(config)
+    metrics = MonitorMetrics()
     async with ServiceRuntime("slo_monitor", bus=config.bus, runtime=config.runtime, load=monitor.fleet_load) as rt:
 
         async def on_metrics(snapshot: MetricsSnapshot, _d: Delivery) -> None:
             alert = monitor.observe(snapshot)
             if alert is not None:
                 log.warning("%s on %s: %s", alert.severity, alert.executor_id, alert.reason)
+                metrics.alert(alert)
                 await rt.bus.publish(SLO_ALERT, alert, executor_id=alert.executor_id)
 
         # core subscription: the lowest latency path, and a restarted monitor needs no history
@@ -40,7 +46,7 @@ async def run(config: SloMonitorConfig) -> None:
         rt.ready()
         while not rt.stopping:
             try:
-                await publish_headroom(rt.bus, monitor)
+                await publish_headroom(rt.bus, monitor, metrics)
             except Exception as exc:  # reconnecting: the next round will do
                 log.warning("could not publish headroom: %r", exc)
             await rt.idle(config.headroom_interval_s)

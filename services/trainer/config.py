@@ -24,6 +24,7 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stale_policy: Literal["drop", "mask"] = "drop"
     group_timeout_s: PositiveSeconds = 300.0  # train on an incomplete group (>= 2 usable) after this
     micro_batch: PositiveInt = 16  # sequences per forward/backward
+    epochs: PositiveInt = 1  # optimizer steps over each step's batch (later ones clipped against the behaviour policy)
     prefetch_steps: NonNegInt = 1  # steps of tasks queued ahead of the one being trained (asynchronous RL)
 
 
@@ -42,9 +43,11 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_turns: PositiveInt = 3
     max_tokens: PositiveInt = 16  # per turn
     routing: Literal["affinity", "random"] = "affinity"
+    max_operand: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 99  # arithmetic difficulty (operands 0..N)
+    problems: NonNegInt = 0  # 0: a fresh problem for every group; N: cycle through a fixed set of N (a prompt dataset, in epochs)
 
     def __post_init__(self) -> None:
-        from rose.services.rollout_worker.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs
+        from rose.shared.agentic.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs
 
         unknown = [name for name in self.envs if name not in tool_env_names()]
         if unknown or not self.envs:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from rose.contracts.rollout import RolloutTask, Trajectory, TurnRecord
-from rose.services.rollout_worker.envs import IM_END, Environment
+from rose.shared.agentic.envs import IM_END, Environment
 
 
 class Tokens:

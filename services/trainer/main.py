@@ -12,27 +12,29 @@ import logging
 
 import torch
 
-from rose.services.rollout_worker import agentic_envs
-from rose.services.rollout_worker.envs import ENVIRONMENTS
-from rose.services.rollout_worker.tool_env import ToolEnv
+from rose.shared.agentic import agentic_envs
+from rose.shared.agentic.env_arithmetic import ArithmeticEnv
+from rose.shared.agentic.envs import ENVIRONMENTS
+from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.config import ConfigError
 from rose.shared.models import load_model, load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
-from .config import TrainerConfig
+from .config import TasksSettings, TrainerConfig
 from .local_rollout import Tokens
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def tool_envs(names: list[str]) -> list[ToolEnv]:
+def tool_envs(tasks: TasksSettings) -> list[ToolEnv]:
+    """The environments to draw tasks from, with this job's difficulty (carried in each task's env_args)."""
     agentic_envs.register_agentic_envs()
     envs = []
-    for name in names:
-        env = ENVIRONMENTS.get(name)
+    for name in tasks.envs:
+        env = ArithmeticEnv(tasks.max_operand) if name == ArithmeticEnv.name else ENVIRONMENTS.get(name)
         if not isinstance(env, ToolEnv):
-            raise ConfigError(f"tasks.envs: {name!r} is not a tool environment; known: {sorted(n for n, e in ENVIRONMENTS.items() if isinstance(e, ToolEnv))}")
+            raise ConfigError(f"tasks.envs: {name!r} is not a tool environment; known: {agentic_envs.tool_env_names()}")
         envs.append(env)
     return envs
 
@@ -40,7 +42,7 @@ def tool_envs(names: list[str]) -> list[ToolEnv]:
 async def run(config: TrainerConfig) -> None:
     if config.threads:
         torch.set_num_threads(config.threads)
-    envs = tool_envs(config.tasks.envs)
+    envs = tool_envs(config.tasks)
     policy = config.models.policy_path()
     await wait_for_files(policy, ("config.json", "tokenizer.json"), config.models.wait_s)
     model = await asyncio.to_thread(load_model, policy)

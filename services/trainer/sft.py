@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rose.services.rollout_worker.tool_env import ToolEnv
+from rose.shared.agentic.tool_env import ToolEnv
 
 from .batch import Sequence, pad, sequences_of, token_logprobs
 from .local_rollout import Tokens, scripted_episode

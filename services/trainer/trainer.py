@@ -44,9 +44,10 @@ import time
 import torch
 
 from rose.client.weights import WeightsClient
-from rose.contracts.registry import ROLLOUT_TASK, TRAJECTORY
+from rose.contracts.registry import ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
 from rose.contracts.rollout import Trajectory
-from rose.services.rollout_worker.tool_env import ToolEnv
+from rose.contracts.training import TrainingStep
+from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.bus import Bus, Delivery
 
 from .batch import pad
@@ -93,9 +94,10 @@ class Trainer:
         """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task."""
         g, t = self.config.grpo, self.config.tasks
         for i in range(g.groups_per_step):
-            env = self.envs[(step * g.groups_per_step + i) % len(self.envs)]
+            index = step * g.groups_per_step + i
+            env = self.envs[index % len(self.envs)]
             group_id = f"{self.run_id}-s{step}-g{i}"
-            seed = task_seed(t.seed, step, i)
+            seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, i)
             self.collector.expect(group_id, g.group_size)
             for j in range(g.group_size):
                 task = env.task(seed, task_id=f"{group_id}-{j}", group_id=group_id, group_size=g.group_size, max_turns=t.max_turns)
@@ -145,7 +147,8 @@ class Trainer:
     def _train(self, seqs) -> dict[str, float]:
         mb = self.config.grpo.micro_batch
         batches = [pad(seqs[i : i + mb], self.tokens.pad_id) for i in range(0, len(seqs), mb)]
-        s = grpo_step(self.model, self.optimizer, batches, clip_eps=self.config.grpo.clip_eps, max_grad_norm=self.config.grpo.max_grad_norm)
+        g = self.config.grpo
+        s = grpo_step(self.model, self.optimizer, batches, clip_eps=g.clip_eps, max_grad_norm=g.max_grad_norm, epochs=g.epochs)
         return {"loss": s.loss, "tokens": s.tokens, "clip_fraction": s.clip_fraction, "mean_ratio": s.mean_ratio, "approx_kl": s.approx_kl}
 
     async def step(self, stop: asyncio.Event) -> bool:
@@ -157,15 +160,27 @@ class Trainer:
         self.rewards.append(sum(rewards) / len(rewards) if rewards else 0.0)
         seqs = self.collector.sequences(groups, self.version)
         if seqs:
+            started = time.monotonic()
             self.last = await asyncio.to_thread(self._train, seqs)
+            trained = time.monotonic()
             self.version += 1
             self.steps += 1
             await self.publish()
+            await self._report(groups, len(rewards), len(seqs), trained - started, time.monotonic() - trained)
         else:
             self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
         await self.emit(self.emitted_steps)
         log.info("step %d: reward %.3f, version %d, %s", self.steps, self.rewards[-1], self.version, self.last)
         return True
+
+    async def _report(self, groups: list, trajectories: int, sequences: int, train_s: float, publish_s: float) -> None:
+        """The public progress event (TRAINING_STEP) of the step just taken."""
+        await self.bus.publish(TRAINING_STEP, TrainingStep(
+            run_id=self.run_id, step=self.steps, version=self.version, reward_mean=self.rewards[-1], groups=len(groups),
+            trajectories=trajectories, trained_sequences=sequences, loss=self.last.get("loss", 0.0),
+            clip_fraction=self.last.get("clip_fraction", 0.0), approx_kl=self.last.get("approx_kl", 0.0),
+            stale_dropped=self.collector.stats["stale_dropped"], train_s=train_s, publish_s=publish_s, at=time.time(),
+        ), run_id=self.run_id)
 
     def load(self) -> dict[str, float]:
         out = {f"collector_{k}": float(v) for k, v in self.collector.stats.items()}

@@ -4,6 +4,10 @@ Requests are answered as soon as they are queued (`WeightPublishAccepted`); the 
 version's manifest on the manifest stream, or a `WeightPublishFailed` event. One publisher
 instance serves a model (its last version is the base of the next delta), so the request
 endpoint has no queue group.
+
+Each version is published in a `weights.publish` span that continues the trace of its request
+(the context rides the queue with it), so the manifest, and every executor's apply of it,
+belong to the trainer's publish trace.
 """
 
 from __future__ import annotations
@@ -12,13 +16,18 @@ import asyncio
 import logging
 import time
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_OBJECTS, WEIGHTS_STAGING_OBJECTS
 from rose.contracts.weights import WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 from rose.shared.bus import Bus, Delivery
+from rose.shared.tracing import tracer
 from rose.shared.weight_store import WeightStore
 
 from . import sources
 from .config import PublisherSettings
+from .telemetry import PublisherMetrics
 from .versions import ModelVersions, PublishError
 
 log = logging.getLogger("rose.weight_publisher")
@@ -31,10 +40,11 @@ class WeightPublisher:
         self.store: WeightStore | None = None  # made once the bus is connected
         self.staging: WeightStore | None = None
         self.models: dict[str, ModelVersions] = {}
-        self._queues: dict[str, asyncio.Queue[WeightPublishRequest]] = {}
+        self._queues: dict[str, asyncio.Queue[tuple[WeightPublishRequest, otel_context.Context]]] = {}
         self._accepted: dict[str, int] = {}
         self._workers: list[asyncio.Task[None]] = []
         self.published = 0
+        self.metrics = PublisherMetrics()
 
     async def start(self) -> None:
         self.store = WeightStore(self.bus.js, WEIGHTS_OBJECTS.bucket, chunk_bytes=self.settings.chunk_bytes)
@@ -65,10 +75,10 @@ class WeightPublisher:
             raise PublishError("a staged source needs object_name")
         self._accepted[request.model] = request.version
         queue = self._queue(request.model)
-        await queue.put(request)
+        await queue.put((request, otel_context.get_current()))  # the request's trace goes along
         return WeightPublishAccepted(request_id=request.request_id, model=request.model, version=request.version, queued=queue.qsize() - 1)
 
-    def _queue(self, model: str) -> asyncio.Queue[WeightPublishRequest]:
+    def _queue(self, model: str) -> asyncio.Queue[tuple[WeightPublishRequest, otel_context.Context]]:
         if model not in self._queues:
             self._queues[model] = asyncio.Queue()
             assert self.store is not None, "start() first"
@@ -79,16 +89,25 @@ class WeightPublisher:
     async def _work(self, model: str) -> None:
         queue, versions = self._queues[model], self.models[model]
         while True:
-            request = await queue.get()
+            request, ctx = await queue.get()
+            token = otel_context.attach(ctx)
             try:
-                await self.publish_one(versions, request)
-            except Exception as exc:
-                log.exception("publishing %s v%s failed", model, request.version)
-                failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
-                await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
+                attributes = {"rose.model": model, "rose.weight_version": request.version, "rose.weight_source": request.source, "rose.request_id": request.request_id}
+                with tracer().start_as_current_span("weights.publish", attributes=attributes) as span:
+                    try:
+                        await self.publish_one(versions, request)
+                    except Exception as exc:
+                        log.exception("publishing %s v%s failed", model, request.version)
+                        self.metrics.failed(model)
+                        span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:256])
+                        failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
+                        await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
+            finally:
+                otel_context.detach(token)
 
     async def publish_one(self, versions: ModelVersions, request: WeightPublishRequest) -> None:
         assert self.staging is not None, "start() first"
+        started = time.perf_counter()
         tensors, release = await sources.load(request, self.staging, self.settings)
         try:
             manifest = await versions.publish(tensors, request.version, keyframe=request.keyframe)
@@ -97,6 +116,11 @@ class WeightPublisher:
             if request.source == "object" and request.delete_source:
                 await self.staging.delete(request.object_name)
         self.published += 1
+        self.metrics.published(manifest, time.perf_counter() - started)
+        trace.get_current_span().set_attributes(
+            {"rose.weight_kind": manifest.kind, "rose.wire_bytes": manifest.wire_bytes, "rose.full_bytes": manifest.full_bytes,
+             "rose.changed_fraction": manifest.changed_fraction}
+        )
         log.info(
             "published %s v%d (%s): %d of %d bytes on the wire, %.2f%% changed",
             manifest.model, manifest.version, manifest.kind, manifest.wire_bytes, manifest.full_bytes, 100 * manifest.changed_fraction,

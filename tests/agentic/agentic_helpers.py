@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rose.services.rollout_worker.env_arithmetic import ArithmeticEnv
-from rose.services.rollout_worker.tools import Tool
+from rose.shared.agentic.env_arithmetic import ArithmeticEnv
+from rose.shared.agentic.tools import Tool
 
 
 class BrokenEnv(ArithmeticEnv):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rose.services.rollout_worker.sandbox import DockerBackend, Sandbox, SandboxLimits
+from rose.shared.agentic.sandbox import DockerBackend, Sandbox, SandboxLimits
 
 LIMITS = SandboxLimits(wall_s=4.0, cpu_s=1, memory_bytes=256 << 20, max_output_bytes=8 << 10, file_bytes=1 << 20)
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from rose.services.rollout_worker import agentic_envs  # noqa: F401 - registers the envs
-from rose.services.rollout_worker.env_arithmetic import ArithmeticEnv, calculate
-from rose.services.rollout_worker.env_code import CodeEnv, expected_results
-from rose.services.rollout_worker.env_search_qa import CORPUS_PATH, SearchQAEnv, build_corpus, load_corpus
-from rose.services.rollout_worker.envs import ENVIRONMENTS, IM_END, IM_START
-from rose.services.rollout_worker.tool_env import ToolEnv
-from rose.services.rollout_worker.tools import EnvironmentFailure, ToolError, format_answer, format_call
+from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
+from rose.shared.agentic.env_arithmetic import ArithmeticEnv, calculate
+from rose.shared.agentic.env_code import CodeEnv, expected_results
+from rose.shared.agentic.env_search_qa import CORPUS_PATH, SearchQAEnv, build_corpus, load_corpus
+from rose.shared.agentic.envs import ENVIRONMENTS, IM_END, IM_START
+from rose.shared.agentic.tool_env import ToolEnv
+from rose.shared.agentic.tools import EnvironmentFailure, ToolError, format_answer, format_call
 from agentic_helpers import BrokenEnv
 
 
@@ -53,6 +55,21 @@ def test_arithmetic_tool_loop_and_rewards():
         calculate("1 % 0")
 
 
+def test_arithmetic_difficulty_travels_with_the_task():
+    easy = ArithmeticEnv(max_operand=4)
+    task = easy.task(11, task_id="easy-11")
+    assert task.env_args["max_operand"] == "4"
+    worker_env = ArithmeticEnv()  # the worker's registered instance has its own default (99)
+    assert worker_env.problem_of(task) == easy.problem(11)
+    assert all(int(n) <= 4 for n in re.findall(r"\d+", easy.problem(11).data))
+    for bad in ("0", "many", str(10**7)):
+        task.env_args["max_operand"] = bad
+        with pytest.raises(EnvironmentFailure, match="max_operand"):
+            worker_env.reset(task)
+    with pytest.raises(ValueError, match="max_operand"):
+        ArithmeticEnv(max_operand=0)
+
+
 def test_code_env_rewards_the_fraction_of_tests_passed():
     env = CodeEnv()
 
@@ -86,7 +103,7 @@ def test_code_env_rewards_the_fraction_of_tests_passed():
 
 def test_search_qa_corpus_ships_and_search_finds_the_fact():
     assert CORPUS_PATH.exists()
-    assert load_corpus() == build_corpus(), "the shipped corpus is stale: run `python -m rose.services.rollout_worker.env_search_qa --write`"
+    assert load_corpus() == build_corpus(), "the shipped corpus is stale: run `python -m rose.shared.agentic.env_search_qa --write`"
     assert len(load_corpus()) >= 300
     env = SearchQAEnv()
     p = env.problem(11)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rose.services.rollout_worker.tools import (
+from rose.shared.agentic.tools import (
     MAX_ARGS_CHARS,
     MAX_SCAN_CHARS,
     EnvironmentFailure,

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from rose.client import WeightsClient
-from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAJECTORY
+from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORY
 from rose.contracts.rollout import RolloutTask
-from rose.services.rollout_worker import agentic_envs  # noqa: F401 - registers the envs
-from rose.services.rollout_worker.envs import ENVIRONMENTS
+from rose.contracts.training import TrainingStep
+from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
+from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.services.trainer.config import GrpoSettings, SftSettings, TasksSettings, TrainerConfig
 from rose.shared.models import PolicyModelRef
 from rose.services.trainer.local_rollout import Tokens, scripted_episode
@@ -69,7 +70,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
         models=PolicyModelRef(policy_dir=str(tiny_policy)),
         grpo=GrpoSettings(group_size=GROUP_SIZE, groups_per_step=GROUPS, max_staleness=0, prefetch_steps=0, lr=1e-3),
         sft=SftSettings(steps=3, traces_per_env=16, batch_size=8),
-        tasks=TasksSettings(envs=["arithmetic"], max_turns=3),
+        tasks=TasksSettings(envs=["arithmetic"], max_turns=3, max_operand=9),
         threads=1,
     )
     publisher = asyncio.create_task(run_publisher(WeightPublisherConfig(bus=bus_config, runtime=RuntimeConfig(instance="wp-trainer-test"))))
@@ -83,12 +84,16 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
         async with Bus(bus_config, service="tests", instance="trainer-test-worker") as bus:
             await provision(bus.js)
             await bus.consume(ROLLOUT_TASK, take, durable="test_worker")
+            steps: list[TrainingStep] = []
+            await bus.consume(TRAINING_STEP, lambda s, _d: asyncio.sleep(0, steps.append(s)), durable="test_steps")
             async with WeightsClient(bus, "policy") as weights:
                 v1 = await weights.published(1, timeout=TIMEOUT_S)  # the warm start, published by the real publisher
                 assert v1.keyframe
                 await until(lambda: asyncio.sleep(0, len(tasks) >= GROUP_SIZE * GROUPS), "the first step's tasks")
                 groups = sorted({t.group_id for t in tasks})
                 assert len(groups) == GROUPS and all(t.env == "arithmetic" and t.group_size == GROUP_SIZE for t in tasks)
+                # the job's difficulty travels with each task: the worker's own env (default 99) poses the trainer's problem
+                assert all(t.env_args["max_operand"] == "9" for t in tasks)
 
                 # Play the rollout worker: scripted episodes, behaviour logprobs from the initial policy.
                 env = ENVIRONMENTS["arithmetic"]
@@ -119,6 +124,10 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
             assert load["collector_stale_dropped"] == 1 and load["collector_failed"] == 1 and load["collector_groups_used"] == 2
             assert load["sft_nll_after"] < load["sft_nll_before"]
             assert load["reward_last"] == pytest.approx(4 / 7)  # 4 right of the 7 completed trajectories (stale included)
+            await until(lambda: asyncio.sleep(0, bool(steps)), "the TrainingStep event")
+            step = steps[0]
+            assert (step.run_id, step.step, step.version, step.groups, step.trajectories) == (config.run_id or INSTANCE, 1, 2, GROUPS, 7)
+            assert step.reward_mean == pytest.approx(4 / 7) and step.stale_dropped == 1 and step.trained_sequences == 6
     finally:
         for task in (trainer, publisher):
             task.cancel()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rose.services.rollout_worker.env_arithmetic import ArithmeticEnv
+from rose.shared.agentic.env_arithmetic import ArithmeticEnv
 from rose.services.trainer.batch import pad
 from rose.services.trainer.groups import GroupCollector
 from rose.services.trainer.grpo import grpo_step
@@ -20,7 +20,7 @@ from rose.shared.models import ModelShape, build_model, load_tokenizer
 
 TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 SFT_STEPS, SFT_LR, SFT_TRACES = 200, 3e-3, 300
-GRPO_STEPS, GRPO_LR, GRPO_EPOCHS, GROUP_SIZE = 10, 5e-4, 2, 8
+GRPO_STEPS, GRPO_LR, GRPO_EPOCHS, GROUP_SIZE = 10, 1e-3, 2, 8
 PROBLEMS = list(range(500, 504))  # the groups' tasks: GRPO must raise the reward on them
 EVAL_SAMPLES = 16
 MAX_TOKENS = 16

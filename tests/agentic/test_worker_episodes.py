@@ -11,9 +11,9 @@ import pytest
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN, TRAJECTORY
 from rose.contracts.rollout import Trajectory, TurnRoute, TurnRouteRequest
-from rose.services.rollout_worker import agentic_envs  # noqa: F401 - registers the envs
+from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.services.rollout_worker.config import TurnSettings
-from rose.services.rollout_worker.envs import ENVIRONMENTS, register
+from rose.shared.agentic.envs import ENVIRONMENTS, register
 from rose.services.rollout_worker.episode import EpisodeRunner
 from rose.services.rollout_worker.turns import TurnRunner
 from rose.services.trainer.local_rollout import Tokens

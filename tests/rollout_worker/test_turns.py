@@ -85,7 +85,7 @@ async def test_redelivered_task_resumes_from_its_checkpoints(bus, models_dir):
     """At least once, idempotent by (task id, turn index): checkpointed turns are not generated again."""
     from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
     from rose.contracts.rollout import TurnCheckpoint
-    from rose.services.rollout_worker.envs import ENVIRONMENTS
+    from rose.shared.agentic.envs import ENVIRONMENTS
     from rose.services.rollout_worker.episode import EpisodeRunner, trajectory_id_of
     from rose.shared.bus import Delivery
     from rose.shared.models import load_tokenizer

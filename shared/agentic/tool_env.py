@@ -71,12 +71,15 @@ class ToolEnv:
             max_turns=max_turns or self.max_turns, env_args={SEED_ARG: str(seed)},
         )
 
-    def problem_of(self, task: RolloutTask) -> Problem:
+    def seed_of(self, task: RolloutTask) -> int:
         try:
-            seed = int(task.env_args[SEED_ARG])
+            return int(task.env_args[SEED_ARG])
         except (KeyError, ValueError) as exc:
             raise EnvironmentFailure(f"{self.name}: task {task.task_id} needs an integer env_args[{SEED_ARG!r}]") from exc
-        return self.problem(seed)
+
+    def problem_of(self, task: RolloutTask) -> Problem:
+        """The task's problem; an env whose problems take options from `env_args` overrides this."""
+        return self.problem(self.seed_of(task))
 
     # ---- the worker's interface ---------------------------------------------------------
 

@@ -12,10 +12,14 @@ import ast
 import operator
 import random
 
+from rose.contracts.rollout import RolloutTask
+
 from .tool_env import Problem, ToolEnv
-from .tools import Tool, ToolError, format_answer, format_call
+from .tools import EnvironmentFailure, Tool, ToolError, format_answer, format_call
 
 MAX_OPERAND = 99
+MAX_OPERAND_LIMIT = 10**6
+MAX_OPERAND_ARG = "max_operand"
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 60
 OPS = ("+", "-", "*")
@@ -52,17 +56,40 @@ def calculate(expression: str) -> str:
 
 
 class ArithmeticEnv(ToolEnv):
-    """`max_operand` sets the difficulty (a tiny policy learns single digits in seconds)."""
+    """`max_operand` sets the difficulty (a tiny policy learns single digits in seconds).
+
+    The difficulty travels with each task (`env_args["max_operand"]`), so the worker poses
+    the same problem the trainer asked for (and scripted its expert traces from) whatever
+    default the worker's own instance has.
+    """
 
     name = "arithmetic"
     max_turns = 3
 
     def __init__(self, max_operand: int = MAX_OPERAND, *, system_prompt: bool = True) -> None:
+        if not 1 <= max_operand <= MAX_OPERAND_LIMIT:
+            raise ValueError(f"max_operand must be in 1..{MAX_OPERAND_LIMIT}, not {max_operand}")
         self.max_operand, self.system_prompt = max_operand, system_prompt
 
-    def problem(self, seed: int) -> Problem:
+    def task(self, seed: int, **kwargs) -> RolloutTask:
+        task = super().task(seed, **kwargs)
+        task.env_args[MAX_OPERAND_ARG] = str(self.max_operand)
+        return task
+
+    def problem_of(self, task: RolloutTask) -> Problem:
+        raw = task.env_args.get(MAX_OPERAND_ARG, str(self.max_operand))
+        try:
+            max_operand = int(raw)
+        except ValueError:
+            max_operand = 0
+        if not 1 <= max_operand <= MAX_OPERAND_LIMIT:
+            raise EnvironmentFailure(f"arithmetic: task {task.task_id}: env_args[{MAX_OPERAND_ARG!r}] must be an integer in 1..{MAX_OPERAND_LIMIT}, not {raw!r}")
+        return self.problem(self.seed_of(task), max_operand)
+
+    def problem(self, seed: int, max_operand: int | None = None) -> Problem:
+        top = self.max_operand if max_operand is None else max_operand
         rng = random.Random(f"arithmetic:{seed}")
-        a, b, op = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand), rng.choice(OPS)
+        a, b, op = rng.randint(0, top), rng.randint(0, top), rng.choice(OPS)
         expression = f"{a}{op}{b}"
         return Problem(seed=seed, question=f"What is {expression}?", answer=calculate(expression), data=expression)
 

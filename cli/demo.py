@@ -1,0 +1,425 @@
+"""`rose demo`: a real RL job on co-elastic capacity, end to end, on this machine, in about five minutes.
+
+Everything runs as it would in production, as separate processes on the real bus (an embedded
+nats-server): two serving executors taking a replayed serving trace with bursts over their
+OpenAI API, one dedicated rollout executor, the SLO monitor, the scheduler, the weight
+publisher, a rollout worker and the reference GRPO trainer. The trainer warm-starts a tiny
+policy on expert traces, then runs GRPO on arithmetic-with-a-calculator episodes that the
+scheduler places on the dedicated executor and, under leases, on the serving executors'
+spare capacity; each step's weights go out as deltas and the executors apply them between
+iterations. The demo only watches (the bus events any user can subscribe to) and drives the
+serving clients, then writes `summary.json` and plots.
+
+Timeline: build the models (tokenizer + two small Qwen2 models, seconds) -> start the fleet
+-> `duration` seconds of serving trace and training -> stop the trainer -> drain (every
+task handed out must come back as a trajectory) -> report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from rose.contracts.registry import EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAINING_STEP, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_MANIFEST
+from rose.shared.bus import Bus
+from rose.shared.config import BusConfig
+from rose.shared.launch import ServiceProcess, start_all, stop_all
+from rose.shared.models import ModelShape, init_models
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
+from rose.shared.sketch import from_contract
+
+from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
+
+DEFAULT_DURATION_S = 170.0  # the training window; with start-up and drain the demo takes under 5 minutes
+DEFAULT_OUT = "report"
+# A policy this small learns the tool format from a short warm start and improves under GRPO
+# within a few dozen steps on a CPU, while the serving model is the default one.
+DEMO_POLICY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+SPEC = FleetSpec(prefix="demo", burst_factor=3.0, worker_concurrency=32, rollout_max_tokens=16)
+# The RL job (the trainer's settings, as environment variables; see services/trainer/config.py).
+TRAINER = {
+    "ROSE_TASKS__ENVS": '["arithmetic"]',
+    "ROSE_TASKS__MAX_OPERAND": "4",
+    "ROSE_TASKS__MAX_TOKENS": "16",
+    "ROSE_TASKS__MAX_TURNS": "3",
+    "ROSE_SFT__STEPS": "200",
+    "ROSE_SFT__TRACES_PER_ENV": "300",
+    "ROSE_GRPO__GROUP_SIZE": "8",
+    "ROSE_GRPO__GROUPS_PER_STEP": "8",
+    "ROSE_GRPO__LR": "1e-3",
+    "ROSE_GRPO__EPOCHS": "2",
+    "ROSE_TASKS__PROBLEMS": "16",
+    "ROSE_GRPO__MAX_STALENESS": "2",
+    "ROSE_GRPO__PREFETCH_STEPS": "1",
+    "ROSE_THREADS": "1",
+}
+START_TIMEOUT_S = 240.0
+DRAIN_TIMEOUT_S = 60.0
+RECENT_S = 10.0  # the live table's window
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+@dataclass
+class Observed:
+    """What the demo sees on the bus and from its serving clients (local receive times)."""
+
+    serving: ServingLog = field(default_factory=ServingLog)
+    snapshots: list[tuple[float, str, float, int, str]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id)
+    lease_events: list[tuple[float, str, str]] = field(default_factory=list)  # (at, executor, kind)
+    alerts: list[tuple[float, str, str]] = field(default_factory=list)  # (t, executor, severity)
+    published: set[str] = field(default_factory=set)  # task ids handed out
+    trajectories: dict[str, object] = field(default_factory=dict)  # task id -> Trajectory
+    manifests: dict[int, object] = field(default_factory=dict)  # version -> WeightManifest
+    applied: dict[str, int] = field(default_factory=dict)  # executor -> live policy version
+    steps: list[object] = field(default_factory=list)  # TrainingStep, in order
+
+
+async def observe(bus: Bus, obs: Observed) -> None:
+    """Subscribe to the public events (what a user's own dashboard would do)."""
+
+    async def on_metrics(s, _d):
+        q = float(from_contract(s.ttft_ms).get_quantile_value(0.99) or 0.0) if s.ttft_ms.count else float("nan")
+        obs.snapshots.append((time.time(), s.executor_id, q, s.rollout_running, s.lease_id))
+
+    async def on_lease(e, _d):
+        obs.lease_events.append((e.at, e.lease.executor_id, e.kind))
+
+    async def on_alert(a, _d):
+        obs.alerts.append((time.time(), a.executor_id, a.severity))
+
+    async def on_task(t, _d):
+        obs.published.add(t.task_id)
+
+    async def on_trajectory(t, _d):
+        obs.trajectories.setdefault(t.task_id, t)
+
+    async def on_manifest(m, _d):
+        obs.manifests[m.version] = m
+
+    async def on_applied(a, _d):
+        obs.applied[a.executor_id] = max(a.version, obs.applied.get(a.executor_id, 0))
+
+    async def on_step(s, _d):
+        obs.steps.append(s)
+
+    await bus.subscribe(EXECUTOR_METRICS, on_metrics)
+    await bus.subscribe(ROLLOUT_TASK, on_task)  # core subscription beside the workers' work queue
+    await bus.consume(LEASE_EVENT, on_lease, durable="demo_leases")
+    await bus.consume(SLO_ALERT, on_alert, durable="demo_alerts")
+    await bus.consume(TRAJECTORY, on_trajectory, durable="demo_trajectories")
+    await bus.consume(WEIGHT_MANIFEST, on_manifest, durable="demo_manifests")
+    await bus.consume(WEIGHT_APPLIED, on_applied, durable="demo_applied")
+    await bus.consume(TRAINING_STEP, on_step, durable="demo_steps")
+
+
+# ---- the live table -------------------------------------------------------------------
+
+
+def _turns(obs: Observed):
+    for t in list(obs.trajectories.values()):
+        for turn in t.turns:  # type: ignore[attr-defined]
+            yield turn
+
+
+def lease_holders(obs: Observed) -> dict[str, bool]:
+    held: dict[str, bool] = {}
+    for _, ex, kind in sorted(obs.lease_events):
+        held[ex] = kind in ("granted", "renewed")
+    return held
+
+
+def spark(values: list[float]) -> str:
+    return "".join(SPARK[min(len(SPARK) - 1, max(0, int(v * len(SPARK))))] for v in values[-40:])
+
+
+def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration: float, phase: str) -> Group:
+    now = time.time()
+    table = Table(title=f"ROSE demo · {phase} · {elapsed:.0f}/{duration:.0f} s · serving latency and rollout tokens/s over the last {RECENT_S:.0f} s", expand=False)
+    for col in ("executor", "role", "TTFT p99", "SLO met", "lease", "tok/s", "policy"):
+        table.add_column(col, justify="left" if col in ("executor", "role") else "right", no_wrap=True)
+    held = lease_holders(obs)
+    recent_tokens: dict[str, int] = defaultdict(int)
+    for turn in _turns(obs):
+        if turn.finished_at >= now - RECENT_S:
+            recent_tokens[turn.executor_id] += len(turn.token_ids)
+    for ex, role in executors.items():
+        reqs = [r for r in obs.serving.requests if r["executor"] == ex and r["t"] >= now - RECENT_S]
+        q = p99([r["ttft_ms"] for r in reqs if r["ok"]])
+        met = [r["ok"] and r["ttft_ms"] <= SPEC.slo_ttft_ms and r["tpot_ms"] <= SPEC.slo_tpot_ms for r in reqs]
+        slo = f"{sum(met) / len(met):.1%}" if met else "-"
+        colour = "green" if q is not None and q <= SPEC.slo_ttft_ms else "red" if q is not None else "white"
+        table.add_row(
+            ex, role, f"[{colour}]{q:.0f} ms[/{colour}]" if q is not None else "-", slo,
+            "[green]held[/green]" if held.get(ex) else "-",
+            f"{recent_tokens.get(ex, 0) / RECENT_S:.0f}", f"v{obs.applied.get(ex, 0)}",
+        )
+    rewards = [s.reward_mean for s in obs.steps]  # type: ignore[attr-defined]
+    last = obs.steps[-1] if obs.steps else None
+    done = len(obs.published & set(obs.trajectories))
+    failed = sum(1 for t in obs.trajectories.values() if t.status != "completed")  # type: ignore[attr-defined]
+    lines = Table.grid(padding=(0, 2))
+    lines.add_row("serving SLO", f"TTFT ≤ {SPEC.slo_ttft_ms:.0f} ms, TPOT ≤ {SPEC.slo_tpot_ms:.0f} ms; attainment so far {obs.serving.attainment(SPEC) or 0:.2%} of {len(obs.serving.requests)} requests")
+    lines.add_row("training", f"step {last.step if last else 0}, policy v{last.version if last else 0}, reward {rewards[-1] if rewards else 0:.2f}  {spark(rewards)}")  # type: ignore[attr-defined]
+    lines.add_row("trajectories", f"{done}/{len(obs.published)} back, {failed} failed; weight versions {len(obs.manifests)}")
+    return Group(table, lines)
+
+
+# ---- the run --------------------------------------------------------------------------
+
+
+async def _run(out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console) -> dict:
+    state = out / "state"
+    shutil.rmtree(state, ignore_errors=True)
+    (state / "logs").mkdir(parents=True)
+    models = models_dir or out / "models"
+    if not (models / "policy" / "config.json").exists():
+        console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
+        await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
+    server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log").start()
+    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0), service="cli", instance=f"demo-{seed}")
+    await bus.connect()
+    await provision(bus.js)
+    obs = Observed()
+    await observe(bus, obs)
+    logs = state / "logs"
+    procs = fleet_processes(logs, server.url, models, SPEC, serving_n, dedicated_n)
+    base = {"NATS_URL": server.url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
+    # The trainer and the publisher stand in for the training cluster: like the dedicated executor,
+    # they run at a lower OS priority so that they do not take the serving executors' cores.
+    procs["publisher"] = ServiceProcess("weight_publisher", "demo-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
+    trainer_env = {**base, **TRAINER, "ROSE_TASKS__SEED": str(seed), "ROSE_RUN_ID": f"demo-{seed}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging")}
+    procs["trainer"] = ServiceProcess("trainer", "demo-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
+    executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
+    serving = [n for n, role in executors.items() if role == "serving"]
+    try:
+        console.print(f"starting {len(procs)} services on {server.url} (logs in {logs}) ...")
+        started = time.monotonic()
+        await start_all(bus, list(procs.values()), START_TIMEOUT_S)
+        urls = {n: (await procs[n].wait_ready(bus, 10.0))["http"] for n in serving}
+        console.print(f"fleet ready in {time.monotonic() - started:.0f} s; the trainer warm-starts, then GRPO")
+        t0, t0_mono = time.time(), time.monotonic()
+        trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
+        driver = asyncio.ensure_future(drive_serving(trace, urls, set(), SPEC, obs.serving, t0_mono, seed))
+        with Live(live_view(obs, executors, 0, duration, "training"), console=console, refresh_per_second=2, transient=False) as live:
+            while time.monotonic() - t0_mono < duration:
+                await asyncio.sleep(0.5)
+                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training"))
+                if not procs["trainer"].alive():
+                    raise RuntimeError(f"the trainer exited:\n{procs['trainer'].log_tail()}")
+            await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
+            window_end = time.time()
+            await driver
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining"))
+        await asyncio.sleep(1.0)  # the last events in flight
+        return write_report(out, obs, executors, t0, window_end, dict(seed=seed, duration_s=duration, serving_executors=serving_n, dedicated_executors=dedicated_n), console)
+    finally:
+        await asyncio.to_thread(stop_all, list(procs.values()))
+        await bus.close()
+        server.stop()
+
+
+# ---- the report -----------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def reward_ends(rewards: list[float]) -> tuple[float | None, float | None]:
+    """Mean reward of the first and the last 20 % of steps (at least one step each)."""
+    if not rewards:
+        return None, None
+    k = max(1, round(0.2 * len(rewards)))
+    return _mean(rewards[:k]), _mean(rewards[-k:])
+
+
+def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: float, params: dict) -> dict:
+    turns = list(_turns(obs))
+    window = max(1e-9, window_end - t0)
+    tokens_in_window = sum(len(t.token_ids) for t in turns if t0 <= t.finished_at <= window_end)
+    total = sum(len(t.token_ids) for t in turns)
+    harvested = sum(len(t.token_ids) for t in turns if executors.get(t.executor_id) == "serving")
+    rewards = [s.reward_mean for s in obs.steps]  # type: ignore[attr-defined]
+    first, last = reward_ends(rewards)
+    deltas = [m for v, m in sorted(obs.manifests.items()) if not m.keyframe]  # type: ignore[attr-defined]
+    lost = sorted(obs.published - set(obs.trajectories))
+    requests = obs.serving.requests
+    return {
+        **params,
+        "serving": {
+            "slo": {"ttft_ms": SPEC.slo_ttft_ms, "tpot_ms": SPEC.slo_tpot_ms},
+            "requests": len(requests),
+            "slo_attainment": obs.serving.attainment(SPEC),
+            "failed": sum(not r["ok"] for r in requests),
+            "ttft_misses": sum(r["ok"] and r["ttft_ms"] > SPEC.slo_ttft_ms for r in requests),
+            "tpot_misses": sum(r["ok"] and r["tpot_ms"] > SPEC.slo_tpot_ms for r in requests),
+            "ttft_p99_ms": p99([r["ttft_ms"] for r in requests if r["ok"]]),
+            "tpot_p99_ms": p99([r["tpot_ms"] for r in requests if r["ok"]]),
+            "bursts": len(obs.serving.bursts),
+            "slo_alerts": sum(1 for a in obs.alerts if a[2] != "recovered"),
+        },
+        "rollout": {
+            "tokens_per_s": tokens_in_window / window,
+            "harvested_fraction": harvested / total if total else 0.0,
+            "tokens": total,
+            "tokens_by_executor": {ex: sum(len(t.token_ids) for t in turns if t.executor_id == ex) for ex in sorted({t.executor_id for t in turns})},
+            "leases_granted": sum(1 for e in obs.lease_events if e[2] == "granted"),
+            "leases_revoked": sum(1 for e in obs.lease_events if e[2] == "revoked"),
+        },
+        "weights": {
+            "versions": len(obs.manifests),
+            "wire_ratio": (sum(m.wire_bytes for m in deltas) / sum(m.full_bytes for m in deltas)) if deltas else None,  # type: ignore[attr-defined]
+            "bytes_by_version": {str(v): {"wire": m.wire_bytes, "full": m.full_bytes, "keyframe": m.keyframe} for v, m in sorted(obs.manifests.items())},  # type: ignore[attr-defined]
+            "applied": dict(obs.applied),
+        },
+        "training": {
+            "steps": len(obs.steps),
+            "reward_first": first,
+            "reward_last": last,
+            "reward_margin": (last - first) if first is not None and last is not None else None,
+            "rewards": [round(r, 4) for r in rewards],
+            "stale_dropped": obs.steps[-1].stale_dropped if obs.steps else 0,  # type: ignore[attr-defined]
+        },
+        "trajectories": {
+            "published": len(obs.published),
+            "returned": len(obs.published & set(obs.trajectories)),
+            "failed": sum(1 for t in obs.trajectories.values() if t.status != "completed"),  # type: ignore[attr-defined]
+            "lost": len(lost),
+            "lost_ids": lost[:20],
+        },
+    }
+
+
+def write_report(out: Path, obs: Observed, executors: dict[str, str], t0: float, window_end: float, params: dict, console: Console) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(obs, executors, t0, window_end, params)
+    summary["plots"] = plot_all(out, obs, executors, t0, window_end)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_samples(out / "samples.jsonl", obs)
+    table = Table(title="rose demo: summary")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    s = summary
+    for name, value in (
+        ("serving.slo_attainment", s["serving"]["slo_attainment"]), ("serving.requests", s["serving"]["requests"]),
+        ("rollout.tokens_per_s", s["rollout"]["tokens_per_s"]), ("rollout.harvested_fraction", s["rollout"]["harvested_fraction"]),
+        ("weights.versions", s["weights"]["versions"]), ("weights.wire_ratio", s["weights"]["wire_ratio"]),
+        ("training.steps", s["training"]["steps"]), ("training.reward_first", s["training"]["reward_first"]),
+        ("training.reward_last", s["training"]["reward_last"]), ("trajectories.lost", s["trajectories"]["lost"]),
+    ):
+        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"report: {out / 'summary.json'} and {len(summary['plots'])} plots in {out}")
+    return summary
+
+
+def write_samples(path: Path, obs: Observed, n: int = 10) -> None:
+    """The first and last `n` trajectories, readable: what the policy wrote, where, on which version."""
+    done = sorted((t for t in obs.trajectories.values() if t.status == "completed"), key=lambda t: t.finished_at)  # type: ignore[attr-defined]
+    with path.open("w") as f:
+        for t in done[:n] + done[-n:]:
+            turns = [{"text": u.text, "observation": u.observation, "finish": u.finish_reason, "version": u.policy_version, "executor": u.executor_id} for u in t.turns]
+            f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "turns": turns}) + "\n")
+
+
+def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end: float) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+
+    serving = [ex for ex, role in executors.items() if role == "serving"]
+    fig, axes = plt.subplots(len(serving), 1, figsize=(11, 3 * len(serving)), sharex=True, squeeze=False)
+    for ax, ex in zip(axes[:, 0], serving):
+        reqs = [r for r in obs.serving.requests if r["executor"] == ex]
+        ax.scatter([r["t"] - t0 for r in reqs], [min(max(r["ttft_ms"], 1.0), 5 * SPEC.slo_ttft_ms) for r in reqs], s=4, label="TTFT per request (failed at top)")
+        ax.axhline(SPEC.slo_ttft_ms, color="red", ls="--", lw=1, label="TTFT SLO")
+        for a, b, e in obs.serving.bursts:
+            if e == ex:
+                ax.axvspan(a - t0, b - t0, color="tab:orange", alpha=0.2)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{ex}\nTTFT ms")
+    axes[0, 0].legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds (orange: serving bursts)")
+    fig.suptitle("serving latency vs SLO")
+    save(fig, "latency_vs_slo.png")
+
+    fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * len(executors)))
+    names = list(executors)
+    open_: dict[str, float] = {}
+    for at, ex, kind in sorted(obs.lease_events):
+        if ex not in names:
+            continue
+        if kind == "granted":
+            open_[ex] = at
+        elif kind in ("revoked", "expired") and ex in open_:
+            start = open_.pop(ex)
+            ax.barh(names.index(ex), at - start, left=start - t0, color="tab:green" if executors[ex] == "serving" else "tab:blue")
+    for ex, start in open_.items():
+        ax.barh(names.index(ex), end - start, left=start - t0, color="tab:green" if executors[ex] == "serving" else "tab:blue")
+    for t, ex, sev in obs.alerts:
+        if ex in names and sev != "recovered":
+            ax.plot([t - t0], [names.index(ex)], "r|", ms=14)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("seconds (bars: rollout lease held; red ticks: SLO alerts)")
+    ax.set_title("lease timeline")
+    save(fig, "lease_timeline.png")
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    width = 5.0
+    bins = max(1, int((end - t0) / width) + 1)
+    for ex in names:
+        counts = [0] * bins
+        for turn in _turns(obs):
+            if turn.executor_id == ex and t0 <= turn.finished_at < t0 + bins * width:
+                counts[int((turn.finished_at - t0) / width)] += len(turn.token_ids)
+        ax.plot([i * width for i in range(bins)], [c / width for c in counts], label=ex)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("rollout tokens/s")
+    ax.legend(fontsize=7)
+    ax.set_title("rollout throughput by executor")
+    save(fig, "rollout_throughput.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([s.step for s in obs.steps], [s.reward_mean for s in obs.steps], marker=".")  # type: ignore[attr-defined]
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward of the step's groups")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("reward curve")
+    save(fig, "reward_curve.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    versions = sorted(obs.manifests)
+    ax.bar([str(v) for v in versions], [obs.manifests[v].wire_bytes / 1e6 for v in versions],  # type: ignore[attr-defined]
+           color=["tab:red" if obs.manifests[v].keyframe else "tab:blue" for v in versions])  # type: ignore[attr-defined]
+    ax.set_xlabel("policy version (red: keyframe, blue: delta)")
+    ax.set_ylabel("MB on the wire")
+    ax.set_title("bytes per weight version")
+    save(fig, "weight_bytes.png")
+    return written
+
+
+def run_demo(*, out: str, duration: float | None, seed: int, models: str | None, serving: int, dedicated: int, console: Console | None = None) -> dict:
+    console = console or Console()
+    return asyncio.run(_run(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console))

@@ -1,0 +1,148 @@
+"""A whole ROSE fleet on one machine, and the serving traffic it must protect (benches and `rose demo`).
+
+`rose bench elastic`, `rose bench e2e` and `rose demo` all run the same thing: serving executors
+taking a replayed trace over their OpenAI HTTP API (Poisson arrivals with periodic bursts,
+staggered per executor), dedicated rollout executors, the SLO monitor, the scheduler and
+rollout workers as real processes on the real bus; the demo adds the weight publisher and the
+trainer. This module is that shared piece: the processes with their settings, the trace, and
+the client that measures TTFT/TPOT as a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from rose.shared.launch import ServiceProcess
+
+PROMPTS = ("Tell me about the weather.", "What is a good book?", "Explain the plan.", "How do trains work?", "Describe a city.")
+# Dedicated rollout executors stand in for separate hardware; on one shared CPU box they run at a
+# lower OS priority so that they do not take the serving executors' cores (a GPU they would not share).
+DEDICATED_NICE = 10
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The knobs every fleet run shares; defaults are what `rose bench elastic` measures."""
+
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 100.0
+    base_rps: float = 8.0  # serving arrivals per executor outside bursts
+    burst_factor: float = 4.0
+    burst_every_s: float = 15.0
+    burst_len_s: float = 3.0
+    serving_max_tokens: int = 16
+    rollout_max_tokens: int = 16
+    worker_concurrency: int = 8
+    metrics_interval_s: float = 0.1
+    serving_kv_mib: int = 32
+    rollout_kv_mib: int = 64
+    prefix: str = "bench"  # instance names: {prefix}-serving-0, {prefix}-dedicated-0, ...
+
+
+@dataclass
+class ServingLog:
+    """Every serving request as the client saw it, and the bursts the trace contained."""
+
+    requests: list[dict] = field(default_factory=list)  # {executor, t, ttft_ms, tpot_ms, ok}
+    bursts: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, executor), unix time
+
+    def met(self, spec: FleetSpec) -> list[bool]:
+        return [r["ok"] and r["ttft_ms"] <= spec.slo_ttft_ms and r["tpot_ms"] <= spec.slo_tpot_ms for r in self.requests]
+
+    def attainment(self, spec: FleetSpec) -> float | None:
+        met = self.met(spec)
+        return sum(met) / len(met) if met else None
+
+
+def fleet_processes(root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None) -> dict[str, ServiceProcess]:
+    """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started)."""
+    p = spec.prefix
+    env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
+    executor = {
+        **env, "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib), "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
+    }
+    procs = {f"{p}-serving-{i}": ServiceProcess("executor", f"{p}-serving-{i}", {**executor, "ROSE_ROLE": "serving"}, root / f"serving-{i}.log") for i in range(serving)}
+    procs.update({
+        f"{p}-dedicated-{i}": ServiceProcess("executor", f"{p}-dedicated-{i}", {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE)
+        for i in range(dedicated)
+    })
+    procs["monitor"] = ServiceProcess("slo_monitor", f"{p}-monitor", {
+        **env, "ROSE_HEADROOM_INTERVAL_S": "0.5", "ROSE_HEADROOM__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_HEADROOM__SLO_TPOT_MS": str(spec.slo_tpot_ms),
+        "ROSE_BURSTS__WINDOW_S": "0.25", "ROSE_WINDOWS__LONG_S": "10",
+    }, root / "monitor.log")
+    procs["scheduler"] = ServiceProcess("scheduler", f"{p}-scheduler", {
+        **env, "ROSE_TICK_S": "0.25", "ROSE_LEASES__TTL_S": "6", "ROSE_LEASES__RENEW_BEFORE_S": "3", "ROSE_LEASES__COOLDOWN_S": "4",
+    }, root / "scheduler.log")
+    procs["worker"] = ServiceProcess("rollout_worker", f"{p}-worker", {
+        **env, "ROSE_CONCURRENCY": str(spec.worker_concurrency), "ROSE_ACK_WAIT_S": "20", "ROSE_TURNS__MAX_TOKENS": str(spec.rollout_max_tokens),
+        "ROSE_TURNS__GENERATE_TIMEOUT_S": "20", **(worker_env or {}),
+    }, root / "worker.log")
+    return procs
+
+
+def serving_trace(executors: list[str], duration_s: float, spec: FleetSpec, seed: int, log: ServingLog, t0: float) -> list[tuple[float, str]]:
+    """(seconds from t0, executor) of every serving arrival; bursts (recorded in `log`) staggered across executors."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple[float, str]] = []
+    for i, ex in enumerate(executors):
+        offset = 5.0 + i * spec.burst_every_s / max(1, len(executors))
+        start = offset
+        while start < duration_s:
+            log.bursts.append((t0 + start, t0 + min(duration_s, start + spec.burst_len_s), ex))
+            start += spec.burst_every_s
+        t = 0.0
+        while True:
+            in_burst = t >= offset and (t - offset) % spec.burst_every_s < spec.burst_len_s
+            t += rng.exponential(1.0 / (spec.base_rps * (spec.burst_factor if in_burst else 1.0)))
+            if t >= duration_s:
+                break
+            out.append((t, ex))
+    return sorted(out)
+
+
+async def serve_one(session: aiohttp.ClientSession, url: str, ex: str, prompt: str, max_tokens: int, log: ServingLog) -> None:
+    """One streamed completion; TTFT and TPOT as the client sees them."""
+    sent = time.monotonic()
+    times: list[float] = []
+    ok = False
+    try:
+        body = {"model": "rose-serving", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    times.append(time.monotonic())
+            ok = resp.status == 200 and bool(times)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        ok = False
+    ttft = (times[0] - sent) * 1e3 if times else float("inf")
+    tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
+    log.requests.append({"executor": ex, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok})
+
+
+async def drive_serving(trace: list[tuple[float, str]], urls: dict[str, str], down: set[str], spec: FleetSpec, log: ServingLog, t0_mono: float, seed: int) -> None:
+    """Replay the trace; a request for an executor that is down goes to another (the load balancer's job)."""
+    rng = random.Random(seed)
+    pending: set[asyncio.Task] = set()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0)) as session:
+        for at, ex in trace:
+            delay = t0_mono + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            target = ex if ex not in down else next((e for e in urls if e not in down), ex)
+            task = asyncio.ensure_future(serve_one(session, urls[target], target, rng.choice(PROMPTS), spec.serving_max_tokens, log))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.wait(pending, timeout=30.0)
+
+
+def p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None

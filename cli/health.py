@@ -1,0 +1,94 @@
+"""`rose health`: exit 0 when a service is really up, for container healthchecks and scripts.
+
+"Up" means what the rest of ROSE relies on: a fresh heartbeat in the `rose_services` KV bucket
+with state `ready` (the same data `rose status` lists), optionally from this host only (inside a
+container: this container), and optionally a 2xx from an HTTP endpoint such as the executor's
+`/health` or nats-server's `/healthz`. Exit 1 says why it is not healthy; 2 is a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import time
+
+import aiohttp
+import msgspec
+from nats.js.errors import BucketNotFoundError
+
+from rose.contracts.registry import SERVICE_REGISTRY
+from rose.contracts.service import Heartbeat
+from rose.shared.config import ConfigError
+
+from .provision import bus_config_from_env, connect_bus
+from .status import STALE_AFTER_BEATS, resolve_nats_url
+
+
+async def _heartbeats(url: str, timeout: float) -> list[Heartbeat]:
+    config = msgspec.structs.replace(bus_config_from_env(url=url), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
+    bus = await connect_bus(config, f"health-{os.getpid()}")
+    try:
+        return await bus.kv_values(SERVICE_REGISTRY)
+    except BucketNotFoundError:  # nothing has ever started on this server
+        return []
+    finally:
+        await bus.close()
+
+
+def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | None, host: str | None) -> str | None:
+    """None when a matching, fresh, ready heartbeat exists; otherwise what is missing."""
+    now = time.time()
+    mine = [b for b in beats if b.service == service and (instance is None or b.instance == instance) and (host is None or b.host == host)]
+    who = service + (f" instance {instance}" if instance else "") + (f" on host {host}" if host else "")
+    if not mine:
+        return f"no heartbeat from {who}"
+    fresh = [b for b in mine if now - b.sent_at <= STALE_AFTER_BEATS * max(b.interval_s, 0.5)]
+    if not fresh:
+        newest = max(mine, key=lambda b: b.sent_at)
+        return f"heartbeat of {who} is stale ({now - newest.sent_at:.0f}s old)"
+    if not any(b.state == "ready" for b in fresh):
+        return f"{who} is {', '.join(sorted({b.state for b in fresh}))}, not ready"
+    return None
+
+
+async def _http_problem(url: str, timeout: float) -> str | None:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url) as reply:
+                if 200 <= reply.status < 300:
+                    return None
+                return f"{url} answered {reply.status}: {(await reply.text())[:200]}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        return f"{url} unreachable: {exc!r}"
+
+
+async def check(args: argparse.Namespace) -> str | None:
+    """The first problem found, or None when healthy."""
+    if args.http:
+        problem = await _http_problem(args.http, args.timeout)
+        if problem:
+            return problem
+    if args.service:
+        url = resolve_nats_url(args.nats_url, args.state_dir)
+        try:
+            beats = await _heartbeats(url, args.timeout)
+        except (ConnectionError, ConfigError) as exc:
+            return str(exc)
+        host = socket.gethostname() if args.local else None
+        return _heartbeat_problem(beats, args.service, args.instance, host)
+    return None
+
+
+def health_command(args: argparse.Namespace) -> int:
+    if not args.service and not args.http:
+        print("rose health: name a SERVICE (heartbeat check) and/or give --http URL", file=sys.stderr)
+        return 2
+    problem = asyncio.run(check(args))
+    if problem:
+        print(f"unhealthy: {problem}")
+        return 1
+    print("healthy")
+    return 0

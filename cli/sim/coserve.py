@@ -1,0 +1,105 @@
+"""One serving instance per second, as a fluid model: serving latency and what rollout gets.
+
+Vectorised over instances (numpy arrays). Per second, given the arrival rate ``rate``
+(req/s), mean prompt ``P`` and output ``O`` tokens and the p99 prompt ``P99``:
+
+- prefill share of the device: ``f_p = rate x prefill(P)``; with chunked prefill the
+  prefill work rides on the decode iterations, so the mean time per output token is
+  ``TPOT = it / (1 - f_p)`` with the iteration time ``it = decode(B, P + O/2) + extra``, and
+  ``extra`` is what rollout adds to every serving iteration (below);
+- serving decode batch by Little's law, a fixed point: ``B = rate x O x TPOT``; B is capped
+  by the serving KV pool and the engine's max batch: past the cap the instance is overloaded
+  and a queue builds up at ``rate - capacity``;
+- p99 TPOT = the mean TPOT plus one chunked-prefill chunk (512 tokens) when chunks ride on
+  more than 1 % of iterations;
+- p99 TTFT = the p99 wait for the prefill lane (M/M/1 with utilisation f_p:
+  ``ln(100 f_p) / ((1 - f_p) / prefill(P))``) + ``prefill(P99)`` + one iteration + the wait
+  an arrival has before serving gets the device back (``arrival_wait``) + queue / capacity;
+- the instance is idle with probability ``exp(-(B + rate x prefill(P)))`` (Poisson number
+  in service), busy otherwise.
+
+What rollout adds and gets, by executor policy (services/executor/policies.py, whose
+policy objects are asked, not re-implemented):
+- ``rose`` (own low-priority lane, bounded quanta, yields to arrivals): each serving
+  iteration is followed by at most one quantum ``q = min(quantum_ms, rollout step)`` (a
+  longer rollout step is cut at layer safepoints); an arrival waits at most ``q``. The lane
+  gets the whole device while serving is idle (``widens_when_serving_idle``), else
+  ``(1 - f_p) x q / (it + q)`` of it (no rollout while a prefill is pending:
+  ``yields_on_arrival``), and nothing while ``may_run_rollout`` says no (the local TPOT guard);
+- ``naive_share`` (same lane, unbounded quanta): the rollout batch runs to completion
+  between serving iterations: ``extra = rollout step x (p90 turn length)``;
+- a dedicated (or whole-device lent) instance: rollout gets the whole device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+CHUNK_TOKENS = 512
+MAX_SERVING_BATCH = 256
+
+
+@dataclass
+class ServingTick:
+    batch: np.ndarray
+    iteration_s: np.ndarray  # serving iteration without rollout's share
+    tpot_p99_s: np.ndarray
+    ttft_p99_s: np.ndarray
+    busy: np.ndarray  # probability the instance has serving work
+    prefill_frac: np.ndarray
+    capacity_rps: np.ndarray
+    queue: np.ndarray  # requests waiting at the end of the second
+
+
+def serving_tick(perf, rate, prompt: float, output: float, prompt_p99: float, extra_s, arrival_wait_s, queue, dt: float, kv_tokens_cap, max_batch: int = MAX_SERVING_BATCH) -> ServingTick:
+    rate = np.asarray(rate, dtype=float)
+    extra = np.asarray(extra_s, dtype=float) + np.zeros_like(rate)
+    queue = np.asarray(queue, dtype=float) + np.zeros_like(rate)
+    ctx = prompt + output / 2.0
+    pf = float(perf.prefill_s(prompt))
+    f_p = rate * pf
+    cap_b = np.minimum(max_batch, np.asarray(kv_tokens_cap, dtype=float) / max(1.0, prompt + output))
+    cap_b = np.maximum(cap_b, 1.0)
+    denom = np.maximum(0.05, 1.0 - f_p)
+    b = rate * output * (perf.decode_s(1.0, ctx) + extra) / denom
+    for _ in range(4):
+        it = perf.decode_s(np.clip(b, 1.0, cap_b), ctx) + extra
+        b = rate * output * it / denom
+    b_run = np.minimum(b, cap_b)
+    tau = perf.decode_s(np.maximum(b_run, 1.0), ctx)
+    it = tau + extra
+    cap_decode = cap_b * np.maximum(0.0, 1.0 - f_p) / (output * it)
+    capacity = np.minimum(cap_decode, 0.98 / pf) if pf > 0 else cap_decode
+    capacity = np.maximum(capacity, 1e-6)
+    new_queue = np.maximum(0.0, queue + (rate - capacity) * dt)
+    chunk_s = max(0.0, float(perf.prefill_s(CHUNK_TOKENS)) - float(perf.decode_s(1.0, ctx)))
+    chunky = rate * prompt / CHUNK_TOKENS * it >= 0.01
+    tpot = it / denom + np.where(chunky, chunk_s, 0.0)
+    rho = np.minimum(f_p, 0.995)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        wait99 = np.where(rho > 0.01, np.maximum(0.0, np.log(100.0 * rho)) * pf / (1.0 - rho), 0.0)
+    ttft = wait99 + float(perf.prefill_s(prompt_p99)) + it + np.asarray(arrival_wait_s, dtype=float) + new_queue / capacity
+    busy = np.where(new_queue > 0.5, 1.0, 1.0 - np.exp(-(b_run + rate * pf)))
+    busy = np.where(rate > 0, busy, 0.0)
+    return ServingTick(b_run, tau, tpot, ttft, busy, f_p, capacity, new_queue)
+
+
+def slo_capacity_rps(perf, prompt: float, output: float, prompt_p99: float, slo_ttft_s: float, slo_tpot_s: float, kv_tokens_cap: float) -> float:
+    """The highest steady arrival rate (req/s) one instance serves alone within both SLOs (bisection)."""
+
+    def ok(r: float) -> bool:
+        t = serving_tick(perf, np.array([r]), prompt, output, prompt_p99, 0.0, 0.0, 0.0, 1.0, kv_tokens_cap)
+        return bool(t.queue[0] <= 0 and t.ttft_p99_s[0] <= slo_ttft_s and t.tpot_p99_s[0] <= slo_tpot_s)
+
+    if not ok(1e-3):
+        return 0.0
+    lo, hi = 1e-3, 1.0
+    while ok(hi) and hi < 1e5:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

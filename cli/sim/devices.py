@@ -1,0 +1,262 @@
+"""Device kinds, dense model shapes and a roofline model of prefill and decode step time.
+
+Device figures are the public spec-sheet numbers (SXM form factor, dense BF16 tensor-core
+throughput, i.e. *without* the 2:4 sparsity figure NVIDIA quotes alongside):
+
+=======  ========  ============  ===============  ==========  ==========================================
+kind     HBM       bandwidth     BF16 dense       NVLink      source
+=======  ========  ============  ===============  ==========  ==========================================
+A100     80 GB     2.039 TB/s    312 TFLOP/s      600 GB/s    NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)
+H100     80 GB     3.35 TB/s     989 TFLOP/s      900 GB/s    NVIDIA H100 Tensor Core GPU datasheet (SXM5)
+H200     141 GB    4.8 TB/s      989 TFLOP/s      900 GB/s    NVIDIA H200 Tensor Core GPU datasheet (SXM)
+=======  ========  ============  ===============  ==========  ==========================================
+
+Model shapes are the published ``config.json`` of each checkpoint on the Hugging Face Hub
+(all bf16, head_dim 128, grouped-query attention):
+
+=====  ============================  ======  ======  =====  ========  =======  ==============
+size   checkpoint                    params  layers  heads  kv heads  hidden   intermediate
+=====  ============================  ======  ======  =====  ========  =======  ==============
+7B     Qwen/Qwen2.5-7B               7.61 B  28      28     4         3584     18944
+14B    Qwen/Qwen2.5-14B              14.7 B  48      40     8         5120     13824
+32B    Qwen/Qwen2.5-32B              32.5 B  64      40     8         5120     27648
+70B    meta-llama/Llama-3.1-70B      70.6 B  80      64     8         8192     28672
+=====  ============================  ======  ======  =====  ========  =======  ==============
+
+The roofline (Williams, Waterman, Patterson, CACM 2009) of one forward step on one
+tensor-parallel instance of ``tp`` GPUs is the larger of its compute time and its
+memory time, plus fixed costs:
+
+    step = overhead + 2 x layers x allreduce(tp) + max(FLOPs / (tp x peak x eff_flops),
+                                                      bytes / (tp x bw x eff_bw))
+
+- decode of a batch of B sequences at mean context C: FLOPs = 2 x params x B
+  + 4 x layers x heads x head_dim x C x B (QK^T and AV); bytes = the weights once
+  (2 x params in bf16) + the KV cache read, B x C x kv_bytes_per_token.
+- prefill of P new tokens after C0 cached ones: FLOPs = 2 x params x P
+  + 4 x layers x heads x head_dim x (P x C0 + P^2 / 2) (causal); bytes = the weights + the KV
+  written and read.
+
+Assumptions (not spec-sheet figures; change them with ``Roofline(...)``):
+- ``eff_bw = 0.80``: the share of peak HBM bandwidth a decode step achieves (large copy
+  kernels reach ~80-90 % of the datasheet figure on A100/H100);
+- ``eff_flops = 0.70``: the share of dense BF16 peak large GEMMs reach (public cuBLAS BF16
+  GEMM results on H100 SXM are ~650-750 TFLOP/s);
+- ``overhead_s = 1.5 ms`` per step: scheduling, sampling and kernel-launch time of an engine
+  with CUDA graphs (vLLM/SGLang-class);
+- ``allreduce_latency_s = 8 us`` per all-reduce on NVLink (two per layer with tensor
+  parallelism; the payload term uses the NVLink bandwidth above);
+- ``memory_utilization = 0.90`` of HBM given to the engine (vLLM's default
+  ``gpu_memory_utilization``), less ``workspace_bytes = 2 GB`` per GPU for activations.
+
+Known figures this reproduces (tests/sim/test_devices.py): a 70B decode step on H100 is
+memory-bound at batch 1..64 (arithmetic intensity far below the H100's ridge point of
+~295 FLOP/byte); Llama-70B at TP8 decodes at ~8 ms/token at batch 1 and a 7B on one H100 at
+~7 ms/token (public vLLM / TensorRT-LLM figures are ~8-12 ms and ~6-8 ms); a 2k-token
+prefill is compute-bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s
+    nvlink_bw: float  # bytes/s per GPU
+    source: str
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        return self.bf16_flops / self.hbm_bw
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "A100": DeviceSpec("A100", 80 * GB, 2.039e12, 312e12, 600 * GB, "NVIDIA A100 datasheet, SXM4 80GB"),
+    "H100": DeviceSpec("H100", 80 * GB, 3.35e12, 989e12, 900 * GB, "NVIDIA H100 datasheet, SXM5"),
+    "H200": DeviceSpec("H200", 141 * GB, 4.8e12, 989e12, 900 * GB, "NVIDIA H200 datasheet, SXM"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    params: float
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    intermediate: int
+    head_dim: int = 128
+    bytes_per_param: int = 2  # bf16
+    source: str = ""
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @property
+    def attn_flops_per_token_ctx(self) -> float:
+        """FLOPs per (query token x context token): QK^T and AV, 2 x 2 x heads x head_dim per layer."""
+        return 4.0 * self.layers * self.heads * self.head_dim
+
+
+MODELS: dict[str, ModelSpec] = {
+    "7B": ModelSpec("7B", 7.61e9, 28, 28, 4, 3584, 18944, source="Qwen/Qwen2.5-7B config.json"),
+    "14B": ModelSpec("14B", 14.7e9, 48, 40, 8, 5120, 13824, source="Qwen/Qwen2.5-14B config.json"),
+    "32B": ModelSpec("32B", 32.5e9, 64, 40, 8, 5120, 27648, source="Qwen/Qwen2.5-32B config.json"),
+    "70B": ModelSpec("70B", 70.6e9, 80, 64, 8, 8192, 28672, source="meta-llama/Llama-3.1-70B config.json"),
+}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Step-time model of one model on one tensor-parallel instance (see the module doc)."""
+
+    device: DeviceSpec
+    model: ModelSpec
+    tp: int = 1
+    eff_bw: float = 0.80
+    eff_flops: float = 0.70
+    overhead_s: float = 1.5e-3
+    allreduce_latency_s: float = 8e-6
+    name: str = field(default="")
+
+    @property
+    def _fixed_s(self) -> float:
+        if self.tp == 1:
+            return self.overhead_s
+        return self.overhead_s + 2 * self.model.layers * self.allreduce_latency_s
+
+    def _allreduce_payload_s(self, tokens):
+        if self.tp == 1:
+            return 0.0
+        nbytes = np.asarray(tokens, dtype=float) * self.model.hidden * 2.0
+        return 2 * self.model.layers * (2.0 * (self.tp - 1) / self.tp) * nbytes / self.device.nvlink_bw
+
+    def decode_bounds(self, batch, ctx) -> tuple[np.ndarray, np.ndarray]:
+        """(compute seconds, memory seconds) of one decode step, before fixed costs."""
+        m, d = self.model, self.device
+        b = np.asarray(batch, dtype=float)
+        c = np.asarray(ctx, dtype=float)
+        flops = 2.0 * m.params * b + m.attn_flops_per_token_ctx * c * b
+        nbytes = m.weight_bytes + b * c * m.kv_bytes_per_token
+        return flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw)
+
+    def decode_s(self, batch, ctx):
+        """Seconds of one decode step of ``batch`` sequences at mean context ``ctx`` (arrays broadcast)."""
+        comp, mem = self.decode_bounds(batch, ctx)
+        return self._fixed_s + self._allreduce_payload_s(batch) + np.maximum(comp, mem)
+
+    def prefill_s(self, tokens, cached=0.0):
+        """Seconds to prefill ``tokens`` new tokens after ``cached`` tokens already in the KV cache."""
+        m, d = self.model, self.device
+        p = np.asarray(tokens, dtype=float)
+        c0 = np.asarray(cached, dtype=float)
+        flops = 2.0 * m.params * p + m.attn_flops_per_token_ctx * (p * c0 + p * p / 2.0)
+        nbytes = m.weight_bytes + (p + c0) * m.kv_bytes_per_token
+        t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
+        return np.where(p > 0, self._fixed_s + self._allreduce_payload_s(p) + t, 0.0)
+
+    def label(self) -> str:
+        return self.name or f"{self.model.name} on {self.tp}x{self.device.name}"
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """A step-time model measured on a real engine instead of the roofline.
+
+    decode: ``decode_base_s + decode_per_seq_s x B + decode_per_ctx_token_s x B x C``;
+    prefill: ``prefill_base_s + prefill_per_token_s x P`` (a least-squares fit of measured
+    steps, see calibration.py). Same interface as ``Roofline``.
+    """
+
+    decode_base_s: float
+    decode_per_seq_s: float
+    prefill_base_s: float
+    prefill_per_token_s: float
+    decode_per_ctx_token_s: float = 0.0
+    name: str = "measured"
+
+    def decode_s(self, batch, ctx):
+        b = np.asarray(batch, dtype=float)
+        return self.decode_base_s + self.decode_per_seq_s * b + self.decode_per_ctx_token_s * b * np.asarray(ctx, dtype=float)
+
+    def prefill_s(self, tokens, cached=0.0):
+        p = np.asarray(tokens, dtype=float)
+        return np.where(p > 0, self.prefill_base_s + self.prefill_per_token_s * p, 0.0)
+
+    def label(self) -> str:
+        return self.name
+
+
+# ---- memory and instance sizing -----------------------------------------------------------
+MEMORY_UTILIZATION = 0.90
+WORKSPACE_BYTES_PER_GPU = 2 * GB
+COHOST_WEIGHT_FRACTION = 0.65  # serving + policy weights may take at most this share of an instance's HBM
+DEDICATED_WEIGHT_FRACTION = 0.50  # a dedicated rollout instance: the policy's weights at most half its HBM
+
+
+def usable_bytes(device: DeviceSpec, tp: int) -> float:
+    """HBM an engine gets on ``tp`` GPUs: memory_utilization x HBM less the activation workspace."""
+    return tp * (MEMORY_UTILIZATION * device.hbm_bytes - WORKSPACE_BYTES_PER_GPU)
+
+
+def smallest_tp(weight_bytes: float, device: DeviceSpec, fraction: float, max_tp: int = 8) -> int:
+    """The smallest power-of-two TP whose HBM holds ``weight_bytes`` within ``fraction`` of it."""
+    tp = 1
+    while tp < max_tp and weight_bytes > fraction * tp * device.hbm_bytes:
+        tp *= 2
+    return tp
+
+
+def serving_tp(serving: ModelSpec, policy: ModelSpec, device: DeviceSpec) -> int:
+    """TP of a serving instance: the serving model and a copy of the policy fit in 65 % of HBM.
+
+    One rule for every policy, so the serving fleet is the same machine in every row of the
+    table; with it, 7B..70B serving instances keep ~55-65 % of HBM for KV, in line with the
+    30-50 % memory the paper measures as spare on production serving GPUs.
+    """
+    return smallest_tp(serving.weight_bytes + policy.weight_bytes, device, COHOST_WEIGHT_FRACTION)
+
+
+def rollout_tp(policy: ModelSpec, device: DeviceSpec) -> int:
+    """TP of a dedicated rollout instance: the policy's weights in at most half its HBM."""
+    return smallest_tp(policy.weight_bytes, device, DEDICATED_WEIGHT_FRACTION)
+
+
+def parse_fleet(text: str) -> tuple[int, DeviceSpec]:
+    """``64xH100`` -> (64, H100)."""
+    try:
+        count, kind = text.lower().split("x", 1)
+        n = int(count)
+    except ValueError:
+        raise ValueError(f"fleet {text!r}: expected COUNTxKIND, e.g. 64xH100") from None
+    spec = next((d for k, d in DEVICES.items() if k.lower() == kind.strip()), None)
+    if spec is None or n <= 0:
+        raise ValueError(f"fleet {text!r}: COUNT must be positive and KIND one of {', '.join(DEVICES)}")
+    return n, spec
+
+
+def model_spec(name: str) -> ModelSpec:
+    key = name.upper()
+    if key not in MODELS:
+        raise ValueError(f"model {name!r}: choose one of {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def instances(gpus: int, tp: int) -> int:
+    return max(0, math.floor(gpus / tp))

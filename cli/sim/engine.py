@@ -1,0 +1,827 @@
+"""The fleet simulator: SimPy processes (trainer, trajectories) over a per-second fluid model of
+every instance (coserve.py), with the services' decisions made by their own functions
+(policies.py).
+
+The fleet (``SimConfig``): ``gpus`` serving GPUs in instances of ``serving_tp`` GPUs (sized
+so the serving model and a copy of the policy fit, devices.py); a dedicated rollout pool of
+``rollout_gpu_ratio x gpus`` GPUs in instances of ``rollout_tp``; a trainer of
+``trainer_gpu_ratio x gpus`` GPUs in the dedicated pool's cluster. Serving traffic follows a
+trace (traces.py) scaled to ``load`` x the fleet's SLO capacity. RL is synchronous on-policy
+(one version per step): sync weights -> roll out one batch (rollouts.py) -> train -> repeat.
+
+Processes and time:
+- a clock ticks every ``dt`` (1 s): Poisson arrivals per serving instance, the serving
+  model (latency, SLO accounting), what each instance's rollout lane gets, rollout progress
+  (admission FIFO under the batch-slot and KV caps, prefill then decode), turn completions
+  (at their interpolated time inside the tick), then the control plane: the monitor's burst
+  detection and headroom, the scheduler's lease plan, the elastic baseline's resizing;
+- a trainer process per step; one process per (bundle of) trajectory: route a turn (the
+  scheduler's ``place_turn`` over its ``Fleet``), wait for it, run the tool, next turn;
+- training time = 8 x params x tokens / (trainer GPUs x peak x ``train_mfu``) (forward +
+  backward = 6, old-logprob forward = 2 FLOPs per parameter and token; MFU 0.4 assumed);
+- weight sync per step (weights.py): the dedicated pool over the trainer's fabric before the
+  batch starts; serving instances over the inter-cluster link (rose: delta; the others:
+  full), rollout on them waits for it.
+
+Rollout workers follow services/rollout_worker/turns.py: an interrupted turn resumes elsewhere
+with its tokens (recompute), a refused one goes elsewhere, a straggler past max(2 s, 1.5 x the
+typical turn) asks the scheduler for a hedge (``should_hedge``) and the first result wins.
+
+Not simulated: executor failures, the worker's per-attempt timeout (its 60 s default is sized
+for the tiny CPU models), partial rollout / staleness (the real trainer allows bounded
+staleness), preemption inside a running batch when a lease shrinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot
+from rose.contracts.rollout import TurnRouteRequest
+from rose.contracts.service import Heartbeat
+from rose.contracts.slo import Headroom, SloAlert
+from rose.services.scheduler.config import SchedulerConfig
+from rose.services.scheduler.fleet import Fleet
+from rose.services.slo_monitor.bursts import BurstState
+from rose.services.slo_monitor.headroom import StepModel
+from rose.services.slo_monitor.windows import WindowStats
+
+from .coserve import serving_tick, slo_capacity_rps
+from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
+from .policies import ElasticBaseline, make_fleet_policy, monitor_settings
+from .rollouts import RolloutSpec, batch_trajectories, bundle_size, sample_batch, turn_length_quantile
+from .traces import DiurnalBursty, RequestSizes, Trace, diurnal_bursty
+from .weights import SyncSpec, sync_seconds
+
+MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
+SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate
+HOST_LOAD_BYTES_PER_S = 25e9  # elastic model swap: weights from pinned host memory per GPU (PCIe Gen5 x16, ~half of peak)
+ENGINE_RESTART_S = 10.0  # elastic model swap: engine teardown / start (assumption)
+TRAIN_FLOPS_PER_PARAM_TOKEN = 8.0
+HEDGE_MIN_S = 2.0  # rollout worker defaults (services/rollout_worker/config.py)
+HEDGE_FACTOR = 1.5
+TYPICAL_WINDOW = 64
+
+
+class Infeasible(ValueError):
+    """This model does not fit this fleet (the reason says why)."""
+
+
+@dataclass
+class SimConfig:
+    model: str = "7B"
+    device: str = "H100"
+    gpus: int = 8
+    policy: str = "rose"
+    policy_model: str | None = None  # default: the serving model's size
+    rollout_gpu_ratio: float = 0.5
+    trainer_gpu_ratio: float = 1.0
+    train_mfu: float = 0.4
+    steps: int = 3
+    dt: float = 1.0
+    seed: int = 0
+    load: float = 0.45  # mean serving load as a fraction of the fleet's SLO capacity (synthetic trace)
+    start_hour: float = 10.0
+    trace_shape: DiurnalBursty = field(default_factory=DiurnalBursty)
+    trace: Trace | None = None  # an imported trace in req/s (overrides load and trace_shape)
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 100.0
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    warmup_s: float = 60.0
+    max_sim_s: float = 8 * 3600.0
+    quantum_ms: float = 10.0
+    elastic_interval_s: float = 30.0
+    elastic_target_util: float = 0.7
+    trajectories: int | None = None  # per step (default: rollouts.batch_trajectories of the dedicated pool)
+    perf: tuple | None = None  # (serving, policy on a serving instance, policy on a dedicated instance) step models
+    n_serving: int | None = None  # override the instance counts (calibration runs)
+    n_dedicated: int | None = None
+    memory: dict | None = None  # override memory figures (calibration runs)
+    record_timeline: bool = False
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+        self.route_rng = __import__("random").Random(cfg.seed)
+        self.env = simpy.Environment()
+        self.policy = make_fleet_policy(cfg.policy, cfg.quantum_ms, cfg.elastic_interval_s, cfg.elastic_target_util)
+        self._size_fleet()
+        self._init_state()
+
+    # ------------------------------------------------------------------ fleet sizing
+    def _size_fleet(self) -> None:
+        c = self.cfg
+        self.smodel, self.pmodel = model_spec(c.model), model_spec(c.policy_model or c.model)
+        self.device = DEVICES[c.device]
+        self.tp_s, self.tp_r = serving_tp(self.smodel, self.pmodel, self.device), rollout_tp(self.pmodel, self.device)
+        self.n_serv = c.n_serving if c.n_serving is not None else c.gpus // self.tp_s
+        ded_gpus = int(round(c.gpus * c.rollout_gpu_ratio))
+        self.n_ded = c.n_dedicated if c.n_dedicated is not None else ded_gpus // self.tp_r
+        if self.n_serv < 1:
+            raise Infeasible(f"{c.model} on {c.gpus}x{c.device}: a serving instance needs TP{self.tp_s} (serving model + policy copy in 65 % of HBM)")
+        if self.n_ded < 1:
+            raise Infeasible(f"{c.model}: the dedicated pool ({ded_gpus} GPUs) is smaller than one TP{self.tp_r} rollout instance")
+        self.trainer_gpus = max(1.0, c.gpus * c.trainer_gpu_ratio)
+        if c.perf is not None:
+            self.sperf, self.pperf_s, self.pperf_d = c.perf
+        else:
+            self.sperf = Roofline(self.device, self.smodel, self.tp_s)
+            self.pperf_s = Roofline(self.device, self.pmodel, self.tp_s)
+            self.pperf_d = Roofline(self.device, self.pmodel, self.tp_r)
+        if c.trace is not None:
+            self.prompt_mean = float(np.mean(c.trace.prompt_mean))
+            self.output_mean = float(np.mean(c.trace.output_mean))
+            self.prompt_p99 = float(c.trace.prompt_p99)
+        else:
+            self.prompt_mean, self.output_mean, self.prompt_p99 = c.trace_shape.sizes.means()
+        ws, wp = self.smodel.weight_bytes, self.pmodel.weight_bytes
+        self.kvb_s, self.kvb_p = self.smodel.kv_bytes_per_token, self.pmodel.kv_bytes_per_token
+        mem = c.memory or {}
+        usable_s = mem.get("usable_serving", usable_bytes(self.device, self.tp_s))
+        usable_r = mem.get("usable_dedicated", usable_bytes(self.device, self.tp_r))
+        self.total_s = mem.get("total_serving", self.tp_s * self.device.hbm_bytes)
+        self.alone_kv_tokens = max(1.0, (usable_s - ws) / self.kvb_s)
+        slo_ttft, slo_tpot = c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3
+        self.cap_rps = slo_capacity_rps(self.sperf, self.prompt_mean, self.output_mean, self.prompt_p99, slo_ttft, slo_tpot, self.alone_kv_tokens)
+        if self.cap_rps <= 0:
+            raise Infeasible(f"{c.model} on {self.tp_s}x{c.device}: no load meets TTFT {c.slo_ttft_ms:g} ms / TPOT {c.slo_tpot_ms:g} ms even alone")
+        # the serving trace, in fleet requests/s
+        horizon = int(c.warmup_s + c.max_sim_s) + 2
+        if c.trace is not None:
+            reps = math.ceil(horizon / max(1, c.trace.duration_s))
+            self.fleet_rate = np.tile(c.trace.rate, reps)[:horizon]
+        else:
+            shape = diurnal_bursty(horizon, c.start_hour, c.trace_shape, c.seed + 7)
+            self.fleet_rate = shape.rate * c.load * self.n_serv * self.cap_rps
+        # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
+        peak = float(np.percentile(self.fleet_rate, 99.9)) / self.n_serv
+        at_peak = serving_tick(self.sperf, np.array([peak]), self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, 1.0, self.alone_kv_tokens)
+        pool_tokens = min(self.alone_kv_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (self.prompt_mean + self.output_mean))
+        self.pool_tokens = mem.get("serving_pool_tokens", pool_tokens)
+        self.cohost_free_bytes = usable_s - ws - wp - self.pool_tokens * self.kvb_s
+        self.can_cohost = self.cohost_free_bytes > 0
+        self.dedicated_kv = usable_r - wp
+        self.lent_kv = usable_s - wp
+        self.max_rollout_batch = MAX_ROLLOUT_BATCH
+        self.switch_s = ENGINE_RESTART_S + (wp / self.tp_s) / HOST_LOAD_BYTES_PER_S
+        self.turn_p90 = turn_length_quantile(c.rollout, 0.9)
+
+    def _init_state(self) -> None:
+        c = self.cfg
+        self.D = self.n_serv + self.n_ded
+        self.ids = [f"s{i}" for i in range(self.n_serv)] + [f"d{j}" for j in range(self.n_ded)]
+        self.index = {e: i for i, e in enumerate(self.ids)}
+        self.is_ded = np.zeros(self.D, dtype=bool)
+        self.is_ded[self.n_serv:] = True
+        self.slots = np.zeros(self.D)  # rollout sequences allowed now
+        self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
+        self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
+        self.queue = np.zeros(self.n_serv)
+        self.mode = np.zeros(self.n_serv, dtype=np.int8)  # elastic: 0 serving, 1 -> rollout, 2 lent, 3 -> serving
+        self.switch_until = np.zeros(self.n_serv)
+        self.prev_iter_ms = np.zeros(self.n_serv)
+        cohosting = self.policy.hosts_policy_on_serving and self.can_cohost
+        self.serving_kv_tokens = self.pool_tokens if cohosting else self.alone_kv_tokens
+        self.cohosting = cohosting
+        for d in range(self.n_serv, self.D):
+            self.set_caps(d, self.max_rollout_batch, self.dedicated_kv)
+        # the scheduler's own fleet view
+        self.fleet = Fleet(SchedulerConfig())
+        for d, eid in enumerate(self.ids):
+            role = "dedicated" if self.is_ded[d] else "serving"
+            self.fleet.on_heartbeat(Heartbeat(service="executor", instance=eid, version="sim", host="sim", pid=0, started_at=0.0, sent_at=0.0,
+                                              interval_s=1e12, labels={"role": role}), now=0.0)
+        self.placement_settings = self.fleet.config.placement
+        # monitor
+        self.win_cfg, self.burst_cfg, self.head_cfg = monitor_settings(c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes)))
+        self.W = max(2, int(round(self.win_cfg.long_s / c.dt)))
+        self.S = max(1, int(round(self.win_cfg.short_s / c.dt)))
+        n = self.n_serv
+        self.ring = {k: np.zeros((n, self.W)) for k in ("ttft", "tpot", "tpot_mean", "arrivals", "queue", "bs", "br")}
+        self.ring_tps = np.zeros((self.D, self.W))
+        self.ring_fleet_rate = np.zeros(max(2, int(600 / c.dt)))
+        self.tick_no = 0
+        self._cand_tick, self._cand, self._cand_pos = -1, [], {}
+        self.burst_state = [BurstState() for _ in range(n)]
+        self.step_models: list[StepModel] = [StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)]
+        used = self.total_s - max(0.0, self.cohost_free_bytes)
+        self.latest = MetricsSnapshot(executor_id="s0", at=0.0, interval_s=c.dt, device=DeviceTelemetry(kind="cuda", name=self.device.name, memory_total_bytes=int(self.total_s), memory_used_bytes=int(max(0.0, used))))
+        # the whole fleet serving alone, second by second (what static sees), for attribution
+        alone = serving_tick(self.sperf, self.fleet_rate / self.n_serv, self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, c.dt, self.alone_kv_tokens)
+        self.alone_bad = (alone.ttft_p99_s > c.slo_ttft_ms / 1e3) | (alone.tpot_p99_s > c.slo_tpot_ms / 1e3) | (alone.queue > 0)
+        # turn table (one active turn per simulated trajectory), sized per step
+        self.bundle = 1
+        self._alloc_turns(0)
+        self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
+        self.retained = np.zeros(self.D)  # prefix-cache bytes retained by idle trajectories per device
+        self.seq_counter = 0
+        # accounting
+        self.acc = dict(violations=0.0, bad_requests=0.0, requests=0.0, violations_alone=0.0, bad_alone=0.0, lent_instance_s=0.0, serving_instance_s=0.0,
+                        rollout_tokens=0.0, granted=0, renewed=0, revoked=0, expired=0, alerts=0, interrupted=0, aborted=0, bounced=0,
+                        prefix_hits=0, prefix_misses=0, lends=0, reclaims=0, hedges=0, hedge_wins=0)
+        self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
+        self.steps: list[dict] = []
+
+    def _alloc_turns(self, n: int) -> None:
+        self.N = n  # slots i < n: a trajectory's turn; n + i: its hedge
+        n = 2 * n
+        self.state = np.zeros(n, dtype=np.int8)  # 0 none, 1 queued, 2 running
+        self.dev = np.full(n, -1, dtype=np.int64)
+        self.pf_left = np.zeros(n)
+        self.pf_tokens = np.zeros(n)
+        self.pf_cached = np.zeros(n)
+        self.dec_left = np.zeros(n)
+        self.gen_turn = np.zeros(n)
+        self.ctx = np.zeros(n)
+        self.seq = np.zeros(n, dtype=np.int64)
+        self.cache_dev = np.full(n, -1, dtype=np.int64)
+        self.cache_bytes = np.zeros(n)
+        self.events: list = [None] * n
+        self.finished_at = np.zeros(n)
+
+    # ------------------------------------------------------------------ hooks for policies
+    def set_caps(self, d: int, slots: float, kv_bytes: float) -> None:
+        self.slots[d], self.kvcap[d] = slots, max(0.0, kv_bytes)
+
+    def apply_lease(self, kind: str, lease, reason: str) -> None:
+        d = self.index[lease.executor_id]
+        if kind in ("revoked", "expired"):
+            self.fleet.on_lease(lease)
+            self.revoke_device(d, reason, keep_tokens=True)
+        else:
+            self.fleet.on_lease(lease)
+            self.set_caps(d, lease.max_rollout_batch, lease.kv_bytes)
+        self.acc[kind] += 1
+
+    def revoke_device(self, d: int, reason: str, keep_tokens: bool) -> None:
+        """Rollout taken back from device d: in-flight turns are interrupted (keep_tokens: resumed
+        elsewhere by recompute, else lost: whole-job preemption) and its prefix cache dropped."""
+        self.set_caps(d, 0, 0)
+        on = np.flatnonzero((self.dev == d) & (self.state > 0))
+        for i in on:
+            done = float(self.gen_turn[i] - self.dec_left[i]) if self.state[i] == 2 else 0.0
+            self.state[i], self.dev[i] = 0, -1
+            if keep_tokens:
+                self.acc["interrupted"] += 1
+                self.events[i].succeed(("interrupted", max(0.0, math.floor(done))))
+            else:
+                self.acc["aborted"] += 1
+                self.events[i].succeed(("aborted", 0.0))
+        lost = self.cache_dev == d
+        self.retained[d] = 0.0
+        self.cache_dev[lost] = -1
+        self.cache_bytes[lost] = 0.0
+
+    def recent_fleet_rate_peak(self, seconds: float) -> float:
+        k = min(len(self.ring_fleet_rate), max(1, int(seconds / self.cfg.dt)), self.tick_no)
+        if k <= 0:
+            return float(self.fleet_rate[0])
+        idx = (self.tick_no - 1 - np.arange(k)) % len(self.ring_fleet_rate)
+        return float(self.ring_fleet_rate[idx].max())
+
+    def current_fleet_rate(self) -> float:
+        return float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(self.env.now))])
+
+    def elastic_serving_count(self) -> int:
+        return int(np.sum((self.mode == 0) | (self.mode == 3)))
+
+    def elastic_lend(self, k: int, now: float) -> None:
+        cands = [d for d in range(self.n_serv - 1, -1, -1) if self.mode[d] == 0][:k]
+        for d in cands:
+            self.mode[d], self.switch_until[d] = 1, now + self.switch_s
+            self.acc["lends"] += 1
+
+    def elastic_reclaim(self, k: int, now: float, reason: str) -> None:
+        lent = [d for d in range(self.n_serv) if self.mode[d] in (1, 2)][:k]
+        for d in lent:
+            if self.mode[d] == 2:
+                self.revoke_device(d, reason, keep_tokens=False)
+                self._headroom_role(d, "serving", now)
+                self.mode[d], self.switch_until[d] = 3, now + self.switch_s
+            else:  # still swapping in the policy: swap back (the serving weights are reloaded)
+                self.mode[d], self.switch_until[d] = 3, now + self.switch_s
+            self.acc["reclaims"] += 1
+
+    def _headroom_role(self, d: int, role: str, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
+        slots = int(self.slots[d]) if role == "dedicated" else 0
+        self.fleet.on_headroom(Headroom(
+            executor_id=self.ids[d], at=now, kv_bytes=0, compute_share=1.0 if role == "dedicated" else 0.0, rollout_batch_slots=slots,
+            ttft_p99_ms=0.0, tpot_p99_ms=0.0, slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms, arrival_rate_rps=0.0, serving_queue=0,
+            role=role, lendable=role == "dedicated", reason="dedicated rollout executor" if role == "dedicated" else "serving",
+            rollout_running=int(running), rollout_queue=int(queued), rollout_tokens_per_s=float(tps),
+        ))
+
+    # ------------------------------------------------------------------ the clock
+    def _clock(self):
+        c, env = self.cfg, self.env
+        dt = c.dt
+        serving_idx = np.arange(self.n_serv)
+        while True:
+            now = env.now
+            self._tick(now, dt, serving_idx)
+            yield env.timeout(dt)
+
+    def _tick(self, now: float, dt: float, serving_idx: np.ndarray) -> None:
+        c = self.cfg
+        pol = self.policy
+        elastic = isinstance(pol, ElasticBaseline)
+        if elastic:
+            done = (self.mode == 1) & (self.switch_until <= now)
+            for d in np.flatnonzero(done):
+                self.mode[d] = 2
+                self.set_caps(d, self.max_rollout_batch, self.lent_kv)
+                self.ready_at[d] = max(self.ready_at[d], now)
+                self._headroom_role(int(d), "dedicated", now)
+            back = (self.mode == 3) & (self.switch_until <= now)
+            self.mode[back] = 0
+        fleet_rps = float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(now))])
+        self.ring_fleet_rate[self.tick_no % len(self.ring_fleet_rate)] = fleet_rps
+        serving_mode = self.mode == 0
+        n_active = int(serving_mode.sum())
+        per_inst = fleet_rps / max(1, n_active)
+        arrivals = np.where(serving_mode, self.rng.poisson(per_inst * dt, self.n_serv), 0).astype(float)
+        # latency from the expected rate (the p99 formulas already hold the Poisson variation);
+        # the sampled arrivals feed burst detection and request accounting
+        rate = np.where(serving_mode, per_inst, 0.0)
+        # rollout running on serving instances, at the start of the tick
+        running = (self.state == 2)
+        br = np.bincount(self.dev[running], minlength=self.D)[: self.n_serv] * self.bundle if running.any() else np.zeros(self.n_serv)
+        ctx_r = self._mean_ctx(running)[: self.n_serv]
+        tau_r = self.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
+        extra = np.zeros(self.n_serv)
+        wait = np.zeros(self.n_serv)
+        may = np.zeros(self.n_serv, dtype=bool)
+        ep = pol.executor_policy
+        ready = self.ready_at[: self.n_serv] <= now
+        if ep is not None and self.cohosting:
+            active = (br > 0) & (self.slots[: self.n_serv] > 0) & ready
+            if ep.quantum_ms is None:  # naive: the batch runs to completion between serving iterations
+                may = active
+                extra = np.where(may, tau_r * self.turn_p90, 0.0)
+                wait = extra
+            else:
+                from .policies import executor_signals
+
+                for d in np.flatnonzero(active):
+                    may[d] = ep.may_run_rollout(executor_signals(now, self.ring["bs"][d, (self.tick_no - 1) % self.W], self.prev_iter_ms[d], c.slo_tpot_ms))
+                extra = np.where(may, np.minimum(ep.quantum_ms / 1e3, tau_r), 0.0)
+                wait = extra  # an arrival waits for the running quantum's next safepoint at most
+        st = serving_tick(self.sperf, rate, self.prompt_mean, self.output_mean, self.prompt_p99, extra, wait, self.queue, dt, self.serving_kv_tokens)
+        self.queue = np.where(serving_mode, st.queue, 0.0)
+        self.prev_iter_ms = st.iteration_s * 1e3
+        slo_ttft, slo_tpot = c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3
+        violating = serving_mode & (arrivals > 0) & ((st.ttft_p99_s > slo_ttft) | (st.tpot_p99_s > slo_tpot))
+        self.acc["violations"] += float(violating.sum()) * dt
+        self.acc["bad_requests"] += float(arrivals[violating].sum())
+        self.acc["requests"] += float(arrivals.sum())
+        self.acc["serving_instance_s"] += float(n_active) * dt
+        # the same trace on the whole fleet serving alone (what static sees), for attribution
+        self.acc["violations_alone"] += float(self.alone_bad[min(len(self.alone_bad) - 1, int(now))]) * self.n_serv * dt
+        # what each instance's rollout lane gets this second
+        share = np.zeros(self.D)
+        share[self.n_serv:] = (self.ready_at[self.n_serv:] <= now).astype(float)
+        if ep is not None and self.cohosting:
+            idle = 1.0 - st.busy
+            if ep.quantum_ms is None:
+                busy_share = np.where(may, extra / (st.iteration_s + extra), 0.0)
+            else:
+                q = np.where(may, extra, 0.0)
+                yield_factor = (1.0 - np.minimum(st.prefill_frac, 1.0)) if ep.yields_on_arrival else 1.0
+                busy_share = yield_factor * q / (st.iteration_s + q)
+            idle_share = idle if ep.widens_when_serving_idle or ep.quantum_ms is None else idle * busy_share
+            share[: self.n_serv] = np.where(ready & (self.slots[: self.n_serv] > 0), idle_share + st.busy * busy_share, 0.0)
+        if elastic:
+            lent = self.mode == 2
+            share[: self.n_serv] = np.where(lent & ready, 1.0, 0.0)
+            self.acc["lent_instance_s"] += float(lent.sum()) * dt
+        elif pol.name == "rose":
+            self.acc["lent_instance_s"] += float((self.slots[: self.n_serv] > 0).sum()) * dt
+        elif pol.name == "naive_share" and self.cohosting:
+            self.acc["lent_instance_s"] += float(self.n_serv) * dt
+        tokens = self._rollout_tick(now, dt, share)
+        self.ring_tps[:, self.tick_no % self.W] = tokens / dt
+        # monitor ring buffers (serving instances)
+        col = self.tick_no % self.W
+        r = self.ring
+        r["ttft"][:, col] = np.where(serving_mode, st.ttft_p99_s * 1e3, 0.0)
+        r["tpot"][:, col] = np.where(serving_mode, st.tpot_p99_s * 1e3, 0.0)
+        r["tpot_mean"][:, col] = (st.iteration_s + extra) * 1e3
+        r["arrivals"][:, col] = arrivals
+        r["queue"][:, col] = self.queue
+        r["bs"][:, col] = st.batch
+        r["br"][:, col] = br
+        self.tick_no += 1
+        if pol.uses_monitor:
+            self._monitor(now, serving_mode, st)
+        if pol.name == "rose" or self.tick_no % 5 == 0 or elastic:
+            self._dedicated_headroom(now)
+        pol.control(self, now)
+        if c.record_timeline:
+            tl = self.timeline
+            tl["t"].append(now)
+            tl["fleet_rps"].append(fleet_rps)
+            tl["rollout_tps"].append(float(tokens.sum()) / dt)
+            tl["lent"].append(int((self.mode == 2).sum()) if elastic else int((self.slots[: self.n_serv] > 0).sum()) if self.cohosting else 0)
+            tl["violating"].append(int(violating.sum()))
+
+    def _mean_ctx(self, mask: np.ndarray) -> np.ndarray:
+        if not mask.any():
+            return np.zeros(self.D)
+        cnt = np.bincount(self.dev[mask], minlength=self.D)
+        s = np.bincount(self.dev[mask], weights=self.ctx[mask], minlength=self.D)
+        return s / np.maximum(cnt, 1)
+
+    def _dedicated_headroom(self, now: float) -> None:
+        running = self.state == 2
+        queued = self.state == 1
+        nr = np.bincount(self.dev[running], minlength=self.D) if running.any() else np.zeros(self.D, dtype=np.int64)
+        nq = np.bincount(self.dev[queued], minlength=self.D) if queued.any() else np.zeros(self.D, dtype=np.int64)
+        peak_tps = self.ring_tps.max(axis=1)
+        targets = list(range(self.n_serv, self.D))
+        if isinstance(self.policy, ElasticBaseline):
+            targets += [int(d) for d in np.flatnonzero(self.mode == 2)]
+        for d in targets:
+            self._headroom_role(d, "dedicated", now, nr[d] * self.bundle, nq[d] * self.bundle, peak_tps[d])
+
+    # ------------------------------------------------------------------ rollout progress
+    def _pol_perf(self, d: np.ndarray, fn: str, *args):
+        a = getattr(self.pperf_d, fn)(*args)
+        b = getattr(self.pperf_s, fn)(*args)
+        return np.where(self.is_ded[d], a, b)
+
+    def _rollout_tick(self, now: float, dt: float, share: np.ndarray) -> np.ndarray:
+        tokens = np.zeros(self.D)
+        if self.N == 0 or not self.state.any():
+            return tokens
+        bundle, kvb = self.bundle, self.kvb_p
+        # --- admission, FIFO per device under the slot and KV caps
+        q = np.flatnonzero(self.state == 1)
+        if q.size:
+            dq = self.dev[q]
+            need = bundle * (self.ctx[q] + self.dec_left[q]) * kvb
+            never = (need > self.kvcap[dq]) & (self.kvcap[dq] > 0)
+            for i in q[never]:  # can never fit there: the executor refuses, the worker goes elsewhere
+                self.state[i], self.dev[i] = 0, -1
+                self.acc["bounced"] += 1
+                self.events[i].succeed(("bounced", 0.0))
+            keep = ~never
+            q, dq, need = q[keep], dq[keep], need[keep]
+        if q.size:
+            order = np.lexsort((self.seq[q], dq))
+            q, dq, need = q[order], dq[order], need[order]
+            run = self.state == 2
+            used_slots = (np.bincount(self.dev[run], minlength=self.D) * bundle) if run.any() else np.zeros(self.D)
+            used_kv = np.bincount(self.dev[run], weights=bundle * (self.ctx[run] + self.dec_left[run]) * kvb, minlength=self.D) if run.any() else np.zeros(self.D)
+            pos = np.arange(q.size)
+            first = np.r_[True, dq[1:] != dq[:-1]]
+            start = np.maximum.accumulate(np.where(first, pos, 0))
+            cs = np.cumsum(np.full(q.size, float(bundle)))
+            ck = np.cumsum(need)
+            cs_g = cs - cs[start] + bundle
+            ck_g = ck - ck[start] + need[start]
+            ok = (used_slots[dq] + cs_g <= self.slots[dq]) & (used_kv[dq] + ck_g <= self.kvcap[dq]) & (self.ready_at[dq] <= now)
+            adm, da = q[ok], dq[ok]
+            if adm.size:
+                self.state[adm] = 2
+                self.pf_left[adm] = self._pol_perf(da, "prefill_s", bundle * self.pf_tokens[adm], self.pf_cached[adm])
+        # --- progress: prefill first (at most half the lane while others decode), then decode
+        run = np.flatnonzero(self.state == 2)
+        if run.size == 0:
+            return tokens
+        dr = self.dev[run]
+        pf = self.pf_left[run]
+        pre = pf > 1e-12
+        dec = ~pre
+        PF = np.bincount(dr[pre], weights=pf[pre], minlength=self.D)
+        ndec = np.bincount(dr[dec], minlength=self.D)
+        nb = ndec * bundle
+        ctx_d = np.bincount(dr[dec], weights=self.ctx[run][dec], minlength=self.D) / np.maximum(ndec, 1)
+        tau = np.where(self.is_ded, self.pperf_d.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)), self.pperf_s.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)))
+        T = share * dt
+        t_pf = np.where(nb > 0, np.minimum(PF, 0.5 * T), np.minimum(PF, T))
+        n_it = np.where(nb > 0, (T - t_pf) / tau, 0.0)
+        frac = np.where(PF > 0, t_pf / np.maximum(PF, 1e-30), 0.0)
+        f = frac[dr]
+        new_pf = np.where(pre, np.where(f >= 1.0 - 1e-9, 0.0, pf * (1.0 - f)), 0.0)
+        self.pf_left[run] = new_pf
+        adv = np.where(dec, n_it[dr], 0.0)
+        left = self.dec_left[run]
+        step_tokens = np.minimum(left, adv)
+        self.dec_left[run] = left - step_tokens
+        self.ctx[run] += step_tokens
+        tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=self.D)
+        self.acc["rollout_tokens"] += float(tokens.sum())
+        fin_mask = dec & (left - adv <= 1e-9) & (adv > 0)
+        if fin_mask.any():
+            fins = run[fin_mask]
+            frac_t = np.clip(left[fin_mask] / np.maximum(adv[fin_mask], 1e-12), 0.0, 1.0)
+            at = now + dt * frac_t
+            for i, t_fin in zip(fins, at):
+                d = int(self.dev[i])
+                self.state[i], self.dev[i] = 0, -1
+                self.cache_dev[i] = d
+                self.cache_bytes[i] = bundle * self.ctx[i] * kvb
+                self.retained[d] += self.cache_bytes[i]
+                self.events[i].succeed(("done", float(t_fin)))
+        return tokens
+
+    # ------------------------------------------------------------------ monitor (real detector + headroom)
+    def _monitor(self, now: float, serving_mode: np.ndarray, st) -> None:
+        pol = self.policy
+        r, W, S, dt = self.ring, self.W, self.S, self.cfg.dt
+        filled = min(self.tick_no, W)
+        last = (self.tick_no - 1 - np.arange(filled)) % W  # newest first
+        short_idx, long_idx = last[: min(S, filled)], last
+        recent_idx, base_idx = last[:1], last[1:]
+        ttft_s, tpot_s = r["ttft"][:, short_idx].max(axis=1), r["tpot"][:, short_idx].max(axis=1)
+        ttft_l, tpot_l = r["ttft"][:, long_idx].max(axis=1), r["tpot"][:, long_idx].max(axis=1)
+        arr_s, arr_l = r["arrivals"][:, short_idx].sum(axis=1), r["arrivals"][:, long_idx].sum(axis=1)
+        arr_r, arr_b = r["arrivals"][:, recent_idx].sum(axis=1), r["arrivals"][:, base_idx].sum(axis=1)
+        bs_peak = r["bs"][:, long_idx].max(axis=1)
+        q_now = r["queue"][:, last[0]]
+        q_prev = r["queue"][:, last[1]] if filled > 1 else np.zeros(self.n_serv)
+        tps_peak = self.ring_tps[: self.n_serv, long_idx].max(axis=1)
+        kv_util = np.minimum(1.0, st.batch * (self.prompt_mean + self.output_mean) / max(1.0, self.serving_kv_tokens))
+        span_s, span_l, span_b = len(short_idx) * dt, filled * dt, len(base_idx) * dt
+        refit = self.tick_no % 10 == 0
+        for d in range(self.n_serv):
+            if not serving_mode[d]:
+                continue
+            short = WindowStats(span_s, len(short_idx), ttft_s[d], tpot_s[d], arr_s[d], arr_s[d] / span_s, int(arr_s[d]), int(q_now[d]), int(r["bs"][d, short_idx].max()), tps_peak[d], kv_util[d], 1.0 - float(np.exp(-st.batch[d])))
+            recent = WindowStats(dt, 1, 0.0, 0.0, arr_r[d], arr_r[d] / dt, int(arr_r[d]), int(q_now[d]), 0, 0.0, 0.0, 0.0)
+            base = WindowStats(span_b, len(base_idx), 0.0, 0.0, arr_b[d], arr_b[d] / span_b if span_b else 0.0, int(arr_b[d]), 0, 0, 0.0, 0.0, 0.0)
+            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), self.burst_cfg, self.head_cfg)
+            decided = pol.next_alert(self.burst_state[d], found, now, self.burst_cfg)
+            if decided is not None:
+                alert = SloAlert(executor_id=self.ids[d], at=now, severity=decided[0], reason=decided[1], arrival_rate_rps=arr_r[d] / dt, serving_queue=int(q_now[d]),
+                                 ttft_p99_ms=float(ttft_s[d]), tpot_p99_ms=float(tpot_s[d]))
+                if alert.severity != "recovered":
+                    self.fleet.on_alert(self.ids[d], now)
+                    self.acc["alerts"] += 1
+                pol.on_alert(self, d, alert, now)
+            if pol.name != "rose":
+                continue
+            if refit:
+                obs = [(float(r["bs"][d, j]), float(r["br"][d, j]), float(r["tpot_mean"][d, j])) for j in long_idx]
+                self.step_models[d] = pol.fit_step_model(obs, float(tpot_s[d]) or self.cfg.slo_tpot_ms / 4)
+            long = WindowStats(span_l, filled, ttft_l[d], tpot_l[d], arr_l[d], arr_l[d] / span_l, int(arr_l[d]), int(q_now[d]), int(bs_peak[d]), tps_peak[d], kv_util[d], 0.0)
+            v = pol.assess(short, long, self.step_models[d], self.latest, self.head_cfg, self.burst_state[d].alerting)
+            nr = int(r["br"][d, last[0]])
+            self.fleet.on_headroom(Headroom(
+                executor_id=self.ids[d], at=now, kv_bytes=v.kv_bytes, compute_share=v.compute_share, rollout_batch_slots=v.slots,
+                ttft_p99_ms=float(ttft_s[d]), tpot_p99_ms=float(tpot_s[d]), slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms,
+                arrival_rate_rps=float(arr_s[d] / span_s), serving_queue=int(q_now[d]), role="serving", lendable=v.lendable, reason=v.reason,
+                ttft_p99_long_ms=float(ttft_l[d]), tpot_p99_long_ms=float(tpot_l[d]), arrival_rate_long_rps=float(arr_l[d] / span_l),
+                kv_utilisation=float(kv_util[d]), rollout_running=nr, rollout_queue=0, rollout_tokens_per_s=float(tps_peak[d]),
+                device_kind="cuda", device_name=self.device.name, device_memory_bytes=int(self.total_s),
+            ))
+
+    # ------------------------------------------------------------------ rollout workers and trainer
+    def _route(self, tid: str, gid: str, k: int, prompt_tokens: int, prev: str, exclude: list[str]) -> int | None:
+        """The scheduler's route handler without its I/O: affinity from the request or the fleet,
+        then place_turn over the fleet's candidates; the fleet records the route."""
+        now = self.env.now
+        req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=prev, group_id=gid,
+                               group_size=self.cfg.rollout.group_size, exclude=exclude)
+        affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
+        placement = self.policy.place_turn(req, self._candidates(now), affinity, self.placement_settings, self.route_rng)
+        if placement is None:
+            return None
+        self.fleet.on_route(tid, placement.executor_id, now)
+        self._placed(placement.executor_id)
+        return self.index[placement.executor_id]
+
+    def _candidates(self, now: float) -> list:
+        """The scheduler's ``Fleet.candidates``, refreshed once per tick (it walks every in-flight
+        trajectory, which makes a call per route quadratic in the batch); between refreshes a
+        placement adds one to the chosen executor's load, as its in-flight count would."""
+        if self._cand_tick != self.tick_no:
+            self._cand_tick = self.tick_no
+            self._cand = self.fleet.candidates(now)
+            self._cand_pos = {c.executor_id: j for j, c in enumerate(self._cand)}
+        return self._cand
+
+    def _placed(self, executor_id: str) -> None:
+        j = self._cand_pos.get(executor_id)
+        if j is not None:
+            c = self._cand[j]
+            self._cand[j] = dataclasses.replace(c, load=c.load + 1)
+
+    def _trajectory(self, step: int, i: int, batch):
+        env = self.env
+        tid, gid = f"t{step}-{i}", f"g{step}-{i // max(1, self.cfg.rollout.group_size)}"
+        ctx = int(batch.prompt[i])
+        prev = ""
+        turns = int(batch.turns[i])
+        for k in range(turns):
+            new_tokens = ctx if k == 0 else int(batch.tool_tokens[i, k - 1])
+            started = env.now
+            finish, d = yield from self._turn(i, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev)
+            self.durations.append(finish - started)
+            ctx += int(batch.gen[i, k])
+            prev = self.ids[d]
+            if k + 1 < turns:
+                ctx += int(batch.tool_tokens[i, k])
+                wait = float(batch.tool_s[i, k]) - (env.now - finish)
+                if wait > 0:
+                    yield env.timeout(wait)
+            else:
+                self.finished_at[i] = finish
+        self._drop_cache(i)
+        self.fleet.on_trajectory(tid, gid)
+
+    def typical(self) -> float:
+        """The rollout worker's typical turn time: the median of its last 64 turns (4 at least)."""
+        return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
+
+    def _turn(self, i: int, tid: str, gid: str, k: int, ctx: int, new_tokens: int, gen: float, prev: str):
+        """One turn as the rollout worker runs it (services/rollout_worker/turns.py): route, generate;
+        an interrupted attempt resumes elsewhere with its tokens; a bounced one goes elsewhere; a
+        straggler gets a hedge when the scheduler's ``should_hedge`` agrees; the first result wins.
+        Returns (finish time, device)."""
+        env = self.env
+        done_tokens = 0.0
+        exclude: list[str] = []
+        retry = self.placement_settings.no_route_retry_s
+        while True:
+            d = self._route(tid, gid, k, ctx + done_tokens, prev, exclude)
+            if d is None:
+                exclude = []
+                yield env.timeout(retry)
+                continue
+            cached = 0.0
+            if k > 0 and done_tokens == 0 and self.ids[d] == prev:
+                if self.cache_dev[i] == d:
+                    free = max(0.0, self.kvcap[d] - self._kv_in_use(d))
+                    p_hit = 1.0 if self.retained[d] <= free else free / max(self.retained[d], 1.0)
+                    if self.rng.random() < p_hit:
+                        cached = float(ctx - new_tokens)
+                self.acc["prefix_hits" if cached else "prefix_misses"] += 1
+            self._drop_cache(i)
+            pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
+            typical = self.typical()
+            hedge_at = env.now + max(HEDGE_MIN_S, HEDGE_FACTOR * typical) if typical > 0 else None
+            attempt_start = env.now
+            failed: list[str] = []
+            while pending:
+                waits = [ev for ev, _ in pending.values()]
+                if hedge_at is not None and len(pending) == 1 and i in pending:
+                    waits.append(env.timeout(max(0.0, hedge_at - env.now)))
+                yield simpy.AnyOf(env, waits)
+                for slot, (ev, dd) in list(pending.items()):
+                    if not ev.triggered:
+                        continue
+                    kind, value = ev.value
+                    del pending[slot]
+                    if kind == "done":
+                        for other in pending:
+                            self._cancel(other)
+                        if slot != i:
+                            self.acc["hedge_wins"] += 1
+                            self.cache_dev[i], self.cache_bytes[i] = self.cache_dev[slot], self.cache_bytes[slot]
+                            self.cache_dev[slot], self.cache_bytes[slot] = -1, 0.0
+                        return value, dd
+                    if kind == "interrupted" and slot == i:
+                        done_tokens += value
+                    failed.append(self.ids[dd])
+                if hedge_at is not None and env.now >= hedge_at and i in pending and len(pending) == 1:
+                    hedge_at = None
+                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, self.ids[pending[i][1]], env.now - attempt_start, typical)
+                    if h is not None:
+                        self.acc["hedges"] += 1
+                        slot = self.N + i
+                        pending[slot] = (self._submit(slot, h, ctx + done_tokens, 0.0, gen - done_tokens, ctx + done_tokens), h)
+            exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
+            prev = ""
+
+    def _hedge_route(self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float) -> int | None:
+        """The scheduler's hedge path: should_hedge, then place_turn with hedge=True (prefers dedicated)."""
+        now = self.env.now
+        req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=primary, group_id=gid,
+                               group_size=self.cfg.rollout.group_size, exclude=[primary], hedge=True, elapsed_s=elapsed, typical_turn_s=typical)
+        worth, _why = self.policy.should_hedge(req, self.fleet.group_done.get(gid, 0), self.placement_settings)
+        if not worth:
+            return None
+        affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
+        placement = self.policy.place_turn(req, self._candidates(now), affinity, self.placement_settings, self.route_rng)
+        if placement is None:
+            return None
+        self.fleet.on_route(tid, placement.executor_id, now, hedge=True)
+        self._placed(placement.executor_id)
+        return self.index[placement.executor_id]
+
+    def _cancel(self, slot: int) -> None:
+        """The slower copy of a hedged turn: the worker ignores it; the executor drops it."""
+        self.state[slot], self.dev[slot] = 0, -1
+
+    def _kv_in_use(self, d: int) -> float:
+        on = (self.dev == d) & (self.state == 2)
+        return float((self.bundle * (self.ctx[on] + self.dec_left[on]) * self.kvb_p).sum())
+
+    def _drop_cache(self, i: int) -> None:
+        d = self.cache_dev[i]
+        if d >= 0:
+            self.retained[d] = max(0.0, self.retained[d] - self.cache_bytes[i])
+        self.cache_dev[i], self.cache_bytes[i] = -1, 0.0
+
+    def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
+        ev = self.env.event()
+        self.state[i], self.dev[i] = 1, d
+        self.pf_tokens[i], self.pf_cached[i] = max(1.0, pf_tokens), cached
+        self.dec_left[i] = self.gen_turn[i] = max(1.0, gen_left)
+        self.ctx[i] = ctx_now
+        self.seq[i] = self.seq_counter
+        self.seq_counter += 1
+        self.events[i] = ev
+        return ev
+
+    def _trainer(self):
+        c, env = self.cfg, self.env
+        yield env.timeout(c.warmup_s)
+        inst_kv_tokens = self.dedicated_kv / self.kvb_p
+        trajectories = c.trajectories or batch_trajectories(c.rollout, self.n_ded * inst_kv_tokens)
+        bundle = bundle_size(c.rollout, trajectories, inst_kv_tokens)
+        wp = self.pmodel.weight_bytes
+        for step in range(c.steps):
+            t0 = env.now
+            sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
+            sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
+            yield env.timeout(sync_ded)  # the batch starts once the dedicated pool has the version
+            t_roll = env.now
+            self.ready_at[: self.n_serv] = t0 + sync_srv
+            batch = sample_batch(c.rollout, trajectories, self.rng, bundle)
+            self.bundle = batch.bundle
+            self._alloc_turns(batch.n)
+            self.retained[:] = 0.0
+            procs = [env.process(self._trajectory(step, i, batch)) for i in range(batch.n)]
+            yield simpy.AllOf(env, procs)
+            end = float(self.finished_at.max()) if batch.n else env.now
+            if end > env.now:
+                yield env.timeout(end - env.now)
+            rollout_s = env.now - t_roll
+            tokens = batch.tokens()
+            train_s = TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+            yield env.timeout(train_s)
+            self.steps.append(dict(step=step, start=t0, rollout_s=rollout_s, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
+                                   step_s=env.now - t0, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
+        self.done.succeed()
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict:
+        c, env = self.cfg, self.env
+        self.policy.setup(self)
+        self.done = env.event()
+        env.process(self._clock())
+        env.process(self._trainer())
+        env.run(until=simpy.AnyOf(env, [self.done, env.timeout(c.warmup_s + c.max_sim_s)]))
+        return self.result()
+
+    def result(self) -> dict:
+        c, a = self.cfg, self.acc
+        steps = self.steps
+        complete = len(steps) == c.steps
+        step_s = float(np.mean([s["step_s"] for s in steps])) if steps else float("nan")
+        rollout_s = float(np.mean([s["rollout_s"] for s in steps])) if steps else float("nan")
+        gen = sum(s["generated"] for s in steps)
+        roll_total = sum(s["rollout_s"] for s in steps)
+        sim_s = max(1e-9, self.env.now)
+        hits, misses = a["prefix_hits"], a["prefix_misses"]
+        return dict(
+            model=c.model, device=c.device, gpus=c.gpus, policy=c.policy, complete=complete, steps=len(steps),
+            serving_instances=self.n_serv, serving_tp=self.tp_s, dedicated_instances=self.n_ded, rollout_tp=self.tp_r,
+            rollout_gpus=self.n_ded * self.tp_r, trainer_gpus=self.trainer_gpus, cohosting=self.cohosting,
+            serving_capacity_rps_per_instance=self.cap_rps, cohost_free_gb=self.cohost_free_bytes / 1e9,
+            rl_steps_per_hour=3600.0 / step_s if steps else 0.0,
+            step_s=step_s, rollout_s_per_step=rollout_s,
+            train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
+            sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
+            trajectories_per_step=steps[0]["trajectories"] if steps else 0, bundle=steps[0]["bundle"] if steps else 0,
+            rollout_tokens_per_s=gen / roll_total if roll_total else 0.0,
+            slo_violations=a["violations"], slo_violations_serving_alone=a["violations_alone"],
+            serving_slo_attainment=1.0 - a["bad_requests"] / max(1.0, a["requests"]),
+            lent_instance_fraction=a["lent_instance_s"] / max(1e-9, sim_s * self.n_serv),
+            leases=dict(granted=a["granted"], renewed=a["renewed"], revoked=a["revoked"], expired=a["expired"]),
+            alerts=a["alerts"], interrupted_turns=a["interrupted"], aborted_turns=a["aborted"], bounced_turns=a["bounced"],
+            elastic_lends=a["lends"], elastic_reclaims=a["reclaims"], hedges=a["hedges"], hedge_wins=a["hedge_wins"],
+            prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            simulated_s=sim_s,
+        )
+
+
+def simulate(cfg: SimConfig) -> dict:
+    """Run one configuration; the result dict (plus ``timeline`` when recorded)."""
+    sim = Simulation(cfg)
+    out = sim.run()
+    if cfg.record_timeline:
+        out["timeline"] = sim.timeline
+    return out

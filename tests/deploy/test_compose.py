@@ -1,0 +1,283 @@
+"""docker-compose.yml without a Docker engine: what can be checked here is checked for real.
+
+- the file validates against the Compose Specification's JSON Schema (vendored, see data/README.md);
+- every command a ROSE container runs, and every healthcheck, is a real `rose` command (run with `--help`);
+- services, dependencies, health checks, profiles, volumes and the observability configs fit together;
+- every variable the file reads or sets is documented in deploy/compose/README.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from rose.cli.main import ON_DEMAND_SERVICES, SERVICE_MODULES, build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy" / "compose"
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict] = COMPOSE["services"]
+SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_text())
+NATS_NODES = ["nats-1", "nats-2", "nats-3"]
+ONE_SHOT = {"models-init", "provision"}
+
+
+def _schema_errors(doc: dict) -> list[str]:
+    # The schema declares draft-07 (`$schema` without the trailing '#', which jsonschema does not map by itself).
+    validator = jsonschema.Draft7Validator(SCHEMA)
+    return [f"{e.json_path}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def _runs_rose(service: dict) -> bool:
+    return (service.get("command") or [None])[0] == "rose"
+
+
+ROSE_SERVICES = {name: s for name, s in SERVICES.items() if _runs_rose(s)}
+LONG_RUNNING = {name: s for name, s in ROSE_SERVICES.items() if name not in ONE_SHOT}
+
+
+# ---- the Compose Specification ---------------------------------------------------------------
+
+
+def test_compose_file_validates_against_the_compose_specification():
+    assert _schema_errors(COMPOSE) == []
+
+
+def test_the_schema_check_is_not_vacuous():
+    broken = copy.deepcopy(COMPOSE)
+    broken["services"]["scheduler"]["depends_on"]["provision"]["condition"] = "service_ready"
+    broken["services"]["scheduler"]["helthcheck"] = {"test": ["CMD", "true"]}
+    broken["servics"] = {}
+    errors = " ".join(_schema_errors(broken))
+    assert "servics" in errors and "helthcheck" in errors and "depends_on" in errors
+
+
+# ---- commands are real `rose` commands -------------------------------------------------------
+
+
+def _rose_commands() -> list[list[str]]:
+    """Every command and healthcheck in the file that runs `rose`, without duplicates."""
+    found: list[list[str]] = []
+    for service in SERVICES.values():
+        argv = service.get("command")
+        if argv and argv[0] == "rose":
+            found.append(list(argv))
+        test = (service.get("healthcheck") or {}).get("test") or []
+        if test[:2] == ["CMD", "rose"]:
+            found.append(list(test[1:]))
+    unique: list[list[str]] = []
+    for argv in found:
+        if argv not in unique:
+            unique.append(argv)
+    return unique
+
+
+def test_commands_are_exec_form_lists():
+    """Exec form: the service gets SIGTERM itself (drain, goodbye heartbeat) instead of a shell getting it."""
+    for name, service in SERVICES.items():
+        if "command" in service:
+            assert isinstance(service["command"], list), name
+        test = (service.get("healthcheck") or {}).get("test")
+        if test is not None:
+            assert isinstance(test, list) and test[0] == "CMD", name
+
+
+def test_every_rose_command_parses():
+    parser = build_parser()
+    for argv in _rose_commands():
+        args = parser.parse_args(argv[1:])  # exits (SystemExit) on anything argparse refuses
+        assert callable(args.func), argv
+
+
+def test_every_rose_command_answers_help():
+    """`rose ... --help` exits 0, from the same console-script entry point the image installs."""
+    commands = _rose_commands()
+    assert len(commands) >= 10
+
+    def run(argv: list[str]) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+        done = subprocess.run([sys.executable, "-m", "rose.cli.main", *argv[1:], "--help"], capture_output=True, text=True, timeout=180)
+        return argv, done
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for argv, done in pool.map(run, commands):
+            assert done.returncode == 0 and "usage:" in done.stdout, f"{argv}: {done.stdout}{done.stderr}"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'rose = "rose.cli.main:main"' in pyproject  # the `rose` the image puts on PATH
+
+
+# ---- services, dependencies, health ----------------------------------------------------------
+
+
+def test_every_rose_service_runs_and_the_trainer_is_a_profile():
+    running = {}
+    for name, service in ROSE_SERVICES.items():
+        argv = service["command"]
+        if argv[1] == "run":
+            running.setdefault(argv[2], []).append(name)
+    assert set(running) == set(SERVICE_MODULES)
+    for module, names in running.items():
+        for name in names:
+            profiles = SERVICES[name].get("profiles", [])
+            if module in ON_DEMAND_SERVICES:
+                assert profiles == ["train"], name
+            elif name != "executor-gpu":
+                assert profiles == [], name
+    roles = sorted(SERVICES[n]["environment"]["ROSE_ROLE"] for n in running["executor"] if not SERVICES[n].get("profiles"))
+    assert roles == ["dedicated", "serving", "serving"]
+
+
+def test_gpu_profile_reserves_an_nvidia_device_with_cuda_torch():
+    gpu = SERVICES["executor-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["command"] == ["rose", "run", "executor"]
+    assert gpu["environment"]["ROSE_ENGINE__DEVICE"] == "cuda"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert "cu" in gpu["build"]["args"]["TORCH_INDEX_URL"]
+    assert gpu["image"] != SERVICES["scheduler"]["image"]  # the CPU image keeps CPU torch
+
+
+def test_long_running_rose_services_have_real_healthchecks():
+    for name, service in LONG_RUNNING.items():
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "rose", "health"], name
+        if service["command"][:2] == ["rose", "run"]:
+            assert test[3] == service["command"][2] and "--local" in test, name  # this container's own heartbeat
+        if service["command"] == ["rose", "run", "executor"]:
+            port = service["environment"]["ROSE_HTTP__PORT"]
+            assert f"http://127.0.0.1:{port}/health" in test, name
+    for node in NATS_NODES:
+        assert SERVICES[node]["healthcheck"]["test"] == ["CMD", "rose", "health", "--http", "http://127.0.0.1:8222/healthz"]
+
+
+def test_dependencies_have_conditions_that_can_be_met():
+    for name, service in SERVICES.items():
+        depends = service.get("depends_on", {})
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        for target, spec in depends.items():
+            assert target in SERVICES, f"{name} depends on unknown {target}"
+            condition = spec["condition"]
+            if condition == "service_healthy":
+                assert "healthcheck" in SERVICES[target], f"{name} waits for {target} to be healthy, but it has no healthcheck"
+            if condition == "service_completed_successfully":
+                assert SERVICES[target].get("restart") == "no", f"{target} must be a one-shot"
+            if not service.get("profiles"):
+                assert not SERVICES[target].get("profiles"), f"{name} (always on) depends on {target} (profile only)"
+    for name in LONG_RUNNING:
+        depends = SERVICES[name]["depends_on"]
+        assert depends["provision"]["condition"] == "service_completed_successfully", name
+        assert depends["models-init"]["condition"] == "service_completed_successfully", name
+    assert {n: SERVICES["provision"]["depends_on"][n]["condition"] for n in NATS_NODES} == dict.fromkeys(NATS_NODES, "service_healthy")
+
+
+def test_rose_services_see_the_whole_cluster_with_r3_and_the_collector():
+    for name, service in {**LONG_RUNNING, "provision": SERVICES["provision"]}.items():
+        env = service["environment"]
+        urls = env["NATS_URL"].split(",")
+        assert urls == [f"nats://{node}:4222" for node in NATS_NODES], name
+        assert env["ROSE_BUS__REPLICAS"] == "3", name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318", name
+    assert SERVICES["provision"]["command"] == ["rose", "provision", "--replicas", "3"]
+
+
+def test_nats_nodes_mount_their_config_and_a_persistent_volume():
+    store = re.search(r'store_dir: "([^"]+)"', (DEPLOY / "nats" / "nats-1.conf").read_text()).group(1)
+    for node in NATS_NODES:
+        service = SERVICES[node]
+        assert service["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
+        mounts = dict(v.split(":")[:2] for v in service["volumes"])  # source:target[:ro]
+        assert mounts[f"./deploy/compose/nats/{node}.conf"] == "/etc/nats/nats.conf"
+        assert (REPO / "deploy" / "compose" / "nats" / f"{node}.conf").exists()
+        data = f"{node}-data"
+        assert data in COMPOSE["volumes"] and mounts[data] == "/data" and store.startswith("/data/")
+
+
+def test_models_are_built_once_into_a_shared_volume():
+    init = SERVICES["models-init"]
+    assert init["command"] == ["rose", "models", "init", "/models"] and "models:/models" in init["volumes"]
+    for name, service in LONG_RUNNING.items():
+        if service["command"][2] in ("executor", "rollout_worker", "trainer"):
+            assert "models:/models:ro" in service["volumes"], name
+            assert service["environment"]["ROSE_MODELS__DIR"] == "/models", name
+
+
+# ---- observability ---------------------------------------------------------------------------
+
+
+def test_collector_pipelines_are_wired():
+    config = yaml.safe_load((DEPLOY / "otel" / "collector.yaml").read_text())
+    assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == "0.0.0.0:4318"
+    for pipeline in config["service"]["pipelines"].values():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in config[kind], f"{component} is not defined under {kind}"
+    pipes = config["service"]["pipelines"]
+    assert pipes["traces"]["exporters"] == ["otlp/jaeger"] and config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert pipes["metrics"]["exporters"] == ["prometheus"] and config["exporters"]["prometheus"]["endpoint"] == "0.0.0.0:8889"
+    mount = SERVICES["otel-collector"]["volumes"][0]
+    assert mount.startswith("./deploy/compose/otel/collector.yaml:") and SERVICES["otel-collector"]["command"] == [f"--config={mount.split(':')[1]}"]
+
+
+def test_prometheus_scrapes_executors_and_the_collector():
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {job["job_name"]: [t for group in job["static_configs"] for t in group["targets"]] for job in config["scrape_configs"]}
+    executors = [n for n, s in ROSE_SERVICES.items() if s["command"] == ["rose", "run", "executor"]]
+    assert sorted(targets["rose-executor"]) == sorted(f"{n}:{SERVICES[n]['environment']['ROSE_HTTP__PORT']}" for n in executors)
+    assert targets["otel-collector-exporter"] == ["otel-collector:8889"]
+    assert targets["otel-collector"] == ["otel-collector:8888"]
+    for target in (t for ts in targets.values() for t in ts):
+        host = target.split(":")[0]
+        assert host in SERVICES or host == "127.0.0.1", target
+
+
+def test_grafana_is_provisioned_with_datasources_and_the_dashboards_folder():
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "datasources.yaml").read_text())["datasources"]
+    by_uid = {s["uid"]: s for s in sources}
+    assert by_uid["prometheus"]["url"] == "http://prometheus:9090" and by_uid["prometheus"]["isDefault"]
+    assert by_uid["jaeger"]["url"] == "http://jaeger:16686"
+    provider = yaml.safe_load((provisioning / "dashboards" / "dashboards.yaml").read_text())["providers"][0]
+    mounts = dict(v.split(":")[:2] for v in SERVICES["grafana"]["volumes"])
+    assert mounts["./deploy/compose/grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./deploy/compose/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+# ---- image and configuration -----------------------------------------------------------------
+
+
+def test_dockerfile_installs_the_project_with_constraints_and_bakes_no_secret():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.\d+-slim$", dockerfile, re.M)
+    assert "pip install -c constraints.txt ." in dockerfile
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    settings = re.findall(r"^(?:ENV|ARG)\s+(.+)$", dockerfile, re.M)
+    assert not [s for s in settings if re.search(r"PASSWORD|SECRET|TOKEN|CREDS|NKEY|_KEY", s, re.I)]
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert {".git", ".venv", ".rose"} <= set(ignore)
+    for service in SERVICES.values():
+        for key, value in (service.get("environment") or {}).items():
+            if re.search(r"PASSWORD|SECRET|TOKEN", key):
+                assert str(value).startswith("${"), f"{key} must come from the environment, not the file"
+
+
+def test_every_variable_is_documented_in_one_place():
+    doc = (DEPLOY / "README.md").read_text()
+    text = (REPO / "docker-compose.yml").read_text()
+    interpolated = set(re.findall(r"\$\{([A-Z0-9_]+)", text))
+    assert interpolated and not [v for v in sorted(interpolated) if f"`{v}`" not in doc]
+    set_here = {k for s in SERVICES.values() for k in (s.get("environment") or {}) if k.startswith(("ROSE_", "NATS_", "OTEL_"))}
+    assert not [v for v in sorted(set_here) if f"`{v}`" not in doc]
+
+
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose/otel/collector.yaml", "deploy/compose/prometheus/prometheus.yml"])
+def test_yaml_files_parse(path):
+    assert yaml.safe_load((REPO / path).read_text())

@@ -1,0 +1,50 @@
+"""`rose demo` end to end, shortened: the whole fleet as processes, a real RL job, the report.
+
+What is asserted is what must hold at any length: every field of summary.json the issue names,
+no trajectory lost, the trainer's versions published and applied by the executors, rollouts on
+both kinds of executor, every plot written. Whether the reward rises is a learning figure
+measured by the full-length demo (and, in pure torch, by tests/agentic/test_warm_start_and_grpo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rose.cli.demo import reward_ends
+
+DURATION_S = 45
+
+
+@pytest.mark.slow
+def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rose.cli.main", "demo", "--duration", str(DURATION_S), "--out", str(out), "--seed", "3"],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= s["serving"]["slo_attainment"] <= 1.0 and s["serving"]["requests"] > 0
+    assert s["rollout"]["tokens_per_s"] > 0 and 0.0 <= s["rollout"]["harvested_fraction"] <= 1.0
+    assert s["trajectories"]["lost"] == 0 and s["trajectories"]["published"] > 0
+    assert s["training"]["steps"] >= 1 and s["training"]["reward_first"] is not None and s["training"]["reward_last"] is not None
+    # the warm start's version plus one per GRPO step, each announced by a manifest
+    assert s["weights"]["versions"] >= s["training"]["steps"] + 1
+    assert s["weights"]["wire_ratio"] is None or 0.0 < s["weights"]["wire_ratio"] < 1.0
+    assert max(s["weights"]["applied"].values()) >= 1, "no executor applied a trained version"
+    assert any(ex.startswith("demo-dedicated-") for ex in s["rollout"]["tokens_by_executor"])
+    for name in ("latency_vs_slo.png", "lease_timeline.png", "rollout_throughput.png", "reward_curve.png", "weight_bytes.png"):
+        assert (out / name).stat().st_size > 1000, name
+    assert "rose demo: summary" in proc.stdout
+
+
+def test_reward_ends_are_the_first_and_last_fifth():
+    assert reward_ends([]) == (None, None)
+    assert reward_ends([0.5]) == (0.5, 0.5)
+    assert reward_ends([0.0] * 5 + [1.0] * 5) == (0.0, 1.0)
+    first, last = reward_ends([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    assert first == pytest.approx(0.15) and last == pytest.approx(0.95)
