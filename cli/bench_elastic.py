@@ -229,6 +229,8 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     rec = Record()
     await observe(bus, rec, f"{seed}_{int(time.time())}")
     procs = fleet_processes(root, server.url, models, SPEC, executors, dedicated)
+    for proc in procs.values():
+        proc.env["ROSE_STATE_DIR"] = str(root)  # this run's own weight-signing keys and state, never ./.rose
     serving = [n for n in procs if n.startswith("bench-serving-")]
     try:
         console.print(f"starting {len(procs)} processes (logs in {root}) ...")

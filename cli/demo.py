@@ -22,6 +22,7 @@ import json
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from rose.shared.launch import ServiceProcess, start_all, stop_all
 from rose.shared.models import ModelShape, init_models
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract
 
 from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
@@ -142,9 +144,9 @@ def spark(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, max(0, int(v * len(SPARK))))] for v in values[-40:])
 
 
-def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration: float, phase: str) -> Group:
+def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration: float, phase: str, label: str = "ROSE demo") -> Group:
     now = time.time()
-    table = Table(title=f"ROSE demo · {phase} · {elapsed:.0f}/{duration:.0f} s · serving latency and rollout tokens/s over the last {RECENT_S:.0f} s", expand=False)
+    table = Table(title=f"{label} · {phase} · {elapsed:.0f}/{duration:.0f} s · serving latency and rollout tokens/s over the last {RECENT_S:.0f} s", expand=False)
     for col in ("executor", "role", "TTFT p99", "SLO met", "lease", "tok/s", "policy"):
         table.add_column(col, justify="left" if col in ("executor", "role") else "right", no_wrap=True)
     held = lease_holders(obs)
@@ -177,7 +179,18 @@ def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration
 # ---- the run --------------------------------------------------------------------------
 
 
-async def _run(out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console) -> dict:
+async def run_job(
+    out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console, *, label: str = "ROSE demo",
+    env: dict[str, dict[str, str]] | None = None, drained: set[str] | None = None, on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
+    obs: Observed | None = None,
+) -> dict:
+    """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
+
+    `rose bench e2e` runs it under other fleet policies: `env` adds settings per part
+    ({"serving": ..., "scheduler": ..., "worker": ...}, see fleet.fleet_processes), `drained` is
+    the set of serving executors the load balancer sends no traffic to (the caller may change it
+    during the run), `on_bus` adds subscriptions beside the observer's, `obs` receives what is observed.
+    """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
     (state / "logs").mkdir(parents=True)
@@ -185,20 +198,26 @@ async def _run(out: Path, duration: float, seed: int, models_dir: Path | None, s
     if not (models / "policy" / "config.json").exists():
         console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
         await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
-    server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log").start()
-    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0), service="cli", instance=f"demo-{seed}")
+    creds = init_credentials(state / "security")  # auth on, as in production: each process gets its own NKey
+    server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
+    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance=f"demo-{seed}")
     await bus.connect()
     await provision(bus.js)
-    obs = Observed()
+    obs = obs if obs is not None else Observed()
     await observe(bus, obs)
+    if on_bus is not None:
+        await on_bus(bus, obs)
     logs = state / "logs"
-    procs = fleet_processes(logs, server.url, models, SPEC, serving_n, dedicated_n)
+    procs = fleet_processes(logs, server.url, models, SPEC, serving_n, dedicated_n, **{f"{part}_env": e for part, e in (env or {}).items()})
     base = {"NATS_URL": server.url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
     # The trainer and the publisher stand in for the training cluster: like the dedicated executor,
     # they run at a lower OS priority so that they do not take the serving executors' cores.
     procs["publisher"] = ServiceProcess("weight_publisher", "demo-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
     trainer_env = {**base, **TRAINER, "ROSE_TASKS__SEED": str(seed), "ROSE_RUN_ID": f"demo-{seed}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging")}
     procs["trainer"] = ServiceProcess("trainer", "demo-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
+    for proc in procs.values():
+        proc.env.update(creds.env(proc.service))
+        proc.env["ROSE_STATE_DIR"] = str(state)  # this run's own weight-signing keys and state, never ./.rose
     executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
     serving = [n for n, role in executors.items() if role == "serving"]
     try:
@@ -209,11 +228,11 @@ async def _run(out: Path, duration: float, seed: int, models_dir: Path | None, s
         console.print(f"fleet ready in {time.monotonic() - started:.0f} s; the trainer warm-starts, then GRPO")
         t0, t0_mono = time.time(), time.monotonic()
         trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
-        driver = asyncio.ensure_future(drive_serving(trace, urls, set(), SPEC, obs.serving, t0_mono, seed))
-        with Live(live_view(obs, executors, 0, duration, "training"), console=console, refresh_per_second=2, transient=False) as live:
+        driver = asyncio.ensure_future(drive_serving(trace, urls, drained if drained is not None else set(), SPEC, obs.serving, t0_mono, seed))
+        with Live(live_view(obs, executors, 0, duration, "training", label), console=console, refresh_per_second=2, transient=False) as live:
             while time.monotonic() - t0_mono < duration:
                 await asyncio.sleep(0.5)
-                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training"))
+                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
                 if not procs["trainer"].alive():
                     raise RuntimeError(f"the trainer exited:\n{procs['trainer'].log_tail()}")
             await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
@@ -222,7 +241,7 @@ async def _run(out: Path, duration: float, seed: int, models_dir: Path | None, s
             deadline = time.monotonic() + DRAIN_TIMEOUT_S
             while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
-                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining"))
+                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
         await asyncio.sleep(1.0)  # the last events in flight
         return write_report(out, obs, executors, t0, window_end, dict(seed=seed, duration_s=duration, serving_executors=serving_n, dedicated_executors=dedicated_n), console)
     finally:
@@ -411,7 +430,7 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     versions = sorted(obs.manifests)
-    ax.bar([str(v) for v in versions], [obs.manifests[v].wire_bytes / 1e6 for v in versions],  # type: ignore[attr-defined]
+    ax.bar(versions, [obs.manifests[v].wire_bytes / 1e6 for v in versions],  # type: ignore[attr-defined]
            color=["tab:red" if obs.manifests[v].keyframe else "tab:blue" for v in versions])  # type: ignore[attr-defined]
     ax.set_xlabel("policy version (red: keyframe, blue: delta)")
     ax.set_ylabel("MB on the wire")
@@ -422,4 +441,4 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
 
 def run_demo(*, out: str, duration: float | None, seed: int, models: str | None, serving: int, dedicated: int, console: Console | None = None) -> dict:
     console = console or Console()
-    return asyncio.run(_run(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console))
+    return asyncio.run(run_job(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console))

@@ -61,15 +61,21 @@ class ServingLog:
         return sum(met) / len(met) if met else None
 
 
-def fleet_processes(root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None) -> dict[str, ServiceProcess]:
-    """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started)."""
+def fleet_processes(
+    root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None,
+    serving_env: dict[str, str] | None = None, scheduler_env: dict[str, str] | None = None,
+) -> dict[str, ServiceProcess]:
+    """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started).
+
+    `serving_env`, `scheduler_env` and `worker_env` add or override settings of the serving executors,
+    the scheduler and the worker (a fleet policy of `rose bench e2e`)."""
     p = spec.prefix
     env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
     executor = {
         **env, "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
         "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib), "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
     }
-    procs = {f"{p}-serving-{i}": ServiceProcess("executor", f"{p}-serving-{i}", {**executor, "ROSE_ROLE": "serving"}, root / f"serving-{i}.log") for i in range(serving)}
+    procs = {f"{p}-serving-{i}": ServiceProcess("executor", f"{p}-serving-{i}", {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log") for i in range(serving)}
     procs.update({
         f"{p}-dedicated-{i}": ServiceProcess("executor", f"{p}-dedicated-{i}", {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE)
         for i in range(dedicated)
@@ -80,6 +86,7 @@ def fleet_processes(root: Path, url: str, models: Path, spec: FleetSpec, serving
     }, root / "monitor.log")
     procs["scheduler"] = ServiceProcess("scheduler", f"{p}-scheduler", {
         **env, "ROSE_TICK_S": "0.25", "ROSE_LEASES__TTL_S": "6", "ROSE_LEASES__RENEW_BEFORE_S": "3", "ROSE_LEASES__COOLDOWN_S": "4",
+        **(scheduler_env or {}),
     }, root / "scheduler.log")
     procs["worker"] = ServiceProcess("rollout_worker", f"{p}-worker", {
         **env, "ROSE_CONCURRENCY": str(spec.worker_concurrency), "ROSE_ACK_WAIT_S": "20", "ROSE_TURNS__MAX_TOKENS": str(spec.rollout_max_tokens),

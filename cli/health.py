@@ -17,25 +17,47 @@ import time
 
 import aiohttp
 import msgspec
+import nats.errors
 from nats.js.errors import BucketNotFoundError
 
-from rose.contracts.registry import SERVICE_REGISTRY
+from rose.contracts.registry import HEARTBEAT, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
 from rose.shared.config import ConfigError
 
-from .provision import bus_config_from_env, connect_bus
-from .status import STALE_AFTER_BEATS, resolve_nats_url
+from .provision import connect_bus
+from .status import STALE_AFTER_BEATS, operator_config, resolve_nats_url
 
 
-async def _heartbeats(url: str, timeout: float) -> list[Heartbeat]:
-    config = msgspec.structs.replace(bus_config_from_env(url=url), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
+async def _heartbeats(url: str, timeout: float, service: str) -> list[Heartbeat]:
+    """The registry's heartbeats; while JetStream cannot answer (a cluster electing a new leader),
+    the live heartbeats of `service` on core NATS, which need no stream."""
+    config = msgspec.structs.replace(operator_config(url), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
     bus = await connect_bus(config, f"health-{os.getpid()}")
     try:
-        return await bus.kv_values(SERVICE_REGISTRY)
-    except BucketNotFoundError:  # nothing has ever started on this server
-        return []
+        try:
+            return await bus.kv_values(SERVICE_REGISTRY)
+        except BucketNotFoundError:  # nothing has ever started on this server
+            return []
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return await _live_heartbeats(bus, service, timeout)
     finally:
         await bus.close()
+
+
+async def _live_heartbeats(bus, service: str, timeout: float) -> list[Heartbeat]:
+    beats: list[Heartbeat] = []
+    heard = asyncio.Event()
+
+    async def on_beat(beat: Heartbeat, _delivery) -> None:
+        beats.append(beat)
+        heard.set()
+
+    await bus.subscribe(HEARTBEAT, on_beat, service=service)
+    try:
+        await asyncio.wait_for(heard.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+    return beats
 
 
 def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | None, host: str | None) -> str | None:
@@ -74,7 +96,7 @@ async def check(args: argparse.Namespace) -> str | None:
     if args.service:
         url = resolve_nats_url(args.nats_url, args.state_dir)
         try:
-            beats = await _heartbeats(url, args.timeout)
+            beats = await _heartbeats(url, args.timeout, args.service)
         except (ConnectionError, ConfigError) as exc:
             return str(exc)
         host = socket.gethostname() if args.local else None

@@ -115,6 +115,26 @@ def _cmd_bench_elastic(args: argparse.Namespace) -> int:
     return 0 if result["tasks_lost"] == 0 else 1
 
 
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench_e2e import run_e2e_bench
+
+    result = run_e2e_bench(
+        out_json=args.json, seed=args.seed, duration_s=args.duration, policies=args.policies, model_dir=args.models,
+        serving=args.serving, dedicated=args.dedicated, console=Console(),
+    )
+    return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
+
+
+def _cmd_bench_faults(args: argparse.Namespace) -> int:
+    from .bench_faults import run_faults_bench
+
+    result = run_faults_bench(out_json=args.json, seed=args.seed, quick=args.quick, models=args.models)
+    ok = result["faults_survived"] == result["faults_injected"] and result["trajectories_lost"] == 0 and result["weight_versions_lost"] == 0
+    return 0 if ok else 1
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -127,6 +147,36 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
 
     out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
     return 0 if all(out["meets_target"].values()) else 1
+
+
+def _cmd_bench_sim(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .sim.bench import FLEETS, MODELS, QUICK_FLEETS, QUICK_MODELS, run_sim_bench
+
+    models = args.models or (QUICK_MODELS if args.quick else MODELS)
+    fleets = args.gpus or (QUICK_FLEETS if args.quick else FLEETS)
+    run_sim_bench(
+        out_json=args.json, seed=args.seed, models=models, fleets=fleets, steps=args.steps or (1 if args.quick else 2), jobs=args.jobs,
+        device=args.device, load=args.load, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, oversubscription=args.oversubscription,
+        quantum_ms=args.quantum_ms, what_if=tuple(args.what_if or ()), e2e=args.e2e, coserve=args.coserve, calibrate=args.calibrate, measure_steps=not args.no_measure, console=Console(),
+    )
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .sim.plan import run_plan
+    from .sim.traces import TraceError
+
+    try:
+        run_plan(trace=args.trace, fleet=args.fleet, model=args.model, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                 scale=args.scale, out_json=args.json, console=Console())
+    except (TraceError, ValueError) as exc:
+        print(f"rose plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--nats-cluster", type=int, default=1, metavar="N",
         help="NATS nodes to start: 1 (default) one embedded server; 3 the docker compose topology, a JetStream cluster whose streams and buckets get N replicas",
     )
+    p.add_argument("--no-auth", action="store_true", help="start the embedded NATS without authentication (default: per-service NKeys and permissions)")
+    p.add_argument("--tls", action="store_true", help="the embedded NATS requires TLS (a CA and server certificate made under the state dir)")
+    p.add_argument("--credentials", default=None, metavar="DIR", help="the credentials directory (`rose security init DIR`; default: STATE_DIR/security, made and reused); with NATS_URL, the server's")
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("status", help="list live services from their heartbeats, with their endpoints")
@@ -205,6 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_forward_arguments(e)
     e.set_defaults(func=_cmd_events_forward)
 
+    p = sub.add_parser(
+        "security",
+        help="keys and credentials: `init` per-service NATS credentials and permissions, `weights-key` the pair that signs weight manifests",
+    )
+    ssub = p.add_subparsers(dest="security_command", required=True, metavar="ACTION")
+    from .security import add_parser as add_bus_security_parser
+    from .security_keys import add_parser as add_weights_key_parser
+
+    add_bus_security_parser(ssub)
+    add_weights_key_parser(ssub)
+
     p = sub.add_parser("models", help="local models in Hugging Face format")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     m = msub.add_parser("init", help="build a tiny serving model and a tiny policy model (Qwen2, real tokenizer) in DIR")
@@ -248,6 +312,61 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_cmd_bench_elastic)
+    b = bsub.add_parser(
+        "faults",
+        help="the demo's fleet under injected faults: kill -9 of NATS and of each service kind, a paused executor, a slow consumer, a stream byte limit",
+    )
+    b.add_argument("--json", default="bench-out/faults.json", help="where to write the JSON result (the timeline PNG beside it, logs in <name>-run/)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the RL job")
+    b.add_argument("--quick", action="store_true", help="a subset of the faults (NATS restart, executor kill, partition, slow consumer, byte limit)")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_cmd_bench_faults)
+    b = bsub.add_parser(
+        "e2e",
+        help="the demo's RL job on fresh fleets under static / naive_share / elastic_baseline / rose: RL steps per hour, rollout time, serving SLO",
+    )
+    b.add_argument("--json", default="bench-out/e2e.json", help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the tasks (the same for every policy)")
+    b.add_argument("--duration", type=float, default=None, help="seconds of trace and training per policy (default: 120; about 12 minutes for all four)")
+    b.add_argument("--policies", nargs="+", default=None, metavar="POLICY", help="run only these (default: static naive_share elastic_baseline rose)")
+    b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
+    b.add_argument("--serving", type=int, default=2, help="serving executors")
+    b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.set_defaults(func=_cmd_bench_e2e)
+    b = bsub.add_parser(
+        "sim",
+        help="simulated fleets (SimPy): models 7B-70B x 8-64 GPUs x static / naive_share / elastic_baseline / rose, with the services' own decisions",
+    )
+    b.add_argument("--json", default="bench-out/sim.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of traces, batches and routing (the same for every policy)")
+    b.add_argument("--quick", action="store_true", help="a small grid (7B and 70B on 8 and 16 GPUs, one RL step each)")
+    b.add_argument("--models", nargs="+", default=None, choices=["7B", "14B", "32B", "70B"], help="model sizes (default: all four)")
+    b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
+    b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
+    b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
+    b.add_argument("--device", default="H100", choices=["A100", "H100", "H200"], help="GPU kind of every instance")
+    b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
+    b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
+    b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
+    b.add_argument("--oversubscription", type=float, default=2.0, help="RL batch as a multiple of what the dedicated pool's KV holds at once")
+    b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
+    b.add_argument("--what-if", nargs="+", default=None, choices=["kv_slots", "sticky_throughput"],
+                   help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever measured)")
+    b.add_argument("--e2e", default=None, help="calibrate against this `rose bench e2e` JSON (per-policy rl_steps_per_hour error; default: bench-out/e2e.json if present)")
+    b.add_argument("--coserve", default=None, help="calibrate against this `rose bench coserve` JSON (per-policy rollout tokens/s error)")
+    b.add_argument("--calibrate", action="store_true", help="run a short real `rose bench coserve` now and calibrate against it (about a minute)")
+    b.add_argument("--no-measure", action="store_true", help="do not measure the tiny models' step times (no calibration at all)")
+    b.set_defaults(func=_cmd_bench_sim)
+
+    p = sub.add_parser("plan", help="how much rollout a serving fleet can lend, hour by hour, and at what SLO risk (from a trace)")
+    p.add_argument("--trace", required=True, help="CSV in the Azure LLM inference trace format: TIMESTAMP,ContextTokens,GeneratedTokens")
+    p.add_argument("--fleet", required=True, help="COUNTxKIND, e.g. 64xH100 (KIND: A100, H100, H200)")
+    p.add_argument("--model", required=True, choices=["7B", "14B", "32B", "70B"], help="size of the serving model and of the RL policy")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
+    p.add_argument("--scale", default="auto", help="multiply the trace's request rate (auto: its busiest hour at 45%% of the fleet's SLO capacity)")
+    p.add_argument("--json", default="bench-out/plan.json", help="where to write the JSON result (the PNG goes beside it)")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

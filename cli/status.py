@@ -17,7 +17,7 @@ from rich.table import Table
 from rose.contracts.registry import SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
 from rose.shared.bus import Bus
-from rose.shared.config import DEFAULT_NATS_URL, BusConfig
+from rose.shared.config import DEFAULT_NATS_URL, BusConfig, ConfigError
 from rose.shared.nats_server import state_dir
 
 STALE_AFTER_BEATS = 3.0
@@ -36,8 +36,27 @@ def resolve_nats_url(explicit: str | None, state: str | None) -> str:
     return DEFAULT_NATS_URL
 
 
-async def live_services(url: str) -> list[Heartbeat]:
-    async with Bus(BusConfig(url=url, initial_connect_deadline_s=3.0), service="cli", instance=f"cli-{os.getpid()}") as bus:
+def operator_config(url: str, state: str | None = None) -> BusConfig:
+    """Bus settings for an operator command: the environment's credentials, else those of the `rose up` that started `url`.
+
+    `rose up` keeps the operator's NKey seed (and, with --tls, the CA) in its state dir and names
+    them in up.json, so `rose status` and `rose health` work against it without any variable.
+    """
+    from .provision import bus_config_from_env
+
+    config = msgspec.structs.replace(bus_config_from_env(url=url), initial_connect_deadline_s=3.0)
+    if config.creds_file or config.nkey_seed_file or config.user:
+        return config
+    up_file = (Path(state).resolve() if state else state_dir()) / UP_FILE
+    up = json.loads(up_file.read_text()) if up_file.exists() else {}
+    if up.get("nats_url") != url or not up.get("operator_seed_file"):
+        return config
+    return msgspec.structs.replace(config, nkey_seed_file=up["operator_seed_file"], tls_ca_file=up.get("tls_ca_file", "") or config.tls_ca_file)
+
+
+async def live_services(url: str, config: BusConfig | None = None) -> list[Heartbeat]:
+    config = config or BusConfig(url=url, initial_connect_deadline_s=3.0)
+    async with Bus(config, service="cli", instance=f"cli-{os.getpid()}") as bus:
         try:
             beats: list[Heartbeat] = await bus.kv_values(SERVICE_REGISTRY)
         except BucketNotFoundError:  # nothing has started on this server yet
@@ -50,8 +69,8 @@ async def live_services(url: str) -> list[Heartbeat]:
 async def status(args: argparse.Namespace) -> int:
     url = resolve_nats_url(args.nats_url, args.state_dir)
     try:
-        beats = await live_services(url)
-    except ConnectionError as exc:
+        beats = await live_services(url, operator_config(url, args.state_dir))
+    except (ConnectionError, ConfigError) as exc:
         print(f"rose status: {exc}")
         return 2
     if args.json:

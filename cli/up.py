@@ -22,16 +22,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from rose.shared.config import ConfigError
 from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
 from rose.shared.provisioning import ProvisioningConflict
+from rose.shared.security import OPERATOR, Credentials, init_credentials
 
 from .main import ON_DEMAND_SERVICES, SERVICE_MODULES
 from .provision import bus_config_from_env, provision_storage
-from .status import UP_FILE, live_services
+from .status import UP_FILE, live_services, operator_config
 
 STOP_TIMEOUT_S = 20.0
 MAX_RESTART_DELAY_S = 30.0
@@ -93,14 +95,25 @@ def up(args: argparse.Namespace) -> int:
     if nodes > 1 and nats_url:
         console.print(f"[red]--nats-cluster {nodes} starts its own cluster, but NATS_URL={nats_url} is set: unset one of them[/red]")
         return 2
+    # Auth is on by default: the embedded server gets per-service permissions and each service its own seed
+    # (kept under the state dir, or --credentials DIR, and reused). With NATS_URL, --credentials DIR names the
+    # `rose security init` output the external server was configured with.
+    creds: Credentials | None = None
+    tls = bool(getattr(args, "tls", False)) and not nats_url
+    if not nats_url and not getattr(args, "no_auth", False):
+        creds = init_credentials(getattr(args, "credentials", None) or root / "security", tls_hosts=["127.0.0.1", "localhost"] if tls else None)
+    elif getattr(args, "credentials", None):
+        creds = Credentials(Path(args.credentials).resolve())
+    auth_config = creds.server_config(tls=tls) if creds is not None and not nats_url else ""
     if not nats_url and nodes > 1:
-        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs").start()
+        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs", extra_config=auth_config).start()
         nats_url, replicas = cluster.url, nodes
     elif not nats_url:
-        server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log").start()
+        server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log", extra_config=auth_config).start()
         nats_url, replicas = server.url, 1  # one server holds one replica, whatever the environment says
+    operator = creds.env(OPERATOR, tls=tls) if creds is not None else {}
     try:
-        asyncio.run(_provision(nats_url, replicas))
+        asyncio.run(_provision(nats_url, replicas, operator))
     except (ConnectionError, ConfigError, ProvisioningConflict, RuntimeError) as exc:
         console.print(f"[red]cannot provision JetStream storage on {nats_url}: {exc}[/red]")
         if server is not None:
@@ -112,7 +125,10 @@ def up(args: argparse.Namespace) -> int:
     if replicas is not None:
         env["ROSE_BUS__REPLICAS"] = str(replicas)
     children = [
-        Supervised(name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", env) for name in names
+        Supervised(
+            name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", {**env, **(creds.env(name, tls=tls) if creds else {})}
+        )
+        for name in names
     ]
     (root / UP_FILE).write_text(
         json.dumps(
@@ -122,6 +138,9 @@ def up(args: argparse.Namespace) -> int:
                 "embedded_nats": server is not None or cluster is not None,
                 "nats_nodes": nodes if cluster is not None else 1,
                 "services": names,
+                # where `rose status` / `rose health` find the operator's credentials (paths only, never secrets)
+                "operator_seed_file": operator.get("ROSE_BUS__NKEY_SEED_FILE", ""),
+                "tls_ca_file": operator.get("ROSE_BUS__TLS_CA_FILE", ""),
             },
             indent=2,
         )
@@ -142,7 +161,12 @@ def up(args: argparse.Namespace) -> int:
         else:
             console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
         console.print(f"logs: {root / 'logs'}  services: {', '.join(names) or '(none)'}")
-        _wait_ready(console, nats_url, names, args.ready_timeout, stop)
+        if creds is not None:
+            console.print(
+                f"auth: per-service NKeys in {creds.directory}{' + TLS' if tls else ''} (`rose run trainer` needs "
+                f"ROSE_BUS__NKEY_SEED_FILE={creds.seed_file('trainer')}; `rose security permissions` lists what each may do)"
+            )
+        _wait_ready(console, nats_url, names, args.ready_timeout, stop, root)
         console.print("[green]ROSE is up.[/green] `rose status` lists the services; Ctrl-C stops everything.")
         _supervise(console, children, stop)
     finally:
@@ -161,20 +185,27 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _provision(url: str, replicas: int | None) -> None:
-    """Create every stream, bucket and store before the services start (they check again).
+async def _provision(url: str, replicas: int | None, operator: dict[str, str]) -> None:
+    """Create every stream, bucket and store before the services start (they only check: creating is the operator's right).
 
-    With the environment's bus settings (credentials, TLS, ROSE_BUS__REPLICAS), as the services use.
+    With the environment's bus settings (credentials, TLS, ROSE_BUS__REPLICAS), as the services use,
+    or the operator's credentials when auth is on.
     """
-    await provision_storage(bus_config_from_env(url=url, replicas=replicas))
+    config = bus_config_from_env(url=url, replicas=replicas)
+    if operator:
+        config = msgspec.structs.replace(
+            config, nkey_seed_file=operator["ROSE_BUS__NKEY_SEED_FILE"], tls_ca_file=operator.get("ROSE_BUS__TLS_CA_FILE", config.tls_ca_file)
+        )
+    await provision_storage(config)
 
 
-def _wait_ready(console: Console, url: str, names: list[str], timeout: float, stop: dict[str, bool]) -> None:
+def _wait_ready(console: Console, url: str, names: list[str], timeout: float, stop: dict[str, bool], root: Path) -> None:
     """Until every started service has a 'ready' heartbeat; then print where each one is."""
     deadline = time.monotonic() + timeout
     beats = []
+    config = operator_config(url, str(root))  # up.json is written: the operator's credentials, when auth is on
     while not stop["now"] and time.monotonic() < deadline and names:
-        beats = asyncio.run(live_services(url))
+        beats = asyncio.run(live_services(url, config))
         ready = {b.service for b in beats if b.state == "ready"}
         if set(names) <= ready:
             break

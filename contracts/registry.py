@@ -360,7 +360,7 @@ WEIGHT_MANIFEST = Channel(
     WeightManifest,
     "A new weight version: its shards, encodings and digests; kind is `keyframe` or `delta`.",
     publishers=("weight_publisher",),
-    consumers=("executor", "integrations"),
+    consumers=("executor", "trainer", "integrations"),  # the trainer's SDK waits for its versions
     stream=MANIFESTS_STREAM,
 )
 WEIGHT_SHARDS = Channel(

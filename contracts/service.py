@@ -38,7 +38,7 @@ class ServiceEvent(Message):
     reason: str = ""
 
 
-DeadLetterKind = Literal["decode", "schema_version", "validation", "oversized", "handler"]
+DeadLetterKind = Literal["decode", "schema_version", "validation", "oversized", "handler", "unauthorised"]
 
 
 class DeadLetter(Message):

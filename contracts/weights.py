@@ -20,6 +20,7 @@ FailureKind = Literal[
     "shape",  # a tensor with another shape or dtype than the model's
     "oversized",  # a shard bigger than the executor accepts, or than its manifest says
     "apply",  # the executor refused the state dict
+    "signature",  # unsigned, signed by a key the executor does not trust, or not matching its signature
     "other",
 ]
 
@@ -71,7 +72,8 @@ class WeightManifest(Message):
     lossy: bool = False
     max_divergence: NonNegFloat = 0.0
     mean_divergence: NonNegFloat = 0.0
-    signature: str = ""
+    signature: str = ""  # Ed25519 over the canonical bytes (shared/weight_signing.py), base64
+    key_id: str = ""  # which key signed it: the first 16 hex digits of SHA-256 of the raw public key
     shard_bytes: NonNegInt = 0
     full_bytes: NonNegInt = 0  # decoded bytes of all shards
     wire_bytes: NonNegInt = 0  # stored bytes of this version's objects

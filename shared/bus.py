@@ -9,6 +9,9 @@ payload type, and every refusal is answered (request/reply) and dead-lettered.
 
 Request endpoints are registered with the NATS services API (`nats.micro`), so
 `$SRV.PING`, `$SRV.INFO` and `$SRV.STATS` work for every service.
+
+With per-service credentials (rose.shared.security) a refused publish or subscribe raises
+`PermissionDenied` naming the subject, in the helper that attempted it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -75,6 +80,24 @@ class BusClosed(RuntimeError):
     pass
 
 
+class PermissionDenied(PermissionError):
+    """The server refused this connection's credentials an operation; nothing was published or subscribed."""
+
+    def __init__(self, service: str, operation: str, subject: str) -> None:
+        super().__init__(
+            f"NATS refused {operation} to {subject!r} for service {service!r}: its credentials do not allow it "
+            "(the rights each service has: `rose security permissions`)"
+        )
+        self.service = service
+        self.operation = operation
+        self.subject = subject
+
+
+# nats-py reports a refusal as `nats: permissions violation for publish to "x"` (or `subscription to "x" using
+# queue "q"`), lowercased: subjects are therefore compared without case.
+_VIOLATION_RE = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
 @dataclass(frozen=True)
 class Delivery:
     """What a handler knows about the message besides its payload."""
@@ -88,6 +111,13 @@ class Delivery:
 Handler = Callable[[Any, Delivery], Awaitable[Any]]
 
 
+def _about_stream(stream: str) -> Callable[[str], bool]:
+    """Matches a stream's (lowercased) JetStream API and ack subjects, and for a KV bucket or object store its data subjects."""
+    data = f"$kv.{stream[3:]}." if stream.startswith("KV_") else f"$o.{stream[4:]}." if stream.startswith("OBJ_") else None
+    name = stream.lower()
+    return lambda subject: name in subject.split(".") or (data is not None and subject.startswith(data.lower()))
+
+
 def _tls_context(config: BusConfig) -> ssl.SSLContext | None:
     if not (config.tls_ca_file or config.tls_cert_file):
         return None
@@ -95,6 +125,25 @@ def _tls_context(config: BusConfig) -> ssl.SSLContext | None:
     if config.tls_cert_file:
         ctx.load_cert_chain(config.tls_cert_file, config.tls_key_file or None)
     return ctx
+
+
+def _survive_cancelled_flushes(nc: NatsClient) -> None:
+    """Work around nats-py 2.16: a PONG answering a `flush()` whose waiter was cancelled raises
+    InvalidStateError inside the read loop, which then stops for good (every later reply times out).
+
+    Cancelling an awaiting task is how a permission refusal, a shutdown or a timeout interrupts a
+    bus operation, so the connection must survive it: resolve the PING's future only if still pending.
+    """
+
+    async def process_pong() -> None:
+        if nc._pongs:
+            future = nc._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            nc._pongs_received += 1
+            nc._pings_outstanding = 0
+
+    nc._process_pong = process_pong  # type: ignore[method-assign]
 
 
 class Bus:
@@ -112,6 +161,10 @@ class Bus:
         self._kv: dict[str, KeyValue] = {}
         self._closing = False
         self.dead_letters = 0
+        # Operations in flight that a permissions violation on a matching subject should fail (see permission_errors).
+        self._guards: dict[asyncio.Task[Any], tuple[str | None, Callable[[str], bool]]] = {}
+        self._refused: dict[asyncio.Task[Any], tuple[str, str]] = {}
+        self._secured = bool(config.creds_file or config.nkey_seed_file or config.user)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -138,6 +191,7 @@ class Bus:
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
+            inbox_prefix=f"_INBOX_{self.service}",  # replies reach this service only (see rose.shared.security)
         )
         if cfg.creds_file:
             options["user_credentials"] = cfg.creds_file
@@ -148,16 +202,26 @@ class Bus:
         tls = _tls_context(cfg)
         if tls is not None:
             options["tls"] = tls
+        url = cfg.display_url()
         while True:
             try:
-                self._nc = await nats.connect(**options)
+                # bounded: with reconnect-forever, nats-py's first connect to an unreachable server never returns
+                with self.permission_errors("connect"):  # refused credentials: say so at once
+                    self._nc = await asyncio.wait_for(nats.connect(**options), timeout=max(0.5, deadline - time.monotonic()))
                 break
+            except PermissionDenied:
+                given = "an NKey seed" if cfg.nkey_seed_file else "a .creds file" if cfg.creds_file else "a user and password" if cfg.user else "no credentials"
+                raise ConnectionError(
+                    f"NATS at {url} refused the credentials of {self.service} ({given}); set ROSE_BUS__NKEY_SEED_FILE "
+                    "to this service's seed (`rose security init DIR` makes one per service)"
+                ) from None
             except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {cfg.url}: {exc!r}") from exc
-                log.warning("NATS at %s not reachable (%r); retrying in %.1fs", cfg.url, exc, delay)
+                    raise ConnectionError(f"cannot reach NATS at {url}: {exc!r}") from exc
+                log.warning("NATS at %s not reachable (%r); retrying in %.1fs", url, exc, delay)
                 await asyncio.sleep(delay * (1 + random.random() / 4))
                 delay = min(delay * 2, 5.0)
+        _survive_cancelled_flushes(self._nc)
         self._js = self._nc.jetstream()
 
     async def close(self) -> None:
@@ -185,15 +249,81 @@ class Bus:
         self._nc = None
 
     async def _on_error(self, exc: Exception) -> None:
+        text = str(exc)
+        violation = _VIOLATION_RE.search(text)
+        if violation or isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
+            operation, subject = (violation.group(1).lower(), violation.group(2)) if violation else ("connect", "connect")
+            if not self._refuse(operation, subject):
+                log.error("NATS refused %s to %r for service %s: not allowed by its credentials", operation, subject, self.service)
+            return
         # While closing, a drain that runs past its timeout is reported here; the connection closes anyway.
         log.log(logging.DEBUG if self._closing else logging.WARNING, "NATS error: %r", exc)
+
+    def _refuse(self, operation: str, reported: str) -> bool:
+        """Fail the operations in flight that wait on the (lowercased) subject; False when none does."""
+        hit = False
+        for task, (subject, matches) in list(self._guards.items()):
+            if matches(reported) and task not in self._refused:
+                named = subject if subject is not None and subject.lower() == reported else reported
+                self._refused[task] = (operation, named)
+                task.cancel()
+                hit = True
+        return hit
+
+    @contextmanager
+    def permission_errors(self, subject: str | None = None, *, stream: str | None = None, prefix: str | None = None) -> Iterator[None]:
+        """Raise `PermissionDenied` here when the server refuses `subject` (any API call on `stream`, any subject under `prefix`) meanwhile.
+
+        The server reports a refused publish or subscribe asynchronously (the publish is simply
+        dropped, so an awaited ack or reply would only time out); the error callback cancels this
+        task instead, and the cancellation becomes PermissionDenied naming the subject. (A
+        cancellation that races a completing wait may be swallowed by `asyncio.wait_for`: the
+        refusal is checked on every way out.) Every bus helper runs under it; code that calls
+        nats-py directly (the weight store) may wrap itself.
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        wanted = subject.lower() if subject is not None else None
+        about = _about_stream(stream) if stream is not None else None
+        under = prefix.lower() if prefix is not None else None
+        outer = self._guards.get(task)  # nested: the inner one decides, then the outer one is back
+        self._guards[task] = (subject, lambda s: s == wanted or (about is not None and about(s)) or (under is not None and s.startswith(under)))
+        try:
+            yield
+        except BaseException:
+            refused = self._refused.pop(task, None)
+            if refused is None:
+                raise
+            task.uncancel()
+            raise PermissionDenied(self.service, *refused) from None
+        else:
+            refused = self._refused.pop(task, None)
+            if refused is not None:
+                task.uncancel()
+                raise PermissionDenied(self.service, *refused)
+        finally:
+            self._refused.pop(task, None)
+            if outer is None:
+                self._guards.pop(task, None)
+            else:
+                self._guards[task] = outer
 
     async def _on_disconnect(self) -> None:
         if not self._closing:
             log.warning("disconnected from NATS; reconnecting")
 
     async def _on_reconnect(self) -> None:
-        log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        url = self.nc.connected_url
+        log.info("reconnected to NATS at %s", f"{url.hostname}:{url.port}" if url else "?")  # netloc may hold a password
+
+    async def _processed(self) -> None:
+        """Return once the server has processed everything sent so far, refusals reported included.
+
+        nats-py writes a flush's PING ahead of commands still queued for its flusher task, so the
+        first PONG may overtake them; by the second round trip they have been written.
+        """
+        await self.nc.flush()
+        await self.nc.flush()
 
     @property
     def nc(self) -> NatsClient:
@@ -219,12 +349,15 @@ class Bus:
         headers: dict[str, str] = {}
         with outgoing_span("send", subject, channel.template, headers):
             data = encode(message, channel.encoding)
-            if channel.kind is Kind.STREAM:
-                if msg_id:
-                    headers["Nats-Msg-Id"] = msg_id
-                await self.js.publish(subject, data, headers=headers)
-            else:
-                await self.nc.publish(subject, data, headers=headers)
+            with self.permission_errors(subject):
+                if channel.kind is Kind.STREAM:
+                    if msg_id:
+                        headers["Nats-Msg-Id"] = msg_id
+                    await self.js.publish(subject, data, headers=headers)
+                else:
+                    await self.nc.publish(subject, data, headers=headers)
+                    if self._secured:  # wait for the server, so that a refusal raises here, not just in a log line
+                        await self._processed()
 
     async def request(self, channel: Channel, message: Any, *, timeout: float | None = None, **tokens: str) -> Any:
         """Send a request and return the decoded reply; an error reply raises `RemoteError`."""
@@ -239,7 +372,8 @@ class Bus:
             data = encode(message, channel.encoding)
             while True:  # nobody listening yet (a service still starting): retry until the deadline
                 try:
-                    reply = await self.nc.request(subject, data, timeout=max(0.001, deadline - time.monotonic()), headers=headers)
+                    with self.permission_errors(subject):
+                        reply = await self.nc.request(subject, data, timeout=max(0.001, deadline - time.monotonic()), headers=headers)
                     break
                 except nats.errors.NoRespondersError:
                     if time.monotonic() + delay >= deadline:
@@ -304,16 +438,17 @@ class Bus:
                     return
                 await req.respond(encode(result, channel.encoding))
 
-        await micro.add_endpoint(
-            EndpointConfig(
-                name=channel.name.replace(".", "_"),
-                subject=subject,
-                handler=on_request,
-                queue_group=queue,
-                metadata={"payload": channel.payload.__name__ if channel.payload else "", "reply": channel.reply.__name__ if channel.reply else ""},
+        with self.permission_errors(subject):
+            await micro.add_endpoint(
+                EndpointConfig(
+                    name=channel.name.replace(".", "_"),
+                    subject=subject,
+                    handler=on_request,
+                    queue_group=queue,
+                    metadata={"payload": channel.payload.__name__ if channel.payload else "", "reply": channel.reply.__name__ if channel.reply else ""},
+                )
             )
-        )
-        await self.nc.flush()  # the server knows the endpoint before anyone is told it exists
+            await self._processed()  # the server knows the endpoint (or refused it) before anyone is told it exists
 
     async def subscribe(self, channel: Channel, handler: Handler, *, queue: str = "", **tokens: str) -> None:
         """Receive events (core pub/sub). Tokens not given match anything."""
@@ -330,8 +465,10 @@ class Bus:
                     log.exception("handler for %s failed", msg.subject)
                     await self.dead_letter(msg.subject, "handler", repr(exc), msg.data, headers)
 
-        await self.nc.subscribe(channel.pattern(**tokens), queue=queue, cb=on_msg)
-        await self.nc.flush()
+        pattern = channel.pattern(**tokens)
+        with self.permission_errors(pattern):
+            await self.nc.subscribe(pattern, queue=queue, cb=on_msg)
+            await self._processed()
 
     async def consume(
         self,
@@ -363,7 +500,8 @@ class Bus:
             filter_subject=filter_subject,
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
         )
-        sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
+        with self.permission_errors(stream=channel.stream.name):
+            sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
         self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch), name=f"consume:{durable}"))
 
     async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH) -> None:
@@ -435,48 +573,61 @@ class Bus:
             kv = self._kv[channel.kv.bucket] = await self.js.key_value(channel.kv.bucket)
         return kv
 
+    def _kv_refusals(self, channel: Channel, key: str | None = None) -> Any:
+        assert channel.kv is not None, f"channel {channel.name!r} is not a KV channel"
+        return self.permission_errors(f"$KV.{channel.kv.bucket}.{key}" if key else None, stream=f"KV_{channel.kv.bucket}")
+
     async def kv_put(self, channel: Channel, message: Any, **tokens: str) -> int:
-        kv = await self._bucket(channel)
-        return await kv.put(channel.subject(**tokens), encode(message, channel.encoding))
+        key = channel.subject(**tokens)
+        with self._kv_refusals(channel, key):
+            kv = await self._bucket(channel)
+            return await kv.put(key, encode(message, channel.encoding))
 
     async def kv_get(self, channel: Channel, **tokens: str) -> Any | None:
         """The decoded value, or None when the key is absent or deleted."""
         assert channel.payload is not None
-        kv = await self._bucket(channel)
-        try:
-            entry = await kv.get(channel.subject(**tokens))
-        except KeyNotFoundError:
-            return None
+        with self._kv_refusals(channel):
+            kv = await self._bucket(channel)
+            try:
+                entry = await kv.get(channel.subject(**tokens))
+            except KeyNotFoundError:
+                return None
         if entry.value is None:
             return None
         return decode(entry.value, channel.payload, channel.encoding)
 
     async def kv_delete(self, channel: Channel, **tokens: str) -> None:
-        kv = await self._bucket(channel)
-        try:
-            await kv.delete(channel.subject(**tokens))
-        except KeyNotFoundError:
-            pass
+        key = channel.subject(**tokens)
+        with self._kv_refusals(channel, key):
+            kv = await self._bucket(channel)
+            try:
+                await kv.delete(key)
+            except KeyNotFoundError:
+                pass
 
     async def kv_values(self, channel: Channel) -> list[Any]:
-        """Every live value in the channel's bucket; undecodable entries are skipped with a warning."""
-        assert channel.payload is not None
-        kv = await self._bucket(channel)
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+        """Every live value in the channel's bucket; undecodable entries are skipped with a warning.
+
+        Keys come from the bucket's stream info, not from a watch: reading a bucket then needs
+        no JetStream consumer, a right services only get on storage they cannot write.
+        """
+        assert channel.payload is not None and channel.kv is not None
+        prefix = f"$KV.{channel.kv.bucket}."
         out = []
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                continue
-            if entry.value:
+        with self._kv_refusals(channel):
+            kv = await self._bucket(channel)
+            info = await self.js.stream_info(f"KV_{channel.kv.bucket}", subjects_filter=f"{prefix}>")
+            for subject in sorted(info.state.subjects or {}):
+                key = subject[len(prefix) :]
                 try:
-                    out.append(decode(entry.value, channel.payload, channel.encoding))
-                except PayloadError as exc:
-                    log.warning("skipping KV entry %s: %s", key, exc.reason)
+                    entry = await kv.get(key)
+                except KeyNotFoundError:  # deleted (or purged) since the listing
+                    continue
+                if entry.value:
+                    try:
+                        out.append(decode(entry.value, channel.payload, channel.encoding))
+                    except PayloadError as exc:
+                        log.warning("skipping KV entry %s: %s", key, exc.reason)
         return out
 
     async def kv_watch(self, channel: Channel, handler: Callable[[str, Any | None], Awaitable[None]], **tokens: str) -> None:
@@ -484,8 +635,9 @@ class Bus:
 
         Tokens not given match any key. An undecodable value is dead-lettered and skipped.
         """
-        kv = await self._bucket(channel)
-        watcher = await kv.watch(channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens))
+        with self._kv_refusals(channel):
+            kv = await self._bucket(channel)
+            watcher = await kv.watch(channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens))
 
         async def loop() -> None:
             try:

@@ -57,3 +57,5 @@ def decode(data: bytes, t: type[T], encoding: Encoding = Encoding.JSON, max_byte
         raise PayloadError(kind, f"{t.__name__}: {text}") from exc
     except msgspec.DecodeError as exc:
         raise PayloadError("decode", f"not valid {encoding.value} for {t.__name__}: {exc}") from exc
+    except RecursionError as exc:  # msgspec skips an unknown field's value recursively: a deep enough one overflows
+        raise PayloadError("decode", f"{t.__name__}: nested too deeply to decode ({exc})") from exc

@@ -9,6 +9,7 @@ bad value fails with the field's name, where it came from and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,13 @@ class BusConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def servers(self) -> list[str]:
         return [u.strip() for u in self.url.split(",") if u.strip()]
+
+    def display_url(self) -> str:
+        """The URL(s) for logs and messages: any `user:password@` is replaced by `***@`."""
+        return ",".join(re.sub(r"//[^/@]*@", "//***@", u) for u in self.servers())
+
+    def __repr__(self) -> str:  # secrets never reach a log line through a config dump
+        return f"BusConfig(url={self.display_url()!r}, user={self.user!r}, password={'***' if self.password else ''!r}, ...)"
 
 
 class RuntimeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

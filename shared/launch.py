@@ -7,6 +7,7 @@ end-to-end tests share: spawn `rose run NAME` with an environment, find it on th
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from rose.contracts.registry import SERVICE_REGISTRY
 from .bus import Bus
 
 STOP_TIMEOUT_S = 20.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -37,9 +39,21 @@ class ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "rose.cli.main", "run", self.service], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
+                preexec_fn=self._in_child,
             )
         return self
+
+    def _in_child(self) -> None:
+        """Runs in the child before exec: its OS priority, and death with its parent (Linux).
+
+        Why: a bench or test killed mid-run (a timeout, Ctrl-C twice) must not leave a fleet of
+        orphaned services eating the machine; the kernel sends SIGTERM when the parent exits.
+        """
+        if self.nice:
+            os.nice(self.nice)
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
     @property
     def pid(self) -> int:
@@ -55,6 +69,18 @@ class ServiceProcess:
             assert self.process is not None
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process freezes (no heartbeats, no acks, sockets stay open), as behind a partition."""
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         if not self.alive():

@@ -282,6 +282,7 @@ class NatsCluster:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         log_dir: str | Path | None = None,
         name: str = CLUSTER_NAME,
+        extra_config: str = "",  # e.g. the authorization block of `rose security init`, on every node
     ) -> None:
         if not 2 <= size <= 5:
             raise ValueError(f"a JetStream cluster here has 2 to 5 nodes (replicas are capped at 5), not {size}")
@@ -303,6 +304,7 @@ class NatsCluster:
                     log_file=Path(log_dir) / f"{node}.log" if log_dir else None,
                     monitor_port=monitor[i],
                     cluster=ClusterSpec(port=route[i], routes=peers, host=host, name=name),
+                    extra_config=extra_config,
                 )
             )
 

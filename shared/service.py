@@ -29,7 +29,7 @@ from rose import __version__
 from rose.contracts.registry import HEARTBEAT, SERVICE_EVENT, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat, ServiceEvent
 
-from .bus import Bus
+from .bus import Bus, PermissionDenied
 from .config import BusConfig, ConfigError, RuntimeConfig, load_config
 from .metrics import MetricsServer, setup_metrics
 from .metrics import flush as flush_metrics
@@ -103,14 +103,19 @@ class ServiceRuntime:
             if self.metrics_server is not None:
                 await self.metrics_server.stop()
             raise
-        await provision(self.bus.js, replicas=self.bus.config.replicas)
+        try:
+            with self.bus.permission_errors(prefix="$JS.API.STREAM."):
+                await provision(self.bus.js, replicas=self.bus.config.replicas)
+        except PermissionDenied as exc:  # with auth on, only operators create storage
+            await self.bus.close()
+            raise RuntimeError(f"{exc}; JetStream storage is missing: create it first with operator credentials (`rose provision`)") from None
         await self.bus.services_api()  # every service answers $SRV.PING/INFO/STATS, endpoints or not
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
         await self._beat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        log.info("%s %s connected to %s", self.service, self.instance, self.bus.config.url)
+        log.info("%s %s connected to %s", self.service, self.instance, self.bus.config.display_url())
         return self
 
     async def __aexit__(self, *exc: object) -> None:

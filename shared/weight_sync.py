@@ -14,7 +14,10 @@ How a version is taken (`_advance`): check the manifest against the model (names
 dtypes, shard sizes) before fetching anything; fetch only the shards holding wanted tensors,
 decoding each as its chunks arrive; rebuild every shard from the held base (a delta) or from
 scratch (a keyframe) into *new* buffers; verify the SHA-256 of every decoded shard. Only then
-is `apply` called, and only when it returns are the new buffers held. Any failure publishes a
+is `apply` called, and only when it returns are the new buffers held. With a `verifier`, the
+manifest's Ed25519 signature is checked before anything else (shared/weight_signing.py): an
+unsigned, untrusted or altered manifest is refused (kind `signature`) and dead-lettered
+(`unauthorised`) without fetching a byte. Any failure publishes a
 `WeightFailed` with a kind and a reason, keeps the previous version serving, and then:
 refetches once (a damaged transfer), catches up from the latest keyframe plus the deltas
 after it (a missing base), or waits for the next keyframe (a chain that cannot be repaired).
@@ -47,11 +50,12 @@ from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_APPLIED, WEIGHT_FAI
 from rose.contracts.weights import ShardInfo, WeightApplied, WeightFailed, WeightManifest
 
 from .bus import Bus, Delivery
-from .codec import PayloadError, decode
+from .codec import PayloadError, decode, encode
 from .metrics import LATENCY_BUCKETS_S, meter, metric_name
 from .tracing import tracer
 from .weight_codec import CodecError, ShardDecoder
 from .weight_layout import dtype_name, fits_live, tensor_bytes, tensor_from_bytes
+from .weight_signing import ManifestVerifier, SignatureError
 from .weight_store import StoreError, WeightStore
 
 log = logging.getLogger("rose.weight_sync")
@@ -119,9 +123,17 @@ class WeightFollower:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         refetch_attempts: int = REFETCH_ATTEMPTS,
         digest: Callable[[], Awaitable[str]] | None = None,
+        verifier: ManifestVerifier | None = None,
     ) -> None:
-        """`digest`, when given, is awaited after each swap and reported as `params_sha256`."""
+        """`digest`, when given, is awaited after each swap and reported as `params_sha256`.
+
+        `verifier`, when given, must accept a manifest's signature before anything of it is
+        fetched; None takes unsigned manifests (library use and tests; the executor service
+        passes one unless `weights.require_signed` is false).
+        """
         self.bus = bus
+        self.verifier = verifier
+        self._dead_lettered: set[tuple[int, str, str]] = set()
         self._digest_fn = digest
         self.model = model
         self.executor_id = executor_id or bus.instance
@@ -217,6 +229,9 @@ class WeightFollower:
                 held = await self._advance(m, await self._base(m.base_version))
                 break
             except SyncError as err:
+                if err.kind == "signature":
+                    await self._fail(m.version, err, "none")  # the next version signed by a trusted key is taken
+                    return
                 if err.kind == "missing_base":
                     await self._fail(m.version, err, "catch_up")
                     await self._catch_up(arrived)
@@ -328,6 +343,7 @@ class WeightFollower:
 
     async def _advance(self, m: WeightManifest, base: Held | None) -> Held:
         """Build and verify version `m` from `base` (None: only a keyframe can be built)."""
+        await self._check_signature(m)
         slots, shard_ids = self._wanted(m)
         if not m.keyframe:
             if base is None or m.base_version != base.version:
@@ -378,6 +394,20 @@ class WeightFollower:
             raise SyncError("digest", f"version {m.version}: shard {info.shard_id} has SHA-256 {digest[:16]}…, the manifest says {info.sha256[:16]}…")
         return out
 
+    async def _check_signature(self, m: WeightManifest) -> None:
+        """Refuse (and dead-letter, once per manifest) a manifest the verifier does not accept."""
+        if self.verifier is None:
+            return
+        try:
+            self.verifier.check(m)
+        except SignatureError as exc:
+            seen = (m.version, m.key_id, m.signature)
+            if seen not in self._dead_lettered:
+                self._dead_lettered.add(seen)
+                subject = WEIGHT_MANIFEST.subject(model=self.model, kind=m.kind, version=str(m.version))
+                await self.bus.dead_letter(subject, "unauthorised", str(exc), encode(m, WEIGHT_MANIFEST.encoding), None)
+            raise SyncError("signature", str(exc)) from None
+
     @staticmethod
     def _finish(decoder: ShardDecoder) -> tuple[np.ndarray, str]:
         out = decoder.finish()
@@ -391,6 +421,7 @@ class WeightFollower:
         if m is None:
             return None
         try:
+            await self._check_signature(m)
             slots, shard_ids = self._wanted(m)
         except SyncError:
             return None

@@ -11,6 +11,7 @@ from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTas
 from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
 from rose.contracts.lease import Lease
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
+from rose.shared.config import BusConfig
 
 
 def _request(i: int = 0) -> GenerateRequest:
@@ -120,3 +121,26 @@ async def test_every_service_runtime_answers_srv_ping(bus_config, bus):
         rt.ready()
         ping = json.loads((await bus.nc.request("$SRV.PING.rose_slo_monitor", b"", timeout=2)).data)
         assert ping["metadata"]["instance"] == "mon-ping"
+
+
+async def test_connect_to_an_unreachable_server_gives_up_at_its_deadline():
+    """nats-py alone retries a first connect forever when reconnects are unlimited; ours says why and stops."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bus = Bus(BusConfig(url=f"nats://127.0.0.1:{port}", initial_connect_deadline_s=1.0, connect_timeout_s=0.5), service="tests", instance="unreachable")
+    with pytest.raises(ConnectionError, match="cannot reach NATS"):
+        await asyncio.wait_for(bus.connect(), timeout=20.0)
+
+
+async def test_a_cancelled_flush_does_not_stop_the_connection(bus):
+    """nats-py alone stops reading when the PONG of a cancelled flush arrives; every later reply would time out."""
+    for _ in range(3):
+        waiting = asyncio.ensure_future(bus.nc.flush(timeout=5))
+        await asyncio.sleep(0)  # the PING is out
+        waiting.cancel()
+        await asyncio.sleep(0.1)  # its PONG comes back to a cancelled waiter
+    await bus.nc.flush(timeout=2)
+    assert await bus.kv_get(SERVICE_REGISTRY, service="nobody", instance="x") is None

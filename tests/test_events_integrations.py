@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from polling import until
 from aiohttp import web
 
 from rose.cli.events_forward import ForwardSettings, Forwarder, plan_consumers, public_event_subjects
@@ -175,13 +176,6 @@ class Hook:
         await self.runner.cleanup()
 
 
-async def _until(predicate, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def hook():
     h = await Hook().start()
@@ -203,7 +197,7 @@ async def test_server_error_then_success_is_retried(bus, bus_config, hook, tmp_p
     forwarder, task = await _run_forwarder(settings, bus_config)
     try:
         await publish_lease(bus, ex)
-        await _until(lambda: forwarder.forwarded == 1)
+        await until(lambda: forwarder.forwarded == 1)
     finally:
         forwarder.stop()
         await task
@@ -225,7 +219,7 @@ async def test_refused_events_go_to_the_dead_letter_file_and_the_rest_flows(bus,
     try:
         for epoch in (1, 2, 3):
             await publish_lease(bus, ex, epoch=epoch)
-        await _until(lambda: forwarder.forwarded == 1 and forwarder.dead_lettered == 2)
+        await until(lambda: forwarder.forwarded == 1 and forwarder.dead_lettered == 2)
     finally:
         forwarder.stop()
         await task
@@ -245,7 +239,7 @@ async def test_unreachable_url_is_dead_lettered_after_retries(bus, bus_config, t
     forwarder, task = await _run_forwarder(settings, bus_config)
     try:
         await publish_lease(bus, ex)
-        await _until(lambda: forwarder.dead_lettered == 1)
+        await until(lambda: forwarder.dead_lettered == 1)
     finally:
         forwarder.stop()
         await task

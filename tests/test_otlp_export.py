@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from aiohttp import web
+from otlp_receiver import otlp_receiver
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 SCRIPT = textwrap.dedent(
@@ -36,27 +36,10 @@ SCRIPT = textwrap.dedent(
 
 
 async def test_spans_are_exported_over_otlp_http(nats_server, tmp_path):
-    received: list[ExportTraceServiceRequest] = []
-
-    async def traces(request: web.Request) -> web.Response:
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())
-        received.append(message)
-        return web.Response(status=200)
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+    async with otlp_receiver("/v1/traces", ExportTraceServiceRequest) as (endpoint, received):
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
         proc = await _run(env, nats_server.url)
         assert proc.returncode == 0, proc.stderr
-    finally:
-        await runner.cleanup()
     spans = [
         (resource.resource, span)
         for message in received

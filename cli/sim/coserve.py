@@ -103,3 +103,37 @@ def slo_capacity_rps(perf, prompt: float, output: float, prompt_p99: float, slo_
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def rollout_interference(ep, active: np.ndarray, tau_r: np.ndarray, turn_p90: float, signals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(extra seconds per serving iteration, extra wait of an arrival, may run) per instance.
+
+    ``ep``: the executor's policy object (or None: no rollout on serving instances);
+    ``active``: instances with rollout work and a lease; ``tau_r``: their rollout step time;
+    ``signals(d)``: the engine's Signals for instance d, handed to ``ep.may_run_rollout``.
+    """
+    n = len(active)
+    extra, may = np.zeros(n), np.zeros(n, dtype=bool)
+    if ep is None:
+        return extra, extra, may
+    if ep.quantum_ms is None:  # naive: the admitted batch runs to completion between serving iterations
+        may = active.copy()
+        extra = np.where(may, tau_r * turn_p90, 0.0)
+        return extra, extra, may
+    for d in np.flatnonzero(active).tolist():
+        may[d] = ep.may_run_rollout(signals(d))
+    extra = np.where(may, np.minimum(ep.quantum_ms / 1e3, tau_r), 0.0)
+    return extra, extra, may  # an arrival waits for the running quantum's next safepoint at most
+
+
+def rollout_share(ep, st: ServingTick, extra: np.ndarray, may: np.ndarray) -> np.ndarray:
+    """The share of each instance's time its rollout lane gets this second (see the module doc)."""
+    idle = 1.0 - st.busy
+    if ep.quantum_ms is None:
+        busy_share = np.where(may, extra / (st.iteration_s + extra), 0.0)
+        return idle + st.busy * busy_share
+    q = np.where(may, extra, 0.0)
+    yield_factor = (1.0 - np.minimum(st.prefill_frac, 1.0)) if ep.yields_on_arrival else 1.0
+    busy_share = yield_factor * q / np.maximum(st.iteration_s + q, 1e-12)
+    idle_share = idle if ep.widens_when_serving_idle else idle * busy_share
+    return idle_share + st.busy * busy_share

@@ -14,7 +14,7 @@ Processes and time:
   model (latency, SLO accounting), what each instance's rollout lane gets, rollout progress
   (admission FIFO under the batch-slot and KV caps, prefill then decode), turn completions
   (at their interpolated time inside the tick), then the control plane: the monitor's burst
-  detection and headroom, the scheduler's lease plan, the elastic baseline's resizing;
+  detection and headroom, then the scheduler's lease plan (``plan_lending`` in the policy's mode);
 - a trainer process per step; one process per (bundle of) trajectory: route a turn (the
   scheduler's ``place_turn`` over its ``Fleet``), wait for it, run the tool, next turn;
 - training time = 8 x params x tokens / (trainer GPUs x peak x ``train_mfu``) (forward +
@@ -34,8 +34,10 @@ staleness), preemption inside a running batch when a lease shrinks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,21 +55,23 @@ from rose.services.slo_monitor.bursts import BurstState
 from rose.services.slo_monitor.headroom import StepModel
 from rose.services.slo_monitor.windows import WindowStats
 
-from .coserve import serving_tick, slo_capacity_rps
+from .coserve import rollout_interference, rollout_share, serving_tick, slo_capacity_rps
 from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
-from .policies import ElasticBaseline, make_fleet_policy, monitor_settings
-from .rollouts import RolloutSpec, batch_trajectories, bundle_size, sample_batch, turn_length_quantile
-from .traces import DiurnalBursty, RequestSizes, Trace, diurnal_bursty
+from .policies import executor_signals, make_fleet_policy, monitor_settings
+from .rollouts import RolloutSpec, batch_trajectories, mean_context, bundle_size, sample_batch, turn_length_quantile
+from .traces import DiurnalBursty, Trace, diurnal_bursty
 from .weights import SyncSpec, sync_seconds
 
 MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
-SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate
-HOST_LOAD_BYTES_PER_S = 25e9  # elastic model swap: weights from pinned host memory per GPU (PCIe Gen5 x16, ~half of peak)
-ENGINE_RESTART_S = 10.0  # elastic model swap: engine teardown / start (assumption)
+SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate, rollout running
 TRAIN_FLOPS_PER_PARAM_TOKEN = 8.0
 HEDGE_MIN_S = 2.0  # rollout worker defaults (services/rollout_worker/config.py)
 HEDGE_FACTOR = 1.5
 TYPICAL_WINDOW = 64
+REFIT_TICKS = 30  # the simulated monitor refits each executor's step model every 30 snapshots (its long window)
+METRICS_INTERVAL_S = 1.0  # executors' metrics snapshots (services/executor/config.py metrics_interval_s)
+SCHEDULER_TICK_S = 0.5  # the scheduler's lease planning (services/scheduler/config.py tick_s)
+PREWARM_S = 35.0  # rose's per-executor monitor runs from this long before a rollout phase (its windows are 30 s)
 
 
 class Infeasible(ValueError):
@@ -84,10 +88,11 @@ class SimConfig:
     rollout_gpu_ratio: float = 0.5
     trainer_gpu_ratio: float = 1.0
     train_mfu: float = 0.4
+    train_s: float | None = None  # a measured training time per step (calibration), instead of the FLOPs model
     steps: int = 3
     dt: float = 1.0
     seed: int = 0
-    load: float = 0.45  # mean serving load as a fraction of the fleet's SLO capacity (synthetic trace)
+    load: float = 0.35  # mean serving load as a fraction of the fleet's SLO capacity (synthetic trace; peaks ~0.75)
     start_hour: float = 10.0
     trace_shape: DiurnalBursty = field(default_factory=DiurnalBursty)
     trace: Trace | None = None  # an imported trace in req/s (overrides load and trace_shape)
@@ -95,17 +100,21 @@ class SimConfig:
     slo_tpot_ms: float = 100.0
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     sync: SyncSpec = field(default_factory=SyncSpec)
-    warmup_s: float = 60.0
+    warmup_s: float = 40.0  # serving only before the first step: the monitor's 30 s windows fill up
     max_sim_s: float = 8 * 3600.0
     quantum_ms: float = 10.0
-    elastic_interval_s: float = 30.0
-    elastic_target_util: float = 0.7
     trajectories: int | None = None  # per step (default: rollouts.batch_trajectories of the dedicated pool)
     perf: tuple | None = None  # (serving, policy on a serving instance, policy on a dedicated instance) step models
     n_serving: int | None = None  # override the instance counts (calibration runs)
     n_dedicated: int | None = None
     memory: dict | None = None  # override memory figures (calibration runs)
     record_timeline: bool = False
+    # what-if changes to the services' inputs (not their logic), to measure two gaps the simulator
+    # shows: "kv_slots": headroom slots capped by what the lent KV holds at the mean rollout context
+    # (the monitor counts compute only); "sticky_throughput": headroom reports the best rollout
+    # tokens/s ever measured on an executor (the monitor's 30 s peak forgets it during training)
+    what_if: frozenset = frozenset()
+    max_rollout_batch: int = MAX_ROLLOUT_BATCH  # sequences per rollout engine (calibration runs: the executor's own)
 
 
 class Simulation:
@@ -114,8 +123,10 @@ class Simulation:
         self.rng = np.random.default_rng(cfg.seed)
         self.route_rng = __import__("random").Random(cfg.seed)
         self.env = simpy.Environment()
-        self.policy = make_fleet_policy(cfg.policy, cfg.quantum_ms, cfg.elastic_interval_s, cfg.elastic_target_util)
+        if cfg.policy not in ("static", "naive_share", "elastic_baseline", "rose"):
+            make_fleet_policy(cfg.policy)  # raises with the list of policies
         self._size_fleet()
+        self.policy = make_fleet_policy(cfg.policy, cfg.quantum_ms, cfg.max_rollout_batch, max(0.0, self.cohost_free_bytes))
         self._init_state()
 
     # ------------------------------------------------------------------ fleet sizing
@@ -144,9 +155,11 @@ class Simulation:
             self.prompt_p99 = float(c.trace.prompt_p99)
         else:
             self.prompt_mean, self.output_mean, self.prompt_p99 = c.trace_shape.sizes.means()
-        ws, wp = self.smodel.weight_bytes, self.pmodel.weight_bytes
-        self.kvb_s, self.kvb_p = self.smodel.kv_bytes_per_token, self.pmodel.kv_bytes_per_token
         mem = c.memory or {}
+        ws = mem.get("serving_weight_bytes", self.smodel.weight_bytes)
+        wp = self.policy_weight_bytes = mem.get("policy_weight_bytes", self.pmodel.weight_bytes)
+        self.kvb_s = mem.get("kvb_serving", self.smodel.kv_bytes_per_token)
+        self.kvb_p = mem.get("kvb_policy", self.pmodel.kv_bytes_per_token)
         usable_s = mem.get("usable_serving", usable_bytes(self.device, self.tp_s))
         usable_r = mem.get("usable_dedicated", usable_bytes(self.device, self.tp_r))
         self.total_s = mem.get("total_serving", self.tp_s * self.device.hbm_bytes)
@@ -163,18 +176,20 @@ class Simulation:
         else:
             shape = diurnal_bursty(horizon, c.start_hour, c.trace_shape, c.seed + 7)
             self.fleet_rate = shape.rate * c.load * self.n_serv * self.cap_rps
-        # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
+        # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate) with
+        # rollout running beside it (one quantum per serving iteration makes requests stay longer)
         peak = float(np.percentile(self.fleet_rate, 99.9)) / self.n_serv
-        at_peak = serving_tick(self.sperf, np.array([peak]), self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, 1.0, self.alone_kv_tokens)
+        q = c.quantum_ms / 1e3
+        at_peak = serving_tick(self.sperf, np.array([peak]), self.prompt_mean, self.output_mean, self.prompt_p99, q, q, 0.0, 1.0, self.alone_kv_tokens)
         pool_tokens = min(self.alone_kv_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (self.prompt_mean + self.output_mean))
         self.pool_tokens = mem.get("serving_pool_tokens", pool_tokens)
         self.cohost_free_bytes = usable_s - ws - wp - self.pool_tokens * self.kvb_s
         self.can_cohost = self.cohost_free_bytes > 0
         self.dedicated_kv = usable_r - wp
         self.lent_kv = usable_s - wp
-        self.max_rollout_batch = MAX_ROLLOUT_BATCH
-        self.switch_s = ENGINE_RESTART_S + (wp / self.tp_s) / HOST_LOAD_BYTES_PER_S
+        self.max_rollout_batch = c.max_rollout_batch
         self.turn_p90 = turn_length_quantile(c.rollout, 0.9)
+        self.mean_rollout_ctx = mean_context(c.rollout)
 
     def _init_state(self) -> None:
         c = self.cfg
@@ -187,8 +202,6 @@ class Simulation:
         self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
         self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
         self.queue = np.zeros(self.n_serv)
-        self.mode = np.zeros(self.n_serv, dtype=np.int8)  # elastic: 0 serving, 1 -> rollout, 2 lent, 3 -> serving
-        self.switch_until = np.zeros(self.n_serv)
         self.prev_iter_ms = np.zeros(self.n_serv)
         cohosting = self.policy.hosts_policy_on_serving and self.can_cohost
         self.serving_kv_tokens = self.pool_tokens if cohosting else self.alone_kv_tokens
@@ -206,11 +219,14 @@ class Simulation:
         self.win_cfg, self.burst_cfg, self.head_cfg = monitor_settings(c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes)))
         self.W = max(2, int(round(self.win_cfg.long_s / c.dt)))
         self.S = max(1, int(round(self.win_cfg.short_s / c.dt)))
+        self.k_snap = max(1, int(round(METRICS_INTERVAL_S / c.dt)))  # ticks per metrics snapshot (the monitor's cadence)
+        self.k_sched = max(1, int(round(SCHEDULER_TICK_S / c.dt)))  # ticks per scheduler tick
         n = self.n_serv
         self.ring = {k: np.zeros((n, self.W)) for k in ("ttft", "tpot", "tpot_mean", "arrivals", "queue", "bs", "br")}
         self.ring_tps = np.zeros((self.D, self.W))
         self.ring_fleet_rate = np.zeros(max(2, int(600 / c.dt)))
         self.tick_no = 0
+        self.monitor_from = 0.0
         self._cand_tick, self._cand, self._cand_pos = -1, [], {}
         self.burst_state = [BurstState() for _ in range(n)]
         self.step_models: list[StepModel] = [StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)]
@@ -222,13 +238,15 @@ class Simulation:
         # turn table (one active turn per simulated trajectory), sized per step
         self.bundle = 1
         self._alloc_turns(0)
+        self.best_tps = np.zeros(self.D)
+        self.unlendable: collections.Counter = collections.Counter()  # the monitor's first reason, per executor-second
         self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
         self.retained = np.zeros(self.D)  # prefix-cache bytes retained by idle trajectories per device
         self.seq_counter = 0
         # accounting
         self.acc = dict(violations=0.0, bad_requests=0.0, requests=0.0, violations_alone=0.0, bad_alone=0.0, lent_instance_s=0.0, serving_instance_s=0.0,
-                        rollout_tokens=0.0, granted=0, renewed=0, revoked=0, expired=0, alerts=0, interrupted=0, aborted=0, bounced=0,
-                        prefix_hits=0, prefix_misses=0, lends=0, reclaims=0, hedges=0, hedge_wins=0)
+                        rollout_tokens=0.0, serving_tokens=0.0, granted=0, renewed=0, revoked=0, expired=0, alerts=0, interrupted=0, aborted=0, bounced=0,
+                        prefix_hits=0, prefix_misses=0, hedges=0, hedge_wins=0)
         self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
         self.steps: list[dict] = []
 
@@ -255,12 +273,11 @@ class Simulation:
 
     def apply_lease(self, kind: str, lease, reason: str) -> None:
         d = self.index[lease.executor_id]
+        self.fleet.on_lease(lease)
         if kind in ("revoked", "expired"):
-            self.fleet.on_lease(lease)
-            self.revoke_device(d, reason, keep_tokens=True)
-        else:
-            self.fleet.on_lease(lease)
-            self.set_caps(d, lease.max_rollout_batch, lease.kv_bytes)
+            self.revoke_device(d, reason, keep_tokens=self.policy.keep_tokens)
+        elif self.cohosting:  # the executor clamps a lease to its rollout pool
+            self.set_caps(d, lease.max_rollout_batch, min(float(lease.kv_bytes), max(0.0, self.cohost_free_bytes)))
         self.acc[kind] += 1
 
     def revoke_device(self, d: int, reason: str, keep_tokens: bool) -> None:
@@ -292,28 +309,20 @@ class Simulation:
     def current_fleet_rate(self) -> float:
         return float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(self.env.now))])
 
-    def elastic_serving_count(self) -> int:
-        return int(np.sum((self.mode == 0) | (self.mode == 3)))
+    def _kv_slots(self, kv_bytes: float) -> int:
+        return int(kv_bytes // (self.mean_rollout_ctx * self.kvb_p))
 
-    def elastic_lend(self, k: int, now: float) -> None:
-        cands = [d for d in range(self.n_serv - 1, -1, -1) if self.mode[d] == 0][:k]
-        for d in cands:
-            self.mode[d], self.switch_until[d] = 1, now + self.switch_s
-            self.acc["lends"] += 1
-
-    def elastic_reclaim(self, k: int, now: float, reason: str) -> None:
-        lent = [d for d in range(self.n_serv) if self.mode[d] in (1, 2)][:k]
-        for d in lent:
-            if self.mode[d] == 2:
-                self.revoke_device(d, reason, keep_tokens=False)
-                self._headroom_role(d, "serving", now)
-                self.mode[d], self.switch_until[d] = 3, now + self.switch_s
-            else:  # still swapping in the policy: swap back (the serving weights are reloaded)
-                self.mode[d], self.switch_until[d] = 3, now + self.switch_s
-            self.acc["reclaims"] += 1
+    def _reported_tps(self, d: int, peak: float) -> float:
+        if "sticky_throughput" in self.cfg.what_if:
+            self.best_tps[d] = max(self.best_tps[d], peak)
+            return float(self.best_tps[d])
+        return float(peak)
 
     def _headroom_role(self, d: int, role: str, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
         slots = int(self.slots[d]) if role == "dedicated" else 0
+        if role == "dedicated" and "kv_slots" in self.cfg.what_if:
+            slots = min(slots, self._kv_slots(self.kvcap[d]))
+        tps = self._reported_tps(d, tps)
         self.fleet.on_headroom(Headroom(
             executor_id=self.ids[d], at=now, kv_bytes=0, compute_share=1.0 if role == "dedicated" else 0.0, rollout_batch_slots=slots,
             ttft_p99_ms=0.0, tpot_p99_ms=0.0, slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms, arrival_rate_rps=0.0, serving_queue=0,
@@ -334,19 +343,10 @@ class Simulation:
     def _tick(self, now: float, dt: float, serving_idx: np.ndarray) -> None:
         c = self.cfg
         pol = self.policy
-        elastic = isinstance(pol, ElasticBaseline)
-        if elastic:
-            done = (self.mode == 1) & (self.switch_until <= now)
-            for d in np.flatnonzero(done):
-                self.mode[d] = 2
-                self.set_caps(d, self.max_rollout_batch, self.lent_kv)
-                self.ready_at[d] = max(self.ready_at[d], now)
-                self._headroom_role(int(d), "dedicated", now)
-            back = (self.mode == 3) & (self.switch_until <= now)
-            self.mode[back] = 0
         fleet_rps = float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(now))])
         self.ring_fleet_rate[self.tick_no % len(self.ring_fleet_rate)] = fleet_rps
-        serving_mode = self.mode == 0
+        lent = self.slots[: self.n_serv] > 0
+        serving_mode = ~lent if pol.drains_lent else np.ones(self.n_serv, dtype=bool)
         n_active = int(serving_mode.sum())
         per_inst = fleet_rps / max(1, n_active)
         arrivals = np.where(serving_mode, self.rng.poisson(per_inst * dt, self.n_serv), 0).astype(float)
@@ -358,24 +358,11 @@ class Simulation:
         br = np.bincount(self.dev[running], minlength=self.D)[: self.n_serv] * self.bundle if running.any() else np.zeros(self.n_serv)
         ctx_r = self._mean_ctx(running)[: self.n_serv]
         tau_r = self.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
-        extra = np.zeros(self.n_serv)
-        wait = np.zeros(self.n_serv)
-        may = np.zeros(self.n_serv, dtype=bool)
         ep = pol.executor_policy
         ready = self.ready_at[: self.n_serv] <= now
-        if ep is not None and self.cohosting:
-            active = (br > 0) & (self.slots[: self.n_serv] > 0) & ready
-            if ep.quantum_ms is None:  # naive: the batch runs to completion between serving iterations
-                may = active
-                extra = np.where(may, tau_r * self.turn_p90, 0.0)
-                wait = extra
-            else:
-                from .policies import executor_signals
-
-                for d in np.flatnonzero(active):
-                    may[d] = ep.may_run_rollout(executor_signals(now, self.ring["bs"][d, (self.tick_no - 1) % self.W], self.prev_iter_ms[d], c.slo_tpot_ms))
-                extra = np.where(may, np.minimum(ep.quantum_ms / 1e3, tau_r), 0.0)
-                wait = extra  # an arrival waits for the running quantum's next safepoint at most
+        active = (br > 0) & (self.slots[: self.n_serv] > 0) & ready if (ep is not None and self.cohosting) else np.zeros(self.n_serv, dtype=bool)
+        last_bs = self.ring["bs"][:, (self.tick_no - 1) % self.W]
+        extra, wait, may = rollout_interference(ep, active, tau_r, self.turn_p90, lambda d: executor_signals(now, last_bs[d], self.prev_iter_ms[d], c.slo_tpot_ms))
         st = serving_tick(self.sperf, rate, self.prompt_mean, self.output_mean, self.prompt_p99, extra, wait, self.queue, dt, self.serving_kv_tokens)
         self.queue = np.where(serving_mode, st.queue, 0.0)
         self.prev_iter_ms = st.iteration_s * 1e3
@@ -391,23 +378,9 @@ class Simulation:
         share = np.zeros(self.D)
         share[self.n_serv:] = (self.ready_at[self.n_serv:] <= now).astype(float)
         if ep is not None and self.cohosting:
-            idle = 1.0 - st.busy
-            if ep.quantum_ms is None:
-                busy_share = np.where(may, extra / (st.iteration_s + extra), 0.0)
-            else:
-                q = np.where(may, extra, 0.0)
-                yield_factor = (1.0 - np.minimum(st.prefill_frac, 1.0)) if ep.yields_on_arrival else 1.0
-                busy_share = yield_factor * q / (st.iteration_s + q)
-            idle_share = idle if ep.widens_when_serving_idle or ep.quantum_ms is None else idle * busy_share
-            share[: self.n_serv] = np.where(ready & (self.slots[: self.n_serv] > 0), idle_share + st.busy * busy_share, 0.0)
-        if elastic:
-            lent = self.mode == 2
-            share[: self.n_serv] = np.where(lent & ready, 1.0, 0.0)
+            share[: self.n_serv] = np.where(ready & (self.slots[: self.n_serv] > 0), rollout_share(ep, st, extra, may), 0.0)
+        if self.cohosting:
             self.acc["lent_instance_s"] += float(lent.sum()) * dt
-        elif pol.name == "rose":
-            self.acc["lent_instance_s"] += float((self.slots[: self.n_serv] > 0).sum()) * dt
-        elif pol.name == "naive_share" and self.cohosting:
-            self.acc["lent_instance_s"] += float(self.n_serv) * dt
         tokens = self._rollout_tick(now, dt, share)
         self.ring_tps[:, self.tick_no % self.W] = tokens / dt
         # monitor ring buffers (serving instances)
@@ -421,17 +394,21 @@ class Simulation:
         r["bs"][:, col] = st.batch
         r["br"][:, col] = br
         self.tick_no += 1
-        if pol.uses_monitor:
+        if pol.uses_monitor and self.tick_no % self.k_snap == 0 and (not pol.monitor_idle_skippable or now >= self.monitor_from):
             self._monitor(now, serving_mode, st)
-        if pol.name == "rose" or self.tick_no % 5 == 0 or elastic:
+        if self.tick_no % self.k_snap == 0:
             self._dedicated_headroom(now)
-        pol.control(self, now)
+        if self.tick_no % self.k_sched == 0:
+            pol.control(self, now)
+        for d in np.flatnonzero(self.slots[: self.n_serv] > 0).tolist():  # each executor enforces its lease's expiry itself
+            if not pol.is_active(self.fleet.info(self.ids[d]).lease, now):
+                self.revoke_device(d, "lease expired", keep_tokens=pol.keep_tokens)
         if c.record_timeline:
             tl = self.timeline
             tl["t"].append(now)
             tl["fleet_rps"].append(fleet_rps)
             tl["rollout_tps"].append(float(tokens.sum()) / dt)
-            tl["lent"].append(int((self.mode == 2).sum()) if elastic else int((self.slots[: self.n_serv] > 0).sum()) if self.cohosting else 0)
+            tl["lent"].append(int((self.slots[: self.n_serv] > 0).sum()))
             tl["violating"].append(int(violating.sum()))
 
     def _mean_ctx(self, mask: np.ndarray) -> np.ndarray:
@@ -447,10 +424,7 @@ class Simulation:
         nr = np.bincount(self.dev[running], minlength=self.D) if running.any() else np.zeros(self.D, dtype=np.int64)
         nq = np.bincount(self.dev[queued], minlength=self.D) if queued.any() else np.zeros(self.D, dtype=np.int64)
         peak_tps = self.ring_tps.max(axis=1)
-        targets = list(range(self.n_serv, self.D))
-        if isinstance(self.policy, ElasticBaseline):
-            targets += [int(d) for d in np.flatnonzero(self.mode == 2)]
-        for d in targets:
+        for d in range(self.n_serv, self.D):
             self._headroom_role(d, "dedicated", now, nr[d] * self.bundle, nq[d] * self.bundle, peak_tps[d])
 
     # ------------------------------------------------------------------ rollout progress
@@ -469,8 +443,8 @@ class Simulation:
         if q.size:
             dq = self.dev[q]
             need = bundle * (self.ctx[q] + self.dec_left[q]) * kvb
-            never = (need > self.kvcap[dq]) & (self.kvcap[dq] > 0)
-            for i in q[never]:  # can never fit there: the executor refuses, the worker goes elsewhere
+            never = need > self.kvcap[dq]
+            for i in q[never]:  # can never fit there (or no rollout pool at all): the executor refuses, the worker goes elsewhere
                 self.state[i], self.dev[i] = 0, -1
                 self.acc["bounced"] += 1
                 self.events[i].succeed(("bounced", 0.0))
@@ -521,6 +495,7 @@ class Simulation:
         self.ctx[run] += step_tokens
         tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=self.D)
         self.acc["rollout_tokens"] += float(tokens.sum())
+        self.acc["serving_tokens"] += float(tokens[: self.n_serv].sum())
         fin_mask = dec & (left - adv <= 1e-9) & (adv > 0)
         if fin_mask.any():
             fins = run[fin_mask]
@@ -542,47 +517,51 @@ class Simulation:
         filled = min(self.tick_no, W)
         last = (self.tick_no - 1 - np.arange(filled)) % W  # newest first
         short_idx, long_idx = last[: min(S, filled)], last
-        recent_idx, base_idx = last[:1], last[1:]
-        ttft_s, tpot_s = r["ttft"][:, short_idx].max(axis=1), r["tpot"][:, short_idx].max(axis=1)
-        ttft_l, tpot_l = r["ttft"][:, long_idx].max(axis=1), r["tpot"][:, long_idx].max(axis=1)
-        arr_s, arr_l = r["arrivals"][:, short_idx].sum(axis=1), r["arrivals"][:, long_idx].sum(axis=1)
-        arr_r, arr_b = r["arrivals"][:, recent_idx].sum(axis=1), r["arrivals"][:, base_idx].sum(axis=1)
-        bs_peak = r["bs"][:, long_idx].max(axis=1)
-        q_now = r["queue"][:, last[0]]
-        q_prev = r["queue"][:, last[1]] if filled > 1 else np.zeros(self.n_serv)
-        tps_peak = self.ring_tps[: self.n_serv, long_idx].max(axis=1)
-        kv_util = np.minimum(1.0, st.batch * (self.prompt_mean + self.output_mean) / max(1.0, self.serving_kv_tokens))
-        span_s, span_l, span_b = len(short_idx) * dt, filled * dt, len(base_idx) * dt
-        refit = self.tick_no % 10 == 0
+        recent_idx, base_idx = last[: self.k_snap], last[self.k_snap:]  # the latest snapshot, the history before it
+        L = lambda a: a.tolist()  # noqa: E731  (plain floats: numpy scalars are slow in the loop)
+        ttft_s, tpot_s = L(r["ttft"][:, short_idx].max(axis=1)), L(r["tpot"][:, short_idx].max(axis=1))
+        ttft_l, tpot_l = L(r["ttft"][:, long_idx].max(axis=1)), L(r["tpot"][:, long_idx].max(axis=1))
+        arr_s, arr_l = L(r["arrivals"][:, short_idx].sum(axis=1)), L(r["arrivals"][:, long_idx].sum(axis=1))
+        arr_r, arr_b = L(r["arrivals"][:, recent_idx].sum(axis=1)), L(r["arrivals"][:, base_idx].sum(axis=1))
+        bs_peak, bs_short = L(r["bs"][:, long_idx].max(axis=1)), L(r["bs"][:, short_idx].max(axis=1))
+        q_now = L(r["queue"][:, last[0]])
+        q_prev = L(r["queue"][:, last[1]]) if filled > 1 else [0.0] * self.n_serv
+        br_now = L(r["br"][:, last[0]])
+        tps_peak = L(self.ring_tps[: self.n_serv, long_idx].max(axis=1))
+        kv_util = L(np.minimum(1.0, st.batch * (self.prompt_mean + self.output_mean) / max(1.0, self.serving_kv_tokens)))
+        util = L(1.0 - np.exp(-st.batch))
+        span_s, span_l, span_b, span_r = len(short_idx) * dt, filled * dt, len(base_idx) * dt, len(recent_idx) * dt
+        refit = self.tick_no % (REFIT_TICKS * self.k_snap) == 0
+        qmask = self.state == 1
+        queued = L(np.bincount(self.dev[qmask], minlength=self.D)) if qmask.any() else [0] * self.D
+        c, bundle = self.cfg, self.bundle
         for d in range(self.n_serv):
-            if not serving_mode[d]:
-                continue
-            short = WindowStats(span_s, len(short_idx), ttft_s[d], tpot_s[d], arr_s[d], arr_s[d] / span_s, int(arr_s[d]), int(q_now[d]), int(r["bs"][d, short_idx].max()), tps_peak[d], kv_util[d], 1.0 - float(np.exp(-st.batch[d])))
-            recent = WindowStats(dt, 1, 0.0, 0.0, arr_r[d], arr_r[d] / dt, int(arr_r[d]), int(q_now[d]), 0, 0.0, 0.0, 0.0)
+            eid = self.ids[d]
+            short = WindowStats(span_s, len(short_idx), ttft_s[d], tpot_s[d], arr_s[d], arr_s[d] / span_s, int(arr_s[d]), int(q_now[d]), int(bs_short[d]), tps_peak[d], kv_util[d], util[d])
+            recent = WindowStats(span_r, 1, 0.0, 0.0, arr_r[d], arr_r[d] / span_r, int(arr_r[d]), int(q_now[d]), 0, 0.0, 0.0, 0.0)
             base = WindowStats(span_b, len(base_idx), 0.0, 0.0, arr_b[d], arr_b[d] / span_b if span_b else 0.0, int(arr_b[d]), 0, 0, 0.0, 0.0, 0.0)
             found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), self.burst_cfg, self.head_cfg)
             decided = pol.next_alert(self.burst_state[d], found, now, self.burst_cfg)
             if decided is not None:
-                alert = SloAlert(executor_id=self.ids[d], at=now, severity=decided[0], reason=decided[1], arrival_rate_rps=arr_r[d] / dt, serving_queue=int(q_now[d]),
-                                 ttft_p99_ms=float(ttft_s[d]), tpot_p99_ms=float(tpot_s[d]))
+                alert = SloAlert(executor_id=eid, at=now, severity=decided[0], reason=decided[1], arrival_rate_rps=arr_r[d] / span_r, serving_queue=int(q_now[d]),
+                                 ttft_p99_ms=ttft_s[d], tpot_p99_ms=tpot_s[d])
                 if alert.severity != "recovered":
-                    self.fleet.on_alert(self.ids[d], now)
                     self.acc["alerts"] += 1
                 pol.on_alert(self, d, alert, now)
-            if pol.name != "rose":
-                continue
             if refit:
-                obs = [(float(r["bs"][d, j]), float(r["br"][d, j]), float(r["tpot_mean"][d, j])) for j in long_idx]
-                self.step_models[d] = pol.fit_step_model(obs, float(tpot_s[d]) or self.cfg.slo_tpot_ms / 4)
+                obs = list(zip(r["bs"][d, long_idx].tolist(), r["br"][d, long_idx].tolist(), r["tpot_mean"][d, long_idx].tolist()))
+                self.step_models[d] = pol.fit_step_model(obs, tpot_s[d] or c.slo_tpot_ms / 4)
             long = WindowStats(span_l, filled, ttft_l[d], tpot_l[d], arr_l[d], arr_l[d] / span_l, int(arr_l[d]), int(q_now[d]), int(bs_peak[d]), tps_peak[d], kv_util[d], 0.0)
             v = pol.assess(short, long, self.step_models[d], self.latest, self.head_cfg, self.burst_state[d].alerting)
-            nr = int(r["br"][d, last[0]])
+            if not v.lendable:
+                self.unlendable[re.sub(r"\d+(\.\d+)? ms", "N ms", v.reason.split(";")[0])] += 1
+            slots = v.slots if "kv_slots" not in c.what_if else min(v.slots, self._kv_slots(v.kv_bytes))
             self.fleet.on_headroom(Headroom(
-                executor_id=self.ids[d], at=now, kv_bytes=v.kv_bytes, compute_share=v.compute_share, rollout_batch_slots=v.slots,
-                ttft_p99_ms=float(ttft_s[d]), tpot_p99_ms=float(tpot_s[d]), slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms,
-                arrival_rate_rps=float(arr_s[d] / span_s), serving_queue=int(q_now[d]), role="serving", lendable=v.lendable, reason=v.reason,
-                ttft_p99_long_ms=float(ttft_l[d]), tpot_p99_long_ms=float(tpot_l[d]), arrival_rate_long_rps=float(arr_l[d] / span_l),
-                kv_utilisation=float(kv_util[d]), rollout_running=nr, rollout_queue=0, rollout_tokens_per_s=float(tps_peak[d]),
+                executor_id=eid, at=now, kv_bytes=v.kv_bytes, compute_share=v.compute_share, rollout_batch_slots=slots,
+                ttft_p99_ms=ttft_s[d], tpot_p99_ms=tpot_s[d], slo_ttft_ms=c.slo_ttft_ms, slo_tpot_ms=c.slo_tpot_ms,
+                arrival_rate_rps=arr_s[d] / span_s, serving_queue=int(q_now[d]), role="serving", lendable=v.lendable, reason=v.reason,
+                ttft_p99_long_ms=ttft_l[d], tpot_p99_long_ms=tpot_l[d], arrival_rate_long_rps=arr_l[d] / span_l,
+                kv_utilisation=kv_util[d], rollout_running=int(br_now[d]), rollout_queue=queued[d] * bundle, rollout_tokens_per_s=self._reported_tps(d, tps_peak[d]),
                 device_kind="cuda", device_name=self.device.name, device_memory_bytes=int(self.total_s),
             ))
 
@@ -745,13 +724,20 @@ class Simulation:
         self.events[i] = ev
         return ev
 
+    def _next_idle_s(self, batch) -> float:
+        """Seconds from the end of this rollout to the next one's start (training + dedicated sync)."""
+        c = self.cfg
+        train_s = c.train_s if c.train_s is not None else TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * batch.tokens() / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+        return train_s + sync_seconds(self.policy_weight_bytes, "full", c.sync, cross_cluster=False)
+
     def _trainer(self):
         c, env = self.cfg, self.env
+        self.monitor_from = c.warmup_s - PREWARM_S
         yield env.timeout(c.warmup_s)
         inst_kv_tokens = self.dedicated_kv / self.kvb_p
         trajectories = c.trajectories or batch_trajectories(c.rollout, self.n_ded * inst_kv_tokens)
         bundle = bundle_size(c.rollout, trajectories, inst_kv_tokens)
-        wp = self.pmodel.weight_bytes
+        wp = self.policy_weight_bytes
         for step in range(c.steps):
             t0 = env.now
             sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
@@ -769,17 +755,21 @@ class Simulation:
             if end > env.now:
                 yield env.timeout(end - env.now)
             rollout_s = env.now - t_roll
+            # no rollout until the next batch: rose's monitor can rest until its windows must refill
+            self.monitor_from = env.now + self._next_idle_s(batch) - PREWARM_S
+            fin = np.sort(self.finished_at[: batch.n])
+            p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else env.now
+            tail_s = max(0.0, env.now - p90)
             tokens = batch.tokens()
-            train_s = TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+            train_s = c.train_s if c.train_s is not None else TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
             yield env.timeout(train_s)
             self.steps.append(dict(step=step, start=t0, rollout_s=rollout_s, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
-                                   step_s=env.now - t0, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
+                                   step_s=env.now - t0, tail_s=tail_s, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
         self.done.succeed()
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
         c, env = self.cfg, self.env
-        self.policy.setup(self)
         self.done = env.event()
         env.process(self._clock())
         env.process(self._trainer())
@@ -807,12 +797,15 @@ class Simulation:
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
             trajectories_per_step=steps[0]["trajectories"] if steps else 0, bundle=steps[0]["bundle"] if steps else 0,
             rollout_tokens_per_s=gen / roll_total if roll_total else 0.0,
+            tail_fraction=sum(s["tail_s"] for s in steps) / roll_total if roll_total else 0.0,
+            rollout_tokens_on_serving_fraction=a["serving_tokens"] / max(1.0, a["rollout_tokens"]),
+            unlendable_reasons=dict(self.unlendable.most_common(3)),
             slo_violations=a["violations"], slo_violations_serving_alone=a["violations_alone"],
             serving_slo_attainment=1.0 - a["bad_requests"] / max(1.0, a["requests"]),
             lent_instance_fraction=a["lent_instance_s"] / max(1e-9, sim_s * self.n_serv),
             leases=dict(granted=a["granted"], renewed=a["renewed"], revoked=a["revoked"], expired=a["expired"]),
             alerts=a["alerts"], interrupted_turns=a["interrupted"], aborted_turns=a["aborted"], bounced_turns=a["bounced"],
-            elastic_lends=a["lends"], elastic_reclaims=a["reclaims"], hedges=a["hedges"], hedge_wins=a["hedge_wins"],
+            hedges=a["hedges"], hedge_wins=a["hedge_wins"],
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             simulated_s=sim_s,
         )

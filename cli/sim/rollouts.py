@@ -25,7 +25,7 @@ smaller batch a step is bound by its slowest trajectory and extra capacity buys 
 (same lengths, placed together, ``bundle`` x the batch slots, KV and tokens). The tail is
 then sampled ``trajectories / bundle`` times per step rather than ``trajectories`` times,
 which makes the simulated tail slightly lighter. ``bundle_size`` keeps ``trajectories /
-bundle`` at ``max_bundles`` (512) or more, and a bundle at its longest context within half
+bundle`` at ``max_bundles`` (384) or more, and a bundle at its longest context within half
 of a dedicated instance's KV cache.
 """
 
@@ -56,7 +56,7 @@ class RolloutSpec:
     prompt_median: float = 2000.0
     prompt_sigma: float = 0.3
     max_context: int = 32768
-    max_bundles: int = 512  # simulated trajectories per step at most (see ``bundle``)
+    max_bundles: int = 384  # simulated trajectories per step at most (see ``bundle``)
 
 
 @dataclass

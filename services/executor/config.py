@@ -44,6 +44,12 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     follow: bool = True
     model: str = "policy"  # the model name the trainer publishes under
     report_digest: bool = False  # put a SHA-256 of the live policy in every WeightApplied (costs a pass over the weights)
+    # Apply only manifests signed by a trusted Ed25519 key (checked before anything is fetched).
+    require_signed: bool = True
+    # Trusted public keys: `.pub` files or directories of them, re-read for every manifest (a rotation
+    # adds the new key here, then removes the old one). Empty: $ROSE_STATE_DIR/keys, where the
+    # embedded default's publisher keeps its pair.
+    trusted_keys: list[str] = msgspec.field(default_factory=list)
 
 
 class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -52,6 +52,15 @@ def _number(body: dict[str, Any], name: str, default: float | None, kind: type =
     return value
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text` if it is valid Unicode; JSON may carry lone surrogates (e.g. "\\ud800"), which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"`{param}` is not valid Unicode text: {exc.reason} at position {exc.start}", param=param.split("[")[0]) from None
+    return text
+
+
 class OpenAIApi:
     def __init__(self, engine: Engine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
         self.engine = engine
@@ -115,6 +124,8 @@ class OpenAIApi:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to parse") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model")
@@ -154,7 +165,7 @@ class OpenAIApi:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "`prompt` is empty: send some text", param="prompt")
-            return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return tuple(self.tokenizer.encode(_unicode(prompt, "prompt"), add_special_tokens=False))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return tuple(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
@@ -167,6 +178,7 @@ class OpenAIApi:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a role (system|user|assistant|tool) and string content", param="messages")
+            _unicode(m["content"], f"messages[{i}].content")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

@@ -6,6 +6,10 @@ shrink by freeing whole blocks. The serving model and the policy model have diff
 shapes, so each has its own pool (its own tensor): rollout can never take a serving
 block. The rollout pool is preallocated at its maximum and then *bounded* by a budget
 (the lease); blocks above the budget are not handed out.
+
+Isolation: a block is zeroed when it is freed, so whoever is handed it next (another user's
+request, another trajectory) never finds the previous owner's keys and values in it. No
+block ever changes class: each pool is its own tensor, allocated once.
 """
 
 from __future__ import annotations
@@ -95,7 +99,18 @@ class KVPool:
         return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool, zeroed (their K/V must not reach the next owner)."""
+        if not blocks:
+            return
+        self.scrub(blocks)
         self._free.extend(blocks)
+
+    def scrub(self, blocks: list[int]) -> None:
+        """Zero the K and V of `blocks` in every layer (one kernel per tensor, on the caller's stream)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        layers, _, heads, dim = self.k.shape
+        for tensor in (self.k, self.v):
+            tensor.view(layers, self.num_blocks, self.block_size, heads, dim).index_fill_(1, index, 0)
 
     def usage(self, cached_blocks: int = 0) -> PoolUsage:
         return PoolUsage(self.block_bytes, self._budget_blocks, self.used_blocks, cached_blocks)

@@ -75,7 +75,7 @@ class LeaseGuard:
         log.info("lease %s epoch %d: %d KV bytes for %.1fs", lease.lease_id, lease.epoch, budget, remaining)
 
     async def _on_alert(self, alert: SloAlert, _d: Delivery) -> None:
-        if alert.severity in ("burst", "violation") and self.current is not None:
+        if alert.severity in ("burst", "violation") and self.current is not None and self.engine.policy.yields_to_alerts:
             log.warning("SLO alert (%s): %s; yielding rollout now", alert.severity, alert.reason)
             self._revoke("lease_revoked")
 

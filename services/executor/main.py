@@ -16,6 +16,7 @@ from aiohttp import web
 from rose.contracts.registry import GENERATE
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
+from rose.shared.weight_signing import ManifestVerifier
 from rose.shared.weight_sync import WeightFollower
 
 from .config import MIB, ExecutorConfig
@@ -80,8 +81,18 @@ async def follow_weights(rt: ServiceRuntime, engine: Engine, config: ExecutorCon
     if not config.weights.follow:
         return None
     updates = PolicyUpdates(engine)
+    verifier = ManifestVerifier.from_settings(config.weights.trusted_keys) if config.weights.require_signed else None
+    if verifier is None:
+        log.warning("weights.require_signed is false: unsigned policy versions will be applied")
+    else:
+        keys, problems = verifier.keys()
+        if keys:
+            log.info("trusting weight-signing keys %s", sorted(keys))
+        else:  # not fatal: the publisher may create the default pair later; until then every version is refused
+            log.warning("no trusted weight-signing key yet (%s); policy versions are refused until one is there", "; ".join(problems) or verifier.trusted)
     follower = WeightFollower(
-        rt.bus, model=config.weights.model, apply=updates.apply, executor_id=rt.instance, digest=updates.digest if config.weights.report_digest else None
+        rt.bus, model=config.weights.model, apply=updates.apply, executor_id=rt.instance, digest=updates.digest if config.weights.report_digest else None,
+        verifier=verifier,
     )
     await follower.start(engine.policy_state_dict(), None)
     return follower

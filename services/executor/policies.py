@@ -11,6 +11,8 @@ hot loop has no mode flags:
   current batch runs to completion.
 and ``yields_on_arrival``: does a serving arrival ask the rollout lane to yield? and
 ``widens_when_serving_idle``: may rollout use the whole device while serving has no work?
+and ``yields_to_alerts``: does the executor's lease guard take rollout back at once on an
+SLO alert for this executor (naive_share ignores the SLO, alerts included)?
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ServingOnly:
     shares_serving_lane = False
     yields_on_arrival = False
     widens_when_serving_idle = False
+    yields_to_alerts = True
 
     def may_run_rollout(self, s: Signals) -> bool:
         return False
@@ -57,6 +60,7 @@ class NaiveShare:
     shares_serving_lane = True
     yields_on_arrival = False
     widens_when_serving_idle = False
+    yields_to_alerts = False
 
     def may_run_rollout(self, s: Signals) -> bool:
         return True
@@ -72,6 +76,7 @@ class StaticPartition:
     shares_serving_lane = False
     yields_on_arrival = False
     widens_when_serving_idle = False
+    yields_to_alerts = True
 
     def __init__(self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS) -> None:
         self.share, self.period_ms, self.quantum_ms = share, period_ms, quantum_ms
@@ -90,6 +95,7 @@ class Rose:
     shares_serving_lane = False
     yields_on_arrival = True
     widens_when_serving_idle = True  # takes the whole device while serving is idle; yields at a layer safepoint
+    yields_to_alerts = True
 
     def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION) -> None:
         self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction

@@ -13,6 +13,10 @@ import torch
 
 from .protocol import SamplingParams
 
+# Temperatures below this sample greedily (their limit), as vLLM does: dividing float32 logits by
+# a smaller one overflows to inf, and the softmax of that is NaN, which torch.multinomial rejects.
+GREEDY_BELOW = 1e-5
+
 
 class SamplerState:
     """Per-sequence sampling state: generator and parameters."""
@@ -29,12 +33,12 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1).tolist()
     # one batched softmax for every row (greedy rows get a harmless temperature of 1)
-    temps = torch.tensor([s.params.temperature or 1.0 for s in states], dtype=logits.dtype)
+    temps = torch.tensor([s.params.temperature if s.params.temperature >= GREEDY_BELOW else 1.0 for s in states], dtype=logits.dtype)
     probs_all = torch.softmax(logits / temps[:, None], dim=-1)
     tokens: list[int] = []
     for row, state in enumerate(states):
         p = state.params
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             tokens.append(greedy[row])
             continue
         probs = _top_p_filter(probs_all[row].clone(), p.top_p) if p.top_p < 1.0 else probs_all[row]
@@ -48,6 +52,7 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = probs.sort(descending=True)
     cumulative = sorted_probs.cumsum(0)
     drop = cumulative - sorted_probs >= top_p
+    drop[0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 would drop all)
     sorted_probs[drop] = 0.0
     filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return filtered / filtered.sum()

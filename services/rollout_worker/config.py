@@ -23,6 +23,9 @@ class TurnSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hedge: bool = True  # duplicate straggling turns (the scheduler decides if it is worth it)
     hedge_min_s: PositiveSeconds = 2.0  # never hedge a turn younger than this
     hedge_factor: Positive = 1.5  # ask for a hedge past this x the typical turn time
+    # an interrupted turn (its executor lost the lease) resumes elsewhere with the tokens it has;
+    # false: they are thrown away and the turn starts over (the elastic baseline's whole-job preemption)
+    resume_interrupted: bool = True
 
 
 class RolloutWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -4,7 +4,8 @@
   responders: the executor died) excludes that executor and asks for a new route;
 - an interrupted turn (the executor lost its lease mid-turn and returned the tokens so far)
   resumes elsewhere by recompute: its tokens are appended to the prompt and only the rest
-  is generated, so nothing produced is lost or produced twice;
+  is generated, so nothing produced is lost or produced twice (unless `resume_interrupted` is
+  off: then the turn starts over, as under an elastic baseline's whole-job preemption);
 - a straggler gets a duplicate on another executor when the scheduler thinks it is worth it;
   the first complete result wins.
 
@@ -20,6 +21,8 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import msgspec
 
 from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingParams
 from rose.contracts.registry import GENERATE, ROUTE_TURN
@@ -71,7 +74,7 @@ class TurnRunner:
     def __init__(self, bus: Bus, settings: TurnSettings) -> None:
         self.bus, self.s = bus, settings
         self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
-        self.stats = {"turns": 0, "refused": 0, "failed": 0, "resumed": 0, "hedges": 0, "hedge_wins": 0}
+        self.stats = {"turns": 0, "refused": 0, "failed": 0, "resumed": 0, "discarded_tokens": 0, "hedges": 0, "hedge_wins": 0}
 
     def typical(self) -> float:
         return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
@@ -175,6 +178,9 @@ class TurnRunner:
                 exclude.append(attempt.executor_id)
                 await asyncio.sleep(self.s.retry_backoff_s)
                 continue
+            if reply.token_ids and reply.status != "ok" and not self.s.resume_interrupted:  # preempted: its work is lost
+                self.stats["discarded_tokens"] += len(reply.token_ids)
+                reply = msgspec.structs.replace(reply, token_ids=[], logprobs=[])
             if reply.token_ids and reply.status != "ok":  # interrupted: keep its tokens, recompute the rest elsewhere
                 self.stats["resumed"] += 1
             progress.tokens += reply.token_ids

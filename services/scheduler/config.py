@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,10 +35,36 @@ class PlacementSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     hedge_always_after_typical: Positive = 4.0  # any turn this far past typical is hedged
 
 
+class LendingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which policy lends serving executors to rollout (`mode`; the decisions are in leases.py):
+
+    - `rose` (default): fine-grained leases sized by the monitor's headroom, renewed while latency
+      stays under `leases.keep_fraction` x SLO, revoked on that executor's own alerts;
+    - `none`: serving executors are never lent; rollout runs on dedicated executors only (the
+      static, resource-fixed baseline);
+    - `always`: every live serving executor holds a whole lease (`whole_batch` slots, its whole
+      rollout pool) that alerts never revoke (the naive share-everything baseline; pair it with
+      the executor's `engine.policy = "naive_share"`);
+    - `elastic_baseline`: existing elastic RL systems' coarse lending: a serving executor is lent
+      whole only after its headroom has said `lendable` for `idle_s`, at most until `min_serving`
+      executors are left unlent, renewed without looking at latency; any alert on any executor
+      while leases are held revokes every serving lease at once (whole-job preemption) and
+      nothing is lent for `cooldown_s` after that.
+    """
+
+    mode: Literal["rose", "none", "always", "elastic_baseline"] = "rose"
+    idle_s: PositiveSeconds = 20.0  # elastic_baseline: lendable this long before a lend
+    cooldown_s: PositiveSeconds = 30.0  # elastic_baseline: fleet-wide, after a whole-job preemption
+    min_serving: Annotated[int, msgspec.Meta(ge=0)] = 1  # elastic_baseline: serving executors never lent
+    whole_batch: Annotated[int, msgspec.Meta(ge=1)] = 32  # always / elastic_baseline: rollout slots of a whole lease
+    whole_kv_mib: Positive = 4096.0  # always / elastic_baseline: KV of a whole lease (each executor clamps to its rollout pool)
+
+
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     leases: LeaseSettings = msgspec.field(default_factory=LeaseSettings)
     placement: PlacementSettings = msgspec.field(default_factory=PlacementSettings)
+    lending: LendingSettings = msgspec.field(default_factory=LendingSettings)
     tick_s: PositiveSeconds = 0.5  # how often leases are re-planned
     seed: int = 0  # of random routing (the baseline)

@@ -30,6 +30,7 @@ class ExecutorInfo:
     lease: Lease | None = None
     last_alert_at: float = 0.0
     inflight: dict[str, float] = field(default_factory=dict)  # trajectory id -> routed at
+    lendable_since: float = 0.0  # first of the unbroken run of `lendable` headrooms (0: not lendable now)
 
 
 class Fleet:
@@ -54,6 +55,7 @@ class Fleet:
     def on_headroom(self, headroom: Headroom) -> None:
         info = self.info(headroom.executor_id)
         info.headroom, info.role = headroom, headroom.role
+        info.lendable_since = (info.lendable_since or headroom.at) if headroom.lendable else 0.0
 
     def on_lease(self, lease: Lease) -> None:
         self.info(lease.executor_id).lease = lease
@@ -91,11 +93,11 @@ class Fleet:
         return now - info.seen_at <= self.config.placement.heartbeat_misses * info.heartbeat.interval_s
 
     def views(self, now: float) -> list[ExecutorView]:
-        return [ExecutorView(i.executor_id, i.role, self.alive(i, now), i.headroom, i.lease, i.last_alert_at) for i in self.executors.values()]
+        return [ExecutorView(i.executor_id, i.role, self.alive(i, now), i.headroom, i.lease, i.last_alert_at, i.lendable_since) for i in self.executors.values()]
 
     def view(self, executor_id: str, now: float) -> ExecutorView:
         i = self.info(executor_id)
-        return ExecutorView(i.executor_id, i.role, self.alive(i, now), i.headroom, i.lease, i.last_alert_at)
+        return ExecutorView(i.executor_id, i.role, self.alive(i, now), i.headroom, i.lease, i.last_alert_at, i.lendable_since)
 
     def candidates(self, now: float) -> list[Candidate]:
         p = self.config.placement

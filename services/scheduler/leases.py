@@ -9,6 +9,13 @@ immediate revocation an SLO alert calls for. Rules:
   under `keep_fraction` x SLO (> the grant fraction: hysteresis) and the model leaves a slot;
 - revoke when latency creeps past `keep_fraction`, when the executor is gone, or at once on
   an alert; let a lease expire when headroom goes stale (the executor enforces expiry itself).
+
+The baselines (`LendingSettings.mode`, for `rose bench e2e` and the simulator):
+`plan_lending(now, views, leases, lending)` and `revoke_on_alert(views, alert, now, lending)`
+dispatch to the rules above (`rose`) or to the baselines' own: `none` lends nothing,
+`always` keeps a whole lease on every live serving executor whatever the latency, and
+`elastic_baseline` lends whole executors after a long lendable window and takes every lease
+back at once on any alert (see config.LendingSettings).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import msgspec
 from rose.contracts.lease import Lease
 from rose.contracts.slo import Headroom, SloAlert
 
-from .config import LeaseSettings
+from .config import LeaseSettings, LendingSettings
 
 ActionKind = Literal["granted", "renewed", "revoked", "expired"]
+PREEMPTION = "whole-job preemption"  # the end of an elastic_baseline revocation's reason
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ExecutorView:
     headroom: Headroom | None
     lease: Lease | None  # the value in the leases bucket (active or revoked)
     last_alert_at: float = 0.0
+    lendable_since: float = 0.0  # headroom has said `lendable` without a break since then (0: it does not now)
 
 
 @dataclass(frozen=True)
@@ -126,3 +135,89 @@ def revoke_for_alert(view: ExecutorView, alert: SloAlert, now: float) -> LeaseAc
     assert view.lease is not None
     why = f"{alert.severity}: {alert.reason}"
     return LeaseAction("revoked", _revoked(view.lease, why), why)
+
+
+# ---- the baselines (LendingSettings.mode) -------------------------------------------------
+
+
+def _whole(view: ExecutorView, now: float, s: LeaseSettings, lending: LendingSettings, reason: str) -> Lease:
+    """A lease on the whole executor: every slot and its whole rollout pool (the executor clamps the KV)."""
+    epoch = (view.lease.epoch if view.lease else 0) + 1
+    return Lease(
+        lease_id=f"{view.executor_id}-e{epoch}", executor_id=view.executor_id, epoch=epoch, state="active", granted_at=now,
+        expires_at=now + s.ttl_s, kv_bytes=int(lending.whole_kv_mib * (1 << 20)), compute_share=1.0, max_rollout_batch=lending.whole_batch, reason=reason,
+    )
+
+
+def _keep_whole(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction | None:
+    """A held whole lease: revoked when the executor is gone, renewed near expiry whatever the latency."""
+    lease = view.lease
+    if is_active(lease, now):
+        assert lease is not None
+        if not view.alive:
+            return LeaseAction("revoked", _revoked(lease, "executor gone"), "executor gone")
+        if lease.expires_at - now <= s.renew_before_s:
+            return LeaseAction("renewed", msgspec.structs.replace(lease, expires_at=now + s.ttl_s), "held whole")
+        return None
+    if lease is not None and lease.state == "active":
+        return LeaseAction("expired", _revoked(lease, "expired"), "expired without renewal")
+    return None
+
+
+def plan_lending(now: float, views: list[ExecutorView], s: LeaseSettings, lending: LendingSettings) -> list[LeaseAction]:
+    """Every lease action due now under `lending.mode`, one per executor at most."""
+    if lending.mode == "rose":
+        return plan_leases(now, views, s)
+    serving = [v for v in views if v.role == "serving"]
+    actions: list[LeaseAction] = []
+    if lending.mode == "none":
+        for v in serving:  # nothing is lent: a lease left over from another mode goes
+            if is_active(v.lease, now):
+                assert v.lease is not None
+                actions.append(LeaseAction("revoked", _revoked(v.lease, "lending off"), "lending off"))
+        return actions
+    held = set()
+    for v in serving:
+        action = _keep_whole(v, now, s)
+        if action is not None:
+            actions.append(action)
+        if is_active(v.lease, now) and (action is None or action.kind == "renewed"):
+            held.add(v.executor_id)
+    free = [v for v in serving if v.alive and v.executor_id not in held and not any(a.lease.executor_id == v.executor_id for a in actions)]
+    if lending.mode == "always":
+        return actions + [LeaseAction("granted", _whole(v, now, s, lending, "naive share: always"), "naive share: always") for v in free]
+    # elastic_baseline: whole executors, after a long lendable window, never within the fleet-wide cooldown
+    if now - last_preemption(serving) < lending.cooldown_s:
+        return actions
+    unlent = len([v for v in serving if v.alive]) - len(held)
+    for v in sorted(free, key=lambda v: v.lendable_since or now):
+        if unlent <= lending.min_serving:
+            break
+        h = _fresh(v, now, s)
+        if h is None or not h.lendable or not v.lendable_since or now - v.lendable_since < lending.idle_s:
+            continue
+        why = f"lendable for {now - v.lendable_since:.0f} s"
+        actions.append(LeaseAction("granted", _whole(v, now, s, lending, why), why))
+        unlent -= 1
+    return actions
+
+
+def last_preemption(views: list[ExecutorView]) -> float:
+    """When the last whole-job preemption happened (its revoked leases end at that moment), 0 if never."""
+    return max((v.lease.expires_at for v in views if v.lease is not None and v.lease.state == "revoked" and v.lease.reason.endswith(PREEMPTION)), default=0.0)
+
+
+def revoke_on_alert(views: list[ExecutorView], alert: SloAlert, now: float, lending: LendingSettings) -> list[LeaseAction]:
+    """What an SLO alert takes back under `lending.mode`: `rose` the alerting executor's lease,
+    `elastic_baseline` every serving lease at once (whole-job preemption), the others nothing."""
+    if lending.mode == "rose":
+        view = next((v for v in views if v.executor_id == alert.executor_id), None)
+        action = revoke_for_alert(view, alert, now) if view is not None else None
+        return [action] if action is not None else []
+    if lending.mode != "elastic_baseline" or alert.severity == "recovered":
+        return []
+    why = f"{alert.severity} on {alert.executor_id}: {alert.reason}; {PREEMPTION}"
+    return [
+        LeaseAction("revoked", msgspec.structs.replace(_revoked(v.lease, why), expires_at=now), why)
+        for v in views if v.role == "serving" and is_active(v.lease, now) and v.lease is not None
+    ]

@@ -22,7 +22,7 @@ from rose.shared.tracing import tracer
 
 from .config import SchedulerConfig
 from .fleet import Fleet
-from .leases import LeaseAction, plan_leases, revoke_for_alert
+from .leases import LeaseAction, plan_lending, revoke_on_alert
 from .placement import place_turn, should_hedge
 from .telemetry import SchedulerMetrics
 
@@ -61,7 +61,7 @@ class Scheduler:
         log.info("lease %s %s on %s: %s", lease.lease_id, action.kind, lease.executor_id, action.reason)
 
     async def tick(self) -> None:
-        for action in plan_leases(time.time(), self.fleet.views(time.time()), self.config.leases):
+        for action in plan_lending(time.time(), self.fleet.views(time.time()), self.config.leases, self.config.lending):
             await self.apply(action)
 
     # ---- handlers ------------------------------------------------------------------------
@@ -75,8 +75,8 @@ class Scheduler:
         now = time.time()
         if alert.severity != "recovered":
             self.fleet.on_alert(alert.executor_id, now)
-        action = revoke_for_alert(self.fleet.view(alert.executor_id, now), alert, now)
-        if action is not None:
+        self.fleet.info(alert.executor_id)
+        for action in revoke_on_alert(self.fleet.views(now), alert, now, self.config.lending):
             await self.apply(action)
 
     async def on_trajectory(self, trajectory: Trajectory, _d: Delivery) -> None:

@@ -28,6 +28,9 @@ class PublisherSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # empty allows any path the service can read.
     allowed_roots: list[str] = msgspec.field(default_factory=list)
     max_source_bytes: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_SOURCE_BYTES
+    # Ed25519 private key (PEM, mode 0600) that signs every manifest. Empty: $ROSE_STATE_DIR/keys/weights.key,
+    # generated on first use (the embedded default); a path given here must exist (`rose security weights-key DIR`).
+    signing_key_file: str = ""
 
 
 class WeightPublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

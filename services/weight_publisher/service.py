@@ -23,6 +23,7 @@ from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGH
 from rose.contracts.weights import WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 from rose.shared.bus import Bus, Delivery
 from rose.shared.tracing import tracer
+from rose.shared.weight_signing import ManifestSigner
 from rose.shared.weight_store import WeightStore
 
 from . import sources
@@ -37,6 +38,9 @@ class WeightPublisher:
     def __init__(self, bus: Bus, settings: PublisherSettings) -> None:
         self.bus = bus
         self.settings = settings
+        # Loaded at construction so that a missing or unsafe key stops the service at start.
+        self.signer = ManifestSigner.from_settings(settings.signing_key_file)
+        log.info("signing weight manifests with key %s", self.signer.key_id)
         self.store: WeightStore | None = None  # made once the bus is connected
         self.staging: WeightStore | None = None
         self.models: dict[str, ModelVersions] = {}
@@ -82,7 +86,7 @@ class WeightPublisher:
         if model not in self._queues:
             self._queues[model] = asyncio.Queue()
             assert self.store is not None, "start() first"
-            self.models[model] = ModelVersions(model, self.bus, self.store, self.settings)
+            self.models[model] = ModelVersions(model, self.bus, self.store, self.settings, self.signer)
             self._workers.append(asyncio.create_task(self._work(model), name=f"publish:{model}"))
         return self._queues[model]
 

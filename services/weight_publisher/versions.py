@@ -27,6 +27,7 @@ from rose.contracts.weights import ShardInfo, TensorInfo, WeightManifest
 from rose.shared.bus import Bus, RequestRefused
 from rose.shared.weight_codec import Divergence, EncodedShard, encode_shard, topk_sparsify
 from rose.shared.weight_layout import FLOAT_DTYPES, Layout, itemsize, pack_shards, plan_layout
+from rose.shared.weight_signing import ManifestSigner
 from rose.shared.weight_store import WeightStore
 
 from .config import PublisherSettings
@@ -79,8 +80,10 @@ def _encode_all(layout: Layout, shards: dict[int, np.ndarray], last: _Last | Non
 
 
 class ModelVersions:
-    def __init__(self, model: str, bus: Bus, store: WeightStore, settings: PublisherSettings) -> None:
+    def __init__(self, model: str, bus: Bus, store: WeightStore, settings: PublisherSettings, signer: ManifestSigner | None = None) -> None:
+        """`signer` signs every manifest (executors refuse unsigned ones by default); None: unsigned."""
         self.model = model
+        self.signer = signer
         self.bus = bus
         self.store = store
         self.settings = settings
@@ -122,6 +125,8 @@ class ModelVersions:
             *(self.store.put(object_name(self.model, version, sid), e.payload) for sid, e in encoded.items() if e.encoding != "unchanged")
         )
         manifest = self._manifest(version, layout, encoded, digests, base, divergence, encode_s)
+        if self.signer is not None:
+            manifest = self.signer.sign(manifest)
         keyframe_version = version if base is None else base.keyframe_version
         return Staged(manifest, _Last(version, layout, shards, digests, keyframe_version))
 

@@ -5,9 +5,9 @@ one failed), take a GRPO step and publish v2. The test plays the rollout worker.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from polling import until
 
 from rose.client import WeightsClient
 from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORY
@@ -51,17 +51,6 @@ def server(tmp_path_factory):
     s.stop()
 
 
-async def until(predicate, what: str, timeout: float = TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
-
-
 async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_policy):
     bus_config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0)
     config = TrainerConfig(
@@ -89,7 +78,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
             async with WeightsClient(bus, "policy") as weights:
                 v1 = await weights.published(1, timeout=TIMEOUT_S)  # the warm start, published by the real publisher
                 assert v1.keyframe
-                await until(lambda: asyncio.sleep(0, len(tasks) >= GROUP_SIZE * GROUPS), "the first step's tasks")
+                await until(lambda: len(tasks) >= GROUP_SIZE * GROUPS, TIMEOUT_S, "the first step's tasks")
                 groups = sorted({t.group_id for t in tasks})
                 assert len(groups) == GROUPS and all(t.env == "arithmetic" and t.group_size == GROUP_SIZE for t in tasks)
                 # the job's difficulty travels with each task: the worker's own env (default 99) poses the trainer's problem
@@ -118,13 +107,13 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
                 beat = await bus.kv_get(SERVICE_REGISTRY, service="trainer", instance=INSTANCE)
                 return beat.load if beat is not None and beat.load.get("steps") == 1.0 else None
 
-            load = await until(trained, "the trainer's heartbeat after its step")
+            load = await until(trained, TIMEOUT_S, "the trainer's heartbeat after its step")
             assert load["version"] == 2.0
             assert load["collector_received"] == GROUP_SIZE * GROUPS
             assert load["collector_stale_dropped"] == 1 and load["collector_failed"] == 1 and load["collector_groups_used"] == 2
             assert load["sft_nll_after"] < load["sft_nll_before"]
             assert load["reward_last"] == pytest.approx(4 / 7)  # 4 right of the 7 completed trajectories (stale included)
-            await until(lambda: asyncio.sleep(0, bool(steps)), "the TrainingStep event")
+            await until(lambda: steps, TIMEOUT_S, "the TrainingStep event")
             step = steps[0]
             assert (step.run_id, step.step, step.version, step.groups, step.trajectories) == (config.run_id or INSTANCE, 1, 2, GROUPS, 7)
             assert step.reward_mean == pytest.approx(4 / 7) and step.stale_dropped == 1 and step.trained_sequences == 6

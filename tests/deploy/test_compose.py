@@ -28,7 +28,7 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_text())
 NATS_NODES = ["nats-1", "nats-2", "nats-3"]
-ONE_SHOT = {"models-init", "provision"}
+ONE_SHOT = {"models-init", "provision", "weights-key"}
 
 
 def _schema_errors(doc: dict) -> list[str]:

@@ -13,10 +13,18 @@ START_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="session")
-async def executor(nats_server, bus_config, models_dir, tmp_path_factory):
+def state_dir(tmp_path_factory):
+    """ROSE_STATE_DIR of this folder's services: the weight publisher makes its signing key pair in
+    `keys/` there on first use, and the executor trusts the `.pub` it finds there (the embedded default)."""
+    return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture(scope="session")
+async def executor(nats_server, bus_config, models_dir, tmp_path_factory, state_dir):
     """Start the executor, wait for its 'ready' heartbeat; yields (executor_id, http base URL)."""
     env = {
         "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
         "ROSE_MODELS__DIR": str(models_dir),
         "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
         "ROSE_METRICS_INTERVAL_S": "0.5",

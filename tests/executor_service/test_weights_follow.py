@@ -8,12 +8,13 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import torch
 
 from rose.client import WeightsClient
-from rose.contracts import GenerateRequest, Lease, SamplingParams, WeightApplied, WeightFailed
-from rose.contracts.registry import GENERATE, LEASE, WEIGHT_APPLIED, WEIGHT_FAILED
+from rose.contracts import DeadLetter, GenerateRequest, Lease, SamplingParams, WeightApplied, WeightFailed
+from rose.contracts.registry import DEAD_LETTER, GENERATE, LEASE, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST
 from rose.shared.bus import Delivery
 from rose.shared.models import load_model
 
@@ -21,8 +22,8 @@ TIMEOUT_S = 60.0
 
 
 @pytest.fixture
-def publisher(nats_server, tmp_path):
-    env = {**os.environ, "NATS_URL": nats_server.url, "ROSE_RUNTIME__INSTANCE": "wp-exec-test"}
+def publisher(nats_server, tmp_path, state_dir):
+    env = {**os.environ, "NATS_URL": nats_server.url, "ROSE_RUNTIME__INSTANCE": "wp-exec-test", "ROSE_STATE_DIR": str(state_dir)}
     with open(tmp_path / "publisher.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "weight_publisher"], env=env, stdout=log, stderr=subprocess.STDOUT)
     yield proc
@@ -89,4 +90,18 @@ async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, ex
         assert refusal.kind in ("unknown_tensor", "shape", "other") and "layers.99" in refusal.reason
         again = GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-2"})
         reply = await bus.request(GENERATE, again, executor_id=ex, timeout=30)
+        assert reply.status == "ok" and reply.policy_version == 1
+
+        # versions 3 and 4: version 1's manifest re-announced unsigned, and with its version changed
+        # under the publisher's signature: both refused before fetching, version 1 keeps serving
+        v1 = await client.published(1, timeout=TIMEOUT_S)
+        assert v1.signature and v1.key_id
+        for version, spoiled, needle in ((3, msgspec.structs.replace(v1, version=3, signature=""), "unsigned"),
+                                         (4, msgspec.structs.replace(v1, version=4), "altered after signing")):
+            await bus.publish(WEIGHT_MANIFEST, spoiled, model="policy", kind=spoiled.kind, version=str(version))
+            refusal = await _next(failed, version)
+            assert refusal.kind == "signature" and needle in refusal.reason and refusal.kept_version == 1
+        last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.subject(service="executor"))
+        assert msgspec.json.decode(last.data, type=DeadLetter).kind == "unauthorised"
+        reply = await bus.request(GENERATE, GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-3"}), executor_id=ex, timeout=30)
         assert reply.status == "ok" and reply.policy_version == 1

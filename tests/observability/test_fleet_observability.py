@@ -18,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from polling import until
 import torch
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import ReadableSpan
@@ -69,17 +70,6 @@ class Observed:
     exported: set[str] = field(default_factory=set)
 
 
-async def _until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen in {timeout:.0f}s")
-        await asyncio.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 async def observed(tmp_path_factory, models_dir, spans) -> Observed:
     root = tmp_path_factory.mktemp("observability")
@@ -116,14 +106,14 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             beats = [await bus.kv_get(SERVICE_REGISTRY, service=s, instance=i) for s, i in SERVICES.items()]
             return all(b is not None and b.state == "ready" for b in beats) and beats
 
-        beats = await _until(all_ready, START_TIMEOUT_S, "every service ready")
+        beats = await until(all_ready, START_TIMEOUT_S, "every service ready")
         endpoints = {b.service: dict(b.endpoints) for b in beats}
 
         async def leased() -> Lease | None:
             lease = await bus.kv_get(LEASE, executor_id=EXECUTOR)
             return lease if lease is not None and lease.state == "active" else None
 
-        await _until(leased, STEP_TIMEOUT_S, "a lease granted to the executor")
+        await until(leased, STEP_TIMEOUT_S, "a lease granted to the executor")
 
         trajectories: dict[str, object] = {}
 
@@ -161,7 +151,7 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=task_id, env="conversation", prompt="hello", max_turns=2, env_args={"turns": "2"}))
         rollout_trace = root_span.get_span_context().trace_id
         await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=f"{task_id}-bad", env="no_such_env", prompt="x"))
-        await _until(lambda: _has(trajectories, {task_id, f"{task_id}-bad"}), STEP_TIMEOUT_S, "both trajectories")
+        await until(lambda: _has(trajectories, {task_id, f"{task_id}-bad"}), STEP_TIMEOUT_S, "both trajectories")
         trajectory = trajectories[task_id]
         assert trajectory.status == "completed", trajectory.reason
 
@@ -174,11 +164,11 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
                 await weights.publish(state, version=1)
             await weights.published(1, timeout=STEP_TIMEOUT_S)
             weights_trace = publish_span.get_span_context().trace_id
-            await _until(lambda: _true(applied), STEP_TIMEOUT_S, "WeightApplied from the executor")
+            await until(lambda: _true(applied), STEP_TIMEOUT_S, "WeightApplied from the executor")
             # a version with a tensor the policy does not have: published, refused by the executor
             await weights.publish({**state, "bogus.weight": torch.zeros(4)}, version=2)
             await weights.published(2, timeout=STEP_TIMEOUT_S)
-            await _until(lambda: _true(refused), STEP_TIMEOUT_S, "WeightFailed from the executor")
+            await until(lambda: _true(refused), STEP_TIMEOUT_S, "WeightFailed from the executor")
             # a staged object that is not safetensors: the publisher fails the version
             await WeightStore(bus.js, WEIGHTS_STAGING_OBJECTS.bucket).put("obs-junk", b"not safetensors")
             request = WeightPublishRequest(request_id="obs-r3", model="policy", version=3, source="object", object_name="obs-junk")
@@ -188,7 +178,7 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
 
         # 4. an SLO alert: the scheduler revokes the lease
         await bus.publish(SLO_ALERT, SloAlert(executor_id=EXECUTOR, at=time.time(), severity="burst", reason="test burst"), executor_id=EXECUTOR)
-        await _until(lambda: _not(leased), STEP_TIMEOUT_S, "the lease revoked")
+        await until(lambda: _not(leased), STEP_TIMEOUT_S, "the lease revoked")
         nowhere = await bus.request(ROUTE_TURN, TurnRouteRequest(trajectory_id="obs-unroutable", turn_index=0, prompt_tokens=1))
         assert nowhere.executor_id == "", nowhere  # the only executor has no lease now
 

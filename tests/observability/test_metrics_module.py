@@ -11,7 +11,7 @@ import textwrap
 
 import aiohttp
 import pytest
-from aiohttp import web
+from otlp_receiver import otlp_receiver
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from rose.contracts.registry import SERVICE_REGISTRY
@@ -96,27 +96,10 @@ OTLP_SCRIPT = textwrap.dedent(
 
 
 async def test_metrics_are_exported_over_otlp_http_when_configured():
-    received: list[ExportMetricsServiceRequest] = []
-
-    async def metrics(request: web.Request) -> web.Response:
-        message = ExportMetricsServiceRequest()
-        message.ParseFromString(await request.read())
-        received.append(message)
-        return web.Response(status=200)
-
-    app = web.Application()
-    app.router.add_post("/v1/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+    async with otlp_receiver("/v1/metrics", ExportMetricsServiceRequest) as (endpoint, received):
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
         proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", OTLP_SCRIPT], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-    finally:
-        await runner.cleanup()
     points = {
         metric.name: (resource.resource, metric)
         for message in received

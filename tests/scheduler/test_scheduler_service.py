@@ -15,6 +15,7 @@ from rose.contracts.service import Heartbeat
 from rose.contracts.slo import SloAlert
 from rose.shared.launch import ServiceProcess
 
+from polling import until
 from test_scheduler_decisions import headroom
 
 START_TIMEOUT_S = 60.0
@@ -33,16 +34,6 @@ def beat(instance: str, role: str) -> Heartbeat:
         service="executor", instance=instance, version="test", host=socket.gethostname(), pid=os.getpid(), started_at=now, sent_at=now,
         interval_s=0.5, state="ready", labels={"role": role},
     )
-
-
-async def until(predicate, timeout: float = 15.0, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(step)
 
 
 @contextlib.asynccontextmanager

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import torch
 
+from polling import until  # noqa: F401 - re-exported for the weights tests
 from rose.shared.bus import Delivery
 
 def make_state(seed: int = 0, *, scale: int = 1) -> dict[str, torch.Tensor]:
@@ -67,12 +67,3 @@ class Events:
 
     async def on_failed(self, msg, d: Delivery) -> None:
         self.failed.append(msg)
-
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    """Wait until `predicate()` holds (events arrive asynchronously), or fail the test."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)

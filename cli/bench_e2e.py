@@ -1,0 +1,404 @@
+"""`rose bench e2e`: the demo's RL job on fresh fleets under four policies, one after another.
+
+Every policy runs `rose demo`'s job (cli/demo.py `run_job`: two serving executors taking the
+replayed bursty trace over HTTP, one dedicated rollout executor, the SLO monitor, the scheduler,
+the weight publisher, a rollout worker and the GRPO trainer, each its own process) for the same
+duration and seed; only these settings differ:
+
+| policy | serving executors | scheduler `lending.mode` | worker | load balancer |
+| --- | --- | --- | --- | --- |
+| `static` | (no rollout) | `none` | | |
+| `naive_share` | `engine.policy = naive_share` (same lane, no SLO guard, alerts ignored) | `always` | | |
+| `elastic_baseline` | | `elastic_baseline` (whole executors, idle window, revoke all on any alert, cooldown) | interrupted turns start over | a lent executor leaves the serving rotation |
+| `rose` | | `rose` | | |
+
+Figures per policy (under `policies`): `rl_steps_per_hour` (GRPO steps from the first to the
+last TrainingStep event, per hour: the warm start is left out), `rollout_s_per_step` (median
+rollout time of a step's batch of trajectories: its first turn's start to its last trajectory's
+end; the trainer's own wait, step interval - train_s - publish_s, is `calibration.trainer_wait_s_per_step`:
+with one step prefetched it hides rollout behind training),
+`serving_slo_attainment` (every request the serving clients sent), `rollout_tokens_per_s`
+(tokens of turns finished in the training window / window), reward figures, trajectories lost,
+and `calibration` (measured step, train, publish and turn times, and the serving executors' step
+model fitted from their metrics as the SLO monitor does). Top level: `speedup_vs_static` (rose /
+static steps per hour), `rollout_time_ratio_vs_elastic` (rose / elastic_baseline rollout s per
+step; below 1: rose is faster) and `calibration.step_times` (decode and prefill steps of both
+models measured alone on this machine, raw and fitted in the simulator's `MeasuredSteps` form).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
+from rose.shared.bus import Bus
+from rose.shared.models import init_models
+
+from .demo import DEMO_POLICY, SPEC, TRAINER, Observed, run_job
+
+POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
+DEFAULT_DURATION_S = 120.0  # per policy: with start-up and drain the four runs take about 12 minutes on 2 cores
+# The elastic baseline's reaction times, scaled to this trace (bursts every 15 s per executor) as
+# existing elastic systems' minutes are to hour-scale traffic: lend an executor after 10 s lendable,
+# nothing for 10 s after a whole-job preemption.
+ELASTIC_IDLE_S = 10.0
+ELASTIC_COOLDOWN_S = 10.0
+POLICY_ENV: dict[str, dict[str, dict[str, str]]] = {
+    "static": {"scheduler": {"ROSE_LENDING__MODE": "none"}},
+    "naive_share": {"serving": {"ROSE_ENGINE__POLICY": "naive_share"}, "scheduler": {"ROSE_LENDING__MODE": "always"}},
+    "elastic_baseline": {
+        "scheduler": {"ROSE_LENDING__MODE": "elastic_baseline", "ROSE_LENDING__IDLE_S": str(ELASTIC_IDLE_S), "ROSE_LENDING__COOLDOWN_S": str(ELASTIC_COOLDOWN_S)},
+        "worker": {"ROSE_TURNS__RESUME_INTERRUPTED": "false"},
+    },
+    "rose": {},
+}
+DRAINS_LENT = {"elastic_baseline"}  # the load balancer sends a lent executor no serving traffic (it is a rollout executor while lent)
+
+
+class Extra:
+    """What the bench watches beside the demo's observer: raw metrics snapshots, the worker's load, lent executors."""
+
+    def __init__(self, drain: bool) -> None:
+        self.drain = drain
+        self.drained: set[str] = set()
+        self.snapshots: list[dict] = []
+        self.worker_load: dict[str, float] = {}
+
+    async def subscribe(self, bus: Bus, _obs: Observed) -> None:
+        async def on_lease(e, _d):
+            if not self.drain or "-serving-" not in e.lease.executor_id:
+                return
+            if e.kind == "granted":
+                self.drained.add(e.lease.executor_id)
+            elif e.kind in ("revoked", "expired"):
+                self.drained.discard(e.lease.executor_id)
+
+        async def on_metrics(s, _d):
+            self.snapshots.append({
+                "at": s.at, "executor": s.executor_id, "role": s.role, "serving_running": s.serving_running, "rollout_running": s.rollout_running,
+                "tpot_ms": s.tpot_ms.sum / s.tpot_ms.count if s.tpot_ms.count else None, "rollout_tokens_per_s": s.rollout_tokens_per_s,
+                "serving_arrivals": s.serving_arrivals, "interval_s": s.interval_s,
+            })
+
+        async def on_heartbeat(b, _d):
+            self.worker_load = dict(b.load)
+
+        await bus.subscribe(LEASE_EVENT, on_lease)
+        await bus.subscribe(EXECUTOR_METRICS, on_metrics)
+        await bus.subscribe(HEARTBEAT, on_heartbeat, service="rollout_worker")
+
+
+# ---- figures ------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(statistics.fmean(values)) if values else None
+
+
+def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
+    """Rollout time of each step's batch (the trainer's groups `{run}-s{step}-g{i}`): from the first
+    turn of its first trajectory starting to its last trajectory finishing; incomplete batches left out."""
+    batches: dict[str, list] = {}
+    for t in trajectories:
+        match = re.search(r"-s(\d+)-g\d+$", t.group_id)
+        if match and t.turns:
+            batches.setdefault(match.group(1), []).append(t)
+    return [max(t.finished_at for t in ts) - min(t.turns[0].started_at for t in ts) for _, ts in sorted(batches.items(), key=lambda kv: int(kv[0])) if len(ts) >= per_step]
+
+
+def step_figures(steps: list) -> dict:
+    """Steady-state step rate and the trainer's wait for rollouts, from TrainingStep events (in step order)."""
+    steps = sorted(steps, key=lambda s: s.step)
+    intervals = [b.at - a.at for a, b in zip(steps, steps[1:])]
+    waits = [max(0.0, dt - b.train_s - b.publish_s) for dt, b in zip(intervals, steps[1:])]
+    span = steps[-1].at - steps[0].at if len(steps) >= 2 else 0.0
+    return {
+        "rl_steps_per_hour": (len(steps) - 1) / span * 3600.0 if span > 0 else 0.0,
+        "trainer_wait_s_per_step": _median(waits),
+        "step_s": _median(intervals),
+        "step_s_all": [round(x, 3) for x in intervals],
+        "train_s_per_step": _mean([s.train_s for s in steps]),
+        "publish_s_per_step": _mean([s.publish_s for s in steps]),
+    }
+
+
+def held_intervals(lease_events: list[tuple[float, str, str]], executor: str, end: float) -> list[tuple[float, float]]:
+    """(from, to) of every stretch the executor held a lease, from the LeaseEvents (at, executor, kind)."""
+    out, since = [], None
+    for at, _e, kind in sorted(ev for ev in lease_events if ev[1] == executor):
+        if kind in ("granted", "renewed") and since is None:
+            since = at
+        elif kind in ("revoked", "expired") and since is not None:
+            out.append((since, at))
+            since = None
+    if since is not None:
+        out.append((since, max(since, end)))
+    return out
+
+
+def lent_fraction(lease_events: list[tuple[float, str, str]], serving: list[str], start: float, end: float) -> float:
+    """Share of (serving executors x window) under an active lease."""
+    if end <= start or not serving:
+        return 0.0
+    held = sum(max(0.0, min(b, end) - max(a, start)) for ex in serving for a, b in held_intervals(lease_events, ex, end))
+    return held / ((end - start) * len(serving))
+
+
+def max_lent_at_once(lease_events: list[tuple[float, str, str]], serving: list[str], end: float) -> int:
+    """The most serving executors that held a lease at the same moment."""
+    edges = sorted((t, d) for ex in serving for a, b in held_intervals(lease_events, ex, end) for t, d in ((a, 1), (b, -1)))
+    most = now = 0
+    for _t, d in edges:  # at a tie the release (-1) comes first
+        now += d
+        most = max(most, now)
+    return most
+
+
+def serving_step_model(snapshots: list[dict]) -> dict:
+    """The serving executors' decode step model fitted from their metrics, as the SLO monitor fits it."""
+    from rose.services.slo_monitor.headroom import fit_step_model
+
+    obs = [(float(s["serving_running"]), float(s["rollout_running"]), float(s["tpot_ms"])) for s in snapshots if s["role"] == "serving" and s["tpot_ms"] is not None]
+    m = fit_step_model(obs, SPEC.slo_tpot_ms)
+    return {"base_ms": m.base_ms, "per_serving_ms": m.per_serving_ms, "per_rollout_ms": m.per_rollout_ms, "observations": m.observations}
+
+
+def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
+    turns = [u for t in obs.trajectories.values() for u in t.turns]  # type: ignore[attr-defined]
+    trajectories = [t for t in obs.trajectories.values() if t.status == "completed"]  # type: ignore[attr-defined]
+    serving = sorted({r["executor"] for r in obs.serving.requests} | {ex for ex in summary["rollout"]["tokens_by_executor"] if "-serving-" in ex})
+    times = [r["t"] for r in obs.serving.requests]
+    by_ex = summary["rollout"]["tokens_by_executor"]
+    dedicated = [s["rollout_tokens_per_s"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
+    arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
+    steps = step_figures(obs.steps)
+    per_step = int(TRAINER["ROSE_GRPO__GROUPS_PER_STEP"]) * int(TRAINER["ROSE_GRPO__GROUP_SIZE"])
+    spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
+    return {
+        "rl_steps_per_hour": steps["rl_steps_per_hour"],
+        "rollout_s_per_step": _median(spans),
+        "serving_slo_attainment": summary["serving"]["slo_attainment"],
+        "rollout_tokens_per_s": summary["rollout"]["tokens_per_s"],
+        "steps": summary["training"]["steps"],
+        "reward_first": summary["training"]["reward_first"],
+        "reward_last": summary["training"]["reward_last"],
+        "trajectories_lost": summary["trajectories"]["lost"],
+        "trajectories_failed": summary["trajectories"]["failed"],
+        "trajectories_published": summary["trajectories"]["published"],
+        "serving_requests": summary["serving"]["requests"],
+        "ttft_p99_ms": summary["serving"]["ttft_p99_ms"],
+        "tpot_p99_ms": summary["serving"]["tpot_p99_ms"],
+        "slo_alerts": summary["serving"]["slo_alerts"],
+        "harvested_fraction": summary["rollout"]["harvested_fraction"],
+        "rollout_tokens_on_serving": sum(v for ex, v in by_ex.items() if "-serving-" in ex),
+        "rollout_tokens_by_executor": by_ex,
+        "leases_granted": summary["rollout"]["leases_granted"],
+        "leases_revoked": summary["rollout"]["leases_revoked"],
+        "lent_fraction": lent_fraction(obs.lease_events, serving, min(times, default=0.0), max(times, default=0.0)),
+        "max_lent_at_once": max_lent_at_once(obs.lease_events, serving, max(times, default=0.0)),
+        "resumed_turns": int(extra.worker_load.get("resumed", 0)),
+        "discarded_tokens": int(extra.worker_load.get("discarded_tokens", 0)),
+        "calibration": {
+            **{k: steps[k] for k in ("step_s", "step_s_all", "trainer_wait_s_per_step", "train_s_per_step", "publish_s_per_step")},
+            "rollout_s_per_batch_all": [round(x, 3) for x in spans],
+            "trajectories_per_step": per_step,
+            "turns_per_trajectory": _mean([len(t.turns) for t in trajectories]),
+            "tokens_per_turn": _mean([len(u.token_ids) for u in turns]),
+            "prompt_tokens_per_turn": _mean([len(u.prompt_token_ids) for u in turns]),
+            "turn_s_p50": _median([u.finished_at - u.started_at for u in turns]),
+            "turn_s_p90": float(np.percentile([u.finished_at - u.started_at for u in turns], 90)) if turns else None,
+            "serving_arrival_rps_per_executor": _mean(arrivals),
+            "dedicated_rollout_tokens_per_s": _mean(dedicated),
+            "serving_step_model": serving_step_model(extra.snapshots),
+        },
+    }
+
+
+# ---- step times of the models alone (simulator calibration) ---------------------------------
+
+
+def measure_step_times(models: Path, reps: int = 5) -> dict:
+    """Decode steps (batch x context 64) and prefill steps of both models on one CPU thread, the
+    executor's own forward pass over a paged KV pool; least-squares fits in `MeasuredSteps` form."""
+    import torch
+
+    from rose.services.executor.kv_pool import KVPool
+    from rose.services.executor.model_runner import ForwardItem, PagedModelRunner, kv_shape_of
+    from rose.shared.models import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict = {"threads": 1, "context_tokens": 64}
+    try:
+        for name in ("serving", "policy"):
+            model = load_model(models / name)
+            pool = KVPool(name, kv_shape_of(model), 64 << 20, 16, torch.device("cpu"))
+            runner = PagedModelRunner(model, pool)
+
+            def timed(items) -> float:
+                runner.forward(items)  # warm
+                samples = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    runner.forward(items)
+                    samples.append(time.perf_counter() - t)
+                return float(statistics.median(samples))
+
+            ctx = out["context_tokens"]
+            decode, prefill = [], []
+            for b in (1, 2, 4, 8, 16, 32):
+                tables = [pool.allocate(pool.blocks_for(ctx + 1)) for _ in range(b)]
+                decode.append((b, timed([ForwardItem(tb, ctx, [5]) for tb in tables])))
+                for tb in tables:
+                    pool.free(tb)
+            for p in (16, 32, 64, 128):
+                tb = pool.allocate(pool.blocks_for(p))
+                prefill.append((p, timed([ForwardItem(tb, 0, [5] * p)])))
+                pool.free(tb)
+            d = np.polyfit([b for b, _ in decode], [s for _, s in decode], 1)
+            f = np.polyfit([p for p, _ in prefill], [s for _, s in prefill], 1)
+            out[name] = {
+                "kv_bytes_per_token": kv_shape_of(model).bytes_per_token(),
+                "decode_s": [[b, s] for b, s in decode],
+                "prefill_s": [[p, s] for p, s in prefill],
+                "measured_steps": {"decode_base_s": max(0.0, float(d[1])), "decode_per_seq_s": max(0.0, float(d[0])),
+                                   "prefill_base_s": max(0.0, float(f[1])), "prefill_per_token_s": max(0.0, float(f[0]))},
+            }
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = None, policies: list[str] | None = None, model_dir: str | None = None,
+                  serving: int = 2, dedicated: int = 1, console: Console | None = None) -> dict:
+    console = console or Console()
+    duration = duration_s or DEFAULT_DURATION_S
+    # SIGTERM (a test's or CI's timeout) ends the run like Ctrl-C, so the fleet is stopped, not orphaned
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    chosen = [p for p in POLICIES if p in (policies or POLICIES)]
+    unknown = sorted(set(policies or ()) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    path = Path(out_json).resolve()
+    root = path.parent / f"{path.stem}-runs"
+    models = Path(model_dir).resolve() if model_dir else root / "models"
+    if not (models / "policy" / "config.json").exists():
+        console.print(f"building the models under {models} ...")
+        init_models(models, 0, DEMO_POLICY)
+    console.print("measuring the models' step times alone (calibration) ...")
+    step_times = measure_step_times(models)
+    from rose.shared.models import load_tokenizer
+
+    from .fleet import PROMPTS
+
+    tokenizer = load_tokenizer(models / "serving")
+    serving_prompt_tokens = statistics.fmean(len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
+    result: dict = {
+        "seed": seed, "duration_s": duration, "serving_executors": serving, "dedicated_executors": dedicated,
+        "fleet": {"slo_ttft_ms": SPEC.slo_ttft_ms, "slo_tpot_ms": SPEC.slo_tpot_ms, "base_rps": SPEC.base_rps, "burst_factor": SPEC.burst_factor,
+                  "burst_every_s": SPEC.burst_every_s, "burst_len_s": SPEC.burst_len_s, "serving_max_tokens": SPEC.serving_max_tokens,
+                  "rollout_max_tokens": SPEC.rollout_max_tokens, "worker_concurrency": SPEC.worker_concurrency},
+        "trainer": dict(TRAINER), "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
+        # what the simulator's calibration (cli/sim/calibration.py e2e_setup) would otherwise assume
+        "setup": {
+            "serving_prompt_tokens": serving_prompt_tokens, "serving_output_tokens": SPEC.serving_max_tokens,
+            "serving_kv_bytes": SPEC.serving_kv_mib << 20, "rollout_kv_bytes": SPEC.rollout_kv_mib << 20,
+            "serving_kv_bytes_per_token": step_times["serving"]["kv_bytes_per_token"], "policy_kv_bytes_per_token": step_times["policy"]["kv_bytes_per_token"],
+        },
+        "policies": {},
+    }
+    for policy in chosen:
+        console.rule(f"[bold]{policy}[/bold]: {duration:.0f} s of the demo's RL job")
+        obs, extra = Observed(), Extra(policy in DRAINS_LENT)
+        started = time.monotonic()
+        summary = asyncio.run(run_job(
+            root / policy, duration, seed, models, serving, dedicated, console, label=f"rose bench e2e · {policy}", env=POLICY_ENV[policy],
+            drained=extra.drained, on_bus=extra.subscribe, obs=obs,
+        ))
+        result["policies"][policy] = {**policy_figures(summary, obs, extra), "wall_s": time.monotonic() - started, "report": str(root / policy)}
+    p = result["policies"]
+    rose, static, elastic = p.get("rose", {}), p.get("static", {}), p.get("elastic_baseline", {})
+    result["speedup_vs_static"] = _ratio(rose.get("rl_steps_per_hour"), static.get("rl_steps_per_hour"))
+    result["rollout_time_ratio_vs_elastic"] = _ratio(rose.get("rollout_s_per_step"), elastic.get("rollout_s_per_step"))
+    result["calibration"] = {"step_times": step_times}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(result, path.with_suffix(".png")))
+    path.write_text(json.dumps(result, indent=2))
+    print_table(result, console)
+    console.print(f"JSON: {path}; plot: {result['plot']}; per-policy reports and logs under {root}")
+    return result
+
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(result: dict, console: Console) -> None:
+    p = result["policies"]
+    static, elastic = p.get("static", {}), p.get("elastic_baseline", {})
+    table = Table(title=f"rose bench e2e: the demo's RL job, {result['duration_s']:.0f} s per policy (seed {result['seed']})")
+    for col in ("policy", "RL steps/h", "× static", "rollout s/step", "× elastic", "SLO attainment", "rollout tok/s", "on serving", "lent", "leases +/-", "reward first→last", "lost"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, f in p.items():
+        table.add_row(
+            name, _fmt(f["rl_steps_per_hour"], ".0f"), _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
+            _fmt(f["rollout_s_per_step"]), _fmt(_ratio(f["rollout_s_per_step"], elastic.get("rollout_s_per_step"))),
+            _fmt(f["serving_slo_attainment"], ".3f"), _fmt(f["rollout_tokens_per_s"], ".0f"), _fmt(f["harvested_fraction"], ".0%"), _fmt(f["lent_fraction"], ".0%"),
+            f"{f['leases_granted']}/{f['leases_revoked']}", f"{_fmt(f['reward_first'])}→{_fmt(f['reward_last'])}", str(f["trajectories_lost"]),
+        )
+    console.print(table)
+    console.print(f"rose vs static: {_fmt(result['speedup_vs_static'])}× RL steps/h (paper: 1.3-3.3×); rose vs elastic_baseline: "
+                  f"{_fmt(result['rollout_time_ratio_vs_elastic'])}× rollout time per step (paper: 1/1.5-1/1.2 = 0.67-0.83)")
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = result["policies"]
+    names = list(p)
+    colours = {"static": "tab:gray", "naive_share": "tab:red", "elastic_baseline": "tab:orange", "rose": "tab:green"}
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    panels = (
+        ("rl_steps_per_hour", "RL steps per hour"), ("rollout_s_per_step", "rollout time of a step's batch, s"),
+        ("serving_slo_attainment", "serving SLO attainment"), ("rollout_tokens_per_s", "rollout tokens/s"),
+    )
+    for ax, (key, title) in zip(axes, panels):
+        values = [p[n][key] or 0.0 for n in names]
+        ax.bar(names, values, color=[colours.get(n, "tab:blue") for n in names])
+        if key == "rollout_tokens_per_s":  # the part harvested from serving executors
+            ax.bar(names, [p[n][key] * p[n]["harvested_fraction"] for n in names], color="none", edgecolor="black", hatch="//", label="on serving executors")
+            ax.legend(fontsize=7)
+        if key == "serving_slo_attainment":
+            ax.set_ylim(0, 1.05)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=25, labelsize=8)
+    fig.suptitle(f"rose bench e2e ({result['duration_s']:.0f} s per policy): speedup vs static {_fmt(result['speedup_vs_static'])}×, "
+                 f"rollout time vs elastic {_fmt(result['rollout_time_ratio_vs_elastic'])}×")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

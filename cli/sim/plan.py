@@ -1,0 +1,204 @@
+"""``rose plan``: how much rollout a serving fleet can lend, hour by hour, and at what SLO risk.
+
+For every minute of the trace (Azure LLM inference format, traces.py; rates smoothed over a
+window holding ~20 requests, at least a minute, so that scaling a sparse trace up does not
+turn its Poisson noise into bursts) the fleet's serving instances (devices.py sizing) each see
+1/n of the traffic. Per minute:
+
+- the serving model (coserve.py) gives p99 TTFT / TPOT at the minute's mean rate and at its
+  peak (its busiest 10 s when the trace has >= 5 requests per 10 s, else its mean; plus the
+  p99 of Poisson noise at one instance);
+- the monitor's own ``assess`` (services/slo_monitor/headroom.py) decides, from those
+  figures and a step model fitted by its ``fit_step_model``, whether the instance is
+  lendable, how many rollout slots and how much KV it lends;
+- where lendable, the executor's ``rose`` policy gives the rollout lane its share of the
+  device (coserve.rollout_share) and the rollout batch is what the lent KV holds at the mean
+  agentic context (rollouts.py): lendable tokens/s = share x batch / step time;
+- SLO risk: the share of minutes whose peak second breaks the SLO with rollout running
+  (``with rollout``) and without it (``alone``: the fleet is short of capacity then anyway).
+
+An hour's lendable throughput is also given as the dedicated rollout GPUs that produce as
+many tokens/s (a dedicated instance with its whole KV).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from rose.services.executor.policies import make_policy
+from rose.services.slo_monitor.headroom import assess, fit_step_model
+from rose.services.slo_monitor.windows import WindowStats
+
+from .coserve import rollout_share, serving_tick, slo_capacity_rps
+from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
+from .engine import SERVING_POOL_MARGIN, MAX_ROLLOUT_BATCH
+from .policies import executor_signals, monitor_settings
+from .rollouts import RolloutSpec, mean_context
+from .traces import load_azure_csv, requests_to_trace
+
+TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity
+
+
+def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: float) -> WindowStats:
+    return WindowStats(60.0, 60, ttft_ms, tpot_ms, rate * 60, rate, int(rate * 60), 0, int(math.ceil(batch)), 0.0, kv_util, 0.0)
+
+
+def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0, scale: str | float = "auto",
+         quantum_ms: float = 10.0) -> dict:
+    n_gpus, device = parse_fleet(fleet)
+    m = model_spec(model)
+    req = load_azure_csv(trace_path)
+    trace = requests_to_trace(req)
+    tp_s, tp_r = serving_tp(m, m, device), rollout_tp(m, device)
+    n = n_gpus // tp_s
+    if n < 1:
+        raise ValueError(f"{model} on {fleet}: one serving instance needs {tp_s} GPUs (serving model + policy copy in 65 % of HBM)")
+    sperf, pperf_s, pperf_d = Roofline(device, m, tp_s), Roofline(device, m, tp_s), Roofline(device, m, tp_r)
+    prompt, output = float(np.mean(req.context)), float(np.mean(req.generated))
+    p99 = float(trace.prompt_p99)
+    kvb = m.kv_bytes_per_token
+    alone_tokens = (usable_bytes(device, tp_s) - m.weight_bytes) / kvb
+    cap = slo_capacity_rps(sperf, prompt, output, p99, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, alone_tokens)
+    minutes = max(1, len(trace.rate) // 60)
+    # smooth over a window holding ~20 requests (>= 1 minute): scaling up a sparse trace must not
+    # turn its Poisson noise into bursts that are not there
+    window = int(np.clip(20.0 / max(1e-9, float(trace.rate.mean())), 60, 3600))
+    smooth = np.convolve(trace.rate, np.ones(window) / window, mode="same") if window > 60 else trace.rate
+    per_min = smooth[: minutes * 60].reshape(minutes, 60)
+    hourly_mean = [float(per_min[i: i + 60].mean()) for i in range(0, minutes, 60)]
+    if scale == "auto":
+        factor = TARGET_PEAK_LOAD * n * cap / max(1e-9, max(hourly_mean))
+    else:
+        factor = float(scale)
+    rate_mean = per_min.mean(axis=1) * factor / n  # per instance
+    # the minute's busiest 10 s (when the trace is dense enough to tell), then a busy second at one
+    # instance on top of it: Poisson noise at the instance's rate (+2.33 sigma: its p99)
+    per10 = per_min.reshape(minutes, 6, 10).mean(axis=2)
+    dense = float(per10.mean()) * 10 >= 5.0
+    peak = (per10.max(axis=1) if dense else per_min.mean(axis=1)) * factor / n
+    rate_peak = peak + 2.33 * np.sqrt(np.maximum(peak, 0.0))
+    # serving pool sized for the trace's peak (as the simulator sizes it), the rest of HBM after both models is the rollout pool
+    q = quantum_ms / 1e3
+    at_peak = serving_tick(sperf, np.array([float(rate_peak.max())]), prompt, output, p99, q, q, 0.0, 1.0, alone_tokens)
+    pool_tokens = min(alone_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt + output))
+    free = usable_bytes(device, tp_s) - 2 * m.weight_bytes - pool_tokens * kvb
+    _, _, hcfg = monitor_settings(slo_ttft_ms, slo_tpot_ms, MAX_ROLLOUT_BATCH, int(max(0.0, free)))
+    from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot
+
+    total = tp_s * device.hbm_bytes
+    latest = MetricsSnapshot(executor_id="plan", at=0.0, interval_s=60.0, device=DeviceTelemetry(kind="cuda", name=device.name, memory_total_bytes=int(total),
+                                                                                                   memory_used_bytes=int(total - max(0.0, free))))
+    ctx = mean_context(RolloutSpec())
+    ep = make_policy("rose", quantum_ms=quantum_ms)
+    # the step model the monitor would fit: serving iteration (+ the rollout quantum) over batch compositions
+    obs = []
+    for bs in (1, 8, 32, 64):
+        for br in (0, 8, 32):
+            q = min(quantum_ms / 1e3, float(pperf_s.decode_s(max(br, 1), ctx))) if br else 0.0
+            obs.append((float(bs), float(br), 1e3 * (float(sperf.decode_s(bs, prompt + output / 2)) + q)))
+    step_model = fit_step_model(obs, slo_tpot_ms / 4)
+    alone_mean = serving_tick(sperf, rate_mean, prompt, output, p99, 0.0, 0.0, 0.0, 60.0, pool_tokens)
+    alone_peak = serving_tick(sperf, rate_peak, prompt, output, p99, 0.0, 0.0, 0.0, 1.0, alone_tokens)
+    lend_tps = np.zeros(minutes)
+    lendable = np.zeros(minutes, dtype=bool)
+    risk_with = np.zeros(minutes, dtype=bool)
+    reasons: dict[str, int] = {}
+    for i in range(minutes):
+        ap = alone_peak
+        win = _stats(float(ap.ttft_p99_s[i]) * 1e3, float(ap.tpot_p99_s[i]) * 1e3, float(rate_mean[i]), float(ap.batch[i]), float(alone_mean.batch[i]) * (prompt + output) / max(1.0, pool_tokens))
+        v = assess(win, win, step_model, latest, hcfg, alerting=False)
+        if not v.lendable:
+            key = v.reason.split(";")[0].split(" ")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+            continue
+        batch = min(v.slots, int(v.kv_bytes // (ctx * kvb)))
+        if batch < 1:
+            continue
+        lendable[i] = True
+        tau_r = float(pperf_s.decode_s(batch, ctx))
+        q = min(quantum_ms / 1e3, tau_r)
+        may = ep.may_run_rollout(executor_signals(0.0, float(alone_mean.batch[i]), float(alone_mean.iteration_s[i]) * 1e3, slo_tpot_ms))
+        sm = serving_tick(sperf, rate_mean[i: i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 60.0, pool_tokens)
+        share = float(rollout_share(ep, sm, np.array([q if may else 0.0]), np.array([may]))[0])
+        lend_tps[i] = n * share * batch / tau_r
+        sp = serving_tick(sperf, rate_peak[i: i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
+        risk_with[i] = bool(sp.ttft_p99_s[0] > slo_ttft_ms / 1e3 or sp.tpot_p99_s[0] > slo_tpot_ms / 1e3 or sp.queue[0] > 0)
+    risk_alone = (alone_peak.ttft_p99_s > slo_ttft_ms / 1e3) | (alone_peak.tpot_p99_s > slo_tpot_ms / 1e3) | (alone_peak.queue > 0)
+    ded_kv = usable_bytes(device, tp_r) - m.weight_bytes
+    ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * kvb)))
+    ded_tps = ded_batch / float(pperf_d.decode_s(ded_batch, ctx))
+    hours = []
+    start_hour = int(trace.start_s // 3600)
+    for h, lo in enumerate(range(0, minutes, 60)):
+        sl = slice(lo, min(minutes, lo + 60))
+        tps = float(lend_tps[sl].mean())
+        hours.append({
+            "hour": (start_hour + h) % 24, "minutes": sl.stop - sl.start,
+            "requests_per_s": float(rate_mean[sl].mean() * n), "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
+            "lendable_fraction": float(lendable[sl].mean()), "rollout_tokens_per_s": tps,
+            "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
+            "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
+            "slo_risk_alone": float(risk_alone[sl].mean()), "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
+        })
+    return {
+        "trace": str(trace_path), "trace_requests": int(len(req.times_s)), "scale": factor, "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
+        "fleet": fleet, "model": m.name, "serving_instances": n, "serving_tp": tp_s, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "slo_capacity_rps_per_instance": cap, "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
+        "smoothing_window_s": window, "dedicated_instance_tokens_per_s": ded_tps, "dedicated_tp": tp_r, "not_lendable_minutes": reasons, "hours": hours,
+        "note": "a model, not a measurement: roofline step times (cli/sim/devices.py) and the monitor's own headroom rules",
+    }
+
+
+def _risk(x: float) -> str:
+    return "low" if x < 0.01 else ("medium" if x < 0.1 else "high")
+
+
+def _plot(path: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hrs = result["hours"]
+    x = list(range(len(hrs)))
+    labels = [f"{h['hour']:02d}" for h in hrs]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(max(8, 0.4 * len(hrs) + 3), 6), sharex=True)
+    a.plot(x, [h["requests_per_s"] for h in hrs], marker="o", label="serving req/s")
+    a.axhline(result["slo_capacity_rps_per_instance"] * result["serving_instances"], color="red", ls="--", label="SLO capacity")
+    a.set_ylabel("requests/s")
+    a.legend(fontsize=8)
+    colors = {"low": "tab:green", "medium": "tab:orange", "high": "tab:red"}
+    b.bar(x, [h["rollout_tokens_per_s"] for h in hrs], color=[colors[_risk(h["slo_risk_with_rollout"])] for h in hrs])
+    b.set_ylabel("lendable rollout tok/s")
+    b.set_xticks(x, labels)
+    b.set_xlabel("hour of day (bar colour: SLO risk with rollout, green low / orange medium / red high)")
+    fig.suptitle(f"rose plan: {result['model']} on {result['fleet']} ({result['serving_instances']} instances of TP{result['serving_tp']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_plan(*, trace: str, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, scale: str, out_json: str | None, console) -> dict:
+    from rich.table import Table
+
+    result = plan(trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale))
+    table = Table(title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms (trace x{result['scale']:.3g})")
+    for col in ("hour", "req/s", "load", "lendable", "rollout tok/s", "≈ dedicated GPUs", "p99 TTFT ms (peak)", "SLO risk alone", "SLO risk w/ rollout"):
+        table.add_column(col, justify="right")
+    for h in result["hours"]:
+        table.add_row(f"{h['hour']:02d}:00", f"{h['requests_per_s']:.1f}", f"{h['load_of_slo_capacity']:.0%}", f"{h['lendable_fraction']:.0%}",
+                      f"{h['rollout_tokens_per_s']:.0f}", f"{h['dedicated_gpu_equivalent']:.1f}", f"{h['ttft_p99_ms_peak']:.0f}" if h["ttft_p99_ms_peak"] < 60_000 else "overload",
+                      f"{_risk(h['slo_risk_alone'])} ({h['slo_risk_alone']:.0%})", f"{_risk(h['slo_risk_with_rollout'])} ({h['slo_risk_with_rollout']:.0%})")
+    console.print(table)
+    console.print(f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
+                  f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}")
+    out = Path(out_json or "bench-out/plan.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    _plot(out.with_suffix(".png"), result)
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result

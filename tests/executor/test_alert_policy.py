@@ -1,0 +1,54 @@
+"""Who yields to an SLO alert: the lease guard takes rollout back on an alert unless the executor's
+co-serving policy ignores the SLO (naive_share, the `rose bench e2e` baseline; `engine.policy`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rose.contracts.lease import Lease
+from rose.contracts.slo import SloAlert
+from rose.services.executor.config import ExecutorConfig
+from rose.services.executor.leases import LeaseGuard
+from rose.services.executor.policies import POLICY_NAMES, make_policy
+from rose.shared.config import load_config
+
+
+class StubEngine:
+    def __init__(self, policy: str) -> None:
+        self.policy = make_policy(policy)
+        self.revoked = 0
+        self.lease_id = ""
+
+    def revoke_rollout(self) -> None:
+        self.revoked += 1
+
+    def set_rollout_lease(self, budget: int, until: float, lease_id: str) -> None:
+        self.lease_id = lease_id
+
+
+def test_only_naive_share_ignores_alerts():
+    assert {name: make_policy(name).yields_to_alerts for name in POLICY_NAMES} == {
+        "serving_only": True, "naive_share": False, "static_partition": True, "rose": True,
+    }
+    cfg = load_config(ExecutorConfig, env={"ROSE_ENGINE__POLICY": "naive_share"})
+    assert cfg.engine.policy == "naive_share" and ExecutorConfig().engine.policy == "rose"
+
+
+@pytest.mark.parametrize("policy", ["rose", "naive_share"])
+async def test_guard_yields_on_alert_unless_the_policy_ignores_the_slo(policy):
+    engine = StubEngine(policy)
+    guard = LeaseGuard(engine, "ex-a", dedicated=False, rollout_kv_bytes=1 << 20)  # type: ignore[arg-type]
+    now = time.time()
+    lease = Lease(lease_id="ex-a-e1", executor_id="ex-a", epoch=1, state="active", granted_at=now, expires_at=now + 60,
+                  kv_bytes=1 << 20, compute_share=1.0, max_rollout_batch=8)
+    await guard._on_lease("ex-a", lease)
+    assert engine.lease_id == "ex-a-e1" and guard.current is lease
+    await guard._on_alert(SloAlert(executor_id="ex-a", at=now, severity="burst", reason="test"), None)  # type: ignore[arg-type]
+    if policy == "naive_share":
+        assert guard.current is lease and engine.revoked == 0
+    else:
+        assert guard.current is None and engine.revoked == 1 and guard.revoked_reason == "lease_revoked"
+    await guard._on_lease("ex-a", None)  # a revocation from the scheduler is obeyed by every policy
+    assert guard.current is None and engine.revoked >= 1

@@ -1,0 +1,73 @@
+"""Calibration paths and the two commands, end to end on small inputs."""
+
+import json
+
+import pytest
+
+from rose.cli.main import main
+from rose.cli.sim.calibration import calibrate_e2e, fit_error, measure_step_times, step_models
+from rose.cli.sim.traces import SAMPLE_CSV
+
+# A made-up `rose bench e2e` result in that command's layout (cli/bench_e2e.py): test data, not a measurement.
+SYNTHETIC_E2E = {
+    "serving_executors": 2, "dedicated_executors": 1,
+    "fleet": {"slo_ttft_ms": 500, "slo_tpot_ms": 100, "base_rps": 3.0, "burst_factor": 3.0, "burst_every_s": 15, "burst_len_s": 3,
+              "serving_max_tokens": 32, "rollout_max_tokens": 16, "worker_concurrency": 32},
+    "calibration": {"step_times": {
+        "serving": {"measured_steps": {"decode_base_s": 0.002, "decode_per_seq_s": 0.0005, "prefill_base_s": 0.002, "prefill_per_token_s": 0.0001}},
+        "policy": {"measured_steps": {"decode_base_s": 0.004, "decode_per_seq_s": 0.0004, "prefill_base_s": 0.003, "prefill_per_token_s": 0.0002}}}},
+    "policies": {name: {"rl_steps_per_hour": 300.0, "rollout_s_per_step": 8.0, "serving_slo_attainment": 0.99, "rollout_tokens_per_s": 100.0,
+                        "calibration": {"trajectories_per_step": 16, "turns_per_trajectory": 2.5, "tokens_per_turn": 12, "prompt_tokens_per_turn": 80,
+                                        "train_s_per_step": 3.0, "publish_s_per_step": 0.5, "serving_arrival_rps_per_executor": 3.0}}
+                 for name in ("static", "naive_share", "elastic_baseline", "rose")},
+}
+
+
+def test_measured_step_times_of_the_real_executor_forward():
+    st = measure_step_times(repeats=1, batches=(1, 8), prefills=(16, 64))
+    serving, policy = step_models(st)
+    assert all(ms > 0 for m in ("serving", "policy") for table in st[m].values() for ms in table.values())
+    assert float(policy.prefill_s(64)) > 0 and float(serving.decode_s(8, 64)) > 0
+    assert fit_error(st) >= 0
+
+
+def test_calibration_against_an_e2e_file():
+    out = calibrate_e2e(SYNTHETIC_E2E, None, source="synthetic")
+    assert set(out["calibration"]) == {"static", "naive_share", "elastic_baseline", "rose"}
+    for name, err in out["calibration"].items():
+        d = out["calibration_detail"]["per_policy"][name]
+        assert err == pytest.approx(abs(d["predicted"] - d["measured"]) / d["measured"])
+        assert d["predicted"] > 0
+
+
+def test_bench_sim_end_to_end(tmp_path):
+    e2e = tmp_path / "e2e.json"
+    e2e.write_text(json.dumps(SYNTHETIC_E2E))
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--json", str(out), "--models", "7B", "--gpus", "8", "--steps", "1", "--jobs", "1", "--e2e", str(e2e)]) == 0
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert {r["policy"] for r in report["rows"]} == {"static", "naive_share", "elastic_baseline", "rose"}
+    for r in report["rows"]:
+        assert {"model", "gpus", "policy", "rl_steps_per_hour", "speedup_vs_static", "rollout_time_ratio_vs_elastic", "slo_violations"} <= set(r)
+    static = next(r for r in report["rows"] if r["policy"] == "static")
+    assert static["speedup_vs_static"] == 1.0
+    assert set(report["calibration"]) == {"static", "naive_share", "elastic_baseline", "rose"}
+    assert report["summary"].startswith("rose vs static")
+
+
+def test_plan_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "16xH100", "--model", "7B", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()
+    assert any(h["rollout_tokens_per_s"] > 0 for h in result["hours"])
+    assert all(0.0 <= h["slo_risk_with_rollout"] <= 1.0 for h in result["hours"])
+
+
+def test_plan_bad_trace_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,100,10\n2,lots,10\n")
+    assert main(["plan", "--trace", str(bad), "--fleet", "8xH100", "--model", "7B", "--json", str(tmp_path / "p.json")]) == 2
+    assert "line 3" in capsys.readouterr().err
+    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "8xTPU", "--model", "7B", "--json", str(tmp_path / "p.json")]) == 2

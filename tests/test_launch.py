@@ -1,0 +1,47 @@
+"""Service processes started by benches and the demo die with their parent, even on kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from rose.shared.launch import ServiceProcess
+
+    # a service with nowhere to connect: it keeps retrying until something stops it
+    proc = ServiceProcess("slo_monitor", "orphan-check", {"NATS_URL": "nats://127.0.0.1:1"}, Path(sys.argv[1])).start()
+    print(proc.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for init to reap it is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_children_die_when_the_parent_is_killed(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert _alive(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the service outlived its killed parent"
