@@ -19,3 +19,15 @@ async def until(predicate, timeout: float = 15.0, what: str = "the condition", s
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
         await asyncio.sleep(step)
+
+
+def until_sync(predicate, timeout: float = 15.0, what: str = "the condition", step: float = 0.3):
+    """`until` for tests that drive subprocesses without an event loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+        time.sleep(step)

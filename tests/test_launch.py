@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+
+from rose_cli import alive
 
 PARENT = textwrap.dedent(
     """
@@ -23,25 +24,13 @@ PARENT = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie waiting for init to reap it is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_children_die_when_the_parent_is_killed(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    assert _alive(child)
+    assert alive(child)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 20
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(child), "the service outlived its killed parent"
+    assert not alive(child), "the service outlived its killed parent"

@@ -8,23 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
+
+from rose_cli import alive, children, rose, wait_until_up
 
 UP_TIMEOUT_S = 180.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "zombie" in status.read_text())
-
-
-def _rose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rose.cli.main", *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
@@ -35,12 +22,8 @@ def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
     out = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while "ROSE is up" not in (tmp_path / "up.log").read_text():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.3)
-        status = _rose("status", "--json", env=env)
+        wait_until_up(up, tmp_path / "up.log", UP_TIMEOUT_S)
+        status = rose("status", "--json", env=env)
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         services = {s["service"]: s for s in report["services"]}
@@ -49,15 +32,15 @@ def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
         executor_pid = services["executor"]["pid"]
         up_info = json.loads((state / "up.json").read_text())
         assert up_info["nats_url"] == report["nats_url"]
-        table = _rose("status", env=env)
+        table = rose("status", env=env)
         assert "executor" in table.stdout
-        children = _children(up.pid)  # nats-server and every service
-        assert executor_pid in children and len(children) >= 2
+        kids = children(up.pid)  # nats-server and every service
+        assert executor_pid in kids and len(kids) >= 2
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-        for pid in children:
-            assert not _alive(pid), f"process {pid} survived Ctrl-C"
+        for pid in kids:
+            assert not alive(pid), f"process {pid} survived Ctrl-C"
         assert not (state / "up.json").exists()
     finally:
         if up.poll() is None:
@@ -74,13 +57,10 @@ def test_up_uses_nats_url_instead_of_starting_a_server(tmp_path, models_dir, nat
     with open(log, "w") as out:
         up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while "ROSE is up" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        wait_until_up(up, log, UP_TIMEOUT_S)
         assert json.loads((state / "up.json").read_text())["embedded_nats"] is False
         assert "external" in log.read_text()
-        report = json.loads(_rose("status", "--json", env=env).stdout)
+        report = json.loads(rose("status", "--json", env=env).stdout)
         assert report["nats_url"] == nats_server.url
         assert "ex-up-external" in {s["instance"] for s in report["services"]}
         up.send_signal(signal.SIGINT)
@@ -88,17 +68,3 @@ def test_up_uses_nats_url_instead_of_starting_a_server(tmp_path, models_dir, nat
     finally:
         if up.poll() is None:
             up.kill()
-
-
-def _children(pid: int) -> list[int]:
-    """Pids of the direct children of `pid`, from /proc."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry.name))
-    return kids

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nats.errors
 import pytest
+from polling import until
 from nats.js.errors import APIError, NoStreamResponseError
 
 from rose.contracts.registry import KV_BUCKETS, OBJECT_STORES, SERVICE_EVENT, SERVICE_REGISTRY, STREAMS
@@ -84,17 +85,17 @@ async def test_compose_node_configs_start_a_cluster_as_local_processes(tmp_path)
             with open(node_dir / "nats.log", "wb") as log:
                 procs.append(subprocess.Popen([find_binary(), "-c", str(node_dir / "local.conf")], stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 30
+
+        def healthy(node: int, monitor: int) -> bool:
+            assert procs[node - 1].poll() is None, (tmp_path / f"nats-{node}" / "nats.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as reply:
+                    return reply.status == 200
+            except OSError:
+                return False
+
         for i, (_, _, monitor) in enumerate(ports, start=1):
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-                assert procs[i - 1].poll() is None, (tmp_path / f"nats-{i}" / "nats.log").read_text()
-                assert time.monotonic() < deadline, f"nats-{i} not healthy:\n" + (tmp_path / f"nats-{i}" / "nats.log").read_text()
-                await asyncio.sleep(0.2)
+            await until(lambda: healthy(i, monitor), max(0.1, deadline - time.monotonic()), f"nats-{i} healthy (log: {tmp_path / f'nats-{i}' / 'nats.log'})", step=0.2)
             with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=2) as reply:
                 varz = json.load(reply)
             assert varz["server_name"] == f"nats-{i}" and varz["max_payload"] == 8 << 20  # from the compose file
@@ -217,13 +218,11 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
             assert sorted(seen) == sorted(before + after)
 
             # The service kept heartbeating into the R3 KV bucket through the failover.
-            deadline = time.monotonic() + RETRY_S
-            while True:
+            async def heard_since_kill() -> bool:
                 live = await _retry("kv get", lambda: bus.kv_get(SERVICE_REGISTRY, service="slo_monitor", instance="slo-r3"))
-                if live is not None and live.sent_at > killed_at + 1.0:
-                    break
-                assert time.monotonic() < deadline, f"no heartbeat since the kill:\n{service.log_tail()}"
-                await asyncio.sleep(0.3)
+                return live is not None and live.sent_at > killed_at + 1.0
+
+            await until(heard_since_kill, RETRY_S, f"a heartbeat since the kill (log: {service.log_path})", step=0.3)
             assert service.alive(), service.log_tail()
             health = _rose("health", "slo_monitor", "--instance", "slo-r3", "--nats-url", cluster.url)
             assert health.returncode == 0, health.stdout + health.stderr

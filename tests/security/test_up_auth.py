@@ -15,6 +15,8 @@ import time
 import nats
 import pytest
 
+from rose_cli import rose, wait_until_up
+
 from rose.cli.main import ON_DEMAND_SERVICES, SERVICE_MODULES
 from rose.shared.security import USERS
 
@@ -31,12 +33,9 @@ def test_up_runs_every_service_with_its_own_credentials(tmp_path, models_dir):
     with open(log, "w") as out:
         up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while "ROSE is up" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        wait_until_up(up, log, UP_TIMEOUT_S)
         assert "not every service reported ready" not in log.read_text(), log.read_text()
-        status = subprocess.run([sys.executable, "-m", "rose.cli.main", "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        status = rose("status", "--json", env=env)
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         ready = {s["service"] for s in report["services"] if s["state"] == "ready"}
