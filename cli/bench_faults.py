@@ -55,7 +55,7 @@ from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 
 from . import demo
-from .fleet import DEDICATED_NICE, drive_serving, fleet_processes, p99, serving_trace
+from .fleet import drive_serving, p99, serving_trace
 
 SPEC = replace(demo.SPEC, prefix="faults")
 TRAINER = {**demo.TRAINER, "ROSE_SFT__STEPS": "80"}  # learning is not the point here; a shorter warm start
@@ -438,14 +438,7 @@ async def _run(out: Path, seed: int, quick: bool, models_dir: Path | None, conso
     obs, f = demo.Observed(), Faults()
     await demo.observe(bus, obs)
     await extra_observers(bus, f, f"{seed}_{int(time.time())}")
-    procs = fleet_processes(logs, server.url, models, SPEC, 2, 1)
-    base = {"NATS_URL": server.url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
-    procs["publisher"] = ServiceProcess("weight_publisher", "faults-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
-    trainer_env = {**base, **TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed), "ROSE_RUN_ID": f"faults-{seed}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging")}
-    procs["trainer"] = ServiceProcess("trainer", "faults-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
-    for proc in procs.values():
-        proc.env.update(creds.env(proc.service))
-        proc.env["ROSE_STATE_DIR"] = str(state)
+    procs = demo.job_processes(state, server.url, models, creds, SPEC, 2, 1, {**TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed)})
     serving = sorted(n for n in procs if n.startswith(f"{SPEC.prefix}-serving-"))
     executors = {n: ("serving" if n in serving else "dedicated") for n in procs if procs[n].service == "executor"}
     down: set[str] = set()

@@ -208,16 +208,7 @@ async def run_job(
     if on_bus is not None:
         await on_bus(bus, obs)
     logs = state / "logs"
-    procs = fleet_processes(logs, server.url, models, SPEC, serving_n, dedicated_n, **{f"{part}_env": e for part, e in (env or {}).items()})
-    base = {"NATS_URL": server.url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
-    # The trainer and the publisher stand in for the training cluster: like the dedicated executor,
-    # they run at a lower OS priority so that they do not take the serving executors' cores.
-    procs["publisher"] = ServiceProcess("weight_publisher", "demo-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
-    trainer_env = {**base, **TRAINER, "ROSE_TASKS__SEED": str(seed), "ROSE_RUN_ID": f"demo-{seed}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging")}
-    procs["trainer"] = ServiceProcess("trainer", "demo-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
-    for proc in procs.values():
-        proc.env.update(creds.env(proc.service))
-        proc.env["ROSE_STATE_DIR"] = str(state)  # this run's own weight-signing keys and state, never ./.rose
+    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, {**TRAINER, "ROSE_TASKS__SEED": str(seed)}, **{f"{part}_env": e for part, e in (env or {}).items()})
     executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
     serving = [n for n, role in executors.items() if role == "serving"]
     try:
@@ -248,6 +239,26 @@ async def run_job(
         await asyncio.to_thread(stop_all, list(procs.values()))
         await bus.close()
         server.stop()
+
+
+def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, serving: int, dedicated: int, trainer: dict[str, str], **fleet_env: dict[str, str]) -> dict[str, ServiceProcess]:
+    """The RL job's processes (not started): the fleet, the weight publisher and the trainer, each with
+    its own credentials and this run's state dir (its weight-signing keys; never ./.rose).
+
+    `trainer` is the trainer's settings (TRAINER plus the run's own); `fleet_env` goes to `fleet_processes`.
+    """
+    logs = state / "logs"
+    procs = fleet_processes(logs, url, models, spec, serving, dedicated, **fleet_env)
+    base = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
+    # The trainer and the publisher stand in for the training cluster: like the dedicated executor,
+    # they run at a lower OS priority so that they do not take the serving executors' cores.
+    procs["publisher"] = ServiceProcess("weight_publisher", f"{spec.prefix}-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
+    trainer_env = {**base, "ROSE_RUN_ID": f"{spec.prefix}-{trainer.get('ROSE_TASKS__SEED', '0')}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"), **trainer}
+    procs["trainer"] = ServiceProcess("trainer", f"{spec.prefix}-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
+    for proc in procs.values():
+        proc.env.update(creds.env(proc.service))
+        proc.env["ROSE_STATE_DIR"] = str(state)
+    return procs
 
 
 # ---- the report -----------------------------------------------------------------------
