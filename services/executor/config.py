@@ -59,6 +59,26 @@ class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     public_host: str = ""  # how others reach it, if not `host`
 
 
+class SGLangApiSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's RL admin API on this executor (see sglang_api.py), serving the *policy* model.
+
+    Endpoints that change what runs (weights, pause, memory, cache, abort) are admin endpoints:
+    they need `Authorization: Bearer <admin_api_key>` when a key is set, and are refused (403)
+    when no key is set unless `allow_unauthenticated_admin` (an executor bound to localhost
+    beside its trainer, as RL frameworks run SGLang).
+    """
+
+    enabled: bool = True
+    admin_api_key: str = ""  # a secret: never logged
+    allow_unauthenticated_admin: bool = False
+    max_waiting_requests: PositiveInt = 4096  # rollout requests queued before /generate answers 503
+    # how long /generate waits for a rollout lease before a 503 (a serving executor lends only while its SLO allows)
+    lease_wait_s: PositiveSeconds = 120.0
+
+    def __repr__(self) -> str:  # the key never reaches a log line through a config dump
+        return f"SGLangApiSettings(enabled={self.enabled}, admin_api_key={'***' if self.admin_api_key else ''!r}, allow_unauthenticated_admin={self.allow_unauthenticated_admin})"
+
+
 class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
@@ -66,6 +86,7 @@ class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
+    sglang_api: SGLangApiSettings = msgspec.field(default_factory=SGLangApiSettings)
     # serving: takes production traffic, rollout only under a scheduler's lease.
     # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
     role: Literal["serving", "dedicated"] = "serving"

@@ -111,6 +111,13 @@ class CpuDevice:
     def set_thread_width(self, threads: int) -> None:
         torch.set_num_threads(threads)  # per calling thread (OpenMP ICV); the serving lane keeps its own
 
+    def offload(self, model: torch.nn.Module) -> int:
+        """Weights already live in host memory: nothing to move (bytes freed on the device: 0)."""
+        return 0
+
+    def reload(self, model: torch.nn.Module) -> int:
+        return 0
+
     def telemetry(self) -> Telemetry:
         now, cpu = time.monotonic(), time.process_time()
         last_now, last_cpu = self._last_cpu
@@ -149,6 +156,13 @@ class CudaDevice:
     def init_thread(self, threads: int | None = None) -> None:
         torch.cuda.set_device(self.torch_device)
 
+    def offload(self, model: torch.nn.Module) -> int:
+        """Move the model's parameters and buffers to pinned host memory; returns the device bytes freed."""
+        return _move(model, lambda t: t.to("cpu").pin_memory(), self.torch_device)
+
+    def reload(self, model: torch.nn.Module) -> int:
+        return _move(model, lambda t: t.to(self.torch_device, non_blocking=True), self.torch_device)
+
     def telemetry(self) -> Telemetry:
         if self._nvml is None:
             import pynvml  # nvidia-ml-py, imported only on GPU nodes
@@ -161,6 +175,17 @@ class CudaDevice:
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         return Telemetry("cuda", name, int(mem.total), int(mem.used), util, process_rss_bytes())
+
+
+@torch.no_grad()
+def _move(model: torch.nn.Module, to, device: torch.device) -> int:
+    moved = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        moved += tensor.numel() * tensor.element_size()
+        tensor.data = to(tensor.data)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return moved
 
 
 def select_device(name: str = "auto") -> CpuDevice | CudaDevice:

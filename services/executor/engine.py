@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ MIB = 1 << 20
 IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
 PAUSE_POLL_S = 0.0005  # how often a paused rollout lane re-asks the policy
 EMA_ALPHA = 0.2
+PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
+MEMORY_TAGS = ("kv_cache", "weights")  # as SGLang's /release_memory_occupation
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,9 @@ class Engine:
         self._lease_ended: str = "no_lease"
         self._revoked_at: float | None = None
         self._staged: tuple[StagedWeights, concurrent.futures.Future] | None = None
+        self._controls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._paused: str | None = None  # pause_rollout mode while paused
+        self._released: frozenset[str] = frozenset()  # rollout memory given back (release_rollout_memory)
         self._yield_at: float | None = None
         self._in_quantum = False
         self._threads: list[threading.Thread] = []
@@ -236,13 +242,17 @@ class Engine:
     def max_positions(self, work_class: WorkClass) -> int:
         return self._runtime(work_class).runner.max_positions
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Validate and queue; call from a running asyncio loop. Raises InvalidRequest or RolloutRejected."""
+    def submit(self, request: GenerationRequest, *, require_lease: bool = True) -> RequestHandle:
+        """Validate and queue; call from a running asyncio loop. Raises InvalidRequest or RolloutRejected.
+
+        A rollout request is refused without a valid lease unless ``require_lease`` is False:
+        then it waits in the queue until a lease comes (rollout never runs without one either way).
+        """
         if self._stopping:
             raise RolloutRejected("draining", "the engine is stopping")
         rt = self._runtime(request.work_class)
         self._validate(rt, request)
-        if rt is self._rollout:
+        if rt is self._rollout and (require_lease or not self.policy.admits_rollout):
             self._check_lease_admits()
         handle = RequestHandle(request.request_id, asyncio.get_running_loop())
         handle._cancel = lambda rid, rt=rt: (rt.aborts.append(rid), rt.wakeup.set())
@@ -274,6 +284,11 @@ class Engine:
         self._lease_ended = "lease_revoked"
         self._rollout.wakeup.set()
 
+    @property
+    def holds_rollout_lease(self) -> bool:
+        lease = self._lease
+        return self.policy.admits_rollout and lease is not None and time.monotonic() < lease.expires_at
+
     def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
         self.slo_ttft_ms, self.slo_tpot_ms = ttft_ms, tpot_ms
 
@@ -291,6 +306,114 @@ class Engine:
             self._staged = (staged, done)
             self._rollout.wakeup.set()
         return done
+
+    # ------------------------------------------------------------------ rollout control (SGLang-style admin)
+    def pause_rollout(self, mode: str) -> concurrent.futures.Future:
+        """Stop rollout at the next safepoint; resolves with the number of rollout requests affected.
+
+        ``abort``: every queued and running rollout request finishes now with finish_reason
+        "abort". ``retract``: running requests give back their KV and wait (they continue by
+        recompute, nothing lost). ``in_place``: requests keep their KV and simply wait.
+        New requests queue until ``continue_rollout``.
+        """
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._paused = mode
+        return self._control(lambda: self._pause_now(mode))
+
+    def continue_rollout(self) -> None:
+        self._paused = None
+        self._rollout.wakeup.set()
+
+    @property
+    def rollout_paused(self) -> str | None:
+        return self._paused
+
+    def abort_rollout(self, request_id: str | None = None) -> None:
+        """Abort one rollout request by id, or every one (None); they finish with "abort"."""
+        rt = self._rollout
+        ids = [request_id] if request_id is not None else [s.request.request_id for s in list(rt.inbox) + list(rt.waiting) + list(rt.running)]
+        rt.aborts.extend(ids)
+        rt.wakeup.set()
+
+    def flush_prefix_cache(self) -> concurrent.futures.Future:
+        """Drop every retained trajectory prefix; resolves with the number of blocks freed."""
+        return self._control(lambda: self._flush_now())
+
+    def release_rollout_memory(self, tags: tuple[str, ...]) -> concurrent.futures.Future:
+        """Give the rollout side's memory back: ``kv_cache`` (the rollout KV pool's storage) and/or
+        ``weights`` (the policy parameters, moved to host memory). Rollout holds still until
+        ``resume_rollout_memory``; its requests keep their tokens and continue by recompute.
+        Resolves with the bytes freed on the device per tag."""
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise InvalidRequest(f"unknown memory tags {bad}: use {', '.join(MEMORY_TAGS)}")
+        self._released = self._released | set(tags)
+        return self._control(lambda: self._release_now(tuple(tags)))
+
+    def resume_rollout_memory(self, tags: tuple[str, ...]) -> concurrent.futures.Future:
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise InvalidRequest(f"unknown memory tags {bad}: use {', '.join(MEMORY_TAGS)}")
+        return self._control(lambda: self._resume_now(tuple(tags)))
+
+    @property
+    def released_memory(self) -> frozenset[str]:
+        return self._released
+
+    def _control(self, action: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `action` on the rollout lane between quanta (at once when no lane is running)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._started or not self.policy.admits_rollout or self._stopping:
+            _settle(done, action)
+        else:
+            self._controls.append((action, done))
+            self._rollout.wakeup.set()
+        return done
+
+    def _pause_now(self, mode: str) -> int:
+        rt = self._rollout
+        self._receive(rt)
+        affected = len(rt.waiting) + len(rt.running)
+        if mode == "abort":
+            self.abort_rollout()
+            self._receive(rt)
+        elif mode == "retract":
+            for seq in list(rt.running):
+                self._preempt(rt, seq)
+        return affected
+
+    def _flush_now(self) -> int:
+        blocks = self.prefix_cache.clear()
+        self._rollout.pool.free(blocks)
+        return len(blocks)
+
+    def _release_now(self, tags: tuple[str, ...]) -> dict[str, int]:
+        rt = self._rollout
+        freed = {}
+        if "kv_cache" in tags and not rt.pool.released:
+            self._receive(rt)
+            for seq in list(rt.running):
+                self._preempt(rt, seq)
+            for seq in rt.waiting:  # a waiting turn may hold its retained prefix
+                if seq.blocks:
+                    rt.pool.free(seq.drop_kv())
+            self._flush_now()
+            freed["kv_cache"] = rt.pool.release()
+        if "weights" in tags:
+            freed["weights"] = self.device.offload(rt.model)
+        return freed
+
+    def _resume_now(self, tags: tuple[str, ...]) -> dict[str, int]:
+        rt = self._rollout
+        restored = {}
+        if "kv_cache" in tags:
+            restored["kv_cache"] = rt.pool.restore()
+        if "weights" in tags:
+            restored["weights"] = self.device.reload(rt.model)
+        self._released = self._released - set(tags)
+        rt.wakeup.set()
+        return restored
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The live policy parameters (read-only use: a weight follower's base, a digest)."""
@@ -382,7 +505,7 @@ class Engine:
         while not self._stopping:
             self._between_quanta(rt)
             self._receive(rt)
-            if not rt.has_work() or self._lease is None:
+            if not rt.has_work() or self._lease is None or self._paused or self._released:
                 rt.wakeup.wait(IDLE_WAIT_S)
                 rt.wakeup.clear()
                 continue
@@ -427,6 +550,9 @@ class Engine:
 
     def _between_quanta(self, rt: _ClassRuntime) -> None:
         """Housekeeping the rollout lane does only between quanta, never inside a batch."""
+        while self._controls:
+            action, done = self._controls.popleft()
+            _settle(done, action)
         if self._staged is not None:
             staged, done = self._staged
             self._staged = None
@@ -545,7 +671,7 @@ class Engine:
         return ready
 
     def _rollout_must_yield(self) -> bool:
-        return self._yield_at is not None or self._lease is None or self._stopping
+        return self._yield_at is not None or self._lease is None or self._stopping or self._paused is not None
 
     def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
         if not ready:
@@ -665,6 +791,13 @@ class Engine:
             seq.prefix_cached_tokens,
             timings,
         )
+
+
+def _settle(done: concurrent.futures.Future, action: Callable[[], object]) -> None:
+    try:
+        done.set_result(action())
+    except Exception as exc:  # handed to the caller, never raised on the lane
+        done.set_exception(exc)
 
 
 def _deliver(items: list) -> None:

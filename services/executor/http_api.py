@@ -30,6 +30,7 @@ from .protocol import GenerationRequest, GenerationResult, InvalidRequest, Sampl
 from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
 
 
 class ApiError(Exception):
@@ -82,7 +83,7 @@ class OpenAIApi:
     @web.middleware
     async def _traced(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """A server span per API request, continuing the caller's trace (HTTP semantic conventions)."""
-        if not request.path.startswith("/v1/"):
+        if request.path in UNTRACED_PATHS:
             return await handler(request)
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else request.path
         with tracer().start_as_current_span(

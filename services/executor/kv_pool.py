@@ -64,6 +64,7 @@ class KVPool:
             raise ValueError(f"{name} KV pool of {capacity_bytes} bytes holds no {self.block_bytes}-byte block")
         slots = self.num_blocks * block_size
         dims = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
+        self._dims, self._device = dims, device
         self.k = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.v = torch.zeros(dims, dtype=shape.dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -111,6 +112,31 @@ class KVPool:
         layers, _, heads, dim = self.k.shape
         for tensor in (self.k, self.v):
             tensor.view(layers, self.num_blocks, self.block_size, heads, dim).index_fill_(1, index, 0)
+
+    # -- lending the storage itself (SGLang's release/resume_memory_occupation)
+    @property
+    def released(self) -> bool:
+        return self.k.numel() == 0
+
+    def release(self) -> int:
+        """Free the K/V storage (every block must be free); returns the bytes given back."""
+        if self.released:
+            return 0
+        if self.used_blocks:
+            raise RuntimeError(f"{self.name} KV pool: {self.used_blocks} blocks still in use, cannot release its memory")
+        freed = (self.k.numel() + self.v.numel()) * self.k.element_size()
+        self.k = self.v = torch.empty(0, dtype=self.shape.dtype, device=self._device)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def restore(self) -> int:
+        """Allocate the K/V storage again (zeroed); returns the bytes taken."""
+        if not self.released:
+            return 0
+        self.k = torch.zeros(self._dims, dtype=self.shape.dtype, device=self._device)
+        self.v = torch.zeros(self._dims, dtype=self.shape.dtype, device=self._device)
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def usage(self, cached_blocks: int = 0) -> PoolUsage:
         return PoolUsage(self.block_bytes, self._budget_blocks, self.used_blocks, cached_blocks)

@@ -25,6 +25,7 @@ from .http_api import OpenAIApi
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
 from .rollout_api import RolloutApi
+from .sglang_api import SGLangApi
 from .telemetry import Telemetry
 
 log = logging.getLogger("rose.executor")
@@ -108,7 +109,13 @@ async def run(config: ExecutorConfig) -> None:
         await guard.start(rt.bus)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
-        runner, base_url = await serve_http(OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes), config)
+        openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes)
+        if config.sglang_api.enabled:  # SGLang's RL admin API on the policy model, for frameworks written against SGLang
+            SGLangApi(
+                engine, config.sglang_api, model_dir=str(model_dirs(config)[1]), served_name=config.weights.model,
+                follows_bus_weights=config.weights.follow, executor_id=rt.instance,
+            ).mount(openai_api.app)
+        runner, base_url = await serve_http(openai_api, config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
         rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
         rt.ready(endpoints={"http": base_url, "openai": f"{base_url}/v1", "metrics": f"{base_url}/metrics"})

@@ -41,6 +41,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -52,6 +53,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not (self.top_k == -1 or self.top_k >= 1):
+            raise InvalidRequest(f"top_k must be -1 (whole vocabulary) or an integer >= 1, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

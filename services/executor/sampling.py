@@ -41,10 +41,21 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
         if p.temperature < GREEDY_BELOW:
             tokens.append(greedy[row])
             continue
-        probs = _top_p_filter(probs_all[row].clone(), p.top_p) if p.top_p < 1.0 else probs_all[row]
+        probs = probs_all[row]
+        if 0 < p.top_k < probs.numel():
+            probs = _top_k_filter(probs, p.top_k)
+        if p.top_p < 1.0:
+            probs = _top_p_filter(probs.clone(), p.top_p)
         tokens.append(int(torch.multinomial(probs, 1, generator=state.generator).item()))
     picked = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     return tokens, picked
+
+
+def _top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the top_k most likely tokens, renormalised."""
+    kept, index = probs.topk(top_k)
+    filtered = torch.zeros_like(probs).scatter_(0, index, kept)
+    return filtered / filtered.sum()
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
