@@ -25,6 +25,8 @@ class ModelsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # rose: our engine runs both models here; sglang: two SGLang servers do (see `sglang_backend`)
+    backend: Literal["rose", "sglang"] = "rose"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
     serving_kv_mib: Positive = 64.0
@@ -79,6 +81,41 @@ class SGLangApiSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return f"SGLangApiSettings(enabled={self.enabled}, admin_api_key={'***' if self.admin_api_key else ''!r}, allow_unauthenticated_admin={self.allow_unauthenticated_admin})"
 
 
+class SGLangBackendSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`engine.backend = "sglang"`: the executor drives two SGLang servers (see sglang_backend.py).
+
+    The serving server runs `models.serving_dir`'s model, the rollout server `models.policy_dir`'s
+    (the executor loads that one on the CPU too, as the base of weight deltas); both share one GPU
+    by `--mem-fraction-static`, and the rollout server needs `--enable-memory-saver` for lending.
+    """
+
+    serving_url: str = "http://127.0.0.1:30000"
+    rollout_url: str = "http://127.0.0.1:30001"
+    api_key: str = ""  # the servers' --api-key, if any (a secret: never logged)
+    admin_api_key: str = ""  # for admin calls (pause, memory, weights, abort), if it differs from api_key
+    # SGLang --enable-priority-scheduling: larger = sooner (unless --schedule-low-priority-values-first); None: not sent
+    serving_priority: int | None = 10
+    rollout_priority: int | None = 0
+    # tensor: /update_weights_from_tensor with shared-memory tensors (executor and server on one host, same IPC namespace);
+    # disk: a safetensors directory under staging_dir for /update_weights_from_disk (the server must see the same path)
+    weight_sync: Literal["tensor", "disk"] = "tensor"
+    staging_dir: str = ""  # default <state dir>/sglang-weights
+    # cumulative: SGLang's default stream (every event has the whole output so far); incremental: text, output_ids
+    # and logprobs are deltas (newer SGLang's --incremental-streaming-output; not checked against 0.5.3's --stream-output)
+    stream_output: Literal["cumulative", "incremental"] = "cumulative"
+    connect_timeout_s: PositiveSeconds = 5.0
+    request_timeout_s: PositiveSeconds = 600.0  # a generation, and the longest silence inside its stream
+    admin_timeout_s: PositiveSeconds = 300.0  # pause, memory, weight calls (a large weight load takes a while)
+    abort_grace_s: PositiveSeconds = 5.0  # after /abort_request, how long the server may take to end the request
+    scrape_interval_s: PositiveSeconds = 0.5  # /metrics of both servers
+    scrape_timeout_s: PositiveSeconds = 2.0
+    max_connections: PositiveInt = 1024  # concurrent HTTP connections to the servers (one per streaming request)
+
+    def __repr__(self) -> str:  # the keys never reach a log line through a config dump
+        return (f"SGLangBackendSettings(serving_url={self.serving_url!r}, rollout_url={self.rollout_url!r}, weight_sync={self.weight_sync!r}, "
+                f"api_key={'***' if self.api_key else ''!r}, admin_api_key={'***' if self.admin_api_key else ''!r})")
+
+
 class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
@@ -87,6 +124,7 @@ class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     sglang_api: SGLangApiSettings = msgspec.field(default_factory=SGLangApiSettings)
+    sglang_backend: SGLangBackendSettings = msgspec.field(default_factory=SGLangBackendSettings)
     # serving: takes production traffic, rollout only under a scheduler's lease.
     # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
     role: Literal["serving", "dedicated"] = "serving"

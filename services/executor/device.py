@@ -81,6 +81,14 @@ class Telemetry:
     process_rss_bytes: int
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: a container's cpuset, taskset), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def process_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -106,10 +114,14 @@ class CpuDevice:
     def lane_width(self, serving_idle: bool, narrow: int) -> int:
         """Torch threads for the rollout lane now: every core while serving has no work at all
         (the CPU analogue of best-effort kernels filling idle SMs), its own share otherwise."""
-        return (os.cpu_count() or 1) if serving_idle else narrow
+        return usable_cores() if serving_idle else narrow
 
     def set_thread_width(self, threads: int) -> None:
         torch.set_num_threads(threads)  # per calling thread (OpenMP ICV); the serving lane keeps its own
+
+    def lanes_overlap(self, rollout_threads: int) -> bool:
+        """Whether a rollout lane this wide shares cores with the serving lane (else they run side by side)."""
+        return rollout_threads + self.threads_per_lane > usable_cores()
 
     def offload(self, model: torch.nn.Module) -> int:
         """Weights already live in host memory: nothing to move (bytes freed on the device: 0)."""
@@ -152,6 +164,9 @@ class CudaDevice:
 
     def set_thread_width(self, threads: int) -> None:
         pass
+
+    def lanes_overlap(self, rollout_threads: int) -> bool:
+        return True  # two streams share the SMs: a rollout kernel delays serving ones
 
     def init_thread(self, threads: int | None = None) -> None:
         torch.cuda.set_device(self.torch_device)

@@ -36,10 +36,13 @@ from .protocol import (
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
+    Lease,
     RolloutRejected,
     StreamDelta,
     Timings,
     WorkClass,
+    check_lease_admits,
+    validate_request,
 )
 from .sampling import SamplerState, find_stop, sample_batch
 from .scheduling import Limits, plan_iteration, plan_shrink
@@ -72,13 +75,6 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     dtype: torch.dtype = torch.float32
-
-
-@dataclass(frozen=True)
-class Lease:
-    budget_bytes: int
-    expires_at: float  # monotonic seconds
-    lease_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -201,6 +197,9 @@ class Engine:
         self._paused: str | None = None  # pause_rollout mode while paused
         self._released: frozenset[str] = frozenset()  # rollout memory given back (release_rollout_memory)
         self._yield_at: float | None = None
+        # whether the running rollout quantum competes with serving for compute (same SMs; or CPU
+        # cores, when the rollout lane is widened); only then must it yield to a serving arrival
+        self._rollout_overlaps_serving = True
         self._in_quantum = False
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -261,7 +260,7 @@ class Engine:
         rt.inbox.append(seq)
         if rt is self._serving:
             self.metrics.serving_arrival()
-            if self.policy.yields_on_arrival and self._in_quantum and self._yield_at is None:
+            if self.policy.yields_on_arrival and self._in_quantum and self._rollout_overlaps_serving and self._yield_at is None:
                 self._yield_at = time.monotonic()
         rt.wakeup.set()
         return handle
@@ -455,33 +454,13 @@ class Engine:
         return self._serving if work_class is WorkClass.SERVING else self._rollout
 
     def _validate(self, rt: _ClassRuntime, request: GenerationRequest) -> None:
-        request.sampling.validate()
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequest("prompt is empty: send at least one token")
-        vocab = rt.runner.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
-        total = len(prompt) + request.sampling.max_tokens
-        if total > rt.runner.max_positions:
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
-                f"the model's {rt.runner.max_positions} positions: shorten the prompt or lower max_tokens"
-            )
+        validate_request(request, rt.runner.vocab_size, rt.runner.max_positions)
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
         if rt.pool.blocks_for(total) > rt.pool.num_blocks:
             raise InvalidRequest(f"{total} tokens exceed the {rt.work_class.value} KV pool ({rt.pool.num_blocks * rt.pool.block_size} tokens)")
-        if request.trajectory_id is not None and rt is self._serving:
-            raise InvalidRequest("trajectory_id is for rollout requests only")
 
     def _check_lease_admits(self) -> None:
-        if not self.policy.admits_rollout:
-            raise RolloutRejected("no_lease", f"policy {self.policy.name} runs no rollout")
-        lease = self._lease
-        if lease is None:
-            raise RolloutRejected(self._lease_ended, "no valid rollout lease on this executor")
-        if time.monotonic() >= lease.expires_at:
-            raise RolloutRejected("lease_expired", "the rollout lease has expired")
+        check_lease_admits(self.policy.admits_rollout, self.policy.name, self._lease, self._lease_ended)
 
     # ------------------------------------------------------------------ serving lane
     def _serving_loop(self) -> None:
@@ -509,20 +488,24 @@ class Engine:
                 rt.wakeup.wait(IDLE_WAIT_S)
                 rt.wakeup.clear()
                 continue
-            if not self.policy.may_run_rollout(self._signals()):
-                time.sleep(PAUSE_POLL_S)
-                continue
+            want = width
             if self.policy.widens_when_serving_idle:
                 s = self._serving
                 want = self.device.lane_width(not (s.inbox or s.waiting or s.running), narrow)
-                if want != width:
-                    self.device.set_thread_width(want)
-                    width = want
+            self._rollout_overlaps_serving = self.policy.shares_serving_lane or self.device.lanes_overlap(want)
+            if not self.policy.may_run_rollout(self._signals()):
+                time.sleep(PAUSE_POLL_S)
+                continue
+            if want != width:
+                self.device.set_thread_width(want)
+                width = want
             self._run_quantum(rt)
 
     def _signals(self) -> Signals:
         s = self._serving
-        return Signals(time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms)
+        return Signals(
+            time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving
+        )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
         """Run rollout iterations while the next is expected to fit the quantum (at least one)."""

@@ -266,8 +266,15 @@ class OpenAIApi:
                     event = {**head, "object": objects[1], "created": int(time.time()), "choices": [chunk(delta, first)]}
                     first = False
                     await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                try:
+                    result = await handle.result()
+                except InvalidRequest as exc:  # refused after the stream began (a backend server's 400): say so in-band
+                    self._count_error(400)
+                    error = {"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}}
+                    await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
+                    return response
                 await response.write(b"data: [DONE]\n\n")
-                self._finished(span, await handle.result(), started_ns)
+                self._finished(span, result, started_ns)
                 return response
             except (ConnectionResetError, asyncio.CancelledError):
                 handle.cancel()  # the client left: free the engine's slot

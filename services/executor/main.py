@@ -19,6 +19,7 @@ from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
 from rose.shared.weight_sync import WeightFollower
 
+from .backend import CoServingEngine
 from .config import MIB, ExecutorConfig
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
@@ -26,6 +27,7 @@ from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
 from .rollout_api import RolloutApi
 from .sglang_api import SGLangApi
+from .sglang_backend import SGLangBackend
 from .telemetry import Telemetry
 
 log = logging.getLogger("rose.executor")
@@ -50,9 +52,15 @@ def model_dirs(config: ExecutorConfig) -> tuple[Path, Path]:
     return serving, policy
 
 
-def build_engine(config: ExecutorConfig) -> Engine:
+def build_engine(config: ExecutorConfig) -> CoServingEngine:
+    """Our own engine, or (`engine.backend = "sglang"`) the backend that drives two SGLang servers."""
     e = config.engine
     serving_dir, policy_dir = model_dirs(config)
+    if e.backend == "sglang":
+        return SGLangBackend.from_dirs(
+            str(serving_dir), str(policy_dir), config.sglang_backend, dtype=getattr(torch, e.dtype), policy=e.policy, device=e.device,
+            slo_ttft_ms=e.slo_ttft_ms, slo_tpot_ms=e.slo_tpot_ms,
+        )
     engine_config = EngineConfig(
         serving_kv_bytes=int(e.serving_kv_mib * MIB),
         rollout_kv_bytes=int(e.rollout_kv_mib * MIB),
@@ -77,7 +85,7 @@ async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRun
     return runner, f"http://{config.http.public_host or config.http.host}:{port}"
 
 
-async def follow_weights(rt: ServiceRuntime, engine: Engine, config: ExecutorConfig) -> WeightFollower | None:
+async def follow_weights(rt: ServiceRuntime, engine: CoServingEngine, config: ExecutorConfig) -> WeightFollower | None:
     """Join the policy's version stream (latest keyframe, then every delta) unless told not to."""
     if not config.weights.follow:
         return None
@@ -110,7 +118,9 @@ async def run(config: ExecutorConfig) -> None:
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
         openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes)
-        if config.sglang_api.enabled:  # SGLang's RL admin API on the policy model, for frameworks written against SGLang
+        # SGLang's RL admin API on the policy model, for frameworks written against SGLang (our engine only:
+        # behind the sglang backend, the SGLang servers answer these calls themselves)
+        if config.sglang_api.enabled and isinstance(engine, Engine):
             SGLangApi(
                 engine, config.sglang_api, model_dir=str(model_dirs(config)[1]), served_name=config.weights.model,
                 follows_bus_weights=config.weights.follow, executor_id=rt.instance,

@@ -35,6 +35,7 @@ class Signals:
     serving_running: int
     serving_iteration_ms: float  # recent serving iteration time (EMA) ~ current TPOT
     slo_tpot_ms: float | None
+    lanes_overlap: bool = True  # rollout competes with serving for compute (GPU SMs, or shared CPU cores)
 
 
 class ServingOnly:
@@ -86,9 +87,14 @@ class StaticPartition:
 
 
 class Rose:
-    """Rollout on its own low-priority lane in bounded quanta; yields to every serving
-    arrival until its prefill is done (TTFT), and pauses while the serving iteration time
-    is near the TPOT SLO (the local SLO guard)."""
+    """Rollout on its own low-priority lane in bounded quanta; where it competes with serving
+    for compute it yields to every serving arrival until its prefill is done (TTFT), and it
+    pauses while the serving iteration time is near the TPOT SLO (the local SLO guard).
+
+    On a GPU the two lanes always share the SMs. On CPU the rollout lane has cores of its own
+    and competes only while it is widened over the serving lane's cores (serving idle): there
+    an arrival makes it yield at a layer safepoint and narrow, and then it keeps running
+    beside serving — pausing it would leave its cores idle and protect nothing."""
 
     name = "rose"
     admits_rollout = True
@@ -101,7 +107,7 @@ class Rose:
         self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction
 
     def may_run_rollout(self, s: Signals) -> bool:
-        if s.serving_prefill_pending:
+        if s.serving_prefill_pending and s.lanes_overlap:
             return False
         if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -130,3 +131,41 @@ class GenerationResult:
     policy_version: int
     prefix_cached_tokens: int
     timings: Timings
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What the engine holds of the executor's rollout lease: a KV budget until a monotonic expiry."""
+
+    budget_bytes: int
+    expires_at: float  # monotonic seconds
+    lease_id: str = ""
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_positions: int) -> None:
+    """Every check a generation must pass before it is queued, whichever backend runs it (raises InvalidRequest)."""
+    request.sampling.validate()
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidRequest("prompt is empty: send at least one token")
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:3]}")
+    total = len(prompt) + request.sampling.max_tokens
+    if total > max_positions:
+        raise InvalidRequest(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
+            f"the model's {max_positions} positions: shorten the prompt or lower max_tokens"
+        )
+    if request.trajectory_id is not None and request.work_class is WorkClass.SERVING:
+        raise InvalidRequest("trajectory_id is for rollout requests only")
+
+
+def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | None, ended_reason: str) -> None:
+    """Raise RolloutRejected unless rollout may be admitted now under `lease`."""
+    if not admits_rollout:
+        raise RolloutRejected("no_lease", f"policy {policy_name} runs no rollout")
+    if lease is None:
+        raise RolloutRejected(ended_reason, "no valid rollout lease on this executor")
+    if time.monotonic() >= lease.expires_at:
+        raise RolloutRejected("lease_expired", "the rollout lease has expired")

@@ -81,6 +81,8 @@ class RolloutApi:
         self.inflight[request.request_id] = handle
         try:
             result = await handle.result()
+        except InvalidRequest as exc:  # refused by a backend server after admission (its model disagrees with ours)
+            return self._rejected(request, "invalid", str(exc))
         finally:
             self.inflight.pop(request.request_id, None)
             why = self.interrupted.pop(request.request_id, None)

@@ -35,18 +35,24 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
     # one batched softmax for every row (greedy rows get a harmless temperature of 1)
     temps = torch.tensor([s.params.temperature if s.params.temperature >= GREEDY_BELOW else 1.0 for s in states], dtype=logits.dtype)
     probs_all = torch.softmax(logits / temps[:, None], dim=-1)
-    tokens: list[int] = []
-    for row, state in enumerate(states):
-        p = state.params
-        if p.temperature < GREEDY_BELOW:
-            tokens.append(greedy[row])
-            continue
-        probs = probs_all[row]
-        if 0 < p.top_k < probs.numel():
-            probs = _top_k_filter(probs, p.top_k)
-        if p.top_p < 1.0:
-            probs = _top_p_filter(probs.clone(), p.top_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=state.generator).item()))
+    tokens = greedy
+    rows = [row for row, s in enumerate(states) if s.params.temperature >= GREEDY_BELOW]
+    if rows:
+        probs = probs_all[rows] if len(rows) < len(states) else probs_all
+        for i, row in enumerate(rows):
+            p = states[row].params
+            if 0 < p.top_k < probs.shape[1]:
+                probs[i] = _top_k_filter(probs[i], p.top_k)
+            if p.top_p < 1.0:
+                probs[i] = _top_p_filter(probs[i].clone(), p.top_p)
+        # Inverse-CDF sampling, one batched search: each row draws one uniform from its own
+        # generator (so a seeded request samples the same tokens whatever shares its batch);
+        # right=True never lands on a zero-probability token.
+        uniforms = torch.cat([torch.rand(1, generator=states[row].generator, dtype=torch.float64) for row in rows])
+        cdf = probs.to(torch.float64).cumsum(dim=-1)
+        picked_rows = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
+        for row, token in zip(rows, picked_rows):
+            tokens[row] = token
     picked = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     return tokens, picked
 

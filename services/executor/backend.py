@@ -1,0 +1,82 @@
+"""What the executor's services need from an engine: the co-serving surface, as a Protocol.
+
+Why: the executor can run on our own engine (``engine.Engine``) or front real SGLang servers
+(``sglang_backend.SGLangBackend``); main.py, the OpenAI API, the rollout bus endpoint, the
+lease guard, telemetry and policy updates are written once against this surface. Anything
+beyond it (the SGLang-compatible admin API in ``sglang_api.py`` reaches into ``Engine``
+internals) is our own engine's business.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .engine import EngineStats, RequestHandle
+from .protocol import GenerationRequest, WorkClass
+
+
+class DeviceInfo(Protocol):
+    """Where the work runs, as telemetry sees it (``device.CpuDevice`` / ``CudaDevice``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def telemetry(self) -> Any: ...  # a dataclass with contracts.executor.DeviceTelemetry's fields
+
+
+class CoServingPolicy(Protocol):
+    """The bits of a co-serving policy (``policies.py``) the services read."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def admits_rollout(self) -> bool: ...
+
+    @property
+    def yields_to_alerts(self) -> bool: ...
+
+
+@runtime_checkable
+class CoServingEngine(Protocol):
+    """Serving first, rollout only under a lease, policy weights swapped in by version."""
+
+    policy_version: int  # the live policy version (rollout results carry it)
+
+    @property
+    def device(self) -> DeviceInfo: ...
+
+    @property
+    def policy(self) -> CoServingPolicy: ...
+
+    def start(self) -> None:
+        """Start working; called from the running event loop."""
+
+    async def stop(self) -> None:
+        """Stop; unfinished requests finish with finish_reason "abort"."""
+
+    def tokenizer_for(self, work_class: WorkClass) -> Any: ...
+
+    def max_positions(self, work_class: WorkClass) -> int: ...
+
+    def submit(self, request: GenerationRequest, *, require_lease: bool = True) -> RequestHandle:
+        """Validate and queue (raises InvalidRequest / RolloutRejected); from the event loop."""
+
+    def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None: ...
+
+    def set_rollout_budget(self, budget_bytes: int) -> None: ...
+
+    def revoke_rollout(self) -> None: ...
+
+    def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None: ...
+
+    def apply_policy_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future:
+        """Raises WeightUpdateError at once for a state that does not fit; the future gives the pause in ms."""
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def stats(self) -> EngineStats:
+        """The interval since the previous call; must not block the event loop."""
