@@ -16,6 +16,12 @@ yielding within one quantum, or the lease revoked in the bucket; ``reclaim_confi
 adds the first metrics snapshot showing no rollout running there, so its resolution is the
 metrics interval), lease counts, ``prefix_hit_rate.{affinity,random}`` (later turns whose
 prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
+
+Auth is on, as in the embedded default (and kept across the NATS restart: the server restarts
+with the same config): every process connects with its own service's credentials, the task
+feeder stands in for the trainer with the trainer's, and the bench's observer (provisioning,
+heartbeats, events) uses the operator's (`cli`). ``auth`` in the JSON is true when a client
+without credentials was refused both before the chaos and after the NATS restart.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from rose.shared.launch import ServiceProcess, start_all, stop_all
 from .fleet import PROMPTS, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR, Credentials, init_credentials
 from rose.shared.sketch import from_contract
+
+from .bench_bus import refuses_anonymous
 
 SPEC = FleetSpec()
 SLO_TTFT_MS, SLO_TPOT_MS = SPEC.slo_ttft_ms, SPEC.slo_tpot_ms
@@ -213,6 +222,17 @@ def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: fl
     plt.close(fig)
 
 
+def start_nats(root: Path) -> tuple[Credentials, NatsServer]:
+    """This run's credentials and its nats-server with their permissions (`restart()` keeps the config, auth included)."""
+    creds = init_credentials(root / "security")
+    return creds, NatsServer(root / "nats", log_file=root / "nats-server.log", extra_config=creds.server_config()).start()
+
+
+def connect_as(creds: Credentials, url: str, service: str, instance: str) -> Bus:
+    """A bench-side Bus (not connected) with `service`'s credentials: `cli` to observe and provision, `trainer` to feed tasks."""
+    return Bus(BusConfig(url=url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(service))), service=service, instance=instance)
+
+
 async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -222,14 +242,18 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     models = Path(model_dir) if model_dir else root / "models"
     if not (models / "policy" / "config.json").exists():
         init_models(models, seed=0)
-    server = NatsServer(root / "nats", log_file=root / "nats-server.log").start()
-    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0), service="bench", instance=f"bench-{seed}")
+    creds, server = start_nats(root)  # auth on, as in production: each process gets its own NKey
+    auth = await refuses_anonymous(server.url)
+    bus = connect_as(creds, server.url, OPERATOR, f"bench-{seed}")  # observes and provisions
     await bus.connect()
     await provision(bus.js)
+    feeder_bus = connect_as(creds, server.url, "trainer", f"bench-feeder-{seed}")  # publishes tasks, as the trainer does
+    await feeder_bus.connect()
     rec = Record()
     await observe(bus, rec, f"{seed}_{int(time.time())}")
     procs = fleet_processes(root, server.url, models, SPEC, executors, dedicated)
     for proc in procs.values():
+        proc.env.update(creds.env(proc.service))
         proc.env["ROSE_STATE_DIR"] = str(root)  # this run's own weight-signing keys and state, never ./.rose
     serving = [n for n in procs if n.startswith("bench-serving-")]
     try:
@@ -240,7 +264,7 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         trace = serving_trace(serving, duration_s, replace(SPEC, burst_factor=burst_factor), seed, rec.serving, t0)
         down: set[str] = set()
         stop = asyncio.Event()
-        feeder = asyncio.ensure_future(feed_tasks(bus, rec, stop, seed))
+        feeder = asyncio.ensure_future(feed_tasks(feeder_bus, rec, stop, seed))
         chaos_task = asyncio.ensure_future(chaos(procs, serving[0], server, down, urls, rec, duration_s, t0, bus)) if serving else None
         driver = asyncio.ensure_future(drive_serving(trace, urls, down, SPEC, rec.serving, t0_mono, seed))
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=True) as progress:
@@ -263,14 +287,17 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
                 progress.update(drain, completed=len(set(rec.published) & set(rec.trajectories)), status="waiting for every task's trajectory")
                 await asyncio.sleep(0.5)
         end = time.time()
-        return _report(out, rec, serving, t0, window_end, end, duration_s, dict(seed=seed, executors=executors, dedicated=dedicated, burst_factor=burst_factor), console)
+        auth = auth and await refuses_anonymous(server.url)  # still on after the NATS restart
+        params = dict(seed=seed, executors=executors, dedicated=dedicated, burst_factor=burst_factor)
+        return _report(out, rec, serving, t0, window_end, end, duration_s, params, auth, console)
     finally:
         stop_all(list(procs.values()))
+        await feeder_bus.close()
         await bus.close()
         server.stop()
 
 
-def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, console) -> dict:
+def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, auth: bool, console) -> dict:
     met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving.requests]
     misses = {
         "failed": sum(not r["ok"] for r in rec.serving.requests),
@@ -285,6 +312,7 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
     lost = sorted(set(rec.published) - set(rec.trajectories))
     failed = sum(1 for t in rec.trajectories.values() if t.status != "completed")  # type: ignore[attr-defined]
     png = out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot(png, rec, serving, leases, t0, end)
     result = {
         **params,
@@ -315,8 +343,8 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
         "trajectories_duplicated": rec.duplicates,
         "chaos": [what for _, what in rec.chaos],
         "timeline_png": str(png),
+        "auth": auth,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     from rich.table import Table
 

@@ -15,6 +15,12 @@ Same server, same run: nats-py `ObjectStore.put` (default 128 KiB chunks) and
 pipelined put, streaming fetch with decode and SHA-256 verification). The codec's
 throughput (`encode_mb_s`, `decode_mb_s`) is measured on the real shards of each version, on
 one core, as dense model bytes per second (best of `CODEC_REPEATS`, median over versions).
+
+Auth is on, as in the embedded default: the server has the per-service permissions of `rose
+security init`; the bench's client connects as the `trainer` (it publishes with the SDK and
+watches `WeightApplied`), the two service processes with their own credentials, and both sides of
+the full-snapshot comparison as the `weight_publisher` (the only service that writes the weights
+store); only provisioning uses the operator's (`cli`) credentials.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +44,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from rose.cli.bench_bus import refuses_anonymous
 from rose.client import WeightsClient
 from rose.contracts.registry import WEIGHT_APPLIED, WEIGHTS_OBJECTS
 from rose.contracts.weights import WeightApplied, WeightManifest
@@ -45,6 +53,7 @@ from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR, Credentials, init_credentials, inbox_prefix
 from rose.shared.weight_codec import ShardDecoder, decode_shard, encode_shard
 from rose.shared.weight_layout import DEFAULT_SHARD_BYTES, layout_of, pack_shards, state_bytes, state_digest
 from rose.shared.weight_store import WeightStore
@@ -140,14 +149,14 @@ def codec_speed(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> 
     return total / enc_best / 1e6, total / dec_best / 1e6, exact
 
 
-async def full_snapshot(url: str, state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """nats-py put/get of a dense snapshot vs our keyframe path (encode+put, fetch+decode+verify)."""
+async def full_snapshot(url: str, state: dict[str, torch.Tensor], creds: Credentials) -> dict[str, float]:
+    """nats-py put/get of a dense snapshot vs our keyframe path (encode+put, fetch+decode+verify), one connection as the weight publisher."""
     import nats
 
     layout = layout_of(state, DEFAULT_SHARD_BYTES)
     shards = pack_shards(layout, state_bytes(state))
     blob = b"".join(memoryview(shards[s]) for s in sorted(shards))
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, nkeys_seed=str(creds.seed_file("weight_publisher")), inbox_prefix=inbox_prefix("weight_publisher"))
     try:
         js = nc.jetstream()
         theirs = await js.object_store(WEIGHTS_OBJECTS.bucket)
@@ -193,13 +202,14 @@ async def full_snapshot(url: str, state: dict[str, torch.Tensor]) -> dict[str, f
 # ---- processes ------------------------------------------------------------------------
 
 
-def _start_publisher(url: str, workdir: Path, keyframe_interval: int) -> subprocess.Popen:
+def _start_publisher(url: str, workdir: Path, keyframe_interval: int, creds: Credentials) -> subprocess.Popen:
     config = workdir / "weight_publisher.toml"
     config.write_text(
-        f'[bus]\nurl = "{url}"\n[runtime]\ninstance = "bench-publisher"\nlog_level = "WARNING"\n'
+        f'[bus]\nurl = "{url}"\nnkey_seed_file = "{creds.seed_file("weight_publisher")}"\n[runtime]\ninstance = "bench-publisher"\nlog_level = "WARNING"\n'
         f"[publisher]\nkeyframe_interval = {keyframe_interval}\n"
     )
-    return subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "weight_publisher", "--config", str(config)], stdout=subprocess.DEVNULL)
+    env = {**os.environ, "ROSE_STATE_DIR": str(workdir)}  # this run's weight-signing keys, never ./.rose
+    return subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "weight_publisher", "--config", str(config)], stdout=subprocess.DEVNULL, env=env)
 
 
 def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
@@ -217,9 +227,11 @@ def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
     return paths.serving, policy_dir
 
 
-def _start_executor(url: str, serving_dir: Path, policy_dir: Path, log: Path) -> ServiceProcess:
+def _start_executor(url: str, serving_dir: Path, policy_dir: Path, workdir: Path, creds: Credentials) -> ServiceProcess:
     """The real executor service, following MODEL's versions in bf16 and reporting a digest per version."""
     env = {
+        **creds.env("executor"),
+        "ROSE_STATE_DIR": str(workdir),  # trusts the publisher's key of this run (see _start_publisher)
         "NATS_URL": url,
         "ROSE_MODELS__SERVING_DIR": str(serving_dir),
         "ROSE_MODELS__POLICY_DIR": str(policy_dir),
@@ -230,7 +242,7 @@ def _start_executor(url: str, serving_dir: Path, policy_dir: Path, log: Path) ->
         "ROSE_WEIGHTS__MODEL": MODEL,
         "ROSE_WEIGHTS__REPORT_DIGEST": "true",
     }
-    return ServiceProcess("executor", EXECUTOR_ID, env, log).start()
+    return ServiceProcess("executor", EXECUTOR_ID, env, workdir / "executor.log").start()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -258,43 +270,12 @@ async def run_weights_bench(
     console = console or Console()
     config = qwen2_config(params)
     trainer = Trainer(config, lr, seed)
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
+    with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        applied: dict[int, WeightApplied] = {}
-        arrived = asyncio.Event()
-
-        async def on_applied(event: WeightApplied, d: Delivery) -> None:
-            if event.model == MODEL:
-                applied[event.version] = event
-                arrived.set()
-
-        async def wait_applied(version: int) -> WeightApplied:
-            deadline = time.monotonic() + APPLY_TIMEOUT_S
-            while version not in applied:
-                arrived.clear()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"version {version} was not applied within {APPLY_TIMEOUT_S}s")
-                try:
-                    await asyncio.wait_for(arrived.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-            return applied[version]
-
-        async with Bus(BusConfig(url=server.url), service="trainer", instance="bench-trainer") as bus:
-            await provision(bus.js)
-            await bus.subscribe(WEIGHT_APPLIED, on_applied)
-            publisher = _start_publisher(server.url, workdir, keyframe_interval=steps + 1)
-            serving_dir, policy_dir = _executor_models(trainer, workdir)
-            executor_log = workdir / "executor.log"
-            applier = _start_executor(server.url, serving_dir, policy_dir, executor_log)
-            try:
-                await applier.wait_ready(bus, READY_TIMEOUT_S)
-                result = await _run_versions(console, trainer, bus, workdir, steps, wait_applied)
-                baseline = await full_snapshot(server.url, result.pop("_last_state"))
-            finally:
-                applier.stop()
-                _stop(publisher)
-            digests = {v: event.params_sha256 for v, event in applied.items()}
+        creds = init_credentials(workdir / "security")  # auth on, as in production: each process gets its own NKey
+        with NatsServer(workdir / "nats", extra_config=creds.server_config()) as server:
+            auth = await refuses_anonymous(server.url)
+            result, baseline, digests = await _bench(console, trainer, steps, server.url, workdir, creds)
     per_version = result["per_version"]
     bit_exact = result["codec_exact"] and all(digests.get(v["version"]) == v["sha256"] for v in per_version)
     deltas = [v for v in per_version if not v["keyframe"]]
@@ -321,6 +302,7 @@ async def run_weights_bench(
         "decode_mb_s": statistics.median(result["decode_mb_s"]) if result["decode_mb_s"] else 0.0,
         "per_version": per_version,
         "apply_process": "the executor service (`rose run executor`, bf16 policy, WeightFollower -> engine swap)",
+        "auth": auth,  # NATS auth on (an unauthenticated client was refused); every client connected with its own credentials
     }
     out["meets_target"] = _targets(out, deltas)
     path = Path(out_json)
@@ -329,6 +311,48 @@ async def run_weights_bench(
     _plot(out, path.with_suffix(".png"))
     _table(console, out, path)
     return out
+
+
+async def _bench(console: Console, trainer: Trainer, steps: int, url: str, workdir: Path, creds: Credentials) -> tuple[dict[str, Any], dict[str, float], dict[int, str]]:
+    """The publisher and executor processes, every version through them, then the full-snapshot comparison.
+
+    Returns the versions' rows, the full-snapshot timings and the executor's digest of each applied version.
+    """
+    applied: dict[int, WeightApplied] = {}
+    arrived = asyncio.Event()
+
+    async def on_applied(event: WeightApplied, d: Delivery) -> None:
+        if event.model == MODEL:
+            applied[event.version] = event
+            arrived.set()
+
+    async def wait_applied(version: int) -> WeightApplied:
+        deadline = time.monotonic() + APPLY_TIMEOUT_S
+        while version not in applied:
+            arrived.clear()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"version {version} was not applied within {APPLY_TIMEOUT_S}s")
+            try:
+                await asyncio.wait_for(arrived.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return applied[version]
+
+    async with Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file(OPERATOR))), service=OPERATOR, instance="bench-provision") as operator:
+        await provision(operator.js)  # creating storage is the operator's right
+    async with Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file("trainer"))), service="trainer", instance="bench-trainer") as bus:
+        await bus.subscribe(WEIGHT_APPLIED, on_applied)
+        publisher = _start_publisher(url, workdir, steps + 1, creds)
+        serving_dir, policy_dir = _executor_models(trainer, workdir)
+        applier = _start_executor(url, serving_dir, policy_dir, workdir, creds)
+        try:
+            await applier.wait_ready(bus, READY_TIMEOUT_S)
+            result = await _run_versions(console, trainer, bus, workdir, steps, wait_applied)
+            baseline = await full_snapshot(url, result.pop("_last_state"), creds)
+        finally:
+            applier.stop()
+            _stop(publisher)
+    return result, baseline, {v: event.params_sha256 for v, event in applied.items()}
 
 
 async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: Path, steps: int, wait_applied) -> dict[str, Any]:

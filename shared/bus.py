@@ -57,6 +57,7 @@ CONSUME_BATCH = 16
 CONSUME_FETCH_TIMEOUT_S = 1.0
 MAX_CONCURRENT_REQUESTS = 256
 NO_RESPONDERS_FIRST_RETRY_S = 0.02
+MAX_ACCEPTED_SUBJECTS = 4096  # remembered core subjects (per-entity subjects are many but bounded)
 
 
 class RemoteError(Exception):
@@ -165,6 +166,9 @@ class Bus:
         self._guards: dict[asyncio.Task[Any], tuple[str | None, Callable[[str], bool]]] = {}
         self._refused: dict[asyncio.Task[Any], tuple[str, str]] = {}
         self._secured = bool(config.creds_file or config.nkey_seed_file or config.user)
+        # core subjects the server has accepted a publish to: permissions are fixed per connection,
+        # so only the first publish to a subject waits for the server's verdict
+        self._accepted: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -356,8 +360,11 @@ class Bus:
                     await self.js.publish(subject, data, headers=headers)
                 else:
                     await self.nc.publish(subject, data, headers=headers)
-                    if self._secured:  # wait for the server, so that a refusal raises here, not just in a log line
+                    if self._secured and subject not in self._accepted:  # a refusal raises here, not just in a log line
                         await self._processed()
+                        if len(self._accepted) >= MAX_ACCEPTED_SUBJECTS:
+                            self._accepted.clear()
+                        self._accepted.add(subject)
 
     async def request(self, channel: Channel, message: Any, *, timeout: float | None = None, **tokens: str) -> Any:
         """Send a request and return the decoded reply; an error reply raises `RemoteError`."""

@@ -1,6 +1,8 @@
 """The benchmark commands run end to end at a tiny size and write every JSON field their issue names.
 
 No figure is asserted here (speed belongs to the benchmarks themselves, on a quiet machine).
+NATS auth is: the benches run on a server with per-service permissions, every client with its
+own credentials, and `auth` in their JSON says a client without credentials was refused.
 """
 
 from __future__ import annotations
@@ -8,7 +10,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
+
+from rose.cli.bench_bus import refuses_anonymous
+from rose.cli.bench_elastic import connect_as, start_nats
+from rose.contracts.registry import ROLLOUT_TASK, SLO_ALERT
+from rose.contracts.rollout import RolloutTask
+from rose.contracts.slo import SloAlert
+from rose.shared.bus import PermissionDenied
+from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR
 
 
 def _bench(*args: str, out: Path, timeout: float = 300) -> dict:
@@ -23,6 +37,7 @@ def test_bench_bus_fields(tmp_path):
         assert r["request_reply"][name]["p50_ms"] > 0 and r["request_reply"][name]["p99_ms"] > 0
     assert r["publish"]["raw_msgs_per_s"] > 0 and r["publish"]["helpers_msgs_per_s"] > 0
     assert r["helper_overhead_p50"] > 0 and isinstance(r["meets_target"], bool)
+    assert r["auth"] is True
 
 
 def test_bench_weights_fields(tmp_path):
@@ -32,6 +47,26 @@ def test_bench_weights_fields(tmp_path):
     assert r["bit_exact"] is True  # exactness is a correctness property, not a speed
     assert set(r["objstore_baseline"]) >= {"put_s", "get_s"}
     assert (tmp_path / "weights.png").exists()
+    assert r["auth"] is True  # and bit-exact above: the publisher and the executor worked with their own credentials
+
+
+async def test_bench_elastic_nats_keeps_auth_across_its_restart(tmp_path):
+    """`rose bench elastic`'s server, without the fleet (the whole bench runs for minutes): auth on, still on
+    after the chaos step's restart, and the task feeder may do what the trainer may, nothing more."""
+    creds, server = start_nats(tmp_path)
+    try:
+        assert await refuses_anonymous(server.url)
+        server.restart()  # what the chaos step does
+        assert await refuses_anonymous(server.url)
+        async with connect_as(creds, server.url, OPERATOR, "t-observer") as observer:
+            await provision(observer.js)
+        async with connect_as(creds, server.url, "trainer", "t-feeder") as feeder:
+            task = RolloutTask(task_id="t-1", env="conversation", prompt="hi", max_turns=1, group_id="g", group_size=1, created_at=time.time())
+            await feeder.publish(ROLLOUT_TASK, task, msg_id=task.task_id)
+            with pytest.raises(PermissionDenied):
+                await feeder.publish(SLO_ALERT, SloAlert(executor_id="e", at=0.0, severity="burst", reason="r"), executor_id="e")
+    finally:
+        server.stop()
 
 
 def test_bench_coserve_fields(tmp_path, models_dir):

@@ -2,9 +2,12 @@
 
 The compose node configs (deploy/compose/nats/*.conf) start a cluster here as they are (only
 addresses and store dirs overridden), and they are the output of the renderer that
-`NatsCluster` (and so `rose up --nats-cluster 3`) uses; here that cluster gets R3 storage from
-`rose provision --replicas 3` (as in compose), a real ROSE service joins it, and the leader of the events stream is
-killed with SIGKILL: publishing, consuming, KV and the service's heartbeats must carry on.
+`NatsCluster` (and so `rose up --nats-cluster 3`) uses; here that cluster runs with auth on, as
+`rose up --nats-cluster 3` does (every node has the `rose security init` permissions: a client
+without credentials, or with a key the cluster does not know, is refused on every node), gets R3
+storage from `rose provision --replicas 3` with the operator's credentials (as in compose), a real
+ROSE service joins it with its own, and the leader of the events stream is killed with SIGKILL:
+publishing, consuming, KV and the service's heartbeats must carry on.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nats
 import nats.errors
+import nkeys
 import pytest
 from polling import until
 from nats.js.errors import APIError, NoStreamResponseError
@@ -30,6 +35,7 @@ from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess
 from rose.shared.nats_server import COMPOSE_STORE_DIR, NatsCluster, compose_node_configs, find_binary, free_ports
+from rose.shared.security import OPERATOR, init_credentials
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "compose" / "nats"
@@ -129,9 +135,23 @@ async def _retry(what: str, fn, timeout: float = RETRY_S):
             await asyncio.sleep(0.3)
 
 
-def _rose(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_") and k != "NATS_URL"}
-    return subprocess.run([sys.executable, "-m", "rose.cli.main", *args], capture_output=True, text=True, timeout=120, env=env)
+def _rose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_") and k != "NATS_URL"}
+    return subprocess.run([sys.executable, "-m", "rose.cli.main", *args], capture_output=True, text=True, timeout=120, env={**clean, **(env or {})})
+
+
+async def _refused(url: str, **credentials: str) -> bool:
+    """True when the server at `url` turns this client away (no credentials, or a key it does not know)."""
+
+    async def quiet(_exc: Exception) -> None:
+        return None
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2.0, error_cb=quiet, **credentials)
+    except nats.errors.Error as exc:
+        return "authorization violation" in str(exc).lower()
+    await nc.close()
+    return False
 
 
 def _heartbeat(sent_at: float) -> Heartbeat:
@@ -143,20 +163,29 @@ def _heartbeat(sent_at: float) -> Heartbeat:
 
 @pytest.mark.timeout(240)
 async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
-    cluster = NatsCluster(tmp_path / "cluster", 3, log_dir=tmp_path / "logs").start()
+    creds = init_credentials(tmp_path / "security")  # what `rose up --nats-cluster 3` does: auth on every node
+    cluster = NatsCluster(tmp_path / "cluster", 3, log_dir=tmp_path / "logs", extra_config=creds.server_config()).start()
     service: ServiceProcess | None = None
+    operator = creds.env(OPERATOR)
     try:
-        config = BusConfig(url=cluster.url, replicas=3, initial_connect_deadline_s=10.0, reconnect_wait_s=0.2)
+        stranger = tmp_path / "stranger.nk"
+        stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+        for url in cluster.urls:
+            assert await _refused(url), f"{url} let a client without credentials in"
+            assert await _refused(url, nkeys_seed=str(stranger)), f"{url} let an unknown key in"
+        assert not await _refused(cluster.url, nkeys_seed=operator["ROSE_BUS__NKEY_SEED_FILE"])
+
+        config = BusConfig(url=cluster.url, replicas=3, initial_connect_deadline_s=10.0, reconnect_wait_s=0.2, nkey_seed_file=operator["ROSE_BUS__NKEY_SEED_FILE"])
         # What the compose `provision` service runs; a second run finds everything in place.
-        first = _rose("provision", "--replicas", "3", "--nats-url", cluster.url)
+        first = _rose("provision", "--replicas", "3", "--nats-url", cluster.url, env=operator)
         assert first.returncode == 0 and "with 3 replica(s)" in first.stdout, first.stdout + first.stderr
         assert first.stdout.count("stream ") == len(STREAMS)
-        again = _rose("provision", "--replicas", "3", "--nats-url", cluster.url)
+        again = _rose("provision", "--replicas", "3", "--nats-url", cluster.url, env=operator)
         assert again.returncode == 0 and "created nothing" in again.stdout, again.stdout + again.stderr
-        conflict = _rose("provision", "--replicas", "1", "--nats-url", cluster.url)
+        conflict = _rose("provision", "--replicas", "1", "--nats-url", cluster.url, env=operator)
         assert conflict.returncode == 1 and "num_replicas=3" in conflict.stderr, conflict.stdout + conflict.stderr
 
-        async with Bus(config, service="tester", instance="r3-tester") as bus:
+        async with Bus(config, service=OPERATOR, instance="r3-tester") as bus:
             # Every stream, bucket and object store is replicated on all three nodes.
             for spec in STREAMS:
                 info = await bus.js.stream_info(spec.name)
@@ -170,7 +199,8 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
 
             # A real service on the cluster (it provisions again and must agree on R3).
             service = ServiceProcess(
-                "slo_monitor", "slo-r3", {"NATS_URL": cluster.url, "ROSE_BUS__REPLICAS": "3", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"},
+                "slo_monitor", "slo-r3",
+                {"NATS_URL": cluster.url, "ROSE_BUS__REPLICAS": "3", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", **creds.env("slo_monitor")},
                 tmp_path / "slo_monitor.log",
             ).start()
             await service.wait_ready(bus, timeout=90)
@@ -224,7 +254,7 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
 
             await until(heard_since_kill, RETRY_S, f"a heartbeat since the kill (log: {service.log_path})", step=0.3)
             assert service.alive(), service.log_tail()
-            health = _rose("health", "slo_monitor", "--instance", "slo-r3", "--nats-url", cluster.url)
+            health = _rose("health", "slo_monitor", "--instance", "slo-r3", "--nats-url", cluster.url, env=operator)
             assert health.returncode == 0, health.stdout + health.stderr
 
             # The killed node comes back and catches up: all three healthy again.
