@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -52,6 +54,8 @@ from .weights import StagedWeights, stage
 MIB = 1 << 20
 IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
 PAUSE_POLL_S = 0.0005  # how often a paused rollout lane re-asks the policy
+WIDEN_AFTER_IDLE_S = 0.25  # serving idle this long: the rollout lane may take every core (CPU)
+SERVING_SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while serving and rollout both run (CPython's default: 5 ms)
 EMA_ALPHA = 0.2
 PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
 MEMORY_TAGS = ("kv_cache", "weights")  # as SGLang's /release_memory_occupation
@@ -200,6 +204,8 @@ class Engine:
         # whether the running rollout quantum competes with serving for compute (same SMs; or CPU
         # cores, when the rollout lane is widened); only then must it yield to a serving arrival
         self._rollout_overlaps_serving = True
+        self._serving_prioritised = False
+        self._default_switch_interval = sys.getswitchinterval()
         self._in_quantum = False
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -217,6 +223,10 @@ class Engine:
         if self._started:
             return
         self._started = True
+        # The models' many Python objects never die: keep them out of the collector's full passes,
+        # which hold the GIL (a serving token's worth of time) while they walk every live object.
+        gc.collect()
+        gc.freeze()
         self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
         if self.policy.admits_rollout:
             self._threads.append(threading.Thread(target=self._rollout_loop, name="rose-rollout", daemon=True))
@@ -229,6 +239,7 @@ class Engine:
         for rt in (self._serving, self._rollout):
             rt.wakeup.set()
         await asyncio.to_thread(lambda: [t.join() for t in self._threads])
+        self._prioritise_serving(False)
         for rt in (self._serving, self._rollout):
             for seq in list(rt.inbox) + list(rt.waiting) + list(rt.running):
                 self._finish(rt, seq, "abort")
@@ -480,18 +491,26 @@ class Engine:
     def _rollout_loop(self) -> None:
         self.device.init_thread(self.config.rollout_threads)
         narrow = width = torch.get_num_threads()
+        idle_since: float | None = None  # since when serving has had no work at all
         rt = self._rollout
         while not self._stopping:
             self._between_quanta(rt)
             self._receive(rt)
             if not rt.has_work() or self._lease is None or self._paused or self._released:
+                self._prioritise_serving(False)
                 rt.wakeup.wait(IDLE_WAIT_S)
                 rt.wakeup.clear()
                 continue
+            s = self._serving
+            serving_idle = not (s.inbox or s.waiting or s.running)
+            self._prioritise_serving(not serving_idle and not self.policy.shares_serving_lane)
+            now = time.monotonic()
+            idle_since = (idle_since or now) if serving_idle else None
             want = width
             if self.policy.widens_when_serving_idle:
-                s = self._serving
-                want = self.device.lane_width(not (s.inbox or s.waiting or s.running), narrow)
+                # widen only into a lull, not into the gaps between requests: each widened quantum an
+                # arrival interrupts is abandoned work and a delayed first token
+                want = self.device.lane_width(idle_since is not None and now - idle_since >= WIDEN_AFTER_IDLE_S, narrow)
             self._rollout_overlaps_serving = self.policy.shares_serving_lane or self.device.lanes_overlap(want)
             if not self.policy.may_run_rollout(self._signals()):
                 time.sleep(PAUSE_POLL_S)
@@ -500,6 +519,18 @@ class Engine:
                 self.device.set_thread_width(want)
                 width = want
             self._run_quantum(rt)
+
+    def _prioritise_serving(self, on: bool) -> None:
+        """While serving and rollout both have work, hand the interpreter lock over sooner.
+
+        Both lanes are Python threads: between torch ops they need the GIL, and CPython lets a
+        thread keep it for a whole switch interval (5 ms) before another that asks gets it. A
+        short interval while serving is busy is the interpreter's share of "serving first"
+        (the stream priority of the GIL); it costs a little throughput, so only then.
+        """
+        if on != self._serving_prioritised:
+            sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S if on else self._default_switch_interval)
+            self._serving_prioritised = on
 
     def _signals(self) -> Signals:
         s = self._serving
