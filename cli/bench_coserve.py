@@ -6,7 +6,10 @@ seeded) and a saturating rollout backlog, run under serving_only, naive_share,
 static_partition and rose. The SLO is set from serving_only's own measured latency:
 ``SLO_MULTIPLIER`` x its p99 TTFT and p99 TPOT (printed and stored in the JSON).
 ``dedicated_rollout_tokens_per_s`` is the policy model alone on the device (best of one
-and all CPU threads for its lane); ``harvest_ratio`` = rose rollout tokens/s / dedicated.
+and all CPU threads for its lane; measured before and after the policies, averaged);
+``harvest_ratio`` = rose rollout tokens/s / dedicated. ``reclaim_latency_ms_p99``: serving
+arrival -> rollout off serving's compute, over the trace and over lull probes (see
+``_reclaim_probes``), with ``reclaim_samples``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.engine import WIDEN_AFTER_IDLE_S, Engine, EngineConfig
 from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
 
 MIB = 1 << 20
@@ -34,6 +37,8 @@ BURST_EVERY_S = 5.0
 BURST_LEN_S = 0.5
 BURST_FACTOR = 3.0
 WARMUP_REQUESTS = 8
+RECLAIM_PROBES = 20  # serving requests sent into lulls after the trace (rose only): reclaim samples
+RECLAIM_PROBE_SETTLE_S = 0.25  # beyond the widening delay, so the rollout lane has widened
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
@@ -140,6 +145,8 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
     for handle in handles:  # still unanswered after the grace period: aborted, an SLO miss
         handle.cancel()
     results = await asyncio.gather(*tasks)
+    if backlog and engine.policy.yields_on_arrival:
+        await _reclaim_probes(engine, rng, vocab, policy)
     engine._stopping = True  # stop the backlog refilling before stop()
     await engine.stop()
     if backlog:
@@ -156,6 +163,15 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
         "reclaim_ms": list(engine.metrics.reclaim_ms),
         "rss_bytes": window.device.get("process_rss_bytes", 0),
     }
+
+
+async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str) -> None:
+    """Serving requests that each arrive into a lull, when the rollout lane has widened over the
+    serving lane's cores: each one's arrival -> rollout yielded is a reclaim sample (in the trace
+    above, arrivals rarely find rollout on serving's cores: it widens only into lulls)."""
+    for i in range(RECLAIM_PROBES):
+        await asyncio.sleep(WIDEN_AFTER_IDLE_S + RECLAIM_PROBE_SETTLE_S)
+        await _consume(engine.submit(_serving_request(i, rng, vocab, f"{tag}-probe")))
 
 
 async def _capacity(models, config: EngineConfig, seed: int) -> float:
@@ -232,13 +248,16 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
     torch.set_num_threads(1)
     config = BENCH_CONFIG
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("loading models", total=len(POLICIES) + 2)
+        task = progress.add_task("loading models", total=len(POLICIES) + 3)
         models = _models(model_dir, seed)
         progress.update(task, description="measuring serving capacity")
         capacity = asyncio.run(_capacity(models, config, seed))
         rate = serving_load * capacity
         arrivals = _trace(rate, duration_s, seed)
         progress.advance(task)
+        dedicated_s = max(5.0, duration_s * DEDICATED_FRACTION)
+        progress.update(task, description="dedicated rollout (before)")
+        dedicated_before = asyncio.run(_dedicated(models, config, dedicated_s, seed))
         runs: dict[str, dict] = {}
         slo = None
         for name in POLICIES:
@@ -248,8 +267,10 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
                 base = runs[name]
                 slo = (SLO_MULTIPLIER * _p(base["ttft_ms"], 99), SLO_MULTIPLIER * _p(base["tpot_ms"], 99))
             progress.advance(task)
-        progress.update(task, description="dedicated rollout")
-        dedicated_by_threads = asyncio.run(_dedicated(models, config, max(5.0, duration_s * DEDICATED_FRACTION), seed))
+        progress.update(task, description="dedicated rollout (after)")
+        dedicated_after = asyncio.run(_dedicated(models, config, dedicated_s, seed))
+        # measured before and after the policies, averaged: this machine's speed drifts over a run
+        dedicated_by_threads = {n: (dedicated_before[n] + dedicated_after[n]) / 2 for n in dedicated_after}
         dedicated = max(dedicated_by_threads.values())
         progress.advance(task)
 
@@ -270,6 +291,7 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
         "policies": policies,
         "dedicated_rollout_tokens_per_s": dedicated,
         "dedicated_by_threads": {str(n): v for n, v in sorted(dedicated_by_threads.items())},
+        "dedicated_runs": [{str(n): v for n, v in sorted(d.items())} for d in (dedicated_before, dedicated_after)],
         "harvest_ratio_vs_one_thread": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated_by_threads.get(1, dedicated)),
         "harvest_ratio": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated),
         "reclaim_latency_ms_p99": _p(rose_reclaim, 99),

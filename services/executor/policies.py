@@ -24,6 +24,9 @@ DEFAULT_QUANTUM_MS = 10.0
 DEFAULT_GUARD_FRACTION = 0.8  # rose pauses rollout when serving step time nears this share of the TPOT SLO
 DEFAULT_STATIC_SHARE = 0.5
 DEFAULT_STATIC_PERIOD_MS = 100.0
+# Side by side (own cores), rollout still slows serving a little (shared caches, memory bandwidth,
+# the interpreter lock); once serving requests queue for their first token (a burst), it pauses.
+SIDE_BY_SIDE_BACKLOG = 2
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Rose:
     On a GPU the two lanes always share the SMs. On CPU the rollout lane has cores of its own
     and competes only while it is widened over the serving lane's cores (serving idle): there
     an arrival makes it yield at a layer safepoint and narrow, and then it keeps running
-    beside serving — pausing it would leave its cores idle and protect nothing."""
+    beside serving, pausing only when serving requests start to queue for their first token
+    (``SIDE_BY_SIDE_BACKLOG``) — pausing for every arrival would leave its cores idle."""
 
     name = "rose"
     admits_rollout = True
@@ -107,7 +111,7 @@ class Rose:
         self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction
 
     def may_run_rollout(self, s: Signals) -> bool:
-        if s.serving_prefill_pending and s.lanes_overlap:
+        if s.serving_prefill_pending >= (1 if s.lanes_overlap else SIDE_BY_SIDE_BACKLOG):
             return False
         if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
             return False
