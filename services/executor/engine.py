@@ -41,9 +41,10 @@ from .protocol import (
     Lease,
     RolloutRejected,
     StreamDelta,
-    Timings,
     WorkClass,
     check_lease_admits,
+    next_delta,
+    timings_since,
     validate_request,
 )
 from .sampling import SamplerState, find_stop, sample_batch
@@ -196,7 +197,6 @@ class Engine:
         self._lease: Lease | None = None
         self._lease_ended: str = "no_lease"
         self._revoked_at: float | None = None
-        self._staged: tuple[StagedWeights, concurrent.futures.Future] | None = None
         self._controls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._paused: str | None = None  # pause_rollout mode while paused
         self._released: frozenset[str] = frozenset()  # rollout memory given back (release_rollout_memory)
@@ -309,13 +309,7 @@ class Engine:
         (``await asyncio.wrap_future(f)`` from asyncio).
         """
         staged = stage(self._rollout.model, state_dict, version)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        if not self._started or not self.policy.admits_rollout or self._stopping:
-            self._swap(staged, done)
-        else:
-            self._staged = (staged, done)
-            self._rollout.wakeup.set()
-        return done
+        return self._control(lambda: self._swap(staged))
 
     # ------------------------------------------------------------------ rollout control (SGLang-style admin)
     def pause_rollout(self, mode: str) -> concurrent.futures.Future:
@@ -567,10 +561,6 @@ class Engine:
         while self._controls:
             action, done = self._controls.popleft()
             _settle(done, action)
-        if self._staged is not None:
-            staged, done = self._staged
-            self._staged = None
-            self._swap(staged, done)
         lease = self._lease
         if lease is not None and time.monotonic() >= lease.expires_at:
             self._lease, self._lease_ended = None, "lease_expired"
@@ -583,12 +573,12 @@ class Engine:
             self.metrics.reclaim((time.monotonic() - self._revoked_at) * 1000.0)
             self._revoked_at = None
 
-    def _swap(self, staged: StagedWeights, done: concurrent.futures.Future) -> None:
+    def _swap(self, staged: StagedWeights) -> float:
         pause_ms = staged.apply(self._rollout.model)
         self.policy_version = staged.version
         self._rollout.pool.free(self.prefix_cache.clear())  # KV of the old version is stale
         self.metrics.swap_pause(pause_ms)
-        done.set_result(pause_ms)
+        return pause_ms
 
     def _shrink(self, rt: _ClassRuntime) -> None:
         """Give blocks back: evict retained prefixes (LRU), then preempt youngest rollouts."""
@@ -733,24 +723,12 @@ class Engine:
         return None
 
     def _delta(self, seq: Sequence, final: bool) -> StreamDelta | None:
-        """New tokens and text since the last delta; text that may begin a stop string is held back."""
-        hold = 0 if final else max((len(s) for s in seq.request.sampling.stop), default=1) - 1
-        end = len(seq.text) - hold
-        while not final and end > seq.emitted_text and seq.text[end - 1] == "\ufffd":
-            end -= 1  # an incomplete UTF-8 sequence: wait for the next token
-        end = max(end, seq.emitted_text)
-        new_tokens = seq.output[seq.emitted_tokens :]
-        if not new_tokens and end == seq.emitted_text and not final:
-            return None
-        delta = StreamDelta(
-            seq.request.request_id,
-            tuple(new_tokens),
-            tuple(seq.logprobs[seq.emitted_tokens :]),
-            seq.text[seq.emitted_text : end],
-            final,
-            seq.finish_reason if final else None,
+        """New tokens and text since the last delta (see protocol.next_delta)."""
+        delta, seq.emitted_text = next_delta(
+            seq.request, seq.output, seq.logprobs, seq.text, seq.emitted_tokens, seq.emitted_text, final, seq.finish_reason
         )
-        seq.emitted_tokens, seq.emitted_text = len(seq.output), end
+        if delta is not None:
+            seq.emitted_tokens = len(seq.output)
         return delta
 
     def _retire_kv(self, rt: _ClassRuntime, seq: Sequence) -> None:
@@ -781,17 +759,7 @@ class Engine:
         return item
 
     def _result(self, rt: _ClassRuntime, seq: Sequence, reason: str) -> GenerationResult:
-        t0 = seq.arrival
-        times = [(t - t0) * 1000.0 for t in seq.token_times]
-        n = len(times)
-        timings = Timings(
-            queue_ms=((seq.first_scheduled or time.monotonic()) - t0) * 1000.0,
-            ttft_ms=times[0] if times else 0.0,
-            tpot_ms=(times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
-            total_ms=(time.monotonic() - t0) * 1000.0,
-            token_times_ms=tuple(times),
-            preemptions=seq.preemptions,
-        )
+        timings = timings_since(seq.arrival, seq.token_times, seq.first_scheduled, seq.preemptions, time.monotonic())
         versions = tuple(seq.versions)
         return GenerationResult(
             seq.request.request_id,

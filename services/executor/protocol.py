@@ -169,3 +169,40 @@ def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | No
         raise RolloutRejected(ended_reason, "no valid rollout lease on this executor")
     if time.monotonic() >= lease.expires_at:
         raise RolloutRejected("lease_expired", "the rollout lease has expired")
+
+
+def next_delta(
+    request: GenerationRequest, token_ids: list[int], logprobs: list[float], text: str, emitted_tokens: int, emitted_text: int,
+    final: bool, finish_reason: FinishReason | None,
+) -> tuple[StreamDelta | None, int]:
+    """The output since the last delta (None: nothing new) and how much text is emitted after it.
+
+    Text that may begin a stop string is held back, and so is an incomplete UTF-8 sequence at the
+    end (a replacement character), until the next token settles it; the final delta takes all.
+    """
+    hold = 0 if final else max((len(s) for s in request.sampling.stop), default=1) - 1
+    end = len(text) - hold
+    while not final and end > emitted_text and text[end - 1] == "\ufffd":
+        end -= 1
+    end = max(end, emitted_text)
+    if not final and emitted_tokens == len(token_ids) and end == emitted_text:
+        return None, emitted_text
+    delta = StreamDelta(
+        request.request_id, tuple(token_ids[emitted_tokens:]), tuple(logprobs[emitted_tokens:]), text[emitted_text:end], final,
+        finish_reason if final else None,
+    )
+    return delta, end
+
+
+def timings_since(arrival: float, token_times: list[float], scheduled_at: float | None, preemptions: int, now: float) -> Timings:
+    """A finished generation's Timings from monotonic instants (arrival, each token, first scheduled)."""
+    times = [(t - arrival) * 1000.0 for t in token_times]
+    n = len(times)
+    return Timings(
+        queue_ms=((scheduled_at or now) - arrival) * 1000.0,
+        ttft_ms=times[0] if times else 0.0,
+        tpot_ms=(times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
+        total_ms=(now - arrival) * 1000.0,
+        token_times_ms=tuple(times),
+        preemptions=preemptions,
+    )

@@ -36,6 +36,7 @@ import os
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,6 +96,16 @@ class _SchedulerGauges:
 
 _GAUGES = _SchedulerGauges()
 REGISTRY.register(_GAUGES)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How a /generate answer is shaped (what the request asked for)."""
+
+    return_logprob: bool
+    text_in_logprobs: bool
+    no_stop_trim: bool
+    sampling: SamplingParams
 
 
 class SGLangApi:
@@ -182,11 +193,11 @@ class SGLangApi:
         return label[1] if label is not None and label[0] == version else str(version)
 
     def scheduler_state(self) -> dict[str, Any]:
-        stats = self.engine._rollout  # counts only; read without the lane's cooperation (a scrape may be a little stale)
-        pool = stats.pool
+        rollout = self.engine._rollout  # counts only; read without the lane's cooperation (a scrape may be a little stale)
+        pool = rollout.pool
         return {
-            "num_running_reqs": len(stats.running),
-            "num_queue_reqs": len(stats.inbox) + len(stats.waiting),
+            "num_running_reqs": len(rollout.running),
+            "num_queue_reqs": len(rollout.inbox) + len(rollout.waiting),
             "token_usage": pool.used_blocks / pool.num_blocks if pool.num_blocks else 0.0,
         }
 
@@ -279,7 +290,7 @@ class SGLangApi:
             raise ApiError(400, "streaming a batch is not supported: send one streaming request per prompt", param="stream")
         self._field(body, "priority", int, 0)  # accepted: these requests are rollout work, below serving whatever their priority
         rids = self._rids(body.get("rid"), len(prompts), batch)
-        waiting = len(self.engine._rollout.inbox) + len(self.engine._rollout.waiting)
+        waiting = self.scheduler_state()["num_queue_reqs"]
         if waiting + len(prompts) > self.settings.max_waiting_requests:
             raise ApiError(503, f"{waiting} rollout requests are already waiting (sglang_api.max_waiting_requests = {self.settings.max_waiting_requests}): retry later", code="overloaded")
         await self._await_lease()
@@ -296,10 +307,10 @@ class SGLangApi:
             self._abandon(handles)
             raise ApiError(503, f"this executor runs no rollout now ({exc})", code=exc.reason) from None
         started = time.monotonic()
-        shape = dict(return_logprob=return_logprob, text_in_logprobs=text_in_logprobs, no_stop_trim=no_stop_trim, sampling=sampling)
+        options = OutputOptions(return_logprob, text_in_logprobs, no_stop_trim, sampling)
         try:
             if stream:
-                return await self._stream(request, handles[0], prompts[0], started, shape)
+                return await self._stream(request, handles[0], prompts[0], started, options)
             results = await asyncio.gather(*(h.result() for h in handles))
         except asyncio.CancelledError:
             self._abandon(handles)  # the client left: free the engine's slots
@@ -307,7 +318,7 @@ class SGLangApi:
         finally:
             for rid in rids:
                 self.active.pop(rid, None)
-        outs = [self._output(r, p, started, **shape) for r, p in zip(results, prompts)]
+        outs = [self._output(r, p, started, options) for r, p in zip(results, prompts)]
         for r, p in zip(results, prompts):
             self._observe(r, len(p), started)
         return web.json_response(outs if batch else outs[0])
@@ -342,7 +353,7 @@ class SGLangApi:
             handle.cancel()
             self.active.pop(handle.request_id, None)
 
-    async def _stream(self, request: web.Request, handle: RequestHandle, prompt: tuple[int, ...], started: float, shape: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, handle: RequestHandle, prompt: tuple[int, ...], started: float, options: OutputOptions) -> web.StreamResponse:
         """SGLang's default stream: every event carries the whole output so far (text, ids, logprobs)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -355,35 +366,33 @@ class SGLangApi:
             text += delta.text
             if delta.finished:
                 break
-            meta = self._meta(handle.request_id, None, len(prompt), len(ids), 0, started, ids, logprobs, **_logprob_shape(shape))
+            meta = self._meta(handle.request_id, None, len(prompt), len(ids), 0, ids, logprobs, options)
             await response.write(b"data: " + json.dumps({"text": text, "output_ids": ids, "meta_info": meta}).encode() + b"\n\n")
         result = await handle.result()
         self._observe(result, len(prompt), started)
-        await response.write(b"data: " + json.dumps(self._output(result, prompt, started, **shape)).encode() + b"\n\n")
+        await response.write(b"data: " + json.dumps(self._output(result, prompt, started, options)).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    def _output(self, result: GenerationResult, prompt: tuple[int, ...], started: float, *, return_logprob: bool, text_in_logprobs: bool,
-                no_stop_trim: bool, sampling: SamplingParams) -> dict[str, Any]:
+    def _output(self, result: GenerationResult, prompt: tuple[int, ...], started: float, options: OutputOptions) -> dict[str, Any]:
         ids = list(result.token_ids)
-        full = self.tokenizer.decode(ids, skip_special_tokens=True) if (no_stop_trim or result.finish_reason == "stop") else result.text
-        finish = self._finish_reason(result, sampling, full)
-        meta = self._meta(result.request_id, finish, len(prompt), len(ids), result.prefix_cached_tokens, started, ids, list(result.logprobs),
-                          return_logprob=return_logprob, text_in_logprobs=text_in_logprobs)
+        full = self.tokenizer.decode(ids, skip_special_tokens=True) if (options.no_stop_trim or result.finish_reason == "stop") else result.text
+        finish = self._finish_reason(result, options.sampling, full)
+        meta = self._meta(result.request_id, finish, len(prompt), len(ids), result.prefix_cached_tokens, ids, list(result.logprobs), options)
         meta["e2e_latency"] = time.monotonic() - started
         meta["rose_token_versions"] = list(result.token_versions)  # which policy version sampled each token
-        return {"text": full if no_stop_trim else result.text, "output_ids": ids, "meta_info": meta}
+        return {"text": full if options.no_stop_trim else result.text, "output_ids": ids, "meta_info": meta}
 
-    def _meta(self, rid: str, finish: dict | None, prompt_tokens: int, completion_tokens: int, cached: int, started: float, ids: list[int],
-              logprobs: list[float], *, return_logprob: bool, text_in_logprobs: bool) -> dict[str, Any]:
+    def _meta(self, rid: str, finish: dict | None, prompt_tokens: int, completion_tokens: int, cached: int, ids: list[int],
+              logprobs: list[float], options: OutputOptions) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached,
             "weight_version": self.weight_version(),
         }
-        if return_logprob:
+        if options.return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
-                [lp, t, self.tokenizer.decode([t]) if text_in_logprobs else None] for lp, t in zip(logprobs, ids)
+                [lp, t, self.tokenizer.decode([t]) if options.text_in_logprobs else None] for lp, t in zip(logprobs, ids)
             ]
         return meta
 
@@ -600,8 +609,6 @@ class SGLangApi:
         return web.Response(status=200 if alive else 503)
 
 
-def _logprob_shape(shape: dict) -> dict:
-    return {"return_logprob": shape["return_logprob"], "text_in_logprobs": shape["text_in_logprobs"]}
 
 
 def _read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:

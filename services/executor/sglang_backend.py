@@ -62,9 +62,10 @@ from .protocol import (
     Lease,
     RolloutRejected,
     StreamDelta,
-    Timings,
     WorkClass,
     check_lease_admits,
+    next_delta,
+    timings_since,
     validate_request,
 )
 from .sglang_tensors import serialize_named_tensors
@@ -676,9 +677,8 @@ class SGLangBackend:
     def _body(self, job: _Job, stream: bool) -> dict[str, Any]:
         s = job.request.sampling
         params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_tokens, "ignore_eos": s.ignore_eos}
-        top_k = getattr(s, "top_k", -1)
-        if top_k != -1:
-            params["top_k"] = top_k
+        if s.top_k != -1:
+            params["top_k"] = s.top_k
         if s.stop:
             params["stop"] = list(s.stop)
         if s.stop_token_ids:
@@ -791,19 +791,10 @@ class SGLangBackend:
                 job.handle._deliver(delta, None)
 
     def _delta(self, job: _Job, final: bool) -> StreamDelta | None:
-        """New tokens and text since the last delta; text that may begin a stop string is held back (as Engine)."""
-        hold = 0 if final else max((len(s) for s in job.request.sampling.stop), default=1) - 1
-        end = len(job.text) - hold
-        while not final and end > job.emitted_text and job.text[end - 1] == "\ufffd":
-            end -= 1
-        end = max(end, job.emitted_text)
-        if not final and job.emitted_tokens == len(job.token_ids) and end == job.emitted_text:
-            return None
-        delta = StreamDelta(
-            job.request.request_id, tuple(job.token_ids[job.emitted_tokens :]), tuple(job.logprobs[job.emitted_tokens :]),
-            job.text[job.emitted_text : end], final, job.finish if final else None,
-        )
-        job.emitted_tokens, job.emitted_text = len(job.token_ids), end
+        """New tokens and text since the last delta (see protocol.next_delta, as Engine)."""
+        delta, job.emitted_text = next_delta(job.request, job.token_ids, job.logprobs, job.text, job.emitted_tokens, job.emitted_text, final, job.finish)
+        if delta is not None:
+            job.emitted_tokens = len(job.token_ids)
         return delta
 
     def _finish(self, job: _Job, reason: FinishReason) -> None:
@@ -814,17 +805,7 @@ class SGLangBackend:
         now = time.monotonic()
         req = job.request
         delta = self._delta(job, final=True) if req.stream else StreamDelta(req.request_id, tuple(job.token_ids), tuple(job.logprobs), job.text, True, reason)
-        times = [(t - job.arrival) * 1000.0 for t in job.token_times]
-        n = len(times)
-        total_ms = (now - job.arrival) * 1000.0
-        timings = Timings(
-            queue_ms=((job.accepted_at or now) - job.arrival) * 1000.0,  # submit -> the server took the request
-            ttft_ms=times[0] if times else 0.0,
-            tpot_ms=(times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
-            total_ms=total_ms,
-            token_times_ms=tuple(times),
-            preemptions=job.retractions,
-        )
+        timings = timings_since(job.arrival, job.token_times, job.accepted_at, job.retractions, now)  # queue: until the server took it
         versions = tuple(job.versions)
         result = GenerationResult(
             req.request_id, req.work_class, tuple(job.token_ids), tuple(job.logprobs), job.text, reason, versions,
