@@ -14,7 +14,10 @@ the SLO), ``rollout_tokens_per_s``, ``reclaim_latency_ms_p99`` (burst onset on a
 holding a lease -> the revocation is on the bus: the SLO alert the executor acts on at once,
 yielding within one quantum, or the lease revoked in the bucket; ``reclaim_confirmed_ms_p99``
 adds the first metrics snapshot showing no rollout running there, so its resolution is the
-metrics interval), lease counts, ``prefix_hit_rate.{affinity,random}`` (later turns whose
+metrics interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
+its first observable evidence, which no detector can beat, ``reclaim_floor_ms_p99_poisson`` the
+same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
+``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival), lease counts, ``prefix_hit_rate.{affinity,random}`` (later turns whose
 prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
 
 Auth is on, as in the embedded default (and kept across the NATS restart: the server restarts
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import tempfile
 import time
 from collections import defaultdict
@@ -41,7 +45,7 @@ from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
 
-from .fleet import PROMPTS, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
+from .fleet import PROMPTS, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, Credentials, init_credentials
@@ -161,11 +165,17 @@ def lease_intervals(rec: Record, end: float) -> dict[str, list[tuple[float, floa
     return out
 
 
-def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]]) -> dict:
-    signal_ms, confirmed_ms, missed = [], [], 0
+def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]], arrivals: dict[str, list[float]]) -> dict:
+    """Burst onset -> the revocation signal on the bus, per burst that found a lease held; split at
+    the burst's first serving arrival on that executor (its first observable evidence): ``floor``
+    is onset -> that arrival, which no detector can beat, ``after_first_arrival`` the rest."""
+    signal_ms, confirmed_ms, floor_ms, after_ms, missed = [], [], [], [], 0
     for start, end, ex in rec.serving.bursts:
         if not any(a <= start < b for a, b in leases.get(ex, [])):
             continue  # nothing lent there at the onset: nothing to reclaim
+        first_arrival = next((t for t in arrivals.get(ex, []) if start <= t < end), None)
+        if first_arrival is not None:
+            floor_ms.append((first_arrival - start) * 1e3)
         signals = [t for t, e, sev, _ in rec.alerts if e == ex and sev != "recovered" and t >= start]
         signals += [at for at, e, kind, _ in rec.lease_events if e == ex and kind == "revoked" and at >= start]
         first = min(signals, default=None)
@@ -173,10 +183,18 @@ def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]]) -> dict:
             missed += 1
             continue
         signal_ms.append((first - start) * 1e3)
+        if first_arrival is not None:
+            after_ms.append((first - first_arrival) * 1e3)
         idle = [t for t, e, _, running, lease in rec.snapshots if e == ex and t >= first and running == 0 and not lease]
         if idle:
             confirmed_ms.append((min(idle) - start) * 1e3)
-    return {"p99": p99(signal_ms), "confirmed_p99": p99(confirmed_ms), "samples": len(signal_ms), "missed": missed, "all_ms": [round(v, 1) for v in signal_ms]}
+    return {"p99": p99(signal_ms), "confirmed_p99": p99(confirmed_ms), "samples": len(signal_ms), "missed": missed, "all_ms": [round(v, 1) for v in signal_ms],
+            "floor_p99": p99(floor_ms), "after_first_arrival_p99": p99(after_ms)}
+
+
+def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
+    """The p99 wait from a rate change to the first arrival at the new rate: P(none in t) = exp(-rate t) = 1 %."""
+    return math.log(100.0) / rate_rps * 1e3
 
 
 def hit_rates(rec: Record) -> dict[str, float | None]:
@@ -222,9 +240,10 @@ def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: fl
     plt.close(fig)
 
 
-def start_nats(root: Path) -> tuple[Credentials, NatsServer]:
-    """This run's credentials and its nats-server with their permissions (`restart()` keeps the config, auth included)."""
-    creds = init_credentials(root / "security")
+def start_nats(root: Path, executors: list[str] | None = None) -> tuple[Credentials, NatsServer]:
+    """This run's credentials (a user per executor instance in `executors`) and its nats-server with their
+    permissions (`restart()` keeps the config, auth included)."""
+    creds = init_credentials(root / "security", instances={"executor": executors or []})
     return creds, NatsServer(root / "nats", log_file=root / "nats-server.log", extra_config=creds.server_config()).start()
 
 
@@ -242,7 +261,7 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     models = Path(model_dir) if model_dir else root / "models"
     if not (models / "policy" / "config.json").exists():
         init_models(models, seed=0)
-    creds, server = start_nats(root)  # auth on, as in production: each process gets its own NKey
+    creds, server = start_nats(root, executor_instances(SPEC, executors, dedicated))  # auth on, as in production: each process (executor) its own NKey
     auth = await refuses_anonymous(server.url)
     bus = connect_as(creds, server.url, OPERATOR, f"bench-{seed}")  # observes and provisions
     await bus.connect()
@@ -252,8 +271,8 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     rec = Record()
     await observe(bus, rec, f"{seed}_{int(time.time())}")
     procs = fleet_processes(root, server.url, models, SPEC, executors, dedicated)
+    assign_credentials(procs, creds)
     for proc in procs.values():
-        proc.env.update(creds.env(proc.service))
         proc.env["ROSE_STATE_DIR"] = str(root)  # this run's own weight-signing keys and state, never ./.rose
     serving = [n for n in procs if n.startswith("bench-serving-")]
     try:
@@ -289,7 +308,10 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         end = time.time()
         auth = auth and await refuses_anonymous(server.url)  # still on after the NATS restart
         params = dict(seed=seed, executors=executors, dedicated=dedicated, burst_factor=burst_factor)
-        return _report(out, rec, serving, t0, window_end, end, duration_s, params, auth, console)
+        arrivals: dict[str, list[float]] = defaultdict(list)
+        for offset, ex in trace:
+            arrivals[ex].append(t0 + offset)
+        return _report(out, rec, serving, t0, window_end, end, duration_s, params, auth, arrivals, console)
     finally:
         stop_all(list(procs.values()))
         await feeder_bus.close()
@@ -297,7 +319,8 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         server.stop()
 
 
-def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, auth: bool, console) -> dict:
+def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, auth: bool,
+            arrivals: dict[str, list[float]], console) -> dict:
     met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving.requests]
     misses = {
         "failed": sum(not r["ok"] for r in rec.serving.requests),
@@ -305,7 +328,7 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
         "tpot": sum(r["ok"] and r["tpot_ms"] > SLO_TPOT_MS for r in rec.serving.requests),
     }
     leases = lease_intervals(rec, end)
-    rl = reclaim(rec, leases)
+    rl = reclaim(rec, leases, arrivals)
     tokens = [(turn.finished_at, len(turn.token_ids), turn.executor_id) for t in rec.trajectories.values() for turn in t.turns]  # type: ignore[attr-defined]
     in_window = [n for at, n, _ in tokens if t0 <= at <= window_end]
     on_serving = sum(n for _, n, ex in tokens if ex.startswith("bench-serving-"))
@@ -328,6 +351,9 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
         "reclaim_latency_ms_p99": rl["p99"],
         "reclaim_confirmed_ms_p99": rl["confirmed_p99"],
         "reclaim_samples": rl["samples"],
+        "reclaim_floor_ms_p99": rl["floor_p99"],
+        "reclaim_floor_ms_p99_poisson": poisson_first_arrival_p99_ms(SPEC.base_rps * params["burst_factor"]),
+        "reclaim_after_first_arrival_ms_p99": rl["after_first_arrival_p99"],
         "bursts_missed": rl["missed"],
         "reclaim_latency_ms_all": rl["all_ms"],
         "leases_granted": sum(1 for e in rec.lease_events if e[2] == "granted"),
@@ -351,7 +377,8 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
     table = Table(title="rose bench elastic")
     table.add_column("figure")
     table.add_column("value")
-    for key in ("slo_attainment", "slo_misses", "rollout_tokens_per_s", "harvested_fraction", "reclaim_latency_ms_p99", "reclaim_confirmed_ms_p99", "alert_bus_latency_ms_p99", "bursts_missed",
+    for key in ("slo_attainment", "slo_misses", "rollout_tokens_per_s", "harvested_fraction", "reclaim_latency_ms_p99", "reclaim_floor_ms_p99", "reclaim_floor_ms_p99_poisson",
+                "reclaim_after_first_arrival_ms_p99", "reclaim_confirmed_ms_p99", "alert_bus_latency_ms_p99", "bursts_missed",
                 "leases_granted", "leases_revoked", "prefix_hit_rate", "tasks_published", "tasks_lost", "timeline_png"):
         value = result[key]
         table.add_row(key, json.dumps(value) if not isinstance(value, float) else f"{value:.4g}")

@@ -8,8 +8,10 @@ one after another, each followed by a wait until the affected part is healthy ag
 - ``nats_restart``: ``kill -9`` of the NATS server (file storage), restarted at once;
 - ``kill_<service>``: ``kill -9`` of one process of each service kind mid-operation (a serving
   executor while the trace runs and rollouts flow; its serving traffic meanwhile goes to the
-  other serving executor, as a load balancer would), restarted a second later (the trainer is
-  restarted as an operator would resume it: a new run id, versions after the last published);
+  other serving executor, as a load balancer would), restarted a second later, as it was (the
+  trainer resumes from its checkpoint: it must keep its run id, go on at the step after its
+  checkpoint, not warm-start again, and train on the groups the killed process held; the steps
+  it redoes are reported as ``trainer_steps_lost``, 0 expected with a checkpoint every step);
 - ``partition_executor``: the dedicated executor SIGSTOP'd for a few seconds, then SIGCONT;
 - ``slow_consumer``: the rollout worker SIGSTOP'd for longer (tasks pile up, nothing is acked),
   then SIGCONT;
@@ -18,13 +20,14 @@ one after another, each followed by a wait until the affected part is healthy ag
 - ``corrupt_weights``: with the trainer held (SIGSTOP), the bench stores a new policy version
   (a keyframe, signed with the run's publisher key, as the publisher would) whose largest shard
   object it then overwrites with garbage, and announces it: every executor must refuse it and
-  keep the version it runs; the trainer is then restarted (as for ``kill_trainer``, so that no
-  version number is used twice) and every executor must apply its next version.
+  keep the version it runs; the trainer is then killed and restarted (it resumes as for
+  ``kill_trainer`` and numbers its versions after the spoiled one) and every executor must apply
+  its next version.
 
 Recovery of a fault: from its injection until the affected part is healthy again: its
 process's ``ready`` heartbeat (new pid, sent after the fault was healed), trajectories flowing
 again, and for a serving executor a served request; for the NATS restart every service's
-heartbeat; for the trainer its first weight version after the restart; for the corrupted
+heartbeat; for the trainer its first weight version and its first training step after the restart; for the corrupted
 version every executor applying the next good one; for the byte limit, from the refused publish
 until one is accepted again after the operator raised the limit (the fleet must keep producing
 trajectories meanwhile, which is not part of that time). Trajectories arrive in bursts (the
@@ -55,14 +58,14 @@ from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 
 from . import demo
-from .fleet import drive_serving, p99, serving_trace
+from .fleet import drive_serving, executor_instances, p99, serving_trace
 
 SPEC = replace(demo.SPEC, prefix="faults")
+SERVING, DEDICATED = 2, 1  # executors of the fleet
 TRAINER = {**demo.TRAINER, "ROSE_SFT__STEPS": "80"}  # learning is not the point here; a shorter warm start
 QUICK_SFT_STEPS = "10"
-# A restarted trainer has no checkpoint to resume from (the reference trainer keeps none): it warm-starts
-# briefly and goes on after the last published version (what the recovery of its faults measures).
-RESUME_SFT_STEPS = "10"
+# A restarted trainer resumes from its checkpoint (every step by default, under the run's state dir):
+# same run id, the next step, no second warm start, versions after the last published one.
 START_TIMEOUT_S = 240.0
 FIRST_TRAJECTORY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 90.0
@@ -178,13 +181,38 @@ class Injector:
     async def _restart(self, key: str) -> None:
         proc = self.procs[key]
         if proc.service == "trainer":
-            self.restarts += 1
-            proc.env.update({
-                "ROSE_INITIAL_VERSION": str(max(self.obs.manifests, default=0) + 1),  # resume after the last published version
-                "ROSE_RUN_ID": f"faults-{self.seed}-r{self.restarts}",  # new task ids (JetStream dedupes the old ones)
-                "ROSE_SFT__STEPS": RESUME_SFT_STEPS,
-            })
+            self.restarts += 1  # as it was: the trainer finds its checkpoint and resumes
         proc.start()
+
+    def trainer_before(self) -> tuple[float, int, str]:
+        """(now, the last step the trainer reported, its run id), just before it is killed."""
+        last = max(self.obs.steps, key=lambda s: s.step, default=None)  # type: ignore[attr-defined]
+        return time.time(), (last.step if last else 0), (last.run_id if last else "")  # type: ignore[attr-defined]
+
+    def first_step_after(self, killed_at: float):
+        return next((s for s in self.obs.steps if s.at > killed_at), None)  # type: ignore[attr-defined]
+
+    async def trainer_resume(self, killed_at: float, step_before: int, run_before: str, wait_s: float) -> dict:
+        """How the restarted trainer resumed: its run id, the step it resumed from, steps redone, a warm start repeated."""
+        await self.until(lambda: asyncio.sleep(0, self.first_step_after(killed_at) is not None), time.time() + wait_s)
+        first = self.first_step_after(killed_at)
+        proc = self.procs["trainer"]
+        try:
+            beat = await self.bus.kv_get(SERVICE_REGISTRY, service=proc.service, instance=proc.instance)
+        except Exception:
+            beat = None
+        load = beat.load if beat is not None and beat.pid == proc.pid else {}
+        resumed = first.resumed_from_step if first is not None else None
+        out = {
+            "trainer_step_before": step_before, "trainer_run_id_before": run_before,
+            "trainer_first_step_after": first.step if first else None, "trainer_run_id_after": first.run_id if first else None,
+            "trainer_resumed_from_step": resumed,
+            "trainer_steps_lost": (max(0, step_before - resumed) if resumed is not None else step_before) if first else None,
+            "trainer_warm_start_repeated": bool(load.get("warm_started")) if load else None,
+        }
+        out["trainer_resumed"] = bool(first and resumed is not None and first.run_id == run_before and first.step == resumed + 1
+                                      and out["trainer_warm_start_repeated"] is False)
+        return out
 
     async def _nats(self, name: str, rec: dict) -> dict:
         before = await self._stream_msgs(TRAJECTORIES_STREAM.name)
@@ -232,6 +260,7 @@ class Injector:
         if serving:
             self.down.add(key)  # the load balancer stops sending it traffic
         rec["injected_at"] = time.time()
+        killed_at, step_before, run_before = self.trainer_before()
         await asyncio.to_thread(proc.kill)
         await asyncio.sleep(RESTART_AFTER_S)
         await self._restart(key)
@@ -249,13 +278,20 @@ class Injector:
                     self.down.discard(key)
             if serving and not self.served(key, ready_at[0]):
                 return False
-            if proc.service == "trainer":  # it resumed: its first version after the restart is out
-                return max(self.obs.manifests, default=0) > published_before
+            if proc.service == "trainer":  # it resumed: a version and a training step after the restart
+                return max(self.obs.manifests, default=0) > published_before and self.first_step_after(killed_at) is not None
             return self.flowing(ready_at[0])
 
         recovered = await self.until(ok, healed + self.timeout)
         self.down.discard(key)
-        what = {"executor": "ready, serving and rollouts flowing", "trainer": "ready and publishing versions again"}.get(proc.service, "ready, trajectories flowing")
+        if proc.service == "trainer":
+            resume = await self.trainer_resume(killed_at, step_before, run_before, 1.0)
+            survived = recovered and resume["trainer_resumed"]
+            outcome = (f"resumed run {resume['trainer_run_id_after']} at step {resume['trainer_first_step_after']} (checkpoint of step "
+                       f"{resume['trainer_resumed_from_step']}; {resume['trainer_steps_lost']} steps redone), no warm start, publishing again"
+                       if survived else f"{'recovered' if recovered else f'not recovered in {self.timeout:.0f} s'} but not resumed: {resume}")
+            return {"recovered_at": time.time() if recovered else None, "survived": survived, "outcome": outcome, **resume}
+        what = {"executor": "ready, serving and rollouts flowing"}.get(proc.service, "ready, trajectories flowing")
         return {"recovered_at": time.time() if recovered else None, "survived": recovered,
                 "outcome": f"restarted: {what}" if recovered else f"not recovered in {self.timeout:.0f} s (ready: {bool(ready_at)})"}
 
@@ -342,7 +378,8 @@ class Injector:
             kinds = sorted({k for _, e, v, k in self.f.failed if v == version})
             serving_ok = all(self.served(ex, rec["injected_at"]) for ex in self.serving if ex not in self.down)
         finally:
-            trainer.kill()  # the held trainer is restarted after the last published version
+            killed_at, step_before, run_before = self.trainer_before()
+            trainer.kill()  # the held trainer is restarted: it resumes and numbers its versions after the spoiled one
             await self._restart("trainer")
         healed = rec["healed_at"] = time.time()
 
@@ -350,9 +387,11 @@ class Injector:
             return all(any(e == ex and v > version and t >= healed for t, e, v, _ in self.f.applied) for ex in executors)
 
         recovered = all_refused and not took and await self.until(next_applied, healed + self.timeout + 30.0)
+        recovered_at = time.time() if recovered else None
         survived = all_refused and not took and serving_ok and recovered
+        resume = await self.trainer_resume(killed_at, step_before, run_before, self.timeout)  # reported, not part of the recovery
         return {
-            "recovered_at": time.time() if recovered else None, "survived": survived, "refusal_kinds": kinds, "applied_by": took,
+            **resume, "recovered_at": recovered_at, "survived": survived, "refusal_kinds": kinds, "applied_by": took,
             "outcome": (f"refused by every executor ({', '.join(kinds)}), old versions kept, serving on; next version applied everywhere" if survived
                         else f"refused by all: {all_refused}, applied by: {took}, serving meanwhile: {serving_ok}, next version applied: {recovered}"),
         }
@@ -429,7 +468,7 @@ async def _run(out: Path, seed: int, quick: bool, models_dir: Path | None, conso
     if not (models / "policy" / "config.json").exists():
         console.print(f"building the models under {models} ...")
         await asyncio.to_thread(init_models, models, 0, demo.DEMO_POLICY)
-    creds = init_credentials(state / "security")
+    creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, SERVING, DEDICATED)})  # each executor its own NKey
     logs = state / "logs"
     server = NatsServer(state / "nats", log_file=logs / "nats-server.log", extra_config=creds.server_config()).start()
     bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance=f"faults-{seed}")
@@ -438,7 +477,7 @@ async def _run(out: Path, seed: int, quick: bool, models_dir: Path | None, conso
     obs, f = demo.Observed(), Faults()
     await demo.observe(bus, obs)
     await extra_observers(bus, f, f"{seed}_{int(time.time())}")
-    procs = demo.job_processes(state, server.url, models, creds, SPEC, 2, 1, {**TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed)})
+    procs = demo.job_processes(state, server.url, models, creds, SPEC, SERVING, DEDICATED, {**TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed)})
     serving = sorted(n for n in procs if n.startswith(f"{SPEC.prefix}-serving-"))
     executors = {n: ("serving" if n in serving else "dedicated") for n in procs if procs[n].service == "executor"}
     down: set[str] = set()
@@ -509,6 +548,7 @@ def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], 
     m_all, m_unaff = met(reqs), met(unaffected)
     lost = sorted(obs.published - set(obs.trajectories))
     recoveries = [r["recovery_s"] for r in records if r.get("recovery_s") is not None]
+    redone = [r["trainer_steps_lost"] for r in records if r.get("trainer_steps_lost") is not None]
     versions_lost = weight_versions_lost(obs, f, corrupted)
     for r in records:  # serving during each fault, on every executor
         during = [q for q in reqs if r["injected_at"] <= q["t"] <= (r.get("recovered_at") or end)]
@@ -527,6 +567,8 @@ def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], 
         "weight_versions_lost": len(versions_lost),
         "serving_requests_failed": len(failed),
         "recovery_s_p99": p99(recoveries),
+        "trainer_steps_lost": sum(redone) if redone else None,  # steps redone after the trainer's restarts (kill_trainer, corrupt_weights)
+        "trainer_restarts_resumed": sum(1 for r in records if r.get("trainer_resumed")),
         "faults": records,
         "serving_requests": len(reqs),
         "serving_requests_failed_outside_faulted_executor": sum(1 for r in failed if not _attributed(r, records)),
@@ -560,7 +602,7 @@ def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], 
     summary.add_column("figure")
     summary.add_column("value", justify="right")
     for key in ("faults_injected", "faults_survived", "trajectories_lost", "weight_versions_lost", "serving_requests_failed", "serving_requests_failed_outside_faulted_executor",
-                "recovery_s_p99", "serving_slo_attainment", "serving_slo_attainment_outside_faulted_executor", "trajectories_published", "weight_versions_published", "training_steps"):
+                "recovery_s_p99", "trainer_steps_lost", "trainer_restarts_resumed", "serving_slo_attainment", "serving_slo_attainment_outside_faulted_executor", "trajectories_published", "weight_versions_published", "training_steps"):
         v = result[key]
         summary.add_row(key, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(summary)

@@ -230,7 +230,7 @@ def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
 def _start_executor(url: str, serving_dir: Path, policy_dir: Path, workdir: Path, creds: Credentials) -> ServiceProcess:
     """The real executor service, following MODEL's versions in bf16 and reporting a digest per version."""
     env = {
-        **creds.env("executor"),
+        **creds.env("executor", EXECUTOR_ID),  # its instance's own NKey (declared in run_weights_bench)
         "ROSE_STATE_DIR": str(workdir),  # trusts the publisher's key of this run (see _start_publisher)
         "NATS_URL": url,
         "ROSE_MODELS__SERVING_DIR": str(serving_dir),
@@ -272,7 +272,8 @@ async def run_weights_bench(
     trainer = Trainer(config, lr, seed)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        creds = init_credentials(workdir / "security")  # auth on, as in production: each process gets its own NKey
+        # auth on, as in production: each process gets its own NKey, the executor one of its own instance
+        creds = init_credentials(workdir / "security", instances={"executor": [EXECUTOR_ID]})
         with NatsServer(workdir / "nats", extra_config=creds.server_config()) as server:
             auth = await refuses_anonymous(server.url)
             result, baseline, digests = await _bench(console, trainer, steps, server.url, workdir, creds)

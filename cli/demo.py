@@ -11,8 +11,10 @@ iterations. The demo only watches (the bus events any user can subscribe to) and
 serving clients, then writes `summary.json` and plots.
 
 Timeline: build the models (tokenizer + two small Qwen2 models, seconds) -> start the fleet
--> `duration` seconds of serving trace and training -> stop the trainer -> drain (every
-task handed out must come back as a trajectory) -> report.
+-> the trainer's warm start (until it hands out its first tasks; how long depends on the
+machine, so it is not part of the window) -> `duration` seconds of serving trace and GRPO
+training -> stop the trainer -> drain (every task handed out must come back as a trajectory)
+-> report.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract
 
-from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, drive_serving, fleet_processes, p99, serving_trace
+from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
 
-DEFAULT_DURATION_S = 170.0  # the training window; with start-up and drain the demo takes under 5 minutes
+DEFAULT_DURATION_S = 140.0  # the GRPO window, after the warm start; with start-up, warm start and drain about 5 minutes
 DEFAULT_OUT = "report"
 # A policy this small learns the tool format from a short warm start and improves under GRPO
 # within a few dozen steps on a CPU, while the serving model is the default one.
@@ -62,10 +64,14 @@ TRAINER = {
     "ROSE_GRPO__EPOCHS": "2",
     "ROSE_TASKS__PROBLEMS": "16",
     "ROSE_GRPO__MAX_STALENESS": "2",
-    "ROSE_GRPO__PREFETCH_STEPS": "1",
+    # Synchronous steps: on this one box the trainer shares the serving executors' cores, and with a step
+    # prefetched it trains while the next batch rolls out, leaving serving too little CPU (bench e2e,
+    # static policy: SLO attainment 0.82 with prefetch 1 vs 0.98 without). On separate hardware use 1.
+    "ROSE_GRPO__PREFETCH_STEPS": "0",
     "ROSE_THREADS": "1",
 }
 START_TIMEOUT_S = 240.0
+WARM_START_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 60.0
 RECENT_S = 10.0  # the live table's window
 SPARK = "▁▂▃▄▅▆▇█"
@@ -198,7 +204,8 @@ async def run_job(
     if not (models / "policy" / "config.json").exists():
         console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
         await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
-    creds = init_credentials(state / "security")  # auth on, as in production: each process gets its own NKey
+    # auth on, as in production: each process gets its own NKey, each executor one of its own instance
+    creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, serving_n, dedicated_n)})
     server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
     bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance=f"demo-{seed}")
     await bus.connect()
@@ -216,7 +223,9 @@ async def run_job(
         started = time.monotonic()
         await start_all(bus, list(procs.values()), START_TIMEOUT_S)
         urls = {n: (await procs[n].wait_ready(bus, 10.0))["http"] for n in serving}
-        console.print(f"fleet ready in {time.monotonic() - started:.0f} s; the trainer warm-starts, then GRPO")
+        console.print(f"fleet ready in {time.monotonic() - started:.0f} s")
+        warm_start_s = await wait_for_warm_start(obs, procs["trainer"], console)
+        console.print(f"the trainer's warm start took {warm_start_s:.0f} s; {duration:.0f} s of serving trace and GRPO follow")
         t0, t0_mono = time.time(), time.monotonic()
         trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
         driver = asyncio.ensure_future(drive_serving(trace, urls, drained if drained is not None else set(), SPEC, obs.serving, t0_mono, seed))
@@ -234,7 +243,8 @@ async def run_job(
                 await asyncio.sleep(0.5)
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
         await asyncio.sleep(1.0)  # the last events in flight
-        return write_report(out, obs, executors, t0, window_end, dict(seed=seed, duration_s=duration, serving_executors=serving_n, dedicated_executors=dedicated_n), console)
+        params = dict(seed=seed, duration_s=duration, warm_start_s=warm_start_s, serving_executors=serving_n, dedicated_executors=dedicated_n)
+        return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
         await asyncio.to_thread(stop_all, list(procs.values()))
         await bus.close()
@@ -243,7 +253,8 @@ async def run_job(
 
 def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, serving: int, dedicated: int, trainer: dict[str, str], **fleet_env: dict[str, str]) -> dict[str, ServiceProcess]:
     """The RL job's processes (not started): the fleet, the weight publisher and the trainer, each with
-    its own credentials and this run's state dir (its weight-signing keys; never ./.rose).
+    its own credentials (an executor: its instance's, which `creds` must hold, see fleet.executor_instances)
+    and this run's state dir (its weight-signing keys; never ./.rose).
 
     `trainer` is the trainer's settings (TRAINER plus the run's own); `fleet_env` goes to `fleet_processes`.
     """
@@ -255,8 +266,8 @@ def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, s
     procs["publisher"] = ServiceProcess("weight_publisher", f"{spec.prefix}-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
     trainer_env = {**base, "ROSE_RUN_ID": f"{spec.prefix}-{trainer.get('ROSE_TASKS__SEED', '0')}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"), **trainer}
     procs["trainer"] = ServiceProcess("trainer", f"{spec.prefix}-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
+    assign_credentials(procs, creds)
     for proc in procs.values():
-        proc.env.update(creds.env(proc.service))
         proc.env["ROSE_STATE_DIR"] = str(state)
     return procs
 
@@ -331,6 +342,20 @@ def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: f
             "lost_ids": lost[:20],
         },
     }
+
+
+async def wait_for_warm_start(obs: Observed, trainer: ServiceProcess, console: Console) -> float:
+    """Seconds until the trainer hands out its first tasks (its warm start is done), so that the window
+    measures GRPO on co-elastic capacity, not this machine's speed at supervised warm-up."""
+    started = time.monotonic()
+    with console.status("the trainer warm-starts (supervised steps on expert traces) ..."):
+        while not obs.published:
+            if not trainer.alive():
+                raise RuntimeError(f"the trainer exited during its warm start:\n{trainer.log_tail()}")
+            if time.monotonic() - started > WARM_START_TIMEOUT_S:
+                raise RuntimeError(f"no task from the trainer within {WARM_START_TIMEOUT_S:.0f} s of its start:\n{trainer.log_tail()}")
+            await asyncio.sleep(0.25)
+    return time.monotonic() - started
 
 
 def write_report(out: Path, obs: Observed, executors: dict[str, str], t0: float, window_end: float, params: dict, console: Console) -> dict:

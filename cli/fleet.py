@@ -20,6 +20,7 @@ import aiohttp
 import numpy as np
 
 from rose.shared.launch import ServiceProcess
+from rose.shared.security import INSTANCE_TOKENS, Credentials
 
 PROMPTS = ("Tell me about the weather.", "What is a good book?", "Explain the plan.", "How do trains work?", "Describe a city.")
 # Dedicated rollout executors stand in for separate hardware; on one shared CPU box they run at a
@@ -61,6 +62,29 @@ class ServingLog:
         return sum(met) / len(met) if met else None
 
 
+def executor_instances(spec: FleetSpec, serving: int, dedicated: int) -> list[str]:
+    """The executors' instance names `fleet_processes` gives them: declare them to `init_credentials(instances=...)`
+    before the server starts, so that each executor gets a user of its own (`assign_credentials`)."""
+    p = spec.prefix
+    return [f"{p}-serving-{i}" for i in range(serving)] + [f"{p}-dedicated-{i}" for i in range(dedicated)]
+
+
+def assign_credentials(procs: dict[str, ServiceProcess], creds: Credentials) -> None:
+    """Each process its own NATS credentials: an executor its instance's seed, any other process its service's.
+
+    An executor whose instance was not declared is an error here, not a quiet fall back on the
+    shared `executor` seed (with which it could answer or speak for any other executor).
+    """
+    for proc in procs.values():
+        env = creds.env(proc.service, proc.instance)
+        if proc.service in INSTANCE_TOKENS and env["ROSE_BUS__NKEY_SEED_FILE"] != str(creds.seed_file(proc.service, proc.instance)):
+            raise RuntimeError(
+                f"no credentials of {proc.service} instance {proc.instance} in {creds.directory}: "
+                f"pass instances={{{proc.service!r}: [...]}} to init_credentials (see executor_instances)"
+            )
+        proc.env.update(env)
+
+
 def fleet_processes(
     root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None,
     serving_env: dict[str, str] | None = None, scheduler_env: dict[str, str] | None = None,
@@ -70,15 +94,16 @@ def fleet_processes(
     `serving_env`, `scheduler_env` and `worker_env` add or override settings of the serving executors,
     the scheduler and the worker (a fleet policy of `rose bench e2e`)."""
     p = spec.prefix
+    names = executor_instances(spec, serving, dedicated)
     env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
     executor = {
         **env, "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
         "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib), "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
     }
-    procs = {f"{p}-serving-{i}": ServiceProcess("executor", f"{p}-serving-{i}", {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log") for i in range(serving)}
+    procs = {name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log") for i, name in enumerate(names[:serving])}
     procs.update({
-        f"{p}-dedicated-{i}": ServiceProcess("executor", f"{p}-dedicated-{i}", {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE)
-        for i in range(dedicated)
+        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE)
+        for i, name in enumerate(names[serving:])
     })
     procs["monitor"] = ServiceProcess("slo_monitor", f"{p}-monitor", {
         **env, "ROSE_HEADROOM_INTERVAL_S": "0.5", "ROSE_HEADROOM__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_HEADROOM__SLO_TPOT_MS": str(spec.slo_tpot_ms),

@@ -4,6 +4,13 @@
 with state `ready` (the same data `rose status` lists), optionally from this host only (inside a
 container: this container), and optionally a 2xx from an HTTP endpoint such as the executor's
 `/health` or nats-server's `/healthz`. Exit 1 says why it is not healthy; 2 is a usage error.
+
+Credentials: the environment's (`ROSE_BUS__NKEY_SEED_FILE`, ...) when set, else the operator's of
+the local `rose up`. In a container that is the service's own seed, so the check connects as that
+service (its inbox) and uses only what every service may do: read the registry bucket without a
+consumer (stream info, then a get per key) and, while JetStream cannot answer, listen for its own
+heartbeats on core NATS (a right in `rose.shared.security.EXTRA_RIGHTS`); on an executor instance's
+own seed (`executor@NAME.nk`) only that instance's, so its check names it: `--instance NAME`.
 """
 
 from __future__ import annotations
@@ -28,23 +35,24 @@ from .provision import connect_bus
 from .status import STALE_AFTER_BEATS, operator_config, resolve_nats_url
 
 
-async def _heartbeats(url: str, timeout: float, service: str) -> list[Heartbeat]:
+async def _heartbeats(url: str, timeout: float, service: str, instance: str | None = None) -> list[Heartbeat]:
     """The registry's heartbeats; while JetStream cannot answer (a cluster electing a new leader),
     the live heartbeats of `service` on core NATS, which need no stream."""
     config = msgspec.structs.replace(operator_config(url), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
-    bus = await connect_bus(config, f"health-{os.getpid()}")
+    # As `service`: with its own seed (a container's healthcheck) only its inbox prefix receives replies.
+    bus = await connect_bus(config, instance or f"health-{os.getpid()}", service=service)  # an instance's seed reads replies under its name only
     try:
         try:
             return await bus.kv_values(SERVICE_REGISTRY)
         except BucketNotFoundError:  # nothing has ever started on this server
             return []
         except (nats.errors.Error, asyncio.TimeoutError):
-            return await _live_heartbeats(bus, service, timeout)
+            return await _live_heartbeats(bus, service, timeout, instance)
     finally:
         await bus.close()
 
 
-async def _live_heartbeats(bus, service: str, timeout: float) -> list[Heartbeat]:
+async def _live_heartbeats(bus, service: str, timeout: float, instance: str | None = None) -> list[Heartbeat]:
     beats: list[Heartbeat] = []
     heard = asyncio.Event()
 
@@ -52,7 +60,7 @@ async def _live_heartbeats(bus, service: str, timeout: float) -> list[Heartbeat]
         beats.append(beat)
         heard.set()
 
-    await bus.subscribe(HEARTBEAT, on_beat, service=service)
+    await bus.subscribe(HEARTBEAT, on_beat, service=service, **({"instance": instance} if instance else {}))
     try:
         await asyncio.wait_for(heard.wait(), timeout)
     except asyncio.TimeoutError:
@@ -96,8 +104,8 @@ async def check(args: argparse.Namespace) -> str | None:
     if args.service:
         url = resolve_nats_url(args.nats_url, args.state_dir)
         try:
-            beats = await _heartbeats(url, args.timeout, args.service)
-        except (ConnectionError, ConfigError) as exc:
+            beats = await _heartbeats(url, args.timeout, args.service, args.instance)
+        except (ConnectionError, ConfigError, PermissionError) as exc:  # PermissionDenied: these credentials may not read heartbeats
             return str(exc)
         host = socket.gethostname() if args.local else None
         return _heartbeat_problem(beats, args.service, args.instance, host)

@@ -44,13 +44,15 @@ def bus_config_from_env(*, url: str | None = None, replicas: int | None = None) 
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
-async def connect_bus(config: BusConfig, instance: str) -> Bus:
+async def connect_bus(config: BusConfig, instance: str, *, service: str = "cli") -> Bus:
     """A connected Bus, or ConnectionError once `initial_connect_deadline_s` has passed.
 
     Bounded here because nats-py, told to reconnect forever, also retries an unreachable first
-    connection forever; a one-shot command (a healthcheck) must answer instead.
+    connection forever; a one-shot command (a healthcheck) must answer instead. `service` names
+    whose credentials these are when they are not the operator's (its inbox prefix: a service's
+    user may only receive replies on its own).
     """
-    bus = Bus(config, service="cli", instance=instance)
+    bus = Bus(config, service=service, instance=instance)
     limit = config.initial_connect_deadline_s + config.connect_timeout_s
     try:
         await asyncio.wait_for(bus.connect(), timeout=limit)

@@ -2,7 +2,12 @@
 
 `--nats-cluster 3` starts a 3-node JetStream cluster instead (the docker compose topology, as
 local processes on free ports); streams and buckets then get 3 replicas, and every service is
-told so (ROSE_BUS__REPLICAS) and given all three URLs.
+told so (ROSE_BUS__REPLICAS) and given all three URLs. With auth on, its routes authenticate with
+a generated password, as compose's do (`rose security init --cluster-route`).
+
+With auth on, every service gets its own NKey and the executor one of its own instance: it runs
+under a fixed instance name (`executor-<host>`, or ROSE_RUNTIME__INSTANCE when set), kept across
+its restarts, whose user (`executor@<name>`) may only serve, report and heartbeat as that instance.
 
 Each service runs as `python -m rose.cli.main run NAME` in its own process group, so Ctrl-C
 reaches only this supervisor, which then stops the services (SIGTERM, drain) before NATS.
@@ -15,7 +20,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +36,7 @@ from rich.table import Table
 from rose.shared.config import ConfigError
 from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
 from rose.shared.provisioning import ProvisioningConflict
-from rose.shared.security import OPERATOR, Credentials, init_credentials
+from rose.shared.security import INSTANCE_TOKENS, OPERATOR, Credentials, init_credentials, instance_user
 
 from .main import ON_DEMAND_SERVICES, SERVICE_MODULES
 from .provision import bus_config_from_env, provision_storage
@@ -74,6 +81,16 @@ class Supervised:
             self.process.wait()
 
 
+def instance_names(names: list[str]) -> dict[str, str]:
+    """The fixed instance name of each service here whose instances get users of their own (the executor).
+
+    ROSE_RUNTIME__INSTANCE when set, else `<service>-<host>`: the same name across restarts, known
+    before the server starts, so that its user is in the server's config.
+    """
+    given = os.environ.get("ROSE_RUNTIME__INSTANCE")
+    return {name: given or re.sub(r"[^A-Za-z0-9_-]", "-", f"{name}-{socket.gethostname()}")[:128] for name in names if name in INSTANCE_TOKENS}
+
+
 def up(args: argparse.Namespace) -> int:
     console = Console()
     root = Path(args.state_dir).resolve() if args.state_dir else state_dir()
@@ -99,14 +116,31 @@ def up(args: argparse.Namespace) -> int:
     # (kept under the state dir, or --credentials DIR, and reused). With NATS_URL, --credentials DIR names the
     # `rose security init` output the external server was configured with.
     creds: Credentials | None = None
+    route_include: Path | None = None
     tls = bool(getattr(args, "tls", False)) and not nats_url
+    instances = instance_names(names)
+    try:
+        for service, name in instances.items():
+            instance_user(service, name)
+    except ValueError as exc:
+        console.print(f"[red]ROSE_RUNTIME__INSTANCE: {exc}[/red]")
+        return 2
+    if not nats_url and nodes > 1:  # its ports now: the route include (auth on) names them
+        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs")
     if not nats_url and not getattr(args, "no_auth", False):
-        creds = init_credentials(getattr(args, "credentials", None) or root / "security", tls_hosts=["127.0.0.1", "localhost"] if tls else None)
-    elif getattr(args, "credentials", None):
+        creds = init_credentials(
+            getattr(args, "credentials", None) or root / "security",
+            tls_hosts=["127.0.0.1", "localhost"] if tls else None,
+            cluster_routes=cluster.route_addresses if cluster is not None else None,
+            instances={service: [name] for service, name in instances.items()},
+        )
+        route_include = creds.cluster_include if cluster is not None else None  # written just now for this cluster's ports
+    elif getattr(args, "credentials", None):  # an external server's: instance seeds are used where the directory has them
         creds = Credentials(Path(args.credentials).resolve())
     auth_config = creds.server_config(tls=tls) if creds is not None and not nats_url else ""
-    if not nats_url and nodes > 1:
-        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs", extra_config=auth_config).start()
+    if cluster is not None:
+        cluster.use_auth(auth_config, route_include)
+        cluster.start()
         nats_url, replicas = cluster.url, nodes
     elif not nats_url:
         server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log", extra_config=auth_config).start()
@@ -126,7 +160,14 @@ def up(args: argparse.Namespace) -> int:
         env["ROSE_BUS__REPLICAS"] = str(replicas)
     children = [
         Supervised(
-            name, [sys.executable, "-m", "rose.cli.main", "run", name], root / "logs" / f"{name}.log", {**env, **(creds.env(name, tls=tls) if creds else {})}
+            name,
+            [sys.executable, "-m", "rose.cli.main", "run", name],
+            root / "logs" / f"{name}.log",
+            {
+                **env,
+                **({"ROSE_RUNTIME__INSTANCE": instances[name]} if name in instances else {}),
+                **(creds.env(name, instances.get(name), tls=tls) if creds else {}),
+            },
         )
         for name in names
     ]
@@ -162,8 +203,11 @@ def up(args: argparse.Namespace) -> int:
             console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
         console.print(f"logs: {root / 'logs'}  services: {', '.join(names) or '(none)'}")
         if creds is not None:
+            own = [f"{s} {i}" for s, i in instances.items() if creds.seed_file(s, i).exists()]
             console.print(
-                f"auth: per-service NKeys in {creds.directory}{' + TLS' if tls else ''} (`rose run trainer` needs "
+                f"auth: per-service NKeys in {creds.directory}{' + TLS' if tls else ''}"
+                f"{' (' + ', '.join(own) + ': its own instance key)' if own else ''}"
+                f"{'; cluster routes authenticated' if route_include is not None else ''} (`rose run trainer` needs "
                 f"ROSE_BUS__NKEY_SEED_FILE={creds.seed_file('trainer')}; `rose security permissions` lists what each may do)"
             )
         _wait_ready(console, nats_url, names, args.ready_timeout, stop, root)

@@ -130,6 +130,17 @@ class WeightsClient:
                 return stored
         return await asyncio.wait_for(asyncio.shield(future), timeout)
 
+    async def last_version(self) -> int | None:
+        """The newest version of this model on the manifest stream (whoever published it), None if there is none.
+
+        The stream, not the publisher, is the record: a restarted publisher forgets what it
+        accepted, executors do not (they refuse a version not newer than the one they run), so a
+        trainer that resumes or starts a new run numbers its next version after this one.
+        """
+        info = await self.bus.js.stream_info(MANIFESTS_STREAM.name, subjects_filter=WEIGHT_MANIFEST.pattern(model=self.model))
+        versions = [int(v) for v in (s.rsplit(".", 1)[-1] for s in (info.state.subjects or {})) if v.isdigit()]
+        return max(versions, default=None)
+
     async def _stored(self, version: int) -> WeightManifest | None:
         for kind in ("delta", "keyframe"):
             try:

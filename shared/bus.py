@@ -42,6 +42,7 @@ from nats.micro.service import EndpointConfig, Service as MicroService
 from rose import __version__
 from rose.contracts.registry import DEAD_LETTER, Channel, Kind
 from rose.contracts.service import DeadLetter
+from rose.shared.security import inbox_prefix
 
 from .codec import PayloadError, decode, encode
 from .config import BusConfig
@@ -107,6 +108,17 @@ class Delivery:
     headers: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     attempt: int = 1
+    msg: Any = field(default=None, repr=False, compare=False)  # the JetStream message, for `consume(manual_ack=True)`
+
+    async def ack(self) -> None:
+        """Acknowledge a message consumed with `manual_ack=True` (the handler took it over)."""
+        if self.msg is not None:
+            await self.msg.ack()
+
+    async def in_progress(self) -> None:
+        """Tell the server the message is still being worked on: its ack deadline starts again."""
+        if self.msg is not None:
+            await self.msg.in_progress()
 
 
 Handler = Callable[[Any, Delivery], Awaitable[Any]]
@@ -195,7 +207,7 @@ class Bus:
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
-            inbox_prefix=f"_INBOX_{self.service}",  # replies reach this service only (see rose.shared.security)
+            inbox_prefix=inbox_prefix(self.service, self.instance),  # replies reach this service (instance) only: rose.shared.security
         )
         if cfg.creds_file:
             options["user_credentials"] = cfg.creds_file
@@ -487,6 +499,7 @@ class Bus:
         ack_wait_s: float = 30.0,
         deliver_new: bool = False,
         batch: int = CONSUME_BATCH,
+        manual_ack: bool = False,
         **tokens: str,
     ) -> None:
         """Consume a JetStream channel with a durable pull consumer and explicit acks.
@@ -495,6 +508,10 @@ class Bus:
         delivery is dead-lettered and terminated, so nothing is silently dropped. Messages of
         one fetch are handled in order; for N concurrent long handlers (rollout episodes) call
         this N times with `batch=1`, so no fetched message waits out its ack deadline.
+
+        `manual_ack=True`: a handler that returns has taken the message over; it acks it later
+        with `delivery.ack()` (and keeps it with `delivery.in_progress()` within `ack_wait_s`),
+        e.g. once what it computed from the message is durable. Unacked, it is redelivered.
         """
         if channel.stream is None:
             raise TypeError(f"channel {channel.name!r} is not backed by a stream")
@@ -509,9 +526,9 @@ class Bus:
         )
         with self.permission_errors(stream=channel.stream.name):
             sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
-        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch), name=f"consume:{durable}"))
+        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch, manual_ack), name=f"consume:{durable}"))
 
-    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH) -> None:
+    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH, manual_ack: bool = False) -> None:
         while not self._closing:
             try:
                 msgs = await sub.fetch(batch, timeout=CONSUME_FETCH_TIMEOUT_S)
@@ -524,9 +541,9 @@ class Bus:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._consume_one(channel, handler, msg, max_deliver)
+                await self._consume_one(channel, handler, msg, max_deliver, manual_ack)
 
-    async def _consume_one(self, channel: Channel, handler: Handler, msg: Msg, max_deliver: int) -> None:
+    async def _consume_one(self, channel: Channel, handler: Handler, msg: Msg, max_deliver: int, manual_ack: bool = False) -> None:
         headers = msg.headers or {}
         try:
             message = await self._accept(channel, msg.data, msg.subject, headers)
@@ -536,7 +553,8 @@ class Bus:
         attempt = msg.metadata.num_delivered
         with incoming_span("process", msg.subject, channel.template, headers):
             try:
-                await handler(message, Delivery(msg.subject, headers, channel.parse(msg.subject), attempt))
+                delivery = Delivery(msg.subject, headers, channel.parse(msg.subject), attempt, msg if manual_ack else None)
+                await handler(message, delivery)
             except Exception as exc:
                 log.exception("handler for %s failed (attempt %d of %d)", msg.subject, attempt, max_deliver)
                 if attempt >= max_deliver:
@@ -545,7 +563,8 @@ class Bus:
                 else:
                     await msg.nak(delay=min(0.2 * 2**attempt, 10.0))
                 return
-        await msg.ack()
+        if not manual_ack:
+            await msg.ack()
 
     # ---- dead letters ----------------------------------------------------------------
 

@@ -7,7 +7,12 @@ a free port: 4222 may already be taken on a developer machine.
 `NatsCluster` runs N of them as one JetStream cluster (`rose up --nats-cluster 3`). Its node
 configs come from `render_config`, the same function that wrote `deploy/compose/nats/*.conf`
 (`compose_node_configs`; a test keeps the files equal to its output), so the local cluster and
-the docker compose one differ only in hosts, ports and store dirs.
+the docker compose one differ in hosts, ports and store dirs, and in how auth reaches them: the
+compose nodes include what compose's `security-init` writes (`rose security init --cluster-route`),
+clients' per-service permissions at top level and, in the cluster block, route authentication and
+the routes (their URLs carry the route password, so they live in that generated include, not here);
+with auth on, a local cluster (`NatsCluster.use_auth`) gets the clients' permissions inline and
+includes the same kind of generated cluster include, written for its local route ports.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_MAX_PAYLOAD = 8 << 20
@@ -35,9 +40,13 @@ COMPOSE_CLIENT_PORT = 4222
 COMPOSE_CLUSTER_PORT = 6222
 COMPOSE_MONITOR_PORT = 8222
 COMPOSE_STORE_DIR = "/data/jetstream"
+# Where a node finds the includes `security-init` writes, relative to its config file
+# (/etc/nats/nats.conf: compose mounts them, and only them, under /etc/nats/auth/).
+COMPOSE_AUTH_DIR = "auth"
 COMPOSE_HEADER = (
     "# Written by rose.shared.nats_server.write_compose_configs (the renderer `rose up --nats-cluster`\n"
     "# uses too); tests/deploy/test_nats_cluster.py fails if this file and the renderer drift apart.\n"
+    "# The auth/ includes are written by the compose service `security-init` (`rose security init`).\n"
 )
 
 
@@ -72,6 +81,7 @@ class ClusterSpec:
     routes: tuple[str, ...]
     host: str = "127.0.0.1"
     name: str = CLUSTER_NAME
+    include: str = ""  # a file included in the cluster block (route authorization and routes), relative to the config
 
 
 def render_config(
@@ -100,18 +110,30 @@ def render_config(
             f'  name: "{cluster.name}"',
             f'  listen: "{cluster.host}:{cluster.port}"',
             "  no_advertise: true  # clients get every node in their URL list; internal addresses may be unreachable",
-            "  routes: [",
-            *[f'    "{route}"' for route in cluster.routes],
-            "  ]",
-            "}",
         ]
+        if cluster.routes:
+            lines += ["  routes: [", *[f'    "{route}"' for route in cluster.routes], "  ]"]
+        if cluster.include:
+            lines.append(f'  include "{cluster.include}"  # routes must authenticate; the routes, with the password')
+        lines.append("}")
     if extra_config:
         lines.append(extra_config)
     return "\n".join(lines) + "\n"
 
 
+def compose_route_addresses(size: int = 3) -> list[str]:
+    """HOST:PORT of every compose node's route listener: the `--cluster-route`s of compose's `security-init`."""
+    return [f"nats-{i}:{COMPOSE_CLUSTER_PORT}" for i in range(1, size + 1)]
+
+
 def compose_node_configs(size: int = 3) -> dict[str, str]:
-    """The docker compose cluster's node configs by file name: nodes `nats-1`..`nats-N`, routes by service name."""
+    """The docker compose cluster's node configs by file name: nodes `nats-1`..`nats-N`, with auth on.
+
+    Routes are not here: they carry the route password, so they come with the route
+    authorization from the generated cluster include (`rose security init --cluster-route`).
+    """
+    from rose.shared.security import CLUSTER_INCLUDE, SERVER_INCLUDE
+
     names = [f"nats-{i}" for i in range(1, size + 1)]
     return {
         f"{name}.conf": COMPOSE_HEADER
@@ -121,11 +143,8 @@ def compose_node_configs(size: int = 3) -> dict[str, str]:
             port=COMPOSE_CLIENT_PORT,
             store_dir=COMPOSE_STORE_DIR,
             monitor_port=COMPOSE_MONITOR_PORT,
-            cluster=ClusterSpec(
-                host="0.0.0.0",
-                port=COMPOSE_CLUSTER_PORT,
-                routes=tuple(f"nats-route://{peer}:{COMPOSE_CLUSTER_PORT}" for peer in names if peer != name),
-            ),
+            cluster=ClusterSpec(host="0.0.0.0", port=COMPOSE_CLUSTER_PORT, routes=(), include=f"{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}"),
+            extra_config=f'include "{COMPOSE_AUTH_DIR}/{SERVER_INCLUDE}"  # clients: one NKey user per service, its permissions',
         )
         for name in names
     }
@@ -307,6 +326,23 @@ class NatsCluster:
                     extra_config=extra_config,
                 )
             )
+
+    @property
+    def route_addresses(self) -> list[str]:
+        """HOST:PORT of every node's route listener: the `cluster_routes` of `init_credentials`."""
+        return [f"{node.cluster.host}:{node.cluster.port}" for node in self.nodes if node.cluster is not None]
+
+    def use_auth(self, extra_config: str, cluster_include: str | Path | None = None) -> None:
+        """Before `start()`: every node gets `extra_config` (the clients' authorization) and, with
+        `cluster_include` (`Credentials.cluster_include`, written for `route_addresses`), authenticated
+        routes: the include goes inside each node's cluster block, by a path relative to the node's
+        config (nats-server resolves includes that way), and brings the routes, with the password, in
+        place of the open ones. The password stays in that one 0600 file, never in the node configs."""
+        for node in self.nodes:
+            node.extra_config = extra_config
+            if cluster_include is not None and node.cluster is not None:
+                include = os.path.relpath(Path(cluster_include).resolve(), node.store_dir.resolve())
+                node.cluster = replace(node.cluster, routes=(), include=include)
 
     @property
     def urls(self) -> list[str]:

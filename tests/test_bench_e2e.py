@@ -18,7 +18,7 @@ import pytest
 
 from rose.cli.bench_e2e import batch_rollout_spans, lent_fraction, max_lent_at_once, step_figures
 
-DURATION_S = 45  # the trainer's warm start takes 20-27 s of it on 2 busy cores; rates need two GRPO steps after it
+DURATION_S = 30  # GRPO seconds after the warm start (not part of the window): rates need two steps
 RUN_TIMEOUT_S = 540  # two policies: start-up, 45 s of job, drain and report each
 POLICY_FIELDS = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_per_s", "reward_first", "reward_last", "trajectories_lost")
 

@@ -79,3 +79,22 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     assert r["policies"]["serving_only"]["rollout_tokens_per_s"] == 0
     assert r["reclaim_samples"] >= 10  # the lull probes: serving arrivals that found rollout on serving's cores and took them back
     assert (tmp_path / "coserve.png").exists()
+
+
+def test_bench_elastic_reclaim_splits_at_the_bursts_first_arrival():
+    """Reclaim per burst = onset -> first revocation signal; the floor is onset -> the burst's first
+    arrival (nothing can be detected before it), the rest is detection plus the bus."""
+    from rose.cli.bench_elastic import Record, poisson_first_arrival_p99_ms, reclaim
+
+    rec = Record()
+    rec.serving.bursts += [(100.0, 103.0, "ex-a"), (200.0, 203.0, "ex-a"), (300.0, 303.0, "ex-b")]
+    rec.alerts += [(100.4, "ex-a", "burst", 100.39), (200.9, "ex-a", "recovered", 200.9)]
+    rec.lease_events += [(200.3, "ex-a", "revoked", "l-2")]
+    leases = {"ex-a": [(90.0, 100.5), (150.0, 200.3)]}  # ex-b held no lease at its burst: nothing to reclaim
+    arrivals = {"ex-a": [99.9, 100.15, 100.2, 200.05], "ex-b": [300.01]}
+    r = reclaim(rec, leases, arrivals)
+    assert r["samples"] == 2 and r["missed"] == 0
+    assert r["all_ms"] == [400.0, 300.0]
+    assert r["floor_p99"] == pytest.approx(150.0, abs=1.0)  # p99 of {150, 50}
+    assert r["after_first_arrival_p99"] == pytest.approx(250.0, abs=1.0)  # p99 of {250, 250}
+    assert poisson_first_arrival_p99_ms(24.0) == pytest.approx(191.9, abs=0.1)  # a x3 burst of 8 req/s

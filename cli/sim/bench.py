@@ -30,6 +30,7 @@ FLEETS = (8, 16, 32, 64)
 QUICK_MODELS = ("7B", "70B")
 QUICK_FLEETS = (8, 16)
 PAPER_RANGE = (1.3, 3.3)
+CALIBRATION_TOLERANCE = 0.15  # the issue's bar: predicted within ±15 % of the real run, per policy and figure
 PAPER_ROLLOUT_RANGE = (1.2, 1.5)
 DEFAULT_E2E = "bench-out/e2e.json"  # where `rose bench e2e` writes by default
 
@@ -207,6 +208,8 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
     report = {
         "rows": rows,
         "calibration": cal["calibration"],
+        "calibration_slo_attainment": cal.get("calibration_slo_attainment", {}),
+        "calibration_within_15pct": within_tolerance(cal),
         "calibration_detail": cal["calibration_detail"],
         "notes": notes,
         "summary": summary,
@@ -238,12 +241,22 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
         for n in notes:
             console.print(f"- {n}")
         if cal["calibration"]:
-            console.print("calibration (relative error, " + cal["calibration_detail"]["against"] + "): " +
-                          ", ".join(f"{k} {'-' if v is None else f'{v:.0%}'}" for k, v in cal["calibration"].items()))
+            pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+            slo = cal.get("calibration_slo_attainment", {})
+            console.print("calibration (relative error, " + cal["calibration_detail"]["against"] + "; RL steps/h, SLO attainment): " +
+                          ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items()) +
+                          f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}")
         else:
             console.print("calibration: " + cal["calibration_detail"]["source"] + "; " + cal["calibration_detail"]["next"])
         console.print(f"grid {grid_s:.1f} s; wrote {out} and {out.with_suffix('.png')}")
     return report
+
+
+def within_tolerance(cal: dict) -> bool | None:
+    """Every policy's predicted figures within ``CALIBRATION_TOLERANCE`` of the real run (None: nothing to compare)."""
+    errors = [*cal["calibration"].values(), *cal.get("calibration_slo_attainment", {}).values()]
+    known = [e for e in errors if e is not None]
+    return all(e <= CALIBRATION_TOLERANCE for e in known) if known else None
 
 
 def _fresh_coserve(out_json: str, seed: int, console) -> str:

@@ -27,7 +27,12 @@ policy objects are asked, not re-implemented):
   ``(1 - f_p) x q / (it + q)`` of it (no rollout while a prefill is pending:
   ``yields_on_arrival``), and nothing while ``may_run_rollout`` says no (the local TPOT guard);
 - ``naive_share`` (same lane, unbounded quanta): the rollout batch runs to completion
-  between serving iterations: ``extra = rollout step x (p90 turn length)``;
+  between serving iterations (services/executor/engine.py ``_run_quantum`` with
+  ``quantum_ms = None``): ``extra = rollout step x (p90 turn length)`` on every serving
+  iteration, and an arrival waits for the batch running when it comes (up to all of it: the
+  p99 TTFT takes the whole batch). With the rollout engine's in-situ step time on the e2e box
+  this predicts naive_share's measured SLO attainment (0.76 vs 0.70); with forward-only step
+  times a 16-token batch took ~40 ms and the SLO looked untouched;
 - a dedicated (or whole-device lent) instance: rollout gets the whole device.
 """
 

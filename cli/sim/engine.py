@@ -7,7 +7,9 @@ so the serving model and a copy of the policy fit, devices.py); a dedicated roll
 ``rollout_gpu_ratio x gpus`` GPUs in instances of ``rollout_tp``; a trainer of
 ``trainer_gpu_ratio x gpus`` GPUs in the dedicated pool's cluster. Serving traffic follows a
 trace (traces.py) scaled to ``load`` x the fleet's SLO capacity. RL is synchronous on-policy
-(one version per step): sync weights -> roll out one batch (rollouts.py) -> train -> repeat.
+(one version per step): sync weights -> roll out one batch (rollouts.py) -> train -> repeat;
+or, with ``prefetch_steps`` >= 1, asynchronous as the reference trainer runs it
+(``_trainer_pipelined``: the next batches roll out on older versions while a step trains).
 
 Processes and time:
 - a clock ticks every ``dt`` (1 s): Poisson arrivals per serving instance, the serving
@@ -28,8 +30,10 @@ with its tokens (recompute), a refused one goes elsewhere, a straggler past max(
 typical turn) asks the scheduler for a hedge (``should_hedge``) and the first result wins.
 
 Not simulated: executor failures, the worker's per-attempt timeout (its 60 s default is sized
-for the tiny CPU models), partial rollout / staleness (the real trainer allows bounded
-staleness), preemption inside a running batch when a lease shrinks.
+for the tiny CPU models), partial rollout, dropping stale trajectories (the pipelined trainer
+hands out at most ``max_staleness`` steps ahead, so none would be), the trainer's time to hand
+out a batch (~0.1-0.2 s per step on the e2e box), preemption inside a running batch when a
+lease shrinks.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ REFIT_TICKS = 30  # the simulated monitor refits each executor's step model ever
 METRICS_INTERVAL_S = 1.0  # executors' metrics snapshots (services/executor/config.py metrics_interval_s)
 SCHEDULER_TICK_S = 0.5  # the scheduler's lease planning (services/scheduler/config.py tick_s)
 PREWARM_S = 35.0  # rose's per-executor monitor runs from this long before a rollout phase (its windows are 30 s)
+GROUP_POLL_S = 0.1  # the trainer looks for complete groups this often (services/trainer/trainer.py GROUP_POLL_S)
+# the trainer's trajectory consumer (shared/bus.py): fetch(64, timeout=1 s) in a loop; a fetch returns once 64
+# messages arrived or its window ends, so the trainer learns of a trajectory only then (a test checks both constants)
+TRAINER_FETCH_BATCH = 64
+FETCH_WINDOW_S = 1.0  # shared/bus.py CONSUME_FETCH_TIMEOUT_S
 
 
 class Infeasible(ValueError):
@@ -115,6 +124,13 @@ class SimConfig:
     # tokens/s ever measured on an executor (the monitor's 30 s peak forgets it during training)
     what_if: frozenset = frozenset()
     max_rollout_batch: int = MAX_ROLLOUT_BATCH  # sequences per rollout engine (calibration runs: the executor's own)
+    # asynchronous RL as the reference trainer runs it (services/trainer: grpo.prefetch_steps, grpo.max_staleness):
+    # 0 = synchronous (the paper-style grid); N >= 1: N steps of tasks are handed out ahead of the one training
+    # (at most max_staleness: a batch rolled out further ahead would be dropped as stale), see ``_trainer_pipelined``
+    prefetch_steps: int = 0
+    max_staleness: int = 2
+    worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
+    trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)
 
 
 class Simulation:
@@ -241,6 +257,7 @@ class Simulation:
         self.best_tps = np.zeros(self.D)
         self.unlendable: collections.Counter = collections.Counter()  # the monitor's first reason, per executor-second
         self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
+        self.turn_durations: list[float] = []  # every turn, route to result (rose bench e2e's turn_s_p50)
         self.retained = np.zeros(self.D)  # prefix-cache bytes retained by idle trajectories per device
         self.seq_counter = 0
         # accounting
@@ -249,6 +266,12 @@ class Simulation:
                         prefix_hits=0, prefix_misses=0, hedges=0, hedge_wins=0)
         self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
         self.steps: list[dict] = []
+        self.worker = None  # the rollout worker's episode slots (``worker_concurrency``)
+        self.pipelined = False  # ``prefetch_steps`` >= 1: the asynchronous trainer
+        self.effective_prefetch = 0
+        self.batch_spans: list[dict] = []  # pipelined: finished batches' rollout spans
+        self.ded_window_tokens = np.zeros(self.n_ded)  # rollout tokens per dedicated executor since its last metrics snapshot
+        self.ded_snapshots_tps: list[float] = []
 
     def _alloc_turns(self, n: int) -> None:
         self.N = n  # slots i < n: a trajectory's turn; n + i: its hedge
@@ -383,6 +406,7 @@ class Simulation:
             self.acc["lent_instance_s"] += float(lent.sum()) * dt
         tokens = self._rollout_tick(now, dt, share)
         self.ring_tps[:, self.tick_no % self.W] = tokens / dt
+        self.ded_window_tokens += tokens[self.n_serv:]
         # monitor ring buffers (serving instances)
         col = self.tick_no % self.W
         r = self.ring
@@ -423,6 +447,13 @@ class Simulation:
         queued = self.state == 1
         nr = np.bincount(self.dev[running], minlength=self.D) if running.any() else np.zeros(self.D, dtype=np.int64)
         nq = np.bincount(self.dev[queued], minlength=self.D) if queued.any() else np.zeros(self.D, dtype=np.int64)
+        # each dedicated executor's metrics snapshot: rollout tokens/s over the interval, kept when rollout is running
+        # (what rose bench e2e averages into calibration.dedicated_rollout_tokens_per_s)
+        span = self.k_snap * self.cfg.dt
+        for j, d in enumerate(range(self.n_serv, self.D)):
+            if nr[d] > 0:
+                self.ded_snapshots_tps.append(float(self.ded_window_tokens[j]) / span)
+        self.ded_window_tokens[:] = 0.0
         peak_tps = self.ring_tps.max(axis=1)
         for d in range(self.n_serv, self.D):
             self._headroom_role(d, "dedicated", now, nr[d] * self.bundle, nq[d] * self.bundle, peak_tps[d])
@@ -596,17 +627,28 @@ class Simulation:
             c = self._cand[j]
             self._cand[j] = dataclasses.replace(c, load=c.load + 1)
 
-    def _trajectory(self, step: int, i: int, batch):
+    def _trajectory(self, step: int, i: int, batch, slot: int | None = None, info: dict | None = None):
+        """One trajectory of ``batch`` (its row ``i``) in turn-table ``slot`` (default ``i``); ``info``:
+        the pipelined trainer's record of the batch (first turn start, group completions)."""
         env = self.env
+        slot = i if slot is None else slot
+        req = None
+        if self.worker is not None:  # the rollout worker runs a bounded number of episodes, first handed out first
+            req = self.worker.request()
+            yield req
         tid, gid = f"t{step}-{i}", f"g{step}-{i // max(1, self.cfg.rollout.group_size)}"
         ctx = int(batch.prompt[i])
         prev = ""
         turns = int(batch.turns[i])
+        finish = env.now
         for k in range(turns):
             new_tokens = ctx if k == 0 else int(batch.tool_tokens[i, k - 1])
             started = env.now
-            finish, d = yield from self._turn(i, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev)
+            if info is not None and info["first"] is None:
+                info["first"] = started
+            finish, d = yield from self._turn(slot, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev)
             self.durations.append(finish - started)
+            self.turn_durations.append(finish - started)
             ctx += int(batch.gen[i, k])
             prev = self.ids[d]
             if k + 1 < turns:
@@ -615,9 +657,41 @@ class Simulation:
                 if wait > 0:
                     yield env.timeout(wait)
             else:
-                self.finished_at[i] = finish
-        self._drop_cache(i)
+                self.finished_at[slot] = finish
+        self._drop_cache(slot)
         self.fleet.on_trajectory(tid, gid)
+        if req is not None:
+            self.worker.release(req)
+        if info is not None:
+            info["last"] = max(info["last"], finish)
+            info["finished"].append(finish)
+            self.arrived.append((info, i))
+            if self.cfg.trajectory_fetch_s <= 0:
+                self._deliver(len(self.arrived))
+            elif self.arrival_evt is not None and not self.arrival_evt.triggered:
+                self.arrival_evt.succeed()
+
+    def _deliver(self, k: int) -> None:
+        """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""
+        take, self.arrived = self.arrived[:k], self.arrived[k:]
+        for info, i in take:
+            g = i // info["group_rows"]
+            info["left"][g] -= 1
+            if info["left"][g] == 0:
+                self.ready_groups.append((info["batch"], g, info["group_tokens"][g]))
+
+    def _consumer(self):
+        """The trainer's trajectory consumer: fetch windows of ``trajectory_fetch_s`` back to back; a
+        window closes early once a fetch's worth (64 trajectories) has arrived."""
+        env, window = self.env, self.cfg.trajectory_fetch_s
+        per_fetch = max(1, TRAINER_FETCH_BATCH // max(1, self.bundle))
+        while True:
+            end = env.now + window
+            while len(self.arrived) < per_fetch and env.now < end - 1e-12:
+                self.arrival_evt = env.event()
+                yield simpy.AnyOf(env, [self.arrival_evt, env.timeout(end - env.now)])
+            self.arrival_evt = None
+            self._deliver(min(per_fetch, len(self.arrived)))
 
     def typical(self) -> float:
         """The rollout worker's typical turn time: the median of its last 64 turns (4 at least)."""
@@ -730,13 +804,28 @@ class Simulation:
         train_s = c.train_s if c.train_s is not None else TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * batch.tokens() / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
         return train_s + sync_seconds(self.policy_weight_bytes, "full", c.sync, cross_cluster=False)
 
+    def _batch_shape(self) -> tuple[int, int]:
+        c = self.cfg
+        inst_kv_tokens = self.dedicated_kv / self.kvb_p
+        trajectories = c.trajectories or batch_trajectories(c.rollout, self.n_ded * inst_kv_tokens)
+        return trajectories, bundle_size(c.rollout, trajectories, inst_kv_tokens)
+
+    def _train_seconds(self, tokens: float, share: float = 1.0) -> float:
+        """Training time of ``tokens`` (FLOPs model), or the measured time per step x ``share`` of a step's data."""
+        c = self.cfg
+        if c.train_s is not None:
+            return c.train_s * share
+        return TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+
     def _trainer(self):
+        if self.cfg.prefetch_steps > 0:
+            yield from self._trainer_pipelined()
+            return
         c, env = self.cfg, self.env
         self.monitor_from = c.warmup_s - PREWARM_S
         yield env.timeout(c.warmup_s)
-        inst_kv_tokens = self.dedicated_kv / self.kvb_p
-        trajectories = c.trajectories or batch_trajectories(c.rollout, self.n_ded * inst_kv_tokens)
-        bundle = bundle_size(c.rollout, trajectories, inst_kv_tokens)
+        trajectories, bundle = self._batch_shape()
+        self._make_worker(bundle)
         wp = self.policy_weight_bytes
         for step in range(c.steps):
             t0 = env.now
@@ -767,6 +856,111 @@ class Simulation:
                                    step_s=env.now - t0, tail_s=tail_s, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
         self.done.succeed()
 
+    def _make_worker(self, bundle: int) -> None:
+        wc = self.cfg.worker_concurrency
+        self.worker = simpy.Resource(self.env, capacity=max(1, wc // max(1, bundle))) if wc else None
+
+    def _trainer_pipelined(self):
+        """Asynchronous RL as services/trainer/trainer.py runs it with ``grpo.prefetch_steps`` = p >= 1.
+
+        - Tasks: batches 0..p are handed out at the start; after every training step (and its
+          publish) the next batch is handed out, so batch n+1.. rolls out on an older version while
+          step n trains. The rollout worker runs ``worker_concurrency`` episodes at a time, oldest
+          batch first. p is capped at ``max_staleness`` (further ahead, the collector would drop
+          the batch as stale), so no trajectory is dropped here.
+        - The trainer (``Trainer.next_groups``) polls every ``GROUP_POLL_S`` and takes every
+          complete group it has not trained on, whichever batch it is from, until it holds at
+          least a step's worth (``groups_per_step``): when rollout has run ahead it takes more than
+          a step's groups, and from then on it waits on the first groups of the batch just handed
+          out. Training time scales with the groups taken (measured ``train_s`` is per step's worth).
+        - Weights: after training the trainer publishes (the dedicated pool has the version after
+          the full sync), then hands out; serving instances get it over the inter-cluster link
+          meanwhile. Rollout never stops for a sync: an executor swaps weights between iterations
+          (the swap itself is taken as free) and a turn keeps the version it started on.
+        - A step's period is the time between training completions, so a step completes when both
+          its training and the groups it needs allow.
+        """
+        c, env = self.cfg, self.env
+        self.pipelined = True
+        p = max(1, min(c.prefetch_steps, max(1, c.max_staleness)))
+        self.effective_prefetch = p
+        self.monitor_from = c.warmup_s - PREWARM_S  # a batch is rolling out nearly always: rose's monitor never rests
+        yield env.timeout(c.warmup_s)
+        trajectories, bundle = self._batch_shape()
+        self._make_worker(bundle)
+        n = math.ceil(trajectories / bundle)
+        slots = p + 2  # turn-table slot groups: batches in flight at once, and one spare
+        self.bundle = bundle
+        self._alloc_turns(slots * n)
+        group_rows = max(1, int(round(c.rollout.group_size / bundle)))
+        per_step = math.ceil(n / group_rows)
+        wp = self.policy_weight_bytes
+        sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
+        sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
+        self.ready_groups: list[tuple[int, int, float]] = []
+        self.batch_info: dict[int, dict] = {}
+        self.arrived: list[tuple[dict, int]] = []  # finished trajectories the trainer has not received yet
+        self.arrival_evt = None
+        if c.trajectory_fetch_s > 0:
+            env.process(self._consumer())
+        yield env.timeout(sync_ded)  # the first version reaches the dedicated pool
+        for b in range(p + 1):
+            yield from self._hand_out(b, trajectories, bundle, n, slots, group_rows)
+        handed = p + 1
+        last_done = env.now
+        for step in range(c.steps):
+            t0 = env.now
+            while len(self.ready_groups) < per_step:
+                yield env.timeout(GROUP_POLL_S)
+            # as Trainer.next_groups: exactly one step's worth, oldest first, the rest kept for the next step
+            self.ready_groups.sort(key=lambda g: (g[0], g[1]))
+            taken, self.ready_groups = self.ready_groups[:per_step], self.ready_groups[per_step:]
+            waited = env.now - t0
+            tokens = sum(t for _, _, t in taken)
+            train_s = self._train_seconds(tokens, len(taken) / per_step)
+            yield env.timeout(train_s)
+            yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
+            batches = sorted({b for b, _, _ in taken})
+            self.steps.append(dict(step=step, start=t0, done=env.now, wait_s=waited, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
+                                   step_s=env.now - last_done, groups=len(taken), batches=batches, tokens=tokens,
+                                   trajectories=trajectories, bundle=bundle, rollout_s=float("nan"), generated=0))
+            last_done = env.now
+            yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
+            handed += 1
+        self.done.succeed()
+
+    def _hand_out(self, b: int, trajectories: int, bundle: int, n: int, slots: int, group_rows: int):
+        """Hand out batch ``b``: its trajectories start (the worker's slots permitting) in turn-table slot group b mod ``slots``."""
+        env = self.env
+        old = self.batch_info.get(b - slots)
+        if old is not None and old["procs"]:  # its slot group is reused: the batch before must be out (it nearly always is)
+            yield simpy.AllOf(env, old["procs"])
+        batch = sample_batch(self.cfg.rollout, trajectories, self.rng, bundle)
+        groups = math.ceil(batch.n / group_rows)
+        left = [min(group_rows, batch.n - g * group_rows) for g in range(groups)]
+        per_traj = [
+            (int(batch.prompt[i]) + int(batch.gen[i, : int(batch.turns[i])].sum()) + int(batch.tool_tokens[i, : max(0, int(batch.turns[i]) - 1)].sum())) * batch.bundle
+            for i in range(batch.n)
+        ]
+        group_tokens = [float(sum(per_traj[g * group_rows:(g + 1) * group_rows])) for g in range(groups)]
+        info = dict(batch=b, handed=env.now, first=None, last=env.now, finished=[], left=left, group_rows=group_rows, group_tokens=group_tokens,
+                    generated=batch.generated(), trajectories=batch.trajectories, procs=[])
+        self.batch_info[b] = info
+        base = (b % slots) * n
+        info["procs"] = [env.process(self._trajectory(b, i, batch, base + i, info)) for i in range(batch.n)]
+        self._batches_done_stats()
+        self.batch_info.pop(b - slots - 1, None)
+
+    def _batches_done_stats(self) -> None:
+        """Rollout span (first turn start to last trajectory end, as ``rose bench e2e`` measures it) of every finished batch."""
+        for b, info in self.batch_info.items():
+            if info.get("span") is None and info["procs"] and all(pr.triggered for pr in info["procs"]) and info["first"] is not None:
+                fin = np.sort(np.asarray(info["finished"]))
+                info["span"] = info["last"] - info["first"]
+                p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else info["last"]
+                info["tail"] = max(0.0, info["last"] - p90)
+                self.batch_spans.append(dict(batch=b, rollout_s=info["span"], tail_s=info["tail"], generated=info["generated"]))
+
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
         c, env = self.cfg, self.env
@@ -781,9 +975,17 @@ class Simulation:
         steps = self.steps
         complete = len(steps) == c.steps
         step_s = float(np.mean([s["step_s"] for s in steps])) if steps else float("nan")
-        rollout_s = float(np.mean([s["rollout_s"] for s in steps])) if steps else float("nan")
-        gen = sum(s["generated"] for s in steps)
-        roll_total = sum(s["rollout_s"] for s in steps)
+        rate = 3600.0 / step_s if steps else 0.0
+        rollouts = steps
+        if self.pipelined:
+            self._batches_done_stats()
+            rollouts = self.batch_spans
+            if len(steps) >= 2:  # steady state, as rose bench e2e measures it: first to last training step
+                step_s = (steps[-1]["done"] - steps[0]["done"]) / (len(steps) - 1)
+                rate = 3600.0 / step_s
+        rollout_s = float(np.mean([s["rollout_s"] for s in rollouts])) if rollouts else float("nan")
+        gen = sum(s["generated"] for s in rollouts)
+        roll_total = sum(s["rollout_s"] for s in rollouts)
         sim_s = max(1e-9, self.env.now)
         hits, misses = a["prefix_hits"], a["prefix_misses"]
         return dict(
@@ -791,13 +993,17 @@ class Simulation:
             serving_instances=self.n_serv, serving_tp=self.tp_s, dedicated_instances=self.n_ded, rollout_tp=self.tp_r,
             rollout_gpus=self.n_ded * self.tp_r, trainer_gpus=self.trainer_gpus, cohosting=self.cohosting,
             serving_capacity_rps_per_instance=self.cap_rps, cohost_free_gb=self.cohost_free_bytes / 1e9,
-            rl_steps_per_hour=3600.0 / step_s if steps else 0.0,
-            step_s=step_s, rollout_s_per_step=rollout_s,
+            rl_steps_per_hour=rate,
+            step_s=step_s, rollout_s_per_step=rollout_s, prefetch_steps=self.effective_prefetch,
+            trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if self.pipelined and len(steps) > 1 else None,
+            groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if self.pipelined and steps else None,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
             trajectories_per_step=steps[0]["trajectories"] if steps else 0, bundle=steps[0]["bundle"] if steps else 0,
             rollout_tokens_per_s=gen / roll_total if roll_total else 0.0,
-            tail_fraction=sum(s["tail_s"] for s in steps) / roll_total if roll_total else 0.0,
+            turn_s_p50=float(np.median(self.turn_durations)) if self.turn_durations else float("nan"),
+            dedicated_rollout_tokens_per_s=float(np.mean(self.ded_snapshots_tps)) if self.ded_snapshots_tps else 0.0,
+            tail_fraction=sum(s["tail_s"] for s in rollouts) / roll_total if roll_total else 0.0,
             rollout_tokens_on_serving_fraction=a["serving_tokens"] / max(1.0, a["rollout_tokens"]),
             unlendable_reasons=dict(self.unlendable.most_common(3)),
             slo_violations=a["violations"], slo_violations_serving_alone=a["violations_alone"],

@@ -9,7 +9,7 @@ executor that ran the previous turn needs only the new tokens prefilled).
 Distributions (assumptions, chosen for the long tail the paper describes, not fitted to a
 published trace; every knob is a field below and a ``rose bench sim`` option):
 - turns per trajectory: log-normal, median 5, sigma 0.6, 1..30 (p99/p50 ~ 4x);
-- generated tokens per turn: log-normal, median 300, sigma 0.9, 16..4096;
+- generated tokens per turn: log-normal, median 300, sigma 0.9, 16..4096 (``gen_min``..``gen_max``);
 - tool output tokens per turn: log-normal, median 400, sigma 1.0, 0..8192;
 - tool latency: log-normal, median 1.5 s, sigma 1.0, up to 60 s;
 - the first prompt: log-normal, median 2000 tokens, sigma 0.3;
@@ -46,6 +46,7 @@ class RolloutSpec:
     max_turns: int = 30
     gen_median: float = 300.0
     gen_sigma: float = 0.9
+    gen_min: int = 16
     gen_max: int = 4096
     tool_tokens_median: float = 400.0
     tool_tokens_sigma: float = 1.0
@@ -128,7 +129,7 @@ def sample_batch(spec: RolloutSpec, trajectories: int, rng: np.random.Generator,
     t = spec.max_turns
     prompt = np.round(np.clip(_lognormal(rng, spec.prompt_median, spec.prompt_sigma, n), 64, spec.max_context // 2)).astype(np.int64)
     turns = np.clip(np.round(_lognormal(rng, spec.turns_median, spec.turns_sigma, n)), 1, t).astype(np.int64)
-    gen = np.round(np.clip(_lognormal(rng, spec.gen_median, spec.gen_sigma, (n, t)), 16, spec.gen_max)).astype(np.int64)
+    gen = np.round(np.clip(_lognormal(rng, spec.gen_median, spec.gen_sigma, (n, t)), min(spec.gen_min, spec.gen_max), spec.gen_max)).astype(np.int64)
     tool_tokens = np.round(np.clip(_lognormal(rng, spec.tool_tokens_median, spec.tool_tokens_sigma, (n, t)), 0, spec.tool_tokens_max)).astype(np.int64)
     tool_s = np.clip(_lognormal(rng, spec.tool_latency_median_s, spec.tool_latency_sigma, (n, t)), 0.0, spec.tool_latency_max_s)
     # stop a trajectory before its context would pass max_context

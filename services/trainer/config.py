@@ -61,6 +61,15 @@ class PublishSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     published_timeout_s: PositiveSeconds = 600.0
 
 
+class CheckpointSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Checkpoint/resume (checkpoint.py): a restarted trainer continues its job where it was."""
+
+    every_steps: NonNegInt = 1  # GRPO steps between checkpoints (and one after the warm start); 0: none, never resume
+    dir: str = ""  # default: $ROSE_STATE_DIR/trainer/<durable>; one subfolder per job configuration
+    keep: PositiveInt = 2  # complete checkpoints kept per job (the newest)
+    ack_wait_s: PositiveSeconds = 15.0  # the trajectory consumer's ack deadline: held trajectories are kept alive within it; a dead trainer's come back after it
+
+
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
@@ -69,6 +78,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sft: SftSettings = msgspec.field(default_factory=SftSettings)
     tasks: TasksSettings = msgspec.field(default_factory=TasksSettings)
     publish: PublishSettings = msgspec.field(default_factory=PublishSettings)
+    checkpoint: CheckpointSettings = msgspec.field(default_factory=CheckpointSettings)
     max_steps: NonNegInt = 0  # GRPO steps, then exit; 0: until stopped
     initial_version: NonNegInt = 0  # the version executors start with (the weights in models.dir)
     durable: str = "trainer"  # the trajectory stream consumer

@@ -1,8 +1,11 @@
 """The trainer service: warm start, then GRPO on trajectory groups from the bus, publishing each version.
 
-load the policy (fp32 master weights) -> connect -> consume trajectories -> SFT warm start
-and publish -> emit tasks -> [wait for groups -> GRPO step -> publish -> emit] ... -> drain.
-See trainer.py for the SDK calls this makes (the public API for a user's own RL framework).
+load the policy (fp32 master weights) -> connect -> resume from a checkpoint, if this job has
+one -> consume trajectories -> (fresh: SFT warm start, checkpoint and publish -> emit tasks;
+resumed: finish its publish, emit its tasks again) -> [wait for groups -> GRPO step ->
+checkpoint -> publish -> emit] ... -> drain.
+See trainer.py for the SDK calls this makes (the public API for a user's own RL framework)
+and checkpoint.py for what a checkpoint holds and what identifies a job.
 """
 
 from __future__ import annotations
@@ -50,20 +53,27 @@ async def run(config: TrainerConfig) -> None:
     holder: dict[str, Trainer] = {}
     async with ServiceRuntime("trainer", bus=config.bus, runtime=config.runtime, load=lambda: holder["t"].load() if "t" in holder else {}) as rt:
         trainer = holder["t"] = Trainer(rt.bus, model, Tokens(tokenizer), envs, config, config.run_id or rt.instance)
+        resumed = await trainer.restore()  # before consuming: the resumed run's open groups must be known
         await trainer.start()
         rt.ready()
         stop = asyncio.Event()
         stopper = asyncio.create_task(_mirror(rt, stop))
         try:
-            await trainer.warm_start()
-            for step in range(config.grpo.prefetch_steps + 1):
-                await trainer.emit(step)
+            if resumed:
+                await trainer.resume()
+            else:
+                await trainer.fresh()
+                await trainer.warm_start()
+                for step in range(config.grpo.prefetch_steps + 1):
+                    await trainer.emit(step)
             while not stop.is_set() and (config.max_steps == 0 or trainer.steps < config.max_steps):
                 if not await trainer.step(stop):
                     break
+            await trainer.final_checkpoint()
             log.info("trainer done: %d steps, version %d, rewards %s", trainer.steps, trainer.version, [round(r, 3) for r in trainer.rewards])
         finally:
             stopper.cancel()
+            await trainer.stop()
 
 
 async def _mirror(rt: ServiceRuntime, stop: asyncio.Event) -> None:

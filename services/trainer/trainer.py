@@ -26,12 +26,22 @@ That is all: leasing serving GPUs, routing turns, shipping weight deltas and app
 between iterations happen behind these three calls. This module does exactly that, with
 GRPO (grpo.py), a staleness bound (groups.py) and an expert warm start (sft.py).
 
-Training runs in a worker thread (`asyncio.to_thread`) so the bus keeps acking, heartbeating
-and collecting the next step's trajectories meanwhile (asynchronous RL: with
-`prefetch_steps` >= 1 the next step's tasks are already rolling out on the previous version,
-which the staleness bound accounts for). A trajectory is acked once collected: a trainer
-that dies mid-step loses the groups it held in memory (they are counted as received, not
-trained on), while every trajectory stays in the durable stream for replay.
+Training runs in a worker thread (`asyncio.to_thread`) so the bus keeps heartbeating and
+collecting the next step's trajectories meanwhile (asynchronous RL: with `prefetch_steps` >= 1
+the next step's tasks are already rolling out on the previous version, which the staleness
+bound accounts for).
+
+No fault loses work (checkpoint.py): every `checkpoint.every_steps` steps, and after the warm
+start, the trainer writes a checkpoint (weights, optimizer, RNGs, step, run id, version, the
+task cursor, the groups handed out and not yet trained on). A trajectory is acked only once a
+checkpoint covers the step that trained on it (without checkpoints: once that step trained);
+until then the trainer holds it and keeps it alive (`in_progress` within the consumer's
+`ack_wait`), so a trainer killed between collecting a group and training on it gets the group
+redelivered after its restart. A restarted trainer resumes from its newest valid checkpoint:
+the same run id, the next step, no new warm start, versions after the last one on the manifest
+stream; it hands out again (same task ids, which JetStream and the workers de-duplicate) the
+tasks that may not have gone out, and it drops redeliveries of groups it already trained on
+(acked, counted as `already_used`), so nothing is trained on or counted twice.
 """
 
 from __future__ import annotations
@@ -39,7 +49,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import time
+from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -48,9 +61,10 @@ from rose.contracts.registry import ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
 from rose.contracts.rollout import Trajectory
 from rose.contracts.training import TrainingStep
 from rose.shared.agentic.tool_env import ToolEnv
-from rose.shared.bus import Bus, Delivery
+from rose.shared.bus import Bus, Delivery, RemoteError
 
 from .batch import pad
+from .checkpoint import CheckpointStore, TrainerState, default_dir, identity_diff, identity_key, job_identity
 from .config import TrainerConfig
 from .groups import GroupCollector
 from .grpo import grpo_step
@@ -61,6 +75,9 @@ log = logging.getLogger(__name__)
 
 GROUP_POLL_S = 0.1
 SFT_EVAL_SEEDS = range(1_000_000, 1_000_032)  # held out from the training traces
+ACCEPTED_RE = re.compile(r"is not newer than (\d+)")  # the weight publisher's refusal of a version number already taken
+USED_GROUPS_KEPT = 4096  # recent groups trained on, remembered (and checkpointed) to recognise their redeliveries
+TRAJECTORY_MAX_DELIVER = 1000  # held trajectories may be redelivered across many restarts; never given up on
 
 
 def task_seed(base: int, step: int, group: int) -> int:
@@ -80,25 +97,108 @@ class Trainer:
         self.rewards: list[float] = []  # mean reward of each step's groups
         self.stats: dict[str, float] = {}
         self.last: dict[str, float] = {}  # the last GRPO step's loss statistics
+        # checkpoint / resume
+        c = config.checkpoint
+        self.store = CheckpointStore(default_dir(config), job_identity(config), c.keep) if c.every_steps else None
+        self.resumed_from: int | None = None  # the checkpoint step this process resumed from
+        self.checkpoint_step = -1  # the last checkpoint written or resumed from
+        self.warm_started = False  # this process ran the warm start
+        self.publish_due = False  # on resume: the checkpoint's version may not have been published
+        self.checkpoint_path: Path | None = None  # the last checkpoint written or resumed from
+        self.emit_target = 0  # on resume: hand out the tasks of steps [emitted_steps, emit_target) again
+        self.emit_floor = 0  # on resume: the checkpoint's task cursor; trajectories of this run's groups from there on are held
+        self.used: dict[str, None] = {}  # groups trained on, oldest first (bounded)
+        self._held: dict[str, list[Delivery]] = {}  # group id -> its deliveries, unacked until a checkpoint covers the step that used them
+        self._counted: dict[str, Counter] = {}  # group id -> what its deliveries added to the collector's counters
+        self._settle: list[Delivery] = []  # deliveries of groups trained on, acked with the next checkpoint
+        self._keepalive: asyncio.Task[None] | None = None
 
     # ---- the three SDK calls -----------------------------------------------------------
 
     async def start(self) -> None:
+        """Listen for weight outcomes and consume trajectories (after `restore`, so resumed groups are known)."""
         await self.weights.start()
-        await self.bus.consume(TRAJECTORY, self._on_trajectory, durable=self.config.durable, batch=64)
+        c = self.config.checkpoint
+        await self.bus.consume(TRAJECTORY, self._on_trajectory, durable=self.config.durable, batch=64, manual_ack=True,
+                               ack_wait_s=c.ack_wait_s, max_deliver=TRAJECTORY_MAX_DELIVER)
+        self._keepalive = asyncio.create_task(self._keep_alive(), name="trainer:in-progress")
 
     async def _on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
-        self.collector.add(trajectory)
+        """Hold the trajectory of an open group (acked once trained on and checkpointed); ack anything else now."""
+        gid = trajectory.group_id
+        held = self._held.get(gid)
+        stats = self.collector.stats
+        if held is None and gid not in self.used and self._ahead(gid):
+            held = self._open(gid)  # a resumed run's step handed out after its checkpoint: its tasks go out again later
+        if held is None:
+            if gid in self.used:  # redelivered after a restart (or late for a group trained on): never twice
+                stats["received"] += 1
+                stats["already_used"] += 1
+            else:
+                self.collector.add(trajectory)  # a group of no step of this run: counted, ignored
+            await self._ack([delivery])
+            return
+        before = dict(stats)
+        if gid in self.collector.groups:
+            self.collector.add(trajectory)  # de-duplicated by trajectory id within the group
+        else:  # its group is in the step being trained: too late for it, acked with the group
+            stats["received"] += 1
+            stats["late"] += 1
+        held.append(delivery)
+        counted = self._counted.setdefault(gid, Counter())
+        for key, value in stats.items():
+            if value != before.get(key, 0):
+                counted[key] += value - before.get(key, 0)
+
+    def _open(self, group_id: str) -> list[Delivery]:
+        self.collector.expect(group_id, self.config.grpo.group_size)
+        return self._held.setdefault(group_id, [])
+
+    def _ahead(self, group_id: str) -> bool:
+        """A group of this run from a step at or after the resumed checkpoint's task cursor (not handed out by this process yet)."""
+        prefix = f"{self.run_id}-s"
+        if self.resumed_from is None or not group_id.startswith(prefix):
+            return False
+        step, _, index = group_id[len(prefix):].partition("-g")
+        return step.isdigit() and index.isdigit() and int(step) >= self.emit_floor and int(index) < self.config.grpo.groups_per_step
+
+    async def _ack(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            try:
+                await d.ack()
+            except Exception as exc:  # reconnecting: it is redelivered later and acked then as already used
+                log.debug("ack failed (%r); the trajectory will be redelivered", exc)
+
+    async def _keep_alive(self) -> None:
+        """Held trajectories stay unacked for a step or more: restart their ack deadline well before it passes."""
+        interval = min(5.0, self.config.checkpoint.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for d in [d for held in self._held.values() for d in held] + list(self._settle):
+                try:
+                    await d.in_progress()
+                except Exception:  # reconnecting; redelivered copies are held too
+                    pass
+
+    async def stop(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
 
     async def emit(self, step: int) -> None:
-        """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task."""
+        """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task.
+
+        Deterministic: a step's group and task ids and problems depend only on the run id, the
+        step and the task settings, so handing a step out again after a restart repeats it.
+        """
         g, t = self.config.grpo, self.config.tasks
         for i in range(g.groups_per_step):
             index = step * g.groups_per_step + i
             env = self.envs[index % len(self.envs)]
             group_id = f"{self.run_id}-s{step}-g{i}"
             seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, i)
-            self.collector.expect(group_id, g.group_size)
+            if group_id in self.used:
+                continue
+            self._open(group_id)
             for j in range(g.group_size):
                 task = env.task(seed, task_id=f"{group_id}-{j}", group_id=group_id, group_size=g.group_size, max_turns=t.max_turns)
                 task.env_args["max_tokens"] = str(t.max_tokens)
@@ -113,6 +213,18 @@ class Trainer:
             try:
                 await self.weights.publish(state, self.version)
                 break
+            except RemoteError as exc:
+                taken = ACCEPTED_RE.search(exc.description)
+                if taken and int(taken.group(1)) >= self.version:
+                    # the publisher already took this number: the process before a restart asked for it just before
+                    # it died (or another publisher of this model): these weights go out under the next free one
+                    log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, int(taken.group(1)) + 1)
+                    self.version = int(taken.group(1)) + 1
+                    continue
+                if attempt == 49:
+                    raise
+                log.info("publish of v%d not accepted yet (%r); retrying", self.version, exc)
+                await asyncio.sleep(0.2)
             except Exception as exc:
                 if attempt == 49:
                     raise
@@ -121,28 +233,167 @@ class Trainer:
         await self.weights.published(self.version, timeout=self.config.publish.published_timeout_s)
         log.info("published policy v%d", self.version)
 
+    # ---- checkpoint / resume -------------------------------------------------------------
+
+    async def restore(self) -> bool:
+        """Before `start`: resume from the newest valid checkpoint of this job; False: a fresh run (and why, logged)."""
+        if self.store is None:
+            log.info("checkpoints off (checkpoint.every_steps = 0): a restart starts the job over")
+            return False
+        loaded = await asyncio.to_thread(self.store.load, self.model, self.optimizer)
+        if loaded is None:
+            others = await asyncio.to_thread(self.store.others)
+            if others:
+                path, manifest = others[-1]
+                diff = identity_diff(manifest["identity"], self.store.identity)
+                old_run = manifest.get("run_id", "")
+                if old_run == self.run_id:  # its task and group ids would collide with the other job's
+                    self.run_id = f"{self.run_id}-{identity_key(self.store.identity)[:8]}"
+                log.warning("not resuming: the checkpoints in %s are of another job configuration (run %s, step %s; %s); starting a fresh run %s "
+                            "(restore that configuration to resume it; its checkpoints are left as they are)",
+                            path.parent, old_run, manifest.get("step"), "; ".join(diff[:8]) or "?", self.run_id)
+            else:
+                log.info("no checkpoint in %s: starting a fresh run %s", self.store.dir, self.run_id)
+            return False
+        s = loaded.state
+        self.run_id, self.steps, self.version = s.run_id, s.step, s.version
+        self.emitted_steps, self.emit_target = s.emit_from, s.emitted_steps
+        self.rewards, self.stats, self.last = list(s.rewards), dict(s.stats), dict(s.last)
+        self.collector.stats.update(s.collector_stats)
+        self.used = dict.fromkeys(s.used_groups)
+        for gid, size in s.outstanding:
+            self.collector.expect(gid, size)
+            self._held[gid] = []
+        self.emit_floor = s.emit_from
+        for step in range(s.emit_from, s.emitted_steps):  # known before consuming: their redeliveries must not be taken for strangers
+            for i in range(self.config.grpo.groups_per_step):
+                self._open(f"{self.run_id}-s{step}-g{i}")
+        self.publish_due = s.publish_due and loaded.published is None
+        if loaded.published is not None:  # its weights went out (maybe re-numbered by an earlier resume)
+            self.version = max(self.version, loaded.published)
+        self.resumed_from = self.checkpoint_step = s.step
+        self.checkpoint_path = loaded.path
+        log.info("resumed run %s from checkpoint %s: step %d, version %d (%s), %d groups open, tasks handed out through step %d",
+                 self.run_id, loaded.path, s.step, self.version, "published" if loaded.published is not None else "publish not recorded",
+                 len(self._held), s.emitted_steps - 1)
+        return True
+
+    async def _last_published(self) -> int | None:
+        for attempt in range(5):
+            try:
+                return await self.weights.last_version()
+            except Exception as exc:  # reconnecting; the publisher refuses a stale number anyway
+                log.warning("could not read the last published version (%r)%s", exc, "; retrying" if attempt < 4 else "; going on without it")
+                await asyncio.sleep(1.0)
+        return None
+
+    async def resume(self) -> None:
+        """After `start` on a resumed run: finish the publish the checkpoint may have cut short, hand out its steps again."""
+        last = await self._last_published()
+        if last is not None and (last > self.version or (last == self.version and self.publish_due)):
+            # a version went out after ours (another publisher's), or one with our number that may not be ours:
+            # executors must run the checkpoint's weights, under a number after every other
+            log.info("the manifest stream's last version is v%d (the checkpoint's: v%d): publishing the checkpoint's weights as v%d", last, self.version, last + 1)
+            self.version = last + 1
+            await self.publish()
+            self._mark_published()
+        elif self.publish_due:
+            log.info("publishing v%d, which the checkpoint was written for (the previous process stopped before it went out)", self.version)
+            await self.publish()
+            self._mark_published()
+        for step in range(self.emitted_steps, self.emit_target):
+            await self.emit(step)
+
+    async def fresh(self) -> None:
+        """After `start` on a fresh run: version numbers go on after the last one on the manifest stream."""
+        last = await self._last_published()
+        if last is not None and last > self.version:
+            log.info("the manifest stream already has v%d of %s: this run's versions follow it", last, self.config.publish.model)
+            self.version = last
+
+    def _state(self, emit_owed: int, publish_due: bool) -> TrainerState:
+        stats = Counter(self.collector.stats)
+        for gid in self._held:  # open groups: their trajectories are redelivered after a restart and counted then
+            stats.subtract(self._counted.get(gid, Counter()))
+        return TrainerState(
+            run_id=self.run_id, step=self.steps, version=self.version, emitted_steps=self.emitted_steps + emit_owed, emit_from=self.emitted_steps,
+            outstanding=[(gid, self.collector.groups[gid].size) for gid in self._held if gid in self.collector.groups],
+            used_groups=list(self.used), rewards=list(self.rewards), collector_stats={k: int(v) for k, v in stats.items()},
+            stats=dict(self.stats), last=dict(self.last), warm_started=True, publish_due=publish_due,
+        )
+
+    async def checkpoint(self, emit_owed: int, publish_due: bool = True) -> None:
+        """Write a checkpoint (a failure is logged, never fatal), then ack the trajectories it covers."""
+        if self.store is None:
+            return
+        state = self._state(emit_owed, publish_due)
+        try:
+            path = await asyncio.to_thread(self.store.save, self.model, self.optimizer, state)
+        except Exception:
+            log.exception("checkpoint of step %d failed; its trajectories stay unacked until the next one", self.steps)
+            return
+        self.checkpoint_step, self.checkpoint_path = self.steps, path
+        log.info("checkpoint: step %d, version %d -> %s", self.steps, self.version, path)
+        settle, self._settle = self._settle, []
+        await self._ack(settle)
+
+    async def final_checkpoint(self) -> None:
+        """On a clean stop: checkpoint the steps taken since the last one (every_steps > 1), so none is redone."""
+        if self.store is not None and self.checkpoint_step != self.steps:
+            await self.checkpoint(emit_owed=0, publish_due=True)
+            self._mark_published()
+
+    def _mark_published(self) -> None:
+        """The last checkpoint's weights are out as `self.version`: a resume from it publishes nothing."""
+        if self.store is not None and self.checkpoint_path is not None:
+            try:
+                self.store.mark_published(self.checkpoint_path, self.version)
+            except OSError as exc:
+                log.warning("could not record the publish of v%d in %s: %r", self.version, self.checkpoint_path, exc)
+
+    def _use(self, group_ids: list[str]) -> None:
+        """These groups were trained on: their deliveries await the next checkpoint, redeliveries are recognised."""
+        for gid in group_ids:
+            self._settle += self._held.pop(gid, [])
+            self._counted.pop(gid, None)
+            self.used[gid] = None
+        while len(self.used) > USED_GROUPS_KEPT:
+            del self.used[next(iter(self.used))]
+
     # ---- training ----------------------------------------------------------------------
 
     async def warm_start(self) -> None:
         s = self.config.sft
-        if s.steps == 0:
-            return
-        train = expert_sequences(self.envs, self.tokens, range(s.traces_per_env))
-        held_out = expert_sequences(self.envs, self.tokens, SFT_EVAL_SEEDS)
-        report = await asyncio.to_thread(warm_start, self.model, train, self.tokens.pad_id, steps=s.steps, lr=s.lr, batch_size=s.batch_size, eval_seqs=held_out)
-        self.stats.update(sft_steps=report.steps, sft_nll_before=report.nll_before, sft_nll_after=report.nll_after)
-        log.info("warm start: %d steps, expert NLL/token %.3f -> %.3f", report.steps, report.nll_before, report.nll_after)
-        self.version += 1
-        await self.publish()
+        trained = False
+        if s.steps:
+            train = expert_sequences(self.envs, self.tokens, range(s.traces_per_env))
+            held_out = expert_sequences(self.envs, self.tokens, SFT_EVAL_SEEDS)
+            report = await asyncio.to_thread(warm_start, self.model, train, self.tokens.pad_id, steps=s.steps, lr=s.lr, batch_size=s.batch_size, eval_seqs=held_out)
+            self.stats.update(sft_steps=report.steps, sft_nll_before=report.nll_before, sft_nll_after=report.nll_after)
+            log.info("warm start: %d steps, expert NLL/token %.3f -> %.3f", report.steps, report.nll_before, report.nll_after)
+            self.warm_started = trained = True
+            self.version += 1
+        # step 0 of the run: a restart from here on resumes (no second warm start); its tasks go out next
+        await self.checkpoint(emit_owed=self.config.grpo.prefetch_steps + 1, publish_due=trained)
+        if trained:
+            await self.publish()
+            self._mark_published()
 
     async def next_groups(self, stop: asyncio.Event) -> list:
+        """The oldest `groups_per_step` complete groups. Exactly that many: a step that took every
+        ready group (a prefetched step's too) would leave the next step waiting for a batch just
+        handed out, and the prefetch would stop hiding rollout behind training."""
         want = self.config.grpo.groups_per_step
         ready: list = []
         while len(ready) < want and not stop.is_set():
             ready += self.collector.ready()
             if len(ready) < want:
                 await asyncio.sleep(GROUP_POLL_S)
-        return ready
+        ready.sort(key=lambda g: g.created)
+        taken, back = (ready[:want], ready[want:]) if not stop.is_set() else ([], ready)
+        for g in back:  # not trained on now: open again (a final checkpoint lists them, their trajectories stay unacked)
+            self.collector.groups[g.group_id] = g
+        return taken
 
     def _train(self, seqs) -> dict[str, float]:
         mb = self.config.grpo.micro_batch
@@ -152,23 +403,40 @@ class Trainer:
         return {"loss": s.loss, "tokens": s.tokens, "clip_fraction": s.clip_fraction, "mean_ratio": s.mean_ratio, "approx_kl": s.approx_kl}
 
     async def step(self, stop: asyncio.Event) -> bool:
-        """Wait for a step's groups, train, publish; False if stopped first."""
+        """Wait for a step's groups, train, checkpoint, publish; False if stopped first.
+
+        The checkpoint comes before the publish and the report: a step reported was
+        checkpointed (with every_steps = 1), so a restart never redoes a reported step.
+        """
         groups = await self.next_groups(stop)
         if stop.is_set():
-            return False
+            return False  # groups taken but not trained on stay unacked: redelivered to the next process
         rewards = [t.reward for g in groups for t in g.members.values() if t.status == "completed"]
         self.rewards.append(sum(rewards) / len(rewards) if rewards else 0.0)
         seqs = self.collector.sequences(groups, self.version)
+        every = self.config.checkpoint.every_steps
         if seqs:
             started = time.monotonic()
             self.last = await asyncio.to_thread(self._train, seqs)
             trained = time.monotonic()
             self.version += 1
             self.steps += 1
+            self._use([g.group_id for g in groups])
+            if every == 0:  # no checkpoints: acked once trained on
+                settle, self._settle = self._settle, []
+                await self._ack(settle)
+            elif self.steps % every == 0:
+                await self.checkpoint(emit_owed=1)
             await self.publish()
+            if every and self.checkpoint_step == self.steps:
+                self._mark_published()
             await self._report(groups, len(rewards), len(seqs), trained - started, time.monotonic() - trained)
         else:
             self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
+            self._use([g.group_id for g in groups])  # acked with the next checkpoint (redone as skipped after a restart)
+            if every == 0:
+                settle, self._settle = self._settle, []
+                await self._ack(settle)
         await self.emit(self.emitted_steps)
         log.info("step %d: reward %.3f, version %d, %s", self.steps, self.rewards[-1], self.version, self.last)
         return True
@@ -180,6 +448,7 @@ class Trainer:
             trajectories=trajectories, trained_sequences=sequences, loss=self.last.get("loss", 0.0),
             clip_fraction=self.last.get("clip_fraction", 0.0), approx_kl=self.last.get("approx_kl", 0.0),
             stale_dropped=self.collector.stats["stale_dropped"], train_s=train_s, publish_s=publish_s, at=time.time(),
+            resumed_from_step=self.resumed_from,
         ), run_id=self.run_id)
 
     def load(self) -> dict[str, float]:
@@ -187,4 +456,6 @@ class Trainer:
         out.update({k: float(v) for k, v in self.stats.items()})
         out.update({f"last_{k}": float(v) for k, v in self.last.items()})
         out.update(steps=float(self.steps), version=float(self.version), reward_last=self.rewards[-1] if self.rewards else 0.0)
+        out.update(resumed_from_step=float(-1 if self.resumed_from is None else self.resumed_from), checkpoint_step=float(self.checkpoint_step),
+                   warm_started=float(self.warm_started), held_trajectories=float(sum(len(h) for h in self._held.values()) + len(self._settle)))
         return out

@@ -114,3 +114,30 @@ def test_incomplete_and_uninformative_groups():
     c.add(traj("c", "h", 1.0))
     c.add(traj("d", "h", 1.0))
     assert c.sequences(c.ready(), 0) == [] and c.stats["zero_variance_groups"] == 1
+
+
+async def test_a_step_takes_exactly_its_groups_oldest_first_and_leaves_the_rest_ready():
+    """Trainer.next_groups on a real collector: when a prefetched batch completes early, a step takes only
+    `groups_per_step` groups (the oldest); the others stay ready for the next step, none is lost."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rose.services.trainer.trainer import Trainer
+
+    collector = GroupCollector(max_staleness=2)
+    for i, gid in enumerate(("s0-g0", "s0-g1", "s1-g0", "s1-g1")):
+        collector.expect(gid, 1)
+        collector.groups[gid].created = float(i)  # handed out in this order
+    for gid in ("s1-g1", "s0-g1", "s1-g0", "s0-g0"):  # complete out of order
+        collector.add(traj(f"t-{gid}", gid, 1.0))
+    owner = SimpleNamespace(config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector)
+    first = await Trainer.next_groups(owner, asyncio.Event())
+    assert [g.group_id for g in first] == ["s0-g0", "s0-g1"]
+    assert sorted(collector.groups) == ["s1-g0", "s1-g1"]  # back in the collector, still complete
+    second = await Trainer.next_groups(owner, asyncio.Event())
+    assert [g.group_id for g in second] == ["s1-g0", "s1-g1"] and collector.groups == {}
+    stopped = asyncio.Event()
+    stopped.set()
+    collector.expect("s2-g0", 1)
+    collector.add(traj("t-s2", "s2-g0", 1.0))
+    assert await Trainer.next_groups(owner, stopped) == [] and list(collector.groups) == ["s2-g0"]

@@ -15,7 +15,7 @@ from rose.contracts.rollout import RolloutTask
 from rose.contracts.training import TrainingStep
 from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.shared.agentic.envs import ENVIRONMENTS
-from rose.services.trainer.config import GrpoSettings, SftSettings, TasksSettings, TrainerConfig
+from rose.services.trainer.config import CheckpointSettings, GrpoSettings, SftSettings, TasksSettings, TrainerConfig
 from rose.shared.models import PolicyModelRef
 from rose.services.trainer.local_rollout import Tokens, scripted_episode
 from rose.services.trainer.main import run as run_trainer
@@ -51,7 +51,8 @@ def server(tmp_path_factory):
     s.stop()
 
 
-async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_policy):
+async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROSE_STATE_DIR", str(tmp_path / "state"))  # the in-process publisher's signing key, not ./.rose
     bus_config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0)
     config = TrainerConfig(
         bus=bus_config,
@@ -60,6 +61,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
         grpo=GrpoSettings(group_size=GROUP_SIZE, groups_per_step=GROUPS, max_staleness=0, prefetch_steps=0, lr=1e-3),
         sft=SftSettings(steps=3, traces_per_env=16, batch_size=8),
         tasks=TasksSettings(envs=["arithmetic"], max_turns=3, max_operand=9),
+        checkpoint=CheckpointSettings(dir=str(tmp_path / "checkpoints")),
         threads=1,
     )
     publisher = asyncio.create_task(run_publisher(WeightPublisherConfig(bus=bus_config, runtime=RuntimeConfig(instance="wp-trainer-test"))))
@@ -102,10 +104,12 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
 
                 v2 = await weights.published(2, timeout=TIMEOUT_S)  # the GRPO step's weights
                 assert v2.base_version == 1 and not v2.keyframe and v2.changed_fraction > 0
+                assert await weights.last_version() == 2  # what a restarted trainer numbers its next version after
+                assert await WeightsClient(bus, "no-such-model").last_version() is None
 
             async def trained():
                 beat = await bus.kv_get(SERVICE_REGISTRY, service="trainer", instance=INSTANCE)
-                return beat.load if beat is not None and beat.load.get("steps") == 1.0 else None
+                return beat.load if beat is not None and beat.load.get("steps") == 1.0 and beat.load.get("checkpoint_step") == 1.0 else None
 
             load = await until(trained, TIMEOUT_S, "the trainer's heartbeat after its step")
             assert load["version"] == 2.0
@@ -117,6 +121,17 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
             step = steps[0]
             assert (step.run_id, step.step, step.version, step.groups, step.trajectories) == (config.run_id or INSTANCE, 1, 2, GROUPS, 7)
             assert step.reward_mean == pytest.approx(4 / 7) and step.stale_dropped == 1 and step.trained_sequences == 6
+            assert step.resumed_from_step is None and load["resumed_from_step"] == -1.0 and load["warm_started"] == 1.0
+            # checkpoints of the warm start (step 0) and of step 1 (heartbeat: checkpoint_step), each complete; the step's
+            # trajectories acked once it was written
+            (job,) = (tmp_path / "checkpoints").iterdir()
+            assert sorted(p.name for p in job.iterdir()) == ["step-00000000", "step-00000001"]
+            assert all((p / "manifest.json").is_file() for p in job.iterdir())
+            async def all_acked():
+                info = await bus.js.consumer_info("ROSE_TRAJECTORIES", config.durable)
+                return info.num_ack_pending == 0 and info.num_pending == 0
+
+            await until(all_acked, TIMEOUT_S, "every trajectory of the step acked")
     finally:
         for task in (trainer, publisher):
             task.cancel()

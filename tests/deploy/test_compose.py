@@ -3,6 +3,10 @@
 - the file validates against the Compose Specification's JSON Schema (vendored, see data/README.md);
 - every command a ROSE container runs, and every healthcheck, is a real `rose` command (run with `--help`);
 - services, dependencies, health checks, profiles, volumes and the observability configs fit together;
+- auth: `security-init`'s real command writes every file another container mounts from the
+  `credentials` volume, each ROSE container mounts exactly its own seed (an executor: its own
+  instance's, `executor@<instance>.nk`), NATS nodes only the server includes, and everything that
+  mounts one starts after it;
 - every variable the file reads or sets is documented in deploy/compose/README.md.
 """
 
@@ -10,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +27,8 @@ import pytest
 import yaml
 
 from rose.cli.main import ON_DEMAND_SERVICES, SERVICE_MODULES, build_parser
+from rose.shared.nats_server import COMPOSE_AUTH_DIR, compose_route_addresses
+from rose.shared.security import CLUSTER_INCLUDE, OPERATOR, ROUTE_SECRET, SEED_SUFFIX, SERVER_INCLUDE, USERS, instance_user, parse_instances, permissions
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "compose"
@@ -28,7 +36,9 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_text())
 NATS_NODES = ["nats-1", "nats-2", "nats-3"]
-ONE_SHOT = {"models-init", "provision", "weights-key"}
+ONE_SHOT = {"models-init", "provision", "weights-key", "security-init"}
+CREDENTIALS = "credentials"  # the volume security-init writes
+NODE_CONFIG = "/etc/nats/nats.conf"
 
 
 def _schema_errors(doc: dict) -> list[str]:
@@ -43,6 +53,26 @@ def _runs_rose(service: dict) -> bool:
 
 ROSE_SERVICES = {name: s for name, s in SERVICES.items() if _runs_rose(s)}
 LONG_RUNNING = {name: s for name, s in ROSE_SERVICES.items() if name not in ONE_SHOT}
+
+
+def _mounts(service: dict) -> list[dict]:
+    """Every volume of a service in one form (short `source:target[:ro]` or long syntax)."""
+    out = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            out.append({"source": source, "target": target, "read_only": mode == ["ro"], "subpath": None, "nocopy": False})
+        else:
+            options = volume.get("volume") or {}
+            out.append(
+                {"source": volume["source"], "target": volume["target"], "read_only": bool(volume.get("read_only")),
+                 "subpath": options.get("subpath"), "nocopy": bool(options.get("nocopy"))}
+            )
+    return out
+
+
+def _credential_mounts(service: dict) -> list[dict]:
+    return [m for m in _mounts(service) if m["source"] == CREDENTIALS]
 
 
 # ---- the Compose Specification ---------------------------------------------------------------
@@ -176,6 +206,7 @@ def test_dependencies_have_conditions_that_can_be_met():
         depends = SERVICES[name]["depends_on"]
         assert depends["provision"]["condition"] == "service_completed_successfully", name
         assert depends["models-init"]["condition"] == "service_completed_successfully", name
+        assert depends["security-init"]["condition"] == "service_completed_successfully", name
     assert {n: SERVICES["provision"]["depends_on"][n]["condition"] for n in NATS_NODES} == dict.fromkeys(NATS_NODES, "service_healthy")
 
 
@@ -193,9 +224,9 @@ def test_nats_nodes_mount_their_config_and_a_persistent_volume():
     store = re.search(r'store_dir: "([^"]+)"', (DEPLOY / "nats" / "nats-1.conf").read_text()).group(1)
     for node in NATS_NODES:
         service = SERVICES[node]
-        assert service["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
-        mounts = dict(v.split(":")[:2] for v in service["volumes"])  # source:target[:ro]
-        assert mounts[f"./deploy/compose/nats/{node}.conf"] == "/etc/nats/nats.conf"
+        assert service["command"] == ["nats-server", "-c", NODE_CONFIG]
+        mounts = {m["source"]: m["target"] for m in _mounts(service) if m["source"] != CREDENTIALS}
+        assert mounts[f"./deploy/compose/nats/{node}.conf"] == NODE_CONFIG
         assert (REPO / "deploy" / "compose" / "nats" / f"{node}.conf").exists()
         data = f"{node}-data"
         assert data in COMPOSE["volumes"] and mounts[data] == "/data" and store.startswith("/data/")
@@ -208,6 +239,168 @@ def test_models_are_built_once_into_a_shared_volume():
         if service["command"][2] in ("executor", "rollout_worker", "trainer"):
             assert "models:/models:ro" in service["volumes"], name
             assert service["environment"]["ROSE_MODELS__DIR"] == "/models", name
+
+
+# ---- auth: credentials from security-init, each container only its own ----------------------
+
+
+def _security_init(directory: Path) -> subprocess.CompletedProcess[str]:
+    """security-init's own command, with its volume (/creds) at `directory`."""
+    argv = [directory.as_posix() if arg == "/creds" else arg for arg in SERVICES["security-init"]["command"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_") and k != "NATS_URL"}
+    return subprocess.run([sys.executable, "-m", "rose.cli.main", *argv[1:]], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_security_init_is_a_one_shot_that_writes_the_credentials_volume_and_keeps_it(tmp_path):
+    init = SERVICES["security-init"]
+    argv = init["command"]
+    assert argv[:4] == ["rose", "security", "init", "/creds"] and "--force" not in argv  # a re-run must not rotate
+    routes = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--cluster-route"]
+    assert routes == compose_route_addresses(len(NATS_NODES)) == [f"{node}:6222" for node in NATS_NODES]
+    assert init["restart"] == "no" and not init.get("depends_on") and not init.get("profiles")
+    assert _mounts(init) == [{"source": CREDENTIALS, "target": "/creds", "read_only": False, "subpath": None, "nocopy": False}]
+    assert CREDENTIALS in COMPOSE["volumes"]
+    assert re.search(r"^\s+&& mkdir -p .*/creds\b.*\n\s+&& chown rose:rose .*/creds\b", (DEPLOY / "Dockerfile").read_text(), re.M)  # the volume starts owned by `rose`
+
+    creds = tmp_path / "creds"
+    first = _security_init(creds)
+    assert first.returncode == 0, first.stdout + first.stderr
+    files = {p.name: p.read_bytes() for p in creds.iterdir()}
+    assert set(files) >= {f"{u}{SEED_SUFFIX}" for u in USERS} | {SERVER_INCLUDE, CLUSTER_INCLUDE, ROUTE_SECRET}
+    assert all(stat.S_IMODE(os.stat(creds / name).st_mode) == 0o600 for name in files)
+    password = files[ROUTE_SECRET].decode().strip()
+    cluster = files[CLUSTER_INCLUDE].decode()
+    assert f'password: "{password}"' in cluster
+    assert all(f'"nats-route://rose-route:{password}@{route}"' in cluster for route in routes)
+
+    # `docker compose up` runs it again each time: seeds and the route password stay, the includes are rewritten.
+    (creds / SERVER_INCLUDE).write_text("# stale\n")
+    (creds / CLUSTER_INCLUDE).write_text("# stale\n")
+    again = _security_init(creds)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert {p.name: p.read_bytes() for p in creds.iterdir()} == files
+
+
+def _executors() -> dict[str, str]:
+    """Every executor container (all profiles) and its instance name."""
+    return {n: s["environment"]["ROSE_RUNTIME__INSTANCE"] for n, s in ROSE_SERVICES.items() if s["command"] == ["rose", "run", "executor"]}
+
+
+def test_every_rose_container_mounts_exactly_its_own_seed():
+    """`rose run X` gets X.nk and nothing else of the volume (an executor: its own instance's seed, not the
+    shared `executor.nk`); its healthcheck runs on the same seed."""
+    executors = _executors()
+    for name, service in ROSE_SERVICES.items():
+        if name == "security-init":
+            continue
+        argv = service["command"]
+        mounts = _credential_mounts(service)
+        if argv[:3] == ["rose", "run", "executor"]:
+            user = instance_user("executor", executors[name])
+        elif argv[:2] == ["rose", "run"]:
+            user = argv[2]
+        elif argv[:2] == ["rose", "provision"]:
+            user = OPERATOR  # creates streams, buckets and stores: the operator's right
+        else:
+            assert mounts == [] and "ROSE_BUS__NKEY_SEED_FILE" not in (service.get("environment") or {}), name  # models-init, weights-key
+            continue
+        seed = f"{user}{SEED_SUFFIX}"
+        assert mounts == [{"source": CREDENTIALS, "target": f"/creds/{seed}", "read_only": True, "subpath": seed, "nocopy": True}], name
+        assert service["environment"]["ROSE_BUS__NKEY_SEED_FILE"] == f"/creds/{seed}", name
+        test = (service.get("healthcheck") or {}).get("test") or []
+        if "--local" in test:  # `rose health SERVICE --local` reads ROSE_BUS__NKEY_SEED_FILE: the service's own seed
+            assert test[3] == user.split("@")[0], name
+            if name in executors:  # on an instance seed it may only hear that instance's heartbeats: it names it
+                assert test[test.index("--instance") + 1] == executors[name], name
+    operators = [n for n, s in SERVICES.items() if any(m["subpath"] == f"{OPERATOR}{SEED_SUFFIX}" for m in _credential_mounts(s))]
+    assert operators == ["provision"]
+    assert len(executors) == 4 and len(set(executors.values())) == 4
+    assert not any(m["subpath"] == f"executor{SEED_SUFFIX}" for s in SERVICES.values() for m in _credential_mounts(s))  # the shared one: nobody
+    for name in executors:  # and the weights' trusted keys they already had
+        assert {"source": "weights-trusted", "target": "/trusted", "read_only": True, "subpath": None, "nocopy": False} in _mounts(SERVICES[name]), name
+
+
+def test_security_init_makes_a_user_for_every_executor_instance_pinned_to_it(tmp_path):
+    """Its --instance list is exactly the compose executors' instance names (the gpu profile's too), and each
+    user it writes may serve, report and heartbeat as that executor only."""
+    argv = SERVICES["security-init"]["command"]
+    declared = parse_instances(argv[i + 1] for i, arg in enumerate(argv) if arg == "--instance")
+    assert set(declared) == {"executor"} and sorted(declared["executor"]) == sorted(_executors().values())
+    creds = tmp_path / "creds"
+    assert _security_init(creds).returncode == 0
+    conf = (creds / SERVER_INCLUDE).read_text()
+    for instance in declared["executor"]:
+        seed = creds / f"{instance_user('executor', instance)}{SEED_SUFFIX}"
+        assert stat.S_IMODE(os.stat(seed).st_mode) == 0o600, seed
+        assert f"# {instance_user('executor', instance)}\n" in conf
+        perms = permissions("executor", instance=instance)
+        assert f"rose.executor.{instance}.generate" in perms.subscribe and "rose.executor.*.generate" not in perms.subscribe
+        assert f"rose.svc.heartbeat.executor.{instance}" in perms.publish and f"rose.telemetry.executor.{instance}" in perms.publish
+
+
+def test_nats_nodes_mount_only_the_server_includes_and_their_config_includes_them():
+    wanted = {
+        SERVER_INCLUDE: f"/etc/nats/{COMPOSE_AUTH_DIR}/{SERVER_INCLUDE}",
+        CLUSTER_INCLUDE: f"/etc/nats/{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}",
+    }
+    for node in NATS_NODES:
+        mounts = _credential_mounts(SERVICES[node])
+        assert {m["subpath"]: m["target"] for m in mounts} == wanted and len(mounts) == 2, node  # no seed, no route secret
+        assert all(m["read_only"] and m["nocopy"] for m in mounts), node
+        assert SERVICES[node]["depends_on"] == {"security-init": {"condition": "service_completed_successfully"}}, node
+        text = (DEPLOY / "nats" / f"{node}.conf").read_text()
+        includes = re.findall(r'^\s*include "([^"]+)"', text, re.M)
+        resolved = {os.path.normpath(os.path.join(os.path.dirname(NODE_CONFIG), inc)) for inc in includes}  # relative to the config
+        assert resolved == set(wanted.values()), node
+        cluster_block = text[text.index("cluster {") :]
+        assert f'include "{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}"' in cluster_block.split("}")[0], node  # inside cluster {}
+        assert "nats-route://" not in text, node  # routes carry the password: only in the generated include
+
+
+def test_nothing_mounts_a_credential_file_security_init_does_not_write(tmp_path):
+    creds = tmp_path / "creds"
+    assert _security_init(creds).returncode == 0
+    written = {p.name for p in creds.iterdir()}
+    for name, service in SERVICES.items():
+        for mount in _credential_mounts(service):
+            if name == "security-init":
+                continue
+            assert mount["subpath"] in written, f"{name} mounts {mount['subpath']!r}, which security-init does not write"
+            # a volume subpath must exist when the container starts: only after security-init has completed
+            depends = service.get("depends_on") or {}
+            assert depends.get("security-init", {}).get("condition") == "service_completed_successfully", name
+            assert mount["read_only"] and mount["nocopy"], name
+        for mount in _mounts(service):
+            if mount["source"].startswith("./"):
+                assert (REPO / mount["source"]).exists(), f"{name} mounts {mount['source']}, which does not exist"
+        seed_file = (service.get("environment") or {}).get("ROSE_BUS__NKEY_SEED_FILE")
+        if seed_file:
+            assert seed_file in {m["target"] for m in _credential_mounts(service)}, name
+
+
+def test_one_shots_run_in_order():
+    """security-init, then the NATS nodes (healthy), then provision as the operator, then every service."""
+    provision = SERVICES["provision"]["depends_on"]
+    assert provision["security-init"]["condition"] == "service_completed_successfully"
+    assert all(provision[n]["condition"] == "service_healthy" for n in NATS_NODES)
+    for name in LONG_RUNNING:
+        assert SERVICES[name]["depends_on"]["provision"]["condition"] == "service_completed_successfully", name
+    # no cycle: every chain of depends_on ends
+    def chain(name: str, seen: tuple[str, ...] = ()) -> None:
+        assert name not in seen, f"dependency cycle: {' -> '.join((*seen, name))}"
+        for target in (SERVICES[name].get("depends_on") or {}):
+            chain(target, (*seen, name))
+
+    for name in SERVICES:
+        chain(name)
+
+
+def test_the_compose_readme_says_auth_is_on_and_what_subpath_needs():
+    doc = (DEPLOY / "README.md").read_text()
+    assert "security-init" in doc and "Docker Engine 26" in doc
+    assert "no authorization block" not in doc
+    readme = (REPO / "README.md").read_text()
+    assert "without auth" not in readme and "does not yet run with auth" not in readme
 
 
 # ---- observability ---------------------------------------------------------------------------

@@ -1,15 +1,28 @@
-"""`rose health`, the containers' healthcheck: what counts as healthy, and clear answers when not."""
+"""`rose health`, the containers' healthcheck: what counts as healthy, and clear answers when not.
+
+In a compose container it runs on the service's own credentials (ROSE_BUS__NKEY_SEED_FILE), not
+the operator's: checked here against a real nats-server with the generated permissions.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
 
-from rose.cli.health import _heartbeat_problem
+import pytest
+
+from rose.cli.health import _heartbeat_problem, _live_heartbeats
+from rose.contracts.registry import HEARTBEAT, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
+from rose.shared.bus import Bus, PermissionDenied
+from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer, free_port
+from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR, init_credentials
 
 
 def _beat(*, service="scheduler", instance="scheduler-1", host="box", age=0.0, state="ready", interval=1.0) -> Heartbeat:
@@ -34,9 +47,9 @@ def test_missing_stale_or_not_ready_is_unhealthy_with_the_reason():
     assert _heartbeat_problem([_beat(state="draining", instance="a"), _beat(instance="b")], "scheduler", None, None) is None
 
 
-def _rose(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_") and k != "NATS_URL"}
-    return subprocess.run([sys.executable, "-m", "rose.cli.main", *args], capture_output=True, text=True, timeout=60, env=env)
+def _rose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_") and k != "NATS_URL"}
+    return subprocess.run([sys.executable, "-m", "rose.cli.main", *args], capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
 
 
 def test_cli_exit_codes():
@@ -54,3 +67,59 @@ def test_http_check_against_a_real_nats_monitor(tmp_path):
     with NatsServer(tmp_path / "nats", monitor_port=monitor):
         ok = _rose("health", "--http", f"http://127.0.0.1:{monitor}/healthz")
         assert ok.returncode == 0 and "healthy" in ok.stdout, ok.stdout + ok.stderr
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory):
+    """A nats-server with the `rose security init` permissions, provisioned by the operator: (server, credentials)."""
+    creds = init_credentials(tmp_path_factory.mktemp("health-security") / "creds")
+    with NatsServer(tmp_path_factory.mktemp("health-nats"), extra_config=creds.server_config()) as server:
+
+        async def setup() -> None:
+            async with Bus(BusConfig(url=server.url, nkey_seed_file=str(creds.seed_file(OPERATOR))), service=OPERATOR, instance="ops") as bus:
+                await provision(bus.js)
+
+        asyncio.run(setup())
+        yield server, creds
+
+
+def _own(server: NatsServer, creds, service: str) -> BusConfig:
+    return BusConfig(url=server.url, nkey_seed_file=str(creds.seed_file(service)), initial_connect_deadline_s=10.0)
+
+
+def test_health_runs_on_the_services_own_seed(secured):
+    """The compose healthcheck: `rose health executor --local` with only the executor's seed in the environment.
+
+    The executor is no consumer of the registry, yet reading its bucket needs no consumer (stream
+    info, then a get per key), and it connects on its own inbox prefix, the only one it may use.
+    """
+    server, creds = secured
+    env = {"ROSE_BUS__NKEY_SEED_FILE": str(creds.seed_file("executor"))}
+    missing = _rose("health", "executor", "--local", "--nats-url", server.url, env=env)
+    assert missing.returncode == 1 and "no heartbeat from executor on host" in missing.stdout, missing.stdout + missing.stderr
+
+    async def beat() -> None:
+        async with Bus(_own(server, creds, "executor"), service="executor", instance="ex-health") as bus:
+            await bus.kv_put(SERVICE_REGISTRY, _beat(service="executor", instance="ex-health", host=socket.gethostname(), interval=30.0),
+                             service="executor", instance="ex-health")
+
+    asyncio.run(beat())
+    ok = _rose("health", "executor", "--local", "--nats-url", server.url, env=env)
+    assert ok.returncode == 0 and "healthy" in ok.stdout, ok.stdout + ok.stderr
+    anonymous = _rose("health", "executor", "--nats-url", server.url, "--timeout", "2")
+    assert anonymous.returncode == 1 and "refused" in anonymous.stdout, anonymous.stdout + anonymous.stderr
+
+
+async def test_the_core_nats_fallback_hears_only_the_services_own_heartbeats(secured):
+    """While JetStream cannot answer, health listens on core NATS: each service may hear its own heartbeats, no one else's."""
+    server, creds = secured
+    async with Bus(_own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-health") as checker, Bus(
+        _own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-live"
+    ) as live:
+        listening = asyncio.create_task(_live_heartbeats(checker, "rollout_worker", 30.0))
+        while not listening.done():  # until the subscription is in place and hears one
+            await live.publish(HEARTBEAT, _beat(service="rollout_worker", instance="rw-live"), service="rollout_worker", instance="rw-live")
+            await asyncio.sleep(0.1)
+        assert "rw-live" in {b.instance for b in listening.result()}
+        with pytest.raises(PermissionDenied):
+            await checker.subscribe(HEARTBEAT, lambda *_: asyncio.sleep(0), service="scheduler")

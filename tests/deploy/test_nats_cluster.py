@@ -1,13 +1,20 @@
 """The 3-node JetStream topology of docker compose, run as real local nats-server processes.
 
-The compose node configs (deploy/compose/nats/*.conf) start a cluster here as they are (only
-addresses and store dirs overridden), and they are the output of the renderer that
-`NatsCluster` (and so `rose up --nats-cluster 3`) uses; here that cluster runs with auth on, as
-`rose up --nats-cluster 3` does (every node has the `rose security init` permissions: a client
-without credentials, or with a key the cluster does not know, is refused on every node), gets R3
-storage from `rose provision --replicas 3` with the operator's credentials (as in compose), a real
-ROSE service joins it with its own, and the leader of the events stream is killed with SIGKILL:
-publishing, consuming, KV and the service's heartbeats must carry on.
+The compose node configs (deploy/compose/nats/*.conf) are the output of the renderer that
+`NatsCluster` (and so `rose up --nats-cluster 3`) uses, and they run with auth on: each includes
+the per-service authorization and, inside its cluster block, the route authorization and routes
+that compose's `security-init` writes (`rose security init --cluster-route`). Here those files
+form a cluster as they are (only addresses and store dirs changed), beside nothing but the two
+includes that the compose nodes mount, with the include written by security-init's own command:
+anonymous clients, unknown keys and routes without the password are refused, every service
+connects with its own seed (and `rose health` passes on it), R3 storage works.
+
+The `rose up --nats-cluster 3` topology runs with auth on too (every node has the `rose security
+init` permissions, and its routes authenticate through the same kind of generated cluster include,
+written for its local ports, the password never in a node's config), gets R3 storage from `rose provision --replicas 3` with the operator's
+credentials (as in compose), a real ROSE service joins it with its own, and the leader of the
+events stream is killed with SIGKILL: publishing, consuming, KV and the service's heartbeats must
+carry on.
 """
 
 from __future__ import annotations
@@ -15,31 +22,50 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
 import nats.errors
 import nkeys
 import pytest
+import yaml
 from polling import until
 from nats.js.errors import APIError, NoStreamResponseError
 
-from rose.contracts.registry import KV_BUCKETS, OBJECT_STORES, SERVICE_EVENT, SERVICE_REGISTRY, STREAMS
+from rose.contracts import RolloutTask
+from rose.contracts.registry import ALL_SERVICES, KV_BUCKETS, OBJECT_STORES, ROLLOUT_TASK, SERVICE_EVENT, SERVICE_REGISTRY, STREAMS
 from rose.contracts.service import Heartbeat, ServiceEvent
-from rose.shared.bus import Bus
+from rose.shared.bus import Bus, Delivery
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess
-from rose.shared.nats_server import COMPOSE_STORE_DIR, NatsCluster, compose_node_configs, find_binary, free_ports
-from rose.shared.security import OPERATOR, init_credentials
+from rose.shared.nats_server import (
+    COMPOSE_AUTH_DIR,
+    COMPOSE_CLIENT_PORT,
+    COMPOSE_CLUSTER_PORT,
+    COMPOSE_MONITOR_PORT,
+    COMPOSE_STORE_DIR,
+    NatsCluster,
+    compose_node_configs,
+    compose_route_addresses,
+    find_binary,
+    free_ports,
+)
+from rose.shared.security import CLUSTER_INCLUDE, OPERATOR, ROUTE_SECRET, ROUTE_USER, SEED_SUFFIX, SERVER_INCLUDE, init_credentials
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "compose" / "nats"
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 RETRY_S = 30.0
+NODES = ["nats-1", "nats-2", "nats-3"]
 
 
 def test_compose_node_configs_are_the_rendered_template():
@@ -54,73 +80,199 @@ def test_compose_node_configs_are_the_rendered_template():
         names.add(node)
         assert f'server_name: "{node}"' in text  # JetStream needs a unique name per node
         assert f'store_dir: "{COMPOSE_STORE_DIR}"' in text and COMPOSE_STORE_DIR.startswith("/data/")  # the volume
-        peers = {f"nats-{i}" for i in (1, 2, 3)} - {node}
-        assert all(f'"nats-route://{peer}:6222"' in text for peer in peers)
-    assert names == {"nats-1", "nats-2", "nats-3"}
+        cluster = text[text.index("cluster {") :].split("\n}")[0]
+        assert f'include "{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}"' in cluster  # route auth and routes, inside the cluster block
+        assert f'\ninclude "{COMPOSE_AUTH_DIR}/{SERVER_INCLUDE}"' in text  # clients' authorization, at top level
+        assert "nats-route://" not in text and "password:" not in text  # routes carry the password: never in a committed file
+    assert names == set(NODES)
+
+
+def _compose_security_init(directory: Path, routes: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The compose service security-init's command, its volume at `directory`, routes renamed (nats-1:6222 -> ...)."""
+    argv = [directory.as_posix() if arg == "/creds" else (routes or {}).get(arg, arg) for arg in COMPOSE["services"]["security-init"]["command"]]
+    assert argv[0] == "rose"
+    return _rose(*argv[1:])
+
+
+def _node_dir(root: Path, node: str, creds: Path, text: str) -> Path:
+    """What a compose node sees: its config and, beside it under auth/, the two includes compose mounts (no seed)."""
+    node_dir = root / node
+    (node_dir / COMPOSE_AUTH_DIR).mkdir(parents=True)
+    (node_dir / "nats.conf").write_text(text)
+    for include in (SERVER_INCLUDE, CLUSTER_INCLUDE):
+        shutil.copy(creds / include, node_dir / COMPOSE_AUTH_DIR / include)
+    assert not list(node_dir.rglob(f"*{SEED_SUFFIX}"))
+    return node_dir
 
 
 @pytest.mark.parametrize("conf", ["nats-1.conf", "nats-2.conf", "nats-3.conf"])
-def test_compose_node_config_is_accepted_by_nats_server(conf):
-    done = subprocess.run([find_binary(), "-t", "-c", str(NATS_DIR / conf)], capture_output=True, text=True, timeout=30)
+def test_compose_node_config_is_accepted_by_nats_server(conf, tmp_path):
+    """With the includes security-init writes for compose (route hosts nats-1..3), beside it as compose mounts them."""
+    creds = tmp_path / "creds"
+    assert _compose_security_init(creds).returncode == 0
+    node_dir = _node_dir(tmp_path, "node", creds, (NATS_DIR / conf).read_text())
+    done = subprocess.run([find_binary(), "-t", "-c", str(node_dir / "nats.conf")], capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-async def test_compose_node_configs_start_a_cluster_as_local_processes(tmp_path):
-    """The files compose mounts, included unchanged; only addresses and store dirs are overridden.
+def _local(text: str, *, client: int, route: int, monitor: int, store: Path) -> str:
+    """A compose node config on local ports and a local store: each of these lines changed exactly once, nothing else."""
+    for old, new in (
+        (f'listen: "0.0.0.0:{COMPOSE_CLIENT_PORT}"', f'listen: "127.0.0.1:{client}"'),
+        (f'http: "0.0.0.0:{COMPOSE_MONITOR_PORT}"', f'http: "127.0.0.1:{monitor}"'),
+        (f'listen: "0.0.0.0:{COMPOSE_CLUSTER_PORT}"', f'listen: "127.0.0.1:{route}"'),
+        (f'store_dir: "{COMPOSE_STORE_DIR}"', f'store_dir: "{store}"'),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
 
-    Inside compose the nodes find each other as nats-1..3 on fixed ports and keep JetStream on
-    /data; here the same files run side by side on free local ports (a wrapper config includes
-    each one and overrides listen, http, cluster listen/routes and store_dir, nothing else).
-    """
-    free = free_ports("127.0.0.1", 9)
-    ports = [tuple(free[i : i + 3]) for i in (0, 3, 6)]  # client, route, monitor of each node
-    procs: list[subprocess.Popen] = []
+
+def _get(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
+        return json.load(reply)
+
+
+def _healthy(proc: subprocess.Popen, log: Path, monitor: int) -> bool:
+    assert proc.poll() is None, log.read_text()
     try:
-        for i, (client, route, monitor) in enumerate(ports, start=1):
-            node_dir = tmp_path / f"nats-{i}"
-            node_dir.mkdir()
-            shutil.copy(NATS_DIR / f"nats-{i}.conf", node_dir / "compose.conf")
-            routes = ", ".join(f'"nats-route://127.0.0.1:{r}"' for j, (_, r, _) in enumerate(ports, start=1) if j != i)
-            (node_dir / "local.conf").write_text(
-                'include "compose.conf"\n'
-                f'listen: "127.0.0.1:{client}"\n'
-                f'http: "127.0.0.1:{monitor}"\n'
-                f'jetstream {{ store_dir: "{node_dir / "store"}" }}\n'
-                f'cluster {{ name: "rose", listen: "127.0.0.1:{route}", routes: [{routes}] }}\n'
-            )
-            with open(node_dir / "nats.log", "wb") as log:
-                procs.append(subprocess.Popen([find_binary(), "-c", str(node_dir / "local.conf")], stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 30
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
-        def healthy(node: int, monitor: int) -> bool:
-            assert procs[node - 1].poll() is None, (tmp_path / f"nats-{node}" / "nats.log").read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as reply:
-                    return reply.status == 200
-            except OSError:
-                return False
 
-        for i, (_, _, monitor) in enumerate(ports, start=1):
-            await until(lambda: healthy(i, monitor), max(0.1, deadline - time.monotonic()), f"nats-{i} healthy (log: {tmp_path / f'nats-{i}' / 'nats.log'})", step=0.2)
-            with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=2) as reply:
-                varz = json.load(reply)
-            assert varz["server_name"] == f"nats-{i}" and varz["max_payload"] == 8 << 20  # from the compose file
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _beat(service: str, instance: str) -> Heartbeat:
+    now = time.time()
+    return Heartbeat(
+        service=service, instance=instance, version="0", host=socket.gethostname(), pid=os.getpid(), started_at=now, sent_at=now,
+        interval_s=30.0, state="ready", load={}, endpoints={}, labels={},
+    )
+
+
+@pytest.mark.timeout(240)
+async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
+    free = free_ports("127.0.0.1", 12)
+    ports = [tuple(free[i : i + 3]) for i in (0, 3, 6)]  # client, route, monitor of each node
+    rogue_client, rogue_route, rogue_monitor = free[9:12]
+    local_routes = {compose: f"127.0.0.1:{route}" for compose, (_, route, _) in zip(compose_route_addresses(3), ports)}
+
+    # security-init, as compose runs it (routes to this machine's ports); a re-run changes no secret
+    creds = tmp_path / "creds"
+    done = _compose_security_init(creds, local_routes)
+    assert done.returncode == 0, done.stdout + done.stderr
+    secrets_before = {p.name: p.read_bytes() for p in creds.iterdir() if p.name not in (SERVER_INCLUDE, CLUSTER_INCLUDE)}
+    assert _compose_security_init(creds, local_routes).returncode == 0
+    assert {p.name: p.read_bytes() for p in creds.iterdir() if p.name not in (SERVER_INCLUDE, CLUSTER_INCLUDE)} == secrets_before
+    password = re.search(r'password: "([^"]+)"', (creds / CLUSTER_INCLUDE).read_text()).group(1)
+
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    try:
+        for node, (client, route, monitor) in zip(NODES, ports):
+            text = _local((NATS_DIR / f"{node}.conf").read_text(), client=client, route=route, monitor=monitor, store=tmp_path / "store" / node)
+            node_dir = _node_dir(tmp_path / "nodes", node, creds, text)
+            logs.append(node_dir / "nats.log")
+            with open(logs[-1], "wb") as log:  # started elsewhere: the includes resolve against the config file's directory
+                procs.append(subprocess.Popen([find_binary(), "-c", str(node_dir / "nats.conf")], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        for i, (node, (_, _, monitor)) in enumerate(zip(NODES, ports)):
+            await until(lambda: _healthy(procs[i], logs[i], monitor), 60, f"{node} healthy (log: {logs[i]})", step=0.2)
+        for node, (_, _, monitor) in zip(NODES, ports):
+            varz = _get(monitor, "/varz")
+            assert varz["server_name"] == node and varz["max_payload"] == 8 << 20  # from the compose file
+            peers = {r["remote_name"] for r in _get(monitor, "/routez")["routes"]}
+            assert peers == set(NODES) - {node}, (node, peers)  # routes formed with the password (its own route ignored)
+        assert not any(password in log.read_text() for log in logs)  # nats-server masks it in route URLs
+
+        # a node that does not know the route password is not let in: neither without it nor with a wrong one
+        rogue_dir = tmp_path / "rogue"
+        rogue_dir.mkdir()
+        (rogue_dir / "nats.conf").write_text(
+            f'server_name: "rogue"\nlisten: "127.0.0.1:{rogue_client}"\nhttp: "127.0.0.1:{rogue_monitor}"\n'
+            f'jetstream {{ store_dir: "{rogue_dir / "store"}" }}\n'
+            f'cluster {{ name: "rose", listen: "127.0.0.1:{rogue_route}", routes: ['
+            f'"nats-route://127.0.0.1:{ports[0][1]}", "nats-route://{ROUTE_USER}:wrong-{password[:8]}@127.0.0.1:{ports[1][1]}"] }}\n'
+        )
+        with open(rogue_dir / "nats.log", "wb") as log:
+            procs.append(subprocess.Popen([find_binary(), "-c", str(rogue_dir / "nats.conf")], stdout=log, stderr=subprocess.STDOUT))
+
+        def refused_by(node: int) -> bool:  # a route (rid), not a client (cid), failed authentication
+            return re.search(r"rid:\d+ - authentication error", logs[node].read_text()) is not None
+
+        assert not refused_by(0) and not refused_by(1)  # the cluster's own routes all authenticated
+
+        await until(lambda: refused_by(0) and refused_by(1), RETRY_S, "nats-1 and nats-2 refusing the rogue's routes", step=0.2)
+        for node, (_, _, monitor) in zip(NODES, ports):
+            assert "rogue" not in {r["remote_name"] for r in _get(monitor, "/routez")["routes"]}, node
+        assert _get(rogue_monitor, "/routez")["num_routes"] == 0
 
         url = ",".join(f"nats://127.0.0.1:{client}" for client, _, _ in ports)
-        async with Bus(BusConfig(url=url, initial_connect_deadline_s=10.0), service="tester", instance="compose-files") as bus:
-            await _retry("add stream", lambda: bus.js.add_stream(name="R3PROBE", subjects=["r3probe.>"], num_replicas=3))
-            ack = await _retry("publish", lambda: bus.js.publish("r3probe.x", b"hello"))
-            info = await bus.js.stream_info("R3PROBE")
-            assert ack.seq == 1 and info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
+        stranger = tmp_path / "stranger.nk"
+        stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+        for client, _, _ in ports:
+            assert await _refused(f"nats://127.0.0.1:{client}"), f"node on {client} let a client without credentials in"
+            assert await _refused(f"nats://127.0.0.1:{client}", nkeys_seed=str(stranger)), f"node on {client} let an unknown key in"
+
+        # compose's provision: the operator's seed, R3
+        operator = {"ROSE_BUS__NKEY_SEED_FILE": str(creds / f"{OPERATOR}{SEED_SUFFIX}")}
+        provisioned = _rose("provision", "--replicas", "3", "--nats-url", url, env=operator)
+        assert provisioned.returncode == 0 and "with 3 replica(s)" in provisioned.stdout, provisioned.stdout + provisioned.stderr
+
+        # whose seed each container runs on: its service's, an executor its instance's (as compose's executor-1)
+        executor = COMPOSE["services"]["executor-1"]["environment"]
+        own = {service: (f"{service}-compose", f"{service}{SEED_SUFFIX}") for service in (*ALL_SERVICES, OPERATOR)}
+        own["executor"] = (executor["ROSE_RUNTIME__INSTANCE"], Path(executor["ROSE_BUS__NKEY_SEED_FILE"]).name)
+
+        def as_service(service: str) -> BusConfig:
+            return BusConfig(url=url, replicas=3, initial_connect_deadline_s=10.0, nkey_seed_file=str(creds / own[service][1]))
+
+        async with Bus(as_service(OPERATOR), service=OPERATOR, instance="compose-ops") as ops:
+            for spec in STREAMS:
+                info = await ops.js.stream_info(spec.name)
+                assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2, spec.name
+
+        # every service on its own seed: its heartbeat into the R3 registry, then its container's healthcheck
+        for service in ALL_SERVICES:
+            instance = own[service][0]
+            async with Bus(as_service(service), service=service, instance=instance) as bus:
+                await _retry("heartbeat", lambda: bus.kv_put(SERVICE_REGISTRY, _beat(service, instance), service=service, instance=instance))
+
+        def health(service: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+            env = {"ROSE_BUS__NKEY_SEED_FILE": str(creds / own[service][1])}  # what the compose container sets
+            named = ["--instance", own[service][0]] if service == "executor" else []  # as the executors' healthchecks
+            return service, _rose("health", service, "--local", *named, "--nats-url", url, "--timeout", "10", env=env)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for service, checked in pool.map(health, ALL_SERVICES):
+                assert checked.returncode == 0 and "healthy" in checked.stdout, (service, checked.stdout + checked.stderr)
+
+        # R3 JetStream between two services: the trainer hands out a task, a worker consumes it
+        async with Bus(as_service("trainer"), service="trainer", instance="tr-compose") as trainer, Bus(
+            as_service("rollout_worker"), service="rollout_worker", instance="rw-compose"
+        ) as worker:
+            got: list[str] = []
+
+            async def on_task(task: RolloutTask, _delivery: Delivery) -> None:
+                got.append(task.task_id)
+
+            await worker.consume(ROLLOUT_TASK, on_task, durable="compose-workers")
+            await trainer.publish(ROLLOUT_TASK, RolloutTask(task_id="compose-t1", env="conversation", prompt="hi"), msg_id="compose-t1")
+            await until(lambda: got == ["compose-t1"], RETRY_S, "the task consumed")
+            info = await worker.js.stream_info(ROLLOUT_TASK.stream.name)
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2 and info.state.last_seq == 1  # a work queue: acked, removed
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(procs)
 
 
 async def _retry(what: str, fn, timeout: float = RETRY_S):
@@ -163,11 +315,20 @@ def _heartbeat(sent_at: float) -> Heartbeat:
 
 @pytest.mark.timeout(240)
 async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
-    creds = init_credentials(tmp_path / "security")  # what `rose up --nats-cluster 3` does: auth on every node
-    cluster = NatsCluster(tmp_path / "cluster", 3, log_dir=tmp_path / "logs", extra_config=creds.server_config()).start()
+    # what `rose up --nats-cluster 3` does: auth on every node, routes authenticated with a generated password
+    cluster = NatsCluster(tmp_path / "cluster", 3, log_dir=tmp_path / "logs")
+    creds = init_credentials(tmp_path / "security", cluster_routes=cluster.route_addresses)
+    cluster.use_auth(creds.server_config(), creds.cluster_include)
+    cluster.start()  # healthy: the routes formed, with the password
     service: ServiceProcess | None = None
     operator = creds.env(OPERATOR)
     try:
+        password = (tmp_path / "security" / ROUTE_SECRET).read_text().strip()
+        for node in cluster.nodes:
+            text = node.config_path.read_text()
+            assert f'include "{os.path.relpath(creds.cluster_include, node.store_dir)}"' in text
+            assert "nats-route://" not in text and password not in text  # the routes, with the password, only in the 0600 include
+            assert stat.S_IMODE(os.stat(creds.cluster_include).st_mode) == 0o600
         stranger = tmp_path / "stranger.nk"
         stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
         for url in cluster.urls:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from rose_cli import alive, children, rose, wait_until_up
 from rose.contracts.registry import STREAMS
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
+from rose.shared.security import CLUSTER_INCLUDE
 
 UP_TIMEOUT_S = 120.0
 
@@ -51,6 +53,12 @@ def test_up_with_a_three_node_cluster_survives_a_node_kill(tmp_path):
     try:
         text = wait_until_up(up, log, UP_TIMEOUT_S)
         assert "3-node JetStream cluster" in text and "not every service reported ready" not in text, text
+
+        for node in ("nats-1", "nats-2", "nats-3"):  # routes authenticated, as in compose: the password only in the 0600 include
+            conf = (state / "nats-cluster-3" / node / "nats-server.conf").read_text()
+            assert f'include "../../security/{CLUSTER_INCLUDE}"' in conf and "nats-route://" not in conf, conf
+        assert stat.S_IMODE(os.stat(state / "security" / CLUSTER_INCLUDE).st_mode) == 0o600
+        assert "cluster routes authenticated" in text
 
         info = json.loads((state / "up.json").read_text())
         urls = info["nats_url"].split(",")

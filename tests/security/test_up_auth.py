@@ -1,4 +1,5 @@
-"""`rose up` with auth on (the default): every service reaches ready on its own credentials, nothing is refused."""
+"""`rose up` with auth on (the default): every service reaches ready on its own credentials (the executor on
+its instance's), nothing is refused."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def test_up_runs_every_service_with_its_own_credentials(tmp_path, models_dir):
         assert all(stat.S_IMODE(os.stat(security / f"{u}.nk").st_mode) == 0o600 for u in USERS)
         server_conf = (state / "nats" / "nats-server.conf").read_text()
         assert "authorization" in server_conf and not any(seed in server_conf for seed in seeds.values())
+
+        # the executor runs under a fixed instance name, on that instance's own key
+        (executor,) = [s for s in report["services"] if s["service"] == "executor"]
+        own = security / f"executor@{executor['instance']}.nk"
+        assert stat.S_IMODE(os.stat(own).st_mode) == 0o600 and f"# executor@{executor['instance']}\n" in server_conf
+        environ = dict(line.split("=", 1) for line in open(f"/proc/{executor['pid']}/environ").read().split("\0") if "=" in line)
+        assert environ["ROSE_BUS__NKEY_SEED_FILE"] == str(own) and environ["ROSE_RUNTIME__INSTANCE"] == executor["instance"]
 
         async def anonymous() -> None:
             await nats.connect(report["nats_url"], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)

@@ -38,6 +38,8 @@ def test_calibration_against_an_e2e_file():
         d = out["calibration_detail"]["per_policy"][name]
         assert err == pytest.approx(abs(d["predicted"] - d["measured"]) / d["measured"])
         assert d["predicted"] > 0
+        slo = out["calibration_slo_attainment"][name]
+        assert slo == pytest.approx(abs(d["predicted_slo_attainment"] - d["measured_slo_attainment"]) / d["measured_slo_attainment"])
 
 
 def test_bench_sim_end_to_end(tmp_path):
@@ -52,7 +54,9 @@ def test_bench_sim_end_to_end(tmp_path):
         assert {"model", "gpus", "policy", "rl_steps_per_hour", "speedup_vs_static", "rollout_time_ratio_vs_elastic", "slo_violations"} <= set(r)
     static = next(r for r in report["rows"] if r["policy"] == "static")
     assert static["speedup_vs_static"] == 1.0
-    assert set(report["calibration"]) == {"static", "naive_share", "elastic_baseline", "rose"}
+    assert set(report["calibration"]) == set(report["calibration_slo_attainment"]) == {"static", "naive_share", "elastic_baseline", "rose"}
+    errors = [*report["calibration"].values(), *report["calibration_slo_attainment"].values()]
+    assert report["calibration_within_15pct"] == all(e <= 0.15 for e in errors)
     assert report["summary"].startswith("rose vs static")
 
 

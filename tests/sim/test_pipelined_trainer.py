@@ -1,0 +1,121 @@
+"""The asynchronous trainer (prefetch), the in-situ slowdown fitted from static, and naive_share's
+serving lane waiting behind whole rollout batches. Deterministic: simulated times only."""
+
+import inspect
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from rose.cli.sim import calibration as cal
+from rose.cli.sim import engine
+from rose.cli.sim.coserve import rollout_interference, serving_tick
+from rose.cli.sim.devices import MeasuredSteps
+from rose.cli.sim.engine import simulate
+from rose.cli.sim.policies import make_fleet_policy
+from rose.services.executor import policies as executor_policies
+
+from test_calibration_and_cli import SYNTHETIC_E2E  # tests/sim is on sys.path (pytest rootdir imports)
+
+SERVING, POLICY = cal._e2e_step_models(SYNTHETIC_E2E, None, 0)[:2]
+
+
+def e2e_config(policy: str = "static", slowdown: float = 3.0, steps: int = 8, **changes):
+    """One policy of the synthetic e2e run as calibration simulates it, with one step prefetched unless told."""
+    changes.setdefault("prefetch_steps", 1)
+    return replace(cal._e2e_config(SYNTHETIC_E2E, policy, SERVING, cal.slowed(POLICY, slowdown), 0, steps=steps), **changes)
+
+
+def test_the_models_constants_are_the_services_own():
+    from rose.services.trainer import trainer
+    from rose.shared import bus
+
+    assert engine.GROUP_POLL_S == trainer.GROUP_POLL_S
+    assert engine.FETCH_WINDOW_S == bus.CONSUME_FETCH_TIMEOUT_S
+    consume = re.search(r"consume\(TRAJECTORY.*?batch=(\d+)", inspect.getsource(trainer.Trainer.start), re.S)
+    assert consume and int(consume.group(1)) == engine.TRAINER_FETCH_BATCH
+
+
+def test_trainer_settings_from_the_e2e_json_else_the_demo():
+    from rose.cli.demo import TRAINER
+
+    own = cal.trainer_settings({"trainer": {"ROSE_GRPO__PREFETCH_STEPS": "2", "ROSE_GRPO__MAX_STALENESS": "3", "ROSE_GRPO__GROUP_SIZE": "4"}})
+    assert (own["prefetch_steps"], own["max_staleness"], own["group_size"]) == (2, 3, 4)
+    assert own["trainer_settings_from"] == "the e2e JSON's trainer block"
+    demo = cal.trainer_settings({})
+    assert demo["prefetch_steps"] == int(TRAINER["ROSE_GRPO__PREFETCH_STEPS"]) and "cli/demo.py" in demo["trainer_settings_from"]
+    assert cal._e2e_config(SYNTHETIC_E2E, "static", SERVING, POLICY, 0, steps=2).prefetch_steps == demo["prefetch_steps"]
+
+
+def test_prefetch_shortens_the_step_period():
+    """Training and rollout take about as long: synchronous, a step is sync + rollout + train; with one
+    step prefetched (a trainer taking one step's worth of groups) the next batch rolls out while a
+    step trains, and the period comes down to about the longer of the two."""
+    sync = simulate(e2e_config(prefetch_steps=0))
+    pre = simulate(e2e_config())
+    assert sync["complete"] and pre["complete"] and pre["prefetch_steps"] == 1
+    assert pre["step_s"] < 0.75 * sync["step_s"]
+    assert pre["step_s"] == pytest.approx(max(pre["train_s_per_step"], pre["rollout_s_per_step"]), rel=0.15)
+    assert pre["groups_per_trained_step"] == 2 and pre["trainer_wait_s_per_step"] < 0.5
+
+
+def test_the_trainer_takes_one_steps_worth_of_groups_oldest_first():
+    """As Trainer.next_groups does: the groups of a prefetched batch that are ready early stay for the
+    next step, so each step trains on one batch and the prefetch keeps hiding rollout behind training."""
+    run = simulate(e2e_config())
+    assert run["groups_per_trained_step"] == 2  # the synthetic run's groups per step
+    assert simulate(e2e_config()) == run  # deterministic
+    src = inspect.getsource(engine.Simulation._trainer_pipelined)
+    assert "[:per_step]" in src and "Trainer.next_groups" in src
+    from rose.services.trainer import trainer
+
+    assert "ready[:want]" in inspect.getsource(trainer.Trainer.next_groups)
+
+
+def test_contention_factor_is_fitted_from_static_and_applied_to_every_policy(monkeypatch):
+    report = {**SYNTHETIC_E2E, "policies": {n: dict(p) for n, p in SYNTHETIC_E2E["policies"].items() if n in ("static", "naive_share", "rose")}}
+    for name, p in report["policies"].items():
+        p["calibration"] = {**p["calibration"], "turn_s_p50": 0.5 if name == "static" else 0.05}  # only static's may count
+        p["steps"] = 4
+    used: dict[str, MeasuredSteps] = {}
+    real_simulate = engine.simulate
+
+    def recording(cfg):
+        used[cfg.policy] = cfg.perf[1]
+        return real_simulate(cfg)
+
+    monkeypatch.setattr(engine, "simulate", recording)
+    out = cal.calibrate_e2e(report, None, source="synthetic")
+    fit = out["calibration_detail"]["contention"]
+    assert fit["fitted_on"] == "static: calibration.turn_s_p50" and fit["factor"] > 1.0
+    assert fit["predicted_turn_s_p50"] == pytest.approx(0.5, rel=0.1)
+    expected = cal.slowed(POLICY, fit["factor"])
+    assert set(used) == {"static", "naive_share", "rose"}
+    assert all(m == expected for m in used.values())  # the same factor for every policy (the last run of each)
+    assert "fitted by construction" in out["calibration_detail"]["per_policy"]["static"]["fitted"]
+    # given explicitly, nothing is fitted
+    given = cal.calibrate_e2e({**report, "policies": {"rose": report["policies"]["rose"]}}, None, source="synthetic", contention=1.0)
+    assert given["calibration_detail"]["contention"]["fitted_on"] is None and used["rose"] == POLICY
+
+
+def test_naive_lane_makes_serving_wait_behind_a_whole_rollout_batch():
+    """naive_share: the executor runs the admitted rollout batch to completion between serving
+    iterations (unbounded quanta), so an arrival waits for the batch and every serving iteration
+    carries it; rose's lane yields within one quantum."""
+    naive, rose = make_fleet_policy("naive_share").executor_policy, make_fleet_policy("rose").executor_policy
+    assert isinstance(naive, executor_policies.NaiveShare) and naive.quantum_ms is None and naive.shares_serving_lane
+    tau, turn_tokens = np.array([0.008]), 16.0
+    signals = lambda d: executor_policies.Signals(0.0, 0, 2, 5.0, 100.0)  # noqa: E731
+    extra, wait, _ = rollout_interference(naive, np.array([True]), tau, turn_tokens, signals)
+    assert extra[0] == wait[0] == pytest.approx(tau[0] * turn_tokens)  # the whole batch: 16 decode steps
+    r_extra, r_wait, _ = rollout_interference(rose, np.array([True]), tau, turn_tokens, signals)
+    assert r_wait[0] <= rose.quantum_ms / 1e3
+    perf = MeasuredSteps(0.004, 0.0003, 0.004, 0.0001)
+    alone = serving_tick(perf, np.array([8.0]), 13.0, 16.0, 13.0, 0.0, 0.0, 0.0, 0.1, 1e6)
+    behind = serving_tick(perf, np.array([8.0]), 13.0, 16.0, 13.0, extra, wait, 0.0, 0.1, 1e6)
+    assert behind.ttft_p99_s[0] >= alone.ttft_p99_s[0] + tau[0] * turn_tokens
+    assert behind.tpot_p99_s[0] > alone.tpot_p99_s[0] + tau[0] * turn_tokens * 0.9
+    # in the fleet: with the rollout engine's in-situ speed, naive_share's serving misses its SLO where rose's does not
+    runs = {p: simulate(e2e_config(p, slowdown=4.0, steps=4)) for p in ("naive_share", "rose")}
+    assert runs["naive_share"]["serving_slo_attainment"] < runs["rose"]["serving_slo_attainment"]
