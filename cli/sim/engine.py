@@ -801,7 +801,7 @@ class Simulation:
     def _next_idle_s(self, batch) -> float:
         """Seconds from the end of this rollout to the next one's start (training + dedicated sync)."""
         c = self.cfg
-        train_s = c.train_s if c.train_s is not None else TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * batch.tokens() / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+        train_s = self._train_seconds(batch.tokens())
         return train_s + sync_seconds(self.policy_weight_bytes, "full", c.sync, cross_cluster=False)
 
     def _batch_shape(self) -> tuple[int, int]:
@@ -810,11 +810,11 @@ class Simulation:
         trajectories = c.trajectories or batch_trajectories(c.rollout, self.n_ded * inst_kv_tokens)
         return trajectories, bundle_size(c.rollout, trajectories, inst_kv_tokens)
 
-    def _train_seconds(self, tokens: float, share: float = 1.0) -> float:
-        """Training time of ``tokens`` (FLOPs model), or the measured time per step x ``share`` of a step's data."""
+    def _train_seconds(self, tokens: float) -> float:
+        """Training time of one step's ``tokens``: the measured time per step (calibration), else the FLOPs model."""
         c = self.cfg
         if c.train_s is not None:
-            return c.train_s * share
+            return c.train_s
         return TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
 
     def _trainer(self):
@@ -850,7 +850,7 @@ class Simulation:
             p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else env.now
             tail_s = max(0.0, env.now - p90)
             tokens = batch.tokens()
-            train_s = c.train_s if c.train_s is not None else TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+            train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
             self.steps.append(dict(step=step, start=t0, rollout_s=rollout_s, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
                                    step_s=env.now - t0, tail_s=tail_s, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
@@ -868,11 +868,9 @@ class Simulation:
           step n trains. The rollout worker runs ``worker_concurrency`` episodes at a time, oldest
           batch first. p is capped at ``max_staleness`` (further ahead, the collector would drop
           the batch as stale), so no trajectory is dropped here.
-        - The trainer (``Trainer.next_groups``) polls every ``GROUP_POLL_S`` and takes every
-          complete group it has not trained on, whichever batch it is from, until it holds at
-          least a step's worth (``groups_per_step``): when rollout has run ahead it takes more than
-          a step's groups, and from then on it waits on the first groups of the batch just handed
-          out. Training time scales with the groups taken (measured ``train_s`` is per step's worth).
+        - The trainer (``Trainer.next_groups``) polls every ``GROUP_POLL_S`` until a step's worth
+          of groups (``groups_per_step``) is complete and takes exactly that many, oldest first;
+          groups of a later batch that completed early wait for the next step.
         - Weights: after training the trainer publishes (the dedicated pool has the version after
           the full sync), then hands out; serving instances get it over the inter-cluster link
           meanwhile. Rollout never stops for a sync: an executor swaps weights between iterations
@@ -917,7 +915,7 @@ class Simulation:
             taken, self.ready_groups = self.ready_groups[:per_step], self.ready_groups[per_step:]
             waited = env.now - t0
             tokens = sum(t for _, _, t in taken)
-            train_s = self._train_seconds(tokens, len(taken) / per_step)
+            train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})

@@ -213,19 +213,14 @@ class Trainer:
             try:
                 await self.weights.publish(state, self.version)
                 break
-            except RemoteError as exc:
-                taken = ACCEPTED_RE.search(exc.description)
+            except Exception as exc:
+                taken = ACCEPTED_RE.search(exc.description) if isinstance(exc, RemoteError) else None
                 if taken and int(taken.group(1)) >= self.version:
                     # the publisher already took this number: the process before a restart asked for it just before
                     # it died (or another publisher of this model): these weights go out under the next free one
                     log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, int(taken.group(1)) + 1)
                     self.version = int(taken.group(1)) + 1
                     continue
-                if attempt == 49:
-                    raise
-                log.info("publish of v%d not accepted yet (%r); retrying", self.version, exc)
-                await asyncio.sleep(0.2)
-            except Exception as exc:
                 if attempt == 49:
                     raise
                 log.info("publish of v%d not accepted yet (%r); retrying", self.version, exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agentic_helpers import save_tiny_policy
 from polling import until
 
 from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORIES_STREAM, TRAJECTORY, WEIGHT_MANIFEST
@@ -23,23 +24,18 @@ from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.shared.bus import Bus, Delivery
 from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.launch import ServiceProcess
-from rose.shared.models import ModelShape, build_model, load_tokenizer
+from rose.shared.models import load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 
 TIMEOUT_S = 120.0
 GROUP_SIZE, GROUPS = 2, 2
-TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 FIRST, SECOND = "resume-a", "resume-b"  # instance names of the trainer before and after the kill
 
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory, models_dir):
-    tokenizer = load_tokenizer(models_dir / "policy")
-    path = tmp_path_factory.mktemp("tiny-resume") / "policy"
-    build_model(TINY, len(tokenizer), tokenizer.eos_token_id, seed=1).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny-resume"), models_dir)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agentic_helpers import TINY_POLICY, save_tiny_policy
 from polling import until
 
 from rose.client import WeightsClient
@@ -23,24 +24,19 @@ from rose.services.weight_publisher.config import WeightPublisherConfig
 from rose.services.weight_publisher.main import run as run_publisher
 from rose.shared.bus import Bus, Delivery
 from rose.shared.config import BusConfig, RuntimeConfig
-from rose.shared.models import ModelShape, build_model, load_tokenizer
+from rose.shared.models import build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 
 TIMEOUT_S = 90.0
 GROUP_SIZE, GROUPS = 4, 2
-TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 INSTANCE = "trainer-test"
 
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory, models_dir):
     """A tiny policy saved like any HF model directory (the trainer loads it as it would a real one)."""
-    tokenizer = load_tokenizer(models_dir / "policy")
-    path = tmp_path_factory.mktemp("tiny") / "policy"
-    build_model(TINY, len(tokenizer), tokenizer.eos_token_id, seed=1).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny"), models_dir)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +85,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
                 # Play the rollout worker: scripted episodes, behaviour logprobs from the initial policy.
                 env = ENVIRONMENTS["arithmetic"]
                 tokenizer = load_tokenizer(tiny_policy)
-                behaviour = build_model(TINY, len(tokenizer), tokenizer.eos_token_id, seed=1)
+                behaviour = build_model(TINY_POLICY, len(tokenizer), tokenizer.eos_token_id, seed=1)
                 tokens = Tokens(tokenizer)
                 for task in sorted(tasks, key=lambda t: t.task_id):
                     problem = env.problem_of(task)
