@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rose.services.executor.engine import WIDEN_AFTER_IDLE_S, Engine, EngineConfig
+from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
 
 MIB = 1 << 20
@@ -38,7 +38,7 @@ BURST_LEN_S = 0.5
 BURST_FACTOR = 3.0
 WARMUP_REQUESTS = 8
 RECLAIM_PROBES = 20  # serving requests sent into lulls after the trace (rose only): reclaim samples
-RECLAIM_PROBE_SETTLE_S = 0.25  # beyond the widening delay, so the rollout lane has widened
+RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout lane has widened over its core
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
@@ -167,10 +167,10 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
 
 async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str) -> None:
     """Serving requests that each arrive into a lull, when the rollout lane has widened over the
-    serving lane's cores: each one's arrival -> rollout yielded is a reclaim sample (in the trace
-    above, arrivals rarely find rollout on serving's cores: it widens only into lulls)."""
+    serving lane's idle core: each one's arrival -> rollout narrowed off it is a reclaim sample
+    (in the trace above, serving at load 0.3 is rarely idle, so arrivals rarely find it lent)."""
     for i in range(RECLAIM_PROBES):
-        await asyncio.sleep(WIDEN_AFTER_IDLE_S + RECLAIM_PROBE_SETTLE_S)
+        await asyncio.sleep(RECLAIM_PROBE_SETTLE_S)
         await _consume(engine.submit(_serving_request(i, rng, vocab, f"{tag}-probe")))
 
 
@@ -194,7 +194,7 @@ async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) ->
     by_threads: dict[int, float] = {}
     threads = [1] if config.device.startswith("cuda") else sorted({1, os.cpu_count() or 1})
     for n in threads:
-        cfg = EngineConfig(**{**vars(config), "rollout_threads": n})
+        cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False})  # exactly n threads
         (s_model, s_tok), (p_model, p_tok) = models
         engine = Engine(s_model, s_tok, p_model, p_tok, cfg, "rose")
         engine.start()

@@ -18,7 +18,8 @@ Those step models replace the roofline, and the simulator predicts a real run:
   ``serving_slo_attainment`` are predicted by the fleet simulator (engine.py) with that setup;
   error = ``|predicted - measured| / measured``. The trainer runs as the real one does: its
   ``prefetch_steps`` / ``max_staleness`` / group size from the JSON's ``trainer`` block (else
-  cli/demo.py TRAINER), the worker's ``worker_concurrency`` episodes, groups taken as
+  cli/demo.py TRAINER), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
+  also cap the simulated turns and tokens per turn, the worker's ``worker_concurrency`` episodes, groups taken as
   ``Trainer.next_groups`` takes them (engine.py ``_trainer_pipelined``), as many steps as the real
   run trained. One thing is fitted, and said so in the output: the rollout engine's in-situ
   slowdown (``fit_contention``: the two-core box is shared by every executor, the worker and the
@@ -187,7 +188,8 @@ def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True)
             st, share = st0, np.ones(len(t))
         else:
             extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req,
-                                                    lambda d: Signals(float(t[d]), 0, int(round(st0.batch[d])), float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3))
+                                                    lambda d: Signals(float(t[d]), 0, int(round(st0.batch[d])), float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3,
+                                                                              serving_max_batch=bc.BENCH_CONFIG.serving_max_batch))
             st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
             share = rollout_share(ep, st, extra, may)
         tps = float(np.mean(share)) * alone_tps
@@ -276,8 +278,15 @@ def trainer_settings(report: dict) -> dict:
         env, source = TRAINER, "cli/demo.py TRAINER (the e2e JSON has no trainer block)"
     defaults = {"ROSE_GRPO__PREFETCH_STEPS": 1, "ROSE_GRPO__MAX_STALENESS": 2, "ROSE_GRPO__GROUP_SIZE": 8}  # services/trainer/config.py
     get = lambda k: int(env.get(k, defaults[k]))  # noqa: E731
-    return {"prefetch_steps": get("ROSE_GRPO__PREFETCH_STEPS"), "max_staleness": get("ROSE_GRPO__MAX_STALENESS"),
-            "group_size": get("ROSE_GRPO__GROUP_SIZE"), "trainer_settings_from": source}
+    out = {"prefetch_steps": get("ROSE_GRPO__PREFETCH_STEPS"), "max_staleness": get("ROSE_GRPO__MAX_STALENESS"),
+           "group_size": get("ROSE_GRPO__GROUP_SIZE"), "trainer_settings_from": source}
+    # the tasks' own bounds: an episode never runs past max_turns turns of at most max_tokens tokens each
+    # (without them the simulated turn counts and lengths get a log-normal tail the real job cannot have)
+    if env.get("ROSE_TASKS__MAX_TURNS"):
+        out["max_turns"] = int(env["ROSE_TASKS__MAX_TURNS"])
+    if env.get("ROSE_TASKS__MAX_TOKENS"):
+        out["task_max_tokens"] = int(env["ROSE_TASKS__MAX_TOKENS"])
+    return out
 
 
 def _e2e_config(report: dict, name: str, sperf, pperf, seed: int, steps: int | None = None):
@@ -295,9 +304,10 @@ def _e2e_config(report: dict, name: str, sperf, pperf, seed: int, steps: int | N
     n_serv = int(s["serving_executors"])
     p, o = float(s["serving_prompt_tokens"]), float(s["serving_output_tokens"])
     trace = Trace(float(s["serving_rps"]) * n_serv * shape, np.full(horizon, p), np.full(horizon, o), p, 0.0, "e2e setup")
-    spec = replace(RolloutSpec(), group_size=int(s["group_size"]), turns_median=float(s["turns_median"]), turns_sigma=0.3, gen_median=float(s["gen_median"]), gen_sigma=0.3,
-                   gen_min=1, gen_max=int(s["gen_max"]), tool_tokens_median=float(s["tool_tokens_median"]), tool_latency_median_s=float(s["tool_latency_median_s"]),
-                   prompt_median=float(s["prompt_median"]), max_context=4096, max_turns=max(2, int(2 * float(s["turns_median"]))))
+    gen_max = min(int(s["gen_max"]), int(s.get("task_max_tokens") or s["gen_max"]))
+    spec = replace(RolloutSpec(), group_size=int(s["group_size"]), turns_median=float(s["turns_median"]), turns_sigma=0.3, gen_median=min(float(s["gen_median"]), gen_max),
+                   gen_sigma=0.3, gen_min=1, gen_max=gen_max, tool_tokens_median=float(s["tool_tokens_median"]), tool_latency_median_s=float(s["tool_latency_median_s"]),
+                   prompt_median=float(s["prompt_median"]), max_context=4096, max_turns=int(s.get("max_turns") or max(2, int(2 * float(s["turns_median"])))))
     kvs, kvp = float(s["serving_kv_bytes_per_token"]), float(s["policy_kv_bytes_per_token"])
     memory = {"usable_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]), "usable_dedicated": float(s["rollout_kv_bytes"]),
               "total_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]), "serving_pool_tokens": float(s["serving_kv_bytes"]) / kvs,

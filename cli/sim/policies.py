@@ -49,6 +49,8 @@ from rose.services.slo_monitor.bursts import classify, next_alert
 from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, WindowSettings
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 
+from .coserve import MAX_SERVING_BATCH
+
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 MODES = {"static": "none", "naive_share": "always", "elastic_baseline": "elastic_baseline", "rose": "rose"}
 
@@ -113,7 +115,7 @@ def monitor_settings(slo_ttft_ms: float, slo_tpot_ms: float, max_rollout_slots: 
     )
 
 
-def executor_signals(now: float, serving_running: float, serving_iteration_ms: float, slo_tpot_ms: float) -> Signals:
+def executor_signals(now: float, serving_running: float, serving_iteration_ms: float, slo_tpot_ms: float, serving_max_batch: int = MAX_SERVING_BATCH) -> Signals:
     """The engine's Signals at a quantum boundary, in the steady state of one simulated second
     (no prefill pending: yields to pending prefills are accounted for by the caller)."""
-    return Signals(now, 0, int(round(serving_running)), serving_iteration_ms, slo_tpot_ms)
+    return Signals(now, 0, int(round(serving_running)), serving_iteration_ms, slo_tpot_ms, serving_max_batch=serving_max_batch)

@@ -111,10 +111,10 @@ class CpuDevice:
     def init_thread(self, threads: int | None = None) -> None:
         torch.set_num_threads(threads or self.threads_per_lane)
 
-    def lane_width(self, serving_idle: bool, narrow: int) -> int:
-        """Torch threads for the rollout lane now: every core while serving has no work at all
-        (the CPU analogue of best-effort kernels filling idle SMs), its own share otherwise."""
-        return usable_cores() if serving_idle else narrow
+    def max_lane_width(self, narrow: int) -> int:
+        """Torch threads of the rollout lane while the serving lane lends its core (``core_lending.py``):
+        every core, the CPU analogue of best-effort kernels filling idle SMs."""
+        return max(narrow, usable_cores())
 
     def set_thread_width(self, threads: int) -> None:
         torch.set_num_threads(threads)  # per calling thread (OpenMP ICV); the serving lane keeps its own
@@ -159,8 +159,10 @@ class CudaDevice:
     def lane(self, name: str, priority: int) -> Lane:
         return Lane(name, torch.cuda.Stream(device=self.torch_device, priority=priority))
 
-    def lane_width(self, serving_idle: bool, narrow: int) -> int:
-        return narrow  # the GPU shares its SMs between streams by itself
+    threads_per_lane = 1  # host threads: one per lane drives its stream
+
+    def max_lane_width(self, narrow: int) -> int:
+        return narrow  # the GPU shares its SMs between streams by itself: no core lending
 
     def set_thread_width(self, threads: int) -> None:
         pass

@@ -27,6 +27,7 @@ import torch
 
 from rose.shared.sketch import sketch_to_dict
 
+from .core_lending import CoreLending
 from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
 from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolUsage
 from .metrics import EngineMetrics
@@ -55,7 +56,6 @@ from .weights import StagedWeights, stage
 MIB = 1 << 20
 IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
 PAUSE_POLL_S = 0.0005  # how often a paused rollout lane re-asks the policy
-WIDEN_AFTER_IDLE_S = 0.25  # serving idle this long: the rollout lane may take every core (CPU)
 SERVING_SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while serving and rollout both run (CPython's default: 5 ms)
 EMA_ALPHA = 0.2
 PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
@@ -77,6 +77,7 @@ class EngineConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
+    lend_serving_core: bool = True  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     seed: int = 0
     device: str = "auto"
     dtype: torch.dtype = torch.float32
@@ -207,6 +208,9 @@ class Engine:
         self._serving_prioritised = False
         self._default_switch_interval = sys.getswitchinterval()
         self._in_quantum = False
+        narrow = config.rollout_threads or self.device.threads_per_lane
+        wide = self.device.max_lane_width(narrow) if self.policy.widens_when_serving_idle and config.lend_serving_core else narrow
+        self._cores = CoreLending(narrow, wide, self.device.set_thread_width)  # CPU: the serving core lent while serving has no work
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._started = False
@@ -271,6 +275,7 @@ class Engine:
         rt.inbox.append(seq)
         if rt is self._serving:
             self.metrics.serving_arrival()
+            self._cores.recall()
             if self.policy.yields_on_arrival and self._in_quantum and self._rollout_overlaps_serving and self._yield_at is None:
                 self._yield_at = time.monotonic()
         rt.wakeup.set()
@@ -475,44 +480,57 @@ class Engine:
             self._receive(rt)
             if not rt.has_work():
                 rt.unprefilled = 0
-                rt.wakeup.wait(IDLE_WAIT_S)
-                rt.wakeup.clear()
+                self._serving_wait(rt, IDLE_WAIT_S)
                 continue
+            self._cores.take_back()
             with rt.lane.run():
                 self._iterate_timed(rt, admit=True)
+
+    def _serving_wait(self, rt: _ClassRuntime, seconds: float) -> None:
+        """Wait up to ``seconds`` for a submit or abort, lending this lane's core to rollout meanwhile."""
+        rt.wakeup.clear()
+        if rt.inbox or rt.aborts:
+            return
+        self._cores.lend()
+        rt.wakeup.wait(seconds)
 
     # ------------------------------------------------------------------ rollout lane
     def _rollout_loop(self) -> None:
         self.device.init_thread(self.config.rollout_threads)
-        narrow = width = torch.get_num_threads()
-        idle_since: float | None = None  # since when serving has had no work at all
         rt = self._rollout
         while not self._stopping:
             self._between_quanta(rt)
             self._receive(rt)
             if not rt.has_work() or self._lease is None or self._paused or self._released:
-                self._prioritise_serving(False)
+                self._rollout_idle()
                 rt.wakeup.wait(IDLE_WAIT_S)
                 rt.wakeup.clear()
                 continue
             s = self._serving
-            serving_idle = not (s.inbox or s.waiting or s.running)
-            self._prioritise_serving(not serving_idle and not self.policy.shares_serving_lane)
-            now = time.monotonic()
-            idle_since = (idle_since or now) if serving_idle else None
-            want = width
-            if self.policy.widens_when_serving_idle:
-                # widen only into a lull, not into the gaps between requests: each widened quantum an
-                # arrival interrupts is abandoned work and a delayed first token
-                want = self.device.lane_width(idle_since is not None and now - idle_since >= WIDEN_AFTER_IDLE_S, narrow)
-            self._rollout_overlaps_serving = self.policy.shares_serving_lane or self.device.lanes_overlap(want)
+            self._prioritise_serving(bool(s.inbox or s.waiting or s.running) and not self.policy.shares_serving_lane)
+            self._fit_width()
             if not self.policy.may_run_rollout(self._signals()):
+                self._rollout_idle(keep_priority=True)
                 time.sleep(PAUSE_POLL_S)
                 continue
-            if want != width:
-                self.device.set_thread_width(want)
-                width = want
             self._run_quantum(rt)
+
+    def _rollout_idle(self, keep_priority: bool = False) -> None:
+        """Not computing: give a lent core back at once and stay narrow (no safepoint would narrow later)."""
+        self._fit_width(may_widen=False)
+        if not keep_priority:
+            self._prioritise_serving(False)
+
+    def _fit_width(self, may_widen: bool = True) -> None:
+        """Widen over a lent serving core or narrow off a recalled one (CPU). Once the lane no longer
+        overlaps serving, a pending serving arrival has its core back: a reclaim sample."""
+        cores = self._cores
+        cores.fit(may_widen)
+        self._rollout_overlaps_serving = self.policy.shares_serving_lane or self.device.lanes_overlap(cores.wide if cores.is_wide else cores.narrow)
+        yielded_at = self._yield_at
+        if yielded_at is not None and not self._rollout_overlaps_serving:
+            self._yield_at = None
+            self.metrics.reclaim((time.monotonic() - yielded_at) * 1000.0)
 
     def _prioritise_serving(self, on: bool) -> None:
         """While serving and rollout both have work, hand the interpreter lock over sooner.
@@ -529,7 +547,8 @@ class Engine:
     def _signals(self) -> Signals:
         s = self._serving
         return Signals(
-            time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving
+            time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
+            s.limits.max_batch,
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -544,6 +563,7 @@ class Engine:
                     self._iterate_timed(rt, admit=False)
             else:
                 while rt.has_work() and self._yield_at is None and (time.perf_counter() - start) * 1000.0 + rt.iteration_ms <= budget_ms:
+                    self._fit_width()
                     self._iterate_timed(rt, admit=True)
             self._in_quantum = False
         yielded_at = self._yield_at
@@ -664,7 +684,7 @@ class Engine:
         if not work:
             return []
         items = [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n]) for s, n in work]
-        logits = rt.runner.forward(items, should_stop=self._rollout_must_yield if rt is self._rollout and self.policy.yields_on_arrival else None)
+        logits = rt.runner.forward(items, should_stop=self._rollout_safepoint if rt is self._rollout and self.policy.yields_on_arrival else None)
         if logits is None:
             return None
         ready = []
@@ -674,8 +694,15 @@ class Engine:
                 ready.append((seq, logits[row]))
         return ready
 
-    def _rollout_must_yield(self) -> bool:
-        return self._yield_at is not None or self._lease is None or self._stopping or self._paused is not None
+    def _rollout_safepoint(self) -> bool:
+        """Between layers of a rollout forward: True abandons it (lease gone, stopping, paused, or a
+        serving arrival while the lanes overlap, as on a GPU). On CPU an arrival only narrows the
+        lane off the serving core, so the forward goes on beside serving."""
+        if self._lease is None or self._stopping or self._paused is not None:
+            return True
+        if self._cores.enabled:
+            self._fit_width()
+        return self._yield_at is not None
 
     def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
         if not ready:

@@ -23,6 +23,10 @@ POLICY_NAMES = ("serving_only", "naive_share", "static_partition", "rose")
 DEFAULT_QUANTUM_MS = 10.0
 DEFAULT_GUARD_FRACTION = 0.8  # rose pauses rollout when serving step time nears this share of the TPOT SLO
 DEFAULT_STATIC_SHARE = 0.5
+# rose pauses rollout while the serving batch is at least this share of its limit: a burst is filling the
+# batch, where a slower serving step (rollout beside it still shares caches, memory bandwidth, hyperthreads)
+# would run out of slots and queue first tokens
+DEFAULT_OCCUPANCY_GUARD = 0.375
 DEFAULT_STATIC_PERIOD_MS = 100.0
 # Side by side (own cores), rollout still slows serving a little (shared caches, memory bandwidth,
 # the interpreter lock); once serving requests queue for their first token (a burst), it pauses.
@@ -39,6 +43,7 @@ class Signals:
     serving_iteration_ms: float  # recent serving iteration time (EMA) ~ current TPOT
     slo_tpot_ms: float | None
     lanes_overlap: bool = True  # rollout competes with serving for compute (GPU SMs, or shared CPU cores)
+    serving_max_batch: int = 0  # the serving engine's batch limit (0: unknown)
 
 
 class ServingOnly:
@@ -95,10 +100,11 @@ class Rose:
     pauses while the serving iteration time is near the TPOT SLO (the local SLO guard).
 
     On a GPU the two lanes always share the SMs. On CPU the rollout lane has cores of its own
-    and competes only while it is widened over the serving lane's cores (serving idle): there
-    an arrival makes it yield at a layer safepoint and narrow, and then it keeps running
-    beside serving, pausing only when serving requests start to queue for their first token
-    (``SIDE_BY_SIDE_BACKLOG``) — pausing for every arrival would leave its cores idle."""
+    and widens over the serving lane's core whenever serving has no work (``core_lending.py``);
+    an arrival takes the core back at the rollout forward's next layer safepoint. Beside
+    serving the rollout lane pauses only when serving requests start to queue for their first
+    token (``SIDE_BY_SIDE_BACKLOG``) — pausing for every arrival would leave its cores idle —
+    or when a burst fills the serving batch (``occupancy_guard``)."""
 
     name = "rose"
     admits_rollout = True
@@ -107,11 +113,13 @@ class Rose:
     widens_when_serving_idle = True  # takes the whole device while serving is idle; yields at a layer safepoint
     yields_to_alerts = True
 
-    def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION) -> None:
-        self.quantum_ms, self.guard_fraction = quantum_ms, guard_fraction
+    def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, occupancy_guard: float = DEFAULT_OCCUPANCY_GUARD) -> None:
+        self.quantum_ms, self.guard_fraction, self.occupancy_guard = quantum_ms, guard_fraction, occupancy_guard
 
     def may_run_rollout(self, s: Signals) -> bool:
         if s.serving_prefill_pending >= (1 if s.lanes_overlap else SIDE_BY_SIDE_BACKLOG):
+            return False
+        if s.serving_max_batch and s.serving_running >= self.occupancy_guard * s.serving_max_batch:
             return False
         if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
             return False

@@ -48,6 +48,17 @@ def test_trainer_settings_from_the_e2e_json_else_the_demo():
     assert cal._e2e_config(SYNTHETIC_E2E, "static", SERVING, POLICY, 0, steps=2).prefetch_steps == demo["prefetch_steps"]
 
 
+def test_the_tasks_bounds_cap_simulated_turns_and_tokens():
+    """The real job's episodes never pass ROSE_TASKS__MAX_TURNS turns of ROSE_TASKS__MAX_TOKENS tokens:
+    the simulated ones follow the same bounds (else their log-normal tail makes the batch's slowest
+    trajectory, and so the rollout time of a step, longer than the real job can be)."""
+    bounded = {**SYNTHETIC_E2E, "trainer": {"ROSE_TASKS__MAX_TURNS": "3", "ROSE_TASKS__MAX_TOKENS": "16"}}
+    spec = cal._e2e_config(bounded, "static", SERVING, POLICY, 0, steps=2).rollout
+    assert (spec.max_turns, spec.gen_max) == (3, 16) and spec.gen_median <= 16
+    unbounded = cal._e2e_config({**SYNTHETIC_E2E, "trainer": {"ROSE_GRPO__GROUP_SIZE": "8"}}, "static", SERVING, POLICY, 0, steps=2).rollout
+    assert unbounded.max_turns == max(2, int(2 * cal.e2e_setup(SYNTHETIC_E2E, "static")["turns_median"]))
+
+
 def test_prefetch_shortens_the_step_period():
     """Training and rollout take about as long: synchronous, a step is sync + rollout + train; with one
     step prefetched (a trainer taking one step's worth of groups) the next batch rolls out while a

@@ -1,0 +1,117 @@
+"""CPU core lending: the serving lane lends its core while it waits and gets it back before it computes."""
+
+import asyncio
+import threading
+
+from rose.services.executor.core_lending import CoreLending
+from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+
+
+def test_lent_core_is_taken_back_only_once_the_rollout_lane_has_narrowed():
+    widths: list[int] = []
+    cores = CoreLending(1, 2, widths.append, return_timeout_s=60.0)
+    assert cores.fit() is False and widths == []  # nothing lent: stays narrow
+    cores.lend()
+    cores.fit()
+    assert cores.is_wide and widths == [2]
+    cores.fit()
+    assert widths == [2]  # no change while lent
+    took_back = threading.Event()
+
+    def serving_lane():
+        cores.take_back()
+        took_back.set()
+
+    t = threading.Thread(target=serving_lane)
+    t.start()
+    while cores.lent:  # the serving lane has recalled its core ...
+        pass
+    assert not took_back.wait(0.05)  # ... and waits: the rollout lane still spans its core
+    assert cores.fit() is True and widths == [2, 1]  # next safepoint: narrowed
+    assert took_back.wait(5)
+    t.join()
+    assert cores.returns == 1
+
+
+def test_recall_before_the_rollout_lane_widens_costs_the_serving_lane_nothing():
+    widths: list[int] = []
+    cores = CoreLending(1, 2, widths.append)
+    cores.lend()
+    cores.recall()  # an arrival
+    assert cores.fit() is False and not cores.is_wide and widths == []
+    assert cores.take_back() == 0.0 and cores.returns == 0
+
+
+def test_an_idle_rollout_lane_narrows_at_once_and_a_single_width_never_lends():
+    widths: list[int] = []
+    cores = CoreLending(1, 2, widths.append)
+    cores.lend()
+    cores.fit()
+    cores.fit(may_widen=False)  # the rollout lane goes idle, the core still lent
+    assert widths == [2, 1] and not cores.is_wide
+    assert cores.take_back() == 0.0  # nothing to wait for
+    single = CoreLending(2, 2, widths.append)
+    single.lend()
+    assert not single.enabled and not single.lent and single.fit() is False
+
+
+def _serving(engine, i):
+    ids = tuple(range(20, 60))
+    return GenerationRequest(f"s{i}", WorkClass.SERVING, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+
+def _rollout(engine, i):
+    ids = tuple(range(30, 62))
+    return GenerationRequest(f"r{i}", WorkClass.ROLLOUT, ids, SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True), stream=False)
+
+
+async def _serve_beside_rollout(engine, n_serving=6, n_rollout=8):
+    rollouts = [engine.submit(_rollout(engine, i)) for i in range(n_rollout)]
+    await asyncio.sleep(0.05)
+    serving = []
+    for i in range(n_serving):
+        serving.append(await engine.submit(_serving(engine, i)).result())
+        await asyncio.sleep(0.01)
+    return serving, [await h.result() for h in rollouts]
+
+
+async def test_rose_lends_the_idle_serving_core_and_serves_the_same_tokens(make_engine):
+    """Under rose the rollout lane spans the serving core while serving has no work and gives it
+    back to each arrival; serving tokens are those of serving alone, every rollout finishes whole."""
+    alone = make_engine("serving_only")
+    reference = [await alone.submit(_serving(alone, i)).result() for i in range(6)]
+    engine = make_engine("rose")
+    if not engine._cores.enabled:  # a one-core machine: there is no second core to lend (asserted, not skipped)
+        assert engine.device.max_lane_width(1) == 1
+        return
+    serving, rollouts = await _serve_beside_rollout(engine)
+    assert [r.token_ids for r in serving] == [r.token_ids for r in reference]
+    assert all(len(r.token_ids) == 24 and r.finish_reason == "length" for r in rollouts)
+    assert engine._cores.returns > 0  # the rollout lane spanned the serving core and gave it back
+
+
+async def test_static_partition_never_lends_the_serving_core(make_engine):
+    engine = make_engine("static_partition")
+    assert not engine._cores.enabled
+    await _serve_beside_rollout(engine, n_serving=2, n_rollout=2)
+    assert engine._cores.returns == 0 and not engine._cores.is_wide
+
+
+def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
+    from rose.services.executor.policies import Signals, make_policy
+
+    rose = make_policy("rose")
+    side_by_side = dict(serving_prefill_pending=0, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32)
+    assert rose.may_run_rollout(Signals(0.0, serving_running=11, **side_by_side))
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=12, **side_by_side))  # 3/8 of the batch: a burst is filling it
+    unknown_limit = {**side_by_side, "serving_max_batch": 0}
+    assert rose.may_run_rollout(Signals(0.0, serving_running=30, **unknown_limit))
+
+
+async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):
+    """With a lease but no rollout work the lane stays narrow: serving never waits for its core."""
+    engine = make_engine("rose")
+    for i in range(3):
+        await engine.submit(_serving(engine, i)).result()
+        await asyncio.sleep(0.02)  # serving idles: its core is lent, nobody takes it
+    assert not engine._cores.is_wide and engine._cores.returns == 0
