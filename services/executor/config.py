@@ -34,6 +34,9 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     serving_max_batch: PositiveInt = 32
     rollout_max_batch: PositiveInt = 32
     quantum_ms: Positive = 10.0
+    # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
+    # (false where several executors share a host's cores: two widened lanes wait on each other)
+    lend_serving_core: bool = True
     slo_ttft_ms: Positive = 500.0
     slo_tpot_ms: Positive = 100.0
     seed: int = 0

@@ -5,7 +5,10 @@ a low-priority one (``torch.cuda.Stream(priority=...)``; lower number = higher p
 A priority is only a hint to the block scheduler — it never preempts a running kernel —
 which is why the engine also bounds each rollout quantum. On CPU the analogue is two
 threads, one per lane, each with ``torch.set_num_threads(1)``: torch releases the GIL
-inside ops, so the two lanes run in parallel on two cores as two streams share SMs.
+inside ops, so the two lanes run in parallel on two cores as two streams share SMs (the
+rollout lane also spans the serving core while serving has no work: ``core_lending.py``).
+They still take turns on the GIL between ops: with models this small, where much of a step
+is op dispatch, that costs the rollout lane about 40 % of its speed beside serving.
 
 A *lane* is one of these execution contexts plus a FIFO lock. Policies that share one
 lane between serving and rollout (``naive_share``) get strict alternation in arrival

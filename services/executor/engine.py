@@ -211,6 +211,8 @@ class Engine:
         narrow = config.rollout_threads or self.device.threads_per_lane
         wide = self.device.max_lane_width(narrow) if self.policy.widens_when_serving_idle and config.lend_serving_core else narrow
         self._cores = CoreLending(narrow, wide, self.device.set_thread_width)  # CPU: the serving core lent while serving has no work
+        # whether the rollout lane, narrow / wide, competes with serving for compute (asked at every safepoint)
+        self._overlap_at = {w: self.policy.shares_serving_lane or self.device.lanes_overlap(w) for w in (narrow, wide)}
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._started = False
@@ -526,7 +528,7 @@ class Engine:
         overlaps serving, a pending serving arrival has its core back: a reclaim sample."""
         cores = self._cores
         cores.fit(may_widen)
-        self._rollout_overlaps_serving = self.policy.shares_serving_lane or self.device.lanes_overlap(cores.wide if cores.is_wide else cores.narrow)
+        self._rollout_overlaps_serving = self._overlap_at[cores.wide if cores.is_wide else cores.narrow]
         yielded_at = self._yield_at
         if yielded_at is not None and not self._rollout_overlaps_serving:
             self._yield_at = None

@@ -67,6 +67,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
         serving_max_batch=e.serving_max_batch,
         rollout_max_batch=e.rollout_max_batch,
         quantum_ms=e.quantum_ms,
+        lend_serving_core=e.lend_serving_core,
         slo_ttft_ms=e.slo_ttft_ms,
         slo_tpot_ms=e.slo_tpot_ms,
         seed=e.seed,

@@ -41,10 +41,18 @@ def kv_shape_of(model: torch.nn.Module) -> KVShape:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF's Qwen2/Llama RMSNorm: normalise in float32, cast back, then scale."""
     dtype = x.dtype
+    if dtype == torch.float32:  # one op instead of seven (each a hand-over of the interpreter lock)
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` without ``nn.Module.__call__``'s hook bookkeeping (Python, under the interpreter lock)."""
+    return F.linear(x, module.weight, module.bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,19 +106,24 @@ class PagedModelRunner:
         ctx = [it.start + q for it, q in zip(items, qlens)]
         max_k = max(ctx)
 
-        tokens = torch.zeros(batch, max_q, dtype=torch.long)
-        positions = torch.zeros(batch, max_q, dtype=torch.long)
+        # The batch's index tensors are built as Python lists and converted once each: a torch op per
+        # sequence (several per sequence, 32 sequences) would be most of a decode step's ops, and every
+        # op hands the interpreter lock over to the other lane and back.
+        n_blocks = -(-max_k // bs)
+        token_rows, position_rows, valid_rows, table_rows = [], [], [], []
         write_slots: list[int] = []
-        valid = torch.zeros(batch, max_q, dtype=torch.bool)
-        tables = torch.zeros(batch, -(-max_k // bs), dtype=torch.long)
-        for b, it in enumerate(items):
-            q = qlens[b]
-            tokens[b, :q] = torch.tensor(it.token_ids)
-            positions[b] = torch.arange(it.start, it.start + max_q)
-            valid[b, :q] = True
-            tables[b, : len(it.block_table)] = torch.tensor(it.block_table)[: tables.shape[1]]
-            for p in range(it.start, it.start + q):
-                write_slots.append(it.block_table[p // bs] * bs + p % bs)
+        for it, q in zip(items, qlens):
+            pad = max_q - q
+            token_rows.append([*it.token_ids, *([0] * pad)])
+            position_rows.append(list(range(it.start, it.start + max_q)))
+            valid_rows.append([True] * q + [False] * pad)
+            table = list(it.block_table[:n_blocks])
+            table_rows.append(table + [0] * (n_blocks - len(table)))
+            write_slots.extend(it.block_table[p // bs] * bs + p % bs for p in range(it.start, it.start + q))
+        tokens = torch.tensor(token_rows, dtype=torch.long)
+        positions = torch.tensor(position_rows, dtype=torch.long)
+        valid = torch.tensor(valid_rows, dtype=torch.bool)
+        tables = torch.tensor(table_rows, dtype=torch.long)
         kpos = torch.arange(max_k)
         gather = (tables[:, kpos // bs] * bs + kpos % bs).to(dev)  # [B, max_k] slot of each key position
         ctx_t = torch.tensor(ctx)
@@ -120,7 +133,7 @@ class PagedModelRunner:
         slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
         tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
 
-        x = self._embed(tokens)
+        x = F.embedding(tokens, self._embed.weight)
         cos, sin = self._rope(positions, x.dtype)
         for li, layer in enumerate(self._layers):
             if should_stop is not None and should_stop():
@@ -131,9 +144,9 @@ class PagedModelRunner:
             x = x + self._mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         x = _rms_norm(x, self._norm.weight, self.eps)
         if all_logits:
-            return self._lm_head(x).float()
+            return _linear(self._lm_head, x).float()
         last = torch.tensor([q - 1 for q in qlens], device=dev)
-        return self._lm_head(x[torch.arange(batch, device=dev), last]).float()
+        return _linear(self._lm_head, x[torch.arange(batch, device=dev), last]).float()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._rotary.inv_freq.float()
@@ -146,9 +159,9 @@ class PagedModelRunner:
         attn = layer.self_attn
         batch, max_q, _ = h.shape
         hd, kvh = self.shape.head_dim, self.shape.num_kv_heads
-        q = attn.q_proj(h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, max_q, kvh, hd).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        q = _linear(attn.q_proj, h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
+        k = _linear(attn.k_proj, h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        v = _linear(attn.v_proj, h).view(batch, max_q, kvh, hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k_cache, v_cache = self.pool.k[li], self.pool.v[li]
@@ -158,8 +171,8 @@ class PagedModelRunner:
         keys = k_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
         values = v_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
+        return _linear(attn.o_proj, out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
 
     @staticmethod
     def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))

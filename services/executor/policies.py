@@ -110,7 +110,7 @@ class Rose:
     admits_rollout = True
     shares_serving_lane = False
     yields_on_arrival = True
-    widens_when_serving_idle = True  # takes the whole device while serving is idle; yields at a layer safepoint
+    widens_when_serving_idle = True  # CPU: spans the serving core while serving has no work; narrows at a layer safepoint (core_lending.py)
     yields_to_alerts = True
 
     def __init__(self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, occupancy_guard: float = DEFAULT_OCCUPANCY_GUARD) -> None:

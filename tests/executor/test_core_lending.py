@@ -115,3 +115,16 @@ async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):
         await engine.submit(_serving(engine, i)).result()
         await asyncio.sleep(0.02)  # serving idles: its core is lent, nobody takes it
     assert not engine._cores.is_wide and engine._cores.returns == 0
+
+
+def test_the_executor_setting_turns_lending_off(model_paths):
+    """ROSE_ENGINE__LEND_SERVING_CORE=false (several executors on one host's cores) reaches the engine."""
+    from rose.services.executor.config import ExecutorConfig
+    from rose.services.executor.main import build_engine
+    from rose.shared.config import load_config
+
+    models = {"ROSE_MODELS__SERVING_DIR": str(model_paths.serving), "ROSE_MODELS__POLICY_DIR": str(model_paths.policy), "ROSE_ENGINE__DEVICE": "cpu"}
+    on = build_engine(load_config(ExecutorConfig, env=models))
+    assert on._cores.enabled == (on.device.max_lane_width(1) > 1)  # on by default wherever there is a core to lend
+    off = build_engine(load_config(ExecutorConfig, env={**models, "ROSE_ENGINE__LEND_SERVING_CORE": "false"}))
+    assert not off._cores.enabled
