@@ -146,9 +146,10 @@ def _rel(pred: float, meas: float) -> float | None:
 def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
     """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
     from rose.cli import bench_coserve as bc
-    from rose.services.executor.policies import Signals, make_policy
+    from rose.services.executor.policies import make_policy
 
     from .coserve import rollout_interference, rollout_share, serving_tick
+    from .policies import executor_signals
 
     sperf, pperf = step_models(step_times)
     from dataclasses import replace as _replace
@@ -188,8 +189,8 @@ def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True)
             st, share = st0, np.ones(len(t))
         else:
             extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req,
-                                                    lambda d: Signals(float(t[d]), 0, int(round(st0.batch[d])), float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3,
-                                                                              serving_max_batch=bc.BENCH_CONFIG.serving_max_batch))
+                                                    lambda d: executor_signals(float(t[d]), st0.batch[d], float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3,
+                                                                               serving_max_batch=bc.BENCH_CONFIG.serving_max_batch))
             st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
             share = rollout_share(ep, st, extra, may)
         tps = float(np.mean(share)) * alone_tps

@@ -18,7 +18,6 @@ widens over it and then compete with it for a whole layer.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 RETURN_TIMEOUT_S = 0.02  # the serving lane waits at most this long for its core (a stuck rollout op never stalls serving longer)
@@ -38,7 +37,6 @@ class CoreLending:
         self._returned = threading.Event()
         self._returned.set()
         self.returns = 0  # times the serving lane had to wait for its core
-        self.return_wait_s = 0.0
 
     @property
     def is_wide(self) -> bool:
@@ -57,23 +55,18 @@ class CoreLending:
         """The serving lane needs its core soon (an arrival): the rollout lane narrows at its next safepoint."""
         self._lent = False
 
-    def take_back(self) -> float:
-        """Recall the core and wait until the rollout lane has narrowed; returns the seconds waited."""
+    def take_back(self) -> None:
+        """Recall the core and wait until the rollout lane has narrowed (at most ``return_timeout_s``)."""
         if not self.enabled:
-            return 0.0
+            return
         with self._lock:
             self._lent = False
             wide = self._is_wide
             if wide:
                 self._returned.clear()
-        if not wide:
-            return 0.0
-        start = time.perf_counter()
-        self._returned.wait(self.return_timeout_s)
-        waited = time.perf_counter() - start
-        self.returns += 1
-        self.return_wait_s += waited
-        return waited
+        if wide:
+            self.returns += 1
+            self._returned.wait(self.return_timeout_s)
 
     # ---- rollout side (the rollout lane's thread only: torch thread counts are per thread)
     def fit(self, may_widen: bool = True) -> bool:

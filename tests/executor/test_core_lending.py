@@ -24,13 +24,12 @@ def test_lent_core_is_taken_back_only_once_the_rollout_lane_has_narrowed():
 
     t = threading.Thread(target=serving_lane)
     t.start()
-    while cores.lent:  # the serving lane has recalled its core ...
+    while cores.returns == 0:  # the serving lane has recalled its core and is about to wait ...
         pass
-    assert not took_back.wait(0.05)  # ... and waits: the rollout lane still spans its core
+    assert not cores.lent and not took_back.is_set()  # ... for the rollout lane, which still spans it
     assert cores.fit() is True and widths == [2, 1]  # next safepoint: narrowed
-    assert took_back.wait(5)
     t.join()
-    assert cores.returns == 1
+    assert took_back.is_set() and cores.returns == 1
 
 
 def test_recall_before_the_rollout_lane_widens_costs_the_serving_lane_nothing():
@@ -39,7 +38,8 @@ def test_recall_before_the_rollout_lane_widens_costs_the_serving_lane_nothing():
     cores.lend()
     cores.recall()  # an arrival
     assert cores.fit() is False and not cores.is_wide and widths == []
-    assert cores.take_back() == 0.0 and cores.returns == 0
+    cores.take_back()
+    assert cores.returns == 0  # it never had to wait
 
 
 def test_an_idle_rollout_lane_narrows_at_once_and_a_single_width_never_lends():
@@ -49,28 +49,29 @@ def test_an_idle_rollout_lane_narrows_at_once_and_a_single_width_never_lends():
     cores.fit()
     cores.fit(may_widen=False)  # the rollout lane goes idle, the core still lent
     assert widths == [2, 1] and not cores.is_wide
-    assert cores.take_back() == 0.0  # nothing to wait for
+    cores.take_back()
+    assert cores.returns == 0  # nothing to wait for
     single = CoreLending(2, 2, widths.append)
     single.lend()
     assert not single.enabled and not single.lent and single.fit() is False
 
 
-def _serving(engine, i):
+def _serving(i):
     ids = tuple(range(20, 60))
     return GenerationRequest(f"s{i}", WorkClass.SERVING, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 
 
-def _rollout(engine, i):
+def _rollout(i):
     ids = tuple(range(30, 62))
     return GenerationRequest(f"r{i}", WorkClass.ROLLOUT, ids, SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True), stream=False)
 
 
 async def _serve_beside_rollout(engine, n_serving=6, n_rollout=8):
-    rollouts = [engine.submit(_rollout(engine, i)) for i in range(n_rollout)]
+    rollouts = [engine.submit(_rollout(i)) for i in range(n_rollout)]
     await asyncio.sleep(0.05)
     serving = []
     for i in range(n_serving):
-        serving.append(await engine.submit(_serving(engine, i)).result())
+        serving.append(await engine.submit(_serving(i)).result())
         await asyncio.sleep(0.01)
     return serving, [await h.result() for h in rollouts]
 
@@ -79,7 +80,7 @@ async def test_rose_lends_the_idle_serving_core_and_serves_the_same_tokens(make_
     """Under rose the rollout lane spans the serving core while serving has no work and gives it
     back to each arrival; serving tokens are those of serving alone, every rollout finishes whole."""
     alone = make_engine("serving_only")
-    reference = [await alone.submit(_serving(alone, i)).result() for i in range(6)]
+    reference = [await alone.submit(_serving(i)).result() for i in range(6)]
     engine = make_engine("rose")
     if not engine._cores.enabled:  # a one-core machine: there is no second core to lend (asserted, not skipped)
         assert engine.device.max_lane_width(1) == 1
@@ -112,7 +113,7 @@ async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):
     """With a lease but no rollout work the lane stays narrow: serving never waits for its core."""
     engine = make_engine("rose")
     for i in range(3):
-        await engine.submit(_serving(engine, i)).result()
+        await engine.submit(_serving(i)).result()
         await asyncio.sleep(0.02)  # serving idles: its core is lent, nobody takes it
     assert not engine._cores.is_wide and engine._cores.returns == 0
 
