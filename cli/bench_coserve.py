@@ -42,7 +42,7 @@ RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout 
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
-BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0)
+BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0, rollout_process=True)
 
 
 def _models(model_dir: str | None, seed: int):
@@ -194,7 +194,8 @@ async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) ->
     by_threads: dict[int, float] = {}
     threads = [1] if config.device.startswith("cuda") else sorted({1, os.cpu_count() or 1})
     for n in threads:
-        cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False})  # exactly n threads
+        # exactly n threads, in this process: the policy alone has no lock to share, and no pipe to pay
+        cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False, "rollout_process": False})
         (s_model, s_tok), (p_model, p_tok) = models
         engine = Engine(s_model, s_tok, p_model, p_tok, cfg, "rose")
         engine.start()

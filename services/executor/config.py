@@ -37,6 +37,9 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     # (false where several executors share a host's cores: two widened lanes wait on each other)
     lend_serving_core: bool = True
+    # CPU: rollout forwards (and their sampling) run in a child process, so the two lanes no longer
+    # take turns on one interpreter lock (see rollout_process.py); ignored on CUDA
+    rollout_process: bool = True
     slo_ttft_ms: Positive = 500.0
     slo_tpot_ms: Positive = 100.0
     seed: int = 0

@@ -8,7 +8,8 @@ threads, one per lane, each with ``torch.set_num_threads(1)``: torch releases th
 inside ops, so the two lanes run in parallel on two cores as two streams share SMs (the
 rollout lane also spans the serving core while serving has no work: ``core_lending.py``).
 They still take turns on the GIL between ops: with models this small, where much of a step
-is op dispatch, that costs the rollout lane about 40 % of its speed beside serving.
+is op dispatch, that cost the rollout lane about 40 % of its speed beside serving, which is
+why executors run the rollout forwards in a child process (``rollout_process.py``).
 
 A *lane* is one of these execution contexts plus a FIFO lock. Policies that share one
 lane between serving and rollout (``naive_share``) get strict alternation in arrival

@@ -6,7 +6,8 @@ does its housekeeping (weight swap, lease expiry, pool shrink) and asks the poli
 whether it may continue. Each iteration is the same four steps for both classes:
 receive (take submitted requests) -> plan (``scheduling.plan_iteration``, pure) -> run
 (paged forward of the prefill chunks, then of the decodes) -> process (sample, stop,
-stream out, free). Callers use it from asyncio: ``submit`` returns a handle that is an
+stream out, free). On CPU the rollout lane's forwards and sampling may run in a child process
+(``EngineConfig.rollout_process``, see ``rollout_process.py``). Callers use it from asyncio: ``submit`` returns a handle that is an
 async iterator of ``StreamDelta`` and whose ``result()`` is the ``GenerationResult``.
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import concurrent.futures
 import gc
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -34,6 +36,7 @@ from .metrics import EngineMetrics
 from .model_runner import ForwardItem, PagedModelRunner, kv_shape_of
 from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_QUANTUM_MS, DEFAULT_STATIC_SHARE, Signals, make_policy
 from .prefix_cache import PrefixCache
+from .rollout_process import ProcessRunner, child_rss_bytes, shared_memory_shortfall
 from .protocol import (
     SERVING_MODEL_VERSION,
     GenerationRequest,
@@ -48,10 +51,12 @@ from .protocol import (
     timings_since,
     validate_request,
 )
-from .sampling import SamplerState, find_stop, sample_batch
+from .sampling import SamplerState, find_stop
 from .scheduling import Limits, plan_iteration, plan_shrink
 from .sequence import Sequence
 from .weights import StagedWeights, stage
+
+log = logging.getLogger("rose.executor.engine")
 
 MIB = 1 << 20
 IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
@@ -78,6 +83,7 @@ class EngineConfig:
     slo_tpot_ms: float | None = None
     rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
     lend_serving_core: bool = True  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
+    rollout_process: bool = False  # CPU: rollout forwards run in a child process, off this interpreter's lock (rollout_process.py)
     seed: int = 0
     device: str = "auto"
     dtype: torch.dtype = torch.float32
@@ -151,12 +157,12 @@ class RequestHandle:
 class _ClassRuntime:
     """Everything one work class owns: its model, pool, queues, lane."""
 
-    def __init__(self, work_class: WorkClass, model, tokenizer, pool: KVPool, limits: Limits, lane) -> None:
+    def __init__(self, work_class: WorkClass, model, tokenizer, pool: KVPool, limits: Limits, lane, runner: PagedModelRunner | None = None) -> None:
         self.work_class = work_class
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.runner = PagedModelRunner(model, pool)
+        self.runner = runner or PagedModelRunner(model, pool)
         self.limits = limits
         self.lane = lane
         self.inbox: deque[Sequence] = deque()
@@ -187,8 +193,15 @@ class Engine:
         s_pool = KVPool("serving", kv_shape_of(serving_model), config.serving_kv_bytes, config.block_size, dev)
         r_pool = KVPool("rollout", kv_shape_of(policy_model), config.rollout_kv_bytes, config.block_size, dev)
         r_pool.set_budget_bytes(0)  # no lease yet
+        narrow = config.rollout_threads or self.device.threads_per_lane
+        in_child = config.rollout_process and self.device.kind == "cpu" and self.policy.admits_rollout
+        if in_child and (short := shared_memory_shortfall(policy_model, r_pool)):
+            log.warning("rollout forwards stay in this process: shared memory lacks %d MiB for the policy and its KV pool "
+                        "(raise it: docker's --shm-size / compose's shm_size)", short >> 20)
+            in_child = False
+        r_runner = ProcessRunner(policy_model, r_pool, narrow) if in_child else None
         self._serving = _ClassRuntime(WorkClass.SERVING, serving_model, serving_tokenizer, s_pool, Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size), serving_lane)
-        self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane)
+        self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane, r_runner)
         self.prefix_cache = PrefixCache()
         self.metrics = EngineMetrics()
         self.policy_version = 0
@@ -208,9 +221,9 @@ class Engine:
         self._serving_prioritised = False
         self._default_switch_interval = sys.getswitchinterval()
         self._in_quantum = False
-        narrow = config.rollout_threads or self.device.threads_per_lane
         wide = self.device.max_lane_width(narrow) if self.policy.widens_when_serving_idle and config.lend_serving_core else narrow
-        self._cores = CoreLending(narrow, wide, self.device.set_thread_width)  # CPU: the serving core lent while serving has no work
+        set_width = r_runner.set_width if r_runner is not None else self.device.set_thread_width
+        self._cores = CoreLending(narrow, wide, set_width)  # CPU: the serving core lent while serving has no work
         # whether the rollout lane, narrow / wide, competes with serving for compute (asked at every safepoint)
         self._overlap_at = {w: self.policy.shares_serving_lane or self.device.lanes_overlap(w) for w in (narrow, wide)}
         self._threads: list[threading.Thread] = []
@@ -234,6 +247,8 @@ class Engine:
         gc.collect()
         gc.freeze()
         self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
+        if isinstance(self._rollout.runner, ProcessRunner):
+            self._rollout.runner.start()  # waits until the child is ready (seconds: a fresh interpreter)
         if self.policy.admits_rollout:
             self._threads.append(threading.Thread(target=self._rollout_loop, name="rose-rollout", daemon=True))
         for t in self._threads:
@@ -245,6 +260,8 @@ class Engine:
         for rt in (self._serving, self._rollout):
             rt.wakeup.set()
         await asyncio.to_thread(lambda: [t.join() for t in self._threads])
+        if isinstance(self._rollout.runner, ProcessRunner):
+            await asyncio.to_thread(self._rollout.runner.close)
         self._prioritise_serving(False)
         for rt in (self._serving, self._rollout):
             for seq in list(rt.inbox) + list(rt.waiting) + list(rt.running):
@@ -435,6 +452,8 @@ class Engine:
         interval = self.metrics.take_interval()
         span = max(1e-9, now - interval.started)
         lease = self._lease
+        device = dict(vars(self.device.telemetry()))
+        device["process_rss_bytes"] += child_rss_bytes(self._rollout.runner)  # the rollout forward process is part of the executor
         return EngineStats(
             interval_s=span,
             ttft_ms=sketch_to_dict(interval.ttft),
@@ -458,7 +477,7 @@ class Engine:
             policy_version=self.policy_version,
             lease_id=lease.lease_id if lease else "",
             lease_budget_bytes=lease.budget_bytes if lease else 0,
-            device=vars(self.device.telemetry()),
+            device=device,
         )
 
     # ------------------------------------------------------------------ validation and admission
@@ -596,7 +615,7 @@ class Engine:
             self._revoked_at = None
 
     def _swap(self, staged: StagedWeights) -> float:
-        pause_ms = staged.apply(self._rollout.model)
+        pause_ms = self._rollout.runner.apply_weights(staged)
         self.policy_version = staged.version
         self._rollout.pool.free(self.prefix_cache.clear())  # KV of the old version is stale
         self.metrics.swap_pause(pause_ms)
@@ -677,8 +696,9 @@ class Engine:
             self._process(rt, ready)
         rt.unprefilled = sum(1 for s in rt.running if s.num_cached < s.prompt_len) + len(rt.waiting)
 
-    def _run(self, rt: _ClassRuntime, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]] | None:
-        """Forward the planned tokens; returns the sequences that reached their end, with logits.
+    def _run(self, rt: _ClassRuntime, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, float]] | None:
+        """Forward the planned tokens and sample for the sequences that reach their end:
+        returns those, each with its new token and logprob.
 
         Rollout forwards stop at the next layer safepoint once serving needs the device or
         the lease is gone (None is returned and nothing advances).
@@ -686,15 +706,14 @@ class Engine:
         if not work:
             return []
         items = [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n]) for s, n in work]
-        logits = rt.runner.forward(items, should_stop=self._rollout_safepoint if rt is self._rollout and self.policy.yields_on_arrival else None)
-        if logits is None:
+        ends = [row for row, (s, n) in enumerate(work) if s.num_cached + n == len(s.tokens)]
+        should_stop = self._rollout_safepoint if rt is self._rollout and self.policy.yields_on_arrival else None
+        sampled = rt.runner.forward_sample(items, [(row, work[row][0].sampler) for row in ends], should_stop=should_stop)
+        if sampled is None:
             return None
-        ready = []
-        for row, (seq, n) in enumerate(work):
+        for seq, n in work:
             seq.num_cached += n
-            if seq.num_cached == len(seq.tokens):
-                ready.append((seq, logits[row]))
-        return ready
+        return [(work[row][0], token, lp) for row, token, lp in zip(ends, *sampled)]
 
     def _rollout_safepoint(self) -> bool:
         """Between layers of a rollout forward: True abandons it (lease gone, stopping, paused, or a
@@ -706,15 +725,13 @@ class Engine:
             self._fit_width()
         return self._yield_at is not None
 
-    def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
+    def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, int, float]]) -> None:
         if not ready:
             return
-        seqs = [s for s, _ in ready]
-        tokens, logprobs = sample_batch(torch.stack([l for _, l in ready]), [s.sampler for s in seqs])
         now = time.monotonic()
         version = self.policy_version if rt is self._rollout else SERVING_MODEL_VERSION
         outbox = []
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+        for seq, token, lp in ready:
             seq.tokens.append(token)
             seq.logprobs.append(lp)
             seq.versions.append(version)
@@ -729,9 +746,9 @@ class Engine:
                 if delta is not None:
                     outbox.append((seq.handle, delta, None))
         if rt is self._serving:
-            self.metrics.tokens(len(seqs), 0)
+            self.metrics.tokens(len(ready), 0)
         else:
-            self.metrics.tokens(0, len(seqs))
+            self.metrics.tokens(0, len(ready))
         _deliver(outbox)
 
     def _finish_reason(self, rt: _ClassRuntime, seq: Sequence, token: int) -> str | None:

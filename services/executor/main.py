@@ -68,6 +68,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
         rollout_max_batch=e.rollout_max_batch,
         quantum_ms=e.quantum_ms,
         lend_serving_core=e.lend_serving_core,
+        rollout_process=e.rollout_process,
         slo_ttft_ms=e.slo_ttft_ms,
         slo_tpot_ms=e.slo_tpot_ms,
         seed=e.seed,
@@ -113,7 +114,10 @@ async def run(config: ExecutorConfig) -> None:
     telemetry = Telemetry(engine, "", config.role, config.metrics_interval_s)
     async with ServiceRuntime("executor", bus=config.bus, runtime=config.runtime, load=telemetry.load) as rt:
         telemetry.executor_id = rt.instance
-        engine.start()
+        if isinstance(engine, Engine):  # off the loop: it may wait seconds for its rollout forward process
+            await asyncio.to_thread(engine.start)
+        else:
+            engine.start()
         guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
         await guard.start(rt.bus)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)

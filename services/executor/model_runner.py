@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .kv_pool import KVPool, KVShape
+from .sampling import SamplerState, sample_batch
+from .weights import StagedWeights
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,23 @@ class PagedModelRunner:
         self._norm = body.norm
         self._lm_head = model.lm_head
         self._rotary = body.rotary_emb
+
+    def forward_sample(
+        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None
+    ) -> tuple[list[int], list[float]] | None:
+        """Forward, then sample one token for each ``(row, sampler)`` (the rows whose item reaches
+        its sequence's end): their ids and logprobs, or None when abandoned at a safepoint
+        (nothing sampled: preemption never consumes randomness)."""
+        logits = self.forward(items, should_stop=should_stop)
+        if logits is None:
+            return None
+        if not samples:
+            return [], []
+        return sample_batch(logits[[row for row, _ in samples]], [state for _, state in samples])
+
+    def apply_weights(self, staged: StagedWeights) -> float:
+        """Swap staged policy weights in (between forwards); returns the pause in ms."""
+        return staged.apply(self.model)
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:

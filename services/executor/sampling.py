@@ -19,12 +19,38 @@ GREEDY_BELOW = 1e-5
 
 
 class SamplerState:
-    """Per-sequence sampling state: generator and parameters."""
+    """Per-sequence sampling state: generator and parameters.
+
+    ``seed`` and ``draws`` let another process rebuild the exact generator (the rollout forward
+    process samples there: ``rollout_process.py``): seed it, then skip ``draws`` uniforms.
+    """
 
     def __init__(self, params: SamplingParams, seed: int) -> None:
         self.params = params
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
+        self.seed = seed
+        self.greedy = params.temperature < GREEDY_BELOW
+        self.draws = 0  # uniforms drawn so far (one per sampled token, none when greedy)
+        self._generator: torch.Generator | None = None  # made on first use: rebuilt after ``skip``
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device="cpu")
+            self._generator.manual_seed(self.seed)
+            for _ in range(self.draws):
+                torch.rand(1, generator=self._generator, dtype=torch.float64)
+        return self._generator
+
+    def draw(self) -> torch.Tensor:
+        uniform = torch.rand(1, generator=self.generator, dtype=torch.float64)
+        self.draws += 1
+        return uniform
+
+    def skip(self) -> None:
+        """Another process drew this sequence's next uniform (from its copy of the stream): count it,
+        and rebuild the local generator only if it is ever used (no torch op here)."""
+        self.draws += 1
+        self._generator = None
 
 
 def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int], list[float]]:
@@ -33,10 +59,10 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1).tolist()
     # one batched softmax for every row (greedy rows get a harmless temperature of 1)
-    temps = torch.tensor([s.params.temperature if s.params.temperature >= GREEDY_BELOW else 1.0 for s in states], dtype=logits.dtype)
+    temps = torch.tensor([1.0 if s.greedy else s.params.temperature for s in states], dtype=logits.dtype)
     probs_all = torch.softmax(logits / temps[:, None], dim=-1)
     tokens = greedy
-    rows = [row for row, s in enumerate(states) if s.params.temperature >= GREEDY_BELOW]
+    rows = [row for row, s in enumerate(states) if not s.greedy]
     if rows:
         probs = probs_all[rows] if len(rows) < len(states) else probs_all
         for i, row in enumerate(rows):
@@ -48,7 +74,7 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
         # Inverse-CDF sampling, one batched search: each row draws one uniform from its own
         # generator (so a seeded request samples the same tokens whatever shares its batch);
         # right=True never lands on a zero-probability token.
-        uniforms = torch.cat([torch.rand(1, generator=states[row].generator, dtype=torch.float64) for row in rows])
+        uniforms = torch.cat([states[row].draw() for row in rows])
         cdf = probs.to(torch.float64).cumsum(dim=-1)
         picked_rows = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
         for row, token in zip(rows, picked_rows):

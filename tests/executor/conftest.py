@@ -7,6 +7,7 @@ import time
 import pytest
 
 from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.rollout_process import ProcessRunner
 from rose.shared.models import init_models, load_model, load_tokenizer
 
 MIB = 1 << 20
@@ -51,3 +52,5 @@ def make_engine(loaded, model_paths):
             rt.wakeup.set()
         for t in engine._threads:
             t.join()
+        if isinstance(engine._rollout.runner, ProcessRunner):
+            engine._rollout.runner.close()

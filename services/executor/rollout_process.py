@@ -1,0 +1,344 @@
+"""CPU only: the rollout lane's forward passes, and its sampling, run in a child process.
+
+Why: both lanes are threads of one Python process, and on a CPU with models this small a
+forward is hundreds of small torch ops, each handing the interpreter lock (GIL) to the other
+lane and back. Measured on the 2-core development VM: the policy model alone ran 2,389
+tokens/s; beside the serving lane in another process 2,179 (serving unharmed); beside it in
+the same process 1,130-1,500, and serving's burst tails grew. So the op-heavy part runs
+here, in its own interpreter: the forward, then sampling from the last-token logits (only
+token ids and logprobs come back, no logits). The engine's rollout thread keeps everything
+else (planning, block accounting, stop checks, streaming), which needs almost no torch op.
+
+What is shared, not copied: the policy's parameters (``model.share_memory()``) and the
+rollout KV pool's K/V tensors live in shared memory, so the child writes the KV the engine
+accounts for, and the engine's block scrubs reach the child. A weight swap re-points the
+parameters at the staged tensors in both processes (they are moved to shared memory when
+sent). A released and restored KV pool is handed over again before the next forward.
+Sampling stays exactly reproducible: the engine sends each row's seed and how many uniforms
+it has drawn, and the child keeps (or rebuilds) the generator at that point (``_Samplers``).
+
+How the engine still steers a forward in flight: a small shared array. The child reads it
+at each layer safepoint (as ``PagedModelRunner.forward``'s ``should_stop``): ``abandon``
+(the engine's own safepoint said stop: lease gone, paused, stopping, a serving arrival
+while the lanes overlap) and ``want_width`` (core lending: torch threads to use; the child
+acknowledges in ``width``, and the engine waits for that before serving takes its core back).
+While a forward runs, the engine's rollout thread polls its safepoint every ``POLL_S``.
+
+If the child dies, the next forward starts a new one (the KV and weights are the engine's)
+and runs again; nothing the rollout produced is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
+
+from .core_lending import RETURN_TIMEOUT_S
+from .kv_pool import KVPool
+from .model_runner import ForwardItem, PagedModelRunner
+from .protocol import SamplingParams
+from .sampling import SamplerState
+from .weights import StagedWeights
+
+POLL_S = 0.001  # how often the engine's rollout thread asks its safepoint while the child computes
+START_TIMEOUT_S = 120.0  # importing torch and transformers in a fresh interpreter
+ACK_POLL_S = 0.0002  # while waiting for the child to narrow
+SHM_DIR = "/dev/shm"  # where torch's shared tensors live (POSIX shared memory)
+SHM_HEADROOM_BYTES = 64 << 20  # staged weight versions, the resource tracker's own
+ALIVE_EVERY_POLLS = 50  # a dead child is noticed within this many polls (a system call each: not every poll)
+
+# fields of the shared control array
+ABANDON, WANT_WIDTH, WIDTH, BUSY = range(4)
+
+
+class _PoolView:
+    """What ``PagedModelRunner`` needs of a pool, in the child: the shared K/V and the block size."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
+        self.k, self.v, self.block_size = k, v, block_size
+
+
+def _child_main(conn, model: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, block_size: int, ctl, threads: int) -> None:
+    """The child's loop: one message in, one reply out, until "close" or the engine goes away."""
+    torch.set_num_threads(threads)
+    ctl[WIDTH] = threads
+    runner = PagedModelRunner(model, _PoolView(k, v, block_size))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    width = threads
+    samplers = _Samplers()
+
+    def fit_width() -> None:
+        nonlocal width
+        want = ctl[WANT_WIDTH]
+        if want != width:
+            torch.set_num_threads(want)
+            width = want
+            ctl[WIDTH] = want
+
+    def safepoint() -> bool:
+        fit_width()
+        return ctl[ABANDON] != 0
+
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            kind, *body = conn.recv()
+        except (EOFError, OSError):  # the engine's process is gone
+            return
+        if kind == "close":
+            return
+        try:
+            if kind in ("forward", "sample"):
+                items, arg = body
+                ctl[BUSY] = 1
+                fit_width()
+                if kind == "forward":
+                    logits = runner.forward(items, arg, should_stop=safepoint)
+                    reply = None if logits is None else logits.numpy()
+                else:
+                    reply = runner.forward_sample(items, samplers.states(arg), should_stop=safepoint)
+                ctl[BUSY] = 0
+                conn.send(("done", reply))
+            elif kind == "kv":
+                runner.pool = _PoolView(body[0], body[1], block_size)
+                conn.send(("ok", None))
+            elif kind == "weights":
+                for name, tensor in body[0].items():
+                    params[name].data = tensor
+                conn.send(("ok", None))
+            else:
+                conn.send(("error", f"unknown message {kind!r}"))
+        except (BrokenPipeError, ConnectionResetError):  # the engine's process is gone
+            return
+        except Exception as exc:  # reported to the engine, which raises it on its rollout thread
+            ctl[BUSY] = 0
+            try:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            except OSError:
+                return
+
+
+class _Samplers:
+    """The child's copies of the engine's per-sequence generators, rebuilt exactly when missing.
+
+    The engine sends each sampling row's seed and how many uniforms it has drawn; a cached
+    generator at that count is used as is, any other is rebuilt (seed, then skip the draws):
+    so a restarted child, or an evicted entry, samples what the engine's own generator would.
+    """
+
+    KEEP_FOR = 256  # forwards an unused generator is kept (finished sequences are never announced)
+
+    def __init__(self) -> None:
+        self._by_seq: dict[int, tuple[SamplerState, int]] = {}
+        self._forwards = 0
+
+    def states(self, specs: list[tuple[int, int, SamplingParams, int, int]]) -> list[tuple[int, SamplerState]]:
+        self._forwards += 1
+        out = []
+        for row, seq_id, params, seed, draws in specs:
+            cached = self._by_seq.get(seq_id)
+            state = cached[0] if cached is not None else None
+            if state is None or (state.seed, state.draws, state.params) != (seed, draws, params):
+                state = SamplerState(params, seed)
+                state.draws = draws  # its generator is rebuilt at that point of the stream on first use
+            self._by_seq[seq_id] = (state, self._forwards)
+            out.append((row, state))
+        if self._forwards % self.KEEP_FOR == 0:
+            self._by_seq = {k: v for k, v in self._by_seq.items() if self._forwards - v[1] < self.KEEP_FOR}
+        return out
+
+
+class ProcessRunner(PagedModelRunner):
+    """A ``PagedModelRunner`` whose ``forward`` runs in a child process (CPU only).
+
+    Everything else (shapes, vocabulary, positions) is answered locally from the same model.
+    ``start`` launches the child and waits until it is ready (a fresh interpreter importing
+    torch and transformers: seconds); ``close`` at the end.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, threads: int) -> None:
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("the rollout forward process is for CPU devices (a GPU's lanes are streams)")
+        super().__init__(model, pool)
+        self.threads = threads
+        self._ctx = torch_mp.get_context("spawn")
+        self._ctl = self._ctx.RawArray("i", 4)
+        self._ctl[WANT_WIDTH] = self._ctl[WIDTH] = threads
+        self._process = None
+        self._conn = None
+        self._sent_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        self.model.share_memory()
+        k, v = self.pool.k, self.pool.v
+        if not self.pool.released:
+            k.share_memory_(), v.share_memory_()
+        ours, theirs = self._ctx.Pipe()
+        self._ctl[ABANDON], self._ctl[BUSY], self._ctl[WIDTH] = 0, 0, self._ctl[WANT_WIDTH]
+        self._process = self._ctx.Process(
+            target=_child_main, args=(theirs, self.model, k, v, self.pool.block_size, self._ctl, self._ctl[WANT_WIDTH]),
+            name="rose-rollout-forward", daemon=True,
+        )
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        self._sent_kv = (k, v)
+        self._ready = False
+        self._await_ready()
+
+    def close(self) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if process is None:
+            return
+        try:
+            conn.send(("close",))
+        except (OSError, ValueError):
+            pass
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        conn.close()
+
+    @property
+    def child_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def child_rss_bytes(self) -> int:
+        pid = self.child_pid
+        if pid is None:
+            return 0
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+    # ------------------------------------------------------------------ the runner's interface
+    def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        logits = self._in_child("forward", items, all_logits, should_stop)
+        return None if logits is None else torch.from_numpy(logits)
+
+    def forward_sample(
+        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None
+    ) -> tuple[list[int], list[float]] | None:
+        """Forward and sample in the child: only ids and logprobs cross the pipe, and none of the
+        sampling ops run here (each would hand this interpreter's lock to the serving lane and back)."""
+        specs = [(row, id(state), state.params, state.seed, 0 if state.greedy else state.draws) for row, state in samples]
+        sampled = self._in_child("sample", items, specs, should_stop)
+        if sampled is not None:
+            for _, state in samples:  # count the child's draws (no torch op: each would hand this interpreter's lock over)
+                if not state.greedy:
+                    state.skip()
+        return sampled
+
+    def _in_child(self, kind: str, items: list[ForwardItem], arg, should_stop) -> object:
+        for attempt in range(2):
+            try:
+                return self._forward_once(kind, items, arg, should_stop)
+            except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+                if attempt:
+                    raise RuntimeError(f"the rollout forward process died twice in a row (exit code {self._exitcode()})") from exc
+                self._restart()
+        raise AssertionError("unreachable")
+
+    def apply_weights(self, staged: StagedWeights) -> float:
+        """Swap in both processes (between forwards, on the rollout thread); returns the pause in ms."""
+        start = time.perf_counter()
+        staged.apply(self.model)
+        if self._conn is not None:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            self._call("weights", {n: params[n].data for n in staged.tensors if n in params})
+        return (time.perf_counter() - start) * 1000.0
+
+    def set_width(self, threads: int) -> None:
+        """Core lending's width for the child. Narrowing waits (bounded) until the child has
+        narrowed at a safepoint, or is between forwards, so serving gets its core back whole."""
+        ctl = self._ctl
+        ctl[WANT_WIDTH] = threads
+        deadline = time.monotonic() + RETURN_TIMEOUT_S
+        while ctl[BUSY] and ctl[WIDTH] > threads and time.monotonic() < deadline:
+            time.sleep(ACK_POLL_S)
+
+    # ------------------------------------------------------------------ internals
+    def _forward_once(self, kind: str, items, arg, should_stop) -> object:
+        if self._process is None:
+            self.start()
+        self._await_ready()
+        if self.pool.k is not self._sent_kv[0] and not self.pool.released:
+            k, v = self.pool.k, self.pool.v
+            k.share_memory_(), v.share_memory_()
+            self._call("kv", k, v)
+            self._sent_kv = (k, v)
+        self._ctl[ABANDON] = 0
+        self._conn.send((kind, items, arg))
+        fd = self._conn.fileno()
+        polls = 0
+        while not select.select([fd], [], [], POLL_S)[0]:  # (Connection.poll builds a selector per call)
+            if should_stop is not None and not self._ctl[ABANDON] and should_stop():
+                self._ctl[ABANDON] = 1
+            polls += 1
+            if polls % ALIVE_EVERY_POLLS == 0 and not self._process.is_alive() and not self._conn.poll():
+                raise EOFError("rollout forward process exited")
+        reply, detail = self._conn.recv()
+        if reply == "error":
+            raise RuntimeError(f"rollout forward process: {detail}")
+        return detail
+
+    def _call(self, kind: str, *body):
+        self._await_ready()
+        self._conn.send((kind, *body))
+        reply, detail = self._conn.recv()
+        if reply == "error":
+            raise RuntimeError(f"rollout forward process: {detail}")
+        return detail
+
+    def _await_ready(self) -> None:
+        if self._ready:
+            return
+        if not self._conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"the rollout forward process did not start within {START_TIMEOUT_S:.0f} s")
+        kind, _pid = self._conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"rollout forward process: unexpected first message {kind!r}")
+        self._ready = True
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        process = self._process
+        self._process = None
+        if process is not None and process.is_alive():
+            process.kill()
+        if process is not None:
+            process.join()
+        self.start()
+
+    def _exitcode(self):
+        return self._process.exitcode if self._process is not None else None
+
+
+def shared_memory_shortfall(model: torch.nn.Module, pool: KVPool) -> int:
+    """Bytes missing from ``SHM_DIR`` (a tmpfs) for the policy's weights and the rollout KV pool; 0 when
+    they fit. A container's /dev/shm is 64 MB unless raised: a mapping past it would kill the
+    executor with SIGBUS at first touch, so the engine checks first and stays in one process."""
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * pool.k.numel() * pool.k.element_size()
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return need
+    return max(0, need + SHM_HEADROOM_BYTES - st.f_bavail * st.f_frsize)
+
+
+def child_rss_bytes(runner: PagedModelRunner) -> int:
+    """Resident memory of a runner's forward process (0 for a runner in this process)."""
+    return runner.child_rss_bytes() if isinstance(runner, ProcessRunner) else 0

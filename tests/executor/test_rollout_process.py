@@ -1,0 +1,157 @@
+"""The rollout lane's forwards and sampling in a child process (CPU): same tokens, same logprobs,
+same weights, same KV as in the engine's own process; a dead child is replaced and nothing is lost."""
+
+import asyncio
+import dataclasses
+import os
+import signal
+
+import torch
+
+from rose.services.executor.engine import EngineConfig
+from rose.services.executor.model_runner import ForwardItem
+from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.rollout_process import WIDTH, ProcessRunner, _Samplers
+from rose.services.executor.sampling import SamplerState
+from rose.shared.models import load_model
+
+# one torch thread throughout: a lane widened over a lent core for some layers rounds differently
+
+HERE = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0, lend_serving_core=False)
+IN_CHILD = dataclasses.replace(HERE, rollout_process=True)
+
+
+def _turns(tag: str, n: int = 6) -> list[GenerationRequest]:
+    """Sampled rollout turns of different lengths, two of them one trajectory's turns."""
+    out = []
+    for i in range(n):
+        sampling = SamplingParams(temperature=0.9, top_p=0.95 if i == 1 else 1.0, max_tokens=12 + 3 * i, seed=100 + i, ignore_eos=True)
+        out.append(GenerationRequest(f"{tag}-{i}", WorkClass.ROLLOUT, tuple(range(30 + i, 50 + 2 * i)), sampling, trajectory_id=f"{tag}-traj" if i < 2 else None, stream=False))
+    return out
+
+
+async def _generate(engine, requests) -> list[tuple[tuple[int, ...], tuple[float, ...], int]]:
+    """One at a time: a batch's make-up (which depends on when the lane wakes) changes float rounding."""
+    results = [await engine.submit(r).result() for r in requests]
+    return [(r.token_ids, r.logprobs, r.policy_version) for r in results]
+
+
+def _same(a, b) -> bool:
+    """Same tokens and versions; logprobs equal up to float rounding (the child's tensors sit in
+    shared memory, aligned differently, and BLAS kernels round by alignment). A sampled token
+    only changes if its uniform falls within that rounding of a CDF step."""
+    return len(a) == len(b) and all(
+        ta == tb and va == vb and torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-4) for (ta, la, va), (tb, lb, vb) in zip(a, b)
+    )
+
+
+def _runner(engine) -> ProcessRunner:
+    runner = engine._rollout.runner
+    assert isinstance(runner, ProcessRunner) and runner.child_pid != os.getpid()
+    return runner
+
+
+async def test_the_child_samples_exactly_what_the_engine_would(make_engine):
+    here = make_engine(config=HERE, fresh_policy=True)
+    there = make_engine(config=IN_CHILD, fresh_policy=True)
+    _runner(there)
+    assert _same(await _generate(there, _turns("a")), await _generate(here, _turns("a")))
+    # the engine's generators kept pace with the child's: a sequence the engine samples itself
+    # (or a fresh child rebuilds) continues the same stream
+    assert _same(await _generate(there, _turns("b")), await _generate(here, _turns("b")))
+    assert there.stats().device["process_rss_bytes"] > here.stats().device["process_rss_bytes"]  # the child's memory counts
+
+
+async def test_weight_swaps_reach_the_child(make_engine):
+    here = make_engine(config=HERE, fresh_policy=True)
+    there = make_engine(config=IN_CHILD, fresh_policy=True)
+    before = await _generate(there, _turns("w0"))
+    new = {name: t + 0.05 * torch.randn_like(t) for name, t in here.policy_state_dict().items() if name.endswith("mlp.up_proj.weight")}
+    for engine in (here, there):
+        await asyncio.wrap_future(engine.apply_policy_weights(new, 1))
+    after_here, after_there = await _generate(here, _turns("w0")), await _generate(there, _turns("w0"))
+    assert _same(after_there, after_here) and {v for _, _, v in after_there} == {1}
+    assert [t for t, _, _ in after_there] != [t for t, _, _ in before]
+
+
+async def test_a_killed_child_is_replaced_and_the_rollout_goes_on(make_engine):
+    here = make_engine(config=HERE, fresh_policy=True)
+    there = make_engine(config=IN_CHILD, fresh_policy=True)
+    runner = _runner(there)
+    await _generate(there, _turns("k0", 2))
+    os.kill(runner.child_pid, signal.SIGKILL)
+    # a fresh child: weights and KV are the engine's; the sampled streams are rebuilt from seed and draws
+    assert _same(await _generate(there, _turns("k1")), await _generate(here, _turns("k1")))
+    assert runner.restarts == 1
+
+
+async def test_released_and_restored_kv_is_handed_to_the_child(make_engine):
+    here = make_engine(config=HERE, fresh_policy=True)
+    there = make_engine(config=IN_CHILD, fresh_policy=True)
+    await _generate(there, _turns("r0", 2))
+    freed = await asyncio.wrap_future(there.release_rollout_memory(("kv_cache",)))
+    assert freed["kv_cache"] > 0
+    await asyncio.wrap_future(there.resume_rollout_memory(("kv_cache",)))
+    assert _same(await _generate(there, _turns("r1")), await _generate(here, _turns("r1")))
+
+
+def test_rebuilt_generators_continue_the_engines_stream():
+    params = SamplingParams(temperature=1.0, seed=7)
+    live = SamplerState(params, 7)
+    for _ in range(5):
+        live.draw()
+    samplers = _Samplers()
+    (_, rebuilt), = samplers.states([(0, 1, params, 7, live.draws)])
+    assert rebuilt.draw().item() == live.draw().item()
+    (_, same), = samplers.states([(0, 1, params, 7, live.draws)])
+    assert same is rebuilt  # kept while in step with the engine
+    (_, other), = samplers.states([(0, 1, params, 8, live.draws)])
+    assert other is not rebuilt  # another sequence behind a reused key: never its generator
+
+
+def test_a_forward_stops_at_the_childs_safepoint_and_samples_nothing(loaded, make_engine):
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    runner = _runner(engine)
+    pool = engine._rollout.pool
+    pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
+    tokens = 256
+    items = [ForwardItem(pool.allocate(pool.blocks_for(tokens)), 0, list(range(10, 10 + tokens))) for _ in range(16)]
+    state = SamplerState(SamplingParams(temperature=1.0), 3)
+    assert runner.forward_sample(items, [(0, state)], should_stop=lambda: True) is None  # a 4k-token prefill: stopped at a layer
+    assert state.draws == 0  # nothing sampled, no randomness used
+    ids, logprobs = runner.forward_sample(items, [(0, state)])
+    assert len(ids) == 1 and state.draws == 1
+
+
+def test_the_child_takes_the_width_core_lending_asks_for(loaded, make_engine):
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    runner = _runner(engine)
+    pool = engine._rollout.pool
+    pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
+    items = [ForwardItem(pool.allocate(1), 0, [11, 12, 13])]
+    runner.set_width(2)  # idle child: nothing to wait for
+    runner.forward_sample(items, [])
+    assert runner._ctl[WIDTH] == 2  # applied at the forward's first safepoint
+    runner.set_width(1)
+    runner.forward_sample(items, [])
+    assert runner._ctl[WIDTH] == 1
+
+
+def test_process_runner_refuses_a_model_off_the_cpu(model_paths):
+    model = load_model(model_paths.policy)
+    model.to("meta")
+    try:
+        ProcessRunner(model, None, 1)
+    except ValueError as exc:
+        assert "CPU" in str(exc)
+    else:
+        raise AssertionError("a non-CPU model was accepted")
+
+
+def test_too_little_shared_memory_keeps_the_forwards_in_process(make_engine, monkeypatch, tmp_path, caplog):
+    from rose.services.executor import rollout_process
+
+    monkeypatch.setattr(rollout_process, "SHM_DIR", str(tmp_path / "no-tmpfs-here"))
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    assert not isinstance(engine._rollout.runner, ProcessRunner)
+    assert "shared memory lacks" in caplog.text
