@@ -93,12 +93,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def process_rss_bytes() -> int:
+def process_rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of this process, or of process ``pid`` (0 once it is gone)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return 0 if pid else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class CpuDevice:

@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
 
 from .core_lending import RETURN_TIMEOUT_S
+from .device import process_rss_bytes
 from .kv_pool import KVPool
 from .model_runner import ForwardItem, PagedModelRunner
 from .protocol import SamplingParams
@@ -216,13 +217,7 @@ class ProcessRunner(PagedModelRunner):
 
     def child_rss_bytes(self) -> int:
         pid = self.child_pid
-        if pid is None:
-            return 0
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            return 0
+        return process_rss_bytes(pid) if pid is not None else 0
 
     # ------------------------------------------------------------------ the runner's interface
     def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
@@ -290,14 +285,14 @@ class ProcessRunner(PagedModelRunner):
             polls += 1
             if polls % ALIVE_EVERY_POLLS == 0 and not self._process.is_alive() and not self._conn.poll():
                 raise EOFError("rollout forward process exited")
-        reply, detail = self._conn.recv()
-        if reply == "error":
-            raise RuntimeError(f"rollout forward process: {detail}")
-        return detail
+        return self._reply()
 
     def _call(self, kind: str, *body):
         self._await_ready()
         self._conn.send((kind, *body))
+        return self._reply()
+
+    def _reply(self):
         reply, detail = self._conn.recv()
         if reply == "error":
             raise RuntimeError(f"rollout forward process: {detail}")
