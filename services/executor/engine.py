@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import itertools
 import logging
@@ -116,6 +117,7 @@ class EngineStats:
     lease_id: str
     lease_budget_bytes: int
     device: dict = field(default_factory=dict)
+    lane_failures: int = 0  # all-time: iterations that raised (logged; their running requests aborted)
 
 
 class RequestHandle:
@@ -200,6 +202,7 @@ class Engine:
                         "(raise it: docker's --shm-size / compose's shm_size)", short >> 20)
             in_child = False
         r_runner = ProcessRunner(policy_model, r_pool, narrow) if in_child else None
+        self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth
         self._serving = _ClassRuntime(WorkClass.SERVING, serving_model, serving_tokenizer, s_pool, Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size), serving_lane)
         self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane, r_runner)
         self.prefix_cache = PrefixCache()
@@ -472,6 +475,7 @@ class Engine:
             prefix_misses=self.prefix_cache.misses,
             preemptions=self.metrics.preemptions,
             compute_yields=self.metrics.compute_yields,
+            lane_failures=self.metrics.lane_failures,
             reclaim_latency_ms=interval.reclaim_ms,
             max_swap_pause_ms=self.metrics.max_swap_pause_ms,
             policy_version=self.policy_version,
@@ -504,7 +508,7 @@ class Engine:
                 self._serving_wait(rt, IDLE_WAIT_S)
                 continue
             self._cores.take_back()
-            with rt.lane.run():
+            with rt.lane.run(), self._lane_survives(rt):
                 self._iterate_timed(rt, admit=True)
 
     def _serving_wait(self, rt: _ClassRuntime, seconds: float) -> None:
@@ -534,7 +538,26 @@ class Engine:
                 self._rollout_idle(keep_priority=True)
                 time.sleep(PAUSE_POLL_S)
                 continue
-            self._run_quantum(rt)
+            with self._lane_survives(rt):
+                self._run_quantum(rt)
+
+    @contextlib.contextmanager
+    def _lane_survives(self, rt: _ClassRuntime):
+        """An iteration that raises (a bug, or a rollout forward process that died twice in a row)
+        must not end the lane's thread, which would leave every later request of its class
+        waiting forever: it is logged, the lane's running requests finish with "abort" (with the
+        tokens they have; their KV is freed) and the lane goes on with the rest."""
+        try:
+            yield
+        except Exception:
+            log.exception("%s lane: an iteration failed; its %d running requests are aborted", rt.work_class.value, len(rt.running))
+            self.metrics.lane_failed()
+            running, rt.running = rt.running, []
+            for seq in running:
+                rt.pool.free(seq.blocks)
+                seq.blocks = []
+                self._finish(rt, seq, "abort")
+            self._in_quantum = False
 
     def _rollout_idle(self, keep_priority: bool = False) -> None:
         """Not computing: give a lent core back at once and stay narrow (no safepoint would narrow later)."""
@@ -569,7 +592,7 @@ class Engine:
         s = self._serving
         return Signals(
             time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
-            s.limits.max_batch,
+            s.limits.max_batch, not self._rollout_in_child,
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -707,8 +730,11 @@ class Engine:
             return []
         items = [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n]) for s, n in work]
         ends = [row for row, (s, n) in enumerate(work) if s.num_cached + n == len(s.tokens)]
-        should_stop = self._rollout_safepoint if rt is self._rollout and self.policy.yields_on_arrival else None
-        sampled = rt.runner.forward_sample(items, [(row, work[row][0].sampler) for row in ends], should_stop=should_stop)
+        steered = rt is self._rollout and self.policy.yields_on_arrival
+        sampled = rt.runner.forward_sample(
+            items, [(row, work[row][0].sampler) for row in ends],
+            should_stop=self._rollout_safepoint if steered else None, should_hold=self._rollout_holds if steered else None,
+        )
         if sampled is None:
             return None
         for seq, n in work:
@@ -724,6 +750,13 @@ class Engine:
         if self._cores.enabled:
             self._fit_width()
         return self._yield_at is not None
+
+    def _rollout_holds(self) -> bool:
+        """Asked with the safepoint: while the policy would not start rollout now (on CPU, beside
+        serving: a serving backlog, a serving step near the TPOT SLO), the forward in flight waits
+        at its next layer safepoint instead of running on beside serving for the rest of its
+        tens of milliseconds. Where the lanes overlap, an arrival abandons it instead."""
+        return not self._rollout_overlaps_serving and not self.policy.may_run_rollout(self._signals())
 
     def _process(self, rt: _ClassRuntime, ready: list[tuple[Sequence, int, float]]) -> None:
         if not ready:

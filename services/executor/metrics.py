@@ -41,6 +41,11 @@ class EngineMetrics:
         self.compute_yields = 0  # times the rollout lane yielded to serving
         self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
         self.max_swap_pause_ms = 0.0
+        self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
+
+    def lane_failed(self) -> None:
+        with self._lock:
+            self.lane_failures += 1
 
     def serving_arrival(self) -> None:
         with self._lock:

@@ -15,8 +15,8 @@ Not supported (checked at construction): sliding-window attention and dynamic ro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from .kv_pool import KVPool, KVShape
 from .sampling import SamplerState, sample_batch
 from .weights import StagedWeights
+
+
+HOLD_POLL_S = 0.0002  # how often a held forward asks whether to go on
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` without ``nn.Module.__call__``'s hook bookkeeping (Python, under the interpreter lock)."""
-    return F.linear(x, module.weight, module.bias)
+def _linear(weight_bias: tuple, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's ``(weight, bias)`` applied without ``nn.Module.__call__``'s hook bookkeeping
+    (Python, under the interpreter lock)."""
+    return F.linear(x, *weight_bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,39 +66,122 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class PagedModelRunner:
-    """Runs one HF Qwen2/Llama model against one KV pool."""
+def holding(should_stop: Callable[[], bool] | None, should_hold: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """A layer safepoint that also *holds*: while ``should_hold()`` the forward waits where it is,
+    keeping the layers it has done, and goes on when it turns false; ``should_stop`` still wins
+    (True: abandon). Why: on CPU a serving burst should have the core now, not after the rest of a
+    rollout forward (tens of ms), and abandoning would throw the finished layers away."""
+    if should_hold is None:
+        return should_stop
+    def safepoint() -> bool:
+        while True:
+            if should_stop is not None and should_stop():
+                return True
+            if not should_hold():
+                return False
+            time.sleep(HOLD_POLL_S)
+    return safepoint
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers the forward needs from a Qwen2/Llama config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    vocab_size: int
+    max_positions: int
+    attention_scaling: float  # rotary: HF's ``attention_scaling`` (1.0 unless a static rope scaling sets it)
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """What ``PagedModelRunner`` reads of an HF model: its architecture numbers, its parameters by
+    name and the rotary ``inv_freq`` buffer, and nothing of transformers.
+
+    Why: the rollout forward process receives this, not the model, so unpickling it in a fresh
+    interpreter imports torch only (transformers' Qwen2 module alone takes ~3 s to import on the
+    development VM, at every executor start). The parameters are the model's own ``Parameter``
+    objects: a weight swap re-points their ``.data``, and every holder sees it.
+    """
+
+    arch: Architecture
+    params: dict[str, torch.nn.Parameter]  # named_parameters(remove_duplicate=False): tied names both present
+    inv_freq: torch.Tensor
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelWeights":
         cfg = model.config
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the paged runner")
         rope_params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         if rope_params.get("rope_type", "default") == "dynamic":
             raise ValueError("dynamic rope scaling is not supported by the paged runner")
-        self.model = model
+        shape = kv_shape_of(model)
+        rotary = model.model.rotary_emb
+        arch = Architecture(
+            shape.num_layers, cfg.num_attention_heads, shape.num_kv_heads, shape.head_dim, cfg.rms_norm_eps,
+            cfg.vocab_size, cfg.max_position_embeddings, float(getattr(rotary, "attention_scaling", 1.0)),
+        )
+        return cls(arch, dict(model.named_parameters(remove_duplicate=False)), rotary.inv_freq)
+
+    def linear(self, prefix: str) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+        return self.params[f"{prefix}.weight"], self.params.get(f"{prefix}.bias")
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    input_norm: torch.nn.Parameter
+    q: tuple
+    k: tuple
+    v: tuple
+    o: tuple
+    post_norm: torch.nn.Parameter
+    gate: tuple
+    up: tuple
+    down: tuple
+
+
+class PagedModelRunner:
+    """Runs one HF Qwen2/Llama model (or its ``ModelWeights``) against one KV pool."""
+
+    def __init__(self, model: torch.nn.Module | ModelWeights, pool: KVPool) -> None:
+        weights = model if isinstance(model, ModelWeights) else ModelWeights.of(model)
+        self.model = None if isinstance(model, ModelWeights) else model
+        self.weights = weights
         self.pool = pool
-        self.config = cfg
-        self.shape = kv_shape_of(model)
-        self.num_heads = cfg.num_attention_heads
-        self.eps = cfg.rms_norm_eps
-        self.vocab_size = cfg.vocab_size
-        self.max_positions = cfg.max_position_embeddings
-        self.device = next(model.parameters()).device
-        body = model.model
-        self._embed = body.embed_tokens
-        self._layers = list(body.layers)
-        self._norm = body.norm
-        self._lm_head = model.lm_head
-        self._rotary = body.rotary_emb
+        arch = weights.arch
+        self.num_heads = arch.num_heads
+        self.eps = arch.eps
+        self.vocab_size = arch.vocab_size
+        self.max_positions = arch.max_positions
+        self._embed = weights.params["model.embed_tokens.weight"]
+        self.device = self._embed.device
+        self.shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, self._embed.dtype)
+        self._layers = [
+            _LayerWeights(
+                weights.params[f"model.layers.{i}.input_layernorm.weight"],
+                *(weights.linear(f"model.layers.{i}.self_attn.{n}_proj") for n in "qkvo"),
+                weights.params[f"model.layers.{i}.post_attention_layernorm.weight"],
+                *(weights.linear(f"model.layers.{i}.mlp.{n}_proj") for n in ("gate", "up", "down")),
+            )
+            for i in range(arch.num_layers)
+        ]
+        self._norm = weights.params["model.norm.weight"]
+        self._lm_head = weights.linear("lm_head") if "lm_head.weight" in weights.params else (self._embed, None)
 
     def forward_sample(
-        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None
+        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None,
+        should_hold: Callable[[], bool] | None = None,
     ) -> tuple[list[int], list[float]] | None:
         """Forward, then sample one token for each ``(row, sampler)`` (the rows whose item reaches
         its sequence's end): their ids and logprobs, or None when abandoned at a safepoint
-        (nothing sampled: preemption never consumes randomness)."""
-        logits = self.forward(items, should_stop=should_stop)
+        (nothing sampled: preemption never consumes randomness). While ``should_hold`` says so
+        the forward waits at its next safepoint (see ``holding``)."""
+        logits = self.forward(items, should_stop=holding(should_stop, should_hold))
         if logits is None:
             return None
         if not samples:
@@ -152,35 +239,34 @@ class PagedModelRunner:
         slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
         tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
 
-        x = F.embedding(tokens, self._embed.weight)
+        x = F.embedding(tokens, self._embed)
         cos, sin = self._rope(positions, x.dtype)
         for li, layer in enumerate(self._layers):
             if should_stop is not None and should_stop():
                 return None
-            x = x + self._attention(layer, li, _rms_norm(x, layer.input_layernorm.weight, self.eps), cos, sin, slots, valid, gather, mask)
+            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, valid, gather, mask)
             if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
                 return None
-            x = x + self._mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
-        x = _rms_norm(x, self._norm.weight, self.eps)
+            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.eps))
+        x = _rms_norm(x, self._norm, self.eps)
         if all_logits:
             return _linear(self._lm_head, x).float()
         last = torch.tensor([q - 1 for q in qlens], device=dev)
         return _linear(self._lm_head, x[torch.arange(batch, device=dev), last]).float()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._rotary.inv_freq.float()
+        inv_freq = self.weights.inv_freq.float()
         freqs = positions.float()[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = getattr(self._rotary, "attention_scaling", 1.0)
+        scale = self.weights.arch.attention_scaling
         return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
-    def _attention(self, layer, li: int, h: torch.Tensor, cos, sin, slots, valid, gather, mask) -> torch.Tensor:
-        attn = layer.self_attn
+    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, valid, gather, mask) -> torch.Tensor:
         batch, max_q, _ = h.shape
         hd, kvh = self.shape.head_dim, self.shape.num_kv_heads
-        q = _linear(attn.q_proj, h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
-        k = _linear(attn.k_proj, h).view(batch, max_q, kvh, hd).transpose(1, 2)
-        v = _linear(attn.v_proj, h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        q = _linear(layer.q, h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
+        k = _linear(layer.k, h).view(batch, max_q, kvh, hd).transpose(1, 2)
+        v = _linear(layer.v, h).view(batch, max_q, kvh, hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k_cache, v_cache = self.pool.k[li], self.pool.v[li]
@@ -190,8 +276,8 @@ class PagedModelRunner:
         keys = k_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
         values = v_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return _linear(attn.o_proj, out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
+        return _linear(layer.o, out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
 
     @staticmethod
-    def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
-        return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))
+    def _mlp(layer: _LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        return _linear(layer.down, F.silu(_linear(layer.gate, h)) * _linear(layer.up, h))

@@ -20,9 +20,11 @@ it has drawn, and the child keeps (or rebuilds) the generator at that point (``_
 How the engine still steers a forward in flight: a small shared array. The child reads it
 at each layer safepoint (as ``PagedModelRunner.forward``'s ``should_stop``): ``abandon``
 (the engine's own safepoint said stop: lease gone, paused, stopping, a serving arrival
-while the lanes overlap) and ``want_width`` (core lending: torch threads to use; the child
-acknowledges in ``width``, and the engine waits for that before serving takes its core back).
-While a forward runs, the engine's rollout thread polls its safepoint every ``POLL_S``.
+while the lanes overlap), ``hold`` (a serving burst: wait at the safepoint, keeping the
+layers done, until it clears; ``model_runner.holding``) and ``want_width`` (core lending:
+torch threads to use; the child acknowledges in ``width``, and the engine waits for that
+before serving takes its core back). While a forward runs, the engine's rollout thread
+polls its safepoint and hold condition every ``POLL_S``.
 
 If the child dies, the next forward starts a new one (the KV and weights are the engine's)
 and runs again; nothing the rollout produced is lost.
@@ -41,20 +43,20 @@ import torch.multiprocessing as torch_mp  # registers the shared-memory tensor r
 from .core_lending import RETURN_TIMEOUT_S
 from .device import process_rss_bytes
 from .kv_pool import KVPool
-from .model_runner import ForwardItem, PagedModelRunner
+from .model_runner import ForwardItem, ModelWeights, PagedModelRunner, holding
 from .protocol import SamplingParams
 from .sampling import SamplerState
 from .weights import StagedWeights
 
 POLL_S = 0.001  # how often the engine's rollout thread asks its safepoint while the child computes
-START_TIMEOUT_S = 120.0  # importing torch and transformers in a fresh interpreter
+START_TIMEOUT_S = 120.0  # importing torch in a fresh interpreter (seconds on a busy machine)
 ACK_POLL_S = 0.0002  # while waiting for the child to narrow
 SHM_DIR = "/dev/shm"  # where torch's shared tensors live (POSIX shared memory)
 SHM_HEADROOM_BYTES = 64 << 20  # staged weight versions, the resource tracker's own
 ALIVE_EVERY_POLLS = 50  # a dead child is noticed within this many polls (a system call each: not every poll)
 
 # fields of the shared control array
-ABANDON, WANT_WIDTH, WIDTH, BUSY = range(4)
+ABANDON, WANT_WIDTH, WIDTH, BUSY, HOLD, HELD = range(6)  # HELD: safepoint polls the child has spent holding
 
 
 class _PoolView:
@@ -64,12 +66,12 @@ class _PoolView:
         self.k, self.v, self.block_size = k, v, block_size
 
 
-def _child_main(conn, model: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, block_size: int, ctl, threads: int) -> None:
+def _child_main(conn, weights: ModelWeights, k: torch.Tensor, v: torch.Tensor, block_size: int, ctl, threads: int) -> None:
     """The child's loop: one message in, one reply out, until "close" or the engine goes away."""
     torch.set_num_threads(threads)
     ctl[WIDTH] = threads
-    runner = PagedModelRunner(model, _PoolView(k, v, block_size))
-    params = dict(model.named_parameters(remove_duplicate=False))
+    runner = PagedModelRunner(weights, _PoolView(k, v, block_size))
+    params = weights.params
     width = threads
     samplers = _Samplers()
 
@@ -81,9 +83,17 @@ def _child_main(conn, model: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, 
             width = want
             ctl[WIDTH] = want
 
-    def safepoint() -> bool:
+    def abandoned() -> bool:
         fit_width()
         return ctl[ABANDON] != 0
+
+    def held() -> bool:
+        if ctl[HOLD]:
+            ctl[HELD] += 1
+            return True
+        return False
+
+    safepoint = holding(abandoned, held)
 
     conn.send(("ready", os.getpid()))
     while True:
@@ -159,7 +169,8 @@ class ProcessRunner(PagedModelRunner):
 
     Everything else (shapes, vocabulary, positions) is answered locally from the same model.
     ``start`` launches the child and waits until it is ready (a fresh interpreter importing
-    torch and transformers: seconds); ``close`` at the end.
+    torch: about two seconds; it is sent the model's ``ModelWeights``, which need no
+    transformers); ``close`` at the end.
     """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, threads: int) -> None:
@@ -168,7 +179,7 @@ class ProcessRunner(PagedModelRunner):
         super().__init__(model, pool)
         self.threads = threads
         self._ctx = torch_mp.get_context("spawn")
-        self._ctl = self._ctx.RawArray("i", 4)
+        self._ctl = self._ctx.RawArray("i", 6)
         self._ctl[WANT_WIDTH] = self._ctl[WIDTH] = threads
         self._process = None
         self._conn = None
@@ -186,7 +197,7 @@ class ProcessRunner(PagedModelRunner):
         ours, theirs = self._ctx.Pipe()
         self._ctl[ABANDON], self._ctl[BUSY], self._ctl[WIDTH] = 0, 0, self._ctl[WANT_WIDTH]
         self._process = self._ctx.Process(
-            target=_child_main, args=(theirs, self.model, k, v, self.pool.block_size, self._ctl, self._ctl[WANT_WIDTH]),
+            target=_child_main, args=(theirs, self.weights, k, v, self.pool.block_size, self._ctl, self._ctl[WANT_WIDTH]),
             name="rose-rollout-forward", daemon=True,
         )
         self._process.start()
@@ -221,26 +232,27 @@ class ProcessRunner(PagedModelRunner):
 
     # ------------------------------------------------------------------ the runner's interface
     def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
-        logits = self._in_child("forward", items, all_logits, should_stop)
+        logits = self._in_child("forward", items, all_logits, should_stop, None)
         return None if logits is None else torch.from_numpy(logits)
 
     def forward_sample(
-        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None
+        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None,
+        should_hold: Callable[[], bool] | None = None,
     ) -> tuple[list[int], list[float]] | None:
         """Forward and sample in the child: only ids and logprobs cross the pipe, and none of the
         sampling ops run here (each would hand this interpreter's lock to the serving lane and back)."""
         specs = [(row, id(state), state.params, state.seed, 0 if state.greedy else state.draws) for row, state in samples]
-        sampled = self._in_child("sample", items, specs, should_stop)
+        sampled = self._in_child("sample", items, specs, should_stop, should_hold)
         if sampled is not None:
             for _, state in samples:  # count the child's draws (no torch op: each would hand this interpreter's lock over)
                 if not state.greedy:
                     state.skip()
         return sampled
 
-    def _in_child(self, kind: str, items: list[ForwardItem], arg, should_stop) -> object:
+    def _in_child(self, kind: str, items: list[ForwardItem], arg, should_stop, should_hold) -> object:
         for attempt in range(2):
             try:
-                return self._forward_once(kind, items, arg, should_stop)
+                return self._forward_once(kind, items, arg, should_stop, should_hold)
             except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
                 if attempt:
                     raise RuntimeError(f"the rollout forward process died twice in a row (exit code {self._exitcode()})") from exc
@@ -266,7 +278,7 @@ class ProcessRunner(PagedModelRunner):
             time.sleep(ACK_POLL_S)
 
     # ------------------------------------------------------------------ internals
-    def _forward_once(self, kind: str, items, arg, should_stop) -> object:
+    def _forward_once(self, kind: str, items, arg, should_stop, should_hold) -> object:
         if self._process is None:
             self.start()
         self._await_ready()
@@ -275,16 +287,22 @@ class ProcessRunner(PagedModelRunner):
             k.share_memory_(), v.share_memory_()
             self._call("kv", k, v)
             self._sent_kv = (k, v)
-        self._ctl[ABANDON] = 0
+        ctl = self._ctl
+        ctl[ABANDON] = ctl[HOLD] = 0
         self._conn.send((kind, items, arg))
         fd = self._conn.fileno()
         polls = 0
-        while not select.select([fd], [], [], POLL_S)[0]:  # (Connection.poll builds a selector per call)
-            if should_stop is not None and not self._ctl[ABANDON] and should_stop():
-                self._ctl[ABANDON] = 1
-            polls += 1
-            if polls % ALIVE_EVERY_POLLS == 0 and not self._process.is_alive() and not self._conn.poll():
-                raise EOFError("rollout forward process exited")
+        try:
+            while not select.select([fd], [], [], POLL_S)[0]:  # (Connection.poll builds a selector per call)
+                if should_stop is not None and not ctl[ABANDON] and should_stop():
+                    ctl[ABANDON] = 1
+                if should_hold is not None:
+                    ctl[HOLD] = int(should_hold())
+                polls += 1
+                if polls % ALIVE_EVERY_POLLS == 0 and not self._process.is_alive() and not self._conn.poll():
+                    raise EOFError("rollout forward process exited")
+        finally:
+            ctl[HOLD] = 0
         return self._reply()
 
     def _call(self, kind: str, *body):

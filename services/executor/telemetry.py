@@ -41,6 +41,9 @@ class ExecutorInstruments:
         self.prefix_hits = m.create_counter(metric_name("executor.prefix_cache_hits"), unit="{hit}", description="Rollout prefix-cache hits.")
         self.prefix_misses = m.create_counter(metric_name("executor.prefix_cache_misses"), unit="{miss}", description="Rollout prefix-cache misses.")
         self.preemptions = m.create_counter(metric_name("executor.rollout_preemptions"), unit="{preemption}", description="Rollout sequences preempted (KV dropped, recomputed later).")
+        self.lane_failures = m.create_counter(
+            metric_name("executor.lane_failures"), unit="{iteration}", description="Engine iterations that raised: logged, their running requests aborted, the lane went on."
+        )
         self.policy_version = m.create_gauge(metric_name("executor.policy_version"), unit="{version}", description="Policy weight version serving rollout.")
         self.lease_bytes = m.create_gauge(metric_name("executor.rollout_lease"), unit="By", description="KV bytes lent to rollout by the current lease.")
         self.lease_held = m.create_gauge(metric_name("executor.rollout_lease_held"), description="1 while the executor holds a rollout lease (or is dedicated), else 0.")
@@ -60,7 +63,7 @@ class Telemetry:
         self.interval_s = interval_s
         self.last: EngineStats | None = None
         self.instruments = ExecutorInstruments()
-        self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0}
+        self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0, "lane_failures": 0}
 
     def snapshot(self, stats: EngineStats) -> MetricsSnapshot:
         return MetricsSnapshot(
@@ -124,6 +127,7 @@ class Telemetry:
             ("prefix_hits", i.prefix_hits, stats.prefix_hits),
             ("prefix_misses", i.prefix_misses, stats.prefix_misses),
             ("preemptions", i.preemptions, stats.preemptions),
+            ("lane_failures", i.lane_failures, stats.lane_failures),
         ):  # the engine counts since start: add what is new
             counter.add(max(0, value - self._cumulative[key]), self._attrs())
             self._cumulative[key] = value

@@ -107,6 +107,12 @@ def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
     assert not rose.may_run_rollout(Signals(0.0, serving_running=12, **side_by_side))  # 3/8 of the batch: a burst is filling it
     unknown_limit = {**side_by_side, "serving_max_batch": 0}
     assert rose.may_run_rollout(Signals(0.0, serving_running=30, **unknown_limit))
+    # rollout forwards in a process of their own: no interpreter lock to hand over, so only the backlog and
+    # iteration-time guards (which see the hardware's interference directly) pause it
+    own_process = {**side_by_side, "shares_interpreter": False}
+    assert rose.may_run_rollout(Signals(0.0, serving_running=30, **own_process))
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2}))
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_iteration_ms": 33.0}))
 
 
 async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):

@@ -11,7 +11,7 @@ import torch
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.model_runner import ForwardItem
 from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
-from rose.services.executor.rollout_process import WIDTH, ProcessRunner, _Samplers
+from rose.services.executor.rollout_process import HELD, WIDTH, ProcessRunner, _Samplers
 from rose.services.executor.sampling import SamplerState
 from rose.shared.models import load_model
 
@@ -60,6 +60,23 @@ async def test_the_child_samples_exactly_what_the_engine_would(make_engine):
     # (or a fresh child rebuilds) continues the same stream
     assert _same(await _generate(there, _turns("b")), await _generate(here, _turns("b")))
     assert there.stats().device["process_rss_bytes"] > here.stats().device["process_rss_bytes"]  # the child's memory counts
+    # the policy's occupancy guard applies only where rollout ops hand the serving lane's interpreter lock over
+    assert here._signals().shares_interpreter and not there._signals().shares_interpreter
+
+
+def test_the_child_is_sent_weights_that_need_no_transformers(model_paths):
+    """What the child unpickles (``ModelWeights``) imports torch only: transformers' model code
+    would add seconds to every executor start."""
+    import pickle
+    import subprocess
+    import sys
+
+    from rose.services.executor.model_runner import ModelWeights
+
+    weights = ModelWeights.of(load_model(model_paths.policy))
+    probe = "import pickle, sys; w = pickle.load(sys.stdin.buffer); print(sorted(m for m in sys.modules if m.startswith('transformers')), len(w.params))"
+    done = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps(weights), capture_output=True, check=True)
+    assert done.stdout.decode().split() == ["[]", str(len(weights.params))]
 
 
 async def test_weight_swaps_reach_the_child(make_engine):
@@ -109,18 +126,53 @@ def test_rebuilt_generators_continue_the_engines_stream():
     assert other is not rebuilt  # another sequence behind a reused key: never its generator
 
 
-def test_a_forward_stops_at_the_childs_safepoint_and_samples_nothing(loaded, make_engine):
+def _long_prefill(make_engine) -> tuple[ProcessRunner, list[ForwardItem]]:
+    """An in-child engine's runner and a 4k-token prefill (16 x 256): it outlasts the engine's 1 ms
+    polls, so the child meets the engine's stop or hold at one of its layer safepoints."""
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
-    runner = _runner(engine)
     pool = engine._rollout.pool
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
     tokens = 256
-    items = [ForwardItem(pool.allocate(pool.blocks_for(tokens)), 0, list(range(10, 10 + tokens))) for _ in range(16)]
+    return _runner(engine), [ForwardItem(pool.allocate(pool.blocks_for(tokens)), 0, list(range(10, 10 + tokens))) for _ in range(16)]
+
+
+def test_a_forward_stops_at_the_childs_safepoint_and_samples_nothing(loaded, make_engine):
+    runner, items = _long_prefill(make_engine)
     state = SamplerState(SamplingParams(temperature=1.0), 3)
     assert runner.forward_sample(items, [(0, state)], should_stop=lambda: True) is None  # a 4k-token prefill: stopped at a layer
     assert state.draws == 0  # nothing sampled, no randomness used
     ids, logprobs = runner.forward_sample(items, [(0, state)])
     assert len(ids) == 1 and state.draws == 1
+
+
+def test_a_held_forward_waits_at_a_safepoint_and_goes_on_where_it_was(loaded, make_engine):
+    """A serving burst holds the child's forward at a layer safepoint; released, it finishes with
+    exactly the result of a forward never held (nothing redone, no randomness used meanwhile)."""
+    runner, items = _long_prefill(make_engine)
+    params = SamplingParams(temperature=1.0)
+    free = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))])
+    asked = []
+
+    def burst() -> bool:  # the engine's hold condition, true for the first 30 polls (~30 ms)
+        asked.append(len(asked) < 30)
+        return asked[-1]
+
+    before = runner._ctl[HELD]
+    held = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))], should_hold=burst)
+    assert runner._ctl[HELD] > before  # a 4k-token prefill: the child reached a safepoint while held
+    assert held == free and len(asked) > 30
+    stopped = runner.forward_sample(items, [(0, SamplerState(params, 3))], should_stop=lambda: len(asked) > 40, should_hold=lambda: asked.append(True) or True)
+    assert stopped is None  # a stop while held still abandons
+
+
+def test_holding_in_process_waits_and_stop_still_wins():
+    from rose.services.executor.model_runner import holding
+
+    assert holding(None, None) is None
+    calls = []
+    safepoint = holding(lambda: False, lambda: calls.append(1) or len(calls) < 5)
+    assert safepoint() is False and len(calls) == 5  # waited through four "hold" answers, then went on
+    assert holding(lambda: True, lambda: True)() is True
 
 
 def test_the_child_takes_the_width_core_lending_asks_for(loaded, make_engine):
@@ -155,3 +207,26 @@ def test_too_little_shared_memory_keeps_the_forwards_in_process(make_engine, mon
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
     assert not isinstance(engine._rollout.runner, ProcessRunner)
     assert "shared memory lacks" in caplog.text
+
+
+async def test_the_rollout_lane_outlives_a_child_that_dies_twice(make_engine, monkeypatch, caplog):
+    """A forward process that dies twice in a row fails that iteration, not the lane: its running
+    requests finish with "abort" (nothing waits forever), the failure is logged and counted, and
+    the next request gets a fresh child."""
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    runner = _runner(engine)
+    real, deaths = ProcessRunner._forward_once, []
+
+    def dies_twice(self, *args):  # fault injection: the child gone before each of two replies
+        if len(deaths) < 2:
+            deaths.append(self.child_pid)
+            raise EOFError("rollout forward process exited")
+        return real(self, *args)
+
+    monkeypatch.setattr(ProcessRunner, "_forward_once", dies_twice)
+    failed = await engine.submit(_turns("dead", 1)[0]).result()
+    assert failed.finish_reason == "abort" and engine.stats().lane_failures == 1
+    assert "an iteration failed" in caplog.text and runner.restarts == 1
+    after = await engine.submit(_turns("alive", 1)[0]).result()
+    assert after.finish_reason == "length" and len(after.token_ids) == 12
+    assert engine._rollout.pool.usage().used_blocks == sum(len(s.blocks) for s in engine._rollout.running) + engine.prefix_cache.cached_blocks
