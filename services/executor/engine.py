@@ -554,9 +554,7 @@ class Engine:
             self.metrics.lane_failed()
             running, rt.running = rt.running, []
             for seq in running:
-                rt.pool.free(seq.blocks)
-                seq.blocks = []
-                self._finish(rt, seq, "abort")
+                self._abort(rt, seq)
             self._in_quantum = False
 
     def _rollout_idle(self, keep_priority: bool = False) -> None:
@@ -660,15 +658,19 @@ class Engine:
         self.metrics.preempted()
 
     # ------------------------------------------------------------------ one iteration
+    def _abort(self, rt: _ClassRuntime, seq: Sequence) -> None:
+        """Free a sequence's KV (taken off its queue by the caller) and finish it with "abort"."""
+        rt.pool.free(seq.blocks)
+        seq.blocks = []
+        self._finish(rt, seq, "abort")
+
     def _receive(self, rt: _ClassRuntime) -> None:
         while rt.aborts:
             rid = rt.aborts.popleft()
             for queue in (rt.inbox, rt.waiting, rt.running):
                 for seq in [s for s in queue if s.request.request_id == rid]:
                     queue.remove(seq)
-                    rt.pool.free(seq.blocks)
-                    seq.blocks = []
-                    self._finish(rt, seq, "abort")
+                    self._abort(rt, seq)
         while rt.inbox:
             seq = rt.inbox.popleft()
             if rt is self._rollout and seq.request.trajectory_id is not None:

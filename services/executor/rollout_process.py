@@ -264,7 +264,7 @@ class ProcessRunner(PagedModelRunner):
         start = time.perf_counter()
         staged.apply(self.model)
         if self._conn is not None:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
+            params = self.weights.params  # the model's own Parameters, just re-pointed by staged.apply
             self._call("weights", {n: params[n].data for n in staged.tensors if n in params})
         return (time.perf_counter() - start) * 1000.0
 
