@@ -44,7 +44,7 @@ from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
 from rose.shared.bus import Bus
 from rose.shared.models import init_models
 
-from .demo import DEMO_POLICY, SPEC, TRAINER, Observed, run_job
+from .demo import DEMO_POLICY, SPEC, TRAINER, Observed, run_job, trainer_settings
 
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 DEFAULT_DURATION_S = 120.0  # per policy: with start-up and drain the four runs take about 12 minutes on 2 cores
@@ -291,7 +291,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = None, policies: list[str] | None = None, model_dir: str | None = None,
-                  serving: int = 2, dedicated: int = 1, console: Console | None = None) -> dict:
+                  serving: int = 2, dedicated: int = 1, console: Console | None = None, warm_start_steps: int | None = None) -> dict:
     console = console or Console()
     duration = duration_s or DEFAULT_DURATION_S
     # SIGTERM (a test's or CI's timeout) ends the run like Ctrl-C, so the fleet is stopped, not orphaned
@@ -319,7 +319,7 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
         "fleet": {"slo_ttft_ms": SPEC.slo_ttft_ms, "slo_tpot_ms": SPEC.slo_tpot_ms, "base_rps": SPEC.base_rps, "burst_factor": SPEC.burst_factor,
                   "burst_every_s": SPEC.burst_every_s, "burst_len_s": SPEC.burst_len_s, "serving_max_tokens": SPEC.serving_max_tokens,
                   "rollout_max_tokens": SPEC.rollout_max_tokens, "worker_concurrency": SPEC.worker_concurrency},
-        "trainer": dict(TRAINER), "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
+        "trainer": trainer_settings(seed, warm_start_steps), "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
         # what the simulator's calibration (cli/sim/calibration.py e2e_setup) would otherwise assume
         "setup": {
             "serving_prompt_tokens": serving_prompt_tokens, "serving_output_tokens": SPEC.serving_max_tokens,
@@ -334,7 +334,7 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
         started = time.monotonic()
         summary = asyncio.run(run_job(
             root / policy, duration, seed, models, serving, dedicated, console, label=f"rose bench e2e · {policy}", env=POLICY_ENV[policy],
-            drained=extra.drained, on_bus=extra.subscribe, obs=obs,
+            drained=extra.drained, on_bus=extra.subscribe, obs=obs, warm_start_steps=warm_start_steps,
         ))
         result["policies"][policy] = {**policy_figures(summary, obs, extra), "wall_s": time.monotonic() - started, "report": str(root / policy)}
     p = result["policies"]

@@ -185,10 +185,17 @@ def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration
 # ---- the run --------------------------------------------------------------------------
 
 
+def trainer_settings(seed: int, warm_start_steps: int | None = None) -> dict[str, str]:
+    """The demo trainer's settings for one run: TRAINER, the task seed and, when given, a shorter or
+    longer warm start (the suite runs the whole job with fewer SFT steps: learning is not what it checks)."""
+    steps = {} if warm_start_steps is None else {"ROSE_SFT__STEPS": str(warm_start_steps)}
+    return {**TRAINER, "ROSE_TASKS__SEED": str(seed), **steps}
+
+
 async def run_job(
     out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console, *, label: str = "ROSE demo",
     env: dict[str, dict[str, str]] | None = None, drained: set[str] | None = None, on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
-    obs: Observed | None = None,
+    obs: Observed | None = None, warm_start_steps: int | None = None,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -196,6 +203,7 @@ async def run_job(
     ({"serving": ..., "scheduler": ..., "worker": ...}, see fleet.fleet_processes), `drained` is
     the set of serving executors the load balancer sends no traffic to (the caller may change it
     during the run), `on_bus` adds subscriptions beside the observer's, `obs` receives what is observed.
+    `warm_start_steps` replaces the trainer's SFT steps (TRAINER's ROSE_SFT__STEPS) when given.
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
@@ -215,7 +223,7 @@ async def run_job(
     if on_bus is not None:
         await on_bus(bus, obs)
     logs = state / "logs"
-    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, {**TRAINER, "ROSE_TASKS__SEED": str(seed)}, **{f"{part}_env": e for part, e in (env or {}).items()})
+    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, trainer_settings(seed, warm_start_steps), **{f"{part}_env": e for part, e in (env or {}).items()})
     executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
     serving = [n for n, role in executors.items() if role == "serving"]
     try:
@@ -475,6 +483,8 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
     return written
 
 
-def run_demo(*, out: str, duration: float | None, seed: int, models: str | None, serving: int, dedicated: int, console: Console | None = None) -> dict:
+def run_demo(*, out: str, duration: float | None, seed: int, models: str | None, serving: int, dedicated: int, console: Console | None = None,
+             warm_start_steps: int | None = None) -> dict:
     console = console or Console()
-    return asyncio.run(run_job(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console))
+    return asyncio.run(run_job(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console,
+                               warm_start_steps=warm_start_steps))

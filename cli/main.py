@@ -122,7 +122,7 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
 
     result = run_e2e_bench(
         out_json=args.json, seed=args.seed, duration_s=args.duration, policies=args.policies, model_dir=args.models,
-        serving=args.serving, dedicated=args.dedicated, console=Console(),
+        serving=args.serving, dedicated=args.dedicated, console=Console(), warm_start_steps=args.warm_start_steps,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
@@ -138,7 +138,8 @@ def _cmd_bench_faults(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    summary = run_demo(out=args.out, duration=args.duration, seed=args.seed, models=args.models, serving=args.serving, dedicated=args.dedicated)
+    summary = run_demo(out=args.out, duration=args.duration, seed=args.seed, models=args.models, serving=args.serving, dedicated=args.dedicated,
+                       warm_start_steps=args.warm_start_steps)
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 
 
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=None, help="a models directory to reuse (default: build them under --out)")
     p.add_argument("--serving", type=int, default=2, help="serving executors (each takes a replayed trace with bursts)")
     p.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    p.add_argument("--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
@@ -332,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
     b.add_argument("--serving", type=int, default=2, help="serving executors")
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.add_argument("--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)")
     b.set_defaults(func=_cmd_bench_e2e)
     b = bsub.add_parser(
         "sim",

@@ -19,6 +19,7 @@ import pytest
 from rose.cli.bench_e2e import batch_rollout_spans, lent_fraction, max_lent_at_once, step_figures
 
 DURATION_S = 30  # GRPO seconds after the warm start (not part of the window): rates need two steps
+WARM_START_STEPS = 80  # the demo's is 200: the warm start is outside the measured window either way
 RUN_TIMEOUT_S = 540  # two policies: start-up, 45 s of job, drain and report each
 POLICY_FIELDS = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_per_s", "reward_first", "reward_last", "trajectories_lost")
 
@@ -50,7 +51,7 @@ def test_lent_fraction_and_max_lent_at_once():
 def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str]:
     """Run the bench as a command; on a timeout it gets SIGTERM first, so it stops its fleet."""
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "-m", "rose.cli.main", "bench", "e2e", "--duration", str(DURATION_S), "--seed", "2", "--json", str(out), "--policies", *policies]
+    cmd = [sys.executable, "-m", "rose.cli.main", "bench", "e2e", "--duration", str(DURATION_S), "--seed", "2", "--json", str(out), "--warm-start-steps", str(WARM_START_STEPS), "--policies", *policies]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         stdout, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -67,6 +68,7 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str]:
         assert p["trajectories_published"] > 0 and p["trajectories_lost"] == 0, name
         assert set(p["calibration"]) >= {"step_s", "train_s_per_step", "publish_s_per_step", "turn_s_p50", "tokens_per_turn", "serving_step_model", "trajectories_per_step"}
     assert "speedup_vs_static" in r and "rollout_time_ratio_vs_elastic" in r
+    assert r["trainer"]["ROSE_SFT__STEPS"] == str(WARM_START_STEPS)  # what the runs' trainers were given
     assert set(r["fleet"]) >= {"slo_ttft_ms", "slo_tpot_ms", "base_rps", "burst_factor", "burst_every_s", "burst_len_s"}
     for model in ("serving", "policy"):
         assert set(r["calibration"]["step_times"][model]["measured_steps"]) == {"decode_base_s", "decode_per_seq_s", "prefill_base_s", "prefill_per_token_s"}

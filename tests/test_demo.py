@@ -17,13 +17,14 @@ import pytest
 from rose.cli.demo import reward_ends
 
 DURATION_S = 30  # GRPO seconds; the warm start before them is not part of the window
+WARM_START_STEPS = 80  # the demo's is 200: learning is not what this checks, and the suite's time is short
 
 
 @pytest.mark.slow
 def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "rose.cli.main", "demo", "--duration", str(DURATION_S), "--out", str(out), "--seed", "3"],
+        [sys.executable, "-m", "rose.cli.main", "demo", "--duration", str(DURATION_S), "--out", str(out), "--seed", "3", "--warm-start-steps", str(WARM_START_STEPS)],
         capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -40,6 +41,7 @@ def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
     for name in ("latency_vs_slo.png", "lease_timeline.png", "rollout_throughput.png", "reward_curve.png", "weight_bytes.png"):
         assert (out / name).stat().st_size > 1000, name
     assert "rose demo: summary" in proc.stdout
+    assert f"warm start: {WARM_START_STEPS} steps" in (out / "state" / "logs" / "trainer.log").read_text()
 
 
 def test_reward_ends_are_the_first_and_last_fifth():
