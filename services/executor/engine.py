@@ -174,7 +174,14 @@ class _ClassRuntime:
         self.wakeup = threading.Event()
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.iteration_ms = 0.0  # EMA
-        self.unprefilled = 0  # sequences not past prefill (read by the rollout lane)
+        self.unprefilled = 0  # running sequences not past prefill (read by the rollout lane)
+        self.unprefilled_since: float | None = None  # the oldest one's arrival (monotonic), None when none
+
+    def count_unprefilled(self) -> None:
+        """Running sequences whose prompt is not all in the KV cache yet, and the oldest one's arrival
+        (their first tokens are at stake: the rollout lane's TTFT guard reads both)."""
+        pending = [s.arrival for s in self.running if s.num_cached < s.prompt_len]
+        self.unprefilled, self.unprefilled_since = len(pending), min(pending, default=None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -504,7 +511,7 @@ class Engine:
         while not self._stopping:
             self._receive(rt)
             if not rt.has_work():
-                rt.unprefilled = 0
+                rt.unprefilled, rt.unprefilled_since = 0, None
                 self._serving_wait(rt, IDLE_WAIT_S)
                 continue
             self._cores.take_back()
@@ -549,9 +556,9 @@ class Engine:
         tokens they have; their KV is freed) and the lane goes on with the rest."""
         try:
             yield
-        except Exception:
+        except Exception as exc:
             log.exception("%s lane: an iteration failed; its %d running requests are aborted", rt.work_class.value, len(rt.running))
-            self.metrics.lane_failed()
+            self.metrics.lane_failed(rt.work_class.value, exc)
             running, rt.running = rt.running, []
             for seq in running:
                 self._abort(rt, seq)
@@ -588,9 +595,10 @@ class Engine:
 
     def _signals(self) -> Signals:
         s = self._serving
+        now = time.monotonic()
         return Signals(
-            time.monotonic(), len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
-            s.limits.max_batch, not self._rollout_in_child,
+            now, len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
+            s.limits.max_batch, not self._rollout_in_child, self.slo_ttft_ms, _oldest_wait_ms(s, now),
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -710,7 +718,7 @@ class Engine:
         for seq_id, n in plan.new_blocks.items():
             by_id[seq_id].blocks.extend(rt.pool.allocate(n))
         work = [(by_id[sid], n) for sid, n in plan.prefill] + [(by_id[sid], 1) for sid in plan.decode]
-        rt.unprefilled = sum(1 for s in rt.running if s.num_cached < s.prompt_len)
+        rt.count_unprefilled()
         if not work:
             return
         decode = set(plan.decode)
@@ -719,7 +727,7 @@ class Engine:
             if ready is None:  # abandoned at a layer safepoint: rollout yields to serving now
                 break
             self._process(rt, ready)
-        rt.unprefilled = sum(1 for s in rt.running if s.num_cached < s.prompt_len) + len(rt.waiting)
+        rt.count_unprefilled()
 
     def _run(self, rt: _ClassRuntime, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, float]] | None:
         """Forward the planned tokens and sample for the sequences that reach their end:
@@ -854,6 +862,19 @@ class Engine:
             seq.prefix_cached_tokens,
             timings,
         )
+
+
+def _oldest_wait_ms(rt: _ClassRuntime, now: float) -> float:
+    """How long the longest-waiting request of ``rt`` not yet past prefill has waited (0 if none).
+    Read from another lane's thread: the queues may change under it, so each head is read once."""
+    oldest = rt.unprefilled_since
+    for queue in (rt.waiting, rt.inbox):
+        try:
+            arrival = queue[0].arrival
+        except IndexError:
+            continue
+        oldest = arrival if oldest is None else min(oldest, arrival)
+    return 0.0 if oldest is None else (now - oldest) * 1000.0
 
 
 def _settle(done: concurrent.futures.Future, action: Callable[[], object]) -> None:

@@ -30,6 +30,7 @@ from .protocol import GenerationRequest, GenerationResult, InvalidRequest, Sampl
 from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
 
 
@@ -307,4 +308,15 @@ class OpenAIApi:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rose"}]})
 
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
+        """"ok", or "degraded" for LANE_FAILURE_HEALTH_WINDOW_S after an engine iteration raised (its
+        running requests were aborted): 503 when it was the serving lane, so that a load balancer
+        sends production traffic elsewhere until this replica has run clean for the window; 200 when
+        it was the rollout lane, which production traffic does not touch."""
+        metrics = self.engine.metrics
+        body: dict[str, Any] = {"status": "ok", "policy_version": self.engine.policy_version, "lane_failures": metrics.lane_failures}
+        failure = metrics.last_lane_failure
+        if failure is None or (ago := time.monotonic() - failure.at) >= LANE_FAILURE_HEALTH_WINDOW_S:
+            return web.json_response(body)
+        body["status"] = "degraded"
+        body["last_lane_failure"] = {"lane": failure.lane, "error": failure.error, "seconds_ago": round(ago, 3)}
+        return web.json_response(body, status=503 if failure.lane == WorkClass.SERVING.value else 200)

@@ -31,6 +31,15 @@ class IntervalCounters:
     reclaim_ms: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LaneFailure:
+    """The last engine iteration that raised: which lane, what, when (monotonic seconds)."""
+
+    lane: str
+    error: str
+    at: float
+
+
 class EngineMetrics:
     """Thread-safe recorder shared by the engine's threads."""
 
@@ -42,10 +51,12 @@ class EngineMetrics:
         self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
         self.max_swap_pause_ms = 0.0
         self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
+        self.last_lane_failure: LaneFailure | None = None
 
-    def lane_failed(self) -> None:
+    def lane_failed(self, lane: str, error: BaseException) -> None:
         with self._lock:
             self.lane_failures += 1
+            self.last_lane_failure = LaneFailure(lane, f"{type(error).__name__}: {error}", time.monotonic())
 
     def serving_arrival(self) -> None:
         with self._lock:

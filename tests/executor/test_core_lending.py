@@ -3,6 +3,8 @@
 import asyncio
 import threading
 
+import pytest
+
 from rose.services.executor.core_lending import CoreLending
 from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
 
@@ -113,6 +115,52 @@ def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
     assert rose.may_run_rollout(Signals(0.0, serving_running=30, **own_process))
     assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2}))
     assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_iteration_ms": 33.0}))
+
+
+def test_side_by_side_rose_pauses_for_a_serving_backlog_once_its_first_tokens_are_at_risk():
+    """Beside serving (own cores), a backlog of first tokens pauses rollout only once the oldest has
+    waited a quarter of the TTFT SLO; without a TTFT SLO, at once; where the lanes overlap, at one."""
+    from rose.services.executor.policies import Signals, make_policy
+
+    rose = make_policy("rose")
+    beside = dict(serving_running=4, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32, shares_interpreter=False)
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=90.0, slo_ttft_ms=100.0, **beside))  # one: clears in an iteration
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=24.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=25.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known
+    overlap = {**beside, "lanes_overlap": True}
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, slo_ttft_ms=100.0, **overlap))
+
+
+async def test_the_rollout_lane_sees_how_long_the_oldest_serving_first_token_has_waited(loaded):
+    """The signal behind the guard above: serving requests queued, waiting or admitted but not yet
+    prefilled are counted once each, and the longest wait among them is reported."""
+    from rose.services.executor.engine import Engine, EngineConfig, _oldest_wait_ms
+
+    config = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", rollout_process=False)
+    engine = Engine(*loaded["serving"], *loaded["policy"], config, "rose")  # not started: the queues stay as set here
+    engine.set_slo(100.0, 40.0)
+    signals = engine._signals()
+    assert (signals.serving_prefill_pending, signals.serving_oldest_wait_ms, signals.slo_ttft_ms) == (0, 0.0, 100.0)
+    for i in range(3):
+        engine.submit(_serving(i))
+    rt = engine._serving
+    admitted, waiting, queued = rt.inbox
+    rt.inbox.clear()
+    rt.running.append(admitted)
+    rt.waiting.append(waiting)
+    rt.inbox.append(queued)
+    admitted.arrival, waiting.arrival, queued.arrival = 10.0, 10.2, 10.1
+    rt.count_unprefilled()
+    assert engine._signals().serving_prefill_pending == 3
+    assert _oldest_wait_ms(rt, 10.5) == pytest.approx(500.0)
+    admitted.num_cached = admitted.prompt_len  # prefilled: its first token is out of danger
+    rt.count_unprefilled()
+    assert engine._signals().serving_prefill_pending == 2
+    assert _oldest_wait_ms(rt, 10.5) == pytest.approx(400.0)  # the queued one, older than the waiting one
+    rt.inbox.clear()
+    rt.waiting.clear()
+    assert _oldest_wait_ms(rt, 10.5) == 0.0
 
 
 async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):

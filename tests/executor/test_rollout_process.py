@@ -230,3 +230,51 @@ async def test_the_rollout_lane_outlives_a_child_that_dies_twice(make_engine, mo
     after = await engine.submit(_turns("alive", 1)[0]).result()
     assert after.finish_reason == "length" and len(after.token_ids) == 12
     assert engine._rollout.pool.usage().used_blocks == sum(len(s.blocks) for s in engine._rollout.running) + engine.prefix_cache.cached_blocks
+    health = await _health(engine)
+    assert health[0] == 200, health  # production traffic never touches the rollout lane
+    assert health[1]["status"] == "degraded" and health[1]["lane_failures"] == 1
+    assert health[1]["last_lane_failure"]["lane"] == "rollout" and "died twice in a row" in health[1]["last_lane_failure"]["error"]
+
+
+async def _health(engine) -> tuple[int, dict]:
+    """GET /health of the executor's OpenAI app on ``engine``, behind a real aiohttp server."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from rose.services.executor.http_api import OpenAIApi
+    from rose.services.executor.telemetry import Telemetry
+
+    server = TestServer(OpenAIApi(engine, Telemetry(engine, "ex-test", "dedicated", 1.0), "rose-serving", 1 << 20).app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(server.make_url("/health")) as r:
+            return r.status, await r.json()
+    finally:
+        await server.close()
+
+
+async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_a_while(make_engine, monkeypatch):
+    """A serving iteration that raises aborts its requests and the lane goes on; /health answers 503
+    "degraded" (a load balancer sends traffic elsewhere) until the replica has run clean for the window."""
+    from rose.services.executor import http_api
+
+    engine = make_engine(config=HERE)
+    assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 0})
+    runner, failures = engine._serving.runner, []
+    real = runner.forward_sample
+
+    def fails_once(*args, **kwargs):  # fault injection: one serving forward raises
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected serving fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward_sample", fails_once)
+    request = GenerationRequest("s-fault", WorkClass.SERVING, tuple(range(20, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert (await engine.submit(request).result()).finish_reason == "abort"
+    assert (await engine.submit(dataclasses.replace(request, request_id="s-after")).result()).finish_reason == "length"
+    status, body = await _health(engine)
+    assert status == 503 and body["status"] == "degraded" and body["lane_failures"] == 1
+    assert body["last_lane_failure"]["lane"] == "serving" and body["last_lane_failure"]["error"] == "RuntimeError: injected serving fault"
+    monkeypatch.setattr(http_api, "LANE_FAILURE_HEALTH_WINDOW_S", 0.0)  # the window has passed
+    assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 1})
