@@ -77,6 +77,8 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     for field in ("dedicated_rollout_tokens_per_s", "harvest_ratio", "reclaim_latency_ms_p99", "executor_rss_mb"):
         assert field in r, field
     assert r["policies"]["serving_only"]["rollout_tokens_per_s"] == 0
+    rounds = r["serving_capacity_rounds_rps"]  # the trace's rate is set by their median
+    assert len(rounds) == 3 and r["serving_capacity_rps"] == sorted(rounds)[1]
     assert r["reclaim_samples"] >= 10  # the lull probes: serving arrivals that found rollout on serving's cores and took them back
     assert (tmp_path / "coserve.png").exists()
 

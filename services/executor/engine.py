@@ -721,11 +721,8 @@ class Engine:
         rt.count_unprefilled()
         if not work:
             return
-        decode = set(plan.decode)
-        for part in ([w for w in work if w[0].seq_id not in decode], [w for w in work if w[0].seq_id in decode]):
-            ready = self._run(rt, part)
-            if ready is None:  # abandoned at a layer safepoint: rollout yields to serving now
-                break
+        ready = self._run(rt, work)  # prefill chunks and decode steps in one packed forward
+        if ready is not None:  # None: abandoned at a layer safepoint, rollout yields to serving now
             self._process(rt, ready)
         rt.count_unprefilled()
 

@@ -133,6 +133,71 @@ class ModelWeights:
 
 
 @dataclass(frozen=True)
+class _AttentionGroup:
+    """Attention for some items of a packed batch (the prefilling ones, or the decoding ones):
+    their queries as a padded ``[items, heads, max_q, head_dim]`` batch against their keys and
+    values gathered from the paged cache, with a causal and context-length mask.
+
+    Why groups: one padded batch for everything would pad every decoding sequence's single
+    query to the prefill chunk's length, as many times the attention work; a group of decoding
+    sequences has no padding at all, and their rows are a contiguous run of the packed batch.
+    """
+
+    batch: int
+    max_q: int
+    span: tuple[int, int] | None  # the group's packed rows, when they are exactly its padded rows in order
+    rows: torch.Tensor | None  # otherwise: packed row of each padded query row (padding repeats a real row)
+    valid: torch.Tensor | None  # ... and which padded rows are real, with their packed rows (``targets``)
+    targets: torch.Tensor | None
+    gather: torch.Tensor  # [items * max_k] cache slot of each key position
+    mask: torch.Tensor  # [items, 1, max_q, max_k]: key visible to query
+
+    @classmethod
+    def of(cls, items: list[ForwardItem], qlens: list[int], offsets: list[int], members: list[int], bs: int, dev) -> "_AttentionGroup":
+        max_q = max(qlens[i] for i in members)
+        ctx = [items[i].start + qlens[i] for i in members]
+        max_k = max(ctx)
+        n_blocks = -(-max_k // bs)
+        tables, query_positions = [], []
+        for i in members:
+            table = list(items[i].block_table[:n_blocks])
+            tables.append(table + [0] * (n_blocks - len(table)))
+            query_positions.append(list(range(items[i].start, items[i].start + max_q)))
+        kpos = torch.arange(max_k)
+        gather = (torch.tensor(tables, dtype=torch.long)[:, kpos // bs] * bs + kpos % bs).reshape(-1).to(dev)
+        qpos = torch.tensor(query_positions, dtype=torch.long)
+        # key j visible to the query at position p iff j <= p and j < the item's context length
+        mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < torch.tensor(ctx)[:, None, None]))[:, None].to(dev)
+        first = offsets[members[0]]
+        if all(qlens[i] == max_q and offsets[i] == first + k * max_q for k, i in enumerate(members)):
+            return cls(len(members), max_q, (first, first + len(members) * max_q), None, None, None, gather, mask)
+        rows = [offsets[i] + min(j, qlens[i] - 1) for i in members for j in range(max_q)]
+        valid = [k * max_q + j for k, i in enumerate(members) for j in range(qlens[i])]
+        targets = [offsets[i] + j for i in members for j in range(qlens[i])]
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        return cls(len(members), max_q, None, as_index(rows), as_index(valid), as_index(targets), gather, mask)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """This group's attention output, ``[padded rows, heads * head_dim]``, from the packed queries."""
+        _, heads, hd = q.shape
+        kvh = k_cache.shape[1]
+        q = q[self.span[0] : self.span[1]] if self.rows is None else q.index_select(0, self.rows)
+        q = q.view(self.batch, self.max_q, heads, hd).transpose(1, 2)
+        keys = k_cache.index_select(0, self.gather).view(self.batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
+        values = v_cache.index_select(0, self.gather).view(self.batch, -1, kvh, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(self.batch * self.max_q, heads * hd)
+
+    def attend_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Write this group's attention output into its rows of the packed ``out``."""
+        result = self.attend(q, k_cache, v_cache)
+        if self.rows is None:
+            out[self.span[0] : self.span[1]] = result
+        else:
+            out.index_copy_(0, self.targets, result.index_select(0, self.valid))
+
+
+@dataclass(frozen=True)
 class _LayerWeights:
     input_norm: torch.nn.Parameter
     q: tuple
@@ -197,7 +262,12 @@ class PagedModelRunner:
         """Write the new tokens' K/V into the pool and return float32 logits.
 
         Returns ``[batch, vocab]`` for each item's last token, or, with ``all_logits``,
-        ``[batch, max_new_tokens, vocab]`` (rows past an item's length are padding).
+        ``[batch, max_new_tokens, vocab]`` (rows past an item's length are zeros).
+
+        The batch is *packed*: every item's new tokens are rows of one ``[tokens, hidden]``
+        activation, so the linear layers (at small batches, the time to stream the weights)
+        run once per layer for a prefill chunk and the decoding sequences beside it, with no
+        padding; only attention is done per group of items (see ``_AttentionGroup``).
 
         ``should_stop`` is asked between layers (a safepoint, as in ConServe's layer-wise
         preemption): when it says yes the forward is abandoned and None returned. Nothing
@@ -206,53 +276,41 @@ class PagedModelRunner:
         """
         dev = self.device
         bs = self.pool.block_size
-        batch = len(items)
         qlens = [len(it.token_ids) for it in items]
-        max_q = max(qlens)
-        ctx = [it.start + q for it, q in zip(items, qlens)]
-        max_k = max(ctx)
-
-        # The batch's index tensors are built as Python lists and converted once each: a torch op per
-        # sequence (several per sequence, 32 sequences) would be most of a decode step's ops, and every
-        # op hands the interpreter lock over to the other lane and back.
-        n_blocks = -(-max_k // bs)
-        token_rows, position_rows, valid_rows, table_rows = [], [], [], []
-        write_slots: list[int] = []
+        # Index tensors are built as Python lists and converted once each: a torch op per sequence
+        # (several per sequence, 32 sequences) would be most of a decode step's ops, and every op
+        # hands the interpreter lock over to the other lane and back.
+        offsets, tokens, positions, write_slots = [], [], [], []
         for it, q in zip(items, qlens):
-            pad = max_q - q
-            token_rows.append([*it.token_ids, *([0] * pad)])
-            position_rows.append(list(range(it.start, it.start + max_q)))
-            valid_rows.append([True] * q + [False] * pad)
-            table = list(it.block_table[:n_blocks])
-            table_rows.append(table + [0] * (n_blocks - len(table)))
+            offsets.append(len(tokens))
+            tokens.extend(it.token_ids)
+            positions.extend(range(it.start, it.start + q))
             write_slots.extend(it.block_table[p // bs] * bs + p % bs for p in range(it.start, it.start + q))
-        tokens = torch.tensor(token_rows, dtype=torch.long)
-        positions = torch.tensor(position_rows, dtype=torch.long)
-        valid = torch.tensor(valid_rows, dtype=torch.bool)
-        tables = torch.tensor(table_rows, dtype=torch.long)
-        kpos = torch.arange(max_k)
-        gather = (tables[:, kpos // bs] * bs + kpos % bs).to(dev)  # [B, max_k] slot of each key position
-        ctx_t = torch.tensor(ctx)
-        # key j visible to the query at position p iff j <= p and j < the item's context length
-        mask = (kpos[None, None, :] <= positions[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None])
-        mask = mask[:, None].to(dev)
+        decode = [i for i, q in enumerate(qlens) if q == 1]
+        prefill = [i for i, q in enumerate(qlens) if q > 1]
+        groups = [_AttentionGroup.of(items, qlens, offsets, g, bs, dev) for g in (prefill, decode) if g]
+        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
-        tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
 
-        x = F.embedding(tokens, self._embed)
-        cos, sin = self._rope(positions, x.dtype)
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev), self._embed)  # [tokens, hidden]
+        cos, sin = self._rope(positions_t, x.dtype)
         for li, layer in enumerate(self._layers):
             if should_stop is not None and should_stop():
                 return None
-            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, valid, gather, mask)
+            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, groups)
             if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
                 return None
             x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.eps))
         x = _rms_norm(x, self._norm, self.eps)
         if all_logits:
-            return _linear(self._lm_head, x).float()
-        last = torch.tensor([q - 1 for q in qlens], device=dev)
-        return _linear(self._lm_head, x[torch.arange(batch, device=dev), last]).float()
+            logits = _linear(self._lm_head, x).float()
+            out = logits.new_zeros(len(items), max(qlens), logits.shape[-1])
+            rows = torch.tensor([b for b, q in enumerate(qlens) for _ in range(q)], device=dev)
+            cols = torch.tensor([j for q in qlens for j in range(q)], device=dev)
+            out[rows, cols] = logits
+            return out
+        last = torch.tensor([o + q - 1 for o, q in zip(offsets, qlens)], device=dev)
+        return _linear(self._lm_head, x.index_select(0, last)).float()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.weights.inv_freq.float()
@@ -261,22 +319,24 @@ class PagedModelRunner:
         scale = self.weights.arch.attention_scaling
         return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
-    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, valid, gather, mask) -> torch.Tensor:
-        batch, max_q, _ = h.shape
-        hd, kvh = self.shape.head_dim, self.shape.num_kv_heads
-        q = _linear(layer.q, h).view(batch, max_q, self.num_heads, hd).transpose(1, 2)
-        k = _linear(layer.k, h).view(batch, max_q, kvh, hd).transpose(1, 2)
-        v = _linear(layer.v, h).view(batch, max_q, kvh, hd).transpose(1, 2)
+    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, groups: list["_AttentionGroup"]) -> torch.Tensor:
+        n = h.shape[0]
+        hd, kvh, heads = self.shape.head_dim, self.shape.num_kv_heads, self.num_heads
+        q = _linear(layer.q, h).view(n, heads, hd)
+        k = _linear(layer.k, h).view(n, kvh, hd)
+        v = _linear(layer.v, h).view(n, kvh, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k_cache, v_cache = self.pool.k[li], self.pool.v[li]
-        k_cache.index_copy_(0, slots, k.transpose(1, 2)[valid])
-        v_cache.index_copy_(0, slots, v.transpose(1, 2)[valid])
-        flat = gather.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
-        values = v_cache.index_select(0, flat).view(batch, -1, kvh, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return _linear(layer.o, out.transpose(1, 2).reshape(batch, max_q, self.num_heads * hd))
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+        if len(groups) == 1 and groups[0].rows is None and groups[0].span == (0, n):
+            out = groups[0].attend(q, k_cache, v_cache)
+        else:
+            out = q.new_empty(n, heads * hd)
+            for group in groups:
+                group.attend_into(out, q, k_cache, v_cache)
+        return _linear(layer.o, out)
 
     @staticmethod
     def _mlp(layer: _LayerWeights, h: torch.Tensor) -> torch.Tensor:
