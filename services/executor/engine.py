@@ -511,7 +511,7 @@ class Engine:
         while not self._stopping:
             self._receive(rt)
             if not rt.has_work():
-                rt.unprefilled, rt.unprefilled_since = 0, None
+                rt.count_unprefilled()  # nothing running: none, and no oldest arrival
                 self._serving_wait(rt, IDLE_WAIT_S)
                 continue
             self._cores.take_back()

@@ -330,7 +330,7 @@ class PagedModelRunner:
         k_cache, v_cache = self.pool.k[li], self.pool.v[li]
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
-        if len(groups) == 1 and groups[0].rows is None and groups[0].span == (0, n):
+        if len(groups) == 1 and groups[0].rows is None:  # its padded rows are the packed batch: no copy
             out = groups[0].attend(q, k_cache, v_cache)
         else:
             out = q.new_empty(n, heads * hd)
