@@ -14,14 +14,18 @@ arrival -> rollout off serving's compute, over the trace and over lull probes (s
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
@@ -44,15 +48,27 @@ GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, the
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
 BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0, rollout_process=True)
+# On a GPU the pools hold GPU-class models' KV (``--preset qwen2.5``: 12 / 28 KiB per token) for full batches.
+CUDA_KV_BYTES = {"serving_kv_bytes": 1024 * MIB, "rollout_kv_bytes": 2048 * MIB}
 
 
-def _models(model_dir: str | None, seed: int):
+def bench_config(device: str = "auto", dtype: str = "auto") -> EngineConfig:
+    """BENCH_CONFIG on ``device``; ``dtype`` auto is bfloat16 on CUDA (its tensor cores), float32 on CPU."""
+    from rose.services.executor.device import select_device
+
+    kind = select_device(device).kind  # resolves auto, and refuses cuda where there is none
+    if dtype == "auto":
+        dtype = "bfloat16" if kind == "cuda" else "float32"
+    return replace(BENCH_CONFIG, device=device, dtype=getattr(torch, dtype), **(CUDA_KV_BYTES if kind == "cuda" else {}))
+
+
+def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = "tiny"):
     from rose.shared.models import init_models, load_model, load_tokenizer
 
     root = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="rose-bench-models-"))
     if not (root / "serving" / "config.json").exists():
-        init_models(root, seed)
-    return [(load_model(root / name), load_tokenizer(root / name)) for name in ("serving", "policy")]
+        init_models(root, seed, preset=preset)
+    return [(load_model(root / name, dtype=dtype), load_tokenizer(root / name)) for name in ("serving", "policy")]
 
 
 def _trace(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -199,7 +215,10 @@ async def _capacity(models, config: EngineConfig, seed: int) -> list[float]:
 async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) -> dict[int, float]:
     """Rollout tokens/s of the policy model alone, with one thread and with all cores (the best is the baseline)."""
     by_threads: dict[int, float] = {}
-    threads = [1] if config.device.startswith("cuda") else sorted({1, os.cpu_count() or 1})
+    from rose.services.executor.device import select_device
+
+    # on a GPU one host thread drives the lane's stream: more CPU threads are no more device
+    threads = [1] if select_device(config.device).kind == "cuda" else sorted({1, os.cpu_count() or 1})
     for n in threads:
         # exactly n threads, in this process: the policy alone has no lock to share, and no pipe to pay
         cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False, "rollout_process": False})
@@ -217,6 +236,21 @@ async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) ->
         await engine.stop()
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
     return by_threads
+
+
+def _device_name(device: str) -> str:
+    from rose.services.executor.device import select_device
+
+    dev = select_device(device)
+    return torch.cuda.get_device_name(dev.torch_device) if dev.kind == "cuda" else f"cpu x{os.cpu_count()}"
+
+
+def _model_summary(model) -> dict:
+    cfg = model.config
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()), "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        "attention_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "vocab_size": cfg.vocab_size,
+    }
 
 
 def _p(values, q) -> float:
@@ -247,17 +281,18 @@ def _plot(path: Path, runs: dict) -> None:
     plt.close(fig)
 
 
-def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration_s: float, model_dir: str | None, console) -> dict:
+def run_coserve_bench(
+    *, out_json: str, seed: int, serving_load: float, duration_s: float, model_dir: str | None, console,
+    device: str = "auto", dtype: str = "auto", preset: str = "tiny",
+) -> dict:
     from rich.progress import Progress
     from rich.table import Table
 
-    import torch
-
     torch.set_num_threads(1)
-    config = BENCH_CONFIG
+    config = bench_config(device, dtype)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("loading models", total=len(POLICIES) + 3)
-        models = _models(model_dir, seed)
+        models = _models(model_dir, seed, config.dtype, preset)
         progress.update(task, description="measuring serving capacity")
         capacity_rounds = asyncio.run(_capacity(models, config, seed))
         capacity = float(np.median(capacity_rounds))
@@ -305,6 +340,7 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
         "harvest_ratio": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated),
         "reclaim_latency_ms_p99": _p(rose_reclaim, 99),
         "executor_rss_mb": max(r["rss_bytes"] for r in runs.values()) / MIB,
+        "device_memory_peak_mb": torch.cuda.max_memory_allocated() / MIB if torch.cuda.is_available() and config.device != "cpu" else None,
         "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot, "multiplier": SLO_MULTIPLIER, "basis": "serving_only p99"},
         "serving_load": serving_load,
         "serving_capacity_rps": capacity,
@@ -312,6 +348,9 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
         "serving_requests": len(arrivals),
         "duration_s": duration_s,
         "seed": seed,
+        "device": _device_name(config.device),
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "models": {name: _model_summary(model) for name, (model, _) in zip(("serving", "policy"), models)},
         "quantum_ms": config.quantum_ms,
         "reclaim_samples": len(rose_reclaim),
     }
@@ -320,6 +359,10 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
     out.write_text(json.dumps(report, indent=2))
     _plot(out.with_suffix(".png"), runs)
 
+    console.print(
+        f"{report['device']}, {report['dtype']}: serving model {report['models']['serving']['parameters'] / 1e6:.0f}M parameters, "
+        f"policy {report['models']['policy']['parameters'] / 1e6:.0f}M"
+    )
     console.print(
         f"SLO = {SLO_MULTIPLIER:g} x serving_only p99: TTFT {slo_ttft:.1f} ms, TPOT {slo_tpot:.2f} ms  "
         f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {len(arrivals)} requests)"
@@ -337,3 +380,17 @@ def run_coserve_bench(*, out_json: str, seed: int, serving_load: float, duration
         f"wrote {out} and {out.with_suffix('.png')}"
     )
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rose.cli.bench_coserve``: ``rose bench coserve`` without building the whole CLI, whose
+    other commands import the bus's packages (NATS, OpenTelemetry), which a bare GPU image lacks."""
+    from .main import _cmd_bench_coserve, add_coserve_arguments
+
+    parser = argparse.ArgumentParser(prog="rose bench coserve", description=__doc__.split("\n\n")[0])
+    add_coserve_arguments(parser)
+    return _cmd_bench_coserve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rose import __version__
 
+MODEL_PRESET_NAMES = ("tiny", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
+
 # Services that exist; `rose up` starts these and `rose run NAME` runs one in the foreground.
 # Each module has `main(argv) -> int`.
 SERVICE_MODULES: dict[str, str] = {
@@ -80,7 +82,7 @@ def _cmd_events_forward(args: argparse.Namespace) -> int:
 def _cmd_models_init(args: argparse.Namespace) -> int:
     from rose.shared.models import init_models
 
-    paths = init_models(args.dir, seed=args.seed)
+    paths = init_models(args.dir, seed=args.seed, preset=args.preset)
     print(f"serving model: {paths.serving}\npolicy model:  {paths.policy}")
     return 0
 
@@ -98,7 +100,8 @@ def _cmd_bench_coserve(args: argparse.Namespace) -> int:
     from .bench_coserve import run_coserve_bench
 
     run_coserve_bench(
-        out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console()
+        out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console(),
+        device=args.device, dtype=args.dtype, preset=args.preset,
     )
     return 0
 
@@ -178,6 +181,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"rose plan: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
+    """`rose bench coserve`'s options (also `python -m rose.cli.bench_coserve`'s)."""
+    b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
+    b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
+    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: models of --preset built on the spot)")
+    b.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny", help="sizes of the models built on the spot (see `rose models init`)")
+    b.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    b.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="of both models (auto: bfloat16 on CUDA, float32 on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = msub.add_parser("init", help="build a tiny serving model and a tiny policy model (Qwen2, real tokenizer) in DIR")
     m.add_argument("dir", help="output directory (gets serving/ and policy/)")
     m.add_argument("--seed", type=int, default=0, help="random seed of weights and tokenizer corpus")
+    m.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny",
+                   help="sizes: tiny (CPU, the default) or qwen2.5 (Qwen2.5-0.5B / 1.5B layer shapes in bfloat16, for GPU nodes)")
     m.set_defaults(func=_cmd_models_init)
 
     p = sub.add_parser("bench", help="benchmarks: each compares against a baseline in the same run and writes JSON")
@@ -289,11 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "coserve",
         help="one executor, a replayed serving trace plus a rollout backlog, under serving_only / naive_share / static_partition / rose",
     )
-    b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
-    b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
-    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
-    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    add_coserve_arguments(b)
     b.set_defaults(func=_cmd_bench_coserve)
     b = bsub.add_parser("weights", help="RL-like weight deltas published by the SDK and applied by a real executor, vs nats-py's object store")
     b.add_argument("--json", default="bench-out/weights.json", help="where to write the JSON result (the PNG goes beside it)")

@@ -67,6 +67,25 @@ class ModelShape:
 
 SERVING_SHAPE = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
 POLICY_SHAPE = ModelShape(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2, intermediate_size=1024)
+# GPU-class sizes (``rose models init --preset qwen2.5``): the layer shapes of Qwen2.5-0.5B (serving)
+# and Qwen2.5-1.5B (policy), over our own tokenizer's vocabulary (so ~0.36B and ~1.3B parameters).
+QWEN25_SERVING_SHAPE = ModelShape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
+QWEN25_POLICY_SHAPE = ModelShape(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A serving shape, a policy shape and the dtype the weights are saved in."""
+
+    serving: ModelShape
+    policy: ModelShape
+    dtype: str = "float32"
+
+
+MODEL_PRESETS = {
+    "tiny": ModelPreset(SERVING_SHAPE, POLICY_SHAPE),  # the CPU default: seconds to build, ms per forward
+    "qwen2.5": ModelPreset(QWEN25_SERVING_SHAPE, QWEN25_POLICY_SHAPE, "bfloat16"),  # for GPU nodes
+}
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,7 @@ def train_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE):
 # ---------------------------------------------------------------------------- models
 
 
-def _qwen2_config(shape: ModelShape, vocab_size: int, eos_id: int):
+def _qwen2_config(shape: ModelShape, vocab_size: int, eos_id: int, dtype: str = "float32"):
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -183,17 +202,18 @@ def _qwen2_config(shape: ModelShape, vocab_size: int, eos_id: int):
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
 
 
-def build_model(shape: ModelShape, vocab_size: int, eos_id: int, seed: int):
-    """A randomly initialised Qwen2 causal LM, deterministic given seed."""
+def build_model(shape: ModelShape, vocab_size: int, eos_id: int, seed: int, dtype: str = "float32"):
+    """A randomly initialised Qwen2 causal LM, deterministic given seed (initialised in float32,
+    then cast to ``dtype``)."""
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(_qwen2_config(shape, vocab_size, eos_id))
-    return model.eval()
+    model = Qwen2ForCausalLM(_qwen2_config(shape, vocab_size, eos_id, dtype))
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def _quiet_transformers() -> None:
@@ -202,20 +222,24 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: ModelShape = POLICY_SHAPE) -> ModelPaths:
-    """Build the default serving and policy models (plus tokenizer) under ``directory``.
+def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: ModelShape | None = None, preset: str = "tiny") -> ModelPaths:
+    """Build a serving and a policy model (plus tokenizer) under ``directory``, of a preset's sizes.
 
-    `policy_shape` lets `rose demo` use a policy small enough to train visibly in minutes on a CPU.
+    `policy_shape` overrides the preset's policy: `rose demo` uses a policy small enough to train
+    visibly in minutes on a CPU.
     """
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; use one of {', '.join(MODEL_PRESETS)}")
+    sizes = MODEL_PRESETS[preset]
     _quiet_transformers()
     root = Path(directory)
     tokenizer = train_tokenizer(seed)
     vocab = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     paths = ModelPaths(serving=root / SERVING_DIRNAME, policy=root / POLICY_DIRNAME)
-    for offset, (path, shape) in enumerate(((paths.serving, SERVING_SHAPE), (paths.policy, policy_shape))):
+    for offset, (path, shape) in enumerate(((paths.serving, sizes.serving), (paths.policy, policy_shape or sizes.policy))):
         path.mkdir(parents=True, exist_ok=True)
-        model = build_model(shape, vocab, eos_id, seed + offset)
+        model = build_model(shape, vocab, eos_id, seed + offset, sizes.dtype)
         model.save_pretrained(path, safe_serialization=True)
         tokenizer.save_pretrained(path)
     return paths

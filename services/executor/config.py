@@ -40,6 +40,9 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # CPU: rollout forwards (and their sampling) run in a child process, so the two lanes no longer
     # take turns on one interpreter lock (see rollout_process.py); ignored on CUDA
     rollout_process: bool = True
+    # CUDA: decode steps replay captured CUDA graphs (one call per step instead of ~1,000 kernel
+    # launches from Python; see cuda_graphs.py); ignored on CPU
+    cuda_graphs: bool = True
     slo_ttft_ms: Positive = 500.0
     slo_tpot_ms: Positive = 100.0
     seed: int = 0

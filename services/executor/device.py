@@ -152,7 +152,8 @@ class CpuDevice:
 
 
 class CudaDevice:
-    """Untested here (no GPU on the development machine); exercised on GPU nodes."""
+    """Exercised on GPU nodes (``scripts/gpu-check``: tests/executor/test_device_paths.py and
+    ``rose bench coserve`` there); the development machines have no GPU."""
 
     kind = "cuda"
 
@@ -193,7 +194,10 @@ class CudaDevice:
             self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(self.index))
         pynvml, handle = self._nvml
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+        try:
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+        except pynvml.NVMLError:  # not supported on some virtualised or MIG devices: report 0, keep the rest
+            util = 0.0
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         return Telemetry("cuda", name, int(mem.total), int(mem.used), util, process_rss_bytes())

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -85,6 +85,7 @@ class EngineConfig:
     rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
     lend_serving_core: bool = True  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     rollout_process: bool = False  # CPU: rollout forwards run in a child process, off this interpreter's lock (rollout_process.py)
+    cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graphs.py)
     seed: int = 0
     device: str = "auto"
     dtype: torch.dtype = torch.float32
@@ -212,6 +213,10 @@ class Engine:
         self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth
         self._serving = _ClassRuntime(WorkClass.SERVING, serving_model, serving_tokenizer, s_pool, Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size), serving_lane)
         self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane, r_runner)
+        if config.cuda_graphs:
+            for rt in (self._serving, self._rollout):
+                if isinstance(rt.runner, PagedModelRunner):  # (the CPU's child-process runner never sees CUDA)
+                    rt.runner.use_cuda_graphs(rt.limits.max_batch)
         self.prefix_cache = PrefixCache()
         self.metrics = EngineMetrics()
         self.policy_version = 0
@@ -508,6 +513,9 @@ class Engine:
     def _serving_loop(self) -> None:
         self.device.init_thread()
         rt = self._serving
+        if rt.runner.graphs is not None:  # CUDA: capture the common decode graphs before the first request
+            with rt.lane.run():
+                log.info("serving lane: %d CUDA graphs captured", rt.runner.warm_cuda_graphs())
         while not self._stopping:
             self._receive(rt)
             if not rt.has_work():
@@ -599,6 +607,7 @@ class Engine:
         return Signals(
             now, len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
             s.limits.max_batch, not self._rollout_in_child, self.slo_ttft_ms, _oldest_wait_ms(s, now),
+            self.device.kind == "cuda", getattr(self._rollout.runner, "graphs", None) is not None,
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -692,12 +701,15 @@ class Engine:
             seq.blocks, seq.num_cached, seq.prefix_cached_tokens = hit.blocks, hit.reused_tokens, hit.reused_tokens
 
     def _iterate(self, rt: _ClassRuntime, admit: bool) -> None:
+        limits = rt.limits
+        if rt is self._rollout and not self.policy.may_prefill_rollout(self._signals()):
+            limits = replace(limits, prefill_tokens=0)  # decode steps only: prompts wait (and admissions with them)
         plan = plan_iteration(
             [s.view() for s in rt.running],
             [s.view() for s in rt.waiting],
             rt.pool.free_blocks,
             self.prefix_cache.cached_blocks if rt is self._rollout else 0,
-            rt.limits,
+            limits,
             admit,
         )
         by_id = {s.seq_id: s for s in itertools.chain(rt.running, rt.waiting)}

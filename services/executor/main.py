@@ -69,6 +69,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
         quantum_ms=e.quantum_ms,
         lend_serving_core=e.lend_serving_core,
         rollout_process=e.rollout_process,
+        cuda_graphs=e.cuda_graphs,
         slo_ttft_ms=e.slo_ttft_ms,
         slo_tpot_ms=e.slo_tpot_ms,
         seed=e.seed,

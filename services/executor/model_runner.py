@@ -15,6 +15,7 @@ Not supported (checked at construction): sliding-window attention and dynamic ro
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import DecodeGraphs, DecodeInputs
 from .kv_pool import KVPool, KVShape
 from .sampling import SamplerState, sample_batch
 from .weights import StagedWeights
 
+
+log = logging.getLogger("rose.executor.model_runner")
 
 HOLD_POLL_S = 0.0002  # how often a held forward asks whether to go on
 
@@ -237,6 +241,29 @@ class PagedModelRunner:
         ]
         self._norm = weights.params["model.norm.weight"]
         self._lm_head = weights.linear("lm_head") if "lm_head.weight" in weights.params else (self._embed, None)
+        self._storage = list({id(t): t for t in weights.params.values()}.values()) + [weights.inv_freq]
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graph replays (``use_cuda_graphs``)
+
+    def use_cuda_graphs(self, max_batch: int) -> None:
+        """Run decode-only steps as CUDA graph replays (``cuda_graphs.py``); a no-op off CUDA."""
+        if self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self, max_batch)
+
+    def warm_cuda_graphs(self) -> int:
+        """Capture the common decode graphs now (``DecodeGraphs.warm``); the count captured. Where the
+        device or driver refuses a capture, this runner goes on eagerly."""
+        if self.graphs is None:
+            return 0
+        try:
+            return self.graphs.warm()
+        except RuntimeError:
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.graphs = None
+            return 0
+
+    def storage_fingerprint(self) -> tuple[int, ...]:
+        """Addresses of every weight and of the KV storage: what a captured graph reads."""
+        return tuple(t.data_ptr() for t in self._storage) + (self.pool.k.data_ptr(), self.pool.v.data_ptr())
 
     def forward_sample(
         self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None,
@@ -254,8 +281,9 @@ class PagedModelRunner:
         return sample_batch(logits[[row for row, _ in samples]], [state for _, state in samples])
 
     def apply_weights(self, staged: StagedWeights) -> float:
-        """Swap staged policy weights in (between forwards); returns the pause in ms."""
-        return staged.apply(self.model)
+        """Swap staged policy weights in (between forwards); returns the pause in ms. With captured
+        CUDA graphs the new values are copied in place, so the graphs stay valid (``copy_into``)."""
+        return staged.copy_into(self.model) if self.graphs is not None else staged.apply(self.model)
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
@@ -277,6 +305,15 @@ class PagedModelRunner:
         dev = self.device
         bs = self.pool.block_size
         qlens = [len(it.token_ids) for it in items]
+        if self.graphs is not None and max(qlens) == 1 and (key := self.graphs.fits(items)) is not None:
+            if should_stop is not None and should_stop():  # a replay runs whole: its one safepoint is before it
+                return None
+            try:
+                logits = self.graphs.run(items, key)
+                return logits[:, None] if all_logits else logits
+            except RuntimeError:  # a capture this device or driver refuses: this runner goes on eagerly
+                log.exception("CUDA graph capture or replay failed; decode steps run eagerly from now on")
+                self.graphs = None
         # Index tensors are built as Python lists and converted once each: a torch op per sequence
         # (several per sequence, 32 sequences) would be most of a decode step's ops, and every op
         # hands the interpreter lock over to the other lane and back.
@@ -292,16 +329,9 @@ class PagedModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
 
-        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev), self._embed)  # [tokens, hidden]
-        cos, sin = self._rope(positions_t, x.dtype)
-        for li, layer in enumerate(self._layers):
-            if should_stop is not None and should_stop():
-                return None
-            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, groups)
-            if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
-                return None
-            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.eps))
-        x = _rms_norm(x, self._norm, self.eps)
+        x = self._decoder(torch.tensor(tokens, dtype=torch.long, device=dev), positions_t, slots, groups, should_stop)
+        if x is None:
+            return None
         if all_logits:
             logits = _linear(self._lm_head, x).float()
             out = logits.new_zeros(len(items), max(qlens), logits.shape[-1])
@@ -311,6 +341,30 @@ class PagedModelRunner:
             return out
         last = torch.tensor([o + q - 1 for o, q in zip(offsets, qlens)], device=dev)
         return _linear(self._lm_head, x.index_select(0, last)).float()
+
+    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, groups: list["_AttentionGroup"],
+                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Embedding, every layer (writing K/V at ``slots``) and the final norm: ``[tokens, hidden]``,
+        or None when ``should_stop`` says so at a safepoint."""
+        x = F.embedding(tokens, self._embed)  # [tokens, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        for li, layer in enumerate(self._layers):
+            if should_stop is not None and should_stop():
+                return None
+            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, groups)
+            if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
+                return None
+            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.eps))
+        return _rms_norm(x, self._norm, self.eps)
+
+    @torch.inference_mode()
+    def decode_step(self, inputs: DecodeInputs) -> torch.Tensor:
+        """One decode step over fixed-shape inputs, the whole of it in device ops (no host sync, no
+        new index tensors): what ``cuda_graphs`` captures. Float32 logits ``[batch, vocab]``."""
+        batch = inputs.tokens.shape[0]
+        group = _AttentionGroup(batch, 1, (0, batch), None, None, None, inputs.gather, inputs.mask)
+        x = self._decoder(inputs.tokens, inputs.positions, inputs.slots, [group])
+        return _linear(self._lm_head, x).float()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.weights.inv_freq.float()

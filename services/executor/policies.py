@@ -6,6 +6,7 @@ hot loop has no mode flags:
 - ``shares_serving_lane``: does rollout run on the serving lane (same stream / thread,
   strict FIFO alternation) instead of its own low-priority lane?
 - ``may_run_rollout(signals)``: may the next rollout quantum start now?
+  (and ``may_prefill_rollout(signals)``: may its iterations prefill, or only decode?)
 - ``quantum_ms``: the time budget of one rollout quantum; the engine runs iterations
   while the next one is expected to fit (at least one). None = unbounded: the whole
   current batch runs to completion.
@@ -57,9 +58,18 @@ class Signals:
     shares_interpreter: bool = True  # rollout's forwards run in the serving lane's interpreter (not in a process of their own)
     slo_ttft_ms: float | None = None
     serving_oldest_wait_ms: float = 0.0  # the longest wait of a serving request not yet past prefill
+    priority_streams: bool = False  # the device runs serving's kernels ahead of rollout's (CUDA stream priorities)
+    rollout_decode_graphs: bool = False  # rollout decode steps are CUDA graph replays: one launch, little interpreter time
 
 
-class ServingOnly:
+class _PrefillsFreely:
+    """Policies whose rollout quanta may always prefill (only rose tells prefill from decode)."""
+
+    def may_prefill_rollout(self, s: Signals) -> bool:
+        return True
+
+
+class ServingOnly(_PrefillsFreely):
     name = "serving_only"
     admits_rollout = False
     shares_serving_lane = False
@@ -73,7 +83,7 @@ class ServingOnly:
     quantum_ms = 0.0
 
 
-class NaiveShare:
+class NaiveShare(_PrefillsFreely):
     """Rollout at equal priority on the same lane, unbounded quanta: whole batches run
     to completion before serving gets the lane back (no SLO awareness)."""
 
@@ -90,7 +100,7 @@ class NaiveShare:
     quantum_ms = None
 
 
-class StaticPartition:
+class StaticPartition(_PrefillsFreely):
     """A fixed duty cycle for rollout on its own lane, whatever the serving load."""
 
     name = "static_partition"
@@ -112,7 +122,10 @@ class Rose:
     for compute it yields to every serving arrival until its prefill is done (TTFT), and it
     pauses while the serving iteration time is near the TPOT SLO (the local SLO guard).
 
-    On a GPU the two lanes always share the SMs. On CPU the rollout lane has cores of its own
+    On a GPU the two lanes always share the SMs; serving's stream has the higher priority, and
+    rollout's decode steps are graph replays, so a quantum yields at each serving arrival and
+    then goes on decoding (not prefilling: ``may_prefill_rollout``) unless first tokens are at
+    risk (under a TTFT SLO: the oldest has waited ``ttft_guard_fraction`` of it). On CPU the rollout lane has cores of its own
     and widens over the serving lane's core whenever serving has no work (``core_lending.py``);
     an arrival takes the core back at the rollout forward's next layer safepoint. Beside
     serving the rollout lane pauses only when serving requests start to queue for their first
@@ -137,17 +150,30 @@ class Rose:
         self.ttft_guard_fraction = ttft_guard_fraction
 
     def may_run_rollout(self, s: Signals) -> bool:
-        if s.lanes_overlap and s.serving_prefill_pending:
-            return False
-        if s.serving_prefill_pending >= SIDE_BY_SIDE_BACKLOG and (
+        if s.lanes_overlap and s.serving_prefill_pending and not s.priority_streams:
+            return False  # CPU, widened over serving's core: give the core back now
+        backlog = 1 if s.lanes_overlap else SIDE_BY_SIDE_BACKLOG
+        if s.serving_prefill_pending >= backlog and (
             s.slo_ttft_ms is None or s.serving_oldest_wait_ms >= self.ttft_guard_fraction * s.slo_ttft_ms
         ):
             return False
-        if s.shares_interpreter and s.serving_max_batch and s.serving_running >= self.occupancy_guard * s.serving_max_batch:
+        if not s.rollout_decode_graphs and self._batch_filling(s):
             return False
         if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
             return False
         return True
+
+    def may_prefill_rollout(self, s: Signals) -> bool:
+        """Where rollout decodes by graph replay (GPU), its quanta may go on decoding beside serving's
+        first tokens (a replay is one launch, on the low-priority stream), but its prefill is still
+        eager, about a thousand launches from the interpreter the serving lane launches from: that
+        waits until no serving request awaits its first token and no burst is filling the batch."""
+        if not s.rollout_decode_graphs:
+            return True  # every rollout step is eager alike: may_run_rollout has judged it
+        return not s.serving_prefill_pending and not self._batch_filling(s)
+
+    def _batch_filling(self, s: Signals) -> bool:
+        return s.shares_interpreter and bool(s.serving_max_batch) and s.serving_running >= self.occupancy_guard * s.serving_max_batch
 
 
 def make_policy(name: str, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, static_share: float = DEFAULT_STATIC_SHARE):

@@ -46,6 +46,22 @@ class StagedWeights:
         return (time.perf_counter() - start) * 1000.0
 
 
+    @torch.no_grad()
+    def copy_into(self, model: torch.nn.Module) -> float:
+        """Copy the staged tensors into the live ones, keeping every weight's address; returns the
+        pause in milliseconds. For a model whose forward replays captured CUDA graphs (which read
+        the weights by address): re-pointing would leave them reading freed memory, or force a
+        recapture of every graph after each update. The cost is one device copy of the update
+        (an H200 copies ~4 TB/s, read plus write: ~1.3 ms for a 1.3B bfloat16 policy)."""
+        start = time.perf_counter()
+        live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+        for name, tensor in self.tensors.items():
+            live[name].copy_(tensor)
+        if self.tensors and next(iter(self.tensors.values())).is_cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000.0
+
+
 def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
     if not isinstance(version, int) or version < 0:
         raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")

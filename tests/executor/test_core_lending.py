@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -130,6 +131,59 @@ def test_side_by_side_rose_pauses_for_a_serving_backlog_once_its_first_tokens_ar
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known
     overlap = {**beside, "lanes_overlap": True}
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, slo_ttft_ms=100.0, **overlap))
+
+
+def test_on_a_gpu_rose_keeps_decoding_beside_pending_first_tokens_but_holds_its_eager_prefill():
+    """CUDA: serving's stream has priority and rollout decodes by graph replay, so pending first tokens
+    stop only rollout's eager prefill, until they are at risk (a quarter of the TTFT SLO waited);
+    a filling serving batch likewise; without graphs every rollout step is eager and pauses as before."""
+    from rose.services.executor.policies import Signals, make_policy
+
+    rose = make_policy("rose")
+    gpu = dict(serving_running=4, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=True, serving_max_batch=32,
+               priority_streams=True, rollout_decode_graphs=True, slo_ttft_ms=100.0)
+    pending = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **gpu)
+    assert rose.may_run_rollout(pending) and not rose.may_prefill_rollout(pending)
+    at_risk = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=25.0, **gpu)
+    assert not rose.may_run_rollout(at_risk)
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, **{**gpu, "slo_ttft_ms": None}))  # no TTFT SLO known
+    quiet = Signals(0.0, serving_prefill_pending=0, **gpu)
+    assert rose.may_run_rollout(quiet) and rose.may_prefill_rollout(quiet)
+    filling = Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_running": 12})
+    assert rose.may_run_rollout(filling) and not rose.may_prefill_rollout(filling)
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_iteration_ms": 33.0}))  # TPOT guard
+    eager = {**gpu, "rollout_decode_graphs": False}
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**eager, "serving_running": 12}))
+    assert rose.may_prefill_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **eager))
+    cpu_widened = {**gpu, "priority_streams": False, "rollout_decode_graphs": False}  # CPU lane over serving's core: give it back now
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **cpu_widened))
+    for name in ("serving_only", "naive_share", "static_partition"):
+        assert make_policy(name).may_prefill_rollout(pending)
+
+
+async def test_a_rollout_iteration_told_not_to_prefill_only_decodes(loaded):
+    """The engine side of may_prefill_rollout: running rollouts take their decode step, a new prompt
+    waits unadmitted, and is prefilled once prefill is allowed again."""
+    from rose.services.executor.engine import Engine, EngineConfig
+
+    config = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", rollout_process=False)
+    engine = Engine(*loaded["serving"], *loaded["policy"], config, "rose")  # not started: this test drives the rollout lane
+    engine.set_rollout_lease(config.rollout_kv_bytes, time.monotonic() + 600)
+    engine._between_quanta(engine._rollout)
+    rt = engine._rollout
+    for i in range(2):
+        engine.submit(_rollout(i))
+    engine._receive(rt)
+    engine._iterate(rt, admit=True)  # both prompts prefilled, a first token each
+    assert [len(s.tokens) - s.prompt_len for s in rt.running] == [1, 1]
+    engine.submit(_rollout(2))
+    engine._receive(rt)
+    engine.policy.may_prefill_rollout = lambda s: False
+    engine._iterate(rt, admit=True)
+    assert [len(s.tokens) - s.prompt_len for s in rt.running] == [2, 2] and len(rt.waiting) == 1
+    del engine.policy.may_prefill_rollout
+    engine._iterate(rt, admit=True)
+    assert [len(s.tokens) - s.prompt_len for s in rt.running] == [3, 3, 1] and not rt.waiting
 
 
 async def test_the_rollout_lane_sees_how_long_the_oldest_serving_first_token_has_waited(loaded):
