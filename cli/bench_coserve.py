@@ -168,6 +168,7 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
     await engine.stop()
     if backlog:
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
+    graphs = {rt.work_class.value: _graph_stats(rt.runner) for rt in (engine._serving, engine._rollout)}
     # An aborted request (unanswered after the grace period) counts as an SLO miss; its latency is
     # reported as a lower bound: the time it had waited when it was aborted.
     aborted = [r.finish_reason == "abort" for r in results]
@@ -179,7 +180,17 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
         "rollout_tokens_per_s": window.rollout_tokens_per_s,
         "reclaim_ms": list(engine.metrics.reclaim_ms),
         "rss_bytes": window.device.get("process_rss_bytes", 0),
+        "cuda_graphs": graphs if any(graphs.values()) else None,
+        "lane_failures": engine.metrics.lane_failures,
     }
+
+
+def _graph_stats(runner) -> dict | None:
+    """A lane's CUDA graph counts (None off CUDA): captures, replays, and refusals (after which it ran eagerly)."""
+    graphs, failures = getattr(runner, "graphs", None), getattr(runner, "graph_failures", 0)
+    if graphs is None and not failures:
+        return None
+    return {"captures": graphs.captures if graphs else None, "replays": graphs.replays if graphs else None, "failures": failures}
 
 
 async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str) -> None:
@@ -329,6 +340,8 @@ def run_coserve_bench(
             "serving_tokens_per_s": run["serving_tokens_per_s"],
             "rollout_tokens_per_s": run["rollout_tokens_per_s"],
             "aborted_requests": sum(run["aborted"]),
+            "lane_failures": run["lane_failures"],
+            **({"cuda_graphs": run["cuda_graphs"]} if run["cuda_graphs"] else {}),
         }
     rose_reclaim = runs["rose"]["reclaim_ms"]
     report = {

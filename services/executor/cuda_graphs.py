@@ -108,17 +108,21 @@ class DecodeGraphs:
 
     def warm(self, contexts: int = WARM_CONTEXTS) -> int:
         """Capture every batch bucket of the first ``contexts`` context buckets now, against a scratch
-        sequence's blocks (freed, so zeroed, after): a serving lane does this before its first request,
-        so no request pays a capture. Returns the graphs captured (0 when the pool has no room)."""
+        sequence's blocks (freed, so zeroed, after; taken whatever the pool's budget, so call this only
+        while the pool holds no work): each lane does this before its first request, so no request
+        pays a capture (one can take ~0.1 s of launches that no arrival interrupts). Returns the
+        graphs captured (0 when the pool has no room)."""
         from .model_runner import ForwardItem  # (model_runner imports this module)
 
         self._check_pointers()
         pool = self.runner.pool
         before = self.captures
         for context in self.context_buckets[:contexts]:
-            if pool.blocks_for(context) > pool.free_blocks:
+            if all((batch, context) in self._graphs for batch in self.batch_buckets):
+                continue
+            if pool.blocks_for(context) > pool.unallocated_blocks:
                 break
-            table = pool.allocate(pool.blocks_for(context))
+            table = pool.allocate(pool.blocks_for(context), beyond_budget=True)
             try:
                 for batch in self.batch_buckets:
                     if (batch, context) not in self._graphs:

@@ -513,9 +513,7 @@ class Engine:
     def _serving_loop(self) -> None:
         self.device.init_thread()
         rt = self._serving
-        if rt.runner.graphs is not None:  # CUDA: capture the common decode graphs before the first request
-            with rt.lane.run():
-                log.info("serving lane: %d CUDA graphs captured", rt.runner.warm_cuda_graphs())
+        self._warm_graphs(rt)
         while not self._stopping:
             self._receive(rt)
             if not rt.has_work():
@@ -525,6 +523,13 @@ class Engine:
             self._cores.take_back()
             with rt.lane.run(), self._lane_survives(rt):
                 self._iterate_timed(rt, admit=True)
+
+    @staticmethod
+    def _warm_graphs(rt: _ClassRuntime) -> None:
+        """CUDA: capture the lane's common decode graphs before its first request (cuda_graphs.py)."""
+        if getattr(rt.runner, "graphs", None) is not None:
+            with rt.lane.run():
+                log.info("%s lane: %d CUDA graphs captured", rt.work_class.value, rt.runner.warm_cuda_graphs())
 
     def _serving_wait(self, rt: _ClassRuntime, seconds: float) -> None:
         """Wait up to ``seconds`` for a submit or abort, lending this lane's core to rollout meanwhile."""
@@ -538,6 +543,7 @@ class Engine:
     def _rollout_loop(self) -> None:
         self.device.init_thread(self.config.rollout_threads)
         rt = self._rollout
+        self._warm_graphs(rt)  # before any lease: its pool holds nothing yet
         while not self._stopping:
             self._between_quanta(rt)
             self._receive(rt)

@@ -31,6 +31,11 @@ from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
+
+
+def lane_failure_body(failure) -> dict[str, Any]:
+    """A ``metrics.LaneFailure`` as health endpoints report it."""
+    return {"lane": failure.lane, "error": failure.error, "seconds_ago": round(time.monotonic() - failure.at, 3)}
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
 
 
@@ -314,9 +319,9 @@ class OpenAIApi:
         it was the rollout lane, which production traffic does not touch."""
         metrics = self.engine.metrics
         body: dict[str, Any] = {"status": "ok", "policy_version": self.engine.policy_version, "lane_failures": metrics.lane_failures}
-        failure = metrics.last_lane_failure
-        if failure is None or (ago := time.monotonic() - failure.at) >= LANE_FAILURE_HEALTH_WINDOW_S:
+        failure = metrics.recent_lane_failure(LANE_FAILURE_HEALTH_WINDOW_S)
+        if failure is None:
             return web.json_response(body)
         body["status"] = "degraded"
-        body["last_lane_failure"] = {"lane": failure.lane, "error": failure.error, "seconds_ago": round(ago, 3)}
+        body["last_lane_failure"] = lane_failure_body(failure)
         return web.json_response(body, status=503 if failure.lane == WorkClass.SERVING.value else 200)

@@ -94,10 +94,18 @@ class KVPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def allocate(self, n: int) -> list[int]:
-        if n > self.free_blocks:
-            raise MemoryError(f"{self.name} KV pool: {n} blocks requested, {self.free_blocks} free")
+    def allocate(self, n: int, beyond_budget: bool = False) -> list[int]:
+        """``n`` free blocks within the budget, or (``beyond_budget``: a scratch use while the pool
+        holds no work, e.g. capturing CUDA graphs before the first lease) any of the pool's free ones."""
+        free = len(self._free) if beyond_budget else self.free_blocks
+        if n > free:
+            raise MemoryError(f"{self.name} KV pool: {n} blocks requested, {free} free")
         return [self._free.pop() for _ in range(n)]
+
+    @property
+    def unallocated_blocks(self) -> int:
+        """Blocks nobody holds, whatever the budget."""
+        return len(self._free)
 
     def free(self, blocks: list[int]) -> None:
         """Return blocks to the pool, zeroed (their K/V must not reach the next owner)."""

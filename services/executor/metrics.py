@@ -52,11 +52,17 @@ class EngineMetrics:
         self.max_swap_pause_ms = 0.0
         self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
         self.last_lane_failure: LaneFailure | None = None
+        self._last_failure_of: dict[str, LaneFailure] = {}
 
     def lane_failed(self, lane: str, error: BaseException) -> None:
         with self._lock:
             self.lane_failures += 1
-            self.last_lane_failure = LaneFailure(lane, f"{type(error).__name__}: {error}", time.monotonic())
+            self.last_lane_failure = self._last_failure_of[lane] = LaneFailure(lane, f"{type(error).__name__}: {error}", time.monotonic())
+
+    def recent_lane_failure(self, window_s: float, lane: str | None = None) -> LaneFailure | None:
+        """The last failure (of ``lane``, or of either) if it is less than ``window_s`` old."""
+        failure = self.last_lane_failure if lane is None else self._last_failure_of.get(lane)
+        return failure if failure is not None and time.monotonic() - failure.at < window_s else None
 
     def serving_arrival(self) -> None:
         with self._lock:

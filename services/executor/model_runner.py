@@ -243,6 +243,7 @@ class PagedModelRunner:
         self._lm_head = weights.linear("lm_head") if "lm_head.weight" in weights.params else (self._embed, None)
         self._storage = list({id(t): t for t in weights.params.values()}.values()) + [weights.inv_freq]
         self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graph replays (``use_cuda_graphs``)
+        self.graph_failures = 0  # captures or replays refused: after the first, this runner runs eagerly
 
     def use_cuda_graphs(self, max_batch: int) -> None:
         """Run decode-only steps as CUDA graph replays (``cuda_graphs.py``); a no-op off CUDA."""
@@ -258,7 +259,7 @@ class PagedModelRunner:
             return self.graphs.warm()
         except RuntimeError:
             log.exception("CUDA graph capture failed; decode steps run eagerly")
-            self.graphs = None
+            self.graphs, self.graph_failures = None, self.graph_failures + 1
             return 0
 
     def storage_fingerprint(self) -> tuple[int, ...]:
@@ -313,7 +314,7 @@ class PagedModelRunner:
                 return logits[:, None] if all_logits else logits
             except RuntimeError:  # a capture this device or driver refuses: this runner goes on eagerly
                 log.exception("CUDA graph capture or replay failed; decode steps run eagerly from now on")
-                self.graphs = None
+                self.graphs, self.graph_failures = None, self.graph_failures + 1
         # Index tensors are built as Python lists and converted once each: a torch op per sequence
         # (several per sequence, 32 sequences) would be most of a decode step's ops, and every op
         # hands the interpreter lock over to the other lane and back.

@@ -46,6 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from .config import SGLangApiSettings
 from .engine import Engine, RequestHandle
+from . import http_api
 from .http_api import ApiError, _unicode
 from .policy_updates import PolicyUpdates
 from .protocol import GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
@@ -605,8 +606,16 @@ class SGLangApi:
         )
 
     async def health_generate(self, _request: web.Request) -> web.Response:
+        """200 while the lanes run; 503 when they do not, or for ``http_api.LANE_FAILURE_HEALTH_WINDOW_S``
+        after a rollout iteration raised (these endpoints generate on the rollout lane: SGLang answers
+        503 when its generation fails, and a router then stops sending it work)."""
         alive = all(t.is_alive() for t in self.engine._threads) and self.engine._started and not self.engine._stopping
-        return web.Response(status=200 if alive else 503)
+        if not alive:
+            return web.Response(status=503)
+        failure = self.engine.metrics.recent_lane_failure(http_api.LANE_FAILURE_HEALTH_WINDOW_S, WorkClass.ROLLOUT.value)
+        if failure is not None:
+            return web.json_response({"status": "degraded", "last_lane_failure": http_api.lane_failure_body(failure)}, status=503)
+        return web.Response(status=200)
 
 
 

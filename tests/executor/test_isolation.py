@@ -46,6 +46,22 @@ def test_a_freed_block_is_zeroed_and_the_others_are_kept():
         pool.allocate(1)
 
 
+def test_scratch_blocks_beyond_the_budget_only_when_asked_and_never_more_than_the_pool():
+    """Capturing CUDA graphs before the first lease takes scratch blocks whatever the (zero) budget;
+    everything else stays within it."""
+    shape = KVShape(1, 1, 4, torch.float32)
+    pool = KVPool("rollout", shape, 8 * shape.bytes_per_token() * 4, 4, torch.device("cpu"))
+    pool.set_budget_bytes(0)
+    with pytest.raises(MemoryError, match="0 free"):
+        pool.allocate(1)
+    scratch = pool.allocate(3, beyond_budget=True)
+    assert pool.unallocated_blocks == 5 and pool.free_blocks == 0
+    with pytest.raises(MemoryError, match="5 free"):
+        pool.allocate(6, beyond_budget=True)
+    pool.free(scratch)
+    assert pool.unallocated_blocks == 8 and pool.used_blocks == 0
+
+
 async def test_kv_written_by_rollout_is_zero_before_anyone_is_handed_it_again(make_engine):
     """While a rollout turn runs its blocks hold K/V; once it finishes, every byte of both pools is zero."""
     engine = make_engine()

@@ -329,3 +329,23 @@ async def test_generate_without_a_lease_in_time_is_a_503_that_says_why(serve):
     session, base, _, _ = await serve(SGLangApiSettings(allow_unauthenticated_admin=True, lease_wait_s=0.2), lease=False)
     status, out = await post(session, f"{base}/generate", {"text": "wait", "sampling_params": GREEDY})
     assert status == 503 and "no rollout lease" in out["error"]["message"]
+
+
+async def test_health_generate_fails_for_a_while_after_a_rollout_iteration_raised(serve, monkeypatch):
+    """/health_generate generates on the rollout lane: after a rollout iteration raised it answers 503
+    with the failure (a router stops sending work) until the window has passed; a serving lane
+    failure does not touch it."""
+    from rose.services.executor import http_api
+
+    session, base, engine, _ = await serve()
+    engine.metrics.lane_failed("serving", RuntimeError("a serving fault"))
+    async with session.get(f"{base}/health_generate") as r:
+        assert r.status == 200
+    engine.metrics.lane_failed("rollout", RuntimeError("a rollout fault"))
+    async with session.get(f"{base}/health_generate") as r:
+        body = await r.json()
+        assert r.status == 503 and body["status"] == "degraded"
+        assert body["last_lane_failure"]["lane"] == "rollout" and body["last_lane_failure"]["error"] == "RuntimeError: a rollout fault"
+    monkeypatch.setattr(http_api, "LANE_FAILURE_HEALTH_WINDOW_S", 0.0)  # the window has passed
+    async with session.get(f"{base}/health_generate") as r:
+        assert r.status == 200
