@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_pool import key_slots
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 WARMUP_STEPS = 1  # eager runs on a side stream before capture (cuBLAS and allocator state)
@@ -47,10 +49,8 @@ class DecodeInputs:
     def of(cls, items, block_size: int, batch: int, context: int) -> "DecodeInputs":
         """Host tensors for decode ``items`` (one new token each), padded with copies of the last."""
         rows = list(items) + [items[-1]] * (batch - len(items))
-        n_blocks = -(-context // block_size)
-        tables = [list(it.block_table[:n_blocks]) + [0] * (n_blocks - min(n_blocks, len(it.block_table))) for it in rows]
+        gather = key_slots([it.block_table for it in rows], context, block_size)
         kpos = torch.arange(context)
-        gather = (torch.tensor(tables, dtype=torch.long)[:, kpos // block_size] * block_size + kpos % block_size).reshape(-1)
         positions = torch.tensor([it.start for it in rows], dtype=torch.long)
         slots = torch.tensor([it.block_table[it.start // block_size] * block_size + it.start % block_size for it in rows], dtype=torch.long)
         tokens = torch.tensor([it.token_ids[0] for it in rows], dtype=torch.long)

@@ -21,6 +21,16 @@ import torch
 DEFAULT_BLOCK_SIZE = 16  # tokens per block
 
 
+def key_slots(block_tables: list[list[int]], length: int, block_size: int) -> torch.Tensor:
+    """The cache slot of key positions ``0 .. length-1`` of each sequence, ``[len(block_tables) * length]``
+    (tables cut or padded with block 0 to cover ``length``: positions past a sequence's context must
+    be masked by the caller)."""
+    n_blocks = -(-length // block_size)
+    tables = [list(t[:n_blocks]) + [0] * (n_blocks - min(n_blocks, len(t))) for t in block_tables]
+    kpos = torch.arange(length)
+    return (torch.tensor(tables, dtype=torch.long)[:, kpos // block_size] * block_size + kpos % block_size).reshape(-1)
+
+
 @dataclass(frozen=True)
 class KVShape:
     num_layers: int

@@ -51,13 +51,16 @@ class EngineMetrics:
         self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
         self.max_swap_pause_ms = 0.0
         self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
-        self.last_lane_failure: LaneFailure | None = None
         self._last_failure_of: dict[str, LaneFailure] = {}
 
     def lane_failed(self, lane: str, error: BaseException) -> None:
         with self._lock:
             self.lane_failures += 1
-            self.last_lane_failure = self._last_failure_of[lane] = LaneFailure(lane, f"{type(error).__name__}: {error}", time.monotonic())
+            self._last_failure_of[lane] = LaneFailure(lane, f"{type(error).__name__}: {error}", time.monotonic())
+
+    @property
+    def last_lane_failure(self) -> LaneFailure | None:
+        return max(self._last_failure_of.values(), key=lambda f: f.at, default=None)
 
     def recent_lane_failure(self, window_s: float, lane: str | None = None) -> LaneFailure | None:
         """The last failure (of ``lane``, or of either) if it is less than ``window_s`` old."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cuda_graphs import DecodeGraphs, DecodeInputs
-from .kv_pool import KVPool, KVShape
+from .kv_pool import KVPool, KVShape, key_slots
 from .sampling import SamplerState, sample_batch
 from .weights import StagedWeights
 
@@ -161,14 +161,9 @@ class _AttentionGroup:
         max_q = max(qlens[i] for i in members)
         ctx = [items[i].start + qlens[i] for i in members]
         max_k = max(ctx)
-        n_blocks = -(-max_k // bs)
-        tables, query_positions = [], []
-        for i in members:
-            table = list(items[i].block_table[:n_blocks])
-            tables.append(table + [0] * (n_blocks - len(table)))
-            query_positions.append(list(range(items[i].start, items[i].start + max_q)))
+        query_positions = [list(range(items[i].start, items[i].start + max_q)) for i in members]
+        gather = key_slots([items[i].block_table for i in members], max_k, bs).to(dev)
         kpos = torch.arange(max_k)
-        gather = (torch.tensor(tables, dtype=torch.long)[:, kpos // bs] * bs + kpos % bs).reshape(-1).to(dev)
         qpos = torch.tensor(query_positions, dtype=torch.long)
         # key j visible to the query at position p iff j <= p and j < the item's context length
         mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < torch.tensor(ctx)[:, None, None]))[:, None].to(dev)

@@ -182,7 +182,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     assert torch.equal(policy.state_dict()[name], live)
     pause_ms = engine.apply_policy_weights({name: new}, 2).result(timeout=60)
     swapped = policy.state_dict()[name]
-    assert pause_ms >= 0 and engine.policy_version == 2
+    assert engine.metrics.max_swap_pause_ms == pause_ms and engine.policy_version == 2  # the swap's pause, recorded
     assert swapped.device.type == device and torch.equal(swapped.cpu(), new)
     assert all(torch.equal(t, serving_before[n]) for n, t in serving.state_dict().items())
     # the paged forward reads the new weights, as HF's forward does
