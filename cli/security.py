@@ -69,7 +69,7 @@ def permissions_command(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         users = [*USERS, *(instance_user(s, name) for s, names in instances.items() for name in names)]
-        out = {u: {"publish": p.publish, "subscribe": p.subscribe, "allow_responses": True} for u in users for p in [permissions(u)]}
+        out = {u: {"publish": p.publish, "subscribe": p.subscribe} for u in users for p in [permissions(u)]}
         json.dump(out, sys.stdout, indent=2)
         print()
     else:

@@ -8,7 +8,8 @@ runtime sits directly on nats-py: one `Bus` per service, handlers dispatch on th
 payload type, and every refusal is answered (request/reply) and dead-lettered.
 
 Request endpoints are registered with the NATS services API (`nats.micro`), so
-`$SRV.PING`, `$SRV.INFO` and `$SRV.STATS` work for every service.
+`$SRV.PING`, `$SRV.INFO` and `$SRV.STATS` work for every service. A request is answered only on a
+reply subject under the inbox of a service allowed to ask (`Bus._refuse_reply`, docs/security.md).
 
 With per-service credentials (rose.shared.security) a refused publish or subscribe raises
 `PermissionDenied` naming the subject, in the helper that attempted it.
@@ -32,21 +33,21 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from nats.micro import ServiceConfig as MicroConfig
-from nats.micro import add_service
 from nats.micro.request import Request as MicroRequest
 from nats.micro.service import EndpointConfig, Service as MicroService
 
 from rose import __version__
 from rose.contracts.registry import DEAD_LETTER, Channel, Kind
 from rose.contracts.service import DeadLetter
-from rose.shared.security import inbox_prefix
+from rose.shared.metrics import meter, metric_name
+from rose.shared.security import SRV_REQUESTERS, inbox_prefix, instance_token, reply_prefixes, requesters
 
 from .codec import PayloadError, decode, encode
 from .config import BusConfig
-from .tracing import incoming_span, outgoing_span
+from .tracing import ensure_tracing, incoming_span, outgoing_span, traced
 
 log = logging.getLogger("rose.bus")
 
@@ -59,6 +60,11 @@ CONSUME_FETCH_TIMEOUT_S = 1.0
 MAX_CONCURRENT_REQUESTS = 256
 NO_RESPONDERS_FIRST_RETRY_S = 0.02
 MAX_ACCEPTED_SUBJECTS = 4096  # remembered core subjects (per-entity subjects are many but bounded)
+ANY_INBOX = ("_INBOX.", "_INBOX_")  # without credentials a reply may go to any inbox, never to a service's or the server's subjects
+REPLIES_REFUSED = meter().create_counter(
+    metric_name("bus.replies_refused"), unit="{request}",
+    description="Requests not answered because their reply subject is not an inbox of a requester of the channel (confused deputy), per service and channel.",
+)
 
 
 class RemoteError(Exception):
@@ -76,6 +82,14 @@ class RequestRefused(ValueError):
     def __init__(self, message: str, code: str = "400") -> None:
         super().__init__(message)
         self.code = code
+
+
+class KvConflict(RuntimeError):
+    """A compare-and-set write lost: the key is no longer at the revision the writer read."""
+
+    def __init__(self, key: str, revision: int) -> None:
+        super().__init__(f"KV key {key!r} changed since revision {revision}")
+        self.key, self.revision = key, revision
 
 
 class BusClosed(RuntimeError):
@@ -174,6 +188,7 @@ class Bus:
         self._kv: dict[str, KeyValue] = {}
         self._closing = False
         self.dead_letters = 0
+        self.replies_refused = 0  # requests left unanswered: their reply subject was not a requester's inbox
         # Operations in flight that a permissions violation on a matching subject should fail (see permission_errors).
         self._guards: dict[asyncio.Task[Any], tuple[str | None, Callable[[str], bool]]] = {}
         self._refused: dict[asyncio.Task[Any], tuple[str, str]] = {}
@@ -181,6 +196,9 @@ class Bus:
         # core subjects the server has accepted a publish to: permissions are fixed per connection,
         # so only the first publish to a subject waits for the server's verdict
         self._accepted: set[str] = set()
+        # names of the registry channels this connection has read (subscribed, consumed, served, watched, got):
+        # who really consumes what, checked against the registry's consumer lists (tests/observability)
+        self.reads: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -193,6 +211,7 @@ class Bus:
 
     async def connect(self) -> None:
         """Connect with exponential backoff until `initial_connect_deadline_s`; then nats-py reconnects forever."""
+        ensure_tracing(self.service, self.instance)  # a framework's own Bus starts its traces too (rose.shared.tracing)
         cfg = self.config
         deadline = time.monotonic() + cfg.initial_connect_deadline_s
         delay = 0.1
@@ -363,7 +382,7 @@ class Bus:
         """
         subject = channel.subject(**tokens)
         headers: dict[str, str] = {}
-        with outgoing_span("send", subject, channel.template, headers):
+        with outgoing_span("send", subject, channel.template, headers, periodic=not traced(channel.name)):
             data = encode(message, channel.encoding)
             with self.permission_errors(subject):
                 if channel.kind is Kind.STREAM:
@@ -387,7 +406,7 @@ class Bus:
         timeout = timeout or self.config.request_timeout_s
         deadline = time.monotonic() + timeout
         delay = NO_RESPONDERS_FIRST_RETRY_S
-        with outgoing_span("request", subject, channel.template, headers):
+        with outgoing_span("request", subject, channel.template, headers, periodic=not traced(channel.name)):
             data = encode(message, channel.encoding)
             while True:  # nobody listening yet (a service still starting): retry until the deadline
                 try:
@@ -427,23 +446,33 @@ class Bus:
             raise TypeError(f"channel {channel.name!r} is not a request channel")
         subject = channel.subject(**tokens) if len(tokens) == len(channel.tokens) else channel.pattern(**tokens)
         micro = await self.services_api()
+        self.reads.add(channel.name)
 
         slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
+        allowed = self._reply_prefixes(requesters(channel))
 
         async def on_request(req: MicroRequest) -> None:
+            arrived = time.perf_counter()
             await slots.acquire()
-            task = asyncio.create_task(answer(req))
+            reply = req._msg.reply  # nats.micro answers on it; refuse before the handler runs
+            if not reply.startswith(allowed) or not _plain_subject(reply):
+                task = asyncio.create_task(self._refuse_reply(channel.name, allowed, req.subject, reply, req.data, req.headers))
+            else:
+                task = asyncio.create_task(answer(req, arrived))
             self._requests.add(task)
             task.add_done_callback(lambda t: (self._requests.discard(t), slots.release()))
 
-        async def answer(req: MicroRequest) -> None:
+        async def answer(req: MicroRequest, arrived: float) -> None:
             headers = req.headers or {}
             try:
                 message = await self._accept(channel, req.data, req.subject, headers)
             except PayloadError as exc:
                 await req.respond_error("400", exc.reason[:1024])
                 return
-            with incoming_span("reply", req.subject, channel.template, headers):
+            with incoming_span("reply", req.subject, channel.template, headers) as span:
+                # message read to handler running (a free slot, the event loop): the gap no child span explains
+                span.set_attribute("rose.loop_wait_ms", (time.perf_counter() - arrived) * 1000.0)
+                wall, cpu = time.perf_counter(), time.thread_time()
                 try:
                     result = await handler(message, Delivery(req.subject, headers, channel.parse(req.subject)))
                 except RequestRefused as exc:
@@ -455,6 +484,9 @@ class Bus:
                     await self.dead_letter(req.subject, "handler", repr(exc), req.data, headers)
                     await req.respond_error("500", f"{type(exc).__name__}: {exc}"[:1024])
                     return
+                # the handler's wall time against the CPU this thread had meanwhile: far more wall than CPU with
+                # no await in between is a process waiting for a core (or other tasks run), not the handler's work
+                span.set_attributes({"rose.handler_ms": (time.perf_counter() - wall) * 1000.0, "rose.handler_cpu_ms": (time.thread_time() - cpu) * 1000.0})
                 await req.respond(encode(result, channel.encoding))
 
         with self.permission_errors(subject):
@@ -477,7 +509,7 @@ class Bus:
                 message = await self._accept(channel, msg.data, msg.subject, headers)
             except PayloadError:
                 return
-            with incoming_span("process", msg.subject, channel.template, headers):
+            with incoming_span("process", msg.subject, channel.template, headers, periodic=not traced(channel.name)):
                 try:
                     await handler(message, Delivery(msg.subject, headers, channel.parse(msg.subject)))
                 except Exception as exc:
@@ -485,6 +517,7 @@ class Bus:
                     await self.dead_letter(msg.subject, "handler", repr(exc), msg.data, headers)
 
         pattern = channel.pattern(**tokens)
+        self.reads.add(channel.name)
         with self.permission_errors(pattern):
             await self.nc.subscribe(pattern, queue=queue, cb=on_msg)
             await self._processed()
@@ -516,6 +549,7 @@ class Bus:
         if channel.stream is None:
             raise TypeError(f"channel {channel.name!r} is not backed by a stream")
         filter_subject = channel.pattern(**tokens)
+        self.reads.add(channel.name)
         config = ConsumerConfig(
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -551,7 +585,7 @@ class Bus:
             await msg.term()
             return
         attempt = msg.metadata.num_delivered
-        with incoming_span("process", msg.subject, channel.template, headers):
+        with incoming_span("process", msg.subject, channel.template, headers, periodic=not traced(channel.name)):
             try:
                 delivery = Delivery(msg.subject, headers, channel.parse(msg.subject), attempt, msg if manual_ack else None)
                 await handler(message, delivery)
@@ -566,10 +600,28 @@ class Bus:
         if not manual_ack:
             await msg.ack()
 
+    # ---- whom a responder answers ------------------------------------------------------
+
+    def _reply_prefixes(self, services: tuple[str, ...]) -> tuple[str, ...]:
+        """Where answers may go: with credentials, the inboxes of `services` (the server lets their
+        users alone read there, rose.shared.security); without, any inbox (nobody's identity is known)."""
+        return reply_prefixes(services) if self._secured else ANY_INBOX
+
+    async def _refuse_reply(self, what: str, allowed: tuple[str, ...], subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        """A request whose reply subject is not a requester's inbox: never answered, counted, dead-lettered.
+
+        Answering it would make this service publish its answer (an error included) wherever the
+        sender chose: `$JS.API.STREAM.DELETE.<stream>`, a KV key, another service's subject or inbox.
+        """
+        self.replies_refused += 1
+        REPLIES_REFUSED.add(1, {"service": self.service, "channel": what})
+        reason = f"reply subject {reply[:256]!r} of a {what} request is not under {' or '.join(allowed)} (the inboxes of those who may ask): not answered"
+        await self.dead_letter(subject, "unauthorised", reason, data, headers)
+
     # ---- dead letters ----------------------------------------------------------------
 
     async def dead_letter(self, subject: str, kind: str, reason: str, payload: bytes, headers: dict[str, str] | None) -> None:
-        """Keep a refused message with its reason on `rose.dlq.<service>`; never raises."""
+        """Keep a refused message with its reason on `rose.dlq.<service>.<instance>`; never raises."""
         self.dead_letters += 1
         if len(payload) > DLQ_PAYLOAD_LIMIT:
             reason = f"{reason} (payload truncated to the first {DLQ_PAYLOAD_LIMIT} of {len(payload)} bytes)"
@@ -586,7 +638,7 @@ class Bus:
         )
         log.warning("dead letter from %s (%s): %s", subject, kind, reason[:300])
         try:
-            await self.js.publish(DEAD_LETTER.subject(service=self.service), encode(letter))
+            await self.js.publish(DEAD_LETTER.subject(service=self.service, instance=instance_token(self.instance)), encode(letter))
         except Exception as exc:
             log.error("could not store dead letter for %s: %r", subject, exc)
 
@@ -609,9 +661,42 @@ class Bus:
             kv = await self._bucket(channel)
             return await kv.put(key, encode(message, channel.encoding))
 
+    async def kv_entry(self, channel: Channel, **tokens: str) -> tuple[Any | None, int]:
+        """The decoded value (None when absent or deleted) and the key's revision (0 when it never existed),
+        for a compare-and-set with `kv_swap`. An undecodable value reads as None at its revision."""
+        assert channel.payload is not None
+        key = channel.subject(**tokens)
+        with self._kv_refusals(channel, key):
+            kv = await self._bucket(channel)
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError as exc:  # absent, or deleted (a delete marker has a revision too)
+                return None, int(getattr(getattr(exc, "entry", None), "revision", 0) or 0)
+        try:
+            return decode(entry.value, channel.payload, channel.encoding), int(entry.revision or 0)
+        except PayloadError:
+            return None, int(entry.revision or 0)
+
+    async def kv_swap(self, channel: Channel, message: Any, *, revision: int, **tokens: str) -> int:
+        """Write only if the key is still at `revision` (0: only if it does not exist); returns the new revision.
+
+        Raises `KvConflict` when another writer got there first: the caller re-reads and decides again.
+        """
+        key = channel.subject(**tokens)
+        data = encode(message, channel.encoding)
+        with self._kv_refusals(channel, key):
+            kv = await self._bucket(channel)
+            try:
+                if revision:
+                    return await kv.update(key, data, last=revision)
+                return await kv.create(key, data)
+            except KeyWrongLastSequenceError as exc:
+                raise KvConflict(key, revision) from exc
+
     async def kv_get(self, channel: Channel, **tokens: str) -> Any | None:
         """The decoded value, or None when the key is absent or deleted."""
         assert channel.payload is not None
+        self.reads.add(channel.name)
         with self._kv_refusals(channel):
             kv = await self._bucket(channel)
             try:
@@ -640,6 +725,7 @@ class Bus:
         assert channel.payload is not None and channel.kv is not None
         prefix = f"$KV.{channel.kv.bucket}."
         out = []
+        self.reads.add(channel.name)
         with self._kv_refusals(channel):
             kv = await self._bucket(channel)
             info = await self.js.stream_info(f"KV_{channel.kv.bucket}", subjects_filter=f"{prefix}>")
@@ -661,6 +747,7 @@ class Bus:
 
         Tokens not given match any key. An undecodable value is dead-lettered and skipped.
         """
+        self.reads.add(channel.name)
         with self._kv_refusals(channel):
             kv = await self._bucket(channel)
             watcher = await kv.watch(channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens))
@@ -694,7 +781,7 @@ class Bus:
     async def services_api(self) -> MicroService:
         """This service in the NATS services API ($SRV.PING / INFO / STATS), created once."""
         if self._micro is None:
-            self._micro = await add_service(
+            micro = _RepliesChecked(
                 self.nc,
                 MicroConfig(
                     name=f"rose_{self.service}",
@@ -703,6 +790,39 @@ class Bus:
                     metadata={"instance": self.instance},
                 ),
             )
+            micro.check(self._reply_prefixes(SRV_REQUESTERS), self._refuse_reply)
+            await micro.start()
+            self._micro = micro
         return self._micro
+
+
+def _plain_subject(subject: str) -> bool:
+    """A concrete subject (no wildcard, no empty token, no whitespace): a reply cannot be a pattern."""
+    return bool(subject) and not any(t in ("", "*", ">") for t in subject.split(".")) and not any(c.isspace() for c in subject)
+
+
+class _RepliesChecked(MicroService):
+    """nats.micro's service, whose `$SRV` PING / INFO / STATS answers go only to an allowed inbox (see Bus._refuse_reply)."""
+
+    def check(self, allowed: tuple[str, ...], refuse: Callable[..., Awaitable[None]]) -> None:
+        self._allowed_replies, self._refuse = allowed, refuse
+
+    async def _allowed(self, msg: Msg) -> bool:
+        if msg.reply.startswith(self._allowed_replies) and _plain_subject(msg.reply):
+            return True
+        await self._refuse("$SRV", self._allowed_replies, msg.subject, msg.reply, msg.data, msg.headers)
+        return False
+
+    async def _handle_ping_request(self, msg: Msg) -> None:
+        if await self._allowed(msg):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg: Msg) -> None:
+        if await self._allowed(msg):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg: Msg) -> None:
+        if await self._allowed(msg):
+            await super()._handle_stats_request(msg)
 
 

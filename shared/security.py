@@ -15,9 +15,13 @@ is authorised where it is declared:
   into a stream could then replay them onto a subject it may not publish (e.g. a manifest);
 * every service may look up every registry stream (the provisioning check at start), answer its
   own `$SRV` pings and receive on its own inbox prefix (`_INBOX_<service>.<instance>`, set by the bus), so
-  it cannot read other services' replies; it answers requests through `allow_responses`, never
-  by publishing to other inboxes. Creating, updating or deleting storage is left to the
-  operator (`rose provision`, `rose up`);
+  it cannot read other services' replies. There is no `allow_responses` (it lets a user answer on
+  whatever reply subject a request carries, `$JS.API.STREAM.DELETE...` included: a confused
+  deputy): a service answers a request channel it consumes by publishing under the inboxes of that
+  channel's requesters only (`requesters`: its publishers and the operator), and `$SRV` pings
+  under the operator's. The bus refuses any other reply subject before answering
+  (`Bus.serve`); these rights are the server's guarantee behind it. Creating, updating or deleting
+  storage is left to the operator (`rose provision`, `rose up`);
 * executors, whose instances the bus addresses one by one (`INSTANCE_TOKENS`), may also get a user
   per declared instance (`executor@NAME`, seed `executor@NAME.nk`): the executor's rights with
   every `{executor_id}` (and, beside `{service}`, `{instance}`) token pinned to NAME, so one
@@ -115,12 +119,30 @@ def parse_instances(specs: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
+def requesters(channel: Channel) -> tuple[str, ...]:
+    """Who may ask on a request channel, hence whose inboxes may receive its answers: its publishers and the operator."""
+    return (*channel.publishers, OPERATOR)
+
+
+SRV_REQUESTERS = (OPERATOR,)  # who may ask a service's `$SRV` PING / INFO / STATS (`rose status`, operators)
+
+
+def reply_prefixes(services: Iterable[str]) -> tuple[str, ...]:
+    """The reply subjects a responder may answer to for these requesters: `_INBOX_<service>.` (every instance of it)."""
+    return tuple(f"{inbox_prefix(s)}." for s in services)
+
+
 def inbox_prefix(service: str, instance: str | None = None) -> str:
     """Private reply subjects: the bus connects with `_INBOX_<service>.<instance>`; a service's user may
     subscribe under `_INBOX_<service>` only, an instance's user (`executor@NAME`) under its own instance only."""
     if instance is None:
         return f"_INBOX_{service}"
-    return f"_INBOX_{service}.{instance if TOKEN_RE.match(instance) else re.sub(r'[^A-Za-z0-9_-]', '_', instance)[:128]}"
+    return f"_INBOX_{service}.{instance_token(instance)}"
+
+
+def instance_token(instance: str) -> str:
+    """An instance name as a subject token (its inbox, its dead letters and lifecycle events): unsafe characters become '_'."""
+    return instance if TOKEN_RE.match(instance) else re.sub(r"[^A-Za-z0-9_-]", "_", instance)[:128] or "_"
 
 
 def stream_name(kind: Kind, channel: Channel) -> str:
@@ -311,6 +333,10 @@ def permissions(user: str, *, instance: str | None = None) -> Permissions:
                 perms.allow_pub(*_consumer_rights(stream))
                 if stream not in perms.js_consumers:
                     perms.js_consumers.append(stream)
+    if user != INTEGRATIONS:  # answers: under the inboxes of those who may ask, nowhere else (no allow_responses)
+        answered = [c for c in CHANNELS if c.kind is Kind.REQUEST and user in c.consumers]
+        perms.allow_pub(*(f"{p}>" for p in reply_prefixes(SRV_REQUESTERS)))
+        perms.allow_pub(*(f"{p}>" for c in answered for p in reply_prefixes(requesters(c))))
     return perms
 
 
@@ -339,7 +365,6 @@ def render_authorization(public_keys: dict[str, str]) -> str:
             f'    {{ nkey: "{public_keys[user]}", permissions: {{',
             f"        publish: {{ allow: {_nats_list(perms.publish)} }}",
             f"        subscribe: {{ allow: {_nats_list(perms.subscribe)} }}",
-            "        allow_responses: true",
             "    } }",
         ]
     lines += ["  ]", "}"]

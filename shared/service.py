@@ -131,6 +131,7 @@ class ServiceRuntime:
                 ServiceEvent(kind="down", service=self.service, instance=self.instance, at=time.time(), reason="shutdown"),
                 kind="down",
                 service=self.service,
+                instance=self.instance,
             )
             await self.bus.kv_delete(SERVICE_REGISTRY, service=self.service, instance=self.instance)
         except Exception as err:  # the bus may already be gone; the heartbeat key then expires by TTL
@@ -155,6 +156,7 @@ class ServiceRuntime:
             ServiceEvent(kind="up", service=self.service, instance=self.instance, at=time.time()),
             kind="up",
             service=self.service,
+            instance=self.instance,
         )
 
     def request_shutdown(self) -> None:

@@ -33,7 +33,7 @@ async def test_bad_request_is_refused_dead_lettered_and_service_keeps_answering(
         assert reply.headers["Nats-Service-Error-Code"] == "400"
         assert reason in reply.headers["Nats-Service-Error"]
 
-        last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.subject(service="dlqsvc"))
+        last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.pattern(service="dlqsvc"))
         letter = msgspec.json.decode(last.data, type=DeadLetter)
         assert letter.kind == kind and reason in letter.reason
         assert letter.subject == GENERATE.subject(executor_id="ex-dlq")

@@ -2,7 +2,8 @@
 
 A version published in bf16/fp16 applies bit-exactly to an fp32 policy (the upcast keeps every
 value); any other dtype or shape mismatch is refused by the engine and the previous weights
-keep serving.
+keep serving. Names, shapes and dtypes are all checked before a single tensor is converted, so a
+wrong or oversized state costs no conversion (no memory) before it is refused.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import asyncio
 
 import torch
 
-from rose.shared.weight_layout import dtype_name, fits_live, state_digest
+from rose.shared.weight_layout import LayoutError, dtype_name, fits_live, state_digest
 
 from .engine import Engine
+from .weights import WeightUpdateError
 
 
 class PolicyUpdates:
@@ -31,13 +33,36 @@ class PolicyUpdates:
 
     def _stage(self, state: dict[str, torch.Tensor], version: int):
         live = self.engine.policy_state_dict()
-        fitted = {}
-        for name, tensor in state.items():
-            target = live.get(name)
-            upcast = target is not None and tensor.dtype != target.dtype and fits_live(dtype_name(tensor.dtype), dtype_name(target.dtype))
-            fitted[name] = tensor.to(target.dtype) if upcast else tensor
+        check_fits(state, live)
+        fitted = {name: tensor.to(live[name].dtype) if tensor.dtype != live[name].dtype else tensor for name, tensor in state.items()}
         return self.engine.apply_policy_weights(fitted, version)
 
     async def digest(self) -> str:
         """SHA-256 of the live policy parameters (to prove a version arrived bit-exact)."""
         return await asyncio.to_thread(state_digest, self.engine.policy_state_dict())
+
+
+def check_fits(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+    """Raise WeightUpdateError unless every tensor names a live parameter, has its shape and a dtype that applies losslessly."""
+    if not state:
+        raise WeightUpdateError("empty state dict: nothing to update")
+    problems = []
+    for name, tensor in state.items():
+        target = live.get(name)
+        if target is None:
+            problems.append(f"{name}: unknown parameter names (not in the policy model)")
+        elif not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name}: not a tensor")
+        elif tuple(tensor.shape) != tuple(target.shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        elif not _fits(tensor.dtype, target.dtype):
+            problems.append(f"{name}: dtype {tensor.dtype} != {target.dtype}")
+    if problems:
+        raise WeightUpdateError("state dict does not match the policy model: " + "; ".join(problems[:5]))
+
+
+def _fits(published: torch.dtype, live: torch.dtype) -> bool:
+    try:
+        return fits_live(dtype_name(published), dtype_name(live))
+    except LayoutError:
+        return False

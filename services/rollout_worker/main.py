@@ -13,6 +13,7 @@ from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
 from rose.shared.agentic import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
+from rose.shared.agentic.env_code import configure_registered_code_env
 from .config import RolloutWorkerConfig
 from .telemetry import InstrumentedEpisodes
 from .turns import TurnRunner
@@ -24,6 +25,8 @@ async def run(config: RolloutWorkerConfig) -> None:
     policy = config.models.policy_path()
     await wait_for_files(policy, ("tokenizer.json",), config.models.wait_s)
     tokenizer = await asyncio.to_thread(load_tokenizer, policy)
+    if refused := await asyncio.to_thread(configure_registered_code_env, config.sandbox.backend):  # fail closed: no unconfined code
+        log.error("the code environment will refuse its episodes: %s", refused)
     stats: dict[str, float] = {}
     async with ServiceRuntime("rollout_worker", bus=config.bus, runtime=config.runtime, load=lambda: dict(stats)) as rt:
         turns = TurnRunner(rt.bus, config.turns)

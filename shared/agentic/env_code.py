@@ -12,7 +12,9 @@ the nonce (the harness file is deleted before the program runs).
 
 A program that loops, blows its memory or floods its output is the model's failure (the
 sandbox contained it): the tool reports it and those tests count as failed. A sandbox that
-cannot run at all is the environment's failure (`EnvironmentFailure`).
+cannot run at all is the environment's failure (`EnvironmentFailure`). With no isolating
+sandbox backend on the machine (and `unsafe` not chosen), the environment refuses every
+episode at reset, with what to install or enable (docs/sandbox.md).
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .sandbox import Sandbox, SandboxLimits, SandboxResult
+from rose.contracts.rollout import RolloutTask
+
+from .envs import ENVIRONMENTS
+from .sandbox import ISOLATING_BACKENDS, Backend, BackendChoice, Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 from .tool_env import Problem, ToolEnv
-from .tools import Tool, ToolError, format_answer, format_call
+from .tools import EnvironmentFailure, Tool, ToolError, format_answer, format_call
 
 TESTS_PER_PROBLEM = 5
-SANDBOX_LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2, memory_bytes=256 << 20, max_output_bytes=16 << 10)
-TOOL_DEADLINE_S = 20.0  # the sandbox's own wall limit plus generous start-up slack
+# wall_s is the backstop for a sleeping program; the CPU limit stops a busy one (the sandbox runs
+# at nice 10, so on a loaded machine 2 s of CPU can take well over 10 s of wall time)
+SANDBOX_LIMITS = SandboxLimits(wall_s=20.0, cpu_s=2, memory_bytes=256 << 20, max_output_bytes=16 << 10)
+TOOL_DEADLINE_S = 35.0  # the sandbox's own wall limit plus generous start-up slack
 MAX_CODE_CHARS = 2000
 
 
@@ -101,12 +108,43 @@ class TestReport:
 
 
 class CodeEnv(ToolEnv):
+    """`sandbox_backend`: "auto" (docker, else kernel namespaces), "docker", "subprocess", or
+    "unsafe" (no isolation: must be chosen by name); `auto_order`: what "auto" may use."""
+
     name = "code"
     max_turns = 3
 
+    def __init__(self, sandbox_backend: BackendChoice = "auto", auto_order: tuple[Backend, ...] = ISOLATING_BACKENDS) -> None:
+        self.sandbox_backend, self.auto_order = sandbox_backend, auto_order
+        self._refused: SandboxUnavailable | None = None  # remembered: no new probe per episode
+
     @cached_property
     def sandbox(self) -> Sandbox:
-        return Sandbox("auto", SANDBOX_LIMITS)
+        """Started on first use; raises `SandboxUnavailable` (what to install or enable) rather than run unconfined."""
+        if self._refused is not None:
+            raise self._refused
+        try:
+            return Sandbox(self.sandbox_backend, SANDBOX_LIMITS, auto_order=self.auto_order)
+        except SandboxUnavailable as exc:
+            self._refused = exc
+            raise
+
+    def use_sandbox(self, backend: BackendChoice) -> str:
+        """Choose the backend (the worker's `sandbox.backend`) and start it now; '' or why the env refuses to run."""
+        self.__dict__.pop("sandbox", None)
+        self.sandbox_backend, self._refused = backend, None
+        try:
+            self.sandbox  # noqa: B018
+        except SandboxUnavailable as exc:
+            return str(exc)
+        return ""
+
+    def reset(self, task: RolloutTask) -> str:
+        try:
+            self.sandbox  # noqa: B018 - no episode starts without a sandbox that isolates (or an explicit unsafe)
+        except SandboxUnavailable as exc:
+            raise EnvironmentFailure(f"code: {exc}") from exc
+        return super().reset(task)
 
     def problem(self, seed: int) -> Problem:
         spec = _spec(random.Random(f"code:{seed}"))
@@ -151,3 +189,9 @@ class CodeEnv(ToolEnv):
     def expert(self, problem: Problem) -> list[str]:
         code = problem.answer.rstrip("\n")
         return [format_call("python", code), format_answer(code)]
+
+
+def configure_registered_code_env(backend: BackendChoice) -> str:
+    """The worker's start: set the registered code env's sandbox backend and start it; '' or why it refuses episodes."""
+    env = ENVIRONMENTS.get(CodeEnv.name)
+    return env.use_sandbox(backend) if isinstance(env, CodeEnv) else ""

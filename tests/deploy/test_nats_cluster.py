@@ -369,7 +369,7 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
             before = [f"before-{i}" for i in range(5)]
             for reason in before:
                 await bus.publish(SERVICE_EVENT, ServiceEvent(kind="up", service="r3probe", instance="probe-1", at=time.time(), reason=reason),
-                                  msg_id=reason, kind="up", service="r3probe")
+                                  msg_id=reason, kind="up", service="r3probe", instance="probe-1")
             await bus.kv_put(SERVICE_REGISTRY, _heartbeat(1.0), service="r3probe", instance="probe-1")
             weights = await bus.js.object_store("rose_weights")
             await weights.put("r3-probe-object", b"x" * 300_000)
@@ -384,7 +384,7 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
             for reason in after:
                 event = ServiceEvent(kind="down", service="r3probe", instance="probe-1", at=time.time(), reason=reason)
                 # msg_id: a publish retried after a lost ack is stored once
-                await _retry("publish", lambda: bus.publish(SERVICE_EVENT, event, msg_id=reason, kind="down", service="r3probe"))
+                await _retry("publish", lambda: bus.publish(SERVICE_EVENT, event, msg_id=reason, kind="down", service="r3probe", instance="probe-1"))
 
             new_info = await _retry("stream info", lambda: bus.js.stream_info(SERVICE_EVENT.stream.name))
             assert new_info.cluster.leader != victim.server_name

@@ -32,7 +32,7 @@ async def _send(bus, executor_id: str, payload: bytes):
 
 
 async def _last_letter(bus) -> DeadLetter:
-    last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.subject(service="executor"))
+    last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.pattern(service="executor"))
     return msgspec.json.decode(last.data, type=DeadLetter)
 
 

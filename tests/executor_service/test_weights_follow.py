@@ -101,7 +101,7 @@ async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, ex
             await bus.publish(WEIGHT_MANIFEST, spoiled, model="policy", kind=spoiled.kind, version=str(version))
             refusal = await _next(failed, version)
             assert refusal.kind == "signature" and needle in refusal.reason and refusal.kept_version == 1
-        last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.subject(service="executor"))
+        last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.pattern(service="executor"))
         assert msgspec.json.decode(last.data, type=DeadLetter).kind == "unauthorised"
         reply = await bus.request(GENERATE, GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-3"}), executor_id=ex, timeout=30)
         assert reply.status == "ok" and reply.policy_version == 1

@@ -78,7 +78,7 @@ class Signed:
         assert self.follower.version == serving and self.executor.calls == calls
         assert self.follower.stats.fetched_bytes == fetched  # refused before a single shard was fetched
         assert same(self.executor.state, self.states[serving])
-        last = await self.bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.subject(service=self.follower_bus.service))
+        last = await self.bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.pattern(service=self.follower_bus.service))
         letter = msgspec.json.decode(last.data, type=DeadLetter)
         assert letter.kind == "unauthorised" and needle in letter.reason
         assert decode(letter.payload, WeightManifest).version == version
