@@ -7,15 +7,22 @@ what to fix; the executor keeps serving.
 Each request is one trace: a server span `POST /v1/...` (continuing a W3C `traceparent`
 header when the caller sends one) with a child `executor.serving` span over the engine's work
 (events `scheduled` and `first_token`). TTFT/TPOT are recorded per request as histograms.
+
+`n` samples of each prompt of a batch are separate engine requests through the same scheduler
+(choice `i` of prompt `p` has index `p * n + i`, its seed `seed + i`), so a batch is served
+exactly as the same requests sent one by one. What differs from OpenAI on purpose is a 4xx
+naming the parameter (docs/http-api.md, "Deliberate differences").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -26,10 +33,21 @@ from rose.shared.metrics import metrics_handler
 from rose.shared.tracing import tracer
 
 from .engine import Engine, RequestHandle
-from .protocol import GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, StreamDelta, WorkClass
+from .http_server import read_body
+from .protocol import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, StreamDelta, TopLogprobs, WorkClass
 from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_CHOICES = 128  # prompts x n in one request (each is an engine request)
+SEED_SPAN = 2**64  # choice i samples with seed + i, wrapped into [-2**63, 2**63)
+LOGPROB_FLOOR = -9999.0  # a -inf / NaN logprob as a JSON number (vLLM's convention)
+# parameters accepted only at their neutral value: anything else asks for what this engine does not do
+NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+    "functions": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "prompt_logprobs": (), "use_beam_search": (False,), "echo": (False,),
+}
+MODEL_CARDS: web.AppKey = web.AppKey("rose_model_cards", list)  # callables adding models served by other routes (the SGLang API's policy)
 LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
 
 
@@ -37,6 +55,10 @@ def lane_failure_body(failure) -> dict[str, Any]:
     """A ``metrics.LaneFailure`` as health endpoints report it."""
     return {"lane": failure.lane, "error": failure.error, "seconds_ago": round(time.monotonic() - failure.at, 3)}
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 class ApiError(Exception):
@@ -68,6 +90,21 @@ def _unicode(text: str, param: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One engine request of an API request: its choice index, prompt and handle."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool = False  # a last chunk with `usage` and empty `choices`
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, `usage` so far on every chunk too
+
+
 class OpenAIApi:
     def __init__(self, engine: Engine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
         self.engine = engine
@@ -76,6 +113,7 @@ class OpenAIApi:
         self.tokenizer = engine.tokenizer_for(WorkClass.SERVING)
         self.created = int(time.time())
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._traced, self._errors])
+        self.app[MODEL_CARDS] = []
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -113,7 +151,7 @@ class OpenAIApi:
             return _error_response(err)
         except InvalidRequest as err:
             self._count_error(400)
-            return _error_response(ApiError(400, str(err)))
+            return _error_response(ApiError(400, str(err), param=err.param))
         except web.HTTPRequestEntityTooLarge as err:
             self._count_error(413)
             return _error_response(ApiError(413, f"request body too large: {err.text}"))
@@ -127,8 +165,9 @@ class OpenAIApi:
     # ---- parsing ------------------------------------------------------------------------
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await read_body(request)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
         except RecursionError:
@@ -137,12 +176,17 @@ class OpenAIApi:
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model")
         if model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; available: [{self.model_name!r}] (see GET /v1/models)", param="model", code="model_not_found")
-        if _number(body, "n", 1, int) != 1:
-            raise ApiError(400, "only n=1 is supported: send one request per completion", param="n")
+            others = [card()["id"] for card in request.app[MODEL_CARDS]]
+            hint = f" ({', '.join(map(repr, others))}: SGLang API, POST /generate)" if others else ""
+            raise ApiError(404, f"model {model!r} does not exist for this endpoint; available: [{self.model_name!r}]{hint} (see GET /v1/models)",
+                           param="model", code="model_not_found")
+        for name, neutral in NEUTRAL_PARAMS.items():
+            value = body.get(name)
+            if value is not None and value not in neutral:
+                raise ApiError(400, f"`{name}` is not supported by this executor (send it unset{' or ' + repr(neutral[0]) if neutral else ''})", param=name)
         return body
 
-    def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens") -> SamplingParams:
+    def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens", top_logprobs: int = 0) -> SamplingParams:
         stop = body.get("stop")
         if stop is None:
             stops: tuple[str, ...] = ()
@@ -159,25 +203,60 @@ class OpenAIApi:
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", None, int),
             stop=stops,
             seed=_number(body, "seed", None, int),
+            top_logprobs=top_logprobs,
         )
         try:
             params.validate()
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc)) from exc
+            raise ApiError(400, str(exc), param=exc.param) from exc
         return params
 
-    def _prompt_ids(self, prompt: Any) -> tuple[int, ...]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+    @staticmethod
+    def _n(body: dict[str, Any], prompts: int) -> int:
+        n = _number(body, "n", 1, int)
+        if n < 1:
+            raise ApiError(400, f"`n` must be an integer >= 1, got {n}", param="n")
+        if n * prompts > MAX_CHOICES:
+            raise ApiError(400, f"{prompts} prompt(s) x n={n} = {n * prompts} completions: at most {MAX_CHOICES} in one request", param="n")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != n:
+            raise ApiError(400, f"`best_of` must be unset or equal to n ({n}): this executor returns every sample it draws", param="best_of")
+        return n
+
+    @staticmethod
+    def _stream_options(body: dict[str, Any], stream: bool) -> StreamOptions:
+        options = body.get("stream_options")
+        if options is None:
+            return StreamOptions()
+        if not stream:
+            raise ApiError(400, "`stream_options` can only be set when `stream` is true", param="stream_options")
+        if not isinstance(options, dict):
+            raise ApiError(400, "`stream_options` must be an object", param="stream_options")
+        flags = {}
+        for name in ("include_usage", "continuous_usage_stats"):
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise ApiError(400, f"`stream_options.{name}` must be a boolean", param="stream_options")
+            flags[name] = bool(value)
+        return StreamOptions(**flags)
+
+    def _encode(self, text: str, param: str) -> tuple[int, ...]:
+        if not text:
+            raise ApiError(400, f"`{param}` is empty: send some text", param="prompt")
+        return tuple(self.tokenizer.encode(_unicode(text, param), add_special_tokens=False))
+
+    def _prompts(self, prompt: Any) -> list[tuple[int, ...]]:
+        """Each prompt's token ids: a string, a list of token ids, or a batch (a list of either)."""
+        def token_ids(p: Any) -> bool:
+            return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
         if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "`prompt` is empty: send some text", param="prompt")
-            return tuple(self.tokenizer.encode(_unicode(prompt, "prompt"), add_special_tokens=False))
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tuple(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
-        raise ApiError(400, "`prompt` must be a non-empty string or a list of token ids", param="prompt")
+            return [self._encode(prompt, "prompt")]
+        if token_ids(prompt):
+            return [tuple(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or token_ids(p) for p in prompt):
+            return [self._encode(p, f"prompt[{i}]") if isinstance(p, str) else tuple(p) for i, p in enumerate(prompt)]
+        raise ApiError(400, "`prompt` must be a non-empty string, a list of token ids, or a non-empty list of either (a batch)", param="prompt")
 
     def _chat_prompt_ids(self, messages: Any) -> tuple[int, ...]:
         if not isinstance(messages, list) or not messages:
@@ -191,101 +270,207 @@ class OpenAIApi:
             ids = ids["input_ids"]
         return tuple(int(t) for t in ids)
 
-    def _submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stream: bool) -> tuple[str, RequestHandle]:
-        request = GenerationRequest(
-            request_id=f"srv-{uuid.uuid4().hex[:16]}", work_class=WorkClass.SERVING, prompt_token_ids=prompt_ids, sampling=sampling, stream=stream
-        )
-        return request.request_id, self.engine.submit(request)
+    def _submit(self, prompts: list[tuple[int, ...]], n: int, sampling: SamplingParams, stream: bool) -> list[Choice]:
+        """Every (prompt, sample) as its own engine request; all or none are queued."""
+        choices: list[Choice] = []
+        try:
+            for p, prompt_ids in enumerate(prompts):
+                for i in range(n):
+                    params = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=(sampling.seed + i + 2**63) % SEED_SPAN - 2**63)
+                    request = GenerationRequest(
+                        request_id=f"srv-{uuid.uuid4().hex[:16]}", work_class=WorkClass.SERVING, prompt_token_ids=prompt_ids, sampling=params, stream=stream
+                    )
+                    choices.append(Choice(p * n + i, prompt_ids, self.engine.submit(request)))
+        except BaseException:
+            for choice in choices:
+                choice.handle.cancel()
+            raise
+        return choices
 
     @staticmethod
-    def _usage(prompt_len: int, result: GenerationResult) -> dict[str, int]:
-        return {"prompt_tokens": prompt_len, "completion_tokens": len(result.token_ids), "total_tokens": prompt_len + len(result.token_ids)}
+    def _usage(prompts: list[tuple[int, ...]], completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (as vLLM and OpenAI count)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+    # ---- logprobs ------------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...], offset: int) -> dict[str, Any]:
+        """The completions `logprobs` object: each token, its logprob, its top alternatives (the
+        sampled token included, as vLLM does) and its character offset in the completion text."""
+        tokens = [self._token(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top_dicts = []
+        for k, (token, lp) in enumerate(zip(tokens, logprobs)):
+            alternatives = {self._token(t): finite(v) for t, v in (tops[k] if k < len(tops) else ())}
+            alternatives.setdefault(token, finite(lp))
+            top_dicts.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...]) -> dict[str, Any]:
+        """The chat `logprobs` object: `content`, one entry per token with its `top_logprobs` (k entries)."""
+        def entry(token_id: int, lp: float) -> dict[str, Any]:
+            token = self._token(token_id)
+            return {"token": token, "logprob": finite(lp), "bytes": list(token.encode("utf-8", "replace"))}
+
+        content = []
+        for k, (t, lp) in enumerate(zip(token_ids, logprobs)):
+            content.append({**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (tops[k] if k < len(tops) else ())]})
+        return {"content": content, "refusal": None}
 
     # ---- endpoints ----------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        if body.get("echo"):
-            raise ApiError(400, "`echo` is not supported", param="echo")
-        sampling = self._sampling(body)
-        prompt_ids = self._prompt_ids(body.get("prompt"))
-        want_logprobs = body.get("logprobs") is not None
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise ApiError(400, f"`logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {logprobs!r}", param="logprobs")
+        sampling = self._sampling(body, top_logprobs=logprobs or 0)
+        prompts = self._prompts(body.get("prompt"))
+        n = self._n(body, len(prompts))
         stream = bool(body.get("stream", False))
-        request_id, handle = self._submit(prompt_ids, sampling, stream)
+        options = self._stream_options(body, stream)
+        choices = self._submit(prompts, n, sampling, stream)
+        offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset of the next token)
 
-        def final(result: GenerationResult) -> dict[str, Any]:
-            lp = self._logprobs(result.token_ids, result.logprobs) if want_logprobs else None
-            return {"index": 0, "text": result.text, "logprobs": lp, "finish_reason": result.finish_reason}
+        def final(index: int, result: GenerationResult) -> dict[str, Any]:
+            lp = self._completion_logprobs(result.token_ids, result.logprobs, result.top_logprobs, 0) if logprobs is not None else None
+            return {"index": index, "text": result.text, "logprobs": lp, "finish_reason": result.finish_reason}
 
-        def chunk(delta: StreamDelta, _first: bool) -> dict[str, Any]:
-            lp = self._logprobs(delta.token_ids, delta.logprobs) if want_logprobs else None
-            return {"index": 0, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason if delta.finished else None}
+        def chunk(index: int, delta: StreamDelta, _first: bool) -> dict[str, Any]:
+            lp = None
+            if logprobs is not None:
+                lp = self._completion_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+            return {"index": index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason if delta.finished else None}
 
-        return await self._answer(request, handle, f"cmpl-{request_id}", ("text_completion", "text_completion"), len(prompt_ids), stream, final, chunk)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        return await self._answer(request, choices, cid, ("text_completion", "text_completion"), prompts, stream, options, final, chunk)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        sampling = self._sampling(body, "max_completion_tokens")
-        prompt_ids = self._chat_prompt_ids(body.get("messages"))
+        want_logprobs = body.get("logprobs")
+        if want_logprobs is not None and not isinstance(want_logprobs, bool):
+            raise ApiError(400, f"`logprobs` must be a boolean, got {want_logprobs!r}", param="logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", param="top_logprobs")
+            if top > 0 and not want_logprobs:
+                raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+        sampling = self._sampling(body, "max_completion_tokens", top_logprobs=top or 0)
+        prompts = [self._chat_prompt_ids(body.get("messages"))]
+        n = self._n(body, 1)
         stream = bool(body.get("stream", False))
-        request_id, handle = self._submit(prompt_ids, sampling, stream)
+        options = self._stream_options(body, stream)
+        choices = self._submit(prompts, n, sampling, stream)
 
-        def final(result: GenerationResult) -> dict[str, Any]:
-            return {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": result.finish_reason}
+        def final(index: int, result: GenerationResult) -> dict[str, Any]:
+            lp = self._chat_logprobs(result.token_ids, result.logprobs, result.top_logprobs) if want_logprobs else None
+            return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": lp, "finish_reason": result.finish_reason}
 
-        def chunk(delta: StreamDelta, first: bool) -> dict[str, Any]:
+        def chunk(index: int, delta: StreamDelta, first: bool) -> dict[str, Any]:
             piece = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-            return {"index": 0, "delta": piece, "finish_reason": delta.finish_reason if delta.finished else None}
+            lp = self._chat_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs) if want_logprobs else None
+            return {"index": index, "delta": piece, "logprobs": lp, "finish_reason": delta.finish_reason if delta.finished else None}
 
         objects = ("chat.completion", "chat.completion.chunk")
-        return await self._answer(request, handle, f"chatcmpl-{request_id}", objects, len(prompt_ids), stream, final, chunk)
+        return await self._answer(request, choices, f"chatcmpl-{uuid.uuid4().hex}", objects, prompts, stream, options, final, chunk)
 
     async def _answer(
         self,
         request: web.Request,
-        handle: RequestHandle,
+        choices: list[Choice],
         cid: str,
         objects: tuple[str, str],
-        prompt_len: int,
+        prompts: list[tuple[int, ...]],
         stream: bool,
-        final: Callable[[GenerationResult], dict[str, Any]],
-        chunk: Callable[[StreamDelta, bool], dict[str, Any]],
+        options: StreamOptions,
+        final: Callable[[int, GenerationResult], dict[str, Any]],
+        chunk: Callable[[int, StreamDelta, bool], dict[str, Any]],
     ) -> web.StreamResponse:
         """One JSON answer, or server-sent events ending in [DONE]; a departed client cancels the work."""
         head = {"id": cid, "model": self.model_name}
         started_ns = time.time_ns()
         with tracer().start_as_current_span(
             "executor.serving",
-            attributes={"rose.executor_id": self.telemetry.executor_id, "rose.request_id": handle.request_id, "gen_ai.request.model": self.model_name,
-                        "gen_ai.usage.input_tokens": prompt_len, "rose.stream": stream},
+            attributes={"rose.executor_id": self.telemetry.executor_id, "rose.request_id": choices[0].handle.request_id, "gen_ai.request.model": self.model_name,
+                        "gen_ai.usage.input_tokens": sum(len(p) for p in prompts), "rose.stream": stream, "rose.choices": len(choices)},
         ) as span:
             try:
                 if not stream:
-                    result = await handle.result()
-                    self._finished(span, result, started_ns)
+                    try:
+                        results = await asyncio.gather(*(c.handle.result() for c in choices))
+                    except InvalidRequest:  # one was refused (a backend server's 400): the others are of no use
+                        for choice in choices:
+                            choice.handle.cancel()
+                        raise
+                    for result in results:
+                        self._finished(span, result, started_ns)
                     return web.json_response(
-                        {**head, "object": objects[0], "created": int(time.time()), "choices": [final(result)], "usage": self._usage(prompt_len, result)}
+                        {**head, "object": objects[0], "created": int(time.time()), "choices": [final(c.index, r) for c, r in zip(choices, results)],
+                         "usage": self._usage(prompts, sum(len(r.token_ids) for r in results))}
                     )
-                response = await self._sse_start(request)
-                first = True
-                async for delta in handle:
-                    event = {**head, "object": objects[1], "created": int(time.time()), "choices": [chunk(delta, first)]}
-                    first = False
-                    await response.write(f"data: {json.dumps(event)}\n\n".encode())
-                try:
-                    result = await handle.result()
-                except InvalidRequest as exc:  # refused after the stream began (a backend server's 400): say so in-band
-                    self._count_error(400)
-                    error = {"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}}
-                    await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
-                    return response
-                await response.write(b"data: [DONE]\n\n")
-                self._finished(span, result, started_ns)
-                return response
+                return await self._stream(request, choices, head, objects[1], prompts, options, span, started_ns, chunk)
             except (ConnectionResetError, asyncio.CancelledError):
-                handle.cancel()  # the client left: free the engine's slot
+                for choice in choices:
+                    choice.handle.cancel()  # the client left: free the engine's slots
                 span.set_attribute("rose.finish_reason", "client_gone")
                 raise
+
+    async def _stream(
+        self, request: web.Request, choices: list[Choice], head: dict[str, Any], obj: str, prompts: list[tuple[int, ...]], options: StreamOptions,
+        span: trace.Span, started_ns: int, chunk: Callable[[int, StreamDelta, bool], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """Every choice's deltas as they come (interleaved, each chunk naming its index), then usage if asked, then [DONE]."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            async for delta in choice.handle:
+                events.put_nowait((choice, delta))
+            try:
+                events.put_nowait((choice, await choice.handle.result()))
+            except InvalidRequest as exc:
+                events.put_nowait((choice, exc))
+
+        pumps = [asyncio.create_task(pump(c)) for c in choices]
+        response = await self._sse_start(request)
+        completion_tokens = 0
+        started: set[int] = set()
+        try:
+            for _ in range(len(choices)):
+                while True:
+                    choice, item = await events.get()
+                    if isinstance(item, StreamDelta):
+                        completion_tokens += len(item.token_ids)
+                        event = {**head, "object": obj, "created": int(time.time()), "choices": [chunk(choice.index, item, choice.index not in started)]}
+                        started.add(choice.index)
+                        if options.include_usage and options.continuous_usage_stats:  # vLLM: only together with include_usage
+                            event["usage"] = self._usage(prompts, completion_tokens)
+                        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                        continue
+                    if isinstance(item, InvalidRequest):  # refused after the stream began (a backend server's 400): say so in-band
+                        self._count_error(400)
+                        error = {"error": {"message": str(item), "type": "invalid_request_error", "param": None, "code": None}}
+                        await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
+                        for other in choices:
+                            other.handle.cancel()
+                        return response
+                    self._finished(span, item, started_ns)
+                    break
+            if options.include_usage:
+                usage = {**head, "object": obj, "created": int(time.time()), "choices": [], "usage": self._usage(prompts, completion_tokens)}
+                await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            for task in pumps:
+                task.cancel()
 
     def _finished(self, span: trace.Span, result: GenerationResult, started_ns: int) -> None:
         """Metrics and span attributes of a finished serving request (timings are from submission)."""
@@ -299,18 +484,16 @@ class OpenAIApi:
              "rose.ttft_ms": t.ttft_ms, "rose.tpot_ms": t.tpot_ms, "rose.preemptions": t.preemptions}
         )
 
-    def _logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> dict[str, Any]:
-        tokens = [self.tokenizer.decode([t]) for t in token_ids]
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
-
     @staticmethod
     async def _sse_start(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         return response
 
-    async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rose"}]})
+    async def models(self, request: web.Request) -> web.Response:
+        """The serving model, and the models other routes serve (the SGLang API's policy, with its current path as `root`)."""
+        serving = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rose", "root": self.model_name, "parent": None}
+        return web.json_response({"object": "list", "data": [serving] + [card() for card in request.app[MODEL_CARDS]]})
 
     async def health(self, _request: web.Request) -> web.Response:
         """"ok", or "degraded" for LANE_FAILURE_HEALTH_WINDOW_S after an engine iteration raised (its

@@ -51,6 +51,8 @@ class EngineMetrics:
         self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
         self.max_swap_pause_ms = 0.0
         self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
+        self.serving_tokens_total = 0  # all-time generated tokens per lane (rates: sglang:gen_throughput)
+        self.rollout_tokens_total = 0
         self._last_failure_of: dict[str, LaneFailure] = {}
 
     def lane_failed(self, lane: str, error: BaseException) -> None:
@@ -82,6 +84,8 @@ class EngineMetrics:
         with self._lock:
             self._interval.serving_tokens += serving
             self._interval.rollout_tokens += rollout
+            self.serving_tokens_total += serving
+            self.rollout_tokens_total += rollout
 
     def reclaim(self, ms: float) -> None:
         with self._lock:

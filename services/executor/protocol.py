@@ -16,6 +16,8 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI documents for chat (and vLLM's default max_logprobs)
+TopLogprobs = tuple[tuple[int, float], ...]  # one token's most likely alternatives: (token id, logprob), most likely first
 SERVING_MODEL_VERSION = 0  # the serving model is never updated; its outputs carry version 0
 
 
@@ -25,7 +27,12 @@ class WorkClass(enum.Enum):
 
 
 class InvalidRequest(ValueError):
-    """The request can never be served as given (bad prompt or sampling parameters)."""
+    """The request can never be served as given (bad prompt or sampling parameters); ``param`` names
+    the sampling parameter at fault, when one is (the HTTP APIs report it in their 4xx)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RolloutRejected(RuntimeError):
@@ -48,24 +55,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # do not stop at the tokenizer's eos (benchmarks with fixed lengths)
+    top_logprobs: int = 0  # per output token, also return this many most likely alternatives (untempered logprobs)
 
     def validate(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not (self.top_k == -1 or self.top_k >= 1):
-            raise InvalidRequest(f"top_k must be -1 (whole vocabulary) or an integer >= 1, got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be -1 (whole vocabulary) or an integer >= 1, got {self.top_k!r}", "top_k")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}", "stop")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty strings")
+            raise InvalidRequest("stop strings must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids must be non-negative integers")
+            raise InvalidRequest("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}", "top_logprobs")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
-            raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64) or null, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64) or null, got {self.seed!r}", "seed")
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class StreamDelta:
     text: str
     finished: bool = False
     finish_reason: FinishReason | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per new token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,7 @@ class GenerationResult:
     policy_version: int
     prefix_cached_tokens: int
     timings: Timings
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token (``sampling.top_logprobs`` alternatives each), else empty
 
 
 @dataclass(frozen=True)
@@ -155,10 +167,12 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
     if total > max_positions:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
-            f"the model's {max_positions} positions: shorten the prompt or lower max_tokens"
+            f"the model's {max_positions} positions: shorten the prompt or lower max_tokens", "max_tokens",
         )
     if request.trajectory_id is not None and request.work_class is WorkClass.SERVING:
         raise InvalidRequest("trajectory_id is for rollout requests only")
+    if request.sampling.top_logprobs and request.work_class is WorkClass.ROLLOUT:
+        raise InvalidRequest("top_logprobs is for serving requests only (rollout returns the sampled token's logprob)")
 
 
 def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | None, ended_reason: str) -> None:
@@ -173,7 +187,7 @@ def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | No
 
 def next_delta(
     request: GenerationRequest, token_ids: list[int], logprobs: list[float], text: str, emitted_tokens: int, emitted_text: int,
-    final: bool, finish_reason: FinishReason | None,
+    final: bool, finish_reason: FinishReason | None, top_logprobs: list[TopLogprobs] | tuple[TopLogprobs, ...] = (),
 ) -> tuple[StreamDelta | None, int]:
     """The output since the last delta (None: nothing new) and how much text is emitted after it.
 
@@ -189,7 +203,7 @@ def next_delta(
         return None, emitted_text
     delta = StreamDelta(
         request.request_id, tuple(token_ids[emitted_tokens:]), tuple(logprobs[emitted_tokens:]), text[emitted_text:end], final,
-        finish_reason if final else None,
+        finish_reason if final else None, tuple(top_logprobs[emitted_tokens:]),
     )
     return delta, end
 

@@ -30,6 +30,7 @@ class SamplerState:
         self.seed = seed
         self.greedy = params.temperature < GREEDY_BELOW
         self.draws = 0  # uniforms drawn so far (one per sampled token, none when greedy)
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] = []  # per sampled token, when params.top_logprobs > 0
         self._generator: torch.Generator | None = None  # made on first use: rebuilt after ``skip``
 
     @property
@@ -80,6 +81,10 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list
         for row, token in zip(rows, picked_rows):
             tokens[row] = token
     picked = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    for row, state in enumerate(states):  # asked for by the OpenAI API's logprobs / top_logprobs only
+        if state.params.top_logprobs:
+            values, ids = logprobs_all[row].topk(state.params.top_logprobs)
+            state.top_logprobs.append(tuple(zip(ids.tolist(), values.tolist())))
     return tokens, picked
 
 

@@ -16,12 +16,18 @@ dedicated executor holds a standing one), yielding to serving traffic within a q
 differs from SGLang, on purpose:
 - Admin endpoints (everything that changes weights, pauses, memory, caches or aborts) need
   `Authorization: Bearer <sglang_api.admin_api_key>`; with no key set they are refused (403)
-  unless `sglang_api.allow_unauthenticated_admin` (SGLang leaves them open by default).
+  unless `sglang_api.allow_unauthenticated_admin` (SGLang leaves them open by default). A client
+  whose key is unset sends `Bearer None` (slime's external-engine mode does): with no admin key
+  and `allow_unauthenticated_admin` that header is ignored; with a key set it is a 401 saying so.
 - Weight pushes over HTTP are refused (409) while the executor follows the policy's signed
   versions on the bus (`weights.follow`): one source of weights at a time.
 - `/update_weights_from_tensor` unpickles only torch tensors (see sglang_tensors.py).
-- No input-token logprobs, top-logprobs, penalties or constrained decoding: asking for them is
-  a 400 that says so, never a silently different answer.
+- No input-token logprobs, top-logprobs, penalties, constrained decoding or images: asking for
+  them is a 400 that names the parameter, never a silently different answer (`image_data` /
+  `video_data` / `audio_data` entries that are null mean "no image", as in SGLang: accepted).
+- Memory tags: `kv_cache` and `weights` are released and resumed; `cuda_graph` is never released
+  (the captured graphs stay resident), so resuming it is already done (200) and releasing it
+  alone is a 400 naming `tags`.
 - A weight update does not wait for in-flight requests: it lands between quanta and each
   token records the version that sampled it (SGLang's writer lock waits for them).
 """
@@ -33,6 +39,7 @@ import glob
 import json
 import math
 import os
+import socket
 import time
 import uuid
 import weakref
@@ -47,10 +54,11 @@ from prometheus_client.core import GaugeMetricFamily
 from .config import SGLangApiSettings
 from .engine import Engine, RequestHandle
 from . import http_api
-from .http_api import ApiError, _unicode
+from .http_api import MODEL_CARDS, ApiError, _unicode
+from .http_server import read_body, same_secret
 from .policy_updates import PolicyUpdates
-from .protocol import GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
-from .sglang_tensors import UnsafePayload, deserialize_named_tensors
+from .protocol import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from .sglang_tensors import PolicyMismatch, UnsafePayload, deserialize_named_tensors
 from .weights import WeightUpdateError
 
 SGLANG_VERSION = "0.5.3"  # the SGLang HTTP surface these endpoints follow
@@ -75,6 +83,9 @@ PROMPT_TOKENS = Counter("sglang:prompt_tokens", "Prompt tokens of finished /gene
 GENERATION_TOKENS = Counter("sglang:generation_tokens", "Generated tokens of finished /generate requests.", _LABELS)
 REQUESTS = Counter("sglang:num_requests", "Finished /generate requests.", _LABELS)
 ABORTED = Counter("sglang:num_aborted_requests", "Aborted /generate requests.", _LABELS)
+CACHED_TOKENS = Counter("sglang:cached_tokens", "Prompt tokens of finished /generate requests served from the prefix cache.", _LABELS)
+MEMORY_TAGS_KEPT = ("cuda_graph",)  # SGLang memory tags this executor never releases (always resident)
+UNSET_KEY_TOKEN = "None"  # what `f"Bearer {api_key}"` sends when the client's api_key is None (slime's external mode)
 
 
 class _SchedulerGauges:
@@ -87,12 +98,23 @@ class _SchedulerGauges:
         running = GaugeMetricFamily("sglang:num_running_reqs", "Running rollout requests (policy model).", labels=_LABELS)
         queued = GaugeMetricFamily("sglang:num_queue_reqs", "Queued rollout requests (policy model).", labels=_LABELS)
         usage = GaugeMetricFamily("sglang:token_usage", "Fraction of the rollout KV pool in use.", labels=_LABELS)
+        used = GaugeMetricFamily("sglang:num_used_tokens", "Token slots of the rollout KV pool in use.", labels=_LABELS)
+        throughput = GaugeMetricFamily("sglang:gen_throughput", "Rollout tokens generated per second since the previous scrape.", labels=_LABELS)
+        hit_rate = GaugeMetricFamily("sglang:cache_hit_rate", "Cached / prompt tokens of finished /generate requests, since start.", labels=_LABELS)
+        grammar = GaugeMetricFamily("sglang:num_grammar_queue_reqs", "Requests waiting for a grammar (none: no constrained decoding).", labels=_LABELS)
+        accept = GaugeMetricFamily("sglang:spec_accept_length", "Speculative decoding accept length (0: no speculative decoding).", labels=_LABELS)
         for api in list(self.apis):
             state = api.scheduler_state()
-            running.add_metric([api.served_name], state["num_running_reqs"])
-            queued.add_metric([api.served_name], state["num_queue_reqs"])
-            usage.add_metric([api.served_name], state["token_usage"])
-        yield from (running, queued, usage)
+            name = [api.served_name]
+            running.add_metric(name, state["num_running_reqs"])
+            queued.add_metric(name, state["num_queue_reqs"])
+            usage.add_metric(name, state["token_usage"])
+            used.add_metric(name, state["num_used_tokens"])
+            throughput.add_metric(name, api.gen_throughput())
+            hit_rate.add_metric(name, api.cache_hit_rate())
+            grammar.add_metric(name, 0)
+            accept.add_metric(name, 0.0)
+        yield from (running, queued, usage, used, throughput, hit_rate, grammar, accept)
 
 
 _GAUGES = _SchedulerGauges()
@@ -122,9 +144,19 @@ class SGLangApi:
         self.active: dict[str, RequestHandle] = {}  # rid -> handle of this API's /generate requests
         self._label: tuple[int, str] | None = None  # (policy version it names, weight_version label)
         self._weights_lock = asyncio.Lock()
+        self._prompt_tokens = 0  # of finished /generate requests (sglang:cache_hit_rate)
+        self._cached_tokens = 0
+        self._throughput_mark = (time.monotonic(), engine.metrics.rollout_tokens_total)  # (when, tokens) of the last scrape
         _GAUGES.apis.add(self)
 
+    def model_card(self) -> dict[str, Any]:
+        """The policy model as `/v1/models` lists it: its name, and the path its weights came from (as `/get_model_info`)."""
+        return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "rose-policy", "root": self.model_dir, "parent": None,
+                "max_model_len": self.engine.max_positions(WorkClass.ROLLOUT)}
+
     def mount(self, app: web.Application) -> None:
+        if MODEL_CARDS in app:
+            app[MODEL_CARDS].append(self.model_card)
         app.add_routes(
             [
                 web.post("/generate", self.generate),
@@ -153,8 +185,11 @@ class SGLangApi:
         if key:
             sent = request.headers.get("Authorization", "")
             token = sent[7:] if sent.startswith("Bearer ") else request.headers.get("x-api-key", "")
-            if token != key:
-                raise ApiError(401, "Unauthorized: admin endpoints need `Authorization: Bearer <sglang_api.admin_api_key>`", code="unauthorized")
+            if not same_secret(token, key):
+                hint = (" (the client sent `Bearer None`: its api key is unset, as in slime's external-engine mode; give it the key, or run this "
+                        "executor with no admin key and sglang_api.allow_unauthenticated_admin = true on a private address)") if token == UNSET_KEY_TOKEN else ""
+                raise ApiError(401, "Unauthorized: admin endpoints need `Authorization: Bearer <sglang_api.admin_api_key>`" + hint,
+                               param="Authorization", code="unauthorized")
         elif not self.settings.allow_unauthenticated_admin:
             raise ApiError(
                 403, f"{request.path} is an admin endpoint and this executor has no admin key: set sglang_api.admin_api_key "
@@ -164,7 +199,7 @@ class SGLangApi:
     @staticmethod
     async def _optional_body(request: web.Request) -> dict[str, Any]:
         """The JSON object body, or {} when there is none (several endpoints take an empty POST)."""
-        raw = await request.read()
+        raw = await read_body(request)
         if not raw.strip():
             return {}
         try:
@@ -200,7 +235,18 @@ class SGLangApi:
             "num_running_reqs": len(rollout.running),
             "num_queue_reqs": len(rollout.inbox) + len(rollout.waiting),
             "token_usage": pool.used_blocks / pool.num_blocks if pool.num_blocks else 0.0,
+            "num_used_tokens": pool.used_blocks * pool.block_size,
         }
+
+    def gen_throughput(self) -> float:
+        """Rollout tokens per second since the previous call (one call per scrape)."""
+        now, tokens = time.monotonic(), self.engine.metrics.rollout_tokens_total
+        then, before = self._throughput_mark
+        self._throughput_mark = (now, tokens)
+        return (tokens - before) / (now - then) if now > then else 0.0
+
+    def cache_hit_rate(self) -> float:
+        return self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
 
     # ---- /generate -----------------------------------------------------------------------
 
@@ -247,8 +293,11 @@ class SGLangApi:
         text, ids = body.get("text"), body.get("input_ids")
         if text is not None and ids is not None:
             raise ApiError(400, "send either `text` or `input_ids`, not both", param="input_ids")
-        if body.get("input_embeds") is not None or body.get("image_data") is not None:
-            raise ApiError(400, "only text prompts are supported (`input_embeds` / `image_data` are not)", param="input_embeds")
+        if body.get("input_embeds") is not None:
+            raise ApiError(400, "only text prompts are supported: `input_embeds` is not", param="input_embeds")
+        for media in ("image_data", "video_data", "audio_data"):
+            if not _all_null(body.get(media)):  # verl sends `[null, ...]` for text prompts: null means none, as in SGLang
+                raise ApiError(400, f"only text prompts are supported: `{media}` must be null or a list of nulls", param=media)
         if text is not None:
             if isinstance(text, str):
                 texts, batch = [text], False
@@ -283,8 +332,11 @@ class SGLangApi:
         logprob_start = self._field(body, "logprob_start_len", int, -1)
         if logprob_start != -1 and any(logprob_start < len(p) for p in prompts):
             raise ApiError(400, "input-token logprobs are not supported: use logprob_start_len = -1 (output logprobs only)", param="logprob_start_len")
-        if self._field(body, "top_logprobs_num", int, 0) or body.get("token_ids_logprob"):
-            raise ApiError(400, "top_logprobs_num / token_ids_logprob are not supported: only the sampled token's logprob is returned", param="top_logprobs_num")
+        if self._field(body, "top_logprobs_num", int, 0):
+            raise ApiError(400, "top_logprobs_num is not supported on /generate: only the sampled token's logprob is returned (the OpenAI API "
+                           f"on the serving model returns up to {MAX_TOP_LOGPROBS} alternatives)", param="top_logprobs_num")
+        if body.get("token_ids_logprob"):
+            raise ApiError(400, "token_ids_logprob is not supported: only the sampled token's logprob is returned", param="token_ids_logprob")
         text_in_logprobs = bool(self._field(body, "return_text_in_logprobs", bool, False))
         stream = bool(self._field(body, "stream", bool, False))
         if stream and batch:
@@ -413,6 +465,9 @@ class SGLangApi:
         if result.finish_reason == "abort":
             ABORTED.labels(name).inc()
         PROMPT_TOKENS.labels(name).inc(prompt_tokens)
+        CACHED_TOKENS.labels(name).inc(result.prefix_cached_tokens)
+        self._prompt_tokens += prompt_tokens
+        self._cached_tokens += result.prefix_cached_tokens
         GENERATION_TOKENS.labels(name).inc(len(result.token_ids))
         times = result.timings.token_times_ms
         if times:
@@ -494,7 +549,11 @@ class SGLangApi:
             raise ApiError(400, f"load_format {load_format!r} is not supported: use null/\"direct\" or \"flattened_bucket\"", param="load_format")
         label = self._field(body, "weight_version", str, None)
         try:
-            loaded = await asyncio.to_thread(deserialize_named_tensors, serialized[0], flattened=load_format == "flattened_bucket")
+            loaded = await asyncio.to_thread(  # sizes and shapes checked against the live policy before anything is allocated
+                deserialize_named_tensors, serialized[0], params=self.engine.policy_state_dict(), flattened=load_format == "flattened_bucket"
+            )
+        except PolicyMismatch as exc:  # well-formed tensors that are not this policy's: refused as SGLang refuses them
+            return web.json_response({"success": False, "message": f"Failed to update weights: {exc}. The previous weights keep serving."}, status=400)
         except UnsafePayload as exc:
             return web.json_response({"success": False, "message": f"Failed to load serialized_named_tensors: {exc}"}, status=400)
         return await self._apply(dict(loaded), label, body)
@@ -513,7 +572,10 @@ class SGLangApi:
             state = await asyncio.to_thread(_read_safetensors_dir, path)
         except (OSError, ValueError) as exc:
             return web.json_response({"success": False, "message": f"Failed to read weights from {path}: {exc}", "num_paused_requests": 0}, status=400)
-        return await self._apply(state, self._field(body, "weight_version", str, None), body)
+        response = await self._apply(state, self._field(body, "weight_version", str, None), body)
+        if response.status == 200:
+            self.model_dir = path  # /get_model_info, /get_server_info and /v1/models now name it (SGLang's tokenizer_manager does too)
+        return response
 
     async def get_weight_version(self, _request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version()})
@@ -551,19 +613,26 @@ class SGLangApi:
         if tags is None:
             return ("kv_cache", "weights")
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise ApiError(400, "`tags` must be a list of strings (kv_cache, weights) or null for all", param="tags")
+            raise ApiError(400, "`tags` must be a list of strings (kv_cache, weights, cuda_graph) or null for all", param="tags")
         return tuple(tags)
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Give the rollout side's KV cache and/or weights memory back (rollout holds still meanwhile)."""
-        return await self._memory(request, self.engine.release_rollout_memory)
+        return await self._memory(request, self.engine.release_rollout_memory, releasing=True)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        return await self._memory(request, self.engine.resume_rollout_memory)
+        return await self._memory(request, self.engine.resume_rollout_memory, releasing=False)
 
-    async def _memory(self, request: web.Request, action) -> web.Response:
+    async def _memory(self, request: web.Request, action, *, releasing: bool) -> web.Response:
         self._admin(request)
         tags = await self._tags(request)
+        kept = [t for t in tags if t in MEMORY_TAGS_KEPT]
+        tags = tuple(t for t in tags if t not in MEMORY_TAGS_KEPT)
+        if kept and releasing:
+            raise ApiError(400, f"memory tags {kept} are never released on this executor (captured CUDA graphs stay resident): "
+                           "release kv_cache and/or weights, or send tags null", param="tags")
+        if not tags:  # resuming only what is never released: already resident
+            return web.json_response(None)
         try:
             await asyncio.wrap_future(action(tags))
         except InvalidRequest as exc:
@@ -583,14 +652,39 @@ class SGLangApi:
              "weight_version": self.weight_version()}
         )
 
-    async def get_server_info(self, _request: web.Request) -> web.Response:
+    def server_args(self, request: web.Request) -> dict[str, Any]:
+        """SGLang's ServerArgs as they apply to this executor: one process, one device, one node.
+
+        slime's external-engine mode asserts host, port, nnodes, node_rank, gpu_id_step,
+        base_gpu_id, tp/dp/pp/ep_size and enable_memory_saver against what it would have
+        launched (slime/backends/sglang_utils/sglang_engine.py, `_compute_server_args`).
+        host and port are the address this request reached (the bound port, even with
+        http.port = 0), IPv6 in brackets as slime writes it.
+        """
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        host, port = (sockname[0], sockname[1]) if sockname else ("", 0)
+        if host and ":" in host:
+            host = f"[{host}]"
+        device = self.engine.device
+        index = device.torch_device.index
+        return {
+            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "served_model_name": self.served_name, "host": host, "port": port,
+            "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": index or 0, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "enable_memory_saver": True, "skip_tokenizer_init": False, "is_embedding": False, "trust_remote_code": False,
+            "context_length": self.engine.max_positions(WorkClass.ROLLOUT), "device": device.kind,
+            "random_seed": None, "enable_metrics": True, "disaggregation_mode": "null",
+            "load_format": "auto", "max_running_requests": self.engine._rollout.limits.max_batch, "stream_output": False,
+            "hostname": socket.gethostname(),
+        }
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
         engine = self.engine
         pool = engine._rollout.pool
         lease = engine._lease
         return web.json_response(
             {
-                "model_path": self.model_dir, "tokenizer_path": self.model_dir, "served_model_name": self.served_name, "tp_size": 1, "dp_size": 1,
-                "weight_version": self.weight_version(), "enable_memory_saver": True, "status": "ready",
+                **self.server_args(request),
+                "weight_version": self.weight_version(), "status": "ready",
                 "max_total_num_tokens": pool.num_blocks * pool.block_size, "max_req_input_len": engine.max_positions(WorkClass.ROLLOUT) - 1,
                 "internal_states": [
                     {
@@ -633,3 +727,8 @@ def _read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     for file in files:
         state.update(load_file(file))
     return state
+
+
+def _all_null(value: Any) -> bool:
+    """None, or a (nested) list of Nones: SGLang's "no image/video/audio" for each prompt of a batch."""
+    return value is None or (isinstance(value, list) and all(_all_null(v) for v in value))

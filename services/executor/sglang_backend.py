@@ -62,6 +62,7 @@ from .protocol import (
     Lease,
     RolloutRejected,
     StreamDelta,
+    TopLogprobs,
     WorkClass,
     check_lease_admits,
     next_delta,
@@ -281,6 +282,7 @@ class _Job:
     accepted_at: float | None = None  # the server answered (headers)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when the request asked for alternatives
     versions: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     text: str = ""
@@ -688,6 +690,8 @@ class SGLangBackend:
         body: dict[str, Any] = {
             "input_ids": list(job.request.prompt_token_ids), "sampling_params": params, "return_logprob": True, "stream": stream, "rid": job.rid,
         }
+        if s.top_logprobs:
+            body["top_logprobs_num"] = s.top_logprobs  # meta_info.output_top_logprobs: per token, [[logprob, id, text], ...]
         priority = self.settings.rollout_priority if job.rollout else self.settings.serving_priority
         if priority is not None:
             body["priority"] = priority
@@ -773,6 +777,10 @@ class SGLangBackend:
         version = SERVING_MODEL_VERSION if not job.rollout else _version(meta.get("weight_version"), self.policy_version)
         job.token_ids += new_ids
         job.logprobs += new_lps
+        if job.request.sampling.top_logprobs:
+            tops = (meta.get("output_top_logprobs") or [])[(len(job.top_logprobs) if cumulative else 0) :]
+            tops = [tuple((int(t), float(lp)) for lp, t, *_ in (top or []) if lp is not None) for top in tops]
+            job.top_logprobs += (tops + [()] * len(new_ids))[: len(new_ids)]
         job.versions += [version] * len(new_ids)
         job.token_times += [now] * len(new_ids)
         text = out.get("text")
@@ -792,7 +800,9 @@ class SGLangBackend:
 
     def _delta(self, job: _Job, final: bool) -> StreamDelta | None:
         """New tokens and text since the last delta (see protocol.next_delta, as Engine)."""
-        delta, job.emitted_text = next_delta(job.request, job.token_ids, job.logprobs, job.text, job.emitted_tokens, job.emitted_text, final, job.finish)
+        delta, job.emitted_text = next_delta(
+            job.request, job.token_ids, job.logprobs, job.text, job.emitted_tokens, job.emitted_text, final, job.finish, job.top_logprobs
+        )
         if delta is not None:
             job.emitted_tokens = len(job.token_ids)
         return delta
@@ -804,12 +814,15 @@ class SGLangBackend:
         job.finish = reason
         now = time.monotonic()
         req = job.request
-        delta = self._delta(job, final=True) if req.stream else StreamDelta(req.request_id, tuple(job.token_ids), tuple(job.logprobs), job.text, True, reason)
+        delta = self._delta(job, final=True) if req.stream else StreamDelta(
+            req.request_id, tuple(job.token_ids), tuple(job.logprobs), job.text, True, reason, tuple(job.top_logprobs)
+        )
         timings = timings_since(job.arrival, job.token_times, job.accepted_at, job.retractions, now)  # queue: until the server took it
         versions = tuple(job.versions)
         result = GenerationResult(
             req.request_id, req.work_class, tuple(job.token_ids), tuple(job.logprobs), job.text, reason, versions,
             versions[-1] if versions else (self.policy_version if job.rollout else SERVING_MODEL_VERSION), job.cached_tokens, timings,
+            tuple(job.top_logprobs),
         )
         with self._lock:
             if not job.rollout and reason != "abort":

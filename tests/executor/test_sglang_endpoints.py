@@ -289,8 +289,12 @@ async def test_version_label_memory_cache_abort_info_and_metrics(serve):
     assert (await post(session, f"{base}/release_memory_occupation", {"tags": ["kv_cache"]})) == (200, None)
     state = (await (await session.get(f"{base}/get_server_info")).json())["internal_states"][0]
     assert state["kv_cache_released"] and state["released_memory"] == ["kv_cache"]
-    status, out = await post(session, f"{base}/release_memory_occupation", {"tags": ["cuda_graph"]})
+    status, out = await post(session, f"{base}/release_memory_occupation", {"tags": ["cuda_graph"]})  # graphs stay resident: refused, named
+    assert status == 400 and out["error"]["param"] == "tags" and "never released" in out["error"]["message"]
+    status, out = await post(session, f"{base}/release_memory_occupation", {"tags": ["kv_cache", "gpu_dust"]})
     assert status == 400 and "unknown memory tags" in out["error"]["message"]
+    assert (await post(session, f"{base}/resume_memory_occupation", {"tags": ["cuda_graph"]})) == (200, None)  # resident already: done
+    assert (await (await session.get(f"{base}/get_server_info")).json())["internal_states"][0]["kv_cache_released"]
     assert (await post(session, f"{base}/resume_memory_occupation", {"tags": None})) == (200, None)
     info = await (await session.get(f"{base}/get_server_info")).json()
     assert not info["internal_states"][0]["kv_cache_released"] and info["version"].startswith("0.5.3") and "admin_api_key" not in info

@@ -17,7 +17,7 @@ def client(executor):
 
 async def test_models_and_health(client, executor):
     models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "policy"]  # the policy model is served by the SGLang API (POST /generate)
     async with aiohttp.ClientSession() as s, s.get(f"{executor[1]}/health") as r:
         assert r.status == 200 and (await r.json())["status"] == "ok"
 
@@ -67,7 +67,8 @@ BAD = [
     pytest.param(b'{"model": "rose-serving", "prompt": "x", "max_tokens": 0}', 400, "max_tokens", id="bad-max-tokens"),
     pytest.param(b'{"model": "rose-serving", "prompt": "x", "max_tokens": 100000}', 400, "exceeds", id="over-long"),
     pytest.param(b'{"model": "rose-serving", "prompt": [99999999]}', 400, "token ids", id="bad-token-id"),
-    pytest.param(b'{"model": "rose-serving", "prompt": "x", "n": 2}', 400, "n=1", id="n-not-1"),
+    pytest.param(b'{"model": "rose-serving", "prompt": "x", "n": 0}', 400, "`n`", id="n-zero"),
+    pytest.param(b'{"model": "policy", "prompt": "x"}', 404, "POST /generate", id="policy-model-on-openai-route"),
     pytest.param(b'[1, 2]', 400, "JSON object", id="not-an-object"),
 ]
 

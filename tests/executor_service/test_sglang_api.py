@@ -71,6 +71,8 @@ async def test_slime_style_session_against_a_real_executor(sglang_executor, mode
         assert (await http.get("/health_generate")).status_code == 200
         assert (await http.get("/flush_cache")).status_code == 401  # admin: no key, no entry
         assert (await http.get("/flush_cache", headers={"Authorization": "Bearer nope"})).status_code == 401
+        unset = await http.get("/flush_cache", headers={"Authorization": "Bearer None"})  # slime's external mode: its api_key is None
+        assert unset.status_code == 401 and unset.json()["error"]["param"] == "Authorization" and "Bearer None" in unset.json()["error"]["message"]
         assert (await http.get("/flush_cache", headers=AUTH)).status_code == 200
 
         tokenizer_ids = list(range(5, 25))
