@@ -10,6 +10,14 @@ and all CPU threads for its lane; measured before and after the policies, averag
 ``harvest_ratio`` = rose rollout tokens/s / dedicated. ``reclaim_latency_ms_p99``: serving
 arrival -> rollout off serving's compute, over the trace and over lull probes (see
 ``_reclaim_probes``), with ``reclaim_samples``.
+
+A grid (``--loads``, ``--seeds``, ``--noise``) runs every (noise, load, seed) cell with the same
+capacity and dedicated baseline (measured once, without noise): ``--noise F`` starts a co-runner
+process that burns F of one core (a duty cycle over NOISE_PERIOD_S) through every policy of the
+cell. The JSON's ``cells`` lists each cell's per-policy SLO attainment, TTFT/TPOT p99, rollout
+tokens/s and harvest; the top-level fields are the first cell's, as for a single run. The rose run
+of the first cell also records the SLO guard (slo_guard.py) every GUARD_SAMPLE_S: its share, the
+measured tail ratio and the setpoint, plotted beside the JSON as ``<name>-guard.png``.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +56,8 @@ RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout 
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
+NOISE_PERIOD_S = 0.01  # the co-runner's duty-cycle period: busy F of it, asleep the rest
+GUARD_SAMPLE_S = 0.01  # how often the rose run records the SLO guard's state
 BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0, rollout_process=True)
 # On a GPU the pools hold GPU-class models' KV (``--preset qwen2.5``: 12 / 28 KiB per token) for full batches.
 CUDA_KV_BYTES = {"serving_kv_bytes": 1024 * MIB, "rollout_kv_bytes": 2048 * MIB}
@@ -145,6 +156,8 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
         await asyncio.sleep(0.5)  # let the rollout batch fill up
     engine.stats()  # start a fresh interval
     start = time.monotonic()
+    guard_trace: list[tuple[float, float, float]] = []  # (s since start, share, tail ratio)
+    sampler = asyncio.ensure_future(_sample_guard(engine, start, guard_trace)) if engine.policy.name == "rose" and slo else None
     tasks, handles = [], []
     for i, at in enumerate(arrivals):
         delay = start + at - time.monotonic()
@@ -158,6 +171,8 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
     while time.monotonic() - start < duration:
         await asyncio.sleep(0.05)
     window = engine.stats()  # rollout/serving tokens over the trace window
+    if sampler is not None:
+        sampler.cancel()
     await asyncio.wait(tasks, timeout=GRACE_S)
     for handle in handles:  # still unanswered after the grace period: aborted, an SLO miss
         handle.cancel()
@@ -182,7 +197,42 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
         "rss_bytes": window.device.get("process_rss_bytes", 0),
         "cuda_graphs": graphs if any(graphs.values()) else None,
         "lane_failures": engine.metrics.lane_failures,
+        "guard_trace": guard_trace,
+        "arrivals_s": list(arrivals),
     }
+
+
+async def _sample_guard(engine: Engine, start: float, out: list) -> None:
+    while True:
+        state = engine.slo_guard.state
+        out.append((time.monotonic() - start, state.share, state.tail_ratio))
+        await asyncio.sleep(GUARD_SAMPLE_S)
+
+
+class Noise:
+    """A co-runner process that burns ``fraction`` of one core (busy, then asleep, every NOISE_PERIOD_S)."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Noise":
+        if self.fraction > 0:
+            code = (
+                "import time\n"
+                f"busy, period = {self.fraction * NOISE_PERIOD_S!r}, {NOISE_PERIOD_S!r}\n"
+                "while True:\n"
+                "    t = time.perf_counter()\n"
+                "    while time.perf_counter() - t < busy: pass\n"
+                "    time.sleep(max(0.0, period - busy))\n"
+            )
+            self.proc = subprocess.Popen([sys.executable, "-c", code])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _graph_stats(runner) -> dict | None:
@@ -264,6 +314,12 @@ def _model_summary(model) -> dict:
     }
 
 
+def _setpoint() -> float:
+    from rose.services.executor.slo_guard import SETPOINT
+
+    return SETPOINT
+
+
 def _p(values, q) -> float:
     """Percentile (0 for no samples)."""
     if not values:
@@ -292,36 +348,118 @@ def _plot(path: Path, runs: dict) -> None:
     plt.close(fig)
 
 
+def _plot_guard(path: Path, run: dict, slo: tuple[float, float]) -> None:
+    """Rollout's share under the SLO guard through the trace, with the measured tail and the bursts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = run["guard_trace"]
+    if not trace:
+        return
+    from rose.services.executor.slo_guard import SETPOINT
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True)
+    t = [x[0] for x in trace]
+    ax.plot(t, [x[1] for x in trace], lw=1.0, c="tab:green", label="rollout share (SLO guard)")
+    ax.set_ylabel("rollout share")
+    ax.set_ylim(-0.05, 1.05)
+    ax2.plot(t, [x[2] for x in trace], lw=0.8, c="tab:purple", label="tail ratio: window p99 (and live) / SLO")
+    ax2.axhline(SETPOINT, c="tab:red", ls="--", lw=1, label=f"setpoint {SETPOINT:g} x SLO")
+    ttft_ratio = [min(3.0, r / slo[0]) for r in run["ttft_ms"]]
+    ax2.scatter(run["arrivals_s"][: len(ttft_ratio)], ttft_ratio, s=4, c="tab:blue", label="request TTFT / SLO (at its arrival)")
+    ax2.set_ylabel("x SLO")
+    ax2.set_ylim(0, 3.05)
+    for a in (ax, ax2):
+        start = BURST_EVERY_S - BURST_LEN_S
+        while start < t[-1]:
+            a.axvspan(start, start + BURST_LEN_S, color="tab:orange", alpha=0.2)
+            start += BURST_EVERY_S
+        a.legend(loc="upper right", fontsize=7)
+    ax2.set_xlabel(f"seconds (orange: serving bursts at {BURST_FACTOR:g}x the rate)")
+    fig.suptitle("rose: rollout's share follows serving's tails (the executor's SLO guard)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cell(runs: dict, slo: tuple[float, float], dedicated: float, load: float, seed: int, noise: float, rate: float, n: int) -> dict:
+    """One grid cell's figures per policy: SLO attainment, TTFT/TPOT p99, rollout tokens/s, harvest."""
+    out = {"load": load, "seed": seed, "noise": noise, "rate_rps": rate, "serving_requests": n, "slo": {"ttft_ms": slo[0], "tpot_ms": slo[1]}, "policies": {}}
+    for name, run in runs.items():
+        p = _policy_figures(run, slo)
+        out["policies"][name] = {k: p[k] for k in ("slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "rollout_tokens_per_s", "aborted_requests")}
+        out["policies"][name]["harvest"] = p["rollout_tokens_per_s"] / max(1e-9, dedicated)
+    rose, base = out["policies"]["rose"], out["policies"]["serving_only"]
+    out["rose_meets_slo_target"] = rose["slo_attainment"] >= 0.99 and rose["slo_attainment"] >= base["slo_attainment"] - 0.005
+    out["rose_reclaim_ms_p99"] = _p(runs["rose"]["reclaim_ms"], 99)
+    return out
+
+
+def _policy_figures(run: dict, slo: tuple[float, float]) -> dict:
+    slo_ttft, slo_tpot = slo
+    ok = sum(1 for a, b, lost in zip(run["ttft_ms"], run["tpot_ms"], run["aborted"]) if not lost and a <= slo_ttft and b <= slo_tpot)
+    return {
+        "slo_attainment": ok / max(1, len(run["ttft_ms"])),
+        "ttft_p99_ms": _p(run["ttft_ms"], 99),
+        "tpot_p99_ms": _p(run["tpot_ms"], 99),
+        "serving_tokens_per_s": run["serving_tokens_per_s"],
+        "rollout_tokens_per_s": run["rollout_tokens_per_s"],
+        "aborted_requests": sum(run["aborted"]),
+        "lane_failures": run["lane_failures"],
+        **({"cuda_graphs": run["cuda_graphs"]} if run["cuda_graphs"] else {}),
+    }
+
+
+def _run_cell(models, config: EngineConfig, arrivals: list[float], seed: int, noise: float, on_policy) -> tuple[dict, tuple[float, float]]:
+    """The four policies on one trace, under the noise co-runner; the SLO from serving_only's p99."""
+    runs: dict[str, dict] = {}
+    slo = None
+    with Noise(noise):
+        for name in POLICIES:
+            on_policy(name)
+            runs[name] = asyncio.run(_run_policy(name, models, config, arrivals, seed, slo))
+            if name == "serving_only":
+                base = runs[name]
+                slo = (SLO_MULTIPLIER * _p(base["ttft_ms"], 99), SLO_MULTIPLIER * _p(base["tpot_ms"], 99))
+    assert slo is not None
+    return runs, slo
+
+
 def run_coserve_bench(
     *, out_json: str, seed: int, serving_load: float, duration_s: float, model_dir: str | None, console,
     device: str = "auto", dtype: str = "auto", preset: str = "tiny",
+    loads: list[float] | None = None, seeds: list[int] | None = None, noises: list[float] | None = None,
 ) -> dict:
     from rich.progress import Progress
     from rich.table import Table
 
     torch.set_num_threads(1)
     config = bench_config(device, dtype)
+    grid = [(noise, load, s) for noise in (noises or [0.0]) for load in (loads or [serving_load]) for s in (seeds or [seed])]
+    seed, serving_load, first_noise = grid[0][2], grid[0][1], grid[0][0]
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("loading models", total=len(POLICIES) + 3)
+        task = progress.add_task("loading models", total=len(POLICIES) * len(grid) + 3)
         models = _models(model_dir, seed, config.dtype, preset)
         progress.update(task, description="measuring serving capacity")
         capacity_rounds = asyncio.run(_capacity(models, config, seed))
         capacity = float(np.median(capacity_rounds))
-        rate = serving_load * capacity
-        arrivals = _trace(rate, duration_s, seed)
         progress.advance(task)
         dedicated_s = max(5.0, duration_s * DEDICATED_FRACTION)
         progress.update(task, description="dedicated rollout (before)")
         dedicated_before = asyncio.run(_dedicated(models, config, dedicated_s, seed))
-        runs: dict[str, dict] = {}
-        slo = None
-        for name in POLICIES:
-            progress.update(task, description=f"policy {name} ({len(arrivals)} serving requests)")
-            runs[name] = asyncio.run(_run_policy(name, models, config, arrivals, seed, slo))
-            if name == "serving_only":
-                base = runs[name]
-                slo = (SLO_MULTIPLIER * _p(base["ttft_ms"], 99), SLO_MULTIPLIER * _p(base["tpot_ms"], 99))
-            progress.advance(task)
+        cell_runs = []
+        for noise, load, cell_seed in grid:
+            cell_arrivals = _trace(load * capacity, duration_s, cell_seed)
+
+            def on_policy(name, noise=noise, load=load, cell_seed=cell_seed, n=len(cell_arrivals)):
+                progress.update(task, description=f"load {load:g} seed {cell_seed} noise {noise:g}: policy {name} ({n} serving requests)")
+                progress.advance(task)
+
+            cell_runs.append((noise, load, cell_seed, cell_arrivals, *_run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy)))
+        _, _, _, arrivals, runs, slo = cell_runs[0]
+        rate = serving_load * capacity
         progress.update(task, description="dedicated rollout (after)")
         dedicated_after = asyncio.run(_dedicated(models, config, dedicated_s, seed))
         # measured before and after the policies, averaged: this machine's speed drifts over a run
@@ -330,19 +468,8 @@ def run_coserve_bench(
         progress.advance(task)
 
     slo_ttft, slo_tpot = slo
-    policies = {}
-    for name, run in runs.items():
-        ok = sum(1 for a, b, lost in zip(run["ttft_ms"], run["tpot_ms"], run["aborted"]) if not lost and a <= slo_ttft and b <= slo_tpot)
-        policies[name] = {
-            "slo_attainment": ok / max(1, len(run["ttft_ms"])),
-            "ttft_p99_ms": _p(run["ttft_ms"], 99),
-            "tpot_p99_ms": _p(run["tpot_ms"], 99),
-            "serving_tokens_per_s": run["serving_tokens_per_s"],
-            "rollout_tokens_per_s": run["rollout_tokens_per_s"],
-            "aborted_requests": sum(run["aborted"]),
-            "lane_failures": run["lane_failures"],
-            **({"cuda_graphs": run["cuda_graphs"]} if run["cuda_graphs"] else {}),
-        }
+    policies = {name: _policy_figures(run, slo) for name, run in runs.items()}
+    cells = [_cell(c_runs, c_slo, dedicated, load, c_seed, noise, load * capacity, len(c_arrivals)) for noise, load, c_seed, c_arrivals, c_runs, c_slo in cell_runs]
     rose_reclaim = runs["rose"]["reclaim_ms"]
     report = {
         "policies": policies,
@@ -366,11 +493,16 @@ def run_coserve_bench(
         "models": {name: _model_summary(model) for name, (model, _) in zip(("serving", "policy"), models)},
         "quantum_ms": config.quantum_ms,
         "reclaim_samples": len(rose_reclaim),
+        "noise": first_noise,
+        "cells": cells,
+        "grid": {"loads": sorted({c["load"] for c in cells}), "seeds": sorted({c["seed"] for c in cells}), "noise": sorted({c["noise"] for c in cells})},
+        "rose_slo_guard": {"setpoint": _setpoint(), "guard_png": str(Path(out_json).with_name(Path(out_json).stem + "-guard.png"))},
     }
     out = Path(out_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     _plot(out.with_suffix(".png"), runs)
+    _plot_guard(out.with_name(out.stem + "-guard.png"), runs["rose"], slo)
 
     console.print(
         f"{report['device']}, {report['dtype']}: serving model {report['models']['serving']['parameters'] / 1e6:.0f}M parameters, "
@@ -387,6 +519,15 @@ def run_coserve_bench(
         table.add_row(name, f"{p['slo_attainment']:.4f}", f"{p['ttft_p99_ms']:.1f}", f"{p['tpot_p99_ms']:.2f}", str(p["aborted_requests"]),
                       f"{p['serving_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s'] / max(1e-9, dedicated):.2f}")
     console.print(table)
+    if len(cells) > 1:
+        grid_table = Table(title="rose bench coserve: cells (rose vs serving_only)")
+        for col in ("noise", "load", "seed", "rose SLO", "serving_only SLO", "rose TTFT p99", "rose TPOT p99", "rose tok/s", "harvest", "target"):
+            grid_table.add_column(col, justify="right")
+        for c in cells:
+            r, b = c["policies"]["rose"], c["policies"]["serving_only"]
+            grid_table.add_row(f"{c['noise']:g}", f"{c['load']:g}", str(c["seed"]), f"{r['slo_attainment']:.4f}", f"{b['slo_attainment']:.4f}", f"{r['ttft_p99_ms']:.1f}",
+                               f"{r['tpot_p99_ms']:.2f}", f"{r['rollout_tokens_per_s']:.0f}", f"{r['harvest']:.2f}", "ok" if c["rose_meets_slo_target"] else "MISS")
+        console.print(grid_table)
     console.print(
         f"dedicated rollout {dedicated:.0f} tok/s (one thread {dedicated_by_threads.get(1, dedicated):.0f}), harvest ratio {report['harvest_ratio']:.2f} (vs one thread {report['harvest_ratio_vs_one_thread']:.2f}), "
         f"reclaim p99 {report['reclaim_latency_ms_p99']:.1f} ms, RSS {report['executor_rss_mb']:.0f} MiB; "

@@ -20,6 +20,13 @@ same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
 ``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival), lease counts, ``prefix_hit_rate.{affinity,random}`` (later turns whose
 prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
 
+Bursts: each serving executor detects its own (``executor.burst``, services/executor/burst_alerts.py)
+and publishes the alert at once; the monitor's alerts come later from the metrics. Both count as
+the revocation signal. ``--burst-factors 3,5`` runs the fleet once per factor (``by_burst_factor``
+in the JSON; the top-level figures are the first factor's), and ``--min-bursts N`` makes each run
+long enough for N bursts that find a lease held (bursts every BURST_EVERY_S, each executor's lease
+re-granted in between), so the p99 has at least N samples: ``reclaim_samples`` says how many.
+
 Auth is on, as in the embedded default (and kept across the NATS restart: the server restarts
 with the same config): every process connects with its own service's credentials, the task
 feeder stands in for the trainer with the trainer's, and the bench's observer (provisioning,
@@ -39,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
-from rose.contracts.registry import EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAJECTORY
+from rose.contracts.registry import EXECUTOR_BURST, EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAJECTORY
 from rose.contracts.rollout import RolloutTask
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
@@ -63,6 +70,9 @@ RESTART_AFTER_S = 5.0
 DRAIN_TIMEOUT_S = 120.0  # after the trace, for every published task to come back
 START_TIMEOUT_S = 180.0
 RECLAIM_GRACE_S = 2.0  # a revocation later than burst end + this counts as a missed burst
+BURST_EVERY_S = 12.0  # with --min-bursts: a burst per executor this often (the lease is re-granted between: cooldown + a calm headroom)
+BURST_LEN_S = 2.0
+LEASE_FOUND_SHARE = 0.5  # with --min-bursts: plan for at least this share of bursts finding a lease held
 
 
 @dataclass
@@ -148,6 +158,7 @@ async def observe(bus: Bus, rec: Record, tag: str) -> None:
 
     await bus.subscribe(EXECUTOR_METRICS, on_metrics)
     await bus.subscribe(SLO_ALERT, on_alert)
+    await bus.subscribe(EXECUTOR_BURST, on_alert)  # the executors' own burst alerts
     await bus.consume(LEASE_EVENT, on_lease, durable=f"bench_leases_{tag}")
     await bus.consume(TRAJECTORY, on_trajectory, durable=f"bench_trajectories_{tag}")
 
@@ -252,7 +263,8 @@ def connect_as(creds: Credentials, url: str, service: str, instance: str) -> Bus
     return Bus(BusConfig(url=url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(service))), service=service, instance=instance)
 
 
-async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console) -> dict:
+async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console,
+               spec: FleetSpec = SPEC) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from rose.shared.models import init_models
@@ -280,7 +292,7 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         await start_all(bus, list(procs.values()), START_TIMEOUT_S)
         urls = {n: (await procs[n].wait_ready(bus, 10.0))["http"] for n in serving}
         t0, t0_mono = time.time(), time.monotonic()
-        trace = serving_trace(serving, duration_s, replace(SPEC, burst_factor=burst_factor), seed, rec.serving, t0)
+        trace = serving_trace(serving, duration_s, replace(spec, burst_factor=burst_factor), seed, rec.serving, t0)
         down: set[str] = set()
         stop = asyncio.Event()
         feeder = asyncio.ensure_future(feed_tasks(feeder_bus, rec, stop, seed))
@@ -387,5 +399,42 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
     return result
 
 
-def run_elastic_bench(*, out_json: str, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console) -> dict:
-    return asyncio.run(_run(Path(out_json), seed, executors, dedicated, burst_factor, duration_s, model_dir, console))
+def duration_for(min_bursts: int, executors: int) -> float:
+    """Seconds of trace that give ``min_bursts`` bursts finding a lease held, if LEASE_FOUND_SHARE of them do."""
+    per_executor = math.ceil(min_bursts / max(1, executors) / LEASE_FOUND_SHARE)
+    return 5.0 + per_executor * BURST_EVERY_S
+
+
+def run_elastic_bench(
+    *, out_json: str, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console,
+    burst_factors: list[float] | None = None, min_bursts: int = 0,
+) -> dict:
+    """One fleet run per burst factor (``burst_factors``, else ``burst_factor``); with ``min_bursts`` the
+    bursts come every BURST_EVERY_S and the trace is long enough for that many to find a lease held."""
+    spec, factors = SPEC, burst_factors or [burst_factor]
+    if min_bursts:
+        spec = replace(SPEC, burst_every_s=BURST_EVERY_S, burst_len_s=BURST_LEN_S)
+        duration_s = max(duration_s, duration_for(min_bursts, executors))
+    out = Path(out_json)
+    results = {}
+    for factor in factors:
+        path = out if len(factors) == 1 else out.with_name(f"{out.stem}-x{factor:g}{out.suffix}")
+        results[factor] = asyncio.run(_run(path, seed, executors, dedicated, factor, duration_s, model_dir, console, spec))
+    if len(factors) == 1:
+        return results[factors[0]]
+    keys = ("slo_attainment", "reclaim_after_first_arrival_ms_p99", "reclaim_latency_ms_p99", "reclaim_samples", "bursts_missed", "tasks_lost",
+            "rollout_tokens_per_s", "alert_bus_latency_ms_p99", "serving_ttft_p99_ms")
+    combined = {**results[factors[0]], "min_bursts": min_bursts,
+                "by_burst_factor": {f"{f:g}": {**{k: r[k] for k in keys}, "json": str(out.with_name(f"{out.stem}-x{f:g}{out.suffix}"))} for f, r in results.items()}}
+    combined["tasks_lost"] = sum(r["tasks_lost"] for r in results.values())
+    out.write_text(json.dumps(combined, indent=2))
+    from rich.table import Table
+
+    table = Table(title="rose bench elastic: by burst factor")
+    for col in ("factor", *keys):
+        table.add_column(col, justify="right")
+    for f, r in results.items():
+        table.add_row(f"{f:g}", *(json.dumps(r[k]) if not isinstance(r[k], float) else f"{r[k]:.4g}" for k in keys))
+    console.print(table)
+    console.print(f"JSON: {out}")
+    return combined

@@ -30,6 +30,7 @@ import torch
 
 from rose.shared.sketch import sketch_to_dict
 
+from .burst_alerts import ArrivalBurstDetector, BurstTrip
 from .core_lending import CoreLending
 from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
 from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolUsage
@@ -55,6 +56,7 @@ from .protocol import (
 from .sampling import SamplerState, find_stop
 from .scheduling import Limits, plan_iteration, plan_shrink
 from .sequence import Sequence
+from .slo_guard import GuardState, SloGuard
 from .weights import StagedWeights, stage
 
 log = logging.getLogger("rose.executor.engine")
@@ -119,6 +121,7 @@ class EngineStats:
     lease_budget_bytes: int
     device: dict = field(default_factory=dict)
     lane_failures: int = 0  # all-time: iterations that raised (logged; their running requests aborted)
+    slo_guard: GuardState | None = None  # the closed loop's state at the snapshot (slo_guard.py)
 
 
 class RequestHandle:
@@ -221,6 +224,9 @@ class Engine:
         self.metrics = EngineMetrics()
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = config.slo_ttft_ms, config.slo_tpot_ms
+        self.slo_guard = SloGuard(config.slo_ttft_ms, config.slo_tpot_ms)  # the closed loop on serving's tails (slo_guard.py)
+        self.bursts = ArrivalBurstDetector()  # this executor's own burst detector (burst_alerts.py)
+        self.on_burst: list[Callable[[BurstTrip], None]] = []  # called on the event loop when it trips (the executor publishes an alert)
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._lease: Lease | None = None
@@ -309,6 +315,10 @@ class Engine:
         rt.inbox.append(seq)
         if rt is self._serving:
             self.metrics.serving_arrival()
+            trip = self.bursts.arrival(time.monotonic(), len(rt.inbox) + len(rt.waiting) + rt.unprefilled)
+            if trip is not None and self.policy.admits_rollout:
+                for listener in self.on_burst:
+                    listener(trip)
             self._cores.recall()
             if self.policy.yields_on_arrival and self._in_quantum and self._rollout_overlaps_serving and self._yield_at is None:
                 self._yield_at = time.monotonic()
@@ -340,6 +350,7 @@ class Engine:
 
     def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
         self.slo_ttft_ms, self.slo_tpot_ms = ttft_ms, tpot_ms
+        self.slo_guard.set_slo(ttft_ms, tpot_ms)
 
     def apply_policy_weights(self, state_dict: dict, version: int) -> concurrent.futures.Future:
         """Validate now (raises WeightUpdateError, old weights kept), swap between quanta.
@@ -348,6 +359,7 @@ class Engine:
         (``await asyncio.wrap_future(f)`` from asyncio).
         """
         staged = stage(self._rollout.model, state_dict, version)
+        self._rollout.runner.prepare_weights(staged)  # here, not in the rollout lane's pause (rollout_process: the standby bank)
         return self._control(lambda: self._swap(staged))
 
     # ------------------------------------------------------------------ rollout control (SGLang-style admin)
@@ -494,7 +506,14 @@ class Engine:
             lease_id=lease.lease_id if lease else "",
             lease_budget_bytes=lease.budget_bytes if lease else 0,
             device=device,
+            slo_guard=self._guard_state(now),
         )
+
+    def _guard_state(self, now: float) -> GuardState:
+        """The guard's state now: its control step runs here too, so it relaxes while rollout is idle."""
+        s = self._serving
+        self.slo_guard.update(now, _oldest_wait_ms(s, now), s.iteration_ms if s.running else 0.0)
+        return self.slo_guard.state
 
     # ------------------------------------------------------------------ validation and admission
     def _runtime(self, work_class: WorkClass) -> _ClassRuntime:
@@ -610,10 +629,12 @@ class Engine:
     def _signals(self) -> Signals:
         s = self._serving
         now = time.monotonic()
+        oldest_wait_ms = _oldest_wait_ms(s, now)
+        share = self.slo_guard.update(now, oldest_wait_ms, s.iteration_ms if s.running else 0.0)
         return Signals(
             now, len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
-            s.limits.max_batch, not self._rollout_in_child, self.slo_ttft_ms, _oldest_wait_ms(s, now),
-            self.device.kind == "cuda", getattr(self._rollout.runner, "graphs", None) is not None,
+            s.limits.max_batch, not self._rollout_in_child, self.slo_ttft_ms, oldest_wait_ms,
+            self.device.kind == "cuda", getattr(self._rollout.runner, "graphs", None) is not None, share, self.bursts.rate(now),
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -829,7 +850,8 @@ class Engine:
     def _delta(self, seq: Sequence, final: bool) -> StreamDelta | None:
         """New tokens and text since the last delta (see protocol.next_delta)."""
         delta, seq.emitted_text = next_delta(
-            seq.request, seq.output, seq.logprobs, seq.text, seq.emitted_tokens, seq.emitted_text, final, seq.finish_reason
+            seq.request, seq.output, seq.logprobs, seq.text, seq.emitted_tokens, seq.emitted_text, final, seq.finish_reason,
+            seq.sampler.top_logprobs,
         )
         if delta is not None:
             seq.emitted_tokens = len(seq.output)
@@ -851,12 +873,13 @@ class Engine:
         if not seq.text_final:
             seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
         delta = self._delta(seq, final=True) if seq.request.stream else StreamDelta(
-            seq.request.request_id, tuple(seq.output), tuple(seq.logprobs), seq.text, True, reason
+            seq.request.request_id, tuple(seq.output), tuple(seq.logprobs), seq.text, True, reason, tuple(seq.sampler.top_logprobs)
         )
         result = self._result(rt, seq, reason)
         if rt is self._serving and reason != "abort":
             t = result.timings
             self.metrics.serving_finished(t.ttft_ms, t.tpot_ms if len(seq.output) > 1 else None, len(seq.output))
+            self.slo_guard.observe(t.ttft_ms, t.tpot_ms if len(seq.output) > 1 else None, time.monotonic())
         item = (seq.handle, delta, result)
         if deliver:
             _deliver([item])
@@ -876,6 +899,7 @@ class Engine:
             versions[-1] if versions else self.policy_version,
             seq.prefix_cached_tokens,
             timings,
+            tuple(seq.sampler.top_logprobs),
         )
 
 

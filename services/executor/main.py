@@ -6,23 +6,29 @@ connect -> load models -> start engine -> lease guard -> bus endpoints -> HTTP -
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import fcntl
 import logging
+import time
 from pathlib import Path
 
 import torch
 from aiohttp import web
 
-from rose.contracts.registry import GENERATE
+from rose.contracts.registry import EXECUTOR_BURST, GENERATE
+from rose.contracts.slo import SloAlert
+from rose.shared.bus import Bus
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
 from rose.shared.weight_sync import WeightFollower
 
 from .backend import CoServingEngine
+from .burst_alerts import BurstTrip
 from .config import MIB, ExecutorConfig
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
+from .http_server import HardenedAppRunner
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
 from .rollout_api import RolloutApi
@@ -80,7 +86,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
 
 
 async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(api.app, access_log=None)
+    runner = HardenedAppRunner(api.app, access_log=None)  # a deadline on request heads (see http_server.py)
     await runner.setup()
     site = web.TCPSite(runner, config.http.host, config.http.port)
     await site.start()
@@ -110,6 +116,29 @@ async def follow_weights(rt: ServiceRuntime, engine: CoServingEngine, config: Ex
     return follower
 
 
+def publish_bursts(engine: Engine, bus: Bus, executor_id: str, telemetry: Telemetry) -> None:
+    """When the engine's own burst detector trips (burst_alerts.py), publish the alert for this executor
+    at once: the scheduler stops routing turns here and revokes the lease (the engine yields on its own)."""
+    pending: set[asyncio.Task] = set()
+
+    async def send(alert: SloAlert) -> None:
+        try:
+            await bus.publish(EXECUTOR_BURST, alert, executor_id=executor_id)
+        except Exception as exc:  # reconnecting: the monitor's detector still sees the burst in the metrics
+            log.warning("could not publish a burst alert: %r", exc)
+
+    def on_burst(trip: BurstTrip) -> None:
+        alert = SloAlert(executor_id=executor_id, at=time.time(), severity="burst", reason=trip.reason,
+                         arrival_rate_rps=trip.arrival_rate_rps, serving_queue=trip.serving_queue)
+        telemetry.burst_alerted()
+        # a trace of its own: the serving request whose arrival tripped the detector is not its cause
+        task = asyncio.get_running_loop().create_task(send(alert), context=contextvars.Context())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    engine.on_burst.append(on_burst)
+
+
 async def run(config: ExecutorConfig) -> None:
     engine = await asyncio.to_thread(build_engine, config)
     telemetry = Telemetry(engine, "", config.role, config.metrics_interval_s)
@@ -121,6 +150,8 @@ async def run(config: ExecutorConfig) -> None:
             engine.start()
         guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
         await guard.start(rt.bus)
+        if isinstance(engine, Engine) and config.role != "dedicated":
+            publish_bursts(engine, rt.bus, rt.instance, telemetry)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
         openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes)

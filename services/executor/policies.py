@@ -20,28 +20,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .slo_guard import SETPOINT
+
 POLICY_NAMES = ("serving_only", "naive_share", "static_partition", "rose")
 DEFAULT_QUANTUM_MS = 10.0
-DEFAULT_GUARD_FRACTION = 0.8  # rose pauses rollout when serving step time nears this share of the TPOT SLO
+# rose's fast-path thresholds all derive from the SLO, the closed loop's setpoint (slo_guard.py) and
+# its share (1 while the tails are calm, smaller as they near the setpoint):
+# - TPOT: rollout pauses while the serving step (~ the TPOT of the tokens being made) is past
+#   share x setpoint x the TPOT SLO: the p99 target itself, read live.
+DEFAULT_GUARD_FRACTION = SETPOINT
+# - TTFT: rollout pauses once a first token is projected to land past share x setpoint x the TTFT SLO:
+#   the oldest one's wait plus a serving iteration for it and for each first token queued behind it.
+DEFAULT_TTFT_GUARD_FRACTION = SETPOINT
+# - Without a TTFT SLO there is nothing to project against: beside serving, rollout pauses once two
+#   first tokens wait (more than one means the serving lane is not keeping up), where the lanes overlap at one.
+NO_SLO_BACKLOG = 2
+# - A filling serving batch, where rollout's forwards share the serving lane's interpreter (a GPU
+#   without rollout graphs; a CPU executor without its rollout forward process): rollout pauses once the
+#   batch's free slots would fill at the recent arrival rate within the margin the setpoint leaves,
+#   (1 - setpoint) x the TTFT SLO, or once the serving step is past half the TPOT threshold (two threads
+#   alternating one interpreter lock can double a step).
+FILL_LEAD_FRACTION = round(1.0 - SETPOINT, 9)  # (rounded: 0.2, not 0.19999999999999996)
+INTERPRETER_SLOWDOWN = 2.0
 DEFAULT_STATIC_SHARE = 0.5
-# rose pauses rollout while the serving batch is at least this share of its limit, where rollout's forwards
-# run in the serving lane's interpreter (a GPU's launches; a CPU executor without its rollout forward
-# process): a burst is filling the batch, and every rollout op is a hand-over of the interpreter lock that
-# slows the serving step, which would run out of slots and queue first tokens. A rollout lane in its own
-# process slows serving only through the hardware (caches, memory bandwidth, a hyperthread), which the
-# backlog and iteration-time guards see directly: there the occupancy guard only cost rollout time
-# (measured on the 2-core VM, six paired runs: +15 % rollout tokens/s without it, SLO attainment unchanged).
-DEFAULT_OCCUPANCY_GUARD = 0.375
 DEFAULT_STATIC_PERIOD_MS = 100.0
-# Side by side (own cores), rollout still slows serving a little (shared caches, memory bandwidth,
-# the interpreter lock); once serving requests queue for their first token (a burst), it pauses —
-# where a TTFT SLO is known, only once the oldest of them has waited this share of it. Why: most
-# backlogs of two clear within a serving iteration or two and pausing for them cost ~10 % of rollout's
-# time on the 2-core VM, while a burst near serving's capacity must not queue behind the slowdown
-# (paired runs without the backlog guard: +25 % rollout on one trace, TTFT p99 2.9x on another; with
-# this share: +1 to +27 % rollout over four traces, SLO attainment unchanged at 1.000).
-SIDE_BY_SIDE_BACKLOG = 2
-DEFAULT_TTFT_GUARD_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Signals:
     serving_oldest_wait_ms: float = 0.0  # the longest wait of a serving request not yet past prefill
     priority_streams: bool = False  # the device runs serving's kernels ahead of rollout's (CUDA stream priorities)
     rollout_decode_graphs: bool = False  # rollout decode steps are CUDA graph replays: one launch, little interpreter time
+    rollout_share: float = 1.0  # the closed loop's share of the device for rollout while serving has work (slo_guard.py)
+    serving_arrival_rate_rps: float = 0.0  # serving arrivals per second over the burst detector's short window
 
 
 class _PrefillsFreely:
@@ -120,20 +124,23 @@ class StaticPartition(_PrefillsFreely):
 class Rose:
     """Rollout on its own low-priority lane in bounded quanta; where it competes with serving
     for compute it yields to every serving arrival until its prefill is done (TTFT), and it
-    pauses while the serving iteration time is near the TPOT SLO (the local SLO guard).
+    pauses while the serving iteration time is past the setpoint of the TPOT SLO.
 
     On a GPU the two lanes always share the SMs; serving's stream has the higher priority, and
     rollout's decode steps are graph replays, so a quantum yields at each serving arrival and
     then goes on decoding (not prefilling: ``may_prefill_rollout``) unless first tokens are at
-    risk (under a TTFT SLO: the oldest has waited ``ttft_guard_fraction`` of it). On CPU the rollout lane has cores of its own
+    risk (their wait is past the TTFT margin). On CPU the rollout lane has cores of its own
     and widens over the serving lane's core whenever serving has no work (``core_lending.py``);
     an arrival takes the core back at the rollout forward's next layer safepoint. Beside
-    serving the rollout lane pauses only when serving requests start to queue for their first
-    token (``SIDE_BY_SIDE_BACKLOG``) and, under a TTFT SLO, the oldest of them has waited a share
-    of it (``ttft_guard_fraction``) — pausing for every arrival would leave its cores idle — or,
-    where rollout's forwards share the serving lane's interpreter, when a burst fills the
-    serving batch (``occupancy_guard``). The engine asks the same question during a rollout
-    forward: while the answer is no, the forward holds at its next layer safepoint."""
+    serving the rollout lane pauses only when first tokens are at risk (the oldest one's wait,
+    plus an iteration per first token queued behind it, is past the margin) or, where rollout's
+    forwards share the serving lane's interpreter, when a burst fills the serving batch. The
+    engine asks the same question during a rollout forward: while the answer is no, the forward
+    holds at its next layer safepoint.
+
+    The closed loop (``slo_guard.py``) sets ``rollout_share``: the TTFT and TPOT thresholds scale with
+    it (at 0 rollout waits whenever serving has work). See the module constants for how each
+    threshold derives from the SLO."""
 
     name = "rose"
     admits_rollout = True
@@ -143,23 +150,18 @@ class Rose:
     yields_to_alerts = True
 
     def __init__(
-        self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION,
-        occupancy_guard: float = DEFAULT_OCCUPANCY_GUARD, ttft_guard_fraction: float = DEFAULT_TTFT_GUARD_FRACTION,
+        self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, ttft_guard_fraction: float = DEFAULT_TTFT_GUARD_FRACTION,
     ) -> None:
-        self.quantum_ms, self.guard_fraction, self.occupancy_guard = quantum_ms, guard_fraction, occupancy_guard
-        self.ttft_guard_fraction = ttft_guard_fraction
+        self.quantum_ms, self.guard_fraction, self.ttft_guard_fraction = quantum_ms, guard_fraction, ttft_guard_fraction
 
     def may_run_rollout(self, s: Signals) -> bool:
         if s.lanes_overlap and s.serving_prefill_pending and not s.priority_streams:
             return False  # CPU, widened over serving's core: give the core back now
-        backlog = 1 if s.lanes_overlap else SIDE_BY_SIDE_BACKLOG
-        if s.serving_prefill_pending >= backlog and (
-            s.slo_ttft_ms is None or s.serving_oldest_wait_ms >= self.ttft_guard_fraction * s.slo_ttft_ms
-        ):
+        if s.serving_prefill_pending and self._first_tokens_at_risk(s):
             return False
         if not s.rollout_decode_graphs and self._batch_filling(s):
             return False
-        if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self.guard_fraction * s.slo_tpot_ms:
+        if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self._tpot_threshold_ms(s):
             return False
         return True
 
@@ -172,8 +174,24 @@ class Rose:
             return True  # every rollout step is eager alike: may_run_rollout has judged it
         return not s.serving_prefill_pending and not self._batch_filling(s)
 
+    def _tpot_threshold_ms(self, s: Signals) -> float:
+        assert s.slo_tpot_ms is not None
+        return self.guard_fraction * s.rollout_share * s.slo_tpot_ms
+
+    def _first_tokens_at_risk(self, s: Signals) -> bool:
+        if s.slo_ttft_ms is None:
+            return s.serving_prefill_pending >= (1 if s.lanes_overlap else NO_SLO_BACKLOG)
+        projected = s.serving_oldest_wait_ms + s.serving_prefill_pending * s.serving_iteration_ms
+        return projected >= self.ttft_guard_fraction * s.rollout_share * s.slo_ttft_ms
+
     def _batch_filling(self, s: Signals) -> bool:
-        return s.shares_interpreter and bool(s.serving_max_batch) and s.serving_running >= self.occupancy_guard * s.serving_max_batch
+        if not s.shares_interpreter or not s.serving_running:
+            return False
+        if s.slo_tpot_ms is not None and s.serving_iteration_ms * INTERPRETER_SLOWDOWN > self._tpot_threshold_ms(s):
+            return True
+        if not s.serving_max_batch or s.slo_ttft_ms is None:
+            return False
+        return s.serving_max_batch - s.serving_running <= s.serving_arrival_rate_rps * FILL_LEAD_FRACTION * s.slo_ttft_ms / 1000.0
 
 
 def make_policy(name: str, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, static_share: float = DEFAULT_STATIC_SHARE):

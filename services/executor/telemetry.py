@@ -50,6 +50,14 @@ class ExecutorInstruments:
         self.reclaim = m.create_histogram(
             metric_name("executor.reclaim_latency"), unit="s", description="Serving arrival or lease revocation to rollout yielded.", **hist
         )
+        self.rollout_share = m.create_gauge(
+            metric_name("executor.rollout_share"), description="The SLO guard's share of the device for rollout while serving has work (1: no limit, 0: rollout waits)."
+        )
+        self.slo_setpoint = m.create_gauge(metric_name("executor.slo_guard_setpoint"), description="The SLO guard's target for the short-window serving p99, as a fraction of the SLO.")
+        self.slo_tail_ratio = m.create_gauge(
+            metric_name("executor.slo_guard_tail_ratio"), description="The SLO guard's measured short-window serving p99 (and live evidence) over the SLO, worst of TTFT and TPOT."
+        )
+        self.burst_alerts = m.create_counter(metric_name("executor.burst_alerts"), unit="{alert}", description="Burst alerts this executor published about itself.")
         self.rollout_requests = m.create_counter(
             metric_name("executor.rollout_requests"), unit="{request}", description="Rollout turns answered over the bus, per outcome (ok, rejected, interrupted)."
         )
@@ -63,6 +71,7 @@ class Telemetry:
         self.interval_s = interval_s
         self.last: EngineStats | None = None
         self.instruments = ExecutorInstruments()
+        self.instruments.http_errors.add(0, self._attrs())  # at 0 from the start: a dashboard shows 0, not "No data"
         self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0, "lane_failures": 0}
 
     def snapshot(self, stats: EngineStats) -> MetricsSnapshot:
@@ -107,6 +116,9 @@ class Telemetry:
     def http_error(self, status: int) -> None:
         self.instruments.http_errors.add(1, self._attrs(code=str(status)))
 
+    def burst_alerted(self) -> None:
+        self.instruments.burst_alerts.add(1, self._attrs())
+
     def rollout_answered(self, outcome: str, reason: str = "") -> None:
         self.instruments.rollout_requests.add(1, self._attrs(outcome=outcome, reason=reason))
 
@@ -136,6 +148,10 @@ class Telemetry:
         i.lease_held.set(1 if stats.lease_id else 0, self._attrs())
         for ms in stats.reclaim_latency_ms:
             i.reclaim.record(ms / 1e3, self._attrs())
+        if stats.slo_guard is not None:
+            i.rollout_share.set(stats.slo_guard.share, self._attrs())
+            i.slo_setpoint.set(stats.slo_guard.setpoint, self._attrs())
+            i.slo_tail_ratio.set(stats.slo_guard.tail_ratio, self._attrs())
         self.last = stats
 
     async def run(self, bus: Bus) -> None:
@@ -159,4 +175,5 @@ class Telemetry:
             "rollout_running": float(last.rollout_running),
             "rollout_tokens_per_s": round(last.rollout_tokens_per_s, 1),
             "serving_tokens_per_s": round(last.serving_tokens_per_s, 1),
+            **({"rollout_share": round(last.slo_guard.share, 3)} if last.slo_guard is not None else {}),
         }

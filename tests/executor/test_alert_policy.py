@@ -52,3 +52,29 @@ async def test_guard_yields_on_alert_unless_the_policy_ignores_the_slo(policy):
         assert guard.current is None and engine.revoked == 1 and guard.revoked_reason == "lease_revoked"
     await guard._on_lease("ex-a", None)  # a revocation from the scheduler is obeyed by every policy
     assert guard.current is None and engine.revoked >= 1
+
+
+async def test_the_executor_publishes_its_own_burst_alert_at_the_arrival_that_trips_its_detector(make_engine, bus):
+    """A burst of serving arrivals on a real engine: the detector trips on the growing queue of first
+    tokens, and the alert for this executor arrives on the bus (executor.burst)."""
+    import asyncio
+
+    from rose.contracts.registry import EXECUTOR_BURST
+    from rose.services.executor.main import publish_bursts
+    from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+    from rose.services.executor.telemetry import Telemetry
+
+    engine = make_engine("rose")
+    got: list[tuple[SloAlert, float]] = []
+    await bus.subscribe(EXECUTOR_BURST, lambda a, _d: asyncio.sleep(0, got.append((a, time.monotonic()))), executor_id="ex-burst")
+    publish_bursts(engine, bus, "ex-burst", Telemetry(engine, "ex-burst", "serving", 1.0))
+    sampling = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    handles = [engine.submit(GenerationRequest(f"b{i}", WorkClass.SERVING, tuple(range(10, 58)), sampling)) for i in range(12)]
+    await asyncio.gather(*(h.result() for h in handles))
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    assert got, "no burst alert arrived on executor.burst"
+    alert = got[0][0]
+    assert alert.executor_id == "ex-burst" and alert.severity == "burst" and "queue" in alert.reason and alert.serving_queue >= 4

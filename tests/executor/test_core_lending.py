@@ -102,40 +102,52 @@ async def test_static_partition_never_lends_the_serving_core(make_engine):
 
 
 def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
+    """Where rollout shares the serving interpreter, the batch is filling once its free slots would be
+    taken within the TTFT margin ((1 - setpoint) x SLO = 20 ms here) at the recent arrival rate (500/s:
+    10 slots), or once the serving step is past half the TPOT setpoint (32 ms / 2)."""
     from rose.services.executor.policies import Signals, make_policy
 
     rose = make_policy("rose")
-    side_by_side = dict(serving_prefill_pending=0, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32)
-    assert rose.may_run_rollout(Signals(0.0, serving_running=11, **side_by_side))
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=12, **side_by_side))  # 3/8 of the batch: a burst is filling it
+    side_by_side = dict(serving_prefill_pending=0, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32,
+                        slo_ttft_ms=100.0, serving_arrival_rate_rps=500.0)
+    assert rose.may_run_rollout(Signals(0.0, serving_running=21, **side_by_side))
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=22, **side_by_side))  # 10 slots left: filled within the margin
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=4, **{**side_by_side, "serving_iteration_ms": 17.0}))  # step past 32 / 2 ms
     unknown_limit = {**side_by_side, "serving_max_batch": 0}
     assert rose.may_run_rollout(Signals(0.0, serving_running=30, **unknown_limit))
     # rollout forwards in a process of their own: no interpreter lock to hand over, so only the backlog and
     # iteration-time guards (which see the hardware's interference directly) pause it
     own_process = {**side_by_side, "shares_interpreter": False}
     assert rose.may_run_rollout(Signals(0.0, serving_running=30, **own_process))
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2}))
+    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2, "serving_oldest_wait_ms": 70.0}))
     assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_iteration_ms": 33.0}))
 
 
 def test_side_by_side_rose_pauses_for_a_serving_backlog_once_its_first_tokens_are_at_risk():
-    """Beside serving (own cores), a backlog of first tokens pauses rollout only once the oldest has
-    waited a quarter of the TTFT SLO; without a TTFT SLO, at once; where the lanes overlap, at one."""
+    """Beside serving (own cores), first tokens pause rollout once the oldest one is projected to land past
+    the guard's share x the setpoint of the TTFT SLO (its wait plus a serving iteration for it and each
+    first token queued behind it); without a TTFT SLO, at a backlog of two; where the lanes overlap, at one."""
     from rose.services.executor.policies import Signals, make_policy
 
     rose = make_policy("rose")
     beside = dict(serving_running=4, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32, shares_interpreter=False)
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=90.0, slo_ttft_ms=100.0, **beside))  # one: clears in an iteration
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=24.0, slo_ttft_ms=100.0, **beside))
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=25.0, slo_ttft_ms=100.0, **beside))
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=74.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, slo_ttft_ms=100.0, **beside))  # 75 + 5 = 0.8 x 100 ms
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=64.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=65.0, slo_ttft_ms=100.0, **beside))  # 65 + 3 x 5 ms
+    # the closed loop's share scales the thresholds: at half, 40 ms for the first token, 16 ms for the serving step
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=35.0, slo_ttft_ms=100.0, rollout_share=0.5, **beside))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 17.0}))
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 15.0}))
+    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known: one may wait
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # ... two may not
     overlap = {**beside, "lanes_overlap": True}
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, slo_ttft_ms=100.0, **overlap))
 
 
 def test_on_a_gpu_rose_keeps_decoding_beside_pending_first_tokens_but_holds_its_eager_prefill():
     """CUDA: serving's stream has priority and rollout decodes by graph replay, so pending first tokens
-    stop only rollout's eager prefill, until they are at risk (a quarter of the TTFT SLO waited);
+    stop only rollout's eager prefill, until they are at risk (projected past the setpoint of the TTFT SLO);
     a filling serving batch likewise; without graphs every rollout step is eager and pauses as before."""
     from rose.services.executor.policies import Signals, make_policy
 
@@ -144,16 +156,16 @@ def test_on_a_gpu_rose_keeps_decoding_beside_pending_first_tokens_but_holds_its_
                priority_streams=True, rollout_decode_graphs=True, slo_ttft_ms=100.0)
     pending = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **gpu)
     assert rose.may_run_rollout(pending) and not rose.may_prefill_rollout(pending)
-    at_risk = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=25.0, **gpu)
+    at_risk = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, **gpu)
     assert not rose.may_run_rollout(at_risk)
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, **{**gpu, "slo_ttft_ms": None}))  # no TTFT SLO known
     quiet = Signals(0.0, serving_prefill_pending=0, **gpu)
     assert rose.may_run_rollout(quiet) and rose.may_prefill_rollout(quiet)
-    filling = Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_running": 12})
+    filling = Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_running": 22, "serving_arrival_rate_rps": 500.0})
     assert rose.may_run_rollout(filling) and not rose.may_prefill_rollout(filling)
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_iteration_ms": 33.0}))  # TPOT guard
     eager = {**gpu, "rollout_decode_graphs": False}
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**eager, "serving_running": 12}))
+    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**eager, "serving_running": 22, "serving_arrival_rate_rps": 500.0}))
     assert rose.may_prefill_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **eager))
     cpu_widened = {**gpu, "priority_streams": False, "rollout_decode_graphs": False}  # CPU lane over serving's core: give it back now
     assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **cpu_widened))

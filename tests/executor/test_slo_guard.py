@@ -1,0 +1,113 @@
+"""The closed-loop SLO guard (slo_guard.py) and the executor's own burst detector (burst_alerts.py).
+
+The guard is driven by measured latencies: first a replayed series (calm, then tails near the SLO,
+then calm again), then a real engine whose serving lane is flooded with requests while rollout runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rose.services.executor.burst_alerts import ArrivalBurstDetector
+from rose.services.executor.engine import EngineConfig
+from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.slo_guard import RELAX_WINDOWS, SETPOINT, SloGuard
+from rose.services.slo_monitor.config import BurstSettings
+
+SLO_TTFT, SLO_TPOT = 100.0, 20.0
+
+
+def _run(guard: SloGuard, start: float, seconds: float, ttft_ms: float, tpot_ms: float, every_s: float = 0.01) -> tuple[float, list[float]]:
+    """Serving requests finishing every ``every_s`` with these latencies, the rollout lane asking at each; the shares seen."""
+    t, shares = start, []
+    while t < start + seconds:
+        guard.observe(ttft_ms, tpot_ms, t)
+        shares.append(guard.update(t))
+        t += every_s
+    return t, shares
+
+
+def test_the_guard_tightens_fast_as_tails_near_the_slo_and_relaxes_slowly():
+    guard = SloGuard(SLO_TTFT, SLO_TPOT)
+    t, calm = _run(guard, 0.0, 1.0, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert min(calm) == 1.0 and guard.state.tail_ratio < SETPOINT
+    t, hot = _run(guard, t, 0.2, 0.95 * SLO_TTFT, 0.5 * SLO_TPOT)  # TTFT tails past the setpoint
+    tightened_after = next(i for i, s in enumerate(hot) if s <= 0.125) * 0.01
+    assert tightened_after <= 0.1  # a few control periods (one TPOT SLO each)
+    assert guard.state.tail_ratio > SETPOINT and guard.state.ttft_p99_ms == 0.95 * SLO_TTFT
+    t, recovering = _run(guard, t, 3 * guard.window_s + RELAX_WINDOWS * guard.window_s, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert recovering[-1] == 1.0
+    relaxed_after = next(i for i, s in enumerate(recovering) if s == 1.0) * 0.01
+    assert relaxed_after > 10 * tightened_after  # slow to give back what it took fast
+    assert all(b >= a for a, b in zip(recovering, recovering[1:]))  # no further tightening on calm samples
+
+
+def test_one_outlier_halves_the_share_once_not_for_as_long_as_it_stays_in_the_window():
+    guard = SloGuard(SLO_TTFT, SLO_TPOT)
+    t, _ = _run(guard, 0.0, 0.5, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    guard.observe(2 * SLO_TTFT, None, t)
+    t, after = _run(guard, t, 0.5, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert min(after) == 0.5  # halved once; the window's p99 stays high (it holds), it does not keep halving
+
+
+def test_live_evidence_tightens_before_any_slow_request_finishes():
+    guard = SloGuard(SLO_TTFT, SLO_TPOT)
+    share = 1.0
+    for i in range(5):  # nothing finished: the oldest first token has waited 90 % of the TTFT SLO
+        share = guard.update(i * SLO_TPOT / 1000, oldest_wait_ms=0.9 * SLO_TTFT)
+    assert share < 0.1
+    assert SloGuard(None, None).update(0.0, oldest_wait_ms=1e6) == 1.0  # no SLO: nothing to steer by
+
+
+def test_the_executor_detects_a_burst_of_arrivals_against_its_own_baseline():
+    cfg = BurstSettings()
+    det = ArrivalBurstDetector(cfg)
+    trips = [det.arrival(i * 0.1, 0) for i in range(40)]  # 10/s for 4 s: the baseline
+    assert not any(trips)
+    t, found = 4.0, None
+    for i in range(30):  # then 50/s
+        t += 0.02
+        trip = det.arrival(t, 0)
+        found = found or trip
+    assert found is not None and "arrival rate" in found.reason and found.arrival_rate_rps > 20
+    assert det.arrival(t + 0.01, 0) is None  # not again within realert_s
+    assert det.rate(t + 0.01) > 20
+    queue = ArrivalBurstDetector(cfg)
+    assert queue.arrival(0.0, cfg.queue_threshold - 1) is None
+    assert "queue" in queue.arrival(0.01, cfg.queue_threshold).reason
+
+
+def _serving(i: int, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(f"s{i}", WorkClass.SERVING, tuple(range(10, 58)), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def _rollout(i: int) -> GenerationRequest:
+    return GenerationRequest(f"r{i}", WorkClass.ROLLOUT, tuple(range(10, 42)), SamplingParams(temperature=1.0, max_tokens=200, seed=i, ignore_eos=True), stream=False)
+
+
+async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serving_load_and_gives_it_back_after(make_engine):
+    engine = make_engine("rose", EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0))
+    solo = await engine.submit(_serving(-1)).result()
+    # an SLO the unloaded engine meets easily; a flood of serving requests at once queues first tokens past it
+    slo_ttft = max(20.0, 3 * solo.timings.ttft_ms)
+    engine.set_slo(slo_ttft, max(10.0, 3 * solo.timings.tpot_ms))
+    rollouts = [engine.submit(_rollout(i)) for i in range(4)]
+    await asyncio.sleep(0.2)
+    assert engine.slo_guard.share == 1.0
+    shares: list[float] = []
+    flood = [engine.submit(_serving(i)) for i in range(32)]
+    while not all(h._result.done() for h in flood):
+        shares.append(engine.slo_guard.share)
+        await asyncio.sleep(0.002)
+    results = [await h.result() for h in flood]
+    assert max(r.timings.ttft_ms for r in results) > SETPOINT * slo_ttft  # the load did push the tails up
+    assert min(shares) < 0.5  # and the guard tightened while it lasted
+    low = engine.stats().slo_guard.share
+    # the flood's samples age out of the window, then the share climbs back (a step per control period)
+    deadline = time.monotonic() + 2 * engine.slo_guard.window_s + 5.0
+    while engine.stats().slo_guard.share <= 2 * low + 0.1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.stats().slo_guard.share > 2 * low + 0.1
+    for h in rollouts:
+        h.cancel()
