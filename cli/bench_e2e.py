@@ -1,9 +1,21 @@
 """`rose bench e2e`: the demo's RL job on fresh fleets under four policies, one after another.
 
-Every policy runs `rose demo`'s job (cli/demo.py `run_job`: two serving executors taking the
+Every policy runs `rose demo`'s job (cli/demo.py `run_job`: serving executors taking the
 replayed bursty trace over HTTP, one dedicated rollout executor, the SLO monitor, the scheduler,
 the weight publisher, a rollout worker and the GRPO trainer, each its own process) for the same
-duration and seed; only these settings differ:
+duration and seed, with two differences from the demo, both written in the JSON's `job`:
+
+- devices emulated (`--pin auto`, the default): each executor process, with every process it
+  starts (the rollout forward child), is pinned to a core of its own (`os.sched_setaffinity`;
+  torch sizes its threads from that mask): one core is one device, the dedicated executor on the
+  first, a serving executor on the next, so lending uses only the cycles a serving executor's own
+  core leaves idle, as on separate GPUs; the trainer and the light services float. On two cores
+  that is one serving executor (the demo has two). `--pin none` runs unpinned. `devices` holds
+  each executor's CPU set as observed at the end of each run (its process tree's affinity).
+- the job is rollout-dominated as agentic RL is (cli/demo.py ROLLOUT_DOMINATED_JOB: one epoch per
+  batch, longer multi-turn episodes): `rollout_share_of_step` per policy, and the static one in `job`.
+
+Only these settings differ between the policies:
 
 | policy | serving executors | scheduler `lending.mode` | worker | load balancer |
 | --- | --- | --- | --- | --- |
@@ -44,7 +56,11 @@ from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
 from rose.shared.bus import Bus
 from rose.shared.models import init_models
 
-from .demo import DEMO_POLICY, SPEC, TRAINER, Observed, run_job, trainer_settings
+from .demo import DEMO_POLICY, ROLLOUT_DOMINATED_JOB, SPEC, TRAINER, Observed, run_job, trainer_settings
+from .fleet import device_plan, usable_cpus
+
+PIN_MODES = ("auto", "none")  # auto: one core per executor (fleet.device_plan); none: every executor floats on every core
+ROLLOUT_SHARE_TARGET = 0.70  # agentic RL is rollout-bound: rollout is at least this share of a static (synchronous) step
 
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 DEFAULT_DURATION_S = 120.0  # per policy: with start-up and drain the four runs take about 12 minutes on 2 cores
@@ -186,11 +202,14 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     dedicated = [s["rollout_tokens_per_s"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
     steps = step_figures(obs.steps)
-    per_step = int(TRAINER["ROSE_GRPO__GROUPS_PER_STEP"]) * int(TRAINER["ROSE_GRPO__GROUP_SIZE"])
+    job = {**TRAINER, **ROLLOUT_DOMINATED_JOB}
+    per_step = int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(job["ROSE_GRPO__GROUP_SIZE"])
     spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
     return {
         "rl_steps_per_hour": steps["rl_steps_per_hour"],
         "rollout_s_per_step": _median(spans),
+        # rollout time of a step's batch / the step interval (medians): with synchronous steps the rest is training and publishing
+        "rollout_share_of_step": _ratio(_median(spans), steps["step_s"]),
         "serving_slo_attainment": summary["serving"]["slo_attainment"],
         "rollout_tokens_per_s": summary["rollout"]["tokens_per_s"],
         "steps": summary["training"]["steps"],
@@ -212,6 +231,8 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "max_lent_at_once": max_lent_at_once(obs.lease_events, serving, max(times, default=0.0)),
         "resumed_turns": int(extra.worker_load.get("resumed", 0)),
         "discarded_tokens": int(extra.worker_load.get("discarded_tokens", 0)),
+        "hedged_turns": int(extra.worker_load.get("hedges", 0)),  # duplicates started (placed with the route or asked for when late)
+        "hedge_wins": int(extra.worker_load.get("hedge_wins", 0)),  # ... of which the duplicate finished first (the other copy was aborted)
         "calibration": {
             **{k: steps[k] for k in ("step_s", "step_s_all", "trainer_wait_s_per_step", "train_s_per_step", "publish_s_per_step")},
             "rollout_s_per_batch_all": [round(x, 3) for x in spans],
@@ -290,10 +311,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def default_serving(pin: str, dedicated: int) -> int:
+    """The demo's two serving executors, or, pinned, as many as the cores left after the dedicated ones allow (at least one)."""
+    return 2 if pin == "none" else max(1, min(2, len(usable_cpus()) - dedicated))
+
+
 def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = None, policies: list[str] | None = None, model_dir: str | None = None,
-                  serving: int = 2, dedicated: int = 1, console: Console | None = None, warm_start_steps: int | None = None) -> dict:
+                  serving: int | None = None, dedicated: int = 1, console: Console | None = None, warm_start_steps: int | None = None, pin: str = "auto") -> dict:
     console = console or Console()
     duration = duration_s or DEFAULT_DURATION_S
+    if pin not in PIN_MODES:
+        raise ValueError(f"unknown pin mode {pin!r}; choose from {', '.join(PIN_MODES)}")
+    serving = default_serving(pin, dedicated) if serving is None else serving
+    devices = device_plan(SPEC, serving, dedicated) if pin == "auto" else None  # raises, naming the fix, if cores are short
     # SIGTERM (a test's or CI's timeout) ends the run like Ctrl-C, so the fleet is stopped, not orphaned
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     chosen = [p for p in POLICIES if p in (policies or POLICIES)]
@@ -319,7 +349,11 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
         "fleet": {"slo_ttft_ms": SPEC.slo_ttft_ms, "slo_tpot_ms": SPEC.slo_tpot_ms, "base_rps": SPEC.base_rps, "burst_factor": SPEC.burst_factor,
                   "burst_every_s": SPEC.burst_every_s, "burst_len_s": SPEC.burst_len_s, "serving_max_tokens": SPEC.serving_max_tokens,
                   "rollout_max_tokens": SPEC.rollout_max_tokens, "worker_concurrency": SPEC.worker_concurrency},
-        "trainer": trainer_settings(seed, warm_start_steps), "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
+        "trainer": {**trainer_settings(seed, warm_start_steps), **ROLLOUT_DOMINATED_JOB}, "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
+        # the job: the demo's (cli/demo.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
+        "job": {"differs_from_demo": ROLLOUT_DOMINATED_JOB, "rollout_dominated": True, "rollout_share_target": ROLLOUT_SHARE_TARGET,
+                "serving_executors_demo": 2, "serving_executors": serving},
+        "pin": pin, "devices": {},
         # what the simulator's calibration (cli/sim/calibration.py e2e_setup) would otherwise assume
         "setup": {
             "serving_prompt_tokens": serving_prompt_tokens, "serving_output_tokens": SPEC.serving_max_tokens,
@@ -334,13 +368,18 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
         started = time.monotonic()
         summary = asyncio.run(run_job(
             root / policy, duration, seed, models, serving, dedicated, console, label=f"rose bench e2e · {policy}", env=POLICY_ENV[policy],
-            drained=extra.drained, on_bus=extra.subscribe, obs=obs, warm_start_steps=warm_start_steps,
+            drained=extra.drained, on_bus=extra.subscribe, obs=obs, warm_start_steps=warm_start_steps, job=ROLLOUT_DOMINATED_JOB, devices=devices,
         ))
-        result["policies"][policy] = {**policy_figures(summary, obs, extra), "wall_s": time.monotonic() - started, "report": str(root / policy)}
+        result["policies"][policy] = {**policy_figures(summary, obs, extra), "devices": summary["job"]["devices"], "wall_s": time.monotonic() - started,
+                                      "report": str(root / policy)}
+        result["devices"] = summary["job"]["devices"]  # observed: each executor's process tree's CPU set (the same plan for every policy)
     p = result["policies"]
     rose, static, elastic = p.get("rose", {}), p.get("static", {}), p.get("elastic_baseline", {})
     result["speedup_vs_static"] = _ratio(rose.get("rl_steps_per_hour"), static.get("rl_steps_per_hour"))
     result["rollout_time_ratio_vs_elastic"] = _ratio(rose.get("rollout_s_per_step"), elastic.get("rollout_s_per_step"))
+    share = static.get("rollout_share_of_step")
+    result["job"]["static_rollout_share_of_step"] = share
+    result["job"]["rollout_dominated_measured"] = None if share is None else share >= ROLLOUT_SHARE_TARGET
     result["calibration"] = {"step_times": step_times}
     path.parent.mkdir(parents=True, exist_ok=True)
     result["plot"] = str(plot(result, path.with_suffix(".png")))
@@ -358,16 +397,20 @@ def print_table(result: dict, console: Console) -> None:
     p = result["policies"]
     static, elastic = p.get("static", {}), p.get("elastic_baseline", {})
     table = Table(title=f"rose bench e2e: the demo's RL job, {result['duration_s']:.0f} s per policy (seed {result['seed']})")
-    for col in ("policy", "RL steps/h", "× static", "rollout s/step", "× elastic", "SLO attainment", "rollout tok/s", "on serving", "lent", "leases +/-", "reward first→last", "lost"):
+    for col in ("policy", "RL steps/h", "× static", "rollout s/step", "× elastic", "rollout share", "SLO attainment", "rollout tok/s", "on serving", "lent", "leases +/-",
+                "reward first→last", "lost"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for name, f in p.items():
         table.add_row(
             name, _fmt(f["rl_steps_per_hour"], ".0f"), _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
-            _fmt(f["rollout_s_per_step"]), _fmt(_ratio(f["rollout_s_per_step"], elastic.get("rollout_s_per_step"))),
+            _fmt(f["rollout_s_per_step"]), _fmt(_ratio(f["rollout_s_per_step"], elastic.get("rollout_s_per_step"))), _fmt(f["rollout_share_of_step"], ".0%"),
             _fmt(f["serving_slo_attainment"], ".3f"), _fmt(f["rollout_tokens_per_s"], ".0f"), _fmt(f["harvested_fraction"], ".0%"), _fmt(f["lent_fraction"], ".0%"),
             f"{f['leases_granted']}/{f['leases_revoked']}", f"{_fmt(f['reward_first'])}→{_fmt(f['reward_last'])}", str(f["trajectories_lost"]),
         )
     console.print(table)
+    devices = ", ".join(f"{ex}: CPU {cpus}" for ex, cpus in sorted(result["devices"].items()))
+    console.print(f"executors {'pinned, one core each' if result['pin'] == 'auto' else 'unpinned'} ({devices}); the trainer and the light services float. "
+                  f"Static rollout share of a step: {_fmt(result['job']['static_rollout_share_of_step'], '.0%')} (rollout-dominated job: >= {ROLLOUT_SHARE_TARGET:.0%})")
     console.print(f"rose vs static: {_fmt(result['speedup_vs_static'])}× RL steps/h (paper: 1.3-3.3×); rose vs elastic_baseline: "
                   f"{_fmt(result['rollout_time_ratio_vs_elastic'])}× rollout time per step (paper: 1/1.5-1/1.2 = 0.67-0.83)")
 

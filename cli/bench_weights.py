@@ -10,6 +10,12 @@ shard digest and swaps each version into its engine between quanta; its `WeightA
 events carry the engine's pause and a digest of its live policy parameters, compared with the
 trainer's bf16 weights version by version (`bit_exact`).
 
+The swap pause against how much of the model changed (`pause_by_changed_shards`): every version's
+pause beside its changed shards and tensors, and two more versions after the AdamW ones, one that
+changes a single tensor and one that changes every tensor (the lowest bit of each bf16 element), so
+a pause that grew with the bytes or tensors copied (rather than a flip of the double-buffered
+weights, services/executor/rollout_process.py) shows.
+
 Same server, same run: nats-py `ObjectStore.put` (default 128 KiB chunks) and
 `get(writeinto=BytesIO)` of a full bf16 snapshot, against our keyframe path (dense encode,
 pipelined put, streaming fetch with decode and SHA-256 verification). The codec's
@@ -17,10 +23,10 @@ throughput (`encode_mb_s`, `decode_mb_s`) is measured on the real shards of each
 one core, as dense model bytes per second (best of `CODEC_REPEATS`, median over versions).
 
 Auth is on, as in the embedded default: the server has the per-service permissions of `rose
-security init`; the bench's client connects as the `trainer` (it publishes with the SDK and
-watches `WeightApplied`), the two service processes with their own credentials, and both sides of
+security init`; the bench's client connects as the `trainer` (it publishes with the SDK) and as the operator
+(`cli`: provisioning, and watching the executor's `WeightApplied` events), the two service processes with their own credentials, and both sides of
 the full-snapshot comparison as the `weight_publisher` (the only service that writes the weights
-store); only provisioning uses the operator's (`cli`) credentials.
+store).
 """
 
 from __future__ import annotations
@@ -278,7 +284,7 @@ async def run_weights_bench(
             auth = await refuses_anonymous(server.url)
             result, baseline, digests = await _bench(console, trainer, steps, server.url, workdir, creds)
     per_version = result["per_version"]
-    bit_exact = result["codec_exact"] and all(digests.get(v["version"]) == v["sha256"] for v in per_version)
+    bit_exact = result["codec_exact"] and all(digests.get(v["version"]) == v["sha256"] for v in per_version + result["sparse_versions"])
     deltas = [v for v in per_version if not v["keyframe"]]
     full_bytes = result["full_bytes"]
     wire_mean = statistics.mean(v["wire_bytes"] for v in deltas) if deltas else 0.0
@@ -299,6 +305,8 @@ async def run_weights_bench(
         "full_snapshot": {"put_s": baseline["our_put_s"], "get_s": baseline["our_get_s"], "bytes": baseline["bytes"]},
         "full_snapshot_speedup": (baseline["put_s"] + baseline["get_s"]) / (baseline["our_put_s"] + baseline["our_get_s"]),
         "apply_pause_ms": max(v["pause_ms"] for v in per_version),
+        "apply_pause_ms_median": statistics.median(v["pause_ms"] for v in per_version),
+        "pause_by_changed_shards": result["pause_by_changed_shards"],
         "encode_mb_s": statistics.median(result["encode_mb_s"]) if result["encode_mb_s"] else 0.0,
         "decode_mb_s": statistics.median(result["decode_mb_s"]) if result["decode_mb_s"] else 0.0,
         "per_version": per_version,
@@ -339,15 +347,17 @@ async def _bench(console: Console, trainer: Trainer, steps: int, url: str, workd
                 pass
         return applied[version]
 
-    async with Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file(OPERATOR))), service=OPERATOR, instance="bench-provision") as operator:
+    async with (
+        Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file(OPERATOR))), service=OPERATOR, instance="bench-operator") as operator,
+        Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file("trainer"))), service="trainer", instance="bench-trainer") as bus,
+    ):
         await provision(operator.js)  # creating storage is the operator's right
-    async with Bus(BusConfig(url=url, nkey_seed_file=str(creds.seed_file("trainer"))), service="trainer", instance="bench-trainer") as bus:
-        await bus.subscribe(WEIGHT_APPLIED, on_applied)
-        publisher = _start_publisher(url, workdir, steps + 1, creds)
+        await operator.subscribe(WEIGHT_APPLIED, on_applied)  # the executors' public events: watched as the operator (`rose events`)
+        publisher = _start_publisher(url, workdir, steps + 3, creds)  # no keyframe among the versions after the first (the two sparse ones included)
         serving_dir, policy_dir = _executor_models(trainer, workdir)
         applier = _start_executor(url, serving_dir, policy_dir, workdir, creds)
         try:
-            await applier.wait_ready(bus, READY_TIMEOUT_S)
+            await applier.wait_ready(operator, READY_TIMEOUT_S)
             result = await _run_versions(console, trainer, bus, workdir, steps, wait_applied)
             baseline = await full_snapshot(url, result.pop("_last_state"), creds)
         finally:
@@ -377,9 +387,14 @@ async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: P
                     enc, dec, exact = await asyncio.to_thread(codec_speed, prev, state)
                     enc_rates.append(enc), dec_rates.append(dec)
                     codec_exact = codec_exact and exact
+                shards, tensors = _changed(manifest)
                 rows.append(
                     {
                         "version": version,
+                        "kind": "keyframe" if manifest.keyframe else "adamw_delta",
+                        "changed_shards": shards,
+                        "shards": len(manifest.shards),
+                        "changed_tensors": tensors,
                         "keyframe": manifest.keyframe,
                         "loss": loss,
                         "wire_bytes": manifest.wire_bytes,
@@ -395,8 +410,33 @@ async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: P
                 )
                 prev = state
                 progress.advance(task)
+            sparse = await _sparse_versions(client, prev, steps + 1, wait_applied)
     full_bytes = sum(t.numel() * t.element_size() for t in prev.values())  # type: ignore[union-attr]
-    return {"per_version": rows, "encode_mb_s": enc_rates, "decode_mb_s": dec_rates, "codec_exact": codec_exact, "full_bytes": full_bytes, "_last_state": prev}
+    pauses = [{k: r[k] for k in ("version", "kind", "changed_shards", "shards", "changed_tensors", "pause_ms")} for r in rows + sparse]
+    return {"per_version": rows, "sparse_versions": sparse, "pause_by_changed_shards": pauses, "encode_mb_s": enc_rates, "decode_mb_s": dec_rates,
+            "codec_exact": codec_exact, "full_bytes": full_bytes, "_last_state": prev}
+
+
+def _changed(manifest: WeightManifest) -> tuple[int, int]:
+    """(changed shards, tensors in them) of a version: what the executor is handed to swap in."""
+    changed = {s.shard_id for s in manifest.shards if s.encoding != "unchanged"}
+    return len(changed), sum(1 for t in manifest.tensors if t.shard_id in changed)
+
+
+async def _sparse_versions(client: WeightsClient, state: dict[str, torch.Tensor], first: int, wait_applied) -> list[dict[str, Any]]:
+    """One version that changes a single tensor, then one that changes all: the pause beside what changed."""
+    rows = []
+    names = sorted(state)
+    for offset, (kind, picked) in enumerate((("one_tensor", names[-1:]), ("all_tensors", names))):
+        state = {n: (t.view(torch.int16) ^ 1).view(torch.bfloat16) if n in picked else t for n, t in state.items()}
+        version = first + offset
+        await client.publish(state, version)
+        manifest: WeightManifest = await client.published(version)
+        event = await wait_applied(version)
+        shards, tensors = _changed(manifest)
+        rows.append({"version": version, "kind": kind, "changed_shards": shards, "shards": len(manifest.shards), "changed_tensors": tensors,
+                     "pause_ms": event.pause_ms, "sha256": state_digest(state)})
+    return rows
 
 
 def _targets(out: dict[str, Any], deltas: list[dict[str, Any]]) -> dict[str, bool]:
@@ -466,4 +506,6 @@ def _table(console: Console, out: dict[str, Any], path: Path) -> None:
             f"{ratio:.3f}", f"{r['publish_s'] * 1e3:.0f}", f"{r['fetch_apply_s'] * 1e3:.0f}", f"{r['pause_ms']:.1f}",
         )
     console.print(versions)
+    pauses = ", ".join(f"v{r['version']} {r['changed_shards']}/{r['shards']} shards {r['pause_ms']:.1f} ms" for r in out["pause_by_changed_shards"])
+    console.print(f"swap pause by changed shards: {pauses}")
     console.print(f"wrote {path} and {path.with_suffix('.png')}")

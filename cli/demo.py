@@ -42,7 +42,7 @@ from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract
 
-from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
+from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, assign_credentials, cpu_list, drive_serving, executor_instances, fleet_processes, p99, serving_trace, tree_cpus
 
 DEFAULT_DURATION_S = 140.0  # the GRPO window, after the warm start; with start-up, warm start and drain about 5 minutes
 DEFAULT_OUT = "report"
@@ -69,6 +69,13 @@ TRAINER = {
     # static policy: SLO attainment 0.82 with prefetch 1 vs 0.98 without). On separate hardware use 1.
     "ROSE_GRPO__PREFETCH_STEPS": "0",
     "ROSE_THREADS": "1",
+}
+# `rose bench e2e`'s job: the demo's, made rollout-dominated as agentic RL is (rollout >= 70 % of a static
+# step; the bench's JSON reports `rollout_share_of_step`): one epoch per batch, longer multi-turn episodes.
+ROLLOUT_DOMINATED_JOB = {
+    "ROSE_GRPO__EPOCHS": "1",  # the demo's 2 epochs double the training time of a step
+    "ROSE_TASKS__MAX_TURNS": "4",  # an episode that has not answered yet gets another turn (the demo: 3)
+    "ROSE_TASKS__MAX_TOKENS": "32",  # per turn (the demo: 16): longer turns, a longer tail
 }
 START_TIMEOUT_S = 240.0
 WARM_START_TIMEOUT_S = 600.0
@@ -195,7 +202,7 @@ def trainer_settings(seed: int, warm_start_steps: int | None = None) -> dict[str
 async def run_job(
     out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console, *, label: str = "ROSE demo",
     env: dict[str, dict[str, str]] | None = None, drained: set[str] | None = None, on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
-    obs: Observed | None = None, warm_start_steps: int | None = None,
+    obs: Observed | None = None, warm_start_steps: int | None = None, job: dict[str, str] | None = None, devices: dict[str, frozenset[int]] | None = None,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -204,6 +211,8 @@ async def run_job(
     the set of serving executors the load balancer sends no traffic to (the caller may change it
     during the run), `on_bus` adds subscriptions beside the observer's, `obs` receives what is observed.
     `warm_start_steps` replaces the trainer's SFT steps (TRAINER's ROSE_SFT__STEPS) when given.
+    `job` overrides TRAINER settings (`rose bench e2e` runs ROLLOUT_DOMINATED_JOB); `devices` pins
+    executors to CPU sets (fleet.device_plan). Both are written in the summary's `job`.
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
@@ -223,7 +232,8 @@ async def run_job(
     if on_bus is not None:
         await on_bus(bus, obs)
     logs = state / "logs"
-    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, trainer_settings(seed, warm_start_steps), **{f"{part}_env": e for part, e in (env or {}).items()})
+    trainer = {**trainer_settings(seed, warm_start_steps), **(job or {})}
+    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, trainer, devices=devices, **{f"{part}_env": e for part, e in (env or {}).items()})
     executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
     serving = [n for n, role in executors.items() if role == "serving"]
     try:
@@ -243,6 +253,8 @@ async def run_job(
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
                 if not procs["trainer"].alive():
                     raise RuntimeError(f"the trainer exited:\n{procs['trainer'].log_tail()}")
+            # the CPU sets the executors' process trees really had (fleet.tree_cpus: the rollout forward child included)
+            devices_seen = {n: cpu_list(tree_cpus(procs[n].pid)) for n in executors if procs[n].alive()}
             await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
             window_end = time.time()
             await driver
@@ -251,12 +263,24 @@ async def run_job(
                 await asyncio.sleep(0.5)
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
         await asyncio.sleep(1.0)  # the last events in flight
-        params = dict(seed=seed, duration_s=duration, warm_start_s=warm_start_s, serving_executors=serving_n, dedicated_executors=dedicated_n)
+        params = dict(seed=seed, duration_s=duration, warm_start_s=warm_start_s, serving_executors=serving_n, dedicated_executors=dedicated_n,
+                      job=job_description(trainer, job, devices_seen, pinned=bool(devices)))
         return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
         await asyncio.to_thread(stop_all, list(procs.values()))
         await bus.close()
         server.stop()
+
+
+def job_description(trainer: dict[str, str], overrides: dict[str, str] | None, devices: dict[str, str], *, pinned: bool) -> dict:
+    """What the summary says of the job: the trainer's settings, which of them differ from the demo's
+    (TRAINER), what `rose bench e2e` changes (its job is rollout-dominated), and each executor's CPU set
+    as observed at the end of the window (its process tree's affinity; pinned: one core per executor)."""
+    return {
+        "trainer": trainer, "differs_from_demo": dict(overrides or {}), "bench_e2e_differs_from_demo": ROLLOUT_DOMINATED_JOB,
+        "bench_e2e_fleet": "executors pinned one core each (--pin auto); serving executors: the demo's 2, at most the cores left after the dedicated ones",
+        "pinned": pinned, "devices": devices,
+    }
 
 
 def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, serving: int, dedicated: int, trainer: dict[str, str], **fleet_env: dict[str, str]) -> dict[str, ServiceProcess]:

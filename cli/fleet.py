@@ -11,6 +11,7 @@ the client that measures TTFT/TPOT as a user would.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,67 @@ def executor_instances(spec: FleetSpec, serving: int, dedicated: int) -> list[st
     return [f"{p}-serving-{i}" for i in range(serving)] + [f"{p}-dedicated-{i}" for i in range(dedicated)]
 
 
+def usable_cpus() -> list[int]:
+    """The cores this process may use (its affinity mask: a container's cpuset, taskset), in order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def device_plan(spec: FleetSpec, serving: int, dedicated: int, cpus: list[int] | None = None) -> dict[str, frozenset[int]]:
+    """One core per executor, as if each were its own device: dedicated executors on the first cores,
+    serving executors on the next ones (`fleet_processes(devices=...)`); the rest of the fleet floats.
+
+    Why: unpinned, every executor shares every core, so rollout "lent" by a serving executor partly takes
+    the dedicated executor's CPU: there is no truly idle capacity to harvest. Pinned, lending uses only
+    the cycles of the serving executor's own core, as on separate GPUs. An error if there are fewer cores
+    than executors (run unpinned, or with fewer executors).
+    """
+    cpus = usable_cpus() if cpus is None else cpus
+    names = executor_instances(spec, serving, dedicated)
+    ordered = names[serving:] + names[:serving]  # dedicated first: they are the static pool
+    if len(cpus) < len(ordered):
+        raise ValueError(f"pinning {len(ordered)} executors (one core each) needs {len(ordered)} cores, this process may use {len(cpus)} ({cpus}): "
+                         f"run fewer executors (--serving/--dedicated) or unpinned (--pin none)")
+    return {name: frozenset({cpu}) for name, cpu in zip(ordered, cpus)}
+
+
+def cpu_list(cpus) -> str:
+    """A CPU set as /proc/<pid>/status writes Cpus_allowed_list (0-3,6)."""
+    cpus = sorted(cpus)
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def process_tree(pid: int) -> list[int]:
+    """The process and its descendants (Linux /proc), e.g. an executor and its rollout forward child."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+def tree_cpus(pid: int) -> frozenset[int]:
+    """Every core the process or any of its descendants may run on: what a pinned executor really uses."""
+    cpus: set[int] = set()
+    for p in process_tree(pid):
+        try:
+            cpus |= os.sched_getaffinity(p)
+        except OSError:
+            continue
+    return frozenset(cpus)
+
+
 def assign_credentials(procs: dict[str, ServiceProcess], creds: Credentials) -> None:
     """Each process its own NATS credentials: an executor its instance's seed, any other process its service's.
 
@@ -87,12 +149,14 @@ def assign_credentials(procs: dict[str, ServiceProcess], creds: Credentials) -> 
 
 def fleet_processes(
     root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None,
-    serving_env: dict[str, str] | None = None, scheduler_env: dict[str, str] | None = None,
+    serving_env: dict[str, str] | None = None, scheduler_env: dict[str, str] | None = None, devices: dict[str, frozenset[int]] | None = None,
 ) -> dict[str, ServiceProcess]:
     """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started).
 
     `serving_env`, `scheduler_env` and `worker_env` add or override settings of the serving executors,
-    the scheduler and the worker (a fleet policy of `rose bench e2e`)."""
+    the scheduler and the worker (a fleet policy of `rose bench e2e`). `devices` pins executors to CPU
+    sets (`device_plan`); a pinned dedicated executor has its own core, so it keeps the normal priority."""
+    devices = devices or {}
     p = spec.prefix
     names = executor_instances(spec, serving, dedicated)
     env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
@@ -100,9 +164,13 @@ def fleet_processes(
         **env, "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
         "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib), "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
     }
-    procs = {name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log") for i, name in enumerate(names[:serving])}
+    procs = {
+        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log", cpus=devices.get(name))
+        for i, name in enumerate(names[:serving])
+    }
     procs.update({
-        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=DEDICATED_NICE)
+        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=0 if name in devices else DEDICATED_NICE,
+                             cpus=devices.get(name))
         for i, name in enumerate(names[serving:])
     })
     procs["monitor"] = ServiceProcess("slo_monitor", f"{p}-monitor", {

@@ -36,6 +36,9 @@ class GenerateRequest(Message):
     lease_id: str = ""
     lease_epoch: NonNegInt = 0
     min_policy_version: NonNegInt = 0
+    # Not a turn but an abort: stop the in-flight turn with this request id (of the same trajectory and turn;
+    # a hedge's slower copy) so it frees its slot; nothing is generated, the reply says whether it was found.
+    abort_request_id: str = ""
 
 
 RejectReason = Literal[
@@ -61,7 +64,8 @@ class GenerateReply(Message):
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] = msgspec.field(default_factory=list)
     finish_reason: Literal["stop", "length", "abort"] | None = None
-    policy_version: NonNegInt = 0
+    policy_version: NonNegInt = 0  # the version of the last token
+    token_versions: list[NonNegInt] = msgspec.field(default_factory=list)  # per token, when a swap fell inside the turn
     prefix_cached_tokens: NonNegInt = 0
     timings: GenerateTimings = msgspec.field(default_factory=GenerateTimings)
 

@@ -23,6 +23,10 @@ class RolloutTask(Message):
     # How turns are placed: "affinity" (prefer the executor holding the prefix cache) or
     # "random" (the baseline `rose bench elastic` measures affinity against).
     routing: Literal["affinity", "random"] = "affinity"
+    # the RL batch (a step's tasks) this task belongs to and its number of tasks; the worker passes them on
+    # in each `TurnRouteRequest` (the scheduler's tail rule); "" / 0: unknown
+    batch_id: str = ""
+    batch_size: NonNegInt = 0
 
 
 class TurnRouteRequest(Message):
@@ -40,6 +44,10 @@ class TurnRouteRequest(Message):
     hedge: bool = False  # a duplicate of a straggling turn: first result wins
     elapsed_s: NonNegFloat = 0.0  # how long the turn being hedged has run
     typical_turn_s: NonNegFloat = 0.0  # the worker's median turn time, for the straggler test
+    # the RL batch the task was handed out in (e.g. the policy version it was handed out at) and that batch's
+    # trajectories: the scheduler's tail rule (services/scheduler/placement.py); "" / 0: unknown, no tail rule
+    batch_id: str = ""
+    batch_size: NonNegInt = 0
 
 
 class TurnRoute(Message):
@@ -57,6 +65,15 @@ class TurnRoute(Message):
     role: Literal["serving", "dedicated", ""] = ""
     reason: str = ""
     retry_after_s: NonNegFloat = 0.0
+    # Straggler hedging decided at placement: the turn is predicted to finish late where it is placed, so the
+    # worker also runs it at once on this executor (a dedicated one) under this lease; first result wins, the
+    # other is aborted. Empty: no hedge (the worker may still ask for one later, `TurnRouteRequest.hedge`).
+    hedge_executor: str = ""
+    hedge_lease_id: str = ""
+    hedge_lease_epoch: NonNegInt = 0
+    # a turn placed on leased capacity: still running after this many seconds (its predicted time there), it is
+    # late: ask for a hedge (TurnRouteRequest hedge=True), granted on a dedicated executor with a free slot (0: no hint)
+    hedge_after_s: NonNegFloat = 0.0
 
 
 class PlacementEvent(Message):
@@ -87,8 +104,11 @@ class TurnRecord(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    policy_version: NonNegInt
+    policy_version: NonNegInt  # the oldest version among its tokens
     executor_id: str
+    # the version that produced each token (a turn continued elsewhere, or across a weight swap, mixes versions);
+    # empty in records written before this field: then every token is `policy_version`
+    token_policy_versions: list[NonNegInt] = msgspec.field(default_factory=list)
     finish_reason: str = ""
     prefix_cached_tokens: NonNegInt = 0
     attempts: NonNegInt = 1  # executors tried (refusals, failures, interrupted turns resumed by recompute)

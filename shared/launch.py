@@ -31,6 +31,7 @@ class ServiceProcess:
     env: dict[str, str]
     log_path: Path
     nice: int = 0  # OS priority offset; benches use it to keep stand-in "other hardware" off the serving CPUs
+    cpus: frozenset[int] | None = None  # CPU set it (and its children) may run on: one core stands in for one device; None floats
     process: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
@@ -44,11 +45,17 @@ class ServiceProcess:
         return self
 
     def _in_child(self) -> None:
-        """Runs in the child before exec: its OS priority, and death with its parent (Linux).
+        """Runs in the child before exec: its CPU set, its OS priority, and death with its parent (Linux).
+
+        The CPU set is applied before exec so that the interpreter, torch's thread pools (sized
+        from the affinity mask) and every process it spawns (the executor's rollout forward
+        child) see only those cores.
 
         Why: a bench or test killed mid-run (a timeout, Ctrl-C twice) must not leave a fleet of
         orphaned services eating the machine; the kernel sends SIGTERM when the parent exits.
         """
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
         if self.nice:
             os.nice(self.nice)
         if sys.platform.startswith("linux"):

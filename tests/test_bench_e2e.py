@@ -4,14 +4,19 @@ The pure figures are checked on made-up events; the short end-to-end run checks 
 the issue (and the simulator's calibration) reads, and that each policy's knobs really change what
 the fleet does: no rollout on serving executors under static, standing leases never revoked under
 naive_share, at most one serving executor lent at a time under elastic_baseline (min_serving = 1).
-No figure is asserted (speed belongs to the full-length bench on a quiet machine).
+No figure is asserted (speed belongs to the full-length bench on a quiet machine). Pinning is checked
+from outside: while the bench runs, the test reads Cpus_allowed_list in /proc of the bench's executor
+processes and of their children (the rollout forward process): one core each, a different one per executor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +26,9 @@ from rose.cli.bench_e2e import batch_rollout_spans, lent_fraction, max_lent_at_o
 DURATION_S = 30  # GRPO seconds after the warm start (not part of the window): rates need two steps
 WARM_START_STEPS = 80  # the demo's is 200: the warm start is outside the measured window either way
 RUN_TIMEOUT_S = 540  # two policies: start-up, 45 s of job, drain and report each
-POLICY_FIELDS = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_per_s", "reward_first", "reward_last", "trajectories_lost")
+POLICY_FIELDS = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_per_s", "reward_first", "reward_last", "trajectories_lost",
+                 "rollout_share_of_step", "devices")
+PINNED = len(os.sched_getaffinity(0)) >= 2  # one core per executor needs two cores (one serving, one dedicated executor)
 
 
 def test_step_figures_leave_out_the_warm_start_and_subtract_training():
@@ -48,16 +55,80 @@ def test_lent_fraction_and_max_lent_at_once():
     assert lent_fraction([], ["a"], 0.0, 10.0) == 0.0 and max_lent_at_once([], ["a"], 10.0) == 0
 
 
-def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str]:
-    """Run the bench as a command; on a timeout it gets SIGTERM first, so it stops its fleet."""
+def test_device_plan_gives_each_executor_a_core_of_its_own_dedicated_first():
+    from rose.cli.demo import SPEC
+    from rose.cli.fleet import cpu_list, device_plan
+
+    plan = device_plan(SPEC, serving=2, dedicated=1, cpus=[3, 5, 6, 7])
+    assert plan == {"demo-dedicated-0": frozenset({3}), "demo-serving-0": frozenset({5}), "demo-serving-1": frozenset({6})}
+    with pytest.raises(ValueError, match="needs 3 cores.*--pin none"):
+        device_plan(SPEC, serving=2, dedicated=1, cpus=[0, 1])
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list({1}) == "1"
+
+
+def _status(pid: int, field: str) -> str | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in os.listdir(f"/proc/{pid}/task") for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _executor_instance(pid: int) -> str | None:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"executor" not in cmd or b"run" not in cmd:
+            return None
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        return env.get(b"ROSE_RUNTIME__INSTANCE", b"").decode() or None
+    except OSError:
+        return None
+
+
+def watch_executor_cpus(bench_pid: int, stop: threading.Event, seen: dict[str, set[str]]) -> None:
+    """Every second: the Cpus_allowed_list of each executor the bench started (its direct children) and
+    of every process below it (the rollout forward child), by instance name."""
+    while not stop.wait(1.0):
+        for pid in _children(bench_pid):
+            name = _executor_instance(pid)
+            if name is None:
+                continue
+            tree, todo = [], [pid]
+            while todo:
+                p = todo.pop()
+                tree.append(p)
+                todo += _children(p)
+            seen.setdefault(name, set()).update(c for c in (_status(p, "Cpus_allowed_list") for p in tree) if c is not None)
+            seen.setdefault(f"{name}#processes", set()).add(str(len(tree)))
+
+
+def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]]:
+    """Run the bench as a command; on a timeout it gets SIGTERM first, so it stops its fleet. Also returns the
+    CPU sets its executors' process trees were seen with (`watch_executor_cpus`)."""
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "-m", "rose.cli.main", "bench", "e2e", "--duration", str(DURATION_S), "--seed", "2", "--json", str(out), "--warm-start-steps", str(WARM_START_STEPS), "--policies", *policies]
+    cmd = [sys.executable, "-m", "rose.cli.main", "bench", "e2e", "--duration", str(DURATION_S), "--seed", "2", "--json", str(out), "--warm-start-steps", str(WARM_START_STEPS),
+           "--pin", "auto" if PINNED else "none", "--policies", *policies]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop, seen = threading.Event(), {}
+    watcher = threading.Thread(target=watch_executor_cpus, args=(proc.pid, stop, seen), daemon=True)
+    watcher.start()
     try:
         stdout, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.terminate()
         stdout, _ = proc.communicate(timeout=60)
+    finally:
+        stop.set()
+        watcher.join()
     assert out.exists(), stdout[-4000:]
     r = json.loads(out.read_text())
     assert list(r["policies"]) == list(policies)
@@ -74,7 +145,10 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str]:
         assert set(r["calibration"]["step_times"][model]["measured_steps"]) == {"decode_base_s", "decode_per_seq_s", "prefill_base_s", "prefill_per_token_s"}
     assert (tmp_path / "e2e.png").stat().st_size > 1000
     assert "rose bench e2e" in stdout
-    return r, stdout
+    # the job: the demo's, made rollout-dominated, and said so
+    assert r["job"]["rollout_dominated"] is True and r["job"]["differs_from_demo"]["ROSE_GRPO__EPOCHS"] == "1"
+    assert r["trainer"]["ROSE_GRPO__EPOCHS"] == "1" and "static_rollout_share_of_step" in r["job"]
+    return r, stdout, seen
 
 
 @pytest.mark.slow
@@ -83,8 +157,20 @@ def test_bench_e2e_static_and_rose(tmp_path):
     """Two of the four policies, to keep the suite short; the naive_share and elastic_baseline knobs are
     tested in the services (tests/scheduler/test_lending_modes.py, tests/executor/test_alert_policy.py,
     tests/rollout_worker/test_turn_preemption.py) and run in full by `rose bench e2e`."""
-    r, _ = _bench_e2e(tmp_path, "static", "rose")
+    r, _, seen = _bench_e2e(tmp_path, "static", "rose")
     static, rose = r["policies"]["static"], r["policies"]["rose"]
+    executors = sorted(n for n in seen if "#" not in n)
+    assert executors == sorted(r["devices"]) and any("-serving-" in n for n in executors) and any("-dedicated-" in n for n in executors), seen
+    assert max(int(n) for e in executors for n in seen[f"{e}#processes"]) >= 2  # the rollout forward child was seen too
+    if PINNED:  # each executor's whole process tree on one core of its own, as the JSON says
+        assert r["pin"] == "auto" and all(len(seen[e]) == 1 for e in executors), seen
+        cores = {e: next(iter(seen[e])) for e in executors}
+        assert len(set(cores.values())) == len(executors) and all(c.isdigit() for c in cores.values()), cores
+        assert cores == r["devices"] == static["devices"] == rose["devices"]
+    else:
+        assert r["pin"] == "none"
+    for p in (static, rose):
+        assert p["rollout_share_of_step"] is None or 0.0 < p["rollout_share_of_step"], p["rollout_share_of_step"]
     # static: the dedicated executor only; no serving executor is ever lent
     assert static["rollout_tokens_on_serving"] == 0 and static["leases_granted"] == 0 and static["max_lent_at_once"] == 0
     assert static["rollout_tokens_per_s"] > 0 and rose["rollout_tokens_per_s"] > 0

@@ -1,12 +1,17 @@
 """``rose bench sim``: the paper-style table from the fleet simulator, with calibration.
 
-Models {7B, 14B, 32B, 70B} x serving fleets {8, 16, 32, 64 GPUs} x policies {static,
-naive_share, elastic_baseline, rose}, each configuration simulated with the same seed, trace
-and RL job for every policy (engine.py). Ratios are against the same run: speedup =
-RL steps/hour over static's; rollout time ratio = elastic_baseline's rollout seconds per
-step over the policy's (> 1: faster than the elastic baseline). ``slo_violations`` counts
-serving instance-seconds whose p99 TTFT or TPOT passed the SLO (``..._serving_alone``: the
-same trace on the same fleet without rollout).
+Models {7B, 14B, 32B, 70B} x serving fleets {8, 16, 32, 64 GPUs} x rollout demand {1, 2, 4}
+(trajectories per step as a multiple of what the dedicated pool runs at once) x dedicated-pool
+ratio {0.25, 0.5} (dedicated rollout GPUs per serving GPU) x mode {sync, async} (async:
+``prefetch_steps`` 1 under ``max_staleness`` 2, as the reference trainer runs it) x policies
+{static, naive_share, elastic_baseline, rose}, each configuration simulated with the same seed,
+trace and RL job (the same batches) for every policy (engine.py). Ratios are against the same
+configuration: speedup = RL steps/hour over static's; rollout time ratio = elastic_baseline's
+rollout seconds per step over the policy's (> 1: faster than the elastic baseline).
+``slo_violations`` counts serving instance-seconds whose p99 TTFT or TPOT passed the SLO
+(``..._serving_alone``: the same trace on the same fleet without rollout). ``targets`` checks
+the issue's bars (rose >= static everywhere; demand >= 2: median >= 1.3x, best >= 2x; rollout
+time >= 1.2x better than elastic_baseline's in the median; no SLO-violating second for rose).
 
 A note is written (and printed) for every configuration where rose's simulated gain falls
 outside the paper's 1.3-3.3x, with the simulator's own evidence for why.
@@ -14,6 +19,7 @@ outside the paper's 1.3-3.3x, with the simulator's own evidence for why.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -27,8 +33,14 @@ from .rollouts import RolloutSpec
 
 MODELS = ("7B", "14B", "32B", "70B")
 FLEETS = (8, 16, 32, 64)
-QUICK_MODELS = ("7B", "70B")
-QUICK_FLEETS = (8, 16)
+DEMANDS = (1.0, 2.0, 4.0)
+RATIOS = (0.25, 0.5)
+MODES = ("sync", "async")
+QUICK_MODELS = ("7B",)
+QUICK_FLEETS = (8,)
+QUICK_DEMANDS = (1.0, 4.0)
+QUICK_RATIOS = (0.25,)
+ASYNC_PREFETCH = 1  # async mode: the reference trainer's grpo.prefetch_steps (its max_staleness stays 2)
 PAPER_RANGE = (1.3, 3.3)
 CALIBRATION_TOLERANCE = 0.15  # the issue's bar: predicted within ±15 % of the real run, per policy and figure
 PAPER_ROLLOUT_RANGE = (1.2, 1.5)
@@ -50,34 +62,52 @@ def _run(cfg: SimConfig) -> dict:
 
 def _cost(cfg: SimConfig) -> float:
     """Rough relative cost, to start the slow configurations first."""
-    return cfg.gpus * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.model, 1.0)
+    return cfg.gpus * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.model, 1.0) * (1.0 + cfg.rollout.oversubscription) * (1.5 if cfg.prefetch_steps else 1.0)
+
+
+def mode_of(cfg: SimConfig) -> str:
+    return "async" if cfg.prefetch_steps > 0 else "sync"
+
+
+def _axes(cfg: SimConfig, out: dict) -> dict:
+    """The grid's axes on a result (rows keep their fields and add these)."""
+    out.update(rollout_demand=cfg.rollout.oversubscription, dedicated_ratio=cfg.rollout_gpu_ratio, mode=mode_of(cfg))
+    return out
+
+
+def config_key(r: dict) -> tuple:
+    """One configuration of the grid: every policy of it is compared against its static and elastic runs."""
+    return (r["model"], r["gpus"], r.get("rollout_demand"), r.get("dedicated_ratio"), r.get("mode"))
 
 
 def run_grid(configs: list[SimConfig], jobs: int, progress=None) -> list[dict]:
+    """Every configuration, slow ones first; ``progress(result)`` after each."""
     order = sorted(range(len(configs)), key=lambda i: -_cost(configs[i]))
     results: list[dict | None] = [None] * len(configs)
     if jobs <= 1:
         for i in order:
-            results[i] = _run(configs[i])
+            results[i] = _axes(configs[i], _run(configs[i]))
             if progress:
-                progress()
+                progress(results[i])
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_run, configs[i]): i for i in order}
             for f in as_completed(futures):
-                results[futures[f]] = f.result()
+                i = futures[f]
+                results[i] = _axes(configs[i], f.result())
                 if progress:
-                    progress()
+                    progress(results[i])
     return [r for r in results if r is not None]
 
 
 def rows_of(results: list[dict]) -> list[dict]:
-    by = {(r["model"], r["gpus"], r["policy"]): r for r in results}
+    by = {(*config_key(r), r["policy"]): r for r in results}
     rows = []
     for r in results:
-        key = (r["model"], r["gpus"])
+        key = config_key(r)
         static, elastic = by.get((*key, "static")), by.get((*key, "elastic_baseline"))
-        row = {"model": r["model"], "gpus": r["gpus"], "policy": r["policy"]}
+        row = {"model": r["model"], "gpus": r["gpus"], "policy": r["policy"],
+               "rollout_demand": r.get("rollout_demand"), "dedicated_ratio": r.get("dedicated_ratio"), "mode": r.get("mode")}
         if "infeasible" in r:
             row.update(infeasible=r["infeasible"], rl_steps_per_hour=None, speedup_vs_static=None, rollout_time_ratio_vs_elastic=None, slo_violations=None)
             rows.append(row)
@@ -99,7 +129,8 @@ def rows_of(results: list[dict]) -> list[dict]:
                 "serving_instances", "serving_tp", "dedicated_instances", "rollout_tp", "trainer_gpus", "trajectories_per_step", "bundle",
                 "cohost_free_gb", "lent_instance_fraction", "rollout_tokens_on_serving_fraction", "tail_fraction", "leases", "alerts",
                 "interrupted_turns", "aborted_turns", "hedges", "hedge_wins", "prefix_hit_rate", "elastic_lends", "elastic_reclaims",
-                "unlendable_reasons", "sync_serving_s", "serving_capacity_rps_per_instance", "simulated_s",
+                "unlendable_reasons", "sync_serving_s", "serving_capacity_rps_per_instance", "simulated_s", "staleness_mean",
+                "trainer_wait_s_per_step", "placements",
             ) if k in r},
         )
         rows.append(row)
@@ -113,7 +144,7 @@ def notes_of(rows: list[dict]) -> list[str]:
     for row in rows:
         if row["policy"] != "rose":
             continue
-        where = f"{row['model']} on {row['gpus']} GPUs"
+        where = f"{row['model']} on {row['gpus']} GPUs ({_axes_label(row)})"
         if row.get("infeasible"):
             notes.append(f"{where}: not simulated: {row['infeasible']}")
             continue
@@ -140,45 +171,115 @@ def notes_of(rows: list[dict]) -> list[str]:
     return notes
 
 
+def _axes_label(row: dict) -> str:
+    if row.get("rollout_demand") is None:
+        return ""
+    return f"demand {row['rollout_demand']:g}x, dedicated {row['dedicated_ratio']:g}, {row['mode']}"
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
+def targets_of(rows: list[dict]) -> dict:
+    """The issue's bars over rose's rows, per mode and overall, with the figures they are judged on."""
+    out: dict = {}
+    rose = [r for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static") is not None]
+    for mode in ("sync", "async", "all"):
+        rs = [r for r in rose if mode == "all" or r.get("mode") == mode]
+        if not rs:
+            continue
+        demanding = [r["speedup_vs_static"] for r in rs if (r.get("rollout_demand") or 0) >= 2]
+        rollout = [r["rollout_time_ratio_vs_elastic"] for r in rs if r.get("rollout_time_ratio_vs_elastic") is not None]
+        worst = min(rs, key=lambda r: r["speedup_vs_static"])
+        fig = dict(
+            configurations=len(rs), min_speedup=worst["speedup_vs_static"], min_at=f"{worst['model']}/{worst['gpus']} {_axes_label(worst)}",
+            median_speedup_demand_ge_2=_median(demanding), best_speedup_demand_ge_2=max(demanding) if demanding else None,
+            median_rollout_time_ratio_vs_elastic=_median(rollout), rose_slo_violation_instance_s=sum(r["slo_violations"] or 0.0 for r in rs),
+        )
+        fig["meets"] = dict(
+            never_below_static=fig["min_speedup"] >= 1.0 - 1e-9,
+            median_demand_ge_2_at_least_1_3=fig["median_speedup_demand_ge_2"] is not None and fig["median_speedup_demand_ge_2"] >= 1.3,
+            best_demand_ge_2_at_least_2=fig["best_speedup_demand_ge_2"] is not None and fig["best_speedup_demand_ge_2"] >= 2.0,
+            rollout_vs_elastic_at_least_1_2=fig["median_rollout_time_ratio_vs_elastic"] is not None and fig["median_rollout_time_ratio_vs_elastic"] >= 1.2,
+            zero_slo_violations=fig["rose_slo_violation_instance_s"] == 0,
+        )
+        out[mode] = fig
+    return out
+
+
 def _plot(path: Path, rows: list[dict]) -> None:
+    """One point per configuration and policy: speedup over static and rollout time against elastic by
+    rollout demand (x), dedicated ratio (colour) and mode (marker); SLO-violating seconds per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["model"], r["gpus"]) for r in rows}, key=lambda g: (MODELS.index(g[0]) if g[0] in MODELS else 9, g[1]))
-    by = {(r["model"], r["gpus"], r["policy"]): r for r in rows}
-    fig, axes = plt.subplots(3, 1, figsize=(max(8, 0.7 * len(groups) + 3), 10), sharex=True)
-    width = 0.8 / len(POLICIES)
-    for k, pol in enumerate(POLICIES):
-        xs = [i + (k - 1.5) * width for i in range(len(groups))]
-        sp = [by.get((*g, pol), {}).get("speedup_vs_static") or 0.0 for g in groups]
-        rt = [by.get((*g, pol), {}).get("rollout_time_ratio_vs_elastic") or 0.0 for g in groups]
-        vi = [max(0.5, by.get((*g, pol), {}).get("slo_violations") or 0.0) for g in groups]
-        axes[0].bar(xs, sp, width, label=pol)
-        axes[1].bar(xs, rt, width, label=pol)
-        axes[2].bar(xs, vi, width, label=pol)
+    ok = [r for r in rows if not r.get("infeasible")]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    markers = {"sync": "o", "async": "s", None: "o"}
+    ratios = sorted({r.get("dedicated_ratio") for r in ok if r.get("dedicated_ratio") is not None}) or [None]
+    colours = {q: f"C{i}" for i, q in enumerate(ratios)}
+    offset = {p: (k - 1.5) * 0.08 for k, p in enumerate(POLICIES)}
+    for r in ok:
+        if r["policy"] not in ("rose", "elastic_baseline"):
+            continue
+        x = (r.get("rollout_demand") or 2.0) * (1.0 + offset[r["policy"]] if r["policy"] in offset else 1.0)
+        style = dict(marker=markers.get(r.get("mode"), "o"), color=colours.get(r.get("dedicated_ratio"), "C0"),
+                     alpha=1.0 if r["policy"] == "rose" else 0.25, s=25 if r["policy"] == "rose" else 12)
+        if r.get("speedup_vs_static") is not None:
+            axes[0].scatter(x, r["speedup_vs_static"], **style)
+        if r["policy"] == "rose" and r.get("rollout_time_ratio_vs_elastic") is not None:
+            axes[1].scatter(x, r["rollout_time_ratio_vs_elastic"], **style)
+    for q in ratios:
+        for mode in ("sync", "async"):
+            axes[0].scatter([], [], marker=markers[mode], color=colours[q], label=f"rose, dedicated {q}, {mode}")
     axes[0].axhspan(*PAPER_RANGE, color="green", alpha=0.1, label="paper 1.3-3.3x")
     axes[0].axhline(1.0, color="black", lw=0.8)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("rollout demand (x what the dedicated pool runs at once); faint: elastic_baseline")
     axes[0].set_ylabel("RL steps/h vs static")
+    axes[0].legend(fontsize=7)
     axes[1].axhspan(*PAPER_ROLLOUT_RANGE, color="green", alpha=0.1, label="paper 1.2-1.5x")
     axes[1].axhline(1.0, color="black", lw=0.8)
-    axes[1].set_ylabel("rollout time: elastic / policy")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("rollout demand")
+    axes[1].set_ylabel("rose rollout time: elastic / rose")
+    axes[1].legend(fontsize=7)
+    totals = [sum(r.get("slo_violations") or 0.0 for r in ok if r["policy"] == p) for p in POLICIES]
+    axes[2].bar(list(POLICIES), [max(0.5, t) for t in totals], color=[f"C{i}" for i in range(len(POLICIES))])
     axes[2].set_yscale("log")
-    axes[2].set_ylabel("SLO-violating instance-s (0 shown as 0.5)")
-    axes[2].set_xticks(range(len(groups)), [f"{m}\n{g} GPUs" for m, g in groups])
-    axes[0].legend(ncol=5, fontsize=8)
-    axes[1].legend(fontsize=8)
+    axes[2].set_ylabel("SLO-violating instance-s over the grid (0 shown as 0.5)")
     fig.suptitle("rose bench sim (simulated fleet; roofline step times; the services' decision functions)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS, steps: int = 2, jobs: int | None = None, device: str = "H100",
-                  load: float = 0.35, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0, oversubscription: float = 2.0,
-                  quantum_ms: float = 10.0, what_if: tuple[str, ...] = (), e2e: str | None = None, coserve: str | None = None, calibrate: bool = False,
-                  measure_steps: bool = True, console=None) -> dict:
+def grid_configs(*, models, fleets, demands, ratios, modes, policies, steps: int, **common) -> list[SimConfig]:
+    """The grid's configurations; async runs one step more (its rate is measured between training steps)."""
+    out = []
+    for m in models:
+        for g in fleets:
+            for d in demands:
+                for q in ratios:
+                    for mode in modes:
+                        for p in policies:
+                            out.append(SimConfig(model=m, gpus=g, policy=p, rollout=replace(RolloutSpec(), oversubscription=d), rollout_gpu_ratio=q,
+                                                 prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0, steps=steps + (1 if mode == "async" else 0),
+                                                 **common))
+    return out
+
+
+def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS, demands=DEMANDS, ratios=RATIOS, modes=MODES, policies=POLICIES,
+                  steps: int = 2, jobs: int | None = None, device: str = "H100", load: float = 0.35, slo_ttft_ms: float = 1000.0,
+                  slo_tpot_ms: float = 100.0, quantum_ms: float = 10.0, what_if: tuple[str, ...] = (), e2e: str | None = None,
+                  coserve: str | None = None, calibrate: bool = False, measure_steps: bool = True, console=None) -> dict:
     from rich.progress import Progress
     from rich.table import Table
 
@@ -186,15 +287,38 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
 
     started = time.perf_counter()
     jobs = jobs if jobs is not None else min(2, os.cpu_count() or 1)
-    spec = replace(RolloutSpec(), oversubscription=oversubscription)
-    configs = [SimConfig(model=m, gpus=g, policy=p, device=device, steps=steps, seed=seed, load=load, slo_ttft_ms=slo_ttft_ms,
-                         slo_tpot_ms=slo_tpot_ms, rollout=spec, quantum_ms=quantum_ms)
-               for m in models for g in fleets for p in POLICIES]
+    configs = grid_configs(models=models, fleets=fleets, demands=demands, ratios=ratios, modes=modes, policies=policies, steps=steps,
+                           device=device, seed=seed, load=load, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, quantum_ms=quantum_ms)
     if what_if:  # rose again with the what-if inputs (engine.SimConfig.what_if), as extra rows
         configs += [replace(c, what_if=frozenset(what_if)) for c in configs if c.policy == "rose"]
+    per_config = collections.defaultdict(dict)
+    wanted = len(set(policies))
+
+    def progress_line(result: dict) -> None:
+        """As each configuration's policies are all in: one line with rose's figures against static and elastic."""
+        key = config_key(result)
+        per_config[key][result["policy"]] = result
+        done = per_config[key]
+        if console is None or len(done) < wanted:
+            return
+        rose, static, elastic = done.get("rose"), done.get("static"), done.get("elastic_baseline")
+        label = f"{key[0]:>4} {key[1]:>3} GPUs, demand {key[2]:g}x, dedicated {key[3]:g}, {key[4]:<5}"
+        if rose is None or "infeasible" in rose or static is None or "infeasible" in static:
+            console.print(f"{label}: infeasible" if rose is not None and "infeasible" in rose else f"{label}: done")
+            return
+        sp = rose["rl_steps_per_hour"] / static["rl_steps_per_hour"] if static["rl_steps_per_hour"] > 0 else float("nan")
+        el = f", rollout {elastic['rollout_s_per_step'] / rose['rollout_s_per_step']:.2f}x faster than elastic" if elastic and "infeasible" not in elastic else ""
+        console.print(f"{label}: rose {sp:.2f}x static{el}, {rose['rollout_tokens_on_serving_fraction']:.0%} of rollout tokens on leases, "
+                      f"{rose['slo_violations']:.0f} SLO-violating s")
+
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"simulating {len(configs)} configurations ({jobs} processes)", total=len(configs))
-        results = run_grid(configs, jobs, lambda: progress.advance(task))
+        task = progress.add_task(f"simulating {len(configs)} runs ({jobs} processes)", total=len(configs))
+
+        def advance(result: dict) -> None:
+            progress.advance(task)
+            progress_line(result)
+
+        results = run_grid(configs, jobs, advance)
     grid_s = time.perf_counter() - started
     if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
         e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
@@ -203,10 +327,12 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
     cal = run_calibration(e2e=e2e, coserve=coserve, measure=measure_steps and bool(coserve), seed=seed, console=console)
     rows = rows_of(results)
     notes = notes_of(rows)
+    targets = targets_of(rows)
     rose = [r["speedup_vs_static"] for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static")]
     summary = (f"rose vs static: {min(rose):.2f}-{max(rose):.2f}x over {len(rose)} configurations (paper: {PAPER_RANGE[0]}-{PAPER_RANGE[1]}x)" if rose else "no rose result")
     report = {
         "rows": rows,
+        "targets": targets,
         "calibration": cal["calibration"],
         "calibration_slo_attainment": cal.get("calibration_slo_attainment", {}),
         "calibration_within_15pct": within_tolerance(cal),
@@ -214,8 +340,9 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
         "notes": notes,
         "summary": summary,
         "settings": {"seed": seed, "steps": steps, "device": device, "load": load, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-                     "oversubscription": oversubscription, "quantum_ms": quantum_ms, "models": list(models), "fleets": list(fleets),
-                     "what_if": list(what_if), "rollout_gpu_ratio": configs[0].rollout_gpu_ratio, "trainer_gpu_ratio": configs[0].trainer_gpu_ratio, "jobs": jobs},
+                     "quantum_ms": quantum_ms, "models": list(models), "fleets": list(fleets), "rollout_demands": list(demands),
+                     "dedicated_ratios": list(ratios), "modes": list(modes), "async_prefetch_steps": ASYNC_PREFETCH,
+                     "what_if": list(what_if), "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None, "jobs": jobs},
         "grid_seconds": grid_s,
         "note": "simulated, not measured: step times from a roofline of public spec sheets (cli/sim/devices.py); decisions by the services' own functions",
     }
@@ -226,18 +353,25 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
 
     if console is not None:
         table = Table(title=f"rose bench sim ({device}, load {load:g} of SLO capacity, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms)")
-        for col in ("model", "GPUs", "policy", "RL steps/h", "vs static", "rollout vs elastic", "SLO-viol inst-s", "SLO attain", "lent", "notes"):
+        for col in ("model", "GPUs", "demand", "ded.", "mode", "policy", "RL steps/h", "vs static", "rollout vs elastic", "SLO-viol inst-s", "SLO attain", "lent", "notes"):
             table.add_column(col, justify="right")
         for r in rows:
+            axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
             if r.get("infeasible"):
-                table.add_row(r["model"], str(r["gpus"]), r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
+                table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
                 continue
             f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-            table.add_row(r["model"], str(r["gpus"]), r["policy"], f(r["rl_steps_per_hour"], ".2f"), f(r["speedup_vs_static"], ".2f") + "x",
+            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], f(r["rl_steps_per_hour"], ".2f"), f(r["speedup_vs_static"], ".2f") + "x",
                           f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x", f(r["slo_violations"], ".0f"), f(r["serving_slo_attainment"], ".4f"),
                           f"{r['detail']['lent_instance_fraction']:.0%}", "" if r["complete"] else "incomplete")
         console.print(table)
         console.print(summary)
+        for mode, t in targets.items():
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            console.print(f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
+                          f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])}, rollout vs elastic median "
+                          f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
+                          + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items()))
         for n in notes:
             console.print(f"- {n}")
         if cal["calibration"]:

@@ -25,9 +25,14 @@ Processes and time:
   batch starts; serving instances over the inter-cluster link (rose: delta; the others:
   full), rollout on them waits for it.
 
-Rollout workers follow services/rollout_worker/turns.py: an interrupted turn resumes elsewhere
-with its tokens (recompute), a refused one goes elsewhere, a straggler past max(2 s, 1.5 x the
-typical turn) asks the scheduler for a hedge (``should_hedge``) and the first result wins.
+Rollout workers follow services/rollout_worker/turns.py: every route request names the turn's
+RL batch and its size (the scheduler's tail rule); an interrupted turn resumes elsewhere with
+its tokens (recompute), a refused one goes elsewhere, a straggler past the route's
+``hedge_after_s`` (a turn on a lease) or max(2 s, 1.5 x the typical turn) asks the scheduler
+for a hedge (``should_hedge``) and the first result wins. The scheduler's ``Fleet`` reads a
+finished trajectory's turns (model error of its placement predictions) as the service does.
+Batches and prefix-cache draws have random streams of their own, so every policy rolls out
+the same batches.
 
 Not simulated: executor failures, the worker's per-attempt timeout (its 60 s default is sized
 for the tiny CPU models), partial rollout, dropping stale trajectories (the pipelined trainer
@@ -136,7 +141,11 @@ class SimConfig:
 class Simulation:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.rng = np.random.default_rng(cfg.seed)
+        self.rng = np.random.default_rng(cfg.seed)  # serving arrivals
+        # the RL job's batches and the prefix-cache draws have streams of their own: every policy then rolls out
+        # the same batches (a shared stream would shift with the ticks and draws a policy's rollout takes)
+        self.batch_rng = np.random.default_rng([cfg.seed, 1])
+        self.cache_rng = np.random.default_rng([cfg.seed, 2])
         self.route_rng = __import__("random").Random(cfg.seed)
         self.env = simpy.Environment()
         if cfg.policy not in ("static", "naive_share", "elastic_baseline", "rose"):
@@ -243,7 +252,7 @@ class Simulation:
         self.ring_fleet_rate = np.zeros(max(2, int(600 / c.dt)))
         self.tick_no = 0
         self.monitor_from = 0.0
-        self._cand_tick, self._cand, self._cand_pos = -1, [], {}
+        self._cand_tick, self._cand, self._cand_pos, self._revoke_rate = -1, [], {}, 0.0
         self.burst_state = [BurstState() for _ in range(n)]
         self.step_models: list[StepModel] = [StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)]
         used = self.total_s - max(0.0, self.cohost_free_bytes)
@@ -296,7 +305,7 @@ class Simulation:
 
     def apply_lease(self, kind: str, lease, reason: str) -> None:
         d = self.index[lease.executor_id]
-        self.fleet.on_lease(lease)
+        self.fleet.on_lease(lease, self.env.now)
         if kind in ("revoked", "expired"):
             self.revoke_device(d, reason, keep_tokens=self.policy.keep_tokens)
         elif self.cohosting:  # the executor clamps a lease to its rollout pool
@@ -597,19 +606,28 @@ class Simulation:
             ))
 
     # ------------------------------------------------------------------ rollout workers and trainer
-    def _route(self, tid: str, gid: str, k: int, prompt_tokens: int, prev: str, exclude: list[str]) -> int | None:
+    def _route(self, tid: str, gid: str, k: int, prompt_tokens: int, prev: str, exclude: list[str], batch: tuple[str, int] = ("", 0)):
         """The scheduler's route handler without its I/O: affinity from the request or the fleet,
-        then place_turn over the fleet's candidates; the fleet records the route."""
+        then place_turn over the fleet's candidates (with the batch's unfinished trajectories for the
+        tail rule); the fleet records the route. Returns (device, hedge hint s) or None."""
         now = self.env.now
         req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=prev, group_id=gid,
-                               group_size=self.cfg.rollout.group_size, exclude=exclude)
+                               group_size=self.cfg.rollout.group_size, exclude=exclude, batch_id=batch[0], batch_size=batch[1])
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
-        placement = self.policy.place_turn(req, self._candidates(now), affinity, self.placement_settings, self.route_rng)
+        cands = self._candidates(now)
+        placement = self.policy.place_turn(req, cands, affinity, self.placement_settings, self.route_rng, self._unfinished(req.batch_id, req.batch_size),
+                                           self.fleet.turn_tokens, self._revoke_rate, self.fleet.model_error)
         if placement is None:
             return None
-        self.fleet.on_route(tid, placement.executor_id, now)
+        self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
+        self.fleet.on_prediction(tid, k, placement.role, placement.model_s)
         self._placed(placement.executor_id)
-        return self.index[placement.executor_id]
+        return self.index[placement.executor_id], placement.hedge_after_s
+
+    def _unfinished(self, batch_id: str, batch_size: int = 0) -> int | None:
+        """The fleet's count is of simulated trajectories; each stands for ``bundle`` (as slots and load do)."""
+        n = self.fleet.unfinished(batch_id, batch_size)
+        return None if n is None else n * self.bundle
 
     def _candidates(self, now: float) -> list:
         """The scheduler's ``Fleet.candidates``, refreshed once per tick (it walks every in-flight
@@ -617,7 +635,11 @@ class Simulation:
         placement adds one to the chosen executor's load, as its in-flight count would."""
         if self._cand_tick != self.tick_no:
             self._cand_tick = self.tick_no
-            self._cand = self.fleet.candidates(now)
+            self._revoke_rate = self.fleet.revoke_rate(now)
+            # the fleet counts simulated trajectories in flight; each stands for ``bundle`` sequences (as headroom counts them)
+            self._cand = [dataclasses.replace(c, load=max(c.running + c.queued, len(self.fleet.info(c.executor_id).inflight) * self.bundle),
+                                              recent=c.recent * self.bundle if c.recent > 0 else c.recent)
+                          for c in self.fleet.candidates(now)]
             self._cand_pos = {c.executor_id: j for j, c in enumerate(self._cand)}
         return self._cand
 
@@ -625,7 +647,7 @@ class Simulation:
         j = self._cand_pos.get(executor_id)
         if j is not None:
             c = self._cand[j]
-            self._cand[j] = dataclasses.replace(c, load=c.load + 1)
+            self._cand[j] = dataclasses.replace(c, load=c.load + self.bundle, recent=max(0, c.recent) + self.bundle)
 
     def _trajectory(self, step: int, i: int, batch, slot: int | None = None, info: dict | None = None):
         """One trajectory of ``batch`` (its row ``i``) in turn-table ``slot`` (default ``i``); ``info``:
@@ -641,14 +663,16 @@ class Simulation:
         prev = ""
         turns = int(batch.turns[i])
         finish = env.now
+        done_turns: list[tuple[int, int, float]] = []
         for k in range(turns):
             new_tokens = ctx if k == 0 else int(batch.tool_tokens[i, k - 1])
             started = env.now
             if info is not None and info["first"] is None:
                 info["first"] = started
-            finish, d = yield from self._turn(slot, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev)
+            finish, d = yield from self._turn(slot, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev, (f"b{step}", batch.n))
             self.durations.append(finish - started)
             self.turn_durations.append(finish - started)
+            done_turns.append((k, int(batch.gen[i, k]), finish - started))
             ctx += int(batch.gen[i, k])
             prev = self.ids[d]
             if k + 1 < turns:
@@ -659,7 +683,9 @@ class Simulation:
             else:
                 self.finished_at[slot] = finish
         self._drop_cache(slot)
-        self.fleet.on_trajectory(tid, gid)
+        self.fleet.on_trajectory(tid, gid, [int(x) for x in batch.gen[i, :turns]])
+        for k, tokens, seconds in done_turns:  # the scheduler reads the turn records of a finished trajectory
+            self.fleet.on_turn_result(tid, k, tokens, seconds)
         if req is not None:
             self.worker.release(req)
         if info is not None:
@@ -697,7 +723,7 @@ class Simulation:
         """The rollout worker's typical turn time: the median of its last 64 turns (4 at least)."""
         return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
 
-    def _turn(self, i: int, tid: str, gid: str, k: int, ctx: int, new_tokens: int, gen: float, prev: str):
+    def _turn(self, i: int, tid: str, gid: str, k: int, ctx: int, new_tokens: int, gen: float, prev: str, bid: tuple[str, int] = ("", 0)):
         """One turn as the rollout worker runs it (services/rollout_worker/turns.py): route, generate;
         an interrupted attempt resumes elsewhere with its tokens; a bounced one goes elsewhere; a
         straggler gets a hedge when the scheduler's ``should_hedge`` agrees; the first result wins.
@@ -707,23 +733,26 @@ class Simulation:
         exclude: list[str] = []
         retry = self.placement_settings.no_route_retry_s
         while True:
-            d = self._route(tid, gid, k, ctx + done_tokens, prev, exclude)
-            if d is None:
+            routed = self._route(tid, gid, k, ctx + done_tokens, prev, exclude, bid)
+            if routed is None:
                 exclude = []
                 yield env.timeout(retry)
                 continue
+            d, hint = routed
             cached = 0.0
             if k > 0 and done_tokens == 0 and self.ids[d] == prev:
                 if self.cache_dev[i] == d:
                     free = max(0.0, self.kvcap[d] - self._kv_in_use(d))
                     p_hit = 1.0 if self.retained[d] <= free else free / max(self.retained[d], 1.0)
-                    if self.rng.random() < p_hit:
+                    if self.cache_rng.random() < p_hit:
                         cached = float(ctx - new_tokens)
                 self.acc["prefix_hits" if cached else "prefix_misses"] += 1
             self._drop_cache(i)
             pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
             typical = self.typical()
             hedge_at = env.now + max(HEDGE_MIN_S, HEDGE_FACTOR * typical) if typical > 0 else None
+            if hint > 0:  # the scheduler's hint for a turn on leased capacity: past its predicted time there, it is late
+                hedge_at = min(hedge_at if hedge_at is not None else math.inf, env.now + hint)
             attempt_start = env.now
             failed: list[str] = []
             while pending:
@@ -749,7 +778,7 @@ class Simulation:
                     failed.append(self.ids[dd])
                 if hedge_at is not None and env.now >= hedge_at and i in pending and len(pending) == 1:
                     hedge_at = None
-                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, self.ids[pending[i][1]], env.now - attempt_start, typical)
+                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, self.ids[pending[i][1]], env.now - attempt_start, typical, bid)
                     if h is not None:
                         self.acc["hedges"] += 1
                         slot = self.N + i
@@ -757,12 +786,14 @@ class Simulation:
             exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
             prev = ""
 
-    def _hedge_route(self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float) -> int | None:
+    def _hedge_route(self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float,
+                     bid: tuple[str, int] = ("", 0)) -> int | None:
         """The scheduler's hedge path: should_hedge, then place_turn with hedge=True (prefers dedicated)."""
         now = self.env.now
         req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=primary, group_id=gid,
-                               group_size=self.cfg.rollout.group_size, exclude=[primary], hedge=True, elapsed_s=elapsed, typical_turn_s=typical)
-        worth, _why = self.policy.should_hedge(req, self.fleet.group_done.get(gid, 0), self.placement_settings)
+                               group_size=self.cfg.rollout.group_size, exclude=[primary], hedge=True, elapsed_s=elapsed, typical_turn_s=typical,
+                               batch_id=bid[0], batch_size=bid[1])
+        worth, _why = self.policy.should_hedge(req, self.fleet.group_done.get(gid, 0), self.placement_settings, self._candidates(now), self._unfinished(bid[0], bid[1]))
         if not worth:
             return None
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
@@ -834,7 +865,7 @@ class Simulation:
             yield env.timeout(sync_ded)  # the batch starts once the dedicated pool has the version
             t_roll = env.now
             self.ready_at[: self.n_serv] = t0 + sync_srv
-            batch = sample_batch(c.rollout, trajectories, self.rng, bundle)
+            batch = sample_batch(c.rollout, trajectories, self.batch_rng, bundle)
             self.bundle = batch.bundle
             self._alloc_turns(batch.n)
             self.retained[:] = 0.0
@@ -919,8 +950,10 @@ class Simulation:
             yield env.timeout(train_s)
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})
+            # versions between the one a group's batch was handed out at (batch b: max(0, b - p)) and the one trained on
+            staleness = float(np.mean([step - max(0, b - p) for b, _, _ in taken])) if taken else 0.0
             self.steps.append(dict(step=step, start=t0, done=env.now, wait_s=waited, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
-                                   step_s=env.now - last_done, groups=len(taken), batches=batches, tokens=tokens,
+                                   step_s=env.now - last_done, groups=len(taken), batches=batches, tokens=tokens, staleness=staleness,
                                    trajectories=trajectories, bundle=bundle, rollout_s=float("nan"), generated=0))
             last_done = env.now
             yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
@@ -933,7 +966,7 @@ class Simulation:
         old = self.batch_info.get(b - slots)
         if old is not None and old["procs"]:  # its slot group is reused: the batch before must be out (it nearly always is)
             yield simpy.AllOf(env, old["procs"])
-        batch = sample_batch(self.cfg.rollout, trajectories, self.rng, bundle)
+        batch = sample_batch(self.cfg.rollout, trajectories, self.batch_rng, bundle)
         groups = math.ceil(batch.n / group_rows)
         left = [min(group_rows, batch.n - g * group_rows) for g in range(groups)]
         per_traj = [
@@ -995,6 +1028,7 @@ class Simulation:
             step_s=step_s, rollout_s_per_step=rollout_s, prefetch_steps=self.effective_prefetch,
             trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if self.pipelined and len(steps) > 1 else None,
             groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if self.pipelined and steps else None,
+            staleness_mean=float(np.mean([s["staleness"] for s in steps])) if self.pipelined and steps else 0.0,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
             trajectories_per_step=steps[0]["trajectories"] if steps else 0, bundle=steps[0]["bundle"] if steps else 0,

@@ -19,6 +19,15 @@ turn its Poisson noise into bursts) the fleet's serving instances (devices.py si
 
 An hour's lendable throughput is also given as the dedicated rollout GPUs that produce as
 many tokens/s (a dedicated instance with its whole KV).
+
+Expected speedup per rollout demand (``speedup_by_demand``): the fleet simulator (engine.py,
+the services' own decisions) runs the RL job on this fleet with a dedicated pool of
+``dedicated_ratio`` x the serving GPUs, under this trace (smoothed as above, scaled, starting at
+its busiest hour: the hour lending has least to give), for each demand level (trajectories per
+step as a multiple of what the dedicated pool runs at once), static against rose, synchronous
+RL. Lending does not pay where rose is under ``PAYS_FROM`` x static (the reason is the
+simulator's: the batch fits the dedicated pool, no lease was granted, or leased turns were
+interrupted by bursts), and in the hours where no minute is lendable.
 """
 
 from __future__ import annotations
@@ -38,9 +47,11 @@ from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, 
 from .engine import SERVING_POOL_MARGIN, MAX_ROLLOUT_BATCH
 from .policies import executor_signals, monitor_settings
 from .rollouts import RolloutSpec, mean_context
-from .traces import load_azure_csv, requests_to_trace
+from .traces import Trace, load_azure_csv, requests_to_trace
 
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity
+DEMANDS = (1.0, 2.0, 4.0)
+PAYS_FROM = 1.05  # rose at least this x static: lending pays (below: within the simulator's step-to-step noise)
 
 
 def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: float) -> WindowStats:
@@ -48,7 +59,7 @@ def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: f
 
 
 def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0, scale: str | float = "auto",
-         quantum_ms: float = 10.0) -> dict:
+         quantum_ms: float = 10.0, demands=DEMANDS, dedicated_ratio: float = 0.25) -> dict:
     n_gpus, device = parse_fleet(fleet)
     m = model_spec(model)
     req = load_azure_csv(trace_path)
@@ -144,13 +155,64 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
             "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
             "slo_risk_alone": float(risk_alone[sl].mean()), "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
         })
+    demand = []
+    if demands:
+        busiest = int(np.argmax(hourly_mean)) * 3600
+        rate = np.roll(smooth * factor, -busiest)
+        sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan")
+        demand = speedup_by_demand(sim_trace, fleet, model, slo_ttft_ms, slo_tpot_ms, demands, dedicated_ratio)
+    no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
     return {
+        "speedup_by_demand": demand, "dedicated_ratio": dedicated_ratio,
+        "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if not d["pays"]], "hours": no_lend_hours},
         "trace": str(trace_path), "trace_requests": int(len(req.times_s)), "scale": factor, "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
         "fleet": fleet, "model": m.name, "serving_instances": n, "serving_tp": tp_s, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
         "slo_capacity_rps_per_instance": cap, "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
         "smoothing_window_s": window, "dedicated_instance_tokens_per_s": ded_tps, "dedicated_tp": tp_r, "not_lendable_minutes": reasons, "hours": hours,
         "note": "a model, not a measurement: roofline step times (cli/sim/devices.py) and the monitor's own headroom rules",
     }
+
+
+def speedup_by_demand(trace: Trace, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, demands=DEMANDS,
+                      dedicated_ratio: float = 0.25, steps: int = 2, seed: int = 0) -> list[dict]:
+    """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s."""
+    from dataclasses import replace
+
+    from .devices import DEVICES
+    from .engine import Infeasible, SimConfig, simulate
+
+    n_gpus, device = parse_fleet(fleet)
+    kind = next(k for k, d in DEVICES.items() if d is device)
+    out = []
+    for demand in demands:
+        runs = {}
+        try:
+            for policy in ("static", "rose"):
+                cfg = SimConfig(model=model, device=kind, gpus=n_gpus, policy=policy, trace=trace, rollout=replace(RolloutSpec(), oversubscription=demand),
+                                rollout_gpu_ratio=dedicated_ratio, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, steps=steps, seed=seed)
+                runs[policy] = simulate(cfg)
+        except Infeasible as exc:
+            out.append({"rollout_demand": demand, "speedup": None, "pays": False, "why": str(exc)})
+            continue
+        st, ro = runs["static"], runs["rose"]
+        speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
+        pays = speedup is not None and speedup >= PAYS_FROM
+        if pays:
+            why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran on leases"
+        elif not ro["cohosting"]:
+            why = "a serving instance has no memory left for the policy beside the serving model and its pool"
+        elif ro["leases"]["granted"] == 0:
+            why = "no lease granted: the monitor never found headroom (" + (", ".join(ro["unlendable_reasons"]) or "-") + ")"
+        elif ro["rollout_tokens_on_serving_fraction"] < 0.05:
+            why = "the batch fits the dedicated pool: placement kept turns there (a leased turn would have been slower)"
+        else:
+            why = (f"leases made {ro['rollout_tokens_on_serving_fraction']:.0%} of the tokens, but the step is bound by its tail "
+                   f"({ro['tail_fraction']:.0%} after 90 % of trajectories) and {ro['interrupted_turns']} turns interrupted by bursts")
+        out.append({"rollout_demand": demand, "dedicated_ratio": dedicated_ratio, "trajectories_per_step": st["trajectories_per_step"],
+                    "static_rl_steps_per_hour": st["rl_steps_per_hour"], "rose_rl_steps_per_hour": ro["rl_steps_per_hour"], "speedup": speedup,
+                    "rose_slo_violations": ro["slo_violations"], "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
+                    "pays": pays, "why": why})
+    return out
 
 
 def _risk(x: float) -> str:
@@ -182,10 +244,11 @@ def _plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
-def run_plan(*, trace: str, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, scale: str, out_json: str | None, console) -> dict:
+def run_plan(*, trace: str, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, scale: str, out_json: str | None, console,
+             demands=DEMANDS, dedicated_ratio: float = 0.25) -> dict:
     from rich.table import Table
 
-    result = plan(trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale))
+    result = plan(trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale), demands=demands, dedicated_ratio=dedicated_ratio)
     table = Table(title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms (trace x{result['scale']:.3g})")
     for col in ("hour", "req/s", "load", "lendable", "rollout tok/s", "≈ dedicated GPUs", "p99 TTFT ms (peak)", "SLO risk alone", "SLO risk w/ rollout"):
         table.add_column(col, justify="right")
@@ -196,6 +259,20 @@ def run_plan(*, trace: str, fleet: str, model: str, slo_ttft_ms: float, slo_tpot
     console.print(table)
     console.print(f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
                   f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}")
+    if result["speedup_by_demand"]:
+        dt = Table(title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)")
+        for col in ("rollout demand", "trajectories/step", "static steps/h", "rose steps/h", "speedup", "lending pays", "why"):
+            dt.add_column(col, justify="right")
+        for d in result["speedup_by_demand"]:
+            if d["speedup"] is None:
+                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "no", d["why"])
+                continue
+            dt.add_row(f"{d['rollout_demand']:g}x", str(d["trajectories_per_step"]), f"{d['static_rl_steps_per_hour']:.2f}", f"{d['rose_rl_steps_per_hour']:.2f}",
+                       f"{d['speedup']:.2f}x", "yes" if d["pays"] else "no", d["why"])
+        console.print(dt)
+    nope = result["lending_does_not_pay"]
+    console.print(f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
+                  f"in hours {', '.join(f'{h:02d}' for h in nope['hours']) or '-'} (no minute lendable)")
     out = Path(out_json or "bench-out/plan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -276,6 +276,10 @@ class PagedModelRunner:
             return [], []
         return sample_batch(logits[[row for row, _ in samples]], [state for _, state in samples])
 
+    def prepare_weights(self, staged: StagedWeights) -> None:
+        """Before the swap, on the caller's thread while forwards go on: nothing to do here (the swap
+        re-points or copies); a runner that double-buffers its weights fills its standby copy."""
+
     def apply_weights(self, staged: StagedWeights) -> float:
         """Swap staged policy weights in (between forwards); returns the pause in ms. With captured
         CUDA graphs the new values are copied in place, so the graphs stay valid (``copy_into``)."""

@@ -2,10 +2,11 @@
 
 ``stage`` checks every name, shape and dtype against the live model before anything is
 copied, so a bad state dict raises ``WeightUpdateError`` and the old weights stay. The
-swap itself (``StagedWeights.apply``) is an in-place copy into the parameters, done by
-the rollout lane between quanta — never inside a batch — so every token is produced by
-exactly one version. Partial state dicts (a subset of names) are allowed: a delta sync
-may only change some tensors.
+swap itself is done by the rollout lane between quanta — never inside a batch — so every
+token is produced by exactly one version: ``StagedWeights.apply`` re-points the parameters
+(in process), ``copy_into`` copies in place (captured CUDA graphs), and the CPU's forward
+process flips between two shared-memory banks (rollout_process.py). Partial state dicts (a
+subset of names) are allowed: a delta sync may only change some tensors.
 """
 
 from __future__ import annotations

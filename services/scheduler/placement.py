@@ -1,19 +1,32 @@
 """Turn-wise placement as a pure function of explicit inputs, so a simulator can import it.
 
-Each turn of a trajectory is placed on its own:
+Each turn of a trajectory is placed on its own, so that lending never makes a step slower:
 1. candidates are dedicated rollout executors and serving executors holding an active lease
    with at least `min_lease_left_s` to run, alive, not excluded by the worker;
-2. with affinity routing, the executor that holds the trajectory's prefix cache (where its
-   previous turn ran) wins unless it is overloaded (load > slots x `overload_factor`);
-3. otherwise the least loaded by *weighted* load: (load + 1) / relative throughput, where
-   throughput is the rollout tokens/s measured on that executor (heterogeneous devices: a
-   device twice as fast takes twice the turns); random routing, the baseline, picks uniformly.
-Stragglers: a hedge (duplicate) is placed only when most of the group is done or the turn is
-far past the typical turn time, preferring dedicated executors; the first result wins.
+2. every candidate gets a predicted finish time for a typical turn (``predict``): the wait for
+   a batch slot (turns queued ahead / the turns it runs at once x one turn there) plus the turn
+   at the per-sequence rate measured there (its rollout tokens/s over the sequences running),
+   times the model's observed error for its role (observed / predicted turn times, kept by the
+   scheduler's Fleet from the trajectories' turn records); a leased turn adds the chance of a
+   revocation while it runs times the time to finish it on the dedicated pool instead;
+3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
+   slots (the request names its batch and size), the turn goes to a dedicated executor:
+   leased capacity cannot make the last turns of a step faster, only slower;
+4. a leased (serving) executor is chosen only when it is predicted to finish the turn sooner
+   than the dedicated choice, waiting included; the prefix-cache executor of the previous turn
+   (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
+   it still beats the dedicated pool; an overloaded one (load > its concurrency x
+   `overload_factor`) is not worth its cache;
+5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
+   predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
+   scheduler grants on a dedicated executor with a free slot: the first result wins.
+Without measurements (a fresh fleet), an executor counts as the median of those measured; random
+routing, the baseline, picks uniformly.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -31,6 +44,10 @@ class Candidate:
     throughput: float  # measured rollout tokens/s (0: not measured yet)
     load: int  # turns in flight there
     slots: int  # rollout batch slots the executor can run
+    running: int = 0  # rollout sequences running there (its last headroom)
+    queued: int = 0  # rollout sequences waiting there for a slot (its last headroom)
+    capacity: int = 0  # sequences it ran at once the last time others waited (its KV limit, measured; 0: never seen)
+    recent: int = -1  # turns routed there since its last headroom (-1: no headroom yet: `load` is all there is)
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,21 @@ class Placement:
     lease_epoch: int
     role: str
     reason: str
+    predicted_s: float = 0.0  # a typical turn's predicted seconds there, the model's error corrected (0: no prediction)
+    hedge_after_s: float = 0.0  # ask for a hedge if the turn still runs after this long (0: no hint)
+    model_s: float = 0.0  # the same before the correction: what the observed turn is compared with (``Fleet.on_turn_result``)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A typical turn on one executor, in seconds once a typical turn's tokens are known, else in turn units."""
+
+    wait: float  # until a slot frees
+    run: float  # the turn itself at the per-sequence rate there
+
+    @property
+    def finish(self) -> float:
+        return self.wait + self.run
 
 
 def weights(candidates: list[Candidate]) -> dict[str, float]:
@@ -49,17 +81,82 @@ def weights(candidates: list[Candidate]) -> dict[str, float]:
     return {c.executor_id: (c.throughput if c.throughput > 0 else default) / default for c in candidates}
 
 
+def concurrency(c: Candidate) -> int:
+    """Turns the executor runs at once: what runs while others queue (its KV is full), else what ran the
+    last time some queued, else its slots (the monitor counts compute only, not the KV that holds them)."""
+    if c.queued > 0 and c.running > 0:
+        return c.running
+    return max(1, min(c.slots, c.capacity) if c.capacity > 0 else c.slots)
+
+
+def sequence_rate(c: Candidate, weight: float) -> float:
+    """Relative tokens/s one more sequence gets there: the measured throughput shared by the turns it
+    will run beside (those running, or its slots' worth while it has none to measure by)."""
+    sharing = max(1, min(concurrency(c), occupancy(c) + 1) if c.running <= 0 else c.running)
+    return weight / sharing
+
+
+def predict(c: Candidate, weight: float, turn_tokens: float = 1.0) -> Prediction:
+    """A typical turn of `turn_tokens` there: the wait behind the turns queued ahead, then the turn.
+
+    Slots free at `concurrency` turns per turn time, so k turns ahead wait k / concurrency turns.
+    """
+    run = turn_tokens / max(1e-12, sequence_rate(c, weight))
+    ahead = max(0, occupancy(c) + 1 - concurrency(c))
+    return Prediction(ahead / concurrency(c) * run, run)
+
+
+def occupancy(c: Candidate) -> int:
+    """Sequences there now: what it last reported running and queued plus the turns routed there since.
+    (`load` also counts trajectories between turns, running a tool, which hold no slot.)"""
+    return c.load if c.recent < 0 else c.running + c.queued + c.recent
+
+
+def has_room(c: Candidate) -> bool:
+    return occupancy(c) < concurrency(c)
+
+
+def in_tail(unfinished: int | None, dedicated: list[Candidate]) -> bool:
+    """The batch's unfinished trajectories fit the dedicated pool's slots left free by other work: what the pool
+    runs at once less what it runs that is not this batch's (at most its occupancy beyond `unfinished`)."""
+    if unfinished is None or not dedicated:
+        return False
+    other = max(0, sum(occupancy(c) for c in dedicated) - unfinished)
+    return unfinished <= sum(concurrency(c) for c in dedicated) - other
+
+
 def _least_loaded(candidates: list[Candidate]) -> Candidate:
     w = weights(candidates)
     return min(candidates, key=lambda c: ((c.load + 1) / w[c.executor_id], c.executor_id))
 
 
-def _placed(c: Candidate, reason: str) -> Placement:
-    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason)
+def _placed(c: Candidate, reason: str, p: Prediction | None = None, turn_s: float = 0.0, raw: Prediction | None = None) -> Placement:
+    """``p`` (corrected) and ``raw`` (the model's) in seconds when ``turn_s`` > 0 (else in turn units: no figure to hand out)."""
+    predicted = p.finish if p is not None and turn_s > 0 else 0.0
+    hedge_after = predicted if c.role != "dedicated" else 0.0
+    model = raw.finish if raw is not None and turn_s > 0 else 0.0
+    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model)
 
 
-def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str, s: PlacementSettings, rng: random.Random) -> Placement | None:
-    """Where this turn runs, or None when no executor can take it."""
+def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
+    """A leased turn's expected finish (``p`` in seconds): its prediction, plus, with the chance that its
+    lease is revoked while it runs (``revoke_rate`` per lease-second), the time to finish it on the
+    dedicated choice instead (``fallback``)."""
+    if revoke_rate <= 0 or fallback == float("inf"):
+        return p.finish
+    return p.finish + (1.0 - math.exp(-revoke_rate * p.finish)) * fallback
+
+
+def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str, s: PlacementSettings, rng: random.Random,
+               unfinished: int | None = None, turn_tokens: float = 0.0, revoke_rate: float = 0.0,
+               model_error: dict[str, float] | None = None) -> Placement | None:
+    """Where this turn runs, or None when no executor can take it.
+
+    ``unfinished``: trajectories of the turn's batch not finished yet (None: unknown, no tail rule);
+    ``turn_tokens``: generated tokens of a typical turn (0: unknown: predictions in turn units, no hedge hint);
+    ``revoke_rate``: revocations per lease-second lately (a leased turn's risk of being interrupted);
+    ``model_error``: per role, observed turn time / predicted lately (the model's bias, 1 when unknown).
+    """
     pool = [c for c in candidates if c.executor_id not in req.exclude]
     if not pool:
         return None
@@ -70,17 +167,64 @@ def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str
         return _placed(_least_loaded(choice), "hedge on dedicated" if dedicated else "hedge") if choice else None
     if req.routing == "random":
         return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random")
-    if affinity:
-        home = next((c for c in pool if c.executor_id == affinity), None)
-        if home is not None and home.load <= max(1, home.slots) * s.overload_factor:
-            return _placed(home, "prefix affinity")
-        reason = "affinity executor overloaded" if home is not None else "affinity executor unavailable"
-        return _placed(_least_loaded(pool), f"{reason}; least weighted load")
-    return _placed(_least_loaded(pool), "least weighted load")
+    w = weights(pool)
+    measured = sorted(c.throughput for c in pool if c.throughput > 0)
+    turn_s = turn_tokens / measured[len(measured) // 2] if measured and turn_tokens > 0 else 0.0  # a typical turn at weight 1
+    unit = turn_s if turn_s > 0 else 1.0
+    raw = {c.executor_id: predict(c, w[c.executor_id], unit) for c in pool}  # seconds once a typical turn is known
+    err = model_error or {}
+    pred = {c.executor_id: Prediction(raw[c.executor_id].wait * err.get(c.role, 1.0), raw[c.executor_id].run * err.get(c.role, 1.0)) for c in pool}
+    dedicated = [c for c in pool if c.role == "dedicated"]
+    leased = [c for c in pool if c.role != "dedicated"]
+    home = next((c for c in pool if c.executor_id == affinity), None) if affinity else None
+    if home is not None and home.load > concurrency(home) * s.overload_factor:
+        home = None  # overloaded: its prefix cache is not worth the wait
+    # the dedicated choice: the prefix-cache executor when it is one, else the soonest predicted
+    ded = home if home is not None and home.role == "dedicated" else (
+        min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
+    if ded is not None and in_tail(unfinished, dedicated):
+        return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
+    ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
+    risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
+    put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
+    # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
+    lease = home if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_finish else (
+        min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
+    if lease is not None and lease is home:
+        return put(lease, "prefix affinity")
+    if lease is not None and risky[lease.executor_id] < ded_finish:
+        lead = "no dedicated executor" if ded is None else f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
+        return put(lease, f"leased: {lead}")
+    assert ded is not None  # pool is not empty: without a leased choice there is a dedicated one
+    if ded is home:
+        why = "prefix affinity"
+    elif affinity and home is None:
+        why = "affinity executor overloaded or unavailable; dedicated"
+    else:
+        why = "dedicated: sooner than any lease" if leased else "dedicated"
+    return put(ded, why)
 
 
-def should_hedge(req: TurnRouteRequest, group_done: int, s: PlacementSettings) -> tuple[bool, str]:
-    """Is this straggling turn worth a duplicate? (first result wins)"""
+def should_hedge(req: TurnRouteRequest, group_done: int, s: PlacementSettings, candidates: list[Candidate] | None = None,
+                 unfinished: int | None = None) -> tuple[bool, str]:
+    """Is this straggling turn worth a duplicate? (first result wins)
+
+    A turn running on leased capacity (its executor is the first of ``req.exclude`` or
+    ``req.previous_executor``) is hedged as soon as a dedicated executor has a free slot and the
+    turn is past its hint (the worker asks then) or its batch is in its tail: a dedicated slot
+    that would sit idle costs nothing and caps how late the turn can be. Otherwise, the group
+    and typical-time rules below.
+    """
+    if candidates is not None:
+        primary_id = req.exclude[0] if req.exclude else req.previous_executor
+        primary = next((c for c in candidates if c.executor_id == primary_id), None)
+        dedicated = [c for c in candidates if c.role == "dedicated" and c.executor_id not in req.exclude]
+        free = [c for c in dedicated if has_room(c)]
+        if primary is not None and primary.role != "dedicated" and free:
+            if in_tail(unfinished, dedicated):
+                return True, "leased turn in the batch's tail; a dedicated slot is free"
+            if req.elapsed_s > 0 and req.typical_turn_s > 0 and req.elapsed_s >= req.typical_turn_s:
+                return True, f"leased turn late ({req.elapsed_s:.1f} s); a dedicated slot is free"
     typical = req.typical_turn_s
     if typical <= 0:
         return False, "no typical turn time yet"

@@ -25,7 +25,13 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_timeout_s: PositiveSeconds = 300.0  # train on an incomplete group (>= 2 usable) after this
     micro_batch: PositiveInt = 16  # sequences per forward/backward
     epochs: PositiveInt = 1  # optimizer steps over each step's batch (later ones clipped against the behaviour policy)
-    prefetch_steps: NonNegInt = 1  # steps of tasks queued ahead of the one being trained (asynchronous RL)
+    prefetch_steps: NonNegInt = 1  # steps of tasks queued ahead of the one being trained (asynchronous RL, docs/async-rl.md)
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < self.prefetch_steps:
+            # a prefetched step's trajectories are about prefetch_steps versions old when trained: all would be dropped
+            raise ValueError(f"grpo.max_staleness ({self.max_staleness}) must be at least grpo.prefetch_steps ({self.prefetch_steps}): "
+                             "the batches handed out ahead are that many versions old when trained (docs/async-rl.md)")
 
 
 class SftSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

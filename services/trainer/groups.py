@@ -7,6 +7,13 @@ policy version any of its tokens came from; one more than `max_staleness` versio
 the trainer is stale: dropped from the group (`drop`, the default) or kept for the group's
 baseline but masked out of the loss (`mask`). Failed trajectories count toward completion
 and are never trained on. Every outcome is counted in `stats`.
+
+Asynchronous RL (docs/async-rl.md): a step takes the first complete groups, whichever step
+handed them out (`take`), so it never waits for an older step's slowest group; such a group is
+trained on later if its trajectories are still within the bound, or dropped whole once none is
+(`stale_groups`), never taking a step's slot. `trained_past_tail` counts groups trained while a
+group handed out before them was still rolling out; `max_trained_lag` is the most versions a
+trained trajectory lagged the trainer (never above `max_staleness`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class Group:
 
 
 def trajectory_version(t: Trajectory) -> int:
+    """The oldest version any of its tokens came from (each turn records its oldest token's): a
+    trajectory continued across version changes is as stale as its first tokens."""
     return min((turn.policy_version for turn in t.turns), default=0)
 
 
@@ -40,7 +49,8 @@ class GroupCollector:
         self.max_staleness, self.stale_policy, self.group_timeout_s = max_staleness, stale_policy, group_timeout_s
         self.groups: dict[str, Group] = {}
         self.stats = {"received": 0, "duplicates": 0, "failed": 0, "stale_dropped": 0, "stale_masked": 0, "unknown_group": 0, "zero_variance_groups": 0, "groups_used": 0,
-                      "late": 0, "already_used": 0}  # the last two: counted by the trainer (arrived once their group was in a step / trained on)
+                      "late": 0, "already_used": 0,  # counted by the trainer (arrived once their group was in a step / trained on)
+                      "stale_groups": 0, "trained_past_tail": 0, "max_trained_lag": 0}
 
     def expect(self, group_id: str, size: int) -> None:
         """Announce a group the trainer emitted; trajectories of unknown groups are counted and ignored."""
@@ -69,6 +79,35 @@ class GroupCollector:
                 out.append(self.groups.pop(g.group_id))
         return out
 
+    def _stale(self, t: Trajectory, current_version: int) -> bool:
+        return current_version - trajectory_version(t) > self.max_staleness
+
+    def expire(self, ready: list[Group], current_version: int) -> tuple[list[Group], list[Group]]:
+        """Ready groups -> (those that still train something, the expired).
+
+        Expired: every completed trajectory is beyond the staleness bound, so the group would
+        train nothing; it is dropped whole (counted) instead of taking a slot of a step.
+        """
+        usable, expired = [], []
+        for g in ready:
+            done = [t for t in g.members.values() if t.status == "completed"]
+            if done and all(self._stale(t, current_version) for t in done):
+                self.stats["stale_groups"] += 1
+                self.stats["stale_dropped"] += len(done)
+                expired.append(g)
+            else:
+                usable.append(g)
+        return usable, expired
+
+    def take(self, ready: list[Group], want: int) -> tuple[list[Group], list[Group]]:
+        """The oldest `want` of ready groups, whichever step handed them out, and the rest."""
+        ready = sorted(ready, key=lambda g: g.created)
+        taken, rest = ready[:want], ready[want:]
+        oldest_open = min((g.created for g in self.groups.values()), default=None)
+        if oldest_open is not None:  # handed out after a group still rolling out: this step did not wait for that tail
+            self.stats["trained_past_tail"] += sum(1 for g in taken if g.created > oldest_open)
+        return taken, rest
+
     def sequences(self, groups: list[Group], current_version: int) -> list[Sequence]:
         """Training sequences of ready groups, with advantages, after the staleness bound."""
         out: list[Sequence] = []
@@ -77,7 +116,7 @@ class GroupCollector:
             for t in g.members.values():
                 if t.status != "completed":
                     continue
-                stale = current_version - trajectory_version(t) > self.max_staleness
+                stale = self._stale(t, current_version)
                 if stale and self.stale_policy == "drop":
                     self.stats["stale_dropped"] += 1
                     continue
@@ -92,6 +131,7 @@ class GroupCollector:
             for (t, train), adv in zip(kept, advantages):
                 if not train:
                     continue
+                self.stats["max_trained_lag"] = max(self.stats["max_trained_lag"], current_version - trajectory_version(t))
                 for s in sequences_of(t):
                     s.advantage = adv
                     out.append(s)

@@ -42,6 +42,14 @@ the same run id, the next step, no new warm start, versions after the last one o
 stream; it hands out again (same task ids, which JetStream and the workers de-duplicate) the
 tasks that may not have gone out, and it drops redeliveries of groups it already trained on
 (acked, counted as `already_used`), so nothing is trained on or counted twice.
+
+Degenerate groups: a step whose every group has equal rewards (all 0: the policy never solves
+the task, or a broken reward) gives GRPO no advantage, so it is skipped, not trained on. A
+skipped step still counts toward `max_steps` (the job is that many rounds of rollouts, so the
+tasks it hands out are bounded by `(max_steps + prefetch_steps) x groups_per_step x
+group_size`), and `DEGENERATE_STEPS_LIMIT` skipped steps in a row end the job (any job, also
+`max_steps = 0`) with an error log that says why. `skipped_steps` and `skipped_in_a_row` are in
+the trainer's heartbeat load.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ SFT_EVAL_SEEDS = range(1_000_000, 1_000_032)  # held out from the training trace
 ACCEPTED_RE = re.compile(r"is not newer than (\d+)")  # the weight publisher's refusal of a version number already taken
 USED_GROUPS_KEPT = 4096  # recent groups trained on, remembered (and checkpointed) to recognise their redeliveries
 TRAJECTORY_MAX_DELIVER = 1000  # held trajectories may be redelivered across many restarts; never given up on
+DEGENERATE_STEPS_LIMIT = 8  # skipped steps in a row (every group's rewards equal) that end a job: see `_degenerate_job_ends`
 
 
 def task_seed(base: int, step: int, group: int) -> int:
@@ -203,6 +212,8 @@ class Trainer:
                 task = env.task(seed, task_id=f"{group_id}-{j}", group_id=group_id, group_size=g.group_size, max_turns=t.max_turns)
                 task.env_args["max_tokens"] = str(t.max_tokens)
                 task.routing, task.created_at = t.routing, time.time()
+                # the step's batch, for the scheduler's tail rule (placement.in_tail)
+                task.batch_id, task.batch_size = f"{self.run_id}-s{step}", g.groups_per_step * g.group_size
                 await self.bus.publish(ROLLOUT_TASK, task, msg_id=task.task_id)
         self.emitted_steps = max(self.emitted_steps, step + 1)
 
@@ -375,17 +386,20 @@ class Trainer:
             self._mark_published()
 
     async def next_groups(self, stop: asyncio.Event) -> list:
-        """The oldest `groups_per_step` complete groups. Exactly that many: a step that took every
-        ready group (a prefetched step's too) would leave the next step waiting for a batch just
-        handed out, and the prefetch would stop hiding rollout behind training."""
+        """The oldest `groups_per_step` complete groups, whichever step handed them out (with
+        `prefetch_steps` >= 1 a step never waits for an older step's slowest group; groups.py `take`).
+        Exactly that many: a step that took every ready group (a prefetched step's too) would leave
+        the next step waiting for a batch just handed out, and the prefetch would stop hiding rollout
+        behind training. Groups wholly beyond the staleness bound are dropped, counted, not waited for."""
         want = self.config.grpo.groups_per_step
         ready: list = []
         while len(ready) < want and not stop.is_set():
-            ready += self.collector.ready()
+            usable, expired = self.collector.expire(self.collector.ready(), self.version)
+            ready += usable
+            self._use([g.group_id for g in expired])  # never trained on: acked with the next checkpoint, redeliveries ignored
             if len(ready) < want:
                 await asyncio.sleep(GROUP_POLL_S)
-        ready.sort(key=lambda g: g.created)
-        taken, back = (ready[:want], ready[want:]) if not stop.is_set() else ([], ready)
+        taken, back = self.collector.take(ready, want) if not stop.is_set() else ([], ready)
         for g in back:  # not trained on now: open again (a final checkpoint lists them, their trajectories stay unacked)
             self.collector.groups[g.group_id] = g
         return taken
@@ -398,7 +412,8 @@ class Trainer:
         return {"loss": s.loss, "tokens": s.tokens, "clip_fraction": s.clip_fraction, "mean_ratio": s.mean_ratio, "approx_kl": s.approx_kl}
 
     async def step(self, stop: asyncio.Event) -> bool:
-        """Wait for a step's groups, train, checkpoint, publish; False if stopped first.
+        """Wait for a step's groups, train, checkpoint, publish; False if stopped first or the job ends
+        (`max_steps` rounds taken, skipped ones included, or too many skipped in a row: `_degenerate_job_ends`).
 
         The checkpoint comes before the publish and the report: a step reported was
         checkpointed (with every_steps = 1), so a restart never redoes a reported step.
@@ -411,6 +426,7 @@ class Trainer:
         seqs = self.collector.sequences(groups, self.version)
         every = self.config.checkpoint.every_steps
         if seqs:
+            self.stats["skipped_in_a_row"] = 0
             started = time.monotonic()
             self.last = await asyncio.to_thread(self._train, seqs)
             trained = time.monotonic()
@@ -428,13 +444,37 @@ class Trainer:
             await self._report(groups, len(rewards), len(seqs), trained - started, time.monotonic() - trained)
         else:
             self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
+            self.stats["skipped_in_a_row"] = self.stats.get("skipped_in_a_row", 0) + 1
             self._use([g.group_id for g in groups])  # acked with the next checkpoint (redone as skipped after a restart)
             if every == 0:
                 settle, self._settle = self._settle, []
                 await self._ack(settle)
+            if self._degenerate_job_ends():
+                return False  # no more tasks handed out: the job ends here (main: final checkpoint, exit)
+        if seqs and self.config.max_steps and self.steps + int(self.stats.get("skipped_steps", 0)) >= self.config.max_steps:
+            return False  # the job's rounds are done (skipped steps count: `_degenerate_job_ends`)
         await self.emit(self.emitted_steps)
         log.info("step %d: reward %.3f, version %d, %s", self.steps, self.rewards[-1], self.version, self.last)
         return True
+
+    def _degenerate_job_ends(self) -> bool:
+        """After a skipped step (every group's rewards equal: GRPO has no advantage to learn from):
+        True when the job must end. Skipped steps count toward `max_steps` (a job is that many rounds
+        of rollouts, so the tasks it hands out stay bounded), and `DEGENERATE_STEPS_LIMIT` of them in a
+        row end any job, `max_steps = 0` included: the reward gives no signal, more rollouts only fill
+        the task queue."""
+        skipped, in_a_row = int(self.stats["skipped_steps"]), int(self.stats["skipped_in_a_row"])
+        max_steps = self.config.max_steps
+        if in_a_row >= DEGENERATE_STEPS_LIMIT:
+            log.error("stopping run %s: %d steps in a row had every group's rewards equal (last reward %.3f), so GRPO had nothing to learn from; "
+                      "check the environment's reward and the policy's warm start (rose.services.trainer.trainer: degenerate groups)",
+                      self.run_id, in_a_row, self.rewards[-1] if self.rewards else 0.0)
+            return True
+        if max_steps and self.steps + skipped >= max_steps:
+            log.warning("run %s ends: %d steps of max_steps %d taken, %d of them skipped (every group's rewards equal)",
+                        self.run_id, self.steps + skipped, max_steps, skipped)
+            return True
+        return False
 
     async def _report(self, groups: list, trajectories: int, sequences: int, train_s: float, publish_s: float) -> None:
         """The public progress event (TRAINING_STEP) of the step just taken."""

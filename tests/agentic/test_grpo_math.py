@@ -130,7 +130,7 @@ async def test_a_step_takes_exactly_its_groups_oldest_first_and_leaves_the_rest_
         collector.groups[gid].created = float(i)  # handed out in this order
     for gid in ("s1-g1", "s0-g1", "s1-g0", "s0-g0"):  # complete out of order
         collector.add(traj(f"t-{gid}", gid, 1.0))
-    owner = SimpleNamespace(config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector)
+    owner = SimpleNamespace(config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector, version=0, _use=lambda ids: None)
     first = await Trainer.next_groups(owner, asyncio.Event())
     assert [g.group_id for g in first] == ["s0-g0", "s0-g1"]
     assert sorted(collector.groups) == ["s1-g0", "s1-g1"]  # back in the collector, still complete

@@ -132,3 +132,99 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
         for task in (trainer, publisher):
             task.cancel()
         await asyncio.wait([trainer, publisher], timeout=10)
+
+
+async def test_async_trainer_never_waits_for_a_straggling_group_and_never_trains_it_too_stale(tiny_policy, tmp_path, monkeypatch):
+    """Asynchronous RL (prefetch_steps 1, max_staleness 1), the test playing the rollout worker: one
+    group of the first step straggles. The trainer takes GRPO steps 1 and 2 on the groups that
+    finished, whichever step handed them out, while the straggler is still out (its TrainingStep
+    events arrive first). The straggler finally arrives with its first turn sampled under v1 and
+    its last continued under v3: as stale as its oldest tokens, 2 versions behind the trainer's v3,
+    so it is dropped whole and counted, and step 3 waits for two usable groups instead of spending a
+    slot on it."""
+    monkeypatch.setenv("ROSE_STATE_DIR", str(tmp_path / "state"))
+    run = "async-run"
+    with NatsServer(tmp_path / "nats") as server:  # its own server: a work queue of tasks and a stream of trajectories of this run only
+        bus_config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0)
+        config = TrainerConfig(
+            bus=bus_config,
+            runtime=RuntimeConfig(instance="trainer-async", heartbeat_interval_s=0.3),
+            models=PolicyModelRef(policy_dir=str(tiny_policy)),
+            grpo=GrpoSettings(group_size=2, groups_per_step=2, max_staleness=1, prefetch_steps=1, lr=1e-3),
+            sft=SftSettings(steps=2, traces_per_env=8, batch_size=8),
+            tasks=TasksSettings(envs=["arithmetic"], max_turns=3, max_operand=9),
+            checkpoint=CheckpointSettings(dir=str(tmp_path / "checkpoints")),
+            run_id=run,
+            threads=1,
+        )
+        publisher = asyncio.create_task(run_publisher(WeightPublisherConfig(bus=bus_config, runtime=RuntimeConfig(instance="wp-async"))))
+        trainer = asyncio.create_task(run_trainer(config))
+        tasks: dict[str, list[RolloutTask]] = {}
+        steps: list[TrainingStep] = []
+        env = ENVIRONMENTS["arithmetic"]
+        tokenizer = load_tokenizer(tiny_policy)
+        behaviour, tokens = build_model(TINY_POLICY, len(tokenizer), tokenizer.eos_token_id, seed=1), Tokens(tokenizer)
+
+        async def take(task: RolloutTask, delivery: Delivery) -> None:
+            tasks.setdefault(task.group_id, []).append(task)
+
+        async def roll(bus: Bus, step: int, group: int, version: int, last_turn_version: int | None = None) -> None:
+            """The group's trajectories (one right, one wrong answer: the group has a reward spread)."""
+            gid = f"{run}-s{step}-g{group}"
+            await until(lambda: len(tasks.get(gid, [])) == 2, TIMEOUT_S, f"the tasks of {gid}")
+            for task in sorted(tasks[gid], key=lambda t: t.task_id):
+                expert = env.expert(env.problem_of(task))
+                completions = expert if task.task_id.endswith("-0") else [expert[0], "<answer>-1</answer>"]
+                traj = scripted_episode(behaviour, tokens, env, task, completions, version=version)
+                if last_turn_version is not None:  # continued under a newer version after a swap
+                    traj.turns[-1].policy_version = last_turn_version
+                await bus.publish(TRAJECTORY, traj, msg_id=traj.trajectory_id, status=traj.status)
+
+        async def stepped(n: int) -> TrainingStep:
+            await until(lambda: len(steps) >= n, TIMEOUT_S, f"TrainingStep {n}")
+            return steps[n - 1]
+
+        try:
+            async with Bus(bus_config, service="tests", instance="async-worker") as bus:
+                await provision(bus.js)
+                await bus.consume(ROLLOUT_TASK, take, durable="async_worker")
+                await bus.consume(TRAINING_STEP, lambda s, _d: asyncio.sleep(0, steps.append(s)), durable="async_steps")
+                async with WeightsClient(bus, "policy") as weights:
+                    await weights.published(1, timeout=TIMEOUT_S)  # the warm start: steps 0 and 1 handed out under v1
+                    await roll(bus, 0, 0, 1)
+                    await roll(bus, 1, 0, 1)  # step 1's first group done before step 0's second (the straggler)
+                    first = await stepped(1)
+                    await weights.published(2, timeout=TIMEOUT_S)
+                    await roll(bus, 1, 1, 1)  # sampled under v1, trained at v2: within the bound
+                    await roll(bus, 2, 0, 2)
+                    second = await stepped(2)
+                    await weights.published(3, timeout=TIMEOUT_S)
+                    assert [s.step for s in steps] == [1, 2]  # two steps taken, the straggler still out
+                    assert (first.groups, first.trained_sequences, second.groups, second.trained_sequences) == (2, 4, 2, 4)
+                    await roll(bus, 0, 1, 1, last_turn_version=3)  # the straggler: 2 versions behind by its oldest turn
+                    await roll(bus, 2, 1, 3)
+                    await asyncio.sleep(1.0)  # an old trainer would now take the straggler and step 2's second group as step 3
+                    assert len(steps) == 2
+                    await roll(bus, 3, 0, 3)
+                    third = await stepped(3)
+                    assert (third.groups, third.trained_sequences, third.stale_dropped) == (2, 4, 2)
+
+                async def load():
+                    beat = await bus.kv_get(SERVICE_REGISTRY, service="trainer", instance="trainer-async")
+                    return beat.load if beat is not None and beat.load.get("checkpoint_step") == 3.0 else None
+
+                beat = await until(load, TIMEOUT_S, "the trainer's heartbeat after step 3")
+                assert beat["collector_stale_groups"] == 1 and beat["collector_stale_dropped"] == 2
+                assert beat["collector_max_trained_lag"] == 1  # step 1's second group, sampled under v1, trained at v2
+                # step 1 took step 1's first group past the straggler; step 2 both of its groups; step 3 none
+                assert beat["collector_trained_past_tail"] == 3
+
+                async def all_acked():  # the dropped straggler's trajectories too: acked with step 3's checkpoint
+                    info = await bus.js.consumer_info("ROSE_TRAJECTORIES", config.durable)
+                    return info.num_ack_pending == 0 and info.num_pending == 0
+
+                await until(all_acked, TIMEOUT_S, "every trajectory acked")
+        finally:
+            for task in (trainer, publisher):
+                task.cancel()
+            await asyncio.wait([trainer, publisher], timeout=10)

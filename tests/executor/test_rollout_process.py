@@ -5,7 +5,9 @@ import asyncio
 import dataclasses
 import os
 import signal
+import time
 
+import pytest
 import torch
 
 from rose.services.executor.engine import EngineConfig
@@ -278,3 +280,128 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
     assert body["last_lane_failure"]["lane"] == "serving" and body["last_lane_failure"]["error"] == "RuntimeError: injected serving fault"
     monkeypatch.setattr(http_api, "LANE_FAILURE_HEALTH_WINDOW_S", 0.0)  # the window has passed
     assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 1})
+
+
+# ---- double-buffered weight swaps (issue 21, item 5) -------------------------------------------
+
+def _perturbed(engine, suffix: str = "mlp.up_proj.weight", scale: float = 0.05) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {n: t + scale * torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in engine.policy_state_dict().items() if n.endswith(suffix)}
+
+
+def _fresh_child_forward(runner: ProcessRunner, items) -> torch.Tensor:
+    """The same forward in a child started from scratch on the engine's live weights (the reference
+    a flipped child must match bit for bit: same shared tensors, same kernels)."""
+    restarts = runner.restarts
+    os.kill(runner.child_pid, signal.SIGKILL)
+    logits = runner.forward(items)
+    assert runner.restarts == restarts + 1
+    return logits
+
+
+async def test_a_flip_serves_the_new_version_whole_and_bit_exact(make_engine):
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    runner = _runner(engine)
+    pool = engine._rollout.pool
+    pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
+    items = [ForwardItem(pool.allocate(pool.blocks_for(24)), 0, list(range(40, 64))), ForwardItem(pool.allocate(pool.blocks_for(9)), 0, list(range(7, 16)))]
+    old_state = {n: t.clone() for n, t in engine.policy_state_dict().items()}
+    old = runner.forward(items)
+    new = _perturbed(engine)
+    pause_ms = await asyncio.wrap_future(engine.apply_policy_weights(new, 1))
+    assert engine.policy_version == 1 and engine.stats().max_swap_pause_ms == pause_ms
+    live = engine.policy_state_dict()
+    assert all(torch.equal(live[n], new[n] if n in new else old_state[n]) for n in live)  # the new version, bit for bit; the rest untouched
+    flipped = runner.forward(items)
+    assert not torch.equal(flipped, old)
+    # a second version flips back onto the first bank, which must first catch up with the first version
+    newer = _perturbed(engine, "self_attn.o_proj.weight")
+    await asyncio.wrap_future(engine.apply_policy_weights(newer, 2))
+    live = engine.policy_state_dict()
+    assert all(torch.equal(live[n], newer.get(n, new.get(n, old_state[n]))) for n in live)
+    flipped_again = runner.forward(items)
+    assert not torch.equal(flipped_again, flipped)
+    assert torch.equal(flipped_again, _fresh_child_forward(runner, items))  # the child reads the engine's live bank, whole
+
+
+def test_a_forward_in_flight_during_an_update_sees_the_old_weights_whole(loaded, make_engine):
+    """The next version is written while the child is in the middle of a forward (held at a layer
+    safepoint): the forward finishes exactly as one never disturbed, on the old weights; the next
+    forward, after the flip, is the new version's (a fresh child's result)."""
+    import threading
+
+    from rose.services.executor.weights import stage
+
+    runner, items = _long_prefill(make_engine)
+    items = items[:8]  # 2k tokens: still outlasts the engine's 1 ms polls
+    params = SamplingParams(temperature=1.0)
+    samples = lambda: [(row, SamplerState(params, 10 + row)) for row in range(8)]  # noqa: E731
+    undisturbed = runner.forward_sample(items, samples())
+    new = {n: t + 0.05 for n, t in runner.model.state_dict().items() if n.endswith(("up_proj.weight", "down_proj.weight", "q_proj.weight"))}
+    staged = stage(runner.model, new, 1)
+    written, out = threading.Event(), {}
+    before = runner._ctl[HELD]
+
+    def forward() -> None:
+        out["held"] = runner.forward_sample(items, samples(), should_hold=lambda: not written.is_set())
+
+    t = threading.Thread(target=forward)
+    t.start()
+    deadline = time.monotonic() + 60
+    while runner._ctl[HELD] == before and time.monotonic() < deadline:  # the child is inside the forward, at a layer
+        time.sleep(0.001)
+    assert runner._ctl[HELD] > before
+    runner.prepare_weights(staged)  # the whole new version written meanwhile (into the standby bank)
+    written.set()
+    t.join(60)
+    assert out["held"] == undisturbed  # the old weights, whole: not one layer read the new ones
+    runner.apply_weights(staged)  # between forwards, as the rollout lane does
+    after = runner.forward_sample(items, samples())
+    assert after != undisturbed
+    os.kill(runner.child_pid, signal.SIGKILL)
+    assert runner.forward_sample(items, samples()) == after  # what a child started on the new weights computes
+    assert runner.restarts == 1
+
+
+async def test_a_failed_update_leaves_the_old_weights_serving(make_engine, monkeypatch):
+    """The copy into the standby bank fails halfway (fault injection): the update is refused, the old
+    version keeps serving (the engine's parameters, the child's tokens), and the next version, which
+    changes other tensors, comes out bit-exact: the half-written tensors were put back."""
+    from rose.services.executor import rollout_process
+
+    engine = make_engine(config=IN_CHILD, fresh_policy=True)
+    before = await _generate(engine, _turns("f0"))
+    old_state = {n: t.clone() for n, t in engine.policy_state_dict().items()}
+    new = _perturbed(engine)
+    assert len(new) >= 2
+    real_copy, copies = torch.Tensor.copy_, []
+
+    class HalfFill(rollout_process._WeightBanks):
+        def fill(self, staged):
+            def copy_then_fail(t, src):  # the second tensor copied into the standby: an error
+                copies.append(1)
+                if len(copies) == 2:
+                    raise RuntimeError("injected: copy into the standby failed")
+                return real_copy(t, src)
+
+            monkeypatch.setattr(torch.Tensor, "copy_", copy_then_fail)
+            try:
+                return super().fill(staged)
+            finally:
+                monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+
+    banks = _runner(engine)._banks
+    banks.__class__ = HalfFill
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.apply_policy_weights(new, 1)
+    assert len(copies) == 2 and engine.policy_version == 0
+    assert all(torch.equal(t, old_state[n]) for n, t in engine.policy_state_dict().items())
+    again = await _generate(engine, _turns("f0"))
+    assert _same(again, before) and {v for _, _, v in again} == {0}  # the child still serves the old version
+    banks.__class__ = rollout_process._WeightBanks
+    newer = _perturbed(engine, "self_attn.o_proj.weight")
+    await asyncio.wrap_future(engine.apply_policy_weights(newer, 1))
+    assert engine.policy_version == 1
+    assert all(torch.equal(t, newer.get(n, old_state[n])) for n, t in engine.policy_state_dict().items())  # no trace of the failed update
+    after = await _generate(engine, _turns("f0"))
+    assert {v for _, _, v in after} == {1} and [t for t, _, _ in after] != [t for t, _, _ in before]

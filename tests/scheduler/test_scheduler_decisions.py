@@ -100,22 +100,32 @@ def cands() -> list[Candidate]:
     ]
 
 
-def test_affinity_wins_unless_overloaded_or_excluded():
+def test_affinity_wins_unless_overloaded_slower_or_excluded():
     rng = random.Random(0)
+    idle_home = [Candidate("ser-1", "serving", "ser-1-e1", 1, 100.0, 0, 8), *cands()[1:]]
+    p = place_turn(req(), idle_home, "ser-1", P, rng)
+    # an idle lease as fast per sequence as the dedicated executor's share beats its queue: the cache keeps the turn there
+    assert p is not None and p.executor_id == "ser-1" and p.lease_id == "ser-1-e1" and p.lease_epoch == 1 and p.reason.startswith("prefix affinity")
+    # the same home with two turns already: a turn there shares it three ways (1/3 of 100 tok/s) and the dedicated
+    # executor (300 tok/s over 4) is sooner, so the cache is not worth it; the idle lease is sooner still
     p = place_turn(req(), cands(), "ser-1", P, rng)
-    assert p is not None and p.executor_id == "ser-1" and p.lease_id == "ser-1-e1" and p.lease_epoch == 1 and p.reason == "prefix affinity"
+    assert p is not None and p.executor_id == "ser-2"
     busy = [Candidate("ser-1", "serving", "ser-1-e1", 1, 100.0, 50, 8), *cands()[1:]]
     p = place_turn(req(), busy, "ser-1", P, rng)
-    assert p is not None and p.executor_id != "ser-1" and "overloaded" in p.reason
-    p = place_turn(req(exclude=["ser-1"]), cands(), "ser-1", P, rng)
-    assert p is not None and p.executor_id != "ser-1" and "unavailable" in p.reason
+    assert p is not None and p.executor_id != "ser-1"
+    p = place_turn(req(exclude=["ser-1"]), idle_home, "ser-1", P, rng)
+    assert p is not None and p.executor_id == "ser-2"  # excluded: the next soonest
+    assert place_turn(req(exclude=["ser-1", "ser-2"]), idle_home, "ser-1", P, rng).reason.startswith("affinity executor overloaded or unavailable")  # type: ignore[union-attr]
     assert place_turn(req(exclude=["ser-1", "ser-2", "ded-1"]), cands(), "", P, rng) is None
+    # a dedicated home keeps its turn while it is not overloaded
+    p = place_turn(req(exclude=["ser-2"]), cands(), "ded-1", P, rng)
+    assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity"
 
 
 def test_weighted_by_measured_throughput():
     w = weights(cands())
     assert w["ded-1"] == 3.0 and w["ser-1"] == 1.0
-    # ded-1 has load 3 but is 3x faster: (3+1)/3 = 1.33 beats ser-1's (2+1)/1 but not ser-2's (0+1)/1
+    # per sequence: ded-1 gives 300 / (3 + 1) = 75 tok/s, ser-2 (idle) 100, ser-1 100 / 3: ser-2 is sooner
     p = place_turn(req(), cands(), "", P, random.Random(0))
     assert p is not None and p.executor_id == "ser-2"
     p = place_turn(req(exclude=["ser-2"]), cands(), "", P, random.Random(0))

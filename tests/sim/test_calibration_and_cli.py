@@ -46,24 +46,34 @@ def test_bench_sim_end_to_end(tmp_path):
     e2e = tmp_path / "e2e.json"
     e2e.write_text(json.dumps(SYNTHETIC_E2E))
     out = tmp_path / "sim.json"
-    assert main(["bench", "sim", "--json", str(out), "--models", "7B", "--gpus", "8", "--steps", "1", "--jobs", "1", "--e2e", str(e2e)]) == 0
+    assert main(["bench", "sim", "--json", str(out), "--models", "7B", "--gpus", "8", "--steps", "1", "--jobs", "1", "--e2e", str(e2e),
+                 "--demand", "2", "--dedicated-ratio", "0.5", "--modes", "sync"]) == 0
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert {r["policy"] for r in report["rows"]} == {"static", "naive_share", "elastic_baseline", "rose"}
     for r in report["rows"]:
         assert {"model", "gpus", "policy", "rl_steps_per_hour", "speedup_vs_static", "rollout_time_ratio_vs_elastic", "slo_violations"} <= set(r)
+        assert (r["rollout_demand"], r["dedicated_ratio"], r["mode"]) == (2.0, 0.5, "sync")
     static = next(r for r in report["rows"] if r["policy"] == "static")
     assert static["speedup_vs_static"] == 1.0
     assert set(report["calibration"]) == set(report["calibration_slo_attainment"]) == {"static", "naive_share", "elastic_baseline", "rose"}
     errors = [*report["calibration"].values(), *report["calibration_slo_attainment"].values()]
     assert report["calibration_within_15pct"] == all(e <= 0.15 for e in errors)
     assert report["summary"].startswith("rose vs static")
+    rose = next(r for r in report["rows"] if r["policy"] == "rose")
+    t = report["targets"]["sync"]
+    assert t["configurations"] == 1 and t["min_speedup"] == rose["speedup_vs_static"] == t["median_speedup_demand_ge_2"]
+    assert t["meets"]["never_below_static"] == (rose["speedup_vs_static"] >= 1.0)
 
 
 def test_plan_end_to_end(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "16xH100", "--model", "7B", "--json", str(out)]) == 0
+    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "16xH100", "--model", "7B", "--json", str(out), "--demand", "4"]) == 0
     result = json.loads(out.read_text())
+    (level,) = result["speedup_by_demand"]
+    assert level["rollout_demand"] == 4.0 and level["speedup"] == level["rose_rl_steps_per_hour"] / level["static_rl_steps_per_hour"]
+    assert level["pays"] == (level["speedup"] >= 1.05) and level["why"]
+    assert result["lending_does_not_pay"]["demand_levels"] == ([] if level["pays"] else [4.0])
     assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()
     assert any(h["rollout_tokens_per_s"] > 0 for h in result["hours"])
     assert all(0.0 <= h["slo_risk_with_rollout"] <= 1.0 for h in result["hours"])
@@ -72,6 +82,6 @@ def test_plan_end_to_end(tmp_path, capsys):
 def test_plan_bad_trace_names_the_line(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,100,10\n2,lots,10\n")
-    assert main(["plan", "--trace", str(bad), "--fleet", "8xH100", "--model", "7B", "--json", str(tmp_path / "p.json")]) == 2
+    assert main(["plan", "--trace", str(bad), "--fleet", "8xH100", "--model", "7B", "--json", str(tmp_path / "p.json"), "--demand"]) == 2
     assert "line 3" in capsys.readouterr().err
-    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "8xTPU", "--model", "7B", "--json", str(tmp_path / "p.json")]) == 2
+    assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "8xTPU", "--model", "7B", "--json", str(tmp_path / "p.json"), "--demand"]) == 2

@@ -81,7 +81,7 @@ def test_the_trainer_takes_one_steps_worth_of_groups_oldest_first():
     assert "[:per_step]" in src and "Trainer.next_groups" in src
     from rose.services.trainer import trainer
 
-    assert "ready[:want]" in inspect.getsource(trainer.Trainer.next_groups)
+    assert "take(ready, want)" in inspect.getsource(trainer.Trainer.next_groups)  # exactly one step's worth (groups.py take: oldest first)
 
 
 def test_contention_factor_is_fitted_from_static_and_applied_to_every_policy(monkeypatch):

@@ -65,7 +65,7 @@ def test_classify_matches_the_monitors_detector_on_window_figures():
         arrivals = int(rng.poisson(5 if t < 35 else 20))
         window.add(MetricsSnapshot(executor_id="e", at=float(t), interval_s=1.0, serving_arrivals=arrivals, serving_queue=0,
                                    ttft_ms=LatencySketch(), tpot_ms=LatencySketch()), float(t))
-        found = bursts.signals(window, cfg, slo, 3.0)
+        found = bursts.signals(window, cfg, slo, window.stats(3.0))
         snaps = window.snapshots
         direct = bursts.classify(window.stats(3.0), stats_of(window.recent(cfg.window_s)), stats_of(window.older_than(cfg.window_s)),
                                  snaps[-1].serving_queue, snaps[-2].serving_queue if len(snaps) > 1 else 0, cfg, slo)

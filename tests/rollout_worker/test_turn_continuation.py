@@ -1,0 +1,203 @@
+"""A turn across real executors on the bus: continued after a revoke, and hedged at placement.
+
+Two real engines (the executor's `Engine` behind its `LeaseGuard` and `RolloutApi`, served on the
+test bus as `services/executor/main.py` serves them), one standing in for a serving executor under
+a lease from the leases KV bucket, one dedicated; the scheduler is a stand-in that answers routes.
+
+- Revoke mid-turn (the lease's KV entry goes to "revoked", as the scheduler writes it): the serving
+  executor replies with the tokens it had; the worker continues on the dedicated executor from the
+  prompt plus those tokens and generates only the rest. Greedy sampling makes the check exact: the
+  continued turn is the turn the dedicated executor generates uninterrupted, logprobs aligned, and
+  each token keeps the version that produced it.
+- A route that carries a hedge (`TurnRoute.hedge_executor`): the copy on the dedicated executor wins
+  while the serving executor's rollout is held, and the other copy is aborted there: the held engine
+  no longer has the turn (its queue and batch are empty while still paused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingParams
+from rose.contracts.lease import Lease
+from rose.contracts.registry import GENERATE, LEASE, ROUTE_TURN
+from rose.contracts.rollout import RolloutTask, TurnRoute, TurnRouteRequest
+from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.leases import DEDICATED_LEASE_ID, LeaseGuard
+from rose.services.executor.rollout_api import RolloutApi
+from rose.services.rollout_worker.config import TurnSettings
+from rose.services.rollout_worker.turns import TurnRunner, TurnSpec
+from rose.shared.models import load_model, load_tokenizer
+
+MIB = 1 << 20
+CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)
+SERVING, DEDICATED = "tc-serving", "tc-dedicated"
+DEDICATED_VERSION = 4  # the dedicated executor runs a newer version (the same weights): tokens must say which produced them
+TURN_TOKENS = 48
+HEDGE_AFTER_S = 0.3
+SETTINGS = TurnSettings(temperature=0.0, hedge=False, retry_backoff_s=0.05, generate_timeout_s=30.0)
+
+
+class Executor:
+    """One real executor's rollout side on the bus; every reply it sent is kept."""
+
+    def __init__(self, models_dir, executor_id: str, dedicated: bool) -> None:
+        self.engine = Engine(load_model(models_dir / "serving"), load_tokenizer(models_dir / "serving"),
+                             load_model(models_dir / "policy"), load_tokenizer(models_dir / "policy"), CONFIG, "rose")
+        self.guard = LeaseGuard(self.engine, executor_id, dedicated=dedicated, rollout_kv_bytes=CONFIG.rollout_kv_bytes)
+        self.api = RolloutApi(self.engine, self.guard, executor_id)
+        self.executor_id = executor_id
+        self.requests: list[GenerateRequest] = []
+        self.replies: list[GenerateReply] = []
+
+    async def start(self, bus) -> None:
+        self.engine.start()
+        await self.guard.start(bus)
+
+        async def generate(req: GenerateRequest, d):
+            self.requests.append(req)
+            reply = await self.api.generate(req, d)
+            self.replies.append(reply)
+            return reply
+
+        await bus.serve(GENERATE, generate, executor_id=self.executor_id)
+
+    def stop(self) -> None:
+        self.engine._stopping = True  # as tests/executor/conftest.py's make_engine stops its engines
+        for rt in (self.engine._serving, self.engine._rollout):
+            rt.wakeup.set()
+        for t in self.engine._threads:
+            t.join()
+
+
+@pytest.fixture
+async def executors(bus, models_dir):
+    serving, dedicated = Executor(models_dir, SERVING, False), Executor(models_dir, DEDICATED, True)
+    await serving.start(bus)
+    await dedicated.start(bus)
+    pause = await asyncio.wrap_future(dedicated.engine.apply_policy_weights(dedicated.engine.policy_state_dict(), DEDICATED_VERSION))
+    assert pause >= 0 and dedicated.engine.policy_version == DEDICATED_VERSION
+    yield serving, dedicated
+    serving.stop()
+    dedicated.stop()
+
+
+def _lease(state: str) -> Lease:
+    now = time.time()
+    return Lease(lease_id="tc-lease", executor_id=SERVING, epoch=1, state=state, granted_at=now, expires_at=now + 120.0,  # type: ignore[arg-type]
+                 kv_bytes=CONFIG.rollout_kv_bytes, compute_share=1.0, max_rollout_batch=8)
+
+
+async def _grant(bus, serving: Executor) -> None:
+    await bus.kv_put(LEASE, _lease("active"), executor_id=SERVING)
+    for _ in range(200):
+        if serving.guard.current is not None:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the serving executor never saw its lease")
+
+
+async def _scheduler(bus, hedge: str = "", seen: list[TurnRouteRequest] | None = None) -> None:
+    """Routes to the serving executor under its lease, else (or for a hedge) to the dedicated one. `hedge`:
+    "placed": the route names the dedicated executor to hedge on at once; "after": the route says the turn
+    is late after HEDGE_AFTER_S (the worker then asks for a hedge)."""
+
+    async def route(req: TurnRouteRequest, _d):
+        if seen is not None:
+            seen.append(req)
+        base = dict(trajectory_id=req.trajectory_id, turn_index=req.turn_index)
+        if SERVING not in req.exclude and not req.hedge:
+            extra = {"placed": dict(hedge_executor=DEDICATED, hedge_lease_id=DEDICATED_LEASE_ID), "after": dict(hedge_after_s=HEDGE_AFTER_S)}.get(hedge, {})
+            return TurnRoute(**base, executor_id=SERVING, lease_id="tc-lease", lease_epoch=1, role="serving", **extra)
+        return TurnRoute(**base, executor_id=DEDICATED, lease_id=DEDICATED_LEASE_ID, role="dedicated")
+
+    await bus.serve(ROUTE_TURN, route)
+
+
+def _spec(trajectory: str, prompt: list[int]) -> TurnSpec:
+    task = RolloutTask(task_id=trajectory, env="conversation", prompt="hi", group_id="g", group_size=1, batch_id="tc-s3", batch_size=64)
+    return TurnSpec(task, trajectory, 0, prompt, "", TURN_TOKENS, [], 7)
+
+
+async def _full_length_reference(bus, ex: Executor) -> tuple[list[int], GenerateReply]:
+    """A prompt whose greedy turn runs to max_tokens on the dedicated executor (no early end of text), and that turn."""
+    for first in range(20, 400, 37):
+        prompt = [first, first + 1, first + 2, first + 3]
+        req = GenerateRequest(request_id=f"tc-ref-{first}", trajectory_id=f"tc-ref-{first}", turn_index=0, prompt_token_ids=prompt,
+                              sampling=SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS), lease_id=DEDICATED_LEASE_ID)
+        reply = await bus.request(GENERATE, req, timeout=30.0, executor_id=DEDICATED)
+        if reply.status == "ok" and len(reply.token_ids) == TURN_TOKENS:
+            return prompt, reply
+    raise AssertionError("no prompt ran to max_tokens")
+
+
+async def test_revoked_turn_continues_elsewhere_from_its_tokens(bus, executors):
+    serving, dedicated = executors
+    prompt, reference = await _full_length_reference(bus, dedicated)
+    await _scheduler(bus)
+    await _grant(bus, serving)
+    runner = TurnRunner(bus, SETTINGS)
+    serving.engine.stats()  # start the engine's token count from here
+    turn = asyncio.ensure_future(runner.run(_spec("tc-revoke", prompt)))
+    produced = 0.0
+    while produced < 3 and not turn.done():  # a few tokens on the serving executor, then the scheduler revokes its lease
+        await asyncio.sleep(0.005)
+        s = serving.engine.stats()
+        produced += s.rollout_tokens_per_s * s.interval_s
+    await bus.kv_put(LEASE, _lease("revoked"), executor_id=SERVING)
+    record = await asyncio.wait_for(turn, timeout=60.0)
+
+    cut = serving.replies[-1]
+    k = len(cut.token_ids)
+    assert cut.status == "rejected" and cut.reject_reason == "lease_revoked" and 3 <= k < TURN_TOKENS, (cut.status, k)
+    resumed = dedicated.requests[-1]
+    assert resumed.prompt_token_ids == prompt + cut.token_ids and resumed.sampling.max_tokens == TURN_TOKENS - k  # regenerate nothing
+    rest = dedicated.replies[-1]
+    assert record.token_ids == cut.token_ids + rest.token_ids and len(record.logprobs) == TURN_TOKENS
+    assert record.logprobs == cut.logprobs + rest.logprobs
+    # the same turn as one uninterrupted generation (greedy): recompute lost nothing and added nothing
+    assert record.token_ids == reference.token_ids
+    assert record.logprobs == pytest.approx(reference.logprobs, abs=1e-3)
+    assert record.token_policy_versions == [0] * k + [DEDICATED_VERSION] * (TURN_TOKENS - k) and record.policy_version == 0
+    assert record.executor_id == DEDICATED and record.attempts == 2 and runner.stats["resumed"] == 1
+
+
+@pytest.mark.parametrize("hedge", ["placed", "after"])
+async def test_hedge_from_the_route_wins_and_the_other_copy_is_aborted(bus, executors, hedge):
+    serving, dedicated = executors
+    prompt, reference = await _full_length_reference(bus, dedicated)
+    routes: list[TurnRouteRequest] = []
+    await _scheduler(bus, hedge=hedge, seen=routes)
+    await _grant(bus, serving)
+    await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))  # the leased copy is held: a straggler
+    try:
+        runner = TurnRunner(bus, msgspec.structs.replace(SETTINGS, hedge=True))  # no typical turn time yet: only the route's hint
+        record = await asyncio.wait_for(runner.run(_spec("tc-hedge", prompt)), timeout=60.0)
+        assert record.executor_id == DEDICATED and record.token_ids == reference.token_ids
+        assert record.token_policy_versions == [DEDICATED_VERSION] * TURN_TOKENS
+        assert runner.stats["hedge_wins"] == 1 and runner.stats["placed_hedges"] == (hedge == "placed")
+        # the batch travels with every route request (the scheduler's tail rule); "after": one hedge request, once late
+        assert all(r.batch_id == "tc-s3" and r.batch_size == 64 for r in routes)
+        asked = [r for r in routes if r.hedge]
+        assert len(asked) == (hedge == "after") and all(r.exclude == [SERVING] and r.elapsed_s >= HEDGE_AFTER_S * 0.9 for r in asked)
+        # both copies started at once from the same prompt
+        primary = next(r for r in serving.requests if r.trajectory_id == "tc-hedge" and not r.abort_request_id)
+        hedge = next(r for r in dedicated.requests if r.trajectory_id == "tc-hedge")
+        assert primary.prompt_token_ids == hedge.prompt_token_ids == prompt
+        # the held copy was aborted on its executor: it answered "failed" and the engine no longer holds the turn
+        for _ in range(200):
+            if any(r.request_id == primary.request_id for r in serving.replies):
+                break
+            await asyncio.sleep(0.02)
+        dropped = next(r for r in serving.replies if r.request_id == primary.request_id)
+        assert dropped.status == "failed" and dropped.finish_reason == "abort" and "aborted by its worker" in dropped.error
+        assert serving.engine.rollout_paused == "in_place"
+        stats = serving.engine.stats()
+        assert stats.rollout_running == 0 and stats.rollout_queue == 0
+        assert runner.stats["aborted"] == 1
+    finally:
+        serving.engine.continue_rollout()

@@ -1,0 +1,135 @@
+"""Placement that never makes a step slower: leased capacity only when predicted sooner, the tail on
+dedicated executors, revocation risk, hedging of late leased turns, and the fleet inputs they use."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from rose.contracts.lease import Lease
+from rose.contracts.rollout import TurnRoute, TurnRouteRequest
+from rose.contracts.slo import Headroom
+from rose.services.scheduler.config import PlacementSettings, SchedulerConfig
+from rose.services.scheduler.fleet import Fleet
+from rose.services.scheduler.placement import Candidate, concurrency, in_tail, place_turn, should_hedge
+
+P = PlacementSettings()
+
+
+def req(**kw) -> TurnRouteRequest:
+    return TurnRouteRequest(**{**dict(trajectory_id="t-1", turn_index=1, prompt_tokens=10), **kw})
+
+
+def ded(ex: str = "ded-1", *, running: int = 32, queued: int = 0, load: int | None = None, tps: float = 3200.0, slots: int = 256, capacity: int = 0) -> Candidate:
+    return Candidate(ex, "dedicated", "", 0, tps, running + queued if load is None else load, slots, running, queued, capacity, 0)
+
+
+def lease(ex: str = "ser-1", *, running: int = 4, queued: int = 0, tps: float = 200.0, slots: int = 16) -> Candidate:
+    return Candidate(ex, "serving", f"{ex}-e1", 1, tps, running + queued, slots, running, queued, 0, 0)
+
+
+def test_a_dedicated_slot_beats_a_slower_lease():
+    """The dedicated executor has room: 100 tok/s per sequence there against 50 on the lease."""
+    p = place_turn(req(), [ded(running=32, capacity=64), lease()], "", P, random.Random(0))
+    assert p is not None and p.role == "dedicated"
+
+
+def test_a_lease_only_when_the_dedicated_queue_makes_it_sooner():
+    # full (KV-bound at 32 running) with 64 queued: a turn waits 65/32 turns there, ~3x a turn; the lease's 2x turn is sooner
+    p = place_turn(req(), [ded(running=32, queued=64), lease()], "", P, random.Random(0))
+    assert p is not None and p.role == "serving" and p.reason.startswith("leased")
+    # a short queue (8 ahead, 1.3 turns in all) is still sooner than a lease twice as slow per sequence
+    p = place_turn(req(), [ded(running=32, queued=8), lease()], "", P, random.Random(0))
+    assert p is not None and p.role == "dedicated"
+
+
+def test_concurrency_is_what_ran_while_others_waited():
+    assert concurrency(ded(running=32, queued=5)) == 32
+    assert concurrency(ded(running=10, queued=0, capacity=40)) == 40  # the KV limit seen earlier, not the 256 compute slots
+    assert concurrency(ded(running=10, queued=0)) == 256
+
+
+def test_the_tail_goes_to_dedicated_even_from_a_lease_home():
+    pool = [ded(running=20, capacity=64), lease(running=1)]
+    # the batch's 60 unfinished fit the 64 the pool runs at once (its 20 running are among them); 70 do not
+    assert in_tail(60, [pool[0]]) and not in_tail(70, [pool[0]])
+    # a pool full of another batch's turns (74 there, 5 of this batch at most) has no room for this one's tail
+    assert not in_tail(5, [ded(running=64, queued=10)])
+    p = place_turn(req(), pool, "ser-1", P, random.Random(0), unfinished=30)
+    assert p is not None and p.role == "dedicated" and p.reason.startswith("tail")
+    # unknown batch: no tail rule
+    p = place_turn(req(), [ded(running=64, queued=64), lease(running=1)], "ser-1", P, random.Random(0), unfinished=None)
+    assert p is not None and p.executor_id == "ser-1"
+
+
+def test_revocation_risk_and_model_error_can_turn_a_lease_down():
+    pool = [ded(running=32, queued=64), lease()]
+    base = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0)
+    assert base is not None and base.role == "serving" and base.hedge_after_s > 0 and base.predicted_s > 0
+    # leases revoked every ~10 s per lease: a turn of several seconds there is likely to be interrupted
+    risky = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, revoke_rate=0.1)
+    assert risky is not None and risky.role == "dedicated" and risky.hedge_after_s == 0.0
+    # turns on leases lately took 3x what the model said: the same choice is no longer sooner
+    slow = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, model_error={"serving": 3.0, "dedicated": 1.0})
+    assert slow is not None and slow.role == "dedicated"
+
+
+def test_hedge_a_late_leased_turn_on_a_free_dedicated_slot():
+    pool = [ded(running=10, capacity=64), lease()]
+    late = req(hedge=True, exclude=["ser-1"], elapsed_s=12.0, typical_turn_s=10.0, group_size=8)
+    assert should_hedge(late, 0, P, pool)[0] is True
+    assert should_hedge(msgspec.structs.replace(late, elapsed_s=5.0), 0, P, pool)[0] is False
+    assert should_hedge(msgspec.structs.replace(late, elapsed_s=5.0), 0, P, pool, unfinished=20)[0] is True  # the batch's tail
+    full = [ded(running=64, queued=3), lease()]
+    assert should_hedge(late, 0, P, full)[0] is False  # no free dedicated slot: a duplicate would only queue
+    on_dedicated = [ded(running=10, capacity=64), ded("ded-2", running=10, capacity=64)]
+    assert should_hedge(msgspec.structs.replace(late, exclude=["ded-2"]), 0, P, on_dedicated)[0] is False
+    h = place_turn(late, pool, "ser-1", P, random.Random(0))
+    assert h is not None and h.executor_id == "ded-1"
+
+
+def headroom(ex: str, at: float, role: str, running: int, queued: int, tps: float, slots: int = 256) -> Headroom:
+    return Headroom(executor_id=ex, at=at, kv_bytes=1 << 30, compute_share=1.0, rollout_batch_slots=slots, ttft_p99_ms=0.0, tpot_p99_ms=0.0,
+                    slo_ttft_ms=1000.0, slo_tpot_ms=100.0, arrival_rate_rps=0.0, serving_queue=0, role=role, lendable=True,  # type: ignore[arg-type]
+                    rollout_running=running, rollout_queue=queued, rollout_tokens_per_s=tps)
+
+
+def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
+    from rose.contracts.service import Heartbeat
+
+    fleet = Fleet(SchedulerConfig())
+    for ex, role in (("d0", "dedicated"), ("d1", "dedicated"), ("s0", "serving")):
+        fleet.on_heartbeat(Heartbeat(service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9,
+                                     labels={"role": role}), now=100.0)
+    fleet.on_headroom(headroom("d0", 100.0, "dedicated", 40, 5, 4000.0))
+    fleet.on_headroom(headroom("d1", 100.0, "dedicated", 10, 0, 1000.0))
+    cands = {c.executor_id: c for c in fleet.candidates(100.0)}
+    assert cands["d0"].capacity == 40 and cands["d1"].capacity == 40  # d1 never queued: its pool's median
+    # batch progress: two trajectories of a batch of three, one finished
+    for t in ("a", "b"):
+        fleet.on_route(t, "d0", 101.0, batch_id="v3", batch_size=3)
+    assert fleet.unfinished("v3") == 3 and fleet.unfinished("v9") is None
+    fleet.on_trajectory("a", "g", [100, 300])
+    fleet.on_trajectory("a", "g", [100, 300])  # a duplicate delivery counts once
+    assert fleet.unfinished("v3") == 2 and fleet.turn_tokens > 0
+    # a turn that took twice its prediction (scaled to its tokens) raises its role's model error above 1
+    fleet.on_prediction("b", 0, "dedicated", 10.0)
+    fleet.on_turn_result("b", 0, int(fleet.turn_tokens), 20.0)
+    assert fleet.model_error["dedicated"] > 1.5
+    # a revoked lease is a revocation; re-sending the revoked record is not another one
+    active = Lease(lease_id="s0-e1", executor_id="s0", epoch=1, state="active", granted_at=100.0, expires_at=110.0, kv_bytes=1, compute_share=0.1, max_rollout_batch=4)
+    fleet.on_lease(active, 100.0)
+    revoked = msgspec.structs.replace(active, state="revoked")
+    fleet.on_lease(revoked, 105.0)
+    fleet.on_lease(revoked, 105.0)
+    assert len(fleet.revocations) == 1 and fleet.revoke_rate(106.0) > 0 and fleet.revoke_rate(106.0 + 1000.0) == 0.0
+
+
+def test_route_messages_evolve_with_defaults():
+    """A worker built before the batch fields and a reader of the hedge hint both still work (msgspec schema evolution)."""
+    old = msgspec.json.encode({"trajectory_id": "t-1", "turn_index": 0, "prompt_tokens": 5})
+    r = msgspec.json.decode(old, type=TurnRouteRequest)
+    assert r.batch_id == "" and r.batch_size == 0
+    reply = msgspec.json.decode(msgspec.json.encode({"trajectory_id": "t-1", "turn_index": 0, "executor_id": "ser-1"}), type=TurnRoute)
+    assert reply.hedge_after_s == 0.0
