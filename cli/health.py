@@ -6,7 +6,8 @@ container: this container), and optionally a 2xx from an HTTP endpoint such as t
 `/health` or nats-server's `/healthz`. Exit 1 says why it is not healthy; 2 is a usage error.
 
 Credentials: the environment's (`ROSE_BUS__NKEY_SEED_FILE`, ...) when set, else the operator's of
-the local `rose up`. In a container that is the service's own seed, so the check connects as that
+the `rose up` whose state dir is `--state-dir` (default `ROSE_STATE_DIR`, else `./.rose`), found in
+its `up.json` when that `rose up` started the server being checked. In a container that is the service's own seed, so the check connects as that
 service (its inbox) and uses only what every service may do: read the registry bucket without a
 consumer (stream info, then a get per key) and, while JetStream cannot answer, listen for its own
 heartbeats on core NATS (a right in `rose.shared.security.EXTRA_RIGHTS`); on an executor instance's
@@ -35,10 +36,10 @@ from .provision import connect_bus
 from .status import STALE_AFTER_BEATS, operator_config, resolve_nats_url
 
 
-async def _heartbeats(url: str, timeout: float, service: str, instance: str | None = None) -> list[Heartbeat]:
+async def _heartbeats(url: str, timeout: float, service: str, instance: str | None = None, state_dir: str | None = None) -> list[Heartbeat]:
     """The registry's heartbeats; while JetStream cannot answer (a cluster electing a new leader),
     the live heartbeats of `service` on core NATS, which need no stream."""
-    config = msgspec.structs.replace(operator_config(url), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
+    config = msgspec.structs.replace(operator_config(url, state_dir), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
     # As `service`: with its own seed (a container's healthcheck) only its inbox prefix receives replies.
     bus = await connect_bus(config, instance or f"health-{os.getpid()}", service=service)  # an instance's seed reads replies under its name only
     try:
@@ -104,7 +105,7 @@ async def check(args: argparse.Namespace) -> str | None:
     if args.service:
         url = resolve_nats_url(args.nats_url, args.state_dir)
         try:
-            beats = await _heartbeats(url, args.timeout, args.service, args.instance)
+            beats = await _heartbeats(url, args.timeout, args.service, args.instance, args.state_dir)
         except (ConnectionError, ConfigError, PermissionError) as exc:  # PermissionDenied: these credentials may not read heartbeats
             return str(exc)
         host = socket.gethostname() if args.local else None

@@ -19,6 +19,10 @@ How the bytes reach the publisher (it diffs, encodes and stores them; the traine
 `publish` returns once the publisher has queued the request (it refuses a version that is
 not newer than the last); `published(version)` waits for the version's manifest on the
 manifest stream, or raises `PublishFailedError` with the publisher's reason.
+
+Each `publish` runs in a `weights.client_publish` producer span (staging included): a child of
+the caller's current span, or the root of the version's trace, which goes on through the
+publisher to every executor's apply (rose.shared.tracing says how a framework joins it).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from opentelemetry.trace import SpanKind
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_MANIFEST, WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
 from rose.contracts.weights import WeightManifest, WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 from rose.shared.bus import Bus, Delivery
 from rose.shared.codec import decode
 from rose.shared.config import BusConfig
+from rose.shared.tracing import tracer
 from rose.shared.weight_layout import safetensors_blob, save_safetensors
 from rose.shared.weight_store import WeightStore
 
@@ -105,7 +111,15 @@ class WeightsClient:
     async def publish(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int, *, keyframe: bool = False) -> WeightPublishAccepted:
         """Hand `weights` (a state dict, or a safetensors file/directory) to the publisher as `version`."""
         await self.start()
+        attributes = {"rose.model": self.model, "rose.weight_version": version, "rose.keyframe": keyframe}
+        with tracer().start_as_current_span("weights.client_publish", kind=SpanKind.PRODUCER, attributes=attributes):
+            return await self._publish(weights, version, keyframe)
+
+    async def _publish(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int, keyframe: bool) -> WeightPublishAccepted:
         request_id = uuid.uuid4().hex
+        earlier = self._results.get(version)
+        if earlier is not None and earlier.done() and (earlier.cancelled() or earlier.exception() is not None):
+            del self._results[version]  # asked for again after it failed: wait for this attempt's outcome
         self._future(version)
         if isinstance(weights, (str, Path)):
             request = WeightPublishRequest(request_id=request_id, model=self.model, version=version, source="path", path=str(Path(weights).resolve()), keyframe=keyframe)

@@ -5,6 +5,15 @@ There is no official NATS instrumentation for Python, so this follows the standa
 `messaging.system="nats"`, `messaging.destination.name` and `messaging.operation.type`.
 Spans are exported over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, nowhere otherwise
 (context still propagates, so a downstream service that does export keeps the trace whole).
+
+A trace begins where the work is created: every `Bus` calls `ensure_tracing` when it connects,
+so a framework's own process (a plain `Bus`, no tracer set up) records a producer span for each
+task and weight publish when an endpoint is configured; a framework that installed its own SDK
+`TracerProvider` keeps it (its spans are the parents), and a publish inside its current span
+continues that span's trace.
+
+Periodic messages (heartbeats, telemetry snapshots, headroom) are not traced: a root trace per
+heartbeat would bury the traces an operator looks for. `ROSE_TRACE_PERIODIC=1` turns them on.
 """
 
 from __future__ import annotations
@@ -38,6 +47,19 @@ _provider: TracerProvider | None = None
 _tracer: Tracer | None = None
 _recording = True  # until setup_tracing says otherwise (a bare API provider records nothing anyway)
 TRACEPARENT = "traceparent"
+TRACE_PERIODIC_ENV = "ROSE_TRACE_PERIODIC"
+# Channels (registry names) published on a timer, not by work: untraced unless TRACE_PERIODIC_ENV is set.
+PERIODIC_CHANNELS = frozenset({"service.heartbeat", "executor.metrics", "slo.headroom"})
+
+
+def trace_periodic() -> bool:
+    """Whether periodic messages get spans (`ROSE_TRACE_PERIODIC` = 1/true/yes)."""
+    return os.environ.get(TRACE_PERIODIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def traced(channel_name: str) -> bool:
+    """Whether messages of this channel are traced (periodic ones only when asked for)."""
+    return channel_name not in PERIODIC_CHANNELS or trace_periodic()
 
 
 def exporting_configured() -> bool:
@@ -53,6 +75,10 @@ def setup_tracing(service: str, instance: str, *, extra_processors: list[SpanPro
     `OTEL_TRACES_SAMPLER`, when set, overrides this choice.
     """
     global _provider, _tracer, _recording
+    if _provider is None:
+        existing = trace.get_tracer_provider()
+        if isinstance(existing, TracerProvider):  # the process (a framework) set up its own SDK: join it
+            _provider, _recording = existing, True
     if _provider is None:
         resource = Resource.create(
             {"service.name": f"rose-{service.replace('_', '-')}", "service.instance.id": instance, "service.version": __version__}
@@ -70,6 +96,12 @@ def setup_tracing(service: str, instance: str, *, extra_processors: list[SpanPro
         _provider.add_span_processor(processor)
     _tracer = _provider.get_tracer(TRACER_NAME, __version__)
     return _provider
+
+
+def ensure_tracing(service: str, instance: str) -> None:
+    """Set up tracing for a process that has not (a framework's own `Bus`); a no-op once it is set up."""
+    if _provider is None:
+        setup_tracing(service, instance)
 
 
 def tracer() -> Tracer:
@@ -91,13 +123,14 @@ def _attributes(operation: str, subject: str, template: str) -> dict[str, str]:
 
 
 @contextmanager
-def outgoing_span(operation: str, subject: str, template: str, headers: dict[str, str]) -> Iterator[Span]:
+def outgoing_span(operation: str, subject: str, template: str, headers: dict[str, str], *, periodic: bool = False) -> Iterator[Span]:
     """A producer/client span; its context is written into `headers` for the receiver.
 
-    With nothing recording and no trace in progress there is nothing to propagate: skip the
-    span (it would be dropped by the sampler anyway) and save ~40 us per message.
+    It continues the caller's current span, or starts the trace here. With nothing recording
+    and no trace in progress there is nothing to propagate: skip the span (it would be dropped
+    by the sampler anyway) and save ~40 us per message. A `periodic` message is not traced.
     """
-    if not _recording and not trace.get_current_span().get_span_context().is_valid:
+    if periodic or (not _recording and not trace.get_current_span().get_span_context().is_valid):
         yield trace.INVALID_SPAN
         return
     with tracer().start_as_current_span(
@@ -110,9 +143,12 @@ def outgoing_span(operation: str, subject: str, template: str, headers: dict[str
 
 
 @contextmanager
-def incoming_span(operation: str, subject: str, template: str, headers: dict[str, str] | None) -> Iterator[Span]:
-    """A consumer/server span that continues the trace found in the message headers."""
-    if not _recording and not (headers and TRACEPARENT in headers):
+def incoming_span(operation: str, subject: str, template: str, headers: dict[str, str] | None, *, periodic: bool = False) -> Iterator[Span]:
+    """A consumer/server span that continues the trace found in the message headers.
+
+    A `periodic` message without trace context starts no trace (its sender did not trace it).
+    """
+    if (not _recording or periodic) and not (headers and TRACEPARENT in headers):
         yield trace.INVALID_SPAN
         return
     parent = propagate.extract(headers or {})

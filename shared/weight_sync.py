@@ -28,7 +28,9 @@ latest keyframe is one lookup, and each later delta another. The follower publis
 
 Each manifest taken runs in a `weights.apply` span that continues the trace of the manifest's
 publish (the context rides the queue with the manifest), so one trace goes from a trainer's
-publish through the publisher to every executor's apply and its `WeightApplied` event.
+publish through the publisher to every executor's apply and its `WeightApplied` event. The
+initial sync (a joining executor's catch-up) runs in one too, in the trace of the version it
+catches up to (the context read back from the stored manifest's headers).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import get_args
 
 import numpy as np
 import torch
 from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
-from rose.contracts.weights import ShardInfo, WeightApplied, WeightFailed, WeightManifest
+from rose.contracts.weights import FailureKind, ShardInfo, WeightApplied, WeightFailed, WeightManifest
 
 from .bus import Bus, Delivery
 from .codec import PayloadError, decode, encode
@@ -161,6 +164,11 @@ class WeightFollower:
         self._known = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
         self._initial = {n: tensor_bytes(t).copy() for n, t in state.items()}
         self.version = current_version
+        labels = {"executor": self.executor_id, "model": self.model}
+        for counter in (APPLIED, FETCHED):  # exported at 0 from the start: a dashboard shows 0, not "No data"
+            counter.add(0, labels)
+        for kind in get_args(FailureKind):
+            FAILED.add(0, {**labels, "kind": kind})
         await self.bus.subscribe(WEIGHT_MANIFEST, self._on_manifest, model=self.model)
         await self._initial_sync()
         self._worker = asyncio.create_task(self._work(), name=f"weight-follower:{self.model}")
@@ -247,11 +255,16 @@ class WeightFollower:
     # ---- joining and catching up -----------------------------------------------------
 
     async def _initial_sync(self) -> None:
-        latest = await self._lookup(kind=None)
+        """Join at the latest version, in a `weights.apply` span of that version's publish trace
+        (its context is in the manifest's headers), so a late joiner's apply is in the trace too."""
+        latest, headers = await self._lookup_with_headers(kind=None)
         if latest is None or (self.version is not None and latest.version <= self.version):
             self._synced_at = time.perf_counter()
             return
-        await self._catch_up(time.perf_counter())
+        attributes = {"rose.executor_id": self.executor_id, "rose.model": self.model, "rose.weight_version": latest.version,
+                      "rose.weight_kind": latest.kind, "rose.wire_bytes": latest.wire_bytes, "rose.catch_up": True}
+        with tracer().start_as_current_span("weights.apply", context=propagate.extract(headers or {}), attributes=attributes):
+            await self._catch_up(time.perf_counter())
 
     async def _catch_up(self, arrived: float) -> None:
         """Reach the latest published version: from the held one if its chain is intact, else from the latest keyframe."""
@@ -294,6 +307,10 @@ class WeightFollower:
 
     async def _lookup(self, *, kind: str | None = None, version: int | None = None) -> WeightManifest | None:
         """The last manifest of the model (of a kind), or the one of a version; None if not there."""
+        return (await self._lookup_with_headers(kind=kind, version=version))[0]
+
+    async def _lookup_with_headers(self, *, kind: str | None = None, version: int | None = None) -> tuple[WeightManifest | None, dict[str, str] | None]:
+        """`_lookup`, and the headers the manifest was published with (its publish's trace context)."""
         if version is not None:
             subjects = [WEIGHT_MANIFEST.subject(model=self.model, kind=k, version=str(version)) for k in ("delta", "keyframe")]
         elif kind is not None:
@@ -306,10 +323,10 @@ class WeightFollower:
             except NotFoundError:
                 continue
             try:
-                return decode(msg.data, WeightManifest, WEIGHT_MANIFEST.encoding)
+                return decode(msg.data, WeightManifest, WEIGHT_MANIFEST.encoding), msg.headers
             except PayloadError as exc:
                 log.warning("unreadable manifest on %s: %s", subject, exc.reason)
-        return None
+        return None, None
 
     # ---- one version -----------------------------------------------------------------
 

@@ -47,3 +47,36 @@ async def test_jetstream_publish_consume_spans_share_one_trace(bus_config, bus, 
     producer, consumer = finished[SpanKind.PRODUCER], finished[SpanKind.CONSUMER]
     assert producer.context.trace_id == consumer.context.trace_id
     assert consumer.attributes["messaging.destination.name"] == "rose.rollout.tasks"
+
+
+async def _heartbeat_once(bus) -> tuple[dict[str, str], list[str]]:
+    import time as _time
+
+    from rose.contracts.registry import HEARTBEAT
+    from rose.contracts.service import Heartbeat
+
+    heard: asyncio.Queue = asyncio.Queue()
+
+    async def on_beat(beat, d: Delivery) -> None:
+        heard.put_nowait(dict(d.headers))
+
+    await bus.subscribe(HEARTBEAT, on_beat, service="tracing_probe")
+    now = _time.time()
+    beat = Heartbeat(service="tracing_probe", instance="tp-1", version="0", host="h", pid=1, started_at=now, sent_at=now, interval_s=1.0,
+                     state="ready", load={}, endpoints={}, labels={})
+    await bus.publish(HEARTBEAT, beat, service="tracing_probe", instance="tp-1")
+    return await asyncio.wait_for(heard.get(), 10)
+
+
+async def test_periodic_messages_are_not_traced_unless_asked(bus, spans, monkeypatch):
+    """A heartbeat starts no trace (no span on either side, no context in its headers); ROSE_TRACE_PERIODIC=1 traces it."""
+    monkeypatch.delenv("ROSE_TRACE_PERIODIC", raising=False)
+    spans.clear()
+    headers = await _heartbeat_once(bus)
+    assert "traceparent" not in headers
+    assert not [s.name for s in spans.get_finished_spans() if "heartbeat" in s.name]
+    monkeypatch.setenv("ROSE_TRACE_PERIODIC", "1")
+    headers = await _heartbeat_once(bus)
+    assert "traceparent" in headers
+    traced = {s.kind for s in spans.get_finished_spans() if s.name.endswith("rose.svc.heartbeat.{service}.{instance}")}
+    assert traced == {SpanKind.PRODUCER, SpanKind.CONSUMER}

@@ -2,7 +2,9 @@
 
 `InstrumentedEpisodes` is the `EpisodeRunner` with a `rollout.episode` span over each task
 (the task's consume span is its parent; every turn is a child) and the counters recorded when
-a trajectory is published: trajectories per status, turns, turn attempts and tool calls.
+a trajectory is published: trajectories per status, turns, turn attempts and tool calls. Every
+counter is exported at 0 from the start for each environment the worker knows (tool calls: for
+each of its tools), so a dashboard shows 0, not "No data", before the first one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from opentelemetry import trace
 
 from rose.contracts.rollout import RolloutTask, TurnRecord
+from rose.shared.agentic.envs import ENVIRONMENTS
+from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.bus import Delivery
 from rose.shared.metrics import LATENCY_BUCKETS_S, meter, metric_name
 from rose.shared.tracing import tracer
@@ -30,6 +34,14 @@ class RolloutMetrics:
             metric_name("rollout.episode_duration"), unit="s", description="One delivery of a task: first turn to trajectory published.",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
+        for name, env in ENVIRONMENTS.items():  # the label sets a dashboard queries, at 0
+            for status in ("completed", "failed"):
+                self.trajectories.add(0, {"env": name, "status": status})
+            self.turns.add(0, {"env": name})
+            self.attempts.add(0, {"env": name})
+            for tool in env.tools() if isinstance(env, ToolEnv) else ():
+                for outcome in ("ok", "error"):
+                    self.tool_calls.add(0, {"env": name, "tool": tool, "outcome": outcome})
 
     def trajectory(self, env: str, status: str, turns: list[TurnRecord]) -> None:
         self.trajectories.add(1, {"env": env, "status": status})

@@ -8,6 +8,13 @@ endpoint has no queue group.
 Each version is published in a `weights.publish` span that continues the trace of its request
 (the context rides the queue with it), so the manifest, and every executor's apply of it,
 belong to the trainer's publish trace.
+
+A version that fails (its source unreadable, a store error) never stalls the model: it is
+reported once (`WeightPublishFailed`, the failures counter, an error span), the model's worker
+goes on with the next request, whose version is a delta against the last version that was
+published (or a keyframe when one is due), and the failed number may be asked for again (a
+framework that retries the same version after fixing its source) unless a newer one was
+accepted meanwhile.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class WeightPublisher:
             self._queues[model] = asyncio.Queue()
             assert self.store is not None, "start() first"
             self.models[model] = ModelVersions(model, self.bus, self.store, self.settings, self.signer)
+            self.metrics.serving(model)
             self._workers.append(asyncio.create_task(self._work(model), name=f"publish:{model}"))
         return self._queues[model]
 
@@ -101,13 +109,27 @@ class WeightPublisher:
                     try:
                         await self.publish_one(versions, request)
                     except Exception as exc:
-                        log.exception("publishing %s v%s failed", model, request.version)
-                        self.metrics.failed(model)
                         span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:256])
-                        failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
-                        await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
+                        await self._failed(versions, request, exc)
             finally:
                 otel_context.detach(token)
+
+    async def _failed(self, versions: ModelVersions, request: WeightPublishRequest, exc: Exception) -> None:
+        """Report a failed version once and free its number; never raises, so the model's worker goes on."""
+        model = request.model
+        log.error("publishing %s v%s failed: %s: %s (the next version is published against v%s)", model, request.version, type(exc).__name__, exc,
+                  versions.last_version, exc_info=not isinstance(exc, PublishError))
+        self.metrics.failed(model)
+        if self._accepted.get(model) == request.version:  # nothing newer accepted: the number may be asked for again
+            if versions.last_version is None:
+                self._accepted.pop(model, None)
+            else:
+                self._accepted[model] = versions.last_version
+        failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
+        try:
+            await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
+        except Exception as err:  # the bus is reconnecting: the log line and the counter still say it
+            log.error("could not report the failure of %s v%s: %r", model, request.version, err)
 
     async def publish_one(self, versions: ModelVersions, request: WeightPublishRequest) -> None:
         assert self.staging is not None, "start() first"

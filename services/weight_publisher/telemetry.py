@@ -23,6 +23,10 @@ class PublisherMetrics:
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
 
+    def serving(self, model: str) -> None:
+        """A model this publisher now serves: its counters exported at 0 (a dashboard shows 0, not "No data")."""
+        self.failures.add(0, {"model": model})
+
     def published(self, manifest: WeightManifest, seconds: float) -> None:
         model = {"model": manifest.model}
         self.versions.add(1, {**model, "kind": manifest.kind})

@@ -7,6 +7,7 @@ the operator's: checked here against a real nats-server with the generated permi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -123,3 +124,24 @@ async def test_the_core_nats_fallback_hears_only_the_services_own_heartbeats(sec
         assert "rw-live" in {b.instance for b in listening.result()}
         with pytest.raises(PermissionDenied):
             await checker.subscribe(HEARTBEAT, lambda *_: asyncio.sleep(0), service="scheduler")
+
+
+def test_health_falls_back_to_the_operator_seed_of_the_state_dir(secured, tmp_path):
+    """`rose health SERVICE --state-dir D` with no credentials in the environment: the operator's seed
+    named in D/up.json (as `rose up` writes it) is used, for the server that `rose up` started."""
+    server, creds = secured
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "up.json").write_text(json.dumps({"nats_url": server.url, "operator_seed_file": str(creds.seed_file(OPERATOR))}))
+
+    async def beat() -> None:
+        async with Bus(_own(server, creds, "scheduler"), service="scheduler", instance="sched-up") as bus:
+            await bus.kv_put(SERVICE_REGISTRY, _beat(service="scheduler", instance="sched-up", interval=30.0), service="scheduler", instance="sched-up")
+
+    asyncio.run(beat())
+    ok = _rose("health", "scheduler", "--state-dir", str(state), "--timeout", "5")  # the URL comes from up.json too
+    assert ok.returncode == 0 and "healthy" in ok.stdout, ok.stdout + ok.stderr
+    # the same check without the state dir's seed is refused by the server: the fallback is what made it pass
+    (state / "up.json").write_text(json.dumps({"nats_url": server.url}))
+    refused = _rose("health", "scheduler", "--state-dir", str(state), "--timeout", "2")
+    assert refused.returncode == 1 and "refused" in refused.stdout, refused.stdout + refused.stderr

@@ -2,8 +2,10 @@
 worker, each started by its own `run(config)` in this process (so the `spans` fixture sees every
 span), on a nats-server of their own. The fixture drives one serving request over HTTP, one
 rollout task, one failing task, one weight publish and one SLO alert, then scrapes every
-service's advertised metrics endpoint. The tests check the three traces end to end and that
-every Grafana dashboard query names a metric these services really exported.
+service's advertised metrics endpoint (once right after start, once at the end). The tests check
+the three traces end to end, that every counter a Grafana panel queries exists from start (at 0),
+that every panel's every selector has a series at the end, and that each service reads exactly the
+channels the registry (and so the README's Subjects table) lists it as a consumer of.
 """
 
 from __future__ import annotations
@@ -27,20 +29,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rose.client import PublishFailedError, WeightsClient
 from rose.contracts.lease import Lease
-from rose.contracts.registry import LEASE, ROLLOUT_TASK, ROUTE_TURN, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_PUBLISH, WEIGHTS_STAGING_OBJECTS
-from rose.contracts.rollout import RolloutTask, ToolCall, TurnRecord, TurnRouteRequest
+from rose.contracts.registry import CHANNELS, LEASE, ROLLOUT_TASK, ROUTE_TURN, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_PUBLISH, WEIGHTS_STAGING_OBJECTS, Kind
+from rose.contracts.rollout import RolloutTask, TurnRouteRequest
 from rose.contracts.slo import SloAlert
 from rose.contracts.weights import WeightPublishRequest
 from rose.services.executor import main as executor_main
 from rose.services.executor.config import EngineSettings, ExecutorConfig, ModelsConfig
 from rose.services.rollout_worker import main as worker_main
 from rose.services.rollout_worker.config import RolloutWorkerConfig, TurnSettings
-from rose.services.rollout_worker.telemetry import RolloutMetrics
 from rose.services.scheduler import main as scheduler_main
 from rose.services.scheduler.config import LeaseSettings, SchedulerConfig
 from rose.services.slo_monitor import main as monitor_main
 from rose.services.slo_monitor.config import SloMonitorConfig
-from rose.services.slo_monitor.telemetry import MonitorMetrics
 from rose.services.weight_publisher import main as publisher_main
 from rose.services.weight_publisher.config import WeightPublisherConfig
 from rose.shared.bus import Bus
@@ -50,11 +50,13 @@ from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.tracing import tracer
 from rose.shared.weight_store import WeightStore
+from rose.shared.weight_sync import WeightFollower
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "grafana" / "dashboards"
 START_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 60.0
 EXECUTOR = "obs-ex"
+LATE_EXECUTOR = "obs-late"
 SERVICES = {"executor": EXECUTOR, "slo_monitor": "obs-mon", "scheduler": "obs-sched", "weight_publisher": "obs-wp", "rollout_worker": "obs-worker"}
 
 
@@ -68,6 +70,8 @@ class Observed:
     endpoints: dict[str, dict[str, str]]
     scrapes: dict[str, str]
     exported: set[str] = field(default_factory=set)
+    healthy: str = ""  # every service's /metrics after good work only (served, rolled out, published), before any fault
+    reads: dict[str, set[str]] = field(default_factory=dict)  # service -> registry channels its bus read
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +97,14 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
         ),
     }
     mains = {"executor": executor_main, "slo_monitor": monitor_main, "scheduler": scheduler_main, "weight_publisher": publisher_main, "rollout_worker": worker_main}
+    buses: list[Bus] = []  # every service's bus, to read back which channels it read (the Bus records them)
+    connect = Bus.connect
+
+    async def recording_connect(self: Bus) -> None:
+        buses.append(self)
+        await connect(self)
+
+    Bus.connect = recording_connect  # type: ignore[method-assign]
     tasks = {name: asyncio.create_task(mains[name].run(cfg), name=f"obs-{name}") for name, cfg in configs.items()}
     bus = Bus(bus_cfg, service="tests", instance="obs-tests")
     try:
@@ -142,16 +154,13 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             async with aiohttp.ClientSession() as http, http.post(f"{endpoints['executor']['http']}/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
         serving_trace = client_span.get_span_context().trace_id
-        async with aiohttp.ClientSession() as http, http.post(f"{endpoints['executor']['http']}/v1/completions", json={**body, "model": "nope"}) as r:
-            assert r.status == 404  # counted as an HTTP error
 
         # 2. a rollout task (two turns), and a task for an unknown environment (a failed trajectory)
         task_id = f"obs-{uuid.uuid4().hex[:8]}"
         with tracer().start_as_current_span("test.trainer_tasks") as root_span:
             await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=task_id, env="conversation", prompt="hello", max_turns=2, env_args={"turns": "2"}))
         rollout_trace = root_span.get_span_context().trace_id
-        await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=f"{task_id}-bad", env="no_such_env", prompt="x"))
-        await until(lambda: _has(trajectories, {task_id, f"{task_id}-bad"}), STEP_TIMEOUT_S, "both trajectories")
+        await until(lambda: _has(trajectories, {task_id}), STEP_TIMEOUT_S, "the trajectory")
         trajectory = trajectories[task_id]
         assert trajectory.status == "completed", trajectory.reason
 
@@ -165,6 +174,23 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             await weights.published(1, timeout=STEP_TIMEOUT_S)
             weights_trace = publish_span.get_span_context().trace_id
             await until(lambda: _true(applied), STEP_TIMEOUT_S, "WeightApplied from the executor")
+            # an executor joining late catches up to v1: its apply belongs to v1's trace too
+            late_state = load_model(models_dir / POLICY_DIRNAME).state_dict()
+
+            async def keep(update, version):
+                return 0.0
+
+            late = WeightFollower(bus, model="policy", apply=keep, executor_id=LATE_EXECUTOR)
+            await late.start(late_state, 0)
+            assert late.version == 1
+            await late.stop()
+            await asyncio.sleep(0.6)  # one more telemetry interval and headroom round
+            healthy = await _scrape_all(endpoints)
+            # now the faults: an HTTP error, a task for an unknown environment (a failed trajectory)
+            async with aiohttp.ClientSession() as http, http.post(f"{endpoints['executor']['http']}/v1/completions", json={**body, "model": "nope"}) as r:
+                assert r.status == 404  # counted as an HTTP error
+            await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=f"{task_id}-bad", env="no_such_env", prompt="x"))
+            await until(lambda: _has(trajectories, {f"{task_id}-bad"}), STEP_TIMEOUT_S, "the failed trajectory")
             # a version with a tensor the policy does not have: published, refused by the executor
             await weights.publish({**state, "bogus.weight": torch.zeros(4)}, version=2)
             await weights.published(2, timeout=STEP_TIMEOUT_S)
@@ -182,13 +208,6 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
         nowhere = await bus.request(ROUTE_TURN, TurnRouteRequest(trajectory_id="obs-unroutable", turn_index=0, prompt_tokens=1))
         assert nowhere.executor_id == "", nowhere  # the only executor has no lease now
 
-        # What no tiny model or quiet test triggers on its own, recorded by the services' own metric classes:
-        # a burst found by the monitor, and a tool call made by the policy.
-        MonitorMetrics().alert(SloAlert(executor_id=EXECUTOR, at=time.time(), severity="burst", reason="recorded directly"))
-        RolloutMetrics().trajectory("arithmetic", "completed", [
-            TurnRecord(turn_index=0, prompt_token_ids=[1], token_ids=[2], logprobs=[-0.1], policy_version=1, executor_id=EXECUTOR,
-                       tool_calls=[ToolCall(tool="calculator", arguments="1+1", result="2")])
-        ])
         await asyncio.sleep(0.6)  # one more telemetry interval and headroom round
 
         scrapes = {}
@@ -201,13 +220,27 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
                 scrapes["executor_http"] = await r.text()
         finished = list(spans.get_finished_spans())
         exported = {sample.name for text in scrapes.values() for family in text_string_to_metric_families(text) for sample in family.samples}
-        yield Observed(finished, serving_trace, rollout_trace, weights_trace, len(trajectory.turns), endpoints, scrapes, exported)
+        reads: dict[str, set[str]] = {}
+        for b in buses:
+            if b.service in SERVICES:
+                reads.setdefault(b.service, set()).update(b.reads)
+        yield Observed(finished, serving_trace, rollout_trace, weights_trace, len(trajectory.turns), endpoints, scrapes, exported, healthy=healthy, reads=reads)
     finally:
+        Bus.connect = connect  # type: ignore[method-assign]
         for name in reversed(list(tasks)):
             tasks[name].cancel()
             await asyncio.wait([tasks[name]], timeout=15)
         await bus.close()
         server.stop()
+
+
+async def _scrape_all(endpoints: dict[str, dict[str, str]]) -> str:
+    texts = []
+    async with aiohttp.ClientSession() as http:
+        for eps in endpoints.values():
+            async with http.get(eps["metrics"]) as r:
+                texts.append(await r.text())
+    return "\n".join(texts)
 
 
 async def _has(d: dict, keys: set[str]) -> bool:
@@ -264,12 +297,36 @@ def test_rollout_task_is_one_trace_through_every_turn_and_executor(observed):
     assert len(episodes) == 1 and episodes[0].attributes["rose.status"] == "completed"
     assert "process rose.rollout.tasks" in _ancestors(episodes[0], by_id)
     assert len(turns) == observed.trajectory_turns == 2
+    for span in turns:  # the worker's side of a turn: waiting for an executor to be lent, asking the scheduler
+        assert span.attributes["rose.lease_wait_ms"] >= 0 and span.attributes["rose.route_ms"] > 0
     assert len(executor_turns) >= len(turns)
     for span in executor_turns:
         assert span.attributes["rose.executor_id"] == EXECUTOR and span.attributes["rose.outcome"] == "ok"
         assert {"rollout.turn", "rollout.episode", "reply rose.executor.{executor_id}.generate"} <= set(_ancestors(span, by_id))
+        # where the turn's time went, for a dashboard to stack: admission, engine queue, prefill, decode
+        split = [span.attributes[k] for k in ("rose.admit_ms", "rose.queue_ms", "rose.prefill_ms", "rose.decode_ms")]
+        assert all(v >= 0 for v in split) and sum(split[1:]) == pytest.approx(span.attributes["rose.total_ms"], rel=1e-6, abs=1e-6)
     assert names.count("scheduler.place") >= len(turns)
+    for span in spans:
+        if span.name == "scheduler.place":  # what a slow route reply spent deciding, and the CPU it had meanwhile
+            assert span.attributes["rose.candidates"] >= 1 and span.attributes["rose.place_ms"] >= 0 and span.attributes["rose.span_cpu_ms"] >= 0
+        if span.name.startswith("reply "):  # the wait before its handler ran, the handler's wall and CPU time
+            assert span.attributes["rose.loop_wait_ms"] >= 0 and span.attributes["rose.handler_ms"] >= 0 and span.attributes["rose.handler_cpu_ms"] >= 0
     assert "send rose.rollout.trajectories.{status}" in names
+
+
+def test_traces_have_no_broken_parent_links_and_no_periodic_roots(observed):
+    """Each of the three traces is whole (every parent recorded), and no heartbeat, telemetry snapshot or
+    headroom started a trace (they are untraced unless ROSE_TRACE_PERIODIC is set)."""
+    for trace_id in (observed.serving_trace, observed.rollout_trace, observed.weights_trace):
+        spans = _trace(observed, trace_id)
+        ids = {s.context.span_id for s in spans}
+        roots = [s for s in spans if s.parent is None]
+        assert len(roots) == 1 and roots[0].name.startswith("test."), [s.name for s in roots]
+        broken = [s.name for s in spans if s.parent is not None and s.parent.span_id not in ids]
+        assert not broken, broken
+    periodic = ("rose.svc.heartbeat.", "rose.telemetry.", "rose.slo.headroom.")
+    assert not [s.name for s in observed.spans if any(p in s.name for p in periodic)]
 
 
 def test_weight_publish_is_one_trace_to_the_executors_apply(observed):
@@ -279,10 +336,13 @@ def test_weight_publish_is_one_trace_to_the_executors_apply(observed):
     apply = [s for s in spans if s.name == "weights.apply"]
     assert len(publish) == 1 and publish[0].attributes["rose.weight_version"] == 1
     assert "reply rose.weights.publish.{model}" in _ancestors(publish[0], by_id)
-    assert len(apply) == 1 and apply[0].attributes["rose.executor_id"] == EXECUTOR and apply[0].attributes["rose.outcome"] == "applied"
-    assert "weights.publish" in _ancestors(apply[0], by_id)
-    applied_event = [s for s in spans if s.name == "send rose.events.weights.applied.{executor_id}"]
-    assert applied_event and "weights.apply" in _ancestors(applied_event[0], by_id)
+    assert sorted(s.attributes["rose.executor_id"] for s in apply) == sorted([EXECUTOR, LATE_EXECUTOR])  # the late joiner's catch-up too
+    for span in apply:
+        assert span.attributes["rose.outcome"] == "applied" and span.attributes["rose.weight_version"] == 1
+        assert {"weights.publish", "weights.client_publish", "test.trainer_publish"} <= set(_ancestors(span, by_id))
+    assert next(s for s in apply if s.attributes["rose.executor_id"] == LATE_EXECUTOR).attributes["rose.catch_up"] is True
+    applied_events = [s for s in spans if s.name == "send rose.events.weights.applied.{executor_id}"]
+    assert len(applied_events) == 2 and all("weights.apply" in _ancestors(e, by_id) for e in applied_events)
 
 
 def test_metric_names_follow_conventions(observed):
@@ -316,6 +376,40 @@ def metric_names(expr: str) -> set[str]:
     return {n for n in names if n not in PROMQL_WORDS and not re.fullmatch(r"\d.*|e\d*", n)}
 
 
+MATCHER_RE = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Each metric selector of a PromQL expression: its name and label matchers (label, op, value)."""
+    out = []
+    for name in sorted(metric_names(expr)):
+        for m in re.finditer(rf"(?<![\w:]){re.escape(name)}(?![\w:])\s*(\{{[^}}]*\}})?", expr):
+            out.append((name, MATCHER_RE.findall(m.group(1) or "")))
+    return out
+
+
+def _matches(labels: dict[str, str], matchers: list[tuple[str, str, str]]) -> bool:
+    """Whether a series' labels satisfy the matchers (a Grafana variable matches anything: its `All`)."""
+    for label, op, value in matchers:
+        if "$" in value:
+            continue
+        have = labels.get(label, "")
+        hit = have == value if op in ("=", "!=") else re.fullmatch(value, have) is not None
+        if hit != (op in ("=", "=~")):
+            return False
+    return True
+
+
+def _dashboard_selectors() -> list[tuple[str, str, str, list[tuple[str, str, str]]]]:
+    """(dashboard file, panel title, metric, matchers) of every selector of every panel query."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for panel in _panels(json.loads(path.read_text())):
+            for target in panel.get("targets", []):
+                out += [(path.name, panel.get("title", ""), name, matchers) for name, matchers in selectors(target["expr"])]
+    return out
+
+
 def _panels(dashboard: dict) -> list[dict]:
     out = []
     for panel in dashboard.get("panels", []):
@@ -327,6 +421,26 @@ def _panels(dashboard: dict) -> list[dict]:
 def test_metric_name_extraction():
     expr = 'histogram_quantile(0.99, sum by (le, executor) (rate(rose_executor_ttft_seconds_bucket{executor=~"$executor"}[$__rate_interval]))) / on() group_left max(rose_slo_ttft_target_seconds)'
     assert metric_names(expr) == {"rose_executor_ttft_seconds_bucket", "rose_slo_ttft_target_seconds"}
+    expr = 'sum(rate(rose_x_total{outcome="hit",executor=~"$executor"}[5m])) / sum(rate(rose_x_total[5m]))'
+    assert selectors(expr) == [("rose_x_total", [("outcome", "=", "hit"), ("executor", "=~", "$executor")]), ("rose_x_total", [])]
+    assert _matches({"outcome": "hit", "executor": "a"}, selectors(expr)[0][1]) and not _matches({"outcome": "miss"}, selectors(expr)[0][1])
+
+
+def test_every_panel_selector_has_a_series_on_a_healthy_fleet(observed):
+    """A fleet that served, rolled out and published, with no fault yet: every panel's every selector
+    has a series, so no panel says "No data" where the truth is 0 (counters of rare events, e.g.
+    unroutable turns, tool calls, alerts and failures, are exported at 0 from the start).
+
+    A histogram of a rare event (reclaim latency) has no series before its first observation:
+    the SDK exports none, and a quantile of nothing is rightly "No data". Those are checked on the
+    final scrape, after the fixture's faults (a lease revoked: a reclaim)."""
+    def series(text: str) -> list[tuple[str, dict[str, str]]]:
+        return [(sample.name, sample.labels) for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    healthy, final = series(observed.healthy), series("\n".join(observed.scrapes.values()))
+    empty = [(f, title, name, matchers) for f, title, name, matchers in _dashboard_selectors()
+             if not any(n == name and _matches(labels, matchers) for n, labels in (final if name.endswith("_bucket") else healthy))]
+    assert not empty, "panels with no series: " + "; ".join(f"{f}: {title!r} {name}{matchers}" for f, title, name, matchers in empty)
 
 
 def test_every_dashboard_query_names_an_exported_metric(observed):
@@ -354,3 +468,23 @@ def test_every_dashboard_query_names_an_exported_metric(observed):
                 assert not missing, f"{path.name}: panel {panel.get('title')!r} queries {sorted(missing)}, which no service exported"
                 checked += 1
     assert checked >= 10
+
+
+def registry_reads(service: str) -> set[str]:
+    """The channels the registry lists `service` as a consumer of (object stores are read through the store, not a bus channel)."""
+    return {c.name for c in CHANNELS if service in c.consumers and c.kind is not Kind.OBJECTS}
+
+
+def test_each_service_reads_exactly_what_the_registry_says(observed):
+    """Who really subscribes (recorded by each service's Bus while it ran: subscribe, consume, serve, KV
+    watch and reads), against the registry's consumers, from which the README's Subjects table is
+    generated (`python -m rose.contracts.subjects_table`) and the services' NATS rights derived. A KV
+    bucket only this service writes, read back (the scheduler's leases), is its own state, not consumed
+    (rose.shared.security grants that read to the sole publisher)."""
+    assert set(observed.reads) == set(SERVICES)
+    for service, reads in observed.reads.items():
+        own = {c.name for c in CHANNELS if c.kind is Kind.KV and c.publishers == (service,)}
+        assert reads - own == registry_reads(service) - own, (
+            f"{service}: reads but is no consumer of {sorted(reads - own - registry_reads(service))}; "
+            f"listed as a consumer of but never read {sorted(registry_reads(service) - own - reads)}"
+        )

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from rose.client import PublishFailedError, WeightsClient
-from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHTS_STAGING_OBJECTS
-from rose.contracts.weights import WeightPublishRequest
+from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
+from rose.contracts.weights import WeightPublishFailed, WeightPublishRequest
 from rose.services.weight_publisher.config import PublisherSettings, WeightPublisherConfig
 from rose.services.weight_publisher.main import run
-from rose.shared.bus import RemoteError
+from rose.shared.bus import Bus, RemoteError
 from rose.shared.config import RuntimeConfig
 from rose.shared.weight_layout import save_safetensors
 from rose.shared.weight_store import WeightStore
@@ -74,3 +74,45 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
                 await staged_via_objects.published(7, timeout=TIMEOUT)
     finally:
         await follower.stop()
+
+
+async def test_a_failed_version_does_not_stall_the_versions_after_it(publisher_service, bus, bus_config, model_name):
+    """A version whose staged object is gone fails, reported once (one WeightPublishFailed); the next two
+    publishes go through (the failed number asked for again, then the next) as deltas against the last
+    good version, and every executor applies both."""
+    states = {1: make_state(31)}
+    states[2] = rl_step(states[1], 2)
+    states[3] = rl_step(states[2], 3)
+    failures: list[WeightPublishFailed] = []
+    await bus.subscribe(WEIGHT_PUBLISH_FAILED, lambda f, _d: asyncio.sleep(0, failures.append(f)), model=model_name)
+    async with Bus(bus_config, service="executor", instance="ex-a") as bus_a, Bus(bus_config, service="executor", instance="ex-b") as bus_b:
+        executors = [Executor(make_state(0), None), Executor(make_state(0), None)]
+        followers = [WeightFollower(b, model=model_name, apply=e.apply) for b, e in zip((bus_a, bus_b), executors)]
+        for follower, executor in zip(followers, executors):
+            await follower.start(executor.state, None)
+        try:
+            async with WeightsClient(bus, model_name) as weights:
+                for attempt in range(40):  # the service is still starting
+                    try:
+                        await weights.publish(states[1], 1)
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.25)
+                await weights.published(1, timeout=TIMEOUT)
+                # v2: accepted, then its staged object is missing when the publisher reads it
+                await bus.request(WEIGHT_PUBLISH, WeightPublishRequest(request_id="gone", model=model_name, version=2, source="object", object_name="gone"), model=model_name)
+                with pytest.raises(PublishFailedError, match="gone"):
+                    await weights.published(2, timeout=TIMEOUT)
+                for version in (2, 3):  # v2 again (its source fixed), then v3
+                    await weights.publish(states[version], version)
+                    manifest = await weights.published(version, timeout=TIMEOUT)
+                    assert manifest.base_version == version - 1 and not manifest.keyframe  # a delta against the last good version
+                    for follower in followers:
+                        assert await follower.wait_for_version(version, TIMEOUT) == version
+                    for executor in executors:
+                        assert same(executor.state, states[version])
+            assert [(f.version, f.request_id) for f in failures] == [(2, "gone")]  # reported once
+            assert all(f.stats.failed == 0 and f.stats.applied == 3 for f in followers)
+        finally:
+            for follower in followers:
+                await follower.stop()
