@@ -94,6 +94,14 @@ def _cmd_bench_bus(args: argparse.Namespace) -> int:
     return 0 if result["meets_target"] else 1
 
 
+def _cmd_bench_security(args: argparse.Namespace) -> int:
+    from .bench_security import print_summary, run_security_bench
+
+    result = run_security_bench(args.json, quick=args.quick, include_sandbox=not args.no_sandbox)
+    print_summary(result, args.json)
+    return 0 if result["attacks_blocked"] == result["attacks_tried"] else 1
+
+
 def _cmd_bench_coserve(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -101,9 +109,19 @@ def _cmd_bench_coserve(args: argparse.Namespace) -> int:
 
     run_coserve_bench(
         out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console(),
-        device=args.device, dtype=args.dtype, preset=args.preset,
+        device=args.device, dtype=args.dtype, preset=args.preset, loads=args.loads, seeds=args.seeds, noises=args.noise,
     )
     return 0
+
+
+def _number_list(kind):
+    """An argparse type: a comma-separated list of ``kind`` (`0.2,0.35,0.5`)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+    return parse
 
 
 def _cmd_bench_elastic(args: argparse.Namespace) -> int:
@@ -113,7 +131,7 @@ def _cmd_bench_elastic(args: argparse.Namespace) -> int:
 
     result = run_elastic_bench(
         out_json=args.json, seed=args.seed, executors=args.executors, dedicated=args.dedicated, burst_factor=args.burst_factor,
-        duration_s=args.duration, model_dir=args.models, console=Console(),
+        duration_s=args.duration, model_dir=args.models, console=Console(), burst_factors=args.burst_factors, min_bursts=args.min_bursts,
     )
     return 0 if result["tasks_lost"] == 0 else 1
 
@@ -125,7 +143,7 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
 
     result = run_e2e_bench(
         out_json=args.json, seed=args.seed, duration_s=args.duration, policies=args.policies, model_dir=args.models,
-        serving=args.serving, dedicated=args.dedicated, console=Console(), warm_start_steps=args.warm_start_steps,
+        serving=args.serving, dedicated=args.dedicated, console=Console(), warm_start_steps=args.warm_start_steps, pin="none" if args.unpinned else args.pin,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
@@ -153,16 +171,30 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
     return 0 if all(out["meets_target"].values()) else 1
 
 
+def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
+    from .bench_control_plane import Settings, run_control_plane_bench
+
+    settings = Settings(
+        executors=[int(n) for n in args.executors.split(",") if n.strip()], duration_s=args.duration, interval_s=args.interval,
+        cluster=args.cluster, turns_per_s=args.turns_per_s, seed=args.seed, instances=args.instances, kill=args.kill,
+    )
+    out = asyncio.run(run_control_plane_bench(args.json, settings))
+    return 0 if all(level["snapshots_lost"] == 0 for level in out["levels"]) else 1
+
+
 def _cmd_bench_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .sim.bench import FLEETS, MODELS, QUICK_FLEETS, QUICK_MODELS, run_sim_bench
+    from .sim import bench as sim
 
-    models = args.models or (QUICK_MODELS if args.quick else MODELS)
-    fleets = args.gpus or (QUICK_FLEETS if args.quick else FLEETS)
-    run_sim_bench(
-        out_json=args.json, seed=args.seed, models=models, fleets=fleets, steps=args.steps or (1 if args.quick else 2), jobs=args.jobs,
-        device=args.device, load=args.load, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, oversubscription=args.oversubscription,
+    models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
+    fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
+    demands = args.demand or ([args.oversubscription] if args.oversubscription else (sim.QUICK_DEMANDS if args.quick else sim.DEMANDS))
+    ratios = args.dedicated_ratio or (sim.QUICK_RATIOS if args.quick else sim.RATIOS)
+    sim.run_sim_bench(
+        out_json=args.json, seed=args.seed, models=models, fleets=fleets, demands=demands, ratios=ratios, modes=args.modes or sim.MODES,
+        policies=args.policies or sim.POLICIES, steps=args.steps or (1 if args.quick else 2), jobs=args.jobs,
+        device=args.device, load=args.load, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         quantum_ms=args.quantum_ms, what_if=tuple(args.what_if or ()), e2e=args.e2e, coserve=args.coserve, calibrate=args.calibrate, measure_steps=not args.no_measure, console=Console(),
     )
     return 0
@@ -176,7 +208,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         run_plan(trace=args.trace, fleet=args.fleet, model=args.model, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                 scale=args.scale, out_json=args.json, console=Console())
+                 scale=args.scale, out_json=args.json, console=Console(), demands=tuple(args.demand), dedicated_ratio=args.dedicated_ratio)
     except (TraceError, ValueError) as exc:
         print(f"rose plan: {exc}", file=sys.stderr)
         return 2
@@ -193,6 +225,10 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny", help="sizes of the models built on the spot (see `rose models init`)")
     b.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     b.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="of both models (auto: bfloat16 on CUDA, float32 on CPU)")
+    b.add_argument("--loads", type=_number_list(float), default=None, help="a grid: comma-separated serving loads (instead of --serving-load), e.g. 0.2,0.35,0.5")
+    b.add_argument("--seeds", type=_number_list(int), default=None, help="a grid: comma-separated seeds (instead of --seed), e.g. 3,4,5")
+    b.add_argument("--noise", type=_number_list(float), default=None,
+                   help="a co-runner burning this fraction of one core through every policy; comma-separated for a grid, e.g. 0,0.3 (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=2000, help="requests per measured round")
     b.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender (median is reported)")
     b.set_defaults(func=_cmd_bench_bus)
+    b = bsub.add_parser("security", help="every known attack (confused deputy on the bus, unpickler payloads, HTTP, sandbox escapes) against real processes")
+    b.add_argument("--json", default="bench-out/security.json", help="where to write the JSON result (one row per attack)")
+    b.add_argument("--quick", action="store_true", help="fewer bus combinations, the unpickler without the HTTP engine, a few sandbox escapes")
+    b.add_argument("--no-sandbox", action="store_true", help="leave out the code sandbox's escapes")
+    b.set_defaults(func=_cmd_bench_security)
     b = bsub.add_parser(
         "coserve",
         help="one executor, a replayed serving trace plus a rollout backlog, under serving_only / naive_share / static_partition / rose",
@@ -316,6 +357,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the weights and the training batches")
     b.set_defaults(func=_cmd_bench_weights)
     b = bsub.add_parser(
+        "control-plane",
+        help="the real SLO monitor and scheduler against N executor stand-ins on real NATS: snapshots/s, route and alert-to-revoke latency, CPU",
+    )
+    b.add_argument("--json", default="bench-out/control-plane.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--executors", default="100,300,1000", help="comma-separated fleet sizes, one run each")
+    b.add_argument("--duration", type=float, default=30.0, help="measured seconds per fleet size (after a warm-up for the first leases)")
+    b.add_argument("--interval", type=float, default=1.0, help="executors' metrics snapshot interval in seconds")
+    b.add_argument("--cluster", action="store_true", help="on the 3-node JetStream cluster (R3 storage) instead of one node")
+    b.add_argument("--turns-per-s", type=float, default=0.5, help="turn route requests per second per leased executor")
+    b.add_argument("--seed", type=int, default=0, help="seed of arrivals and bursts")
+    b.add_argument("--instances", type=int, default=1, help="SLO monitor and scheduler instances each; several split the executors")
+    b.add_argument("--kill", action="store_true", help="kill -9 one monitor and one scheduler halfway (with --instances >= 2): takeover time, double grants")
+    b.set_defaults(func=_cmd_bench_control_plane)
+    b = bsub.add_parser(
         "elastic",
         help="serving executors under a bursty trace, dedicated executors, monitor, scheduler and a rollout worker as real processes; kill -9 and NATS restart mid-run",
     )
@@ -324,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--executors", type=int, default=2, help="serving (opportunistic) executors")
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     b.add_argument("--burst-factor", type=float, default=3.0, help="serving arrival rate during a burst, as a multiple of the base rate")
+    b.add_argument("--burst-factors", type=_number_list(float), default=None, help="one fleet run per factor, e.g. 3,5 (instead of --burst-factor)")
+    b.add_argument("--min-bursts", type=int, default=0, help="bursts every 12 s and a trace long enough for this many to find a lease held (e.g. 20 for a p99)")
     b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_cmd_bench_elastic)
@@ -345,9 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--duration", type=float, default=None, help="seconds of trace and training per policy (default: 120; about 12 minutes for all four)")
     b.add_argument("--policies", nargs="+", default=None, metavar="POLICY", help="run only these (default: static naive_share elastic_baseline rose)")
     b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
-    b.add_argument("--serving", type=int, default=2, help="serving executors")
+    b.add_argument("--serving", type=int, default=None, help="serving executors (default: the demo's 2; pinned, at most the cores left after the dedicated ones)")
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     b.add_argument("--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)")
+    b.add_argument("--pin", choices=("auto", "none"), default="auto",
+                   help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned")
+    b.add_argument("--unpinned", action="store_true", help="the same as --pin none")
     b.set_defaults(func=_cmd_bench_e2e)
     b = bsub.add_parser(
         "sim",
@@ -355,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", default="bench-out/sim.json", help="where to write the JSON result (the PNG goes beside it)")
     b.add_argument("--seed", type=int, default=0, help="seed of traces, batches and routing (the same for every policy)")
-    b.add_argument("--quick", action="store_true", help="a small grid (7B and 70B on 8 and 16 GPUs, one RL step each)")
+    b.add_argument("--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)")
     b.add_argument("--models", nargs="+", default=None, choices=["7B", "14B", "32B", "70B"], help="model sizes (default: all four)")
     b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
     b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
@@ -364,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
     b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
-    b.add_argument("--oversubscription", type=float, default=2.0, help="RL batch as a multiple of what the dedicated pool's KV holds at once")
+    b.add_argument("--demand", nargs="+", type=float, default=None, help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)")
+    b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.25 0.5)")
+    b.add_argument("--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)")
+    b.add_argument("--policies", nargs="+", choices=["static", "naive_share", "elastic_baseline", "rose"], default=None, help="policies to run (default: all four)")
+    b.add_argument("--oversubscription", type=float, default=None, help="the same as one --demand value (kept for old scripts)")
     b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
     b.add_argument("--what-if", nargs="+", default=None, choices=["kv_slots", "sticky_throughput"],
                    help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever measured)")
@@ -381,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
     p.add_argument("--scale", default="auto", help="multiply the trace's request rate (auto: its busiest hour at 45%% of the fleet's SLO capacity)")
+    p.add_argument("--demand", nargs="*", type=float, default=[1.0, 2.0, 4.0],
+                   help="rollout demand levels to simulate (static vs rose) for the expected speedup (none: skip the simulation)")
+    p.add_argument("--dedicated-ratio", type=float, default=0.25, help="dedicated rollout GPUs per serving GPU in that simulation")
     p.add_argument("--json", default="bench-out/plan.json", help="where to write the JSON result (the PNG goes beside it)")
     p.set_defaults(func=_cmd_plan)
     return parser

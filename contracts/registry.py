@@ -210,7 +210,7 @@ HEARTBEAT = Channel(
     Heartbeat,
     "Proof of life every few seconds, with identity, version, load and endpoints.",
     publishers=ALL_SERVICES,
-    consumers=("cli", "slo_monitor", "scheduler"),
+    consumers=("cli", "slo_monitor", "scheduler"),  # the monitor hears its peers' (they split the executors)
 )
 SERVICE_REGISTRY = Channel(
     "service.registry",
@@ -219,25 +219,25 @@ SERVICE_REGISTRY = Channel(
     Heartbeat,
     "The latest heartbeat of each live instance, read by `rose status`.",
     publishers=ALL_SERVICES,
-    consumers=("cli", "scheduler"),
+    consumers=("cli",),
     kv=SERVICES_KV,
 )
 SERVICE_EVENT = Channel(
     "service.lifecycle",
-    "rose.events.service.{kind}.{service}",
+    "rose.events.service.{kind}.{service}.{instance}",
     Kind.STREAM,
     ServiceEvent,
-    "A service instance came up or went down.",
+    "A service instance came up or went down (an instance's own credentials publish only its own).",
     publishers=ALL_SERVICES,
     consumers=("integrations",),
     stream=EVENTS_STREAM,
 )
 DEAD_LETTER = Channel(
     "service.dead_letter",
-    "rose.dlq.{service}",
+    "rose.dlq.{service}.{instance}",
     Kind.STREAM,
     DeadLetter,
-    "A message the service refused (undecodable, wrong schema version, invalid, oversized).",
+    "A message the service refused (undecodable, wrong schema version, invalid, oversized, a reply subject it may not answer).",
     publishers=ALL_SERVICES,
     consumers=("operators",),
     stream=DLQ_STREAM,
@@ -282,6 +282,15 @@ SLO_ALERT = Channel(
     consumers=("scheduler", "executor", "integrations"),
     stream=EVENTS_STREAM,
 )
+EXECUTOR_BURST = Channel(
+    "executor.burst",
+    "rose.executor.{executor_id}.burst",
+    Kind.EVENT,
+    SloAlert,
+    "An executor's own burst detector tripped on its serving arrivals: it has yielded; stop routing turns there and revoke its lease.",
+    publishers=("executor",),
+    consumers=("scheduler", "cli"),
+)
 LEASE = Channel(
     "lease.current",
     "{executor_id}",
@@ -289,7 +298,7 @@ LEASE = Channel(
     Lease,
     "The current lease of an executor; executors watch their key.",
     publishers=("scheduler",),
-    consumers=("executor", "rollout_worker"),
+    consumers=("executor",),
     kv=LEASES_KV,
 )
 LEASE_EVENT = Channel(
@@ -299,7 +308,7 @@ LEASE_EVENT = Channel(
     LeaseEvent,
     "A lease was granted, renewed, revoked or expired.",
     publishers=("scheduler",),
-    consumers=("integrations",),
+    consumers=("scheduler", "integrations"),  # scheduler instances follow each other's leases
     stream=EVENTS_STREAM,
 )
 ROUTE_TURN = Channel(
@@ -414,7 +423,7 @@ WEIGHT_APPLIED = Channel(
     WeightApplied,
     "An executor verified and swapped in a weight version.",
     publishers=("executor",),
-    consumers=("weight_publisher", "trainer", "integrations"),
+    consumers=("cli", "integrations"),
     stream=EVENTS_STREAM,
 )
 WEIGHT_FAILED = Channel(
@@ -424,7 +433,7 @@ WEIGHT_FAILED = Channel(
     WeightFailed,
     "An executor refused a weight version; it keeps serving the previous one.",
     publishers=("executor",),
-    consumers=("weight_publisher", "trainer", "integrations"),
+    consumers=("cli", "integrations"),
     stream=EVENTS_STREAM,
 )
 TRAINING_STEP = Channel(
@@ -447,6 +456,7 @@ CHANNELS: tuple[Channel, ...] = (
     EXECUTOR_METRICS,
     HEADROOM,
     SLO_ALERT,
+    EXECUTOR_BURST,
     LEASE,
     LEASE_EVENT,
     ROUTE_TURN,

@@ -30,6 +30,7 @@ class PlacementSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     inflight_ttl_s: PositiveSeconds = 120.0  # a routed turn never heard of again stops counting as load
     heartbeat_misses: Positive = 3.0  # an executor is gone after this many missed heartbeats
     no_route_retry_s: PositiveSeconds = 0.5
+    sample_candidates: Annotated[int, msgspec.Meta(ge=0)] = 32  # per role, at fleet scale (Fleet.sampled); 0: every executor
     hedge_group_done: Share = 0.75  # hedge stragglers once this share of their group is done ...
     hedge_after_typical: Positive = 1.5  # ... and the turn has run this x the typical turn time
     hedge_always_after_typical: Positive = 4.0  # any turn this far past typical is hedged

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from rose.contracts.registry import HEADROOM, HEARTBEAT, ROUTE_TURN, SLO_ALERT, TRAJECTORY
+from rose.contracts.registry import EXECUTOR_BURST, HEADROOM, HEARTBEAT, LEASE_EVENT, ROUTE_TURN, SLO_ALERT, TRAJECTORY
 from rose.shared.service import ServiceRuntime, service_main
 
 from .config import SchedulerConfig
@@ -24,8 +24,11 @@ async def run(config: SchedulerConfig) -> None:
         holder.append(s)
         await s.recover()
         await rt.bus.subscribe(HEARTBEAT, s.on_heartbeat, service="executor")
+        await rt.bus.subscribe(HEARTBEAT, s.on_peer, service="scheduler")  # other instances: who owns which executor
+        await rt.bus.subscribe(LEASE_EVENT, s.on_lease_event)  # leases other instances write, for routing
         await rt.bus.subscribe(HEADROOM, s.on_headroom)
         await rt.bus.subscribe(SLO_ALERT, s.on_alert)
+        await rt.bus.subscribe(EXECUTOR_BURST, s.on_alert)  # an executor's own burst alert: same handling, sooner
         await rt.bus.subscribe(TRAJECTORY, s.on_trajectory)
         await rt.bus.serve(ROUTE_TURN, s.route, queue="scheduler")
         rt.ready()

@@ -17,6 +17,7 @@ class SchedulerMetrics:
         self.affinity = m.create_counter(
             metric_name("scheduler.affinity"), unit="{turn}", description="Turns whose trajectory had a previous executor: placed there (hit) or elsewhere (miss), per routing policy."
         )
+        self.unroutable.add(0)  # exported at 0 from the start: a dashboard shows 0, not "No data"
 
     def lease(self, kind: str, lease: Lease) -> None:
         ex = {"executor": lease.executor_id}

@@ -40,15 +40,16 @@ class BurstState:
     last_queue: int = 0
 
 
-def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short_s: float) -> tuple[str, str] | None:
-    """(severity, reason) of the strongest signal in the window now, or None when calm."""
+def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short: WindowStats) -> tuple[str, str] | None:
+    """(severity, reason) of the strongest signal in the window now (``short``: its short-window stats), or None when calm."""
     latest = window.latest
     if latest is None:
         return None
     snaps = window.snapshots
     previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
     return classify(
-        window.stats(short_s), lambda: stats_of(window.recent(cfg.window_s)), lambda: stats_of(window.older_than(cfg.window_s)),
+        short, lambda: stats_of(window.recent(cfg.window_s), latency=False),
+        lambda: stats_of(window.older_than(cfg.window_s), latency=False),
         latest.serving_queue, previous, cfg, slo,
     )
 
@@ -106,14 +107,14 @@ class BurstDetector:
     def observe(self, window: ExecutorWindow, now: float) -> SloAlert | None:
         """The alert to publish now, if any (called on every new snapshot of this executor)."""
         st = self.state
-        found = signals(window, self.cfg, self.slo, self.short_s)
+        short = window.stats(self.short_s)
+        found = signals(window, self.cfg, self.slo, short)
         latest = window.latest
         assert latest is not None
-        short = window.stats(self.short_s)
         common = dict(
             executor_id=self.executor_id,
             at=now,
-            arrival_rate_rps=stats_of(window.recent(self.cfg.window_s)).arrival_rate_rps,
+            arrival_rate_rps=stats_of(window.recent(self.cfg.window_s), latency=False).arrival_rate_rps,
             serving_queue=latest.serving_queue,
             ttft_p99_ms=short.ttft_p99_ms,
             tpot_p99_ms=short.tpot_p99_ms,

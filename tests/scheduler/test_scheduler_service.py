@@ -9,7 +9,7 @@ import socket
 import time
 
 
-from rose.contracts.registry import EVENTS_STREAM, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
+from rose.contracts.registry import EVENTS_STREAM, EXECUTOR_BURST, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import SloAlert
@@ -97,6 +97,12 @@ async def test_lease_lifecycle_routing_and_restart(bus, nats_server, tmp_path):
             await proc.wait_ready(bus, START_TIMEOUT_S)
             again = await until(lambda: _active(bus, newer_than=regranted.expires_at))
             assert again.epoch >= regranted.epoch
+
+            # the executor's own burst alert (executor.burst, services/executor/main.py) takes it back the same way
+            calm["ex-s1"] = False
+            await bus.publish(EXECUTOR_BURST, SloAlert(executor_id="ex-s1", at=time.time(), severity="burst", reason="executor-side burst"), executor_id="ex-s1")
+            revoked = await until(lambda: _state(bus, "revoked"), timeout=5.0, step=0.02)
+            assert "executor-side burst" in revoked.reason and revoked.epoch >= again.epoch
     finally:
         proc.stop()
 

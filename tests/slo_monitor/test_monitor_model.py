@@ -148,3 +148,29 @@ def test_monitor_headroom_for_serving_and_dedicated():
     assert d.role == "dedicated" and d.rollout_tokens_per_s == 400.0
     assert set(m.live(2.5)) == {"ex-1", "ded-1"} and m.live(100.0) == []
     assert m.fleet_load()["executors"] == 2.0
+
+
+def test_running_window_sums_read_the_quantiles_ddsketch_reads():
+    """The window keeps bin sums (added on arrival, subtracted on eviction) instead of merging
+    DDSketch objects on every snapshot; its p99 must be exactly what a DDSketch of the window's
+    values reads, after evictions too, zeros included."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    w = ExecutorWindow(2.0)
+    values: list[tuple[float, list[float]]] = []
+    for i in range(60):
+        batch = [0.0] * int(rng.integers(0, 2)) + [float(v) for v in rng.lognormal(3.5, 0.6, size=int(rng.integers(0, 12)))]
+        w.add(snap(i * INTERVAL, ttft=batch, tpot=batch[:3]), i * INTERVAL)
+        values.append((i * INTERVAL, batch))
+        ref, ref_short = DDSketch(0.01), DDSketch(0.01)
+        for at, vs in values:
+            for v in vs:
+                if i * INTERVAL - at <= 2.0:
+                    ref.add(v)
+                if i * INTERVAL - at < 0.5:
+                    ref_short.add(v)
+        got, got_short = w.stats(), w.stats(0.5)
+        assert got.ttft_p99_ms == (ref.get_quantile_value(0.99) or 0.0 if ref.count else 0.0)
+        assert got_short.ttft_p99_ms == (ref_short.get_quantile_value(0.99) or 0.0 if ref_short.count else 0.0)
+        assert got.ttft_count == ref.count
