@@ -47,3 +47,16 @@ async def bus(bus_config: BusConfig):
     async with Bus(bus_config, service="tester", instance="tester-1") as b:
         await provision(b.js)
         yield b
+
+
+# Whole fleets (every service as a process, a trainer, a serving trace) measure throughput inside a
+# fixed window: two of them at once on a 2-core machine starve each other (a demo made no GRPO step
+# in 30 s beside another fleet). Under pytest-xdist (`--dist loadgroup`, ./scripts/test) they run
+# one after another on one worker, while the other worker takes the lighter tests.
+FLEET_MODULES = ("test_demo.py", "test_bench_e2e.py", "test_bench_faults.py", "test_rollout_e2e.py", "test_up_auth.py", "test_trainer_resume.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FLEET_MODULES or item.name == "test_bench_coserve_fields":
+            item.add_marker(pytest.mark.xdist_group("fleet"))
