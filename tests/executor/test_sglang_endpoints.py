@@ -3,11 +3,8 @@ SGLang 0.5.3's clients (slime, verl, AReaL) send them: /generate (single, batch,
 modes, weight pushes (direct and flattened_bucket tensors, disk), versions, memory, cache, abort."""
 
 import asyncio
-import dataclasses
 import json
-import sys
 import time
-import types
 
 import aiohttp
 import pytest
@@ -21,6 +18,8 @@ from rose.services.executor.http_api import OpenAIApi
 from rose.services.executor.sglang_api import SGLangApi
 from rose.services.executor.sglang_tensors import serialize_named_tensors
 from rose.services.executor.telemetry import Telemetry
+
+from sglang_sender import flattened_tensor_metadata
 
 OPEN = SGLangApiSettings(allow_unauthenticated_admin=True)
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -204,20 +203,7 @@ async def test_update_weights_from_tensor_direct(serve):
 async def test_update_weights_flattened_bucket_as_slime_sends_it(serve, monkeypatch):
     """slime pickles sglang's FlattenedTensorMetadata; a module of that name stands in for SGLang on the sending side."""
 
-    @dataclasses.dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
-    FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = module.__name__, "FlattenedTensorMetadata"
-    module.FlattenedTensorMetadata = FlattenedTensorMetadata
-    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket"):
-        monkeypatch.setitem(sys.modules, name, module if name.endswith("tensor_bucket") else types.ModuleType(name))
+    FlattenedTensorMetadata = flattened_tensor_metadata(monkeypatch)
     session, base, engine, _ = await serve()
     live = engine.policy_state_dict()
     names = [n for n in live if n.endswith("input_layernorm.weight")][:2]

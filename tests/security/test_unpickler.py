@@ -10,14 +10,12 @@ payloads with torch's own unpickler (what SGLang does) to show they are live.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import os
 import resource
 import secrets
 import subprocess
 import sys
 import time
-import types
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -33,6 +31,8 @@ from rose.cli.bench_security import (
     payload_tensors,
 )
 from rose.services.executor.sglang_tensors import UnsafePayload, deserialize_named_tensors, serialize_named_tensors
+
+from sglang_sender import flattened_tensor_metadata
 
 HUGE = 16 << 30
 
@@ -186,20 +186,7 @@ def test_code_in_the_pickle_runs_nothing(params, tmp_path):
 def test_flattened_bucket_is_checked_against_the_policy(params, monkeypatch):
     """slime pickles sglang's FlattenedTensorMetadata (as tests/executor/test_sglang_endpoints.py sends it)."""
 
-    @dataclasses.dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
-    FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = module.__name__, "FlattenedTensorMetadata"
-    module.FlattenedTensorMetadata = FlattenedTensorMetadata
-    for mod in ("sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket"):
-        monkeypatch.setitem(sys.modules, mod, module if mod.endswith("tensor_bucket") else types.ModuleType(mod))
+    FlattenedTensorMetadata = flattened_tensor_metadata(monkeypatch)
     named = list(params.items())
     flat = torch.cat([t.reshape(-1) for _, t in named])
     metas, start = [], 0
