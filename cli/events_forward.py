@@ -223,7 +223,7 @@ class Forwarder:
         while not self._stop.is_set():
             try:
                 msgs = await sub.fetch(1, timeout=FETCH_TIMEOUT_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.ConnectionClosedError:
                 return
@@ -254,7 +254,7 @@ class Forwarder:
             "source": f"rose/{stream}",
             "type": event_type(msg.subject),
             "subject": msg.subject,
-            "time": (meta.timestamp or dt.datetime.now(dt.timezone.utc)).isoformat().replace("+00:00", "Z"),
+            "time": (meta.timestamp or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z"),
             "datacontenttype": "application/json",
         }
         try:
@@ -284,7 +284,7 @@ class Forwarder:
                     retry_after = _retry_after(response.headers.get("Retry-After"))
                     if status < 500 and status not in RETRYABLE_STATUS:
                         return Outcome(False, attempt, status, f"refused: {error}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 status, error = None, f"{type(exc).__name__}: {exc}"
             if attempt == s.max_attempts:
                 break
@@ -303,13 +303,13 @@ class Forwarder:
         try:
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _write_dead_letter(self, envelope: dict[str, Any], outcome: Outcome) -> None:
         self.dead_lettered += 1
         record = {
-            "at": dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z"),
+            "at": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
             "url": self.settings.url,
             "subject": envelope["subject"],
             "id": envelope["id"],
@@ -370,15 +370,31 @@ def settings_from_args(args: argparse.Namespace) -> ForwardSettings:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", required=True, help="the http(s) URL each event is POSTed to")
-    p.add_argument("--subjects", nargs="+", default=None, metavar="SUBJECT", help="subject filters, each inside one stream (default: every public event; see docs/events.md)")
-    p.add_argument("--durable", default=None, help="the JetStream durable consumer name (default: derived from --to); the same name resumes where it stopped")
-    p.add_argument("--dead-letter", default=None, help="JSON-lines file of events the URL refused (default: $ROSE_STATE_DIR/forward/<durable>.dead-letters.jsonl)")
+    p.add_argument(
+        "--subjects",
+        nargs="+",
+        default=None,
+        metavar="SUBJECT",
+        help="subject filters, each inside one stream (default: every public event; see docs/events.md)",
+    )
+    p.add_argument(
+        "--durable", default=None, help="the JetStream durable consumer name (default: derived from --to); the same name resumes where it stopped"
+    )
+    p.add_argument(
+        "--dead-letter",
+        default=None,
+        help="JSON-lines file of events the URL refused (default: $ROSE_STATE_DIR/forward/<durable>.dead-letters.jsonl)",
+    )
     p.add_argument("--max-attempts", type=int, default=5, help="HTTP attempts per event before it is dead-lettered (default 5)")
     p.add_argument("--backoff", type=float, default=0.5, help="seconds before the first retry, doubled each time (default 0.5)")
     p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait between retries (default 30)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP attempt (default 10)")
-    p.add_argument("--deliver", choices=("new", "all"), default="new", help="where a new consumer starts: events from now on (new) or all the stream keeps (all)")
-    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'", help="an extra HTTP header (repeatable), e.g. 'Authorization: Bearer ...'")
+    p.add_argument(
+        "--deliver", choices=("new", "all"), default="new", help="where a new consumer starts: events from now on (new) or all the stream keeps (all)"
+    )
+    p.add_argument(
+        "--header", action="append", default=[], metavar="'NAME: VALUE'", help="an extra HTTP header (repeatable), e.g. 'Authorization: Bearer ...'"
+    )
     p.add_argument("--nats-url", default=None, help="NATS to read from (default: NATS_URL, else the one `rose up` started)")
     p.add_argument("--state-dir", default=None, help="state dir of the `rose up` whose NATS to use")
 

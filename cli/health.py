@@ -47,7 +47,7 @@ async def _heartbeats(url: str, timeout: float, service: str, instance: str | No
             return await bus.kv_values(SERVICE_REGISTRY)
         except BucketNotFoundError:  # nothing has ever started on this server
             return []
-        except (nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.Error):
             return await _live_heartbeats(bus, service, timeout, instance)
     finally:
         await bus.close()
@@ -64,7 +64,7 @@ async def _live_heartbeats(bus, service: str, timeout: float, instance: str | No
     await bus.subscribe(HEARTBEAT, on_beat, service=service, **({"instance": instance} if instance else {}))
     try:
         await asyncio.wait_for(heard.wait(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     return beats
 
@@ -87,12 +87,11 @@ def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | Non
 
 async def _http_problem(url: str, timeout: float) -> str | None:
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-            async with session.get(url) as reply:
-                if 200 <= reply.status < 300:
-                    return None
-                return f"{url} answered {reply.status}: {(await reply.text())[:200]}"
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, session.get(url) as reply:
+            if 200 <= reply.status < 300:
+                return None
+            return f"{url} answered {reply.status}: {(await reply.text())[:200]}"
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return f"{url} unreachable: {exc!r}"
 
 

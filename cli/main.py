@@ -10,20 +10,8 @@ from pathlib import Path
 
 from rose import __version__
 
-MODEL_PRESET_NAMES = ("tiny", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
-
-# Services that exist; `rose up` starts these and `rose run NAME` runs one in the foreground.
-# Each module has `main(argv) -> int`.
-SERVICE_MODULES: dict[str, str] = {
-    "executor": "rose.services.executor.main",
-    "slo_monitor": "rose.services.slo_monitor.main",
-    "scheduler": "rose.services.scheduler.main",
-    "rollout_worker": "rose.services.rollout_worker.main",
-    "weight_publisher": "rose.services.weight_publisher.main",
-    "trainer": "rose.services.trainer.main",
-}
-# Started by `rose run NAME` only, not by a plain `rose up` (the trainer drives an RL job of its own).
-ON_DEMAND_SERVICES = ("trainer",)
+from .options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
+from .service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -88,14 +76,14 @@ def _cmd_models_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_bus(args: argparse.Namespace) -> int:
-    from .bench_bus import run_bus_bench
+    from rose.bench.bus import run_bus_bench
 
     result = asyncio.run(run_bus_bench(out_json=args.json, requests=args.requests, rounds=args.rounds))
     return 0 if result["meets_target"] else 1
 
 
 def _cmd_bench_security(args: argparse.Namespace) -> int:
-    from .bench_security import print_summary, run_security_bench
+    from rose.bench.security import print_summary, run_security_bench
 
     result = run_security_bench(args.json, quick=args.quick, include_sandbox=not args.no_sandbox)
     print_summary(result, args.json)
@@ -103,35 +91,27 @@ def _cmd_bench_security(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_coserve(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rose.bench.coserve import command
 
-    from .bench_coserve import run_coserve_bench
-
-    run_coserve_bench(
-        out_json=args.json, seed=args.seed, serving_load=args.serving_load, duration_s=args.duration, model_dir=args.models, console=Console(),
-        device=args.device, dtype=args.dtype, preset=args.preset, loads=args.loads, seeds=args.seeds, noises=args.noise,
-    )
-    return 0
-
-
-def _number_list(kind):
-    """An argparse type: a comma-separated list of ``kind`` (`0.2,0.35,0.5`)."""
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
-    return parse
+    return command(args)
 
 
 def _cmd_bench_elastic(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .bench_elastic import run_elastic_bench
+    from rose.bench.elastic import run_elastic_bench
 
     result = run_elastic_bench(
-        out_json=args.json, seed=args.seed, executors=args.executors, dedicated=args.dedicated, burst_factor=args.burst_factor,
-        duration_s=args.duration, model_dir=args.models, console=Console(), burst_factors=args.burst_factors, min_bursts=args.min_bursts,
+        out_json=args.json,
+        seed=args.seed,
+        executors=args.executors,
+        dedicated=args.dedicated,
+        burst_factor=args.burst_factor,
+        duration_s=args.duration,
+        model_dir=args.models,
+        console=Console(),
+        burst_factors=args.burst_factors,
+        min_bursts=args.min_bursts,
     )
     return 0 if result["tasks_lost"] == 0 else 1
 
@@ -139,17 +119,25 @@ def _cmd_bench_elastic(args: argparse.Namespace) -> int:
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .bench_e2e import run_e2e_bench
+    from rose.bench.e2e import run_e2e_bench
 
     result = run_e2e_bench(
-        out_json=args.json, seed=args.seed, duration_s=args.duration, policies=args.policies, model_dir=args.models,
-        serving=args.serving, dedicated=args.dedicated, console=Console(), warm_start_steps=args.warm_start_steps, pin="none" if args.unpinned else args.pin,
+        out_json=args.json,
+        seed=args.seed,
+        duration_s=args.duration,
+        policies=args.policies,
+        model_dir=args.models,
+        serving=args.serving,
+        dedicated=args.dedicated,
+        console=Console(),
+        warm_start_steps=args.warm_start_steps,
+        pin="none" if args.unpinned else args.pin,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
 
 def _cmd_bench_faults(args: argparse.Namespace) -> int:
-    from .bench_faults import run_faults_bench
+    from rose.bench.faults import run_faults_bench
 
     result = run_faults_bench(out_json=args.json, seed=args.seed, quick=args.quick, models=args.models)
     ok = result["faults_survived"] == result["faults_injected"] and result["trajectories_lost"] == 0 and result["weight_versions_lost"] == 0
@@ -157,26 +145,39 @@ def _cmd_bench_faults(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from rose.bench.demo import run_demo
 
-    summary = run_demo(out=args.out, duration=args.duration, seed=args.seed, models=args.models, serving=args.serving, dedicated=args.dedicated,
-                       warm_start_steps=args.warm_start_steps)
+    summary = run_demo(
+        out=args.out,
+        duration=args.duration,
+        seed=args.seed,
+        models=args.models,
+        serving=args.serving,
+        dedicated=args.dedicated,
+        warm_start_steps=args.warm_start_steps,
+    )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 
 
 def _cmd_bench_weights(args: argparse.Namespace) -> int:
-    from .bench_weights import run_weights_bench
+    from rose.bench.weights import run_weights_bench
 
     out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
     return 0 if all(out["meets_target"].values()) else 1
 
 
 def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
-    from .bench_control_plane import Settings, run_control_plane_bench
+    from rose.bench.control_plane import Settings, run_control_plane_bench
 
     settings = Settings(
-        executors=[int(n) for n in args.executors.split(",") if n.strip()], duration_s=args.duration, interval_s=args.interval,
-        cluster=args.cluster, turns_per_s=args.turns_per_s, seed=args.seed, instances=args.instances, kill=args.kill,
+        executors=[int(n) for n in args.executors.split(",") if n.strip()],
+        duration_s=args.duration,
+        interval_s=args.interval,
+        cluster=args.cluster,
+        turns_per_s=args.turns_per_s,
+        seed=args.seed,
+        instances=args.instances,
+        kill=args.kill,
     )
     out = asyncio.run(run_control_plane_bench(args.json, settings))
     return 0 if all(level["snapshots_lost"] == 0 for level in out["levels"]) else 1
@@ -185,17 +186,34 @@ def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
 def _cmd_bench_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .sim import bench as sim
+    from rose.sim import bench as sim
 
     models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
     fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
     demands = args.demand or ([args.oversubscription] if args.oversubscription else (sim.QUICK_DEMANDS if args.quick else sim.DEMANDS))
     ratios = args.dedicated_ratio or (sim.QUICK_RATIOS if args.quick else sim.RATIOS)
     sim.run_sim_bench(
-        out_json=args.json, seed=args.seed, models=models, fleets=fleets, demands=demands, ratios=ratios, modes=args.modes or sim.MODES,
-        policies=args.policies or sim.POLICIES, steps=args.steps or (1 if args.quick else 2), jobs=args.jobs,
-        device=args.device, load=args.load, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        quantum_ms=args.quantum_ms, what_if=tuple(args.what_if or ()), e2e=args.e2e, coserve=args.coserve, calibrate=args.calibrate, measure_steps=not args.no_measure, console=Console(),
+        out_json=args.json,
+        seed=args.seed,
+        models=models,
+        fleets=fleets,
+        demands=demands,
+        ratios=ratios,
+        modes=args.modes or sim.MODES,
+        policies=args.policies or sim.POLICIES,
+        steps=args.steps or (1 if args.quick else 2),
+        jobs=args.jobs,
+        device=args.device,
+        load=args.load,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        quantum_ms=args.quantum_ms,
+        what_if=tuple(args.what_if or ()),
+        e2e=args.e2e,
+        coserve=args.coserve,
+        calibrate=args.calibrate,
+        measure_steps=not args.no_measure,
+        console=Console(),
     )
     return 0
 
@@ -203,32 +221,26 @@ def _cmd_bench_sim(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .sim.plan import run_plan
-    from .sim.traces import TraceError
+    from rose.sim.plan import run_plan
+    from rose.sim.traces import TraceError
 
     try:
-        run_plan(trace=args.trace, fleet=args.fleet, model=args.model, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                 scale=args.scale, out_json=args.json, console=Console(), demands=tuple(args.demand), dedicated_ratio=args.dedicated_ratio)
+        run_plan(
+            trace=args.trace,
+            fleet=args.fleet,
+            model=args.model,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            scale=args.scale,
+            out_json=args.json,
+            console=Console(),
+            demands=tuple(args.demand),
+            dedicated_ratio=args.dedicated_ratio,
+        )
     except (TraceError, ValueError) as exc:
         print(f"rose plan: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
-    """`rose bench coserve`'s options (also `python -m rose.cli.bench_coserve`'s)."""
-    b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
-    b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
-    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
-    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: models of --preset built on the spot)")
-    b.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny", help="sizes of the models built on the spot (see `rose models init`)")
-    b.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    b.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="of both models (auto: bfloat16 on CUDA, float32 on CPU)")
-    b.add_argument("--loads", type=_number_list(float), default=None, help="a grid: comma-separated serving loads (instead of --serving-load), e.g. 0.2,0.35,0.5")
-    b.add_argument("--seeds", type=_number_list(int), default=None, help="a grid: comma-separated seeds (instead of --seed), e.g. 3,4,5")
-    b.add_argument("--noise", type=_number_list(float), default=None,
-                   help="a co-runner burning this fraction of one core through every policy; comma-separated for a grid, e.g. 0,0.3 (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,26 +252,43 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="a real RL job on co-elastic capacity: the whole fleet, a live table, report/summary.json and plots (~5 min)")
-    p.add_argument("--duration", type=float, default=None, help="seconds of serving trace and training (default: %(default)s -> the demo's own, about 3 minutes)")
+    p.add_argument(
+        "--duration", type=float, default=None, help="seconds of serving trace and training (default: %(default)s -> the demo's own, about 3 minutes)"
+    )
     p.add_argument("--seed", type=int, default=0, help="serving trace and task seed")
     p.add_argument("--out", default="report", help="where summary.json, the plots, logs and the models go")
     p.add_argument("--models", default=None, help="a models directory to reuse (default: build them under --out)")
     p.add_argument("--serving", type=int, default=2, help="serving executors (each takes a replayed trace with bursts)")
     p.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
-    p.add_argument("--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)")
+    p.add_argument(
+        "--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)"
+    )
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
     p.add_argument("--state-dir", default=None, help="where the NATS store, logs and models live (default: $ROSE_STATE_DIR or ./.rose)")
-    p.add_argument("--services", nargs="*", default=None, help=f"which services to start (default: {sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))})")
+    p.add_argument(
+        "--services", nargs="*", default=None, help=f"which services to start (default: {sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))})"
+    )
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every service to report ready")
     p.add_argument(
-        "--nats-cluster", type=int, default=1, metavar="N",
-        help="NATS nodes to start: 1 (default) one embedded server; 3 the docker compose topology, a JetStream cluster whose streams and buckets get N replicas",
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="NATS nodes to start: 1 (default) one embedded server; 3 the docker compose topology, a JetStream cluster whose streams and buckets "
+        "get N replicas",
     )
-    p.add_argument("--no-auth", action="store_true", help="start the embedded NATS without authentication (default: per-service NKeys and permissions)")
+    p.add_argument(
+        "--no-auth", action="store_true", help="start the embedded NATS without authentication (default: per-service NKeys and permissions)"
+    )
     p.add_argument("--tls", action="store_true", help="the embedded NATS requires TLS (a CA and server certificate made under the state dir)")
-    p.add_argument("--credentials", default=None, metavar="DIR", help="the credentials directory (`rose security init DIR`; default: STATE_DIR/security, made and reused); with NATS_URL, the server's")
+    p.add_argument(
+        "--credentials",
+        default=None,
+        metavar="DIR",
+        help="the credentials directory (`rose security init DIR`; default: STATE_DIR/security, made and reused); with NATS_URL, the server's",
+    )
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("status", help="list live services from their heartbeats, with their endpoints")
@@ -327,8 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = msub.add_parser("init", help="build a tiny serving model and a tiny policy model (Qwen2, real tokenizer) in DIR")
     m.add_argument("dir", help="output directory (gets serving/ and policy/)")
     m.add_argument("--seed", type=int, default=0, help="random seed of weights and tokenizer corpus")
-    m.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny",
-                   help="sizes: tiny (CPU, the default) or qwen2.5 (Qwen2.5-0.5B / 1.5B layer shapes in bfloat16, for GPU nodes)")
+    m.add_argument(
+        "--preset",
+        choices=MODEL_PRESET_NAMES,
+        default="tiny",
+        help="sizes: tiny (CPU, the default) or qwen2.5 (Qwen2.5-0.5B / 1.5B layer shapes in bfloat16, for GPU nodes)",
+    )
     m.set_defaults(func=_cmd_models_init)
 
     p = sub.add_parser("bench", help="benchmarks: each compares against a baseline in the same run and writes JSON")
@@ -338,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=2000, help="requests per measured round")
     b.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender (median is reported)")
     b.set_defaults(func=_cmd_bench_bus)
-    b = bsub.add_parser("security", help="every known attack (confused deputy on the bus, unpickler payloads, HTTP, sandbox escapes) against real processes")
+    b = bsub.add_parser(
+        "security", help="every known attack (confused deputy on the bus, unpickler payloads, HTTP, sandbox escapes) against real processes"
+    )
     b.add_argument("--json", default="bench-out/security.json", help="where to write the JSON result (one row per attack)")
     b.add_argument("--quick", action="store_true", help="fewer bus combinations, the unpickler without the HTTP engine, a few sandbox escapes")
     b.add_argument("--no-sandbox", action="store_true", help="leave out the code sandbox's escapes")
@@ -368,25 +403,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--turns-per-s", type=float, default=0.5, help="turn route requests per second per leased executor")
     b.add_argument("--seed", type=int, default=0, help="seed of arrivals and bursts")
     b.add_argument("--instances", type=int, default=1, help="SLO monitor and scheduler instances each; several split the executors")
-    b.add_argument("--kill", action="store_true", help="kill -9 one monitor and one scheduler halfway (with --instances >= 2): takeover time, double grants")
+    b.add_argument(
+        "--kill", action="store_true", help="kill -9 one monitor and one scheduler halfway (with --instances >= 2): takeover time, double grants"
+    )
     b.set_defaults(func=_cmd_bench_control_plane)
     b = bsub.add_parser(
         "elastic",
-        help="serving executors under a bursty trace, dedicated executors, monitor, scheduler and a rollout worker as real processes; kill -9 and NATS restart mid-run",
+        help="serving executors under a bursty trace, dedicated executors, monitor, scheduler and a rollout worker as real processes; kill -9 and "
+        "NATS restart mid-run",
     )
     b.add_argument("--json", default="bench-out/elastic.json", help="where to write the JSON result (the timeline PNG goes beside it)")
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the task order")
     b.add_argument("--executors", type=int, default=2, help="serving (opportunistic) executors")
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     b.add_argument("--burst-factor", type=float, default=3.0, help="serving arrival rate during a burst, as a multiple of the base rate")
-    b.add_argument("--burst-factors", type=_number_list(float), default=None, help="one fleet run per factor, e.g. 3,5 (instead of --burst-factor)")
-    b.add_argument("--min-bursts", type=int, default=0, help="bursts every 12 s and a trace long enough for this many to find a lease held (e.g. 20 for a p99)")
+    b.add_argument("--burst-factors", type=number_list(float), default=None, help="one fleet run per factor, e.g. 3,5 (instead of --burst-factor)")
+    b.add_argument(
+        "--min-bursts", type=int, default=0, help="bursts every 12 s and a trace long enough for this many to find a lease held (e.g. 20 for a p99)"
+    )
     b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_cmd_bench_elastic)
     b = bsub.add_parser(
         "faults",
-        help="the demo's fleet under injected faults: kill -9 of NATS and of each service kind, a paused executor, a slow consumer, a stream byte limit",
+        help="the demo's fleet under injected faults: kill -9 of NATS and of each service kind, a paused executor, a slow consumer, a stream byte "
+        "limit",
     )
     b.add_argument("--json", default="bench-out/faults.json", help="where to write the JSON result (the timeline PNG beside it, logs in <name>-run/)")
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the RL job")
@@ -397,16 +438,28 @@ def build_parser() -> argparse.ArgumentParser:
         "e2e",
         help="the demo's RL job on fresh fleets under static / naive_share / elastic_baseline / rose: RL steps per hour, rollout time, serving SLO",
     )
-    b.add_argument("--json", default="bench-out/e2e.json", help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)")
+    b.add_argument(
+        "--json", default="bench-out/e2e.json", help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)"
+    )
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the tasks (the same for every policy)")
-    b.add_argument("--duration", type=float, default=None, help="seconds of trace and training per policy (default: 120; about 12 minutes for all four)")
+    b.add_argument(
+        "--duration", type=float, default=None, help="seconds of trace and training per policy (default: 120; about 12 minutes for all four)"
+    )
     b.add_argument("--policies", nargs="+", default=None, metavar="POLICY", help="run only these (default: static naive_share elastic_baseline rose)")
     b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
-    b.add_argument("--serving", type=int, default=None, help="serving executors (default: the demo's 2; pinned, at most the cores left after the dedicated ones)")
+    b.add_argument(
+        "--serving", type=int, default=None, help="serving executors (default: the demo's 2; pinned, at most the cores left after the dedicated ones)"
+    )
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
-    b.add_argument("--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)")
-    b.add_argument("--pin", choices=("auto", "none"), default="auto",
-                   help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned")
+    b.add_argument(
+        "--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)"
+    )
+    b.add_argument(
+        "--pin",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned",
+    )
     b.add_argument("--unpinned", action="store_true", help="the same as --pin none")
     b.set_defaults(func=_cmd_bench_e2e)
     b = bsub.add_parser(
@@ -415,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", default="bench-out/sim.json", help="where to write the JSON result (the PNG goes beside it)")
     b.add_argument("--seed", type=int, default=0, help="seed of traces, batches and routing (the same for every policy)")
-    b.add_argument("--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)")
+    b.add_argument(
+        "--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)"
+    )
     b.add_argument("--models", nargs="+", default=None, choices=["7B", "14B", "32B", "70B"], help="model sizes (default: all four)")
     b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
     b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
@@ -424,15 +479,39 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
     b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
-    b.add_argument("--demand", nargs="+", type=float, default=None, help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)")
+    b.add_argument(
+        "--demand",
+        nargs="+",
+        type=float,
+        default=None,
+        help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)",
+    )
     b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.25 0.5)")
-    b.add_argument("--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)")
-    b.add_argument("--policies", nargs="+", choices=["static", "naive_share", "elastic_baseline", "rose"], default=None, help="policies to run (default: all four)")
+    b.add_argument(
+        "--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)"
+    )
+    b.add_argument(
+        "--policies",
+        nargs="+",
+        choices=["static", "naive_share", "elastic_baseline", "rose"],
+        default=None,
+        help="policies to run (default: all four)",
+    )
     b.add_argument("--oversubscription", type=float, default=None, help="the same as one --demand value (kept for old scripts)")
     b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
-    b.add_argument("--what-if", nargs="+", default=None, choices=["kv_slots", "sticky_throughput"],
-                   help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever measured)")
-    b.add_argument("--e2e", default=None, help="calibrate against this `rose bench e2e` JSON (per-policy rl_steps_per_hour error; default: bench-out/e2e.json if present)")
+    b.add_argument(
+        "--what-if",
+        nargs="+",
+        default=None,
+        choices=["kv_slots", "sticky_throughput"],
+        help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever "
+        "measured)",
+    )
+    b.add_argument(
+        "--e2e",
+        default=None,
+        help="calibrate against this `rose bench e2e` JSON (per-policy rl_steps_per_hour error; default: bench-out/e2e.json if present)",
+    )
     b.add_argument("--coserve", default=None, help="calibrate against this `rose bench coserve` JSON (per-policy rollout tokens/s error)")
     b.add_argument("--calibrate", action="store_true", help="run a short real `rose bench coserve` now and calibrate against it (about a minute)")
     b.add_argument("--no-measure", action="store_true", help="do not measure the tiny models' step times (no calibration at all)")
@@ -445,8 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
     p.add_argument("--scale", default="auto", help="multiply the trace's request rate (auto: its busiest hour at 45%% of the fleet's SLO capacity)")
-    p.add_argument("--demand", nargs="*", type=float, default=[1.0, 2.0, 4.0],
-                   help="rollout demand levels to simulate (static vs rose) for the expected speedup (none: skip the simulation)")
+    p.add_argument(
+        "--demand",
+        nargs="*",
+        type=float,
+        default=[1.0, 2.0, 4.0],
+        help="rollout demand levels to simulate (static vs rose) for the expected speedup (none: skip the simulation)",
+    )
     p.add_argument("--dedicated-ratio", type=float, default=0.25, help="dedicated rollout GPUs per serving GPU in that simulation")
     p.add_argument("--json", default="bench-out/plan.json", help="where to write the JSON result (the PNG goes beside it)")
     p.set_defaults(func=_cmd_plan)

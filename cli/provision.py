@@ -56,7 +56,7 @@ async def connect_bus(config: BusConfig, instance: str, *, service: str = "cli")
     limit = config.initial_connect_deadline_s + config.connect_timeout_s
     try:
         await asyncio.wait_for(bus.connect(), timeout=limit)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await bus.close()
         raise ConnectionError(f"cannot reach NATS at {config.url} within {limit:.0f}s") from None
     return bus
@@ -72,7 +72,9 @@ async def provision_storage(config: BusConfig, *, retry_for_s: float = RETRY_FOR
                 return await provision(bus.js, replicas=config.replicas)
             except _TRANSIENT as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"JetStream at {config.url} still not ready for R{config.replicas} storage after {retry_for_s:.0f}s: {exc!r}") from exc
+                    raise RuntimeError(
+                        f"JetStream at {config.url} still not ready for R{config.replicas} storage after {retry_for_s:.0f}s: {exc!r}"
+                    ) from exc
                 await asyncio.sleep(0.5)
     finally:
         await bus.close()

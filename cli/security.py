@@ -51,7 +51,10 @@ def init_command(args: argparse.Namespace) -> int:
         )
     print(f"server: add `include {SERVER_INCLUDE}` to the nats-server config (copy the file beside it)")
     if args.cluster_route:
-        print(f"cluster: `include {CLUSTER_INCLUDE}` inside the cluster {{}} block of every node (route password and routes to {', '.join(args.cluster_route)})")
+        print(
+            f"cluster: `include {CLUSTER_INCLUDE}` inside the cluster {{}} block of every node (route password and routes to "
+            f"{', '.join(args.cluster_route)})"
+        )
     if args.tls_host:
         print(f"TLS: `include {TLS_INCLUDE}` too; clients set ROSE_BUS__TLS_CA_FILE={creds.ca_file}")
     print(
@@ -81,19 +84,25 @@ def add_parser(security_sub: argparse._SubParsersAction) -> None:
     """Register `init` and `permissions` under the `rose security` command group."""
     i = security_sub.add_parser("init", help="write an NKey seed per service and the server's permission config (nats-auth.conf) into DIR")
     i.add_argument("dir", help="directory for the credentials (created with mode 0700)")
-    i.add_argument("--force", action="store_true", help="replace existing seeds (and TLS files, the route password): every service then needs its new seed")
-    i.add_argument("--tls-host", action="append", metavar="HOST", help="also make a CA and a server certificate for HOST (a name or an IP; repeat for more)")
+    i.add_argument(
+        "--force", action="store_true", help="replace existing seeds (and TLS files, the route password): every service then needs its new seed"
+    )
+    i.add_argument(
+        "--tls-host", action="append", metavar="HOST", help="also make a CA and a server certificate for HOST (a name or an IP; repeat for more)"
+    )
     i.add_argument(
         "--cluster-route",
         action="append",
         metavar="HOST:PORT",
-        help=f"a cluster node's route listener (repeat for every node): also write {CLUSTER_INCLUDE}, route auth with a generated password, for every node's cluster block",
+        help=f"a cluster node's route listener (repeat for every node): also write {CLUSTER_INCLUDE}, route auth with a generated password, for "
+        "every node's cluster block",
     )
     i.add_argument(
         "--instance",
         action="append",
         metavar="SERVICE=NAME[,NAME...]",
-        help=f"also a user per named instance of SERVICE ({', '.join(INSTANCE_TOKENS)}), its subjects pinned to NAME: DIR/SERVICE@NAME.nk (repeat for more)",
+        help=f"also a user per named instance of SERVICE ({', '.join(INSTANCE_TOKENS)}), its subjects pinned to NAME: DIR/SERVICE@NAME.nk (repeat "
+        "for more)",
     )
     i.set_defaults(func=init_command)
     p = security_sub.add_parser("permissions", help="what each user may publish, read and write (markdown table; --json: the exact subjects)")

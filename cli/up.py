@@ -38,8 +38,8 @@ from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
 from rose.shared.provisioning import ProvisioningConflict
 from rose.shared.security import INSTANCE_TOKENS, OPERATOR, Credentials, init_credentials, instance_user
 
-from .main import ON_DEMAND_SERVICES, SERVICE_MODULES
 from .provision import bus_config_from_env, provision_storage
+from .service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
 from .status import UP_FILE, live_services, operator_config
 
 STOP_TIMEOUT_S = 20.0
@@ -58,9 +58,8 @@ class Supervised:
     started_at: float = field(default=0.0)
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:  # the child holds its own copy of the descriptor
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:

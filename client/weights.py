@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_MANIFEST, WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
 from rose.contracts.weights import WeightManifest, WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
@@ -111,7 +112,7 @@ class WeightsClient:
     async def publish(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int, *, keyframe: bool = False) -> WeightPublishAccepted:
         """Hand `weights` (a state dict, or a safetensors file/directory) to the publisher as `version`."""
         await self.start()
-        attributes = {"rose.model": self.model, "rose.weight_version": version, "rose.keyframe": keyframe}
+        attributes: dict[str, AttributeValue] = {"rose.model": self.model, "rose.weight_version": version, "rose.keyframe": keyframe}
         with tracer().start_as_current_span("weights.client_publish", kind=SpanKind.PRODUCER, attributes=attributes):
             return await self._publish(weights, version, keyframe)
 
@@ -122,16 +123,28 @@ class WeightsClient:
             del self._results[version]  # asked for again after it failed: wait for this attempt's outcome
         self._future(version)
         if isinstance(weights, (str, Path)):
-            request = WeightPublishRequest(request_id=request_id, model=self.model, version=version, source="path", path=str(Path(weights).resolve()), keyframe=keyframe)
+            request = WeightPublishRequest(
+                request_id=request_id, model=self.model, version=version, source="path", path=str(Path(weights).resolve()), keyframe=keyframe
+            )
         elif self.staging_dir is not None:
             self.staging_dir.mkdir(parents=True, exist_ok=True)
             path = await asyncio.to_thread(save_safetensors, weights, self.staging_dir / f"{self.model}-v{version}-{request_id[:8]}.safetensors")
-            request = WeightPublishRequest(request_id=request_id, model=self.model, version=version, source="path", path=str(path.resolve()), keyframe=keyframe, delete_source=True)
+            request = WeightPublishRequest(
+                request_id=request_id,
+                model=self.model,
+                version=version,
+                source="path",
+                path=str(path.resolve()),
+                keyframe=keyframe,
+                delete_source=True,
+            )
         else:
             blob = await asyncio.to_thread(safetensors_blob, weights)
             name = f"{self.model}/v{version}-{request_id[:8]}.safetensors"
             await WeightStore(self.bus.js, WEIGHTS_STAGING_OBJECTS.bucket).put(name, blob)
-            request = WeightPublishRequest(request_id=request_id, model=self.model, version=version, source="object", object_name=name, keyframe=keyframe, delete_source=True)
+            request = WeightPublishRequest(
+                request_id=request_id, model=self.model, version=version, source="object", object_name=name, keyframe=keyframe, delete_source=True
+            )
         return await self.bus.request(WEIGHT_PUBLISH, request, timeout=REQUEST_TIMEOUT_S, model=self.model)
 
     async def published(self, version: int, timeout: float = DEFAULT_PUBLISHED_TIMEOUT_S) -> WeightManifest:
@@ -158,8 +171,10 @@ class WeightsClient:
     async def _stored(self, version: int) -> WeightManifest | None:
         for kind in ("delta", "keyframe"):
             try:
-                msg = await self.bus.js.get_last_msg(MANIFESTS_STREAM.name, WEIGHT_MANIFEST.subject(model=self.model, kind=kind, version=str(version)))
+                msg = await self.bus.js.get_last_msg(
+                    MANIFESTS_STREAM.name, WEIGHT_MANIFEST.subject(model=self.model, kind=kind, version=str(version))
+                )
             except Exception:
                 continue
-            return decode(msg.data, WeightManifest, WEIGHT_MANIFEST.encoding)
+            return decode(msg.data or b"", WeightManifest, WEIGHT_MANIFEST.encoding)
         return None

@@ -36,7 +36,4 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=False):
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is not supported; this build speaks "
-                f"schema_version {SCHEMA_VERSION}"
-            )
+            raise ValueError(f"schema_version {self.schema_version} is not supported; this build speaks schema_version {SCHEMA_VERSION}")

@@ -17,9 +17,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 64
-    stop: Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(
-        default_factory=list
-    )
+    stop: Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(default_factory=list)
     stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=list)
     seed: int | None = None
 
@@ -41,9 +39,7 @@ class GenerateRequest(Message):
     abort_request_id: str = ""
 
 
-RejectReason = Literal[
-    "no_lease", "lease_expired", "lease_revoked", "stale_lease_epoch", "draining", "overloaded", "invalid"
-]
+RejectReason = Literal["no_lease", "lease_expired", "lease_revoked", "stale_lease_epoch", "draining", "overloaded", "invalid"]
 
 
 class GenerateTimings(msgspec.Struct, kw_only=True):

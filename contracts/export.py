@@ -79,9 +79,9 @@ def asyncapi_document() -> dict[str, Any]:
         }
         if channel.tokens and address is not None:
             entry["parameters"] = _channel_params(channel)
-        for t in (channel.payload, channel.reply):
-            if t is not None:
-                entry["messages"][t.__name__] = {"$ref": f"#/components/messages/{t.__name__}"}
+        for message_type in (channel.payload, channel.reply):
+            if message_type is not None:
+                entry["messages"][message_type.__name__] = {"$ref": f"#/components/messages/{message_type.__name__}"}
         channels[key] = entry
         if channel.payload is None:
             continue
@@ -114,9 +114,7 @@ def asyncapi_document() -> dict[str, Any]:
             f"every message carries schema_version={SCHEMA_VERSION}.",
         },
         "defaultContentType": "application/json",
-        "servers": {
-            "embedded": {"host": "127.0.0.1:4222", "protocol": "nats", "description": "`rose up` picks a free port and prints it."}
-        },
+        "servers": {"embedded": {"host": "127.0.0.1:4222", "protocol": "nats", "description": "`rose up` picks a free port and prints it."}},
         "channels": channels,
         "operations": operations,
         "components": {"schemas": components, "messages": messages},
@@ -237,12 +235,14 @@ def events_markdown(doc: dict[str, Any] | None = None) -> str:
     out = [EVENTS_DOC_HEADER, "", "## Index", "", "| event | subject | stream | payload |", "| --- | --- | --- | --- |"]
     for key, ch in channels:
         payload = next(iter(ch["messages"]))
-        out.append(f"| [{ch['title']}](#{key.replace('_', '-')}) | `{ch['address']}` | `{ch['x-rose']['stream']}` | [{payload}](#{payload.lower()}) |")
+        out.append(
+            f"| [{ch['title']}](#{key.replace('_', '-')}) | `{ch['address']}` | `{ch['x-rose']['stream']}` | [{payload}](#{payload.lower()}) |"
+        )
     nested: list[str] = []
     for key, ch in channels:
         payload = next(iter(ch["messages"]))
         schema = schemas[payload]
-        out += ["", f"<a id=\"{key.replace('_', '-')}\"></a>", f"## {ch['title']}", "", ch["description"], ""]
+        out += ["", f'<a id="{key.replace("_", "-")}"></a>', f"## {ch['title']}", "", ch["description"], ""]
         out.append(f"- subject: `{ch['address']}`")
         for token in ch.get("parameters", {}):
             values = schema.get("properties", {}).get(token, {}).get("enum")

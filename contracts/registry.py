@@ -13,7 +13,6 @@ import string
 from dataclasses import dataclass, field
 from enum import Enum
 
-
 from .base import Message
 from .executor import GenerateReply, GenerateRequest, MetricsSnapshot
 from .lease import Lease, LeaseEvent
@@ -111,10 +110,7 @@ class Channel:
             raise ValueError(f"channel {self.name!r} has no tokens {sorted(extra)}")
         for key, value in tokens.items():
             if not TOKEN_RE.match(str(value)):
-                raise ValueError(
-                    f"{key}={value!r} is not a valid subject token for {self.name!r}: "
-                    "use 1-128 letters, digits, '_' or '-'"
-                )
+                raise ValueError(f"{key}={value!r} is not a valid subject token for {self.name!r}: use 1-128 letters, digits, '_' or '-'")
         return self.template.format(**tokens)
 
     def pattern(self, **tokens: str) -> str:
@@ -185,9 +181,7 @@ MANIFESTS_STREAM = StreamSpec(
 
 SERVICES_KV = KeyValueSpec("rose_services", "Latest heartbeat of every live service instance.", ttl_s=60.0)
 LEASES_KV = KeyValueSpec("rose_leases", "The current rollout lease of each executor.", history=5)
-TURNS_KV = KeyValueSpec(
-    "rose_rollout_turns", "Finished turns by (task id, turn index), so a redelivered task resumes.", ttl_s=24 * 3600.0
-)
+TURNS_KV = KeyValueSpec("rose_rollout_turns", "Finished turns by (task id, turn index), so a redelivered task resumes.", ttl_s=24 * 3600.0)
 WEIGHTS_OBJECTS = ObjectStoreSpec("rose_weights", "Weight shards (keyframes and deltas), chunked.")
 WEIGHTS_STAGING_OBJECTS = ObjectStoreSpec(
     "rose_weights_staging",
@@ -509,4 +503,3 @@ def _matches(pattern: str, subject: str) -> bool:
         if i >= len(s) or (token != "*" and token != s[i]):
             return False
     return len(p) == len(s)
-

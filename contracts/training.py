@@ -30,4 +30,12 @@ class TrainingStep(Message):
     train_s: NonNegFloat = 0.0  # time in the optimizer step
     publish_s: NonNegFloat = 0.0  # from the step's end to every executor able to fetch the version
     at: UnixSeconds = 0.0
-    resumed_from_step: Annotated[int, msgspec.Meta(ge=0, description="The checkpoint step the reporting trainer process resumed from after a restart; null: it started the run.")] | None = None
+    resumed_from_step: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=0, description="The checkpoint step the reporting trainer process resumed from after a restart; null: it started the run."
+            ),
+        ]
+        | None
+    ) = None

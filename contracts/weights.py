@@ -121,6 +121,12 @@ class WeightPublishRequest(Message):
     delete_source: bool = False  # remove the staged object / file once read
 
 
+VERSION_NOT_NEWER = "version_not_newer"
+"""Refusal reason of a publish request whose version is not above the last one the publisher
+accepted; the refusal's data is `{"latest": <that version>}` (a trainer restarting mid-publish
+moves on to `latest + 1`)."""
+
+
 class WeightPublishAccepted(Message):
     request_id: Identifier
     model: Identifier

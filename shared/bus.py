@@ -18,6 +18,7 @@ With per-service credentials (rose.shared.security) a refused publish or subscri
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import re
@@ -37,7 +38,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from nats.micro import ServiceConfig as MicroConfig
 from nats.micro.request import Request as MicroRequest
-from nats.micro.service import EndpointConfig, Service as MicroService
+from nats.micro.service import EndpointConfig
+from nats.micro.service import Service as MicroService
 
 from rose import __version__
 from rose.contracts.registry import DEAD_LETTER, Channel, Kind
@@ -54,6 +56,7 @@ log = logging.getLogger("rose.bus")
 T = TypeVar("T")
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_REASON_HEADER = "Rose-Error-Reason"  # RequestRefused.reason; the error reply's body holds its data as JSON
 DLQ_PAYLOAD_LIMIT = 1 << 20
 CONSUME_BATCH = 16
 CONSUME_FETCH_TIMEOUT_S = 1.0
@@ -62,26 +65,52 @@ NO_RESPONDERS_FIRST_RETRY_S = 0.02
 MAX_ACCEPTED_SUBJECTS = 4096  # remembered core subjects (per-entity subjects are many but bounded)
 ANY_INBOX = ("_INBOX.", "_INBOX_")  # without credentials a reply may go to any inbox, never to a service's or the server's subjects
 REPLIES_REFUSED = meter().create_counter(
-    metric_name("bus.replies_refused"), unit="{request}",
-    description="Requests not answered because their reply subject is not an inbox of a requester of the channel (confused deputy), per service and channel.",
+    metric_name("bus.replies_refused"),
+    unit="{request}",
+    description="Requests not answered because their reply subject is not an inbox of a requester of the channel (confused deputy), per service "
+    "and channel.",
 )
 
 
 class RemoteError(Exception):
-    """The other side answered a request with an error (4xx: the request; 5xx: the service)."""
+    """The other side answered a request with an error (4xx: the request; 5xx: the service).
 
-    def __init__(self, code: str, description: str) -> None:
+    `code` is the HTTP-like status; `reason` a stable identifier a caller may branch on (empty when
+    the responder gave none) and `data` its machine-readable details: code reads those, never the
+    English `description` (as nats.py's `APIError` carries `code` and `err_code`).
+    """
+
+    def __init__(self, code: str, description: str, reason: str = "", data: dict[str, Any] | None = None) -> None:
         super().__init__(f"{code}: {description}")
         self.code = code
         self.description = description
+        self.reason = reason
+        self.data = data or {}
 
 
 class RequestRefused(ValueError):
-    """Raised by a request handler to refuse a well-formed request: answered with `code` (4xx), not dead-lettered."""
+    """Raised by a request handler to refuse a well-formed request: answered with `code` (4xx), not dead-lettered.
 
-    def __init__(self, message: str, code: str = "400") -> None:
+    `reason` and `data` reach the requester as `RemoteError.reason` / `.data` (a header and a JSON body).
+    """
+
+    def __init__(self, message: str, code: str = "400", *, reason: str = "", data: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.reason = reason
+        self.data = data or {}
+
+
+def remote_error(headers: dict[str, str], body: bytes) -> RemoteError:
+    """The RemoteError an error reply stands for (its data: the body as JSON, when it is a JSON object)."""
+    data: dict[str, Any] = {}
+    if body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        data = parsed if isinstance(parsed, dict) else {}
+    return RemoteError(headers.get(ERROR_CODE_HEADER, "500"), headers[ERROR_HEADER], headers.get(ERROR_REASON_HEADER, ""), data)
 
 
 class KvConflict(RuntimeError):
@@ -245,12 +274,20 @@ class Bus:
                     self._nc = await asyncio.wait_for(nats.connect(**options), timeout=max(0.5, deadline - time.monotonic()))
                 break
             except PermissionDenied:
-                given = "an NKey seed" if cfg.nkey_seed_file else "a .creds file" if cfg.creds_file else "a user and password" if cfg.user else "no credentials"
+                given = (
+                    "an NKey seed"
+                    if cfg.nkey_seed_file
+                    else "a .creds file"
+                    if cfg.creds_file
+                    else "a user and password"
+                    if cfg.user
+                    else "no credentials"
+                )
                 raise ConnectionError(
                     f"NATS at {url} refused the credentials of {self.service} ({given}); set ROSE_BUS__NKEY_SEED_FILE "
                     "to this service's seed (`rose security init DIR` makes one per service)"
                 ) from None
-            except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            except (TimeoutError, OSError, nats.errors.Error) as exc:
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(f"cannot reach NATS at {url}: {exc!r}") from exc
                 log.warning("NATS at %s not reachable (%r); retrying in %.1fs", url, exc, delay)
@@ -419,7 +456,7 @@ class Bus:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
         if reply.headers and ERROR_HEADER in reply.headers:
-            raise RemoteError(reply.headers.get(ERROR_CODE_HEADER, "500"), reply.headers[ERROR_HEADER])
+            raise remote_error(reply.headers, reply.data)
         return decode(reply.data, channel.reply, channel.encoding)
 
     # ---- receiving -------------------------------------------------------------------
@@ -460,7 +497,8 @@ class Bus:
             else:
                 task = asyncio.create_task(answer(req, arrived))
             self._requests.add(task)
-            task.add_done_callback(lambda t: (self._requests.discard(t), slots.release()))
+            task.add_done_callback(self._requests.discard)
+            task.add_done_callback(lambda _: slots.release())
 
         async def answer(req: MicroRequest, arrived: float) -> None:
             headers = req.headers or {}
@@ -477,7 +515,12 @@ class Bus:
                     result = await handler(message, Delivery(req.subject, headers, channel.parse(req.subject)))
                 except RequestRefused as exc:
                     log.info("refused %s: %s", req.subject, exc)
-                    await req.respond_error(exc.code, str(exc)[:1024])
+                    await req.respond_error(
+                        exc.code,
+                        str(exc)[:1024],
+                        data=json.dumps(exc.data).encode() if exc.data else b"",
+                        headers={ERROR_REASON_HEADER: exc.reason} if exc.reason else None,
+                    )
                     return
                 except Exception as exc:
                     log.exception("handler for %s failed", req.subject)
@@ -486,7 +529,9 @@ class Bus:
                     return
                 # the handler's wall time against the CPU this thread had meanwhile: far more wall than CPU with
                 # no await in between is a process waiting for a core (or other tasks run), not the handler's work
-                span.set_attributes({"rose.handler_ms": (time.perf_counter() - wall) * 1000.0, "rose.handler_cpu_ms": (time.thread_time() - cpu) * 1000.0})
+                span.set_attributes(
+                    {"rose.handler_ms": (time.perf_counter() - wall) * 1000.0, "rose.handler_cpu_ms": (time.thread_time() - cpu) * 1000.0}
+                )
                 await req.respond(encode(result, channel.encoding))
 
         with self.permission_errors(subject):
@@ -496,13 +541,17 @@ class Bus:
                     subject=subject,
                     handler=on_request,
                     queue_group=queue,
-                    metadata={"payload": channel.payload.__name__ if channel.payload else "", "reply": channel.reply.__name__ if channel.reply else ""},
+                    metadata={
+                        "payload": channel.payload.__name__ if channel.payload else "",
+                        "reply": channel.reply.__name__ if channel.reply else "",
+                    },
                 )
             )
             await self._processed()  # the server knows the endpoint (or refused it) before anyone is told it exists
 
     async def subscribe(self, channel: Channel, handler: Handler, *, queue: str = "", **tokens: str) -> None:
         """Receive events (core pub/sub). Tokens not given match anything."""
+
         async def on_msg(msg: Msg) -> None:
             headers = msg.headers or {}
             try:
@@ -562,11 +611,13 @@ class Bus:
             sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
         self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch, manual_ack), name=f"consume:{durable}"))
 
-    async def _consume_loop(self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH, manual_ack: bool = False) -> None:
+    async def _consume_loop(
+        self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH, manual_ack: bool = False
+    ) -> None:
         while not self._closing:
             try:
                 msgs = await sub.fetch(batch, timeout=CONSUME_FETCH_TIMEOUT_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.ConnectionClosedError:
                 return
@@ -615,7 +666,9 @@ class Bus:
         """
         self.replies_refused += 1
         REPLIES_REFUSED.add(1, {"service": self.service, "channel": what})
-        reason = f"reply subject {reply[:256]!r} of a {what} request is not under {' or '.join(allowed)} (the inboxes of those who may ask): not answered"
+        reason = (
+            f"reply subject {reply[:256]!r} of a {what} request is not under {' or '.join(allowed)} (the inboxes of those who may ask): not answered"
+        )
         await self.dead_letter(subject, "unauthorised", reason, data, headers)
 
     # ---- dead letters ----------------------------------------------------------------
@@ -673,7 +726,7 @@ class Bus:
             except KeyNotFoundError as exc:  # absent, or deleted (a delete marker has a revision too)
                 return None, int(getattr(getattr(exc, "entry", None), "revision", 0) or 0)
         try:
-            return decode(entry.value, channel.payload, channel.encoding), int(entry.revision or 0)
+            return decode(entry.value or b"", channel.payload, channel.encoding), int(entry.revision or 0)
         except PayloadError:
             return None, int(entry.revision or 0)
 
@@ -824,5 +877,3 @@ class _RepliesChecked(MicroService):
     async def _handle_stats_request(self, msg: Msg) -> None:
         if await self._allowed(msg):
             await super()._handle_stats_request(msg)
-
-

@@ -50,7 +50,8 @@ def decode(data: bytes, t: type[T], encoding: Encoding = Encoding.JSON, max_byte
     if max_bytes is not None and len(data) > max_bytes:
         raise PayloadError("oversized", f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     try:
-        return _decoder(t, encoding).decode(data)
+        target: type = t  # as a plain class: the cache keys on it
+        return _decoder(target, encoding).decode(data)
     except msgspec.ValidationError as exc:
         text = str(exc)
         kind = "schema_version" if "schema_version" in text else "validation"

@@ -39,7 +39,11 @@ class ServiceProcess:
         env = {**os.environ, **self.env, "ROSE_RUNTIME__INSTANCE": self.instance}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rose.cli.main", "run", self.service], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, "-m", "rose.cli.main", "run", self.service],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=self._in_child,
             )
         return self

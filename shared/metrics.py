@@ -70,9 +70,7 @@ def setup_metrics(service: str, instance: str) -> MeterProvider:
 
         interval = int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL") or DEFAULT_OTLP_INTERVAL_MS)
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=interval))
-    resource = Resource.create(
-        {"service.name": f"rose-{service.replace('_', '-')}", "service.instance.id": instance, "service.version": __version__}
-    )
+    resource = Resource.create({"service.name": f"rose-{service.replace('_', '-')}", "service.instance.id": instance, "service.version": __version__})
     _provider = MeterProvider(metric_readers=readers, resource=resource)
     metrics.set_meter_provider(_provider)
     _meter = _provider.get_meter(METER_NAME, __version__)
@@ -131,7 +129,9 @@ class MetricsServer:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
-            raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (set runtime.metrics_port, 0 for a free port, -1 for none)") from exc
+            raise OSError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (set runtime.metrics_port, 0 for a free port, -1 for none)"
+            ) from exc
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         shown = public_host or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
         return cls(runner, f"http://{shown}:{bound}/metrics")

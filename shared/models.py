@@ -96,12 +96,64 @@ class ModelPaths:
 
 # ---------------------------------------------------------------------------- corpus
 
-_WORDS = (
-    "the a cat dog model agent tool answer result question server latency token batch "
-    "memory queue request policy reward step turn river house tree light water time day "
-    "small big fast slow good new old first last long short red blue green runs sees "
-    "makes takes gives finds reads writes adds checks returns computes sends keeps"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "model",
+    "agent",
+    "tool",
+    "answer",
+    "result",
+    "question",
+    "server",
+    "latency",
+    "token",
+    "batch",
+    "memory",
+    "queue",
+    "request",
+    "policy",
+    "reward",
+    "step",
+    "turn",
+    "river",
+    "house",
+    "tree",
+    "light",
+    "water",
+    "time",
+    "day",
+    "small",
+    "big",
+    "fast",
+    "slow",
+    "good",
+    "new",
+    "old",
+    "first",
+    "last",
+    "long",
+    "short",
+    "red",
+    "blue",
+    "green",
+    "runs",
+    "sees",
+    "makes",
+    "takes",
+    "gives",
+    "finds",
+    "reads",
+    "writes",
+    "adds",
+    "checks",
+    "returns",
+    "computes",
+    "sends",
+    "keeps",
+]
 _PY_TEMPLATES = (
     "def {f}(x, y):\n    return x {op} y\n",
     "for i in range({n}):\n    total += i {op} {m}\n",
@@ -135,11 +187,7 @@ def build_corpus(seed: int, lines: int = CORPUS_LINES) -> list[str]:
             out.append(sentence.capitalize() + ".")
         elif kind == 2:
             f = rng.choice(["add", "mul", "step", "score", "run", "calc"])
-            out.append(
-                rng.choice(_PY_TEMPLATES).format(
-                    f=f, F=f.capitalize(), op=rng.choice(_OPS), n=rng.randint(0, 99), m=rng.randint(0, 99)
-                )
-            )
+            out.append(rng.choice(_PY_TEMPLATES).format(f=f, F=f.capitalize(), op=rng.choice(_OPS), n=rng.randint(0, 99), m=rng.randint(0, 99)))
         elif kind == 3:
             expr, value = _arith(rng)
             out.append(
@@ -196,13 +244,12 @@ def _qwen2_config(shape: ModelShape, vocab_size: int, eos_id: int, dtype: str = 
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=MAX_POSITIONS,
-        rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        torch_dtype=dtype,
+        dtype=dtype,
     )
 
 
@@ -253,10 +300,10 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", dtype:
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"{directory}: model_type {config.model_type!r} is not supported; "
-            f"use a Qwen2 or Llama checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"{directory}: model_type {config.model_type!r} is not supported; use a Qwen2 or Llama checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    # Typed as a Module: transformers' wrapper of `to` types its own `self` wrongly.
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -291,6 +338,8 @@ async def wait_for_files(directory: Path, names: tuple[str, ...], timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while not all((directory / n).exists() for n in names):
         if time.monotonic() > deadline:
-            raise FileNotFoundError(f"no model at {directory} (missing {[n for n in names if not (directory / n).exists()]}): run `rose models init` or set models.dir")
+            raise FileNotFoundError(
+                f"no model at {directory} (missing {[n for n in names if not (directory / n).exists()]}): run `rose models init` or set models.dir"
+            )
         log.info("waiting for the model at %s", directory)
         await asyncio.sleep(1.0)

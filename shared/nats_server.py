@@ -217,14 +217,13 @@ class NatsServer:
         """Start and wait until the client port accepts connections."""
         self.write_config()
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "ab")
-        self.process = subprocess.Popen(
-            [find_binary(), "-c", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
-        )
-        log.close()
+        with open(self.log_file, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(
+                [find_binary(), "-c", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
+            )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _port_open(self.host, self.port):
             if self.process.poll() is not None:

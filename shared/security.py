@@ -214,7 +214,7 @@ EXTRA_RIGHTS: tuple[Extra, ...] = (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Permissions:
     """One user's allow lists, and the channels behind them (for the README table)."""
 
@@ -284,7 +284,7 @@ def permissions(user: str, *, instance: str | None = None) -> Permissions:
     """
     if instance is None:
         user, instance = split_user(user)
-    perms = Permissions(instance_user(user, instance) if instance is not None else user)
+    perms = Permissions(user=instance_user(user, instance) if instance is not None else user)
     if user == OPERATOR:
         perms.allow_pub(">")
         perms.allow_sub(">")
@@ -578,7 +578,7 @@ def generate_tls(hosts: list[str], *, common_name: str = "rose-nats") -> tuple[b
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{common_name} CA")])
     ca = (
@@ -613,8 +613,8 @@ def generate_tls(hosts: list[str], *, common_name: str = "rose-nats") -> tuple[b
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
-    private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8, encryption_algorithm=serialization.NoEncryption())
-    return ca.public_bytes(pem), ca_key.private_bytes(**private), cert.public_bytes(pem), key.private_bytes(**private)
+    pkcs8, unencrypted = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    return ca.public_bytes(pem), ca_key.private_bytes(pem, pkcs8, unencrypted), cert.public_bytes(pem), key.private_bytes(pem, pkcs8, unencrypted)
 
 
 # ---- the README table -----------------------------------------------------------------
@@ -647,7 +647,8 @@ def permissions_markdown() -> str:
     rows = [
         "| user | publishes | reads | writes storage | JetStream consumers on |",
         "| --- | --- | --- | --- | --- |",
-        f"| every service | {', '.join(c.name for c in common)} (under its own name) | {', '.join(own) + ' (its own)' if own else '—'} | its own keys of {', '.join(sorted({stream_name(c.kind, c) for c in common if c.kind is Kind.KV}))} | — |",
+        f"| every service | {', '.join(c.name for c in common)} (under its own name) | {', '.join(own) + ' (its own)' if own else '—'} | its own "
+        f"keys of {', '.join(sorted({stream_name(c.kind, c) for c in common if c.kind is Kind.KV}))} | — |",
     ]
     shared = {c.name for c in common}
     for user in USERS:
@@ -656,7 +657,8 @@ def permissions_markdown() -> str:
         writes = [w for w in p.writes_storage if not w.endswith("(own keys)")] + [f"+ {e}" for e in extra]
         publishes = [c for c in p.publishes if c not in shared]
         rows.append(
-            f"| `{user}` | {', '.join(publishes) or '—'} | {', '.join(p.reads) or '—'} | {'; '.join(writes) or '—'} | {', '.join(p.js_consumers) or '—'} |"
+            f"| `{user}` | {', '.join(publishes) or '—'} | {', '.join(p.reads) or '—'} | {'; '.join(writes) or '—'} | "
+            f"{', '.join(p.js_consumers) or '—'} |"
         )
         if user in INSTANCE_TOKENS:
             pinned_pub, pinned_sub, whole = instance_pinning(user)

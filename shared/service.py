@@ -20,9 +20,9 @@ import os
 import re
 import signal
 import socket
-import time
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from rose import __version__
@@ -42,7 +42,7 @@ LoadFn = Callable[[], dict[str, float]]
 C = TypeVar("C")
 
 
-def service_main(argv: list[str], *, service: str, description: str, config_cls: type[C], run: Callable[[C], Awaitable[Any]]) -> int:
+def service_main(argv: list[str], *, service: str, description: str, config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, Any]]) -> int:
     """The `main(argv)` of every service: `--config FILE`, one validation pass, run until signalled.
 
     A bad configuration stops the service before it connects, with the field, its source
@@ -170,7 +170,7 @@ class ServiceRuntime:
         """Sleep up to `seconds`, waking at once when shutdown is requested (periodic loops)."""
         try:
             await asyncio.wait_for(asyncio.shield(self._stop.wait()), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     @property

@@ -139,7 +139,9 @@ def _changes(old: np.ndarray, new: np.ndarray) -> _Changes:
         news.append(wb[lanes])
     if whole < old.size:
         tail = np.flatnonzero(old[whole:] != new[whole:]) + whole
-        pos.append(tail), olds.append(old[tail]), news.append(new[tail])
+        pos.append(tail)
+        olds.append(old[tail])
+        news.append(new[tail])
     if not pos:
         empty = np.empty(0, dtype=dtype)
         return _Changes(np.empty(0, dtype=np.int64), empty, empty)
@@ -147,10 +149,10 @@ def _changes(old: np.ndarray, new: np.ndarray) -> _Changes:
 
 
 def _frames(compressor: zstandard.ZstdCompressor, parts: Sequence[np.ndarray]) -> list[bytes]:
-    return [compressor.compress(memoryview(np.ascontiguousarray(p)).cast("B")) for p in parts]
+    return [compressor.compress(np.ascontiguousarray(p).data.cast("B")) for p in parts]
 
 
-def _assemble(encoding: str, decoded_bytes: int, segments: list[tuple[int, int, int, int]], frames: list[bytes | memoryview]) -> bytes:
+def _assemble(encoding: str, decoded_bytes: int, segments: list[tuple[int, int, int, int]], frames: Sequence[bytes | memoryview]) -> bytes:
     meta = _meta_encoder.encode(_Meta(decoded_bytes, segments, [len(f) for f in frames]))
     pad = _body_start(len(meta)) - HEADER.size - len(meta)
     return b"".join([HEADER.pack(MAGIC, _CODE[encoding], len(meta)), meta, b"\0" * pad, *frames])
@@ -186,7 +188,7 @@ def encode_shard(
     size = new.size
     elements = sum(length // width for _, length, width in segments)
     if old is None:
-        return EncodedShard("dense", _assemble("dense", size, [], [new]), elements, elements)
+        return EncodedShard("dense", _assemble("dense", size, [], [new.data]), elements, elements)
     old = np.asarray(old).reshape(-1).view(np.uint8)
     if old.size != size:
         raise CodecError(f"base shard has {old.size} bytes, the new one {size}")
@@ -200,7 +202,7 @@ def encode_shard(
         candidates.append(("xor_zstd", _encode_xor(old, new, segments, changes, compressor)))
     best = min(candidates, key=lambda c: len(c[1]))
     if len(best[1]) >= size + HEADER.size + BODY_ALIGN:
-        return EncodedShard("dense", _assemble("dense", size, [], [new]), changed, elements)
+        return EncodedShard("dense", _assemble("dense", size, [], [new.data]), changed, elements)
     return EncodedShard(best[0], best[1], changed, elements)
 
 

@@ -15,7 +15,6 @@ publisher maps the trainer's files into memory instead of copying them.
 from __future__ import annotations
 
 import hashlib
-
 import json
 import mmap
 import struct
@@ -82,7 +81,7 @@ def itemsize(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorSlot:
     """Where one tensor lives: its shard and its byte range inside the shard."""
 
@@ -148,7 +147,7 @@ def plan_layout(tensors: Iterable[tuple[str, str, tuple[int, ...]]], shard_bytes
         if not sizes or (sizes[-1] > 0 and _aligned(sizes[-1]) + nbytes > shard_bytes):
             sizes.append(0)
         offset = _aligned(sizes[-1])
-        slots.append(TensorSlot(name, dtype, tuple(int(d) for d in shape), len(sizes) - 1, offset, nbytes))
+        slots.append(TensorSlot(name=name, dtype=dtype, shape=tuple(int(d) for d in shape), shard_id=len(sizes) - 1, offset=offset, nbytes=nbytes))
         sizes[-1] = offset + nbytes
     return Layout(tuple(slots), tuple(_aligned(s) for s in sizes))
 
@@ -158,7 +157,7 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
         h.update(name.encode())
-        h.update(memoryview(tensor_bytes(state[name])))
+        h.update(tensor_bytes(state[name]).data)
     return h.hexdigest()
 
 
@@ -175,7 +174,8 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 def tensor_from_bytes(buf: np.ndarray | memoryview | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over `buf` without copying (buf must be writable and stay alive)."""
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf).cast("B")) else torch.empty(0, dtype=torch.uint8)
+    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(view.cast("B")) else torch.empty(0, dtype=torch.uint8)
     if dtype == "bool":
         return raw.view(torch.bool).reshape(shape)
     return raw.view(DTYPES[dtype]).reshape(shape)
@@ -314,6 +314,6 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | Path) -> Pat
     with open(tmp, "wb") as f:
         f.write(head)
         for p in parts:
-            f.write(memoryview(p))
+            f.write(p.data)
     tmp.replace(path)
     return path

@@ -237,5 +237,7 @@ class ManifestVerifier:
         try:
             key.verify(base64.b64decode(manifest.signature, validate=True), canonical_bytes(manifest))
         except (InvalidSignature, binascii.Error, ValueError):
-            raise SignatureError(f"version {v}: the signature does not match the manifest (key {manifest.key_id}): it was altered after signing") from None
+            raise SignatureError(
+                f"version {v}: the signature does not match the manifest (key {manifest.key_id}): it was altered after signing"
+            ) from None
         return manifest.key_id

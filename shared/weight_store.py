@@ -26,7 +26,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Protocol
 
 import nats.errors
@@ -130,7 +130,7 @@ class WeightStore:
                 nuid=nuid,
                 size=len(view),
                 chunks=chunks,
-                mtime=datetime.now(timezone.utc).isoformat(),
+                mtime=datetime.now(UTC).isoformat(),
                 digest=_digest(h),
                 options=api.ObjectMetaOptions(max_chunk_size=self.chunk_bytes),
             )
@@ -223,7 +223,7 @@ class WeightStore:
             raise StoreError("corrupt", f"object {name!r}: SHA-256 of its chunks does not match its meta (a corrupted chunk)")
         return info
 
-    async def _stream_chunks(self, name: str, info: api.ObjectInfo, view: memoryview, h: "hashlib._Hash | None", sink: Sink) -> int:
+    async def _stream_chunks(self, name: str, info: api.ObjectInfo, view: memoryview, h: hashlib._Hash | None, sink: Sink) -> int:
         nc = self.js._nc
         subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
         api_subject = f"{api.DEFAULT_PREFIX}.DIRECT.GET.{self.stream}"
@@ -258,7 +258,7 @@ class WeightStore:
                         h.update(msg.data)
                     filled += n
                     sink.advance(filled)
-                    seq = int(msg.headers.get("Nats-Sequence", seq)) + 1
+                    seq = int((msg.headers or {}).get("Nats-Sequence", seq)) + 1
                     if filled == size:
                         break
             finally:

@@ -48,6 +48,7 @@ import torch
 from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.util.types import AttributeValue
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
 from rose.contracts.weights import FailureKind, ShardInfo, WeightApplied, WeightFailed, WeightManifest
@@ -71,11 +72,19 @@ STOP_GRACE_S = 5.0  # how long stop() lets the version in hand finish
 ApplyFn = Callable[[dict[str, torch.Tensor], int], Awaitable[float | None]]
 
 _m = meter()
-APPLIED = _m.create_counter(metric_name("weights.applied"), unit="{version}", description="Weight versions verified and swapped in, per executor and model.")
-FAILED = _m.create_counter(metric_name("weights.failed"), unit="{version}", description="Weight versions refused, per executor, model and failure kind.")
-FETCHED = _m.create_counter(metric_name("weights.fetched"), unit="By", description="Weight bytes fetched from the object store (on the wire), per executor.")
+APPLIED = _m.create_counter(
+    metric_name("weights.applied"), unit="{version}", description="Weight versions verified and swapped in, per executor and model."
+)
+FAILED = _m.create_counter(
+    metric_name("weights.failed"), unit="{version}", description="Weight versions refused, per executor, model and failure kind."
+)
+FETCHED = _m.create_counter(
+    metric_name("weights.fetched"), unit="By", description="Weight bytes fetched from the object store (on the wire), per executor."
+)
 APPLY_LATENCY = _m.create_histogram(
-    metric_name("weights.apply_latency"), unit="s", description="Manifest received to version serving (fetch, decode, verify, swap).",
+    metric_name("weights.apply_latency"),
+    unit="s",
+    description="Manifest received to version serving (fetch, decode, verify, swap).",
     explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
 )
 
@@ -110,7 +119,7 @@ class FollowerStats:
 
 
 def _sha256(buf: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
+    return hashlib.sha256(buf.data.cast("B")).hexdigest()
 
 
 class WeightFollower:
@@ -195,7 +204,7 @@ class WeightFollower:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version is not None and self.version >= version), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.version
 
@@ -215,8 +224,13 @@ class WeightFollower:
             try:
                 with tracer().start_as_current_span(
                     "weights.apply",
-                    attributes={"rose.executor_id": self.executor_id, "rose.model": self.model, "rose.weight_version": manifest.version,
-                                "rose.weight_kind": manifest.kind, "rose.wire_bytes": manifest.wire_bytes},
+                    attributes={
+                        "rose.executor_id": self.executor_id,
+                        "rose.model": self.model,
+                        "rose.weight_version": manifest.version,
+                        "rose.weight_kind": manifest.kind,
+                        "rose.wire_bytes": manifest.wire_bytes,
+                    },
                 ):
                     try:
                         await self._take(manifest, arrived)
@@ -261,8 +275,14 @@ class WeightFollower:
         if latest is None or (self.version is not None and latest.version <= self.version):
             self._synced_at = time.perf_counter()
             return
-        attributes = {"rose.executor_id": self.executor_id, "rose.model": self.model, "rose.weight_version": latest.version,
-                      "rose.weight_kind": latest.kind, "rose.wire_bytes": latest.wire_bytes, "rose.catch_up": True}
+        attributes: dict[str, AttributeValue] = {
+            "rose.executor_id": self.executor_id,
+            "rose.model": self.model,
+            "rose.weight_version": latest.version,
+            "rose.weight_kind": latest.kind,
+            "rose.wire_bytes": latest.wire_bytes,
+            "rose.catch_up": True,
+        }
         with tracer().start_as_current_span("weights.apply", context=propagate.extract(headers or {}), attributes=attributes):
             await self._catch_up(time.perf_counter())
 
@@ -309,7 +329,9 @@ class WeightFollower:
         """The last manifest of the model (of a kind), or the one of a version; None if not there."""
         return (await self._lookup_with_headers(kind=kind, version=version))[0]
 
-    async def _lookup_with_headers(self, *, kind: str | None = None, version: int | None = None) -> tuple[WeightManifest | None, dict[str, str] | None]:
+    async def _lookup_with_headers(
+        self, *, kind: str | None = None, version: int | None = None
+    ) -> tuple[WeightManifest | None, dict[str, str] | None]:
         """`_lookup`, and the headers the manifest was published with (its publish's trace context)."""
         if version is not None:
             subjects = [WEIGHT_MANIFEST.subject(model=self.model, kind=k, version=str(version)) for k in ("delta", "keyframe")]
@@ -323,7 +345,7 @@ class WeightFollower:
             except NotFoundError:
                 continue
             try:
-                return decode(msg.data, WeightManifest, WEIGHT_MANIFEST.encoding), msg.headers
+                return decode(msg.data or b"", WeightManifest, WEIGHT_MANIFEST.encoding), msg.headers
             except PayloadError as exc:
                 log.warning("unreadable manifest on %s: %s", subject, exc.reason)
         return None, None
@@ -355,17 +377,19 @@ class WeightFollower:
         for sid in shard_ids:
             s = sizes[sid]
             if max(s.decoded_bytes, s.wire_bytes) > self.max_shard_bytes:
-                raise SyncError("oversized", f"version {m.version}: shard {sid} has {max(s.decoded_bytes, s.wire_bytes)} bytes, the limit is {self.max_shard_bytes}")
+                raise SyncError(
+                    "oversized",
+                    f"version {m.version}: shard {sid} has {max(s.decoded_bytes, s.wire_bytes)} bytes, the limit is {self.max_shard_bytes}",
+                )
         return slots, shard_ids
 
     async def _advance(self, m: WeightManifest, base: Held | None) -> Held:
         """Build and verify version `m` from `base` (None: only a keyframe can be built)."""
         await self._check_signature(m)
         slots, shard_ids = self._wanted(m)
-        if not m.keyframe:
-            if base is None or m.base_version != base.version:
-                have = "nothing" if base is None else f"version {base.version}"
-                raise SyncError("missing_base", f"version {m.version} is a delta on {m.base_version}, this executor holds {have}")
+        if not m.keyframe and (base is None or m.base_version != base.version):
+            have = "nothing" if base is None else f"version {base.version}"
+            raise SyncError("missing_base", f"version {m.version} is a delta on {m.base_version}, this executor holds {have}")
         infos = {s.shard_id: s for s in m.shards}
         gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
@@ -384,7 +408,9 @@ class WeightFollower:
             assert base is not None and old is not None
             before = {s.shard_id: s.sha256 for s in base.manifest.shards}.get(info.shard_id)
             if before != info.sha256:
-                raise SyncError("digest", f"version {m.version}: shard {info.shard_id} is marked unchanged but its digest differs from version {base.version}'s")
+                raise SyncError(
+                    "digest", f"version {m.version}: shard {info.shard_id} is marked unchanged but its digest differs from version {base.version}'s"
+                )
             return old
         if m.keyframe and info.encoding != "dense":
             raise SyncError("corrupt", f"keyframe {m.version}: shard {info.shard_id} is {info.encoding}, not dense")
@@ -406,7 +432,9 @@ class WeightFollower:
         self.stats.fetched_bytes += info.wire_bytes
         FETCHED.add(info.wire_bytes, {"executor": self.executor_id, "model": self.model})
         if out.size != info.decoded_bytes:
-            raise SyncError("corrupt", f"version {m.version}: shard {info.shard_id} decodes to {out.size} bytes, the manifest says {info.decoded_bytes}")
+            raise SyncError(
+                "corrupt", f"version {m.version}: shard {info.shard_id} decodes to {out.size} bytes, the manifest says {info.decoded_bytes}"
+            )
         if digest != info.sha256:
             raise SyncError("digest", f"version {m.version}: shard {info.shard_id} has SHA-256 {digest[:16]}…, the manifest says {info.sha256[:16]}…")
         return out
@@ -486,7 +514,9 @@ class WeightFollower:
         latency_s = time.perf_counter() - arrived
         APPLIED.add(1, {"executor": self.executor_id, "model": self.model})
         APPLY_LATENCY.record(latency_s, {"executor": self.executor_id, "model": self.model})
-        trace.get_current_span().set_attributes({"rose.outcome": "applied", "rose.applied_version": held.version, "rose.pause_ms": float(pause_ms or 0.0)})
+        trace.get_current_span().set_attributes(
+            {"rose.outcome": "applied", "rose.applied_version": held.version, "rose.pause_ms": float(pause_ms or 0.0)}
+        )
         event = WeightApplied(
             executor_id=self.executor_id,
             model=self.model,
@@ -516,7 +546,10 @@ class WeightFollower:
         self.stats.failures.append(event)
         FAILED.add(1, {"executor": self.executor_id, "model": self.model, "kind": err.kind})
         span = trace.get_current_span()
-        span.add_event("weights.failed", {"rose.weight_version": version, "rose.failure_kind": err.kind, "rose.reason": err.reason[:256], "rose.next_step": next_step})
+        span.add_event(
+            "weights.failed",
+            {"rose.weight_version": version, "rose.failure_kind": err.kind, "rose.reason": err.reason[:256], "rose.next_step": next_step},
+        )
         span.set_attribute("rose.outcome", "failed")
         try:
             await self.bus.publish(WEIGHT_FAILED, event, executor_id=self.executor_id)

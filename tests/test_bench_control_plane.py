@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from rose.cli.bench_control_plane import Settings, run_control_plane_bench
+from rose.bench.control_plane import Settings, run_control_plane_bench
 
 
 async def test_control_plane_bench_small_fleet(tmp_path):

@@ -21,13 +21,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from rose.cli.bench_e2e import batch_rollout_spans, lent_fraction, max_lent_at_once, step_figures
+from rose.bench.e2e import batch_rollout_spans, lent_fraction, max_lent_at_once, step_figures
 
 DURATION_S = 30  # GRPO seconds after the warm start (not part of the window): rates need two steps
 WARM_START_STEPS = 80  # the demo's is 200: the warm start is outside the measured window either way
 RUN_TIMEOUT_S = 540  # two policies: start-up, 45 s of job, drain and report each
-POLICY_FIELDS = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_per_s", "reward_first", "reward_last", "trajectories_lost",
-                 "rollout_share_of_step", "devices")
+POLICY_FIELDS = (
+    "rl_steps_per_hour",
+    "rollout_s_per_step",
+    "serving_slo_attainment",
+    "rollout_tokens_per_s",
+    "reward_first",
+    "reward_last",
+    "trajectories_lost",
+    "rollout_share_of_step",
+    "devices",
+)
 PINNED = len(os.sched_getaffinity(0)) >= 2  # one core per executor needs two cores (one serving, one dedicated executor)
 
 
@@ -48,7 +57,14 @@ def test_batch_rollout_spans_from_first_turn_to_last_trajectory():
 
 
 def test_lent_fraction_and_max_lent_at_once():
-    events = [(10.0, "a", "granted"), (15.0, "a", "renewed"), (20.0, "a", "revoked"), (18.0, "b", "granted"), (30.0, "b", "expired"), (35.0, "a", "granted")]
+    events = [
+        (10.0, "a", "granted"),
+        (15.0, "a", "renewed"),
+        (20.0, "a", "revoked"),
+        (18.0, "b", "granted"),
+        (30.0, "b", "expired"),
+        (35.0, "a", "granted"),
+    ]
     assert lent_fraction(events, ["a", "b"], 0.0, 40.0) == pytest.approx((10 + 5 + 12) / 80)
     assert max_lent_at_once(events, ["a", "b"], 40.0) == 2
     assert max_lent_at_once([(1.0, "a", "granted"), (2.0, "a", "revoked"), (2.0, "b", "granted")], ["a", "b"], 5.0) == 1
@@ -56,8 +72,8 @@ def test_lent_fraction_and_max_lent_at_once():
 
 
 def test_device_plan_gives_each_executor_a_core_of_its_own_dedicated_first():
-    from rose.cli.demo import SPEC
-    from rose.cli.fleet import cpu_list, device_plan
+    from rose.bench.demo import SPEC
+    from rose.bench.fleet import cpu_list, device_plan
 
     plan = device_plan(SPEC, serving=2, dedicated=1, cpus=[3, 5, 6, 7])
     assert plan == {"demo-dedicated-0": frozenset({3}), "demo-serving-0": frozenset({5}), "demo-serving-1": frozenset({6})}
@@ -115,8 +131,25 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]
     """Run the bench as a command; on a timeout it gets SIGTERM first, so it stops its fleet. Also returns the
     CPU sets its executors' process trees were seen with (`watch_executor_cpus`)."""
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "-m", "rose.cli.main", "bench", "e2e", "--duration", str(DURATION_S), "--seed", "2", "--json", str(out), "--warm-start-steps", str(WARM_START_STEPS),
-           "--pin", "auto" if PINNED else "none", "--policies", *policies]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rose.cli.main",
+        "bench",
+        "e2e",
+        "--duration",
+        str(DURATION_S),
+        "--seed",
+        "2",
+        "--json",
+        str(out),
+        "--warm-start-steps",
+        str(WARM_START_STEPS),
+        "--pin",
+        "auto" if PINNED else "none",
+        "--policies",
+        *policies,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop, seen = threading.Event(), {}
     watcher = threading.Thread(target=watch_executor_cpus, args=(proc.pid, stop, seen), daemon=True)
@@ -137,12 +170,25 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]
             assert field in p, (name, field)
         assert 0.0 <= p["serving_slo_attainment"] <= 1.0 and p["serving_requests"] > 0
         assert p["trajectories_published"] > 0 and p["trajectories_lost"] == 0, name
-        assert set(p["calibration"]) >= {"step_s", "train_s_per_step", "publish_s_per_step", "turn_s_p50", "tokens_per_turn", "serving_step_model", "trajectories_per_step"}
+        assert set(p["calibration"]) >= {
+            "step_s",
+            "train_s_per_step",
+            "publish_s_per_step",
+            "turn_s_p50",
+            "tokens_per_turn",
+            "serving_step_model",
+            "trajectories_per_step",
+        }
     assert "speedup_vs_static" in r and "rollout_time_ratio_vs_elastic" in r
     assert r["trainer"]["ROSE_SFT__STEPS"] == str(WARM_START_STEPS)  # what the runs' trainers were given
     assert set(r["fleet"]) >= {"slo_ttft_ms", "slo_tpot_ms", "base_rps", "burst_factor", "burst_every_s", "burst_len_s"}
     for model in ("serving", "policy"):
-        assert set(r["calibration"]["step_times"][model]["measured_steps"]) == {"decode_base_s", "decode_per_seq_s", "prefill_base_s", "prefill_per_token_s"}
+        assert set(r["calibration"]["step_times"][model]["measured_steps"]) == {
+            "decode_base_s",
+            "decode_per_seq_s",
+            "prefill_base_s",
+            "prefill_per_token_s",
+        }
     assert (tmp_path / "e2e.png").stat().st_size > 1000
     assert "rose bench e2e" in stdout
     # the job: the demo's, made rollout-dominated, and said so
@@ -170,7 +216,7 @@ def test_bench_e2e_static_and_rose(tmp_path):
     else:
         assert r["pin"] == "none"
     for p in (static, rose):
-        assert p["rollout_share_of_step"] is None or 0.0 < p["rollout_share_of_step"], p["rollout_share_of_step"]
+        assert p["rollout_share_of_step"] is None or p["rollout_share_of_step"] > 0.0, p["rollout_share_of_step"]
     # static: the dedicated executor only; no serving executor is ever lent
     assert static["rollout_tokens_on_serving"] == 0 and static["leases_granted"] == 0 and static["max_lent_at_once"] == 0
     assert static["rollout_tokens_per_s"] > 0 and rose["rollout_tokens_per_s"] > 0

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from rose.cli.bench_faults import QUICK, weight_versions_lost
-from rose.cli.demo import Observed
+from rose.bench.demo import Observed
+from rose.bench.faults import QUICK, weight_versions_lost
 
 
 @pytest.mark.slow
@@ -22,7 +22,9 @@ def test_quick_fault_run_reports_every_fault_and_field(tmp_path):
     out = tmp_path / "faults.json"
     proc = subprocess.run(
         [sys.executable, "-m", "rose.cli.main", "bench", "faults", "--quick", "--json", str(out), "--seed", "1"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rose.cli.bench_bus import refuses_anonymous
-from rose.cli.bench_elastic import connect_as, start_nats
+from rose.bench.bus import refuses_anonymous
+from rose.bench.elastic import connect_as, start_nats
 from rose.contracts.registry import ROLLOUT_TASK, SLO_ALERT
 from rose.contracts.rollout import RolloutTask
 from rose.contracts.slo import SloAlert
@@ -26,7 +26,9 @@ from rose.shared.security import OPERATOR
 
 
 def _bench(*args: str, out: Path, timeout: float = 300) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "rose.cli.main", "bench", *args, "--json", str(out)], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rose.cli.main", "bench", *args, "--json", str(out)], capture_output=True, text=True, timeout=timeout
+    )
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -42,7 +44,19 @@ def test_bench_bus_fields(tmp_path):
 
 def test_bench_weights_fields(tmp_path):
     r = _bench("weights", "--params", "3000000", "--steps", "2", out=tmp_path / "weights.json")
-    for field in ("params", "full_bytes", "wire_bytes", "wire_ratio", "changed_fraction", "publish_s", "fetch_apply_s", "full_snapshot_speedup", "apply_pause_ms", "encode_mb_s", "decode_mb_s"):
+    for field in (
+        "params",
+        "full_bytes",
+        "wire_bytes",
+        "wire_ratio",
+        "changed_fraction",
+        "publish_s",
+        "fetch_apply_s",
+        "full_snapshot_speedup",
+        "apply_pause_ms",
+        "encode_mb_s",
+        "decode_mb_s",
+    ):
         assert field in r, field
     assert r["bit_exact"] is True  # exactness is a correctness property, not a speed
     assert set(r["objstore_baseline"]) >= {"put_s", "get_s"}
@@ -86,7 +100,7 @@ def test_bench_coserve_fields(tmp_path, models_dir):
 def test_bench_elastic_reclaim_splits_at_the_bursts_first_arrival():
     """Reclaim per burst = onset -> first revocation signal; the floor is onset -> the burst's first
     arrival (nothing can be detected before it), the rest is detection plus the bus."""
-    from rose.cli.bench_elastic import Record, poisson_first_arrival_p99_ms, reclaim
+    from rose.bench.elastic import Record, poisson_first_arrival_p99_ms, reclaim
 
     rec = Record()
     rec.serving.bursts += [(100.0, 103.0, "ex-a"), (200.0, 203.0, "ex-a"), (300.0, 303.0, "ex-b")]

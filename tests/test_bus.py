@@ -8,8 +8,8 @@ import json
 import pytest
 
 from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTask, SloAlert
-from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
 from rose.contracts.lease import Lease
+from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 from rose.shared.config import BusConfig
 
@@ -44,13 +44,21 @@ async def test_handler_exception_is_a_500_and_a_dead_letter(bus_config, bus):
 
 async def test_handler_refusal_is_a_4xx_without_dead_letter(bus_config, bus):
     async def refuse(msg, d):
-        raise RequestRefused("version 3 is not newer than 5", code="409")
+        raise RequestRefused("version 3 is not newer than 5", code="409", reason="version_not_newer", data={"latest": 5})
+
+    async def refuse_plainly(msg, d):
+        raise RequestRefused("no")
 
     async with Bus(bus_config, service="executor", instance="ex-refuse") as server:
         await server.serve(GENERATE, refuse, executor_id="ex-refuse")
+        await server.serve(GENERATE, refuse_plainly, executor_id="ex-refuse-plainly")
         with pytest.raises(RemoteError) as err:
             await bus.request(GENERATE, _request(), executor_id="ex-refuse")
-        assert err.value.code == "409" and "not newer" in err.value.description
+        # the requester branches on the typed reason and its data, never on the English description
+        assert err.value.code == "409" and err.value.reason == "version_not_newer" and err.value.data == {"latest": 5}
+        with pytest.raises(RemoteError) as err:
+            await bus.request(GENERATE, _request(), executor_id="ex-refuse-plainly")
+        assert err.value.code == "400" and err.value.reason == "" and err.value.data == {} and err.value.description == "no"
         assert server.dead_letters == 0
 
 
@@ -105,7 +113,17 @@ async def test_stream_event_is_persisted(bus):
 
 
 async def test_kv_put_get_delete(bus):
-    lease = Lease(lease_id="l1", executor_id="ex-1", epoch=3, state="active", granted_at=1.0, expires_at=2.0, kv_bytes=10, compute_share=0.5, max_rollout_batch=4)
+    lease = Lease(
+        lease_id="l1",
+        executor_id="ex-1",
+        epoch=3,
+        state="active",
+        granted_at=1.0,
+        expires_at=2.0,
+        kv_bytes=10,
+        compute_share=0.5,
+        max_rollout_batch=4,
+    )
     await bus.kv_put(LEASE, lease, executor_id="ex-1")
     assert await bus.kv_get(LEASE, executor_id="ex-1") == lease
     await bus.kv_delete(LEASE, executor_id="ex-1")
@@ -130,17 +148,89 @@ async def test_connect_to_an_unreachable_server_gives_up_at_its_deadline():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    bus = Bus(BusConfig(url=f"nats://127.0.0.1:{port}", initial_connect_deadline_s=1.0, connect_timeout_s=0.5), service="tests", instance="unreachable")
+    bus = Bus(
+        BusConfig(url=f"nats://127.0.0.1:{port}", initial_connect_deadline_s=1.0, connect_timeout_s=0.5), service="tests", instance="unreachable"
+    )
     with pytest.raises(ConnectionError, match="cannot reach NATS"):
         await asyncio.wait_for(bus.connect(), timeout=20.0)
 
 
-async def test_a_cancelled_flush_does_not_stop_the_connection(bus):
-    """nats-py alone stops reading when the PONG of a cancelled flush arrives; every later reply would time out."""
-    for _ in range(3):
-        waiting = asyncio.ensure_future(bus.nc.flush(timeout=5))
+# ---- the nats-py private method shared/bus.py `_survive_cancelled_flushes` replaces ---------------
+# nats-py is bounded `>=2.16,<3` in pyproject.toml (constraints.txt pins only torch); these tests fail
+# when a nats-py release changes what the patch relies on, or fixes the bug it works around.
+
+
+async def _cancel_flushes(nc, times: int = 3) -> None:
+    """Cancel `flush()` waiters whose PINGs are out, and let their PONGs come back to the cancelled futures."""
+    for _ in range(times):
+        waiting = asyncio.ensure_future(nc.flush(timeout=5))
         await asyncio.sleep(0)  # the PING is out
         waiting.cancel()
         await asyncio.sleep(0.1)  # its PONG comes back to a cancelled waiter
+
+
+async def test_a_cancelled_flush_does_not_stop_the_connection(bus):
+    """nats-py alone stops reading when the PONG of a cancelled flush arrives; every later reply would time out."""
+    await _cancel_flushes(bus.nc)
     await bus.nc.flush(timeout=2)
     assert await bus.kv_get(SERVICE_REGISTRY, service="nobody", instance="x") is None
+
+
+def test_the_nats_py_method_the_bus_replaces_is_still_the_one_it_assumes():
+    """`_survive_cancelled_flushes` sets `nc._process_pong` on the instance: that only works while the
+    parser calls `self.nc._process_pong()` for each PONG, the original takes no argument, and the
+    client keeps the PING futures in `_pongs` and counts `_pongs_received` / `_pings_outstanding`."""
+    import inspect
+    import textwrap
+
+    from nats.aio.client import Client as NatsClient
+    from nats.protocol import parser
+
+    original = NatsClient._process_pong
+    assert inspect.iscoroutinefunction(original)
+    assert list(inspect.signature(original).parameters) == ["self"]
+    body = textwrap.dedent(inspect.getsource(original))
+    assert "self._pongs.pop(0)" in body and "future.set_result(True)" in body  # the unguarded resolve the patch guards
+    assert "self._pongs_received += 1" in body and "self._pings_outstanding = 0" in body  # what the patch keeps doing
+    assert "await self.nc._process_pong()" in inspect.getsource(parser.Parser.parse)  # looked up on the instance: the patch applies
+    fresh = NatsClient()
+    assert fresh._pongs == [] and fresh._pongs_received == 0 and fresh._pings_outstanding == 0
+    flush = inspect.getsource(NatsClient.flush)
+    assert "await self._send_ping(future)" in flush and "asyncio.wait_for(future, timeout)" in flush  # the future a cancel leaves done
+
+
+async def test_nats_py_alone_stops_reading_after_a_cancelled_flush(nats_server):
+    """The bug the patch works around, on a client without it: the PONG of a cancelled flush raises
+    InvalidStateError in the read loop, which ends, so a later request never gets its reply. When a
+    nats-py release fixes this, this test fails: the patch in shared/bus.py can then go."""
+    import nats
+
+    async def echo(msg) -> None:
+        await msg.respond(msg.data)
+
+    responder = await nats.connect(nats_server.url)
+    plain = await nats.connect(nats_server.url)
+    try:
+        await responder.subscribe("rose.test.pong-echo", cb=echo)
+        await responder.flush()
+        assert (await plain.request("rose.test.pong-echo", b"before", timeout=2)).data == b"before"
+        assert "_process_pong" not in vars(plain)  # not patched
+        await _cancel_flushes(plain)
+        assert plain._reading_task.done()  # the read loop is gone for good
+        with pytest.raises(nats.errors.TimeoutError):
+            await plain.request("rose.test.pong-echo", b"after", timeout=1)
+    finally:
+        await plain.close()
+        await responder.close()
+
+
+async def test_a_bus_request_gets_its_reply_after_cancelled_flushes(bus_config, bus):
+    """The same cancelled flushes on a Bus's connection (patched): a later request over the real
+    server still gets its reply. Fails if the patch stops applying (a renamed or moved method)."""
+    async with Bus(bus_config, service="executor", instance="ex-after-flush") as server:
+        await server.serve(GENERATE, _echo, executor_id="ex-after-flush")
+        await _cancel_flushes(bus.nc)
+        reply = await bus.request(GENERATE, _request(7), executor_id="ex-after-flush")
+        assert reply.request_id == "r7" and reply.token_ids == [1, 2, 3]
+    assert not bus.nc._reading_task.done()
+    assert "_process_pong" in vars(bus.nc)  # set on the instance by `_survive_cancelled_flushes`

@@ -18,8 +18,15 @@ GOOD = {"request_id": "r1", "trajectory_id": "t1", "turn_index": 0, "prompt_toke
 
 BAD_INPUTS = [
     pytest.param(b"\x00\xffgarbage", "decode", "not valid json", id="garbage-bytes"),
-    pytest.param(msgspec.json.encode({**GOOD, "schema_version": 2}), "schema_version", "schema_version 2 is not supported", id="wrong-schema-version"),
-    pytest.param(msgspec.json.encode({k: v for k, v in GOOD.items() if k != "prompt_token_ids"}), "validation", "missing required field `prompt_token_ids`", id="missing-field"),
+    pytest.param(
+        msgspec.json.encode({**GOOD, "schema_version": 2}), "schema_version", "schema_version 2 is not supported", id="wrong-schema-version"
+    ),
+    pytest.param(
+        msgspec.json.encode({k: v for k, v in GOOD.items() if k != "prompt_token_ids"}),
+        "validation",
+        "missing required field `prompt_token_ids`",
+        id="missing-field",
+    ),
     pytest.param(msgspec.json.encode({**GOOD, "sampling": {"temperature": -1}}), "validation", "$.sampling.temperature", id="out-of-range"),
     pytest.param(msgspec.json.encode({**GOOD, "prompt_token_ids": list(range(300_000))}), "oversized", "exceeds the limit", id="oversized"),
 ]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from rose.cli.demo import reward_ends
+from rose.bench.demo import reward_ends
 
 DURATION_S = 45  # GRPO seconds; the warm start before them is not part of the window
 WARM_START_STEPS = 80  # the demo's is 200: learning is not what this checks, and the suite's time is short
@@ -24,8 +24,23 @@ WARM_START_STEPS = 80  # the demo's is 200: learning is not what this checks, an
 def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "rose.cli.main", "demo", "--duration", str(DURATION_S), "--out", str(out), "--seed", "3", "--warm-start-steps", str(WARM_START_STEPS)],
-        capture_output=True, text=True, timeout=420,
+        [
+            sys.executable,
+            "-m",
+            "rose.cli.main",
+            "demo",
+            "--duration",
+            str(DURATION_S),
+            "--out",
+            str(out),
+            "--seed",
+            "3",
+            "--warm-start-steps",
+            str(WARM_START_STEPS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())

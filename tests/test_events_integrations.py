@@ -13,10 +13,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from polling import until
 from aiohttp import web
+from polling import until
 
-from rose.cli.events_forward import ForwardSettings, Forwarder, plan_consumers, public_event_subjects
+from rose.cli.events_forward import Forwarder, ForwardSettings, plan_consumers, public_event_subjects
 from rose.cli.main import main as rose_main
 from rose.contracts.export import events_markdown, public_event_channels
 from rose.contracts.lease import Lease, LeaseEvent
@@ -30,8 +30,17 @@ TIMEOUT_S = 30.0
 
 def lease_event(executor_id: str, kind: str = "granted", epoch: int = 1) -> LeaseEvent:
     now = time.time()
-    lease = Lease(lease_id=f"{executor_id}-e{epoch}", executor_id=executor_id, epoch=epoch, state="active", granted_at=now, expires_at=now + 10,
-                  kv_bytes=1 << 20, compute_share=0.5, max_rollout_batch=4)
+    lease = Lease(
+        lease_id=f"{executor_id}-e{epoch}",
+        executor_id=executor_id,
+        epoch=epoch,
+        state="active",
+        granted_at=now,
+        expires_at=now + 10,
+        kv_bytes=1 << 20,
+        compute_share=0.5,
+        max_rollout_batch=4,
+    )
     return LeaseEvent(kind=kind, lease=lease, at=now, reason="test")  # type: ignore[arg-type]
 
 
@@ -47,9 +56,28 @@ def test_events_doc_is_generated_and_up_to_date():
     assert path.read_text() == events_markdown(), "docs/events.md is out of date: run `rose contracts docs docs/events.md`"
     names = {ch["title"] for _, ch in public_event_channels()}
     # lease granted/revoked, SLO alert, weight version published/applied/failed, trajectory completed/failed, service up/down
-    assert {"lease.event", "slo.alert", "weights.manifest", "weights.applied", "weights.failed", "weights.publish_failed", "rollout.trajectory", "service.lifecycle"} <= names
+    assert {
+        "lease.event",
+        "slo.alert",
+        "weights.manifest",
+        "weights.applied",
+        "weights.failed",
+        "weights.publish_failed",
+        "rollout.trajectory",
+        "service.lifecycle",
+    } <= names
     text = path.read_text()
-    for needle in ("`granted`", "`revoked`", "`completed`", "`failed`", "`up`", "`down`", "ROSE_EVENTS", "ROSE_TRAJECTORIES", "ROSE_WEIGHT_MANIFESTS"):
+    for needle in (
+        "`granted`",
+        "`revoked`",
+        "`completed`",
+        "`failed`",
+        "`up`",
+        "`down`",
+        "ROSE_EVENTS",
+        "ROSE_TRAJECTORIES",
+        "ROSE_WEIGHT_MANIFESTS",
+    ):
         assert needle in text, needle
 
 
@@ -69,9 +97,18 @@ async def _line(stream: asyncio.StreamReader, needle: str, timeout: float = TIME
 async def test_example_subscriber_decodes_public_events(bus, nats_server):
     ex = f"sub-{uuid.uuid4().hex[:6]}"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(REPO / "examples" / "subscribe_events.py"), "--nats-url", nats_server.url, "--json", "--count", "2",
-        "--subjects", LEASE_EVENT.pattern(executor_id=ex), TRAJECTORY.pattern(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(REPO / "examples" / "subscribe_events.py"),
+        "--nats-url",
+        nats_server.url,
+        "--json",
+        "--count",
+        "2",
+        "--subjects",
+        LEASE_EVENT.pattern(executor_id=ex),
+        TRAJECTORY.pattern(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         await _line(proc.stderr, "listening on")
@@ -95,7 +132,14 @@ async def test_example_subscriber_decodes_public_events(bus, nats_server):
 
 async def _start_forwarder(args: list[str]) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rose.cli.main", "events", "forward", *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "rose.cli.main",
+        "events",
+        "forward",
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     await _line(proc.stderr, "forwarding")
     return proc
@@ -111,22 +155,42 @@ async def test_forward_cli_posts_events_and_resumes_after_restart(bus, nats_serv
     ex = f"fw-{uuid.uuid4().hex[:6]}"
     port = free_port()
     receiver = await asyncio.create_subprocess_exec(
-        sys.executable, str(REPO / "examples" / "webhook_receiver.py"), "--port", str(port), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(REPO / "examples" / "webhook_receiver.py"),
+        "--port",
+        str(port),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
-    args = ["--to", f"http://127.0.0.1:{port}/rose", "--subjects", LEASE_EVENT.pattern(executor_id=ex), TRAJECTORY.pattern(status="failed"),
-            "--durable", f"test_{ex}", "--dead-letter", str(tmp_path / "dead.jsonl"), "--nats-url", nats_server.url]
+    args = [
+        "--to",
+        f"http://127.0.0.1:{port}/rose",
+        "--subjects",
+        LEASE_EVENT.pattern(executor_id=ex),
+        TRAJECTORY.pattern(status="failed"),
+        "--durable",
+        f"test_{ex}",
+        "--dead-letter",
+        str(tmp_path / "dead.jsonl"),
+        "--nats-url",
+        nats_server.url,
+    ]
     forwarder = None
     try:
         await _line(receiver.stderr, "receiving on")
         forwarder = await _start_forwarder(args)
         await publish_lease(bus, ex, "granted", 1)
-        await bus.publish(TRAJECTORY, Trajectory(task_id=f"{ex}-t", trajectory_id=f"{ex}-traj", env="code", status="failed", reason="boom"), status="failed")
+        await bus.publish(
+            TRAJECTORY, Trajectory(task_id=f"{ex}-t", trajectory_id=f"{ex}-traj", env="code", status="failed", reason="boom"), status="failed"
+        )
         got = {}
         while len(got) < 2:  # two streams, two consumers: either may arrive first
             event = json.loads(await _line(receiver.stdout, ex))
             got[event["type"]] = event
         first, second = got["rose.LeaseEvent"], got["rose.Trajectory"]
-        assert first["subject"] == f"rose.events.lease.granted.{ex}" and first["data"]["lease"]["epoch"] == 1 and first["id"].startswith("ROSE_EVENTS-")
+        assert (
+            first["subject"] == f"rose.events.lease.granted.{ex}" and first["data"]["lease"]["epoch"] == 1 and first["id"].startswith("ROSE_EVENTS-")
+        )
         assert second["subject"] == "rose.rollout.trajectories.failed" and second["data"]["reason"] == "boom"
         assert await _stop(forwarder) == 0
         # published while the bridge is down: the durable consumer hands it over after the restart
@@ -193,7 +257,9 @@ async def _run_forwarder(settings: ForwardSettings, bus_config) -> tuple[Forward
 async def test_server_error_then_success_is_retried(bus, bus_config, hook, tmp_path):
     ex = f"rt-{uuid.uuid4().hex[:6]}"
     hook.plan = [500]
-    settings = ForwardSettings(url=hook.url, subjects=[LEASE_EVENT.pattern(executor_id=ex)], durable=f"test_{ex}", dead_letter=tmp_path / "dead.jsonl", backoff_s=0.05)
+    settings = ForwardSettings(
+        url=hook.url, subjects=[LEASE_EVENT.pattern(executor_id=ex)], durable=f"test_{ex}", dead_letter=tmp_path / "dead.jsonl", backoff_s=0.05
+    )
     forwarder, task = await _run_forwarder(settings, bus_config)
     try:
         await publish_lease(bus, ex)
@@ -213,8 +279,14 @@ async def test_server_error_then_success_is_retried(bus, bus_config, hook, tmp_p
 async def test_refused_events_go_to_the_dead_letter_file_and_the_rest_flows(bus, bus_config, hook, tmp_path):
     ex = f"dl-{uuid.uuid4().hex[:6]}"
     hook.plan = [503, 503, 503, 422]  # epoch 1: fails 3 times; epoch 2: refused at once; epoch 3: accepted
-    settings = ForwardSettings(url=hook.url, subjects=[LEASE_EVENT.pattern(executor_id=ex)], durable=f"test_{ex}", dead_letter=tmp_path / "dl" / "dead.jsonl",
-                               max_attempts=3, backoff_s=0.02)
+    settings = ForwardSettings(
+        url=hook.url,
+        subjects=[LEASE_EVENT.pattern(executor_id=ex)],
+        durable=f"test_{ex}",
+        dead_letter=tmp_path / "dl" / "dead.jsonl",
+        max_attempts=3,
+        backoff_s=0.02,
+    )
     forwarder, task = await _run_forwarder(settings, bus_config)
     try:
         for epoch in (1, 2, 3):
@@ -234,8 +306,15 @@ async def test_refused_events_go_to_the_dead_letter_file_and_the_rest_flows(bus,
 
 async def test_unreachable_url_is_dead_lettered_after_retries(bus, bus_config, tmp_path):
     ex = f"nx-{uuid.uuid4().hex[:6]}"
-    settings = ForwardSettings(url=f"http://127.0.0.1:{free_port()}/gone", subjects=[LEASE_EVENT.pattern(executor_id=ex)], durable=f"test_{ex}",
-                               dead_letter=tmp_path / "dead.jsonl", max_attempts=2, backoff_s=0.02, timeout_s=2.0)
+    settings = ForwardSettings(
+        url=f"http://127.0.0.1:{free_port()}/gone",
+        subjects=[LEASE_EVENT.pattern(executor_id=ex)],
+        durable=f"test_{ex}",
+        dead_letter=tmp_path / "dead.jsonl",
+        max_attempts=2,
+        backoff_s=0.02,
+        timeout_s=2.0,
+    )
     forwarder, task = await _run_forwarder(settings, bus_config)
     try:
         await publish_lease(bus, ex)

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-from otlp_receiver import otlp_receiver
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from otlp_receiver import otlp_receiver
 
 SCRIPT = textwrap.dedent(
     """
@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
             async def echo(m, d):
                 return GenerateReply(request_id=m.request_id, executor_id="ex-otlp", status="ok")
             await server.serve(GENERATE, echo, executor_id="ex-otlp")
-            await client.request(GENERATE, GenerateRequest(request_id="r", trajectory_id="t", turn_index=0, prompt_token_ids=[1]), executor_id="ex-otlp")
+            request = GenerateRequest(request_id="r", trajectory_id="t", turn_index=0, prompt_token_ids=[1])
+            await client.request(GENERATE, request, executor_id="ex-otlp")
         trace.get_tracer_provider().shutdown()  # flushes the batch exporter
 
     asyncio.run(main())
@@ -98,16 +99,20 @@ async def test_a_framework_with_a_plain_bus_starts_the_trace_of_its_work(nats_se
     try:
         async with otlp_receiver("/v1/traces", ExportTraceServiceRequest) as (endpoint, received):
             env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
-            proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", FRAMEWORK, nats_server.url], env=env, capture_output=True, text=True, timeout=60)
+            proc = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-c", FRAMEWORK, nats_server.url], env=env, capture_output=True, text=True, timeout=60
+            )
             assert proc.returncode == 0, proc.stderr
             await asyncio.wait_for(done.wait(), 10)
     finally:
         await bus.js.delete_consumer("ROSE_TASKS", "fw_trace_test")
     exported = [(resource, span) for m in received for resource in m.resource_spans for scope in resource.scope_spans for span in scope.spans]
-    (resource, producer), = [(r, s) for r, s in exported if s.name == "send rose.rollout.tasks"]
+    ((resource, producer),) = [(r, s) for r, s in exported if s.name == "send rose.rollout.tasks"]
     assert not producer.parent_span_id  # the trace begins where the work was created
     assert {a.value.string_value for a in resource.resource.attributes if a.key == "service.name"} == {"rose-trainer"}
-    (task_id, headers), = got
+    ((task_id, headers),) = got
     assert task_id == "fw-1" and headers["traceparent"].split("-")[1] == producer.trace_id.hex()
-    consumer = [s for s in spans.get_finished_spans() if s.name == "process rose.rollout.tasks" and s.context.trace_id == int(producer.trace_id.hex(), 16)]
+    consumer = [
+        s for s in spans.get_finished_spans() if s.name == "process rose.rollout.tasks" and s.context.trace_id == int(producer.trace_id.hex(), 16)
+    ]
     assert consumer and consumer[0].parent.span_id == int(producer.span_id.hex(), 16)

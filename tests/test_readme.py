@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rose.cli.main import SERVICE_MODULES
+from rose.cli.service_table import SERVICE_MODULES
 from rose.contracts.registry import CHANNELS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -62,8 +62,20 @@ async def _heartbeat_once(bus) -> tuple[dict[str, str], list[str]]:
 
     await bus.subscribe(HEARTBEAT, on_beat, service="tracing_probe")
     now = _time.time()
-    beat = Heartbeat(service="tracing_probe", instance="tp-1", version="0", host="h", pid=1, started_at=now, sent_at=now, interval_s=1.0,
-                     state="ready", load={}, endpoints={}, labels={})
+    beat = Heartbeat(
+        service="tracing_probe",
+        instance="tp-1",
+        version="0",
+        host="h",
+        pid=1,
+        started_at=now,
+        sent_at=now,
+        interval_s=1.0,
+        state="ready",
+        load={},
+        endpoints={},
+        labels={},
+    )
     await bus.publish(HEARTBEAT, beat, service="tracing_probe", instance="tp-1")
     return await asyncio.wait_for(heard.get(), 10)
 

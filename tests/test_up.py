@@ -19,8 +19,8 @@ def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
     shutil.copytree(models_dir, state / "models")  # `rose up` would build them on the spot; reuse the session's
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("ROSE_")}
     env.update({"ROSE_STATE_DIR": str(state), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_ENGINE__DEVICE": "cpu"})
-    out = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(tmp_path / "up.log", "w") as out:  # the child keeps its own copy of the descriptor
+        up = subprocess.Popen([sys.executable, "-m", "rose.cli.main", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until_up(up, tmp_path / "up.log", UP_TIMEOUT_S)
         status = rose("status", "--json", env=env)
@@ -45,7 +45,6 @@ def test_up_status_and_clean_ctrl_c(tmp_path, models_dir):
     finally:
         if up.poll() is None:
             up.kill()
-        out.close()
 
 
 def test_up_uses_nats_url_instead_of_starting_a_server(tmp_path, models_dir, nats_server):

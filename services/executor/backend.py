@@ -3,8 +3,8 @@
 Why: the executor can run on our own engine (``engine.Engine``) or front real SGLang servers
 (``sglang_backend.SGLangBackend``); main.py, the OpenAI API, the rollout bus endpoint, the
 lease guard, telemetry and policy updates are written once against this surface. Anything
-beyond it (the SGLang-compatible admin API in ``sglang_api.py`` reaches into ``Engine``
-internals) is our own engine's business.
+beyond it (the SGLang-compatible admin API in ``sglang_api.py`` uses read-outs and controls
+only ``Engine`` has) is our own engine's business. The values it hands back are in ``outputs.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .engine import EngineStats, RequestHandle
+from .metrics import EngineMetrics
+from .outputs import EngineStats, RequestHandle
 from .protocol import GenerationRequest, WorkClass
 
 
@@ -45,6 +46,7 @@ class CoServingEngine(Protocol):
     """Serving first, rollout only under a lease, policy weights swapped in by version."""
 
     policy_version: int  # the live policy version (rollout results carry it)
+    metrics: EngineMetrics  # lane failures for /health (the SGLang backend's lanes are remote: its servers report their own)
 
     @property
     def device(self) -> DeviceInfo: ...

@@ -36,8 +36,8 @@ class BurstTrip:
 class ArrivalBurstDetector:
     """Fed every serving arrival (``arrival``); returns a BurstTrip when an alert is due."""
 
-    def __init__(self, settings: BurstSettings = BurstSettings(), baseline_s: float = BASELINE_S) -> None:
-        self.cfg, self.baseline_s = settings, baseline_s
+    def __init__(self, settings: BurstSettings | None = None, baseline_s: float = BASELINE_S) -> None:
+        self.cfg, self.baseline_s = settings if settings is not None else BurstSettings(), baseline_s
         self._arrivals: deque[float] = deque()
         self._first: float | None = None
         self._last_alert: float | None = None

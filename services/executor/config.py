@@ -8,6 +8,8 @@ import msgspec
 
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 
+from .policies import DEFAULT_QUANTUM_MS
+
 MIB = 1 << 20
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -25,6 +27,8 @@ class ModelsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[engine]`` table. Its defaults are also ``engine.EngineConfig``'s (which reads them from here)."""
+
     # rose: our engine runs both models here; sglang: two SGLang servers do (see `sglang_backend`)
     backend: Literal["rose", "sglang"] = "rose"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -33,7 +37,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rollout_kv_mib: Positive = 128.0
     serving_max_batch: PositiveInt = 32
     rollout_max_batch: PositiveInt = 32
-    quantum_ms: Positive = 10.0
+    quantum_ms: Positive = DEFAULT_QUANTUM_MS
     # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     # (false where several executors share a host's cores: two widened lanes wait on each other)
     lend_serving_core: bool = True
@@ -87,7 +91,10 @@ class SGLangApiSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     lease_wait_s: PositiveSeconds = 120.0
 
     def __repr__(self) -> str:  # the key never reaches a log line through a config dump
-        return f"SGLangApiSettings(enabled={self.enabled}, admin_api_key={'***' if self.admin_api_key else ''!r}, allow_unauthenticated_admin={self.allow_unauthenticated_admin})"
+        return (
+            f"SGLangApiSettings(enabled={self.enabled}, admin_api_key={'***' if self.admin_api_key else ''!r}, "
+            f"allow_unauthenticated_admin={self.allow_unauthenticated_admin})"
+        )
 
 
 class SGLangBackendSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -121,8 +128,10 @@ class SGLangBackendSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     max_connections: PositiveInt = 1024  # concurrent HTTP connections to the servers (one per streaming request)
 
     def __repr__(self) -> str:  # the keys never reach a log line through a config dump
-        return (f"SGLangBackendSettings(serving_url={self.serving_url!r}, rollout_url={self.rollout_url!r}, weight_sync={self.weight_sync!r}, "
-                f"api_key={'***' if self.api_key else ''!r}, admin_api_key={'***' if self.admin_api_key else ''!r})")
+        return (
+            f"SGLangBackendSettings(serving_url={self.serving_url!r}, rollout_url={self.rollout_url!r}, weight_sync={self.weight_sync!r}, "
+            f"api_key={'***' if self.api_key else ''!r}, admin_api_key={'***' if self.admin_api_key else ''!r})"
+        )
 
 
 class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -19,10 +19,15 @@ pointers with the ones its graphs were captured against and recaptures on a chan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from .forward_item import ForwardItem
 from .kv_pool import key_slots
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -46,7 +51,7 @@ class DecodeInputs:
     mask: torch.Tensor  # [batch, 1, 1, context]: key visible to the query
 
     @classmethod
-    def of(cls, items, block_size: int, batch: int, context: int) -> "DecodeInputs":
+    def of(cls, items, block_size: int, batch: int, context: int) -> DecodeInputs:
         """Host tensors for decode ``items`` (one new token each), padded with copies of the last."""
         rows = list(items) + [items[-1]] * (batch - len(items))
         gather = key_slots([it.block_table for it in rows], context, block_size)
@@ -57,18 +62,20 @@ class DecodeInputs:
         mask = (kpos[None, :] <= positions[:, None])[:, None, None, :]
         return cls(tokens, positions, slots, gather, mask)
 
-    def to(self, device) -> "DecodeInputs":
+    def to(self, device) -> DecodeInputs:
         return DecodeInputs(*(t.to(device) for t in (self.tokens, self.positions, self.slots, self.gather, self.mask)))
 
-    def copy_into(self, static: "DecodeInputs") -> None:
-        for src, dst in zip((self.tokens, self.positions, self.slots, self.gather, self.mask),
-                            (static.tokens, static.positions, static.slots, static.gather, static.mask)):
+    def copy_into(self, static: DecodeInputs) -> None:
+        for src, dst in zip(
+            (self.tokens, self.positions, self.slots, self.gather, self.mask),
+            (static.tokens, static.positions, static.slots, static.gather, static.mask),
+        ):
             dst.copy_(src)
 
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     inputs: DecodeInputs  # static, on the device: each replay copies the step's inputs in
     logits: torch.Tensor  # static output [batch, vocab]
 
@@ -82,7 +89,7 @@ class DecodeGraphs:
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.context_buckets = tuple(c for c in CONTEXT_BUCKETS if c < runner.max_positions) + (runner.max_positions,)
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool = None  # one memory pool for this runner's graphs (they never replay at once)
+        self._pool: _POOL_HANDLE | None = None  # one memory pool for this runner's graphs (they never replay at once)
         self._fingerprint: tuple[int, ...] | None = None
         self.captures = 0
         self.replays = 0
@@ -112,8 +119,6 @@ class DecodeGraphs:
         while the pool holds no work): each lane does this before its first request, so no request
         pays a capture (one can take ~0.1 s of launches that no arrival interrupts). Returns the
         graphs captured (0 when the pool has no room)."""
-        from .model_runner import ForwardItem  # (model_runner imports this module)
-
         self._check_pointers()
         pool = self.runner.pool
         before = self.captures

@@ -24,6 +24,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class FifoLock:
         self._next = 0
         self._serving = 0
 
-    def __enter__(self) -> "FifoLock":
+    def __enter__(self) -> FifoLock:
         with self._cv:
             ticket = self._next
             self._next += 1
@@ -57,7 +58,7 @@ class FifoLock:
 class Lane:
     """An execution context (a CUDA stream, or the calling CPU thread) guarded by a FIFO lock."""
 
-    def __init__(self, name: str, stream: "torch.cuda.Stream | None" = None) -> None:
+    def __init__(self, name: str, stream: torch.cuda.Stream | None = None) -> None:
         self.name = name
         self.stream = stream
         self._lock = FifoLock()
@@ -73,7 +74,7 @@ class Lane:
                 self.stream.synchronize()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Telemetry:
     """Same fields as contracts.executor.DeviceTelemetry."""
 
@@ -148,7 +149,14 @@ class CpuDevice:
             total, used = info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
         except (OSError, KeyError):
             pass
-        return Telemetry("cpu", f"cpu x{cores}", total, used, util, process_rss_bytes())
+        return Telemetry(
+            kind="cpu",
+            name=f"cpu x{cores}",
+            memory_total_bytes=total,
+            memory_used_bytes=used,
+            utilization=util,
+            process_rss_bytes=process_rss_bytes(),
+        )
 
 
 class CudaDevice:
@@ -160,7 +168,7 @@ class CudaDevice:
     def __init__(self, index: int = 0) -> None:
         self.torch_device = torch.device("cuda", index)
         self.index = index
-        self._nvml = None
+        self._nvml: tuple[Any, Any] | None = None  # (the pynvml module, this device's handle), on first use
 
     def lane(self, name: str, priority: int) -> Lane:
         return Lane(name, torch.cuda.Stream(device=self.torch_device, priority=priority))
@@ -200,7 +208,14 @@ class CudaDevice:
             util = 0.0
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
-        return Telemetry("cuda", name, int(mem.total), int(mem.used), util, process_rss_bytes())
+        return Telemetry(
+            kind="cuda",
+            name=name,
+            memory_total_bytes=int(mem.total),
+            memory_used_bytes=int(mem.used),
+            utilization=util,
+            process_rss_bytes=process_rss_bytes(),
+        )
 
 
 @torch.no_grad()

@@ -24,23 +24,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from rose.shared.sketch import sketch_to_dict
 
 from .burst_alerts import ArrivalBurstDetector, BurstTrip
+from .config import MIB, EngineSettings
 from .core_lending import CoreLending
 from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
-from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolUsage
+from .forward_item import ForwardItem
+from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from .metrics import EngineMetrics
-from .model_runner import ForwardItem, PagedModelRunner, kv_shape_of
-from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_QUANTUM_MS, DEFAULT_STATIC_SHARE, Signals, make_policy
+from .model_runner import PagedModelRunner, kv_shape_of
+from .outputs import EngineStats, RequestHandle
+from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_STATIC_SHARE, Signals, make_policy
 from .prefix_cache import PrefixCache
-from .rollout_process import ProcessRunner, child_rss_bytes, shared_memory_shortfall
 from .protocol import (
     SERVING_MODEL_VERSION,
+    FinishReason,
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
@@ -53,6 +56,7 @@ from .protocol import (
     timings_since,
     validate_request,
 )
+from .rollout_process import ProcessRunner, child_rss_bytes, shared_memory_shortfall
 from .sampling import SamplerState, find_stop
 from .scheduling import Limits, plan_iteration, plan_shrink
 from .sequence import Sequence
@@ -61,103 +65,62 @@ from .weights import StagedWeights, stage
 
 log = logging.getLogger("rose.executor.engine")
 
-MIB = 1 << 20
 IDLE_WAIT_S = 0.005  # how long an idle lane sleeps before re-checking (a submit wakes it at once)
 PAUSE_POLL_S = 0.0005  # how often a paused rollout lane re-asks the policy
 SERVING_SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while serving and rollout both run (CPython's default: 5 ms)
 EMA_ALPHA = 0.2
 PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
 MEMORY_TAGS = ("kv_cache", "weights")  # as SGLang's /release_memory_occupation
+_SERVICE = EngineSettings()  # the executor service's [engine] defaults: EngineConfig's, one definition of each
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    serving_kv_bytes: int = 64 * MIB
-    rollout_kv_bytes: int = 128 * MIB  # the most a lease can grant; the lease bounds actual use
+    """What an ``Engine`` runs with: built by the executor service from its ``[engine]`` settings
+    (``from_settings``), or directly by a benchmark or a test.
+
+    Defaults are the service's (``config.EngineSettings``), except two that a direct user gets on purpose:
+    no SLO until one is given (``slo_*_ms`` None; ``Engine.set_slo``), and rollout forwards in this process
+    (``rollout_process`` False: the service turns the child process on; tests and benches ask for it)."""
+
+    serving_kv_bytes: int = int(_SERVICE.serving_kv_mib * MIB)
+    rollout_kv_bytes: int = int(_SERVICE.rollout_kv_mib * MIB)  # the most a lease can grant; the lease bounds actual use
     block_size: int = DEFAULT_BLOCK_SIZE
-    serving_max_batch: int = 32
-    rollout_max_batch: int = 32
+    serving_max_batch: int = _SERVICE.serving_max_batch
+    rollout_max_batch: int = _SERVICE.rollout_max_batch
     serving_prefill_tokens: int = 512  # prefill-chunk budget per serving iteration
     rollout_prefill_tokens: int = 64  # per rollout iteration: keeps a quantum short
-    quantum_ms: float = DEFAULT_QUANTUM_MS
+    quantum_ms: float = _SERVICE.quantum_ms
     guard_fraction: float = DEFAULT_GUARD_FRACTION
     static_share: float = DEFAULT_STATIC_SHARE
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
-    lend_serving_core: bool = True  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
+    lend_serving_core: bool = _SERVICE.lend_serving_core  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     rollout_process: bool = False  # CPU: rollout forwards run in a child process, off this interpreter's lock (rollout_process.py)
-    cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graphs.py)
-    seed: int = 0
-    device: str = "auto"
-    dtype: torch.dtype = torch.float32
+    cuda_graphs: bool = _SERVICE.cuda_graphs  # CUDA: decode steps replay captured graphs (cuda_graphs.py)
+    seed: int = _SERVICE.seed
+    device: str = _SERVICE.device
+    dtype: torch.dtype = getattr(torch, _SERVICE.dtype)
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    """One snapshot; latency sketches and rates cover the interval since the previous call."""
-
-    interval_s: float
-    ttft_ms: dict  # contracts.executor.LatencySketch fields
-    tpot_ms: dict
-    serving_arrivals: int
-    serving_completed: int
-    serving_queue: int
-    serving_running: int
-    rollout_queue: int
-    rollout_running: int
-    serving_tokens_per_s: float
-    rollout_tokens_per_s: float
-    serving_pool: PoolUsage
-    rollout_pool: PoolUsage
-    prefix_hits: int
-    prefix_misses: int
-    preemptions: int
-    compute_yields: int
-    reclaim_latency_ms: list[float]  # samples of this interval
-    max_swap_pause_ms: float
-    policy_version: int
-    lease_id: str
-    lease_budget_bytes: int
-    device: dict = field(default_factory=dict)
-    lane_failures: int = 0  # all-time: iterations that raised (logged; their running requests aborted)
-    slo_guard: GuardState | None = None  # the closed loop's state at the snapshot (slo_guard.py)
-
-
-class RequestHandle:
-    """Async iterator of ``StreamDelta``; ``await result()`` gives the ``GenerationResult``."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._loop = loop
-        self._deltas: asyncio.Queue = asyncio.Queue()
-        self._result: asyncio.Future = loop.create_future()
-        self._cancel = None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        item = await self._deltas.get()
-        if item is None:
-            raise StopAsyncIteration
-        return item
-
-    async def result(self) -> GenerationResult:
-        return await asyncio.shield(self._result)
-
-    def cancel(self) -> None:
-        """Abort the generation; it finishes with finish_reason "abort"."""
-        if self._cancel:
-            self._cancel(self.request_id)
-
-    # called on the loop thread
-    def _deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
-        if delta is not None:
-            self._deltas.put_nowait(delta)
-        if result is not None and not self._result.done():
-            self._result.set_result(result)
-            self._deltas.put_nowait(None)
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> EngineConfig:
+        """The executor service's ``[engine]`` settings as the engine's config (fields the settings lack keep their defaults)."""
+        return cls(
+            serving_kv_bytes=int(settings.serving_kv_mib * MIB),
+            rollout_kv_bytes=int(settings.rollout_kv_mib * MIB),
+            serving_max_batch=settings.serving_max_batch,
+            rollout_max_batch=settings.rollout_max_batch,
+            quantum_ms=settings.quantum_ms,
+            lend_serving_core=settings.lend_serving_core,
+            rollout_process=settings.rollout_process,
+            cuda_graphs=settings.cuda_graphs,
+            slo_ttft_ms=settings.slo_ttft_ms,
+            slo_tpot_ms=settings.slo_tpot_ms,
+            seed=settings.seed,
+            device=settings.device,
+            dtype=getattr(torch, settings.dtype),
+        )
 
 
 class _ClassRuntime:
@@ -194,7 +157,9 @@ class _ClassRuntime:
 class Engine:
     """Hosts both models on one device and schedules serving and rollout work."""
 
-    def __init__(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, config: EngineConfig = EngineConfig(), policy: str = "rose") -> None:
+    def __init__(
+        self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, config: EngineConfig = EngineConfig(), policy: str = "rose"
+    ) -> None:
         self.config = config
         self.policy = make_policy(policy, config.quantum_ms, config.guard_fraction, config.static_share)
         self.device = select_device(config.device)
@@ -209,13 +174,31 @@ class Engine:
         narrow = config.rollout_threads or self.device.threads_per_lane
         in_child = config.rollout_process and self.device.kind == "cpu" and self.policy.admits_rollout
         if in_child and (short := shared_memory_shortfall(policy_model, r_pool)):
-            log.warning("rollout forwards stay in this process: shared memory lacks %d MiB for the policy and its KV pool "
-                        "(raise it: docker's --shm-size / compose's shm_size)", short >> 20)
+            log.warning(
+                "rollout forwards stay in this process: shared memory lacks %d MiB for the policy and its KV pool "
+                "(raise it: docker's --shm-size / compose's shm_size)",
+                short >> 20,
+            )
             in_child = False
         r_runner = ProcessRunner(policy_model, r_pool, narrow) if in_child else None
         self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth
-        self._serving = _ClassRuntime(WorkClass.SERVING, serving_model, serving_tokenizer, s_pool, Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size), serving_lane)
-        self._rollout = _ClassRuntime(WorkClass.ROLLOUT, policy_model, policy_tokenizer, r_pool, Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size), rollout_lane, r_runner)
+        self._serving = _ClassRuntime(
+            WorkClass.SERVING,
+            serving_model,
+            serving_tokenizer,
+            s_pool,
+            Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size),
+            serving_lane,
+        )
+        self._rollout = _ClassRuntime(
+            WorkClass.ROLLOUT,
+            policy_model,
+            policy_tokenizer,
+            r_pool,
+            Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size),
+            rollout_lane,
+            r_runner,
+        )
         if config.cuda_graphs:
             for rt in (self._serving, self._rollout):
                 if isinstance(rt.runner, PagedModelRunner):  # (the CPU's child-process runner never sees CUDA)
@@ -253,10 +236,17 @@ class Engine:
         self._last_stats = time.monotonic()
 
     @classmethod
-    def from_dirs(cls, serving_dir: str, policy_dir: str, config: EngineConfig = EngineConfig(), policy: str = "rose") -> "Engine":
+    def from_dirs(cls, serving_dir: str, policy_dir: str, config: EngineConfig = EngineConfig(), policy: str = "rose") -> Engine:
         from rose.shared.models import load_model, load_tokenizer
 
-        return cls(load_model(serving_dir, "cpu", config.dtype), load_tokenizer(serving_dir), load_model(policy_dir, "cpu", config.dtype), load_tokenizer(policy_dir), config, policy)
+        return cls(
+            load_model(serving_dir, "cpu", config.dtype),
+            load_tokenizer(serving_dir),
+            load_model(policy_dir, "cpu", config.dtype),
+            load_tokenizer(policy_dir),
+            config,
+            policy,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -280,14 +270,20 @@ class Engine:
         self._stopping = True
         for rt in (self._serving, self._rollout):
             rt.wakeup.set()
-        await asyncio.to_thread(lambda: [t.join() for t in self._threads])
+        await asyncio.to_thread(self._join_threads)
         if isinstance(self._rollout.runner, ProcessRunner):
             await asyncio.to_thread(self._rollout.runner.close)
         self._prioritise_serving(False)
         for rt in (self._serving, self._rollout):
             for seq in list(rt.inbox) + list(rt.waiting) + list(rt.running):
                 self._finish(rt, seq, "abort")
-            rt.inbox.clear(), rt.waiting.clear(), rt.running.clear()
+            rt.inbox.clear()
+            rt.waiting.clear()
+            rt.running.clear()
+
+    def _join_threads(self) -> None:
+        for t in self._threads:
+            t.join()
 
     # ------------------------------------------------------------------ public API
     def tokenizer_for(self, work_class: WorkClass):
@@ -295,6 +291,53 @@ class Engine:
 
     def max_positions(self, work_class: WorkClass) -> int:
         return self._runtime(work_class).runner.max_positions
+
+    # read-outs for the SGLang-compatible API and the benchmarks: read without the lanes' cooperation,
+    # so a reader may see a value a moment stale; only the engine changes what they return
+    def max_batch(self, work_class: WorkClass) -> int:
+        """The most sequences of this class one iteration runs."""
+        return self._runtime(work_class).limits.max_batch
+
+    def pool_for(self, work_class: WorkClass) -> KVPool:
+        """This class's KV block pool, to read (block size, blocks, usage, whether its memory is released)."""
+        return self._runtime(work_class).pool
+
+    def queue_lengths(self, work_class: WorkClass) -> tuple[int, int]:
+        """This class's (running, queued) sequences; queued counts those submitted and not yet running."""
+        rt = self._runtime(work_class)
+        return len(rt.running), len(rt.inbox) + len(rt.waiting)
+
+    @property
+    def rollout_lease(self) -> Lease | None:
+        """The rollout lease held now (None: none); an expired one stays until the rollout lane drops it."""
+        return self._lease
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop`` was called: the lanes wind down and ``submit`` takes nothing new."""
+        return self._stopping
+
+    @property
+    def lanes_alive(self) -> bool:
+        """True while the engine is started, not stopping, and every lane's thread runs."""
+        return self._started and not self._stopping and all(t.is_alive() for t in self._threads)
+
+    def cuda_graph_stats(self) -> dict[str, dict | None]:
+        """Each lane's CUDA graph counts by work class value, None for a lane that used none (off CUDA):
+        captures, replays, and refusals (``failures``: after the first, that lane ran eagerly)."""
+        stats: dict[str, dict | None] = {}
+        for rt in (self._serving, self._rollout):
+            graphs, failures = getattr(rt.runner, "graphs", None), getattr(rt.runner, "graph_failures", 0)
+            stats[rt.work_class.value] = (
+                None
+                if graphs is None and not failures
+                else {
+                    "captures": graphs.captures if graphs else None,
+                    "replays": graphs.replays if graphs else None,
+                    "failures": failures,
+                }
+            )
+        return stats
 
     def submit(self, request: GenerationRequest, *, require_lease: bool = True) -> RequestHandle:
         """Validate and queue; call from a running asyncio loop. Raises InvalidRequest or RolloutRejected.
@@ -632,9 +675,20 @@ class Engine:
         oldest_wait_ms = _oldest_wait_ms(s, now)
         share = self.slo_guard.update(now, oldest_wait_ms, s.iteration_ms if s.running else 0.0)
         return Signals(
-            now, len(s.inbox) + len(s.waiting) + s.unprefilled, len(s.running), s.iteration_ms, self.slo_tpot_ms, self._rollout_overlaps_serving,
-            s.limits.max_batch, not self._rollout_in_child, self.slo_ttft_ms, oldest_wait_ms,
-            self.device.kind == "cuda", getattr(self._rollout.runner, "graphs", None) is not None, share, self.bursts.rate(now),
+            now=now,
+            serving_prefill_pending=len(s.inbox) + len(s.waiting) + s.unprefilled,
+            serving_running=len(s.running),
+            serving_iteration_ms=s.iteration_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
+            lanes_overlap=self._rollout_overlaps_serving,
+            serving_max_batch=s.limits.max_batch,
+            shares_interpreter=not self._rollout_in_child,
+            slo_ttft_ms=self.slo_ttft_ms,
+            serving_oldest_wait_ms=oldest_wait_ms,
+            priority_streams=self.device.kind == "cuda",
+            rollout_decode_graphs=getattr(self._rollout.runner, "graphs", None) is not None,
+            rollout_share=share,
+            serving_arrival_rate_rps=self.bursts.rate(now),
         )
 
     def _run_quantum(self, rt: _ClassRuntime) -> None:
@@ -718,11 +772,11 @@ class Engine:
         while rt.inbox:
             seq = rt.inbox.popleft()
             if rt is self._rollout and seq.request.trajectory_id is not None:
-                self._attach_prefix(rt, seq)
+                self._attach_prefix(rt, seq, seq.request.trajectory_id)
             rt.waiting.append(seq)
 
-    def _attach_prefix(self, rt: _ClassRuntime, seq: Sequence) -> None:
-        hit, to_free = self.prefix_cache.take(seq.request.trajectory_id, tuple(seq.tokens), self.policy_version, rt.pool.block_size)
+    def _attach_prefix(self, rt: _ClassRuntime, seq: Sequence, trajectory_id: str) -> None:
+        hit, to_free = self.prefix_cache.take(trajectory_id, tuple(seq.tokens), self.policy_version, rt.pool.block_size)
         rt.pool.free(to_free)
         if hit is not None:
             seq.blocks, seq.num_cached, seq.prefix_cached_tokens = hit.blocks, hit.reused_tokens, hit.reused_tokens
@@ -778,8 +832,10 @@ class Engine:
         ends = [row for row, (s, n) in enumerate(work) if s.num_cached + n == len(s.tokens)]
         steered = rt is self._rollout and self.policy.yields_on_arrival
         sampled = rt.runner.forward_sample(
-            items, [(row, work[row][0].sampler) for row in ends],
-            should_stop=self._rollout_safepoint if steered else None, should_hold=self._rollout_holds if steered else None,
+            items,
+            [(row, work[row][0].sampler) for row in ends],
+            should_stop=self._rollout_safepoint if steered else None,
+            should_hold=self._rollout_holds if steered else None,
         )
         if sampled is None:
             return None
@@ -830,7 +886,7 @@ class Engine:
             self.metrics.tokens(0, len(ready))
         _deliver(outbox)
 
-    def _finish_reason(self, rt: _ClassRuntime, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, rt: _ClassRuntime, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.request.sampling
         if token in p.stop_token_ids or (token == rt.eos_id and not p.ignore_eos):
             return "stop"
@@ -850,7 +906,14 @@ class Engine:
     def _delta(self, seq: Sequence, final: bool) -> StreamDelta | None:
         """New tokens and text since the last delta (see protocol.next_delta)."""
         delta, seq.emitted_text = next_delta(
-            seq.request, seq.output, seq.logprobs, seq.text, seq.emitted_tokens, seq.emitted_text, final, seq.finish_reason,
+            seq.request,
+            seq.output,
+            seq.logprobs,
+            seq.text,
+            seq.emitted_tokens,
+            seq.emitted_text,
+            final,
+            seq.finish_reason,
             seq.sampler.top_logprobs,
         )
         if delta is not None:
@@ -868,12 +931,22 @@ class Engine:
             rt.pool.free(seq.blocks)
         seq.blocks = []
 
-    def _finish(self, rt: _ClassRuntime, seq: Sequence, reason: str, deliver: bool = True):
+    def _finish(self, rt: _ClassRuntime, seq: Sequence, reason: FinishReason, deliver: bool = True):
         seq.finish_reason = reason
         if not seq.text_final:
             seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
-        delta = self._delta(seq, final=True) if seq.request.stream else StreamDelta(
-            seq.request.request_id, tuple(seq.output), tuple(seq.logprobs), seq.text, True, reason, tuple(seq.sampler.top_logprobs)
+        delta = (
+            self._delta(seq, final=True)
+            if seq.request.stream
+            else StreamDelta(
+                request_id=seq.request.request_id,
+                token_ids=tuple(seq.output),
+                logprobs=tuple(seq.logprobs),
+                text=seq.text,
+                finished=True,
+                finish_reason=reason,
+                top_logprobs=tuple(seq.sampler.top_logprobs),
+            )
         )
         result = self._result(rt, seq, reason)
         if rt is self._serving and reason != "abort":
@@ -885,21 +958,21 @@ class Engine:
             _deliver([item])
         return item
 
-    def _result(self, rt: _ClassRuntime, seq: Sequence, reason: str) -> GenerationResult:
+    def _result(self, rt: _ClassRuntime, seq: Sequence, reason: FinishReason) -> GenerationResult:
         timings = timings_since(seq.arrival, seq.token_times, seq.first_scheduled, seq.preemptions, time.monotonic())
         versions = tuple(seq.versions)
         return GenerationResult(
-            seq.request.request_id,
-            seq.request.work_class,
-            tuple(seq.output),
-            tuple(seq.logprobs),
-            seq.text,
-            reason,
-            versions,
-            versions[-1] if versions else self.policy_version,
-            seq.prefix_cached_tokens,
-            timings,
-            tuple(seq.sampler.top_logprobs),
+            request_id=seq.request.request_id,
+            work_class=seq.request.work_class,
+            token_ids=tuple(seq.output),
+            logprobs=tuple(seq.logprobs),
+            text=seq.text,
+            finish_reason=reason,
+            token_versions=versions,
+            policy_version=versions[-1] if versions else self.policy_version,
+            prefix_cached_tokens=seq.prefix_cached_tokens,
+            timings=timings,
+            top_logprobs=tuple(seq.sampler.top_logprobs),
         )
 
 

@@ -32,9 +32,10 @@ from opentelemetry.trace import SpanKind
 from rose.shared.metrics import metrics_handler
 from rose.shared.tracing import tracer
 
-from .engine import Engine, RequestHandle
+from .backend import CoServingEngine
 from .http_server import read_body
-from .protocol import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, InvalidRequest, SamplingParams, StreamDelta, TopLogprobs, WorkClass
+from .outputs import RequestHandle
+from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, StreamDelta, TopLogprobs, WorkClass
 from .telemetry import Telemetry
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -43,9 +44,21 @@ SEED_SPAN = 2**64  # choice i samples with seed + i, wrapped into [-2**63, 2**63
 LOGPROB_FLOOR = -9999.0  # a -inf / NaN logprob as a JSON number (vLLM's convention)
 # parameters accepted only at their neutral value: anything else asks for what this engine does not do
 NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
-    "functions": ([],), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "prompt_logprobs": (), "use_beam_search": (False,), "echo": (False,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "echo": (False,),
 }
 MODEL_CARDS: web.AppKey = web.AppKey("rose_model_cards", list)  # callables adding models served by other routes (the SGLang API's policy)
 LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
@@ -54,6 +67,8 @@ LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a
 def lane_failure_body(failure) -> dict[str, Any]:
     """A ``metrics.LaneFailure`` as health endpoints report it."""
     return {"lane": failure.lane, "error": failure.error, "seconds_ago": round(time.monotonic() - failure.at, 3)}
+
+
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
 
 
@@ -106,7 +121,7 @@ class StreamOptions:
 
 
 class OpenAIApi:
-    def __init__(self, engine: Engine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, engine: CoServingEngine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
         self.engine = engine
         self.telemetry = telemetry
         self.model_name = model_name
@@ -134,7 +149,12 @@ class OpenAIApi:
             f"{request.method} {route}",
             context=propagate.extract(request.headers),  # case-insensitive: `Traceparent` works too
             kind=SpanKind.SERVER,
-            attributes={"http.request.method": request.method, "http.route": route, "url.path": request.path, "rose.executor_id": self.telemetry.executor_id},
+            attributes={
+                "http.request.method": request.method,
+                "http.route": route,
+                "url.path": request.path,
+                "rose.executor_id": self.telemetry.executor_id,
+            },
         ) as span:
             response = await handler(request)
             span.set_attribute("http.response.status_code", response.status)
@@ -178,15 +198,21 @@ class OpenAIApi:
         if model != self.model_name:
             others = [card()["id"] for card in request.app[MODEL_CARDS]]
             hint = f" ({', '.join(map(repr, others))}: SGLang API, POST /generate)" if others else ""
-            raise ApiError(404, f"model {model!r} does not exist for this endpoint; available: [{self.model_name!r}]{hint} (see GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist for this endpoint; available: [{self.model_name!r}]{hint} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         for name, neutral in NEUTRAL_PARAMS.items():
             value = body.get(name)
             if value is not None and value not in neutral:
-                raise ApiError(400, f"`{name}` is not supported by this executor (send it unset{' or ' + repr(neutral[0]) if neutral else ''})", param=name)
+                raise ApiError(
+                    400, f"`{name}` is not supported by this executor (send it unset{' or ' + repr(neutral[0]) if neutral else ''})", param=name
+                )
         return body
 
-    def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens", top_logprobs: int = 0) -> SamplingParams:
+    def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens", top_logprobs: int = 0) -> EngineSampling:
         stop = body.get("stop")
         if stop is None:
             stops: tuple[str, ...] = ()
@@ -197,7 +223,7 @@ class OpenAIApi:
         else:
             raise ApiError(400, "`stop` must be a string or a list of strings", param="stop")
         max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
-        params = SamplingParams(
+        params = EngineSampling(
             temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0),
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", None, int),
@@ -247,6 +273,7 @@ class OpenAIApi:
 
     def _prompts(self, prompt: Any) -> list[tuple[int, ...]]:
         """Each prompt's token ids: a string, a list of token ids, or a batch (a list of either)."""
+
         def token_ids(p: Any) -> bool:
             return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
@@ -270,7 +297,7 @@ class OpenAIApi:
             ids = ids["input_ids"]
         return tuple(int(t) for t in ids)
 
-    def _submit(self, prompts: list[tuple[int, ...]], n: int, sampling: SamplingParams, stream: bool) -> list[Choice]:
+    def _submit(self, prompts: list[tuple[int, ...]], n: int, sampling: EngineSampling, stream: bool) -> list[Choice]:
         """Every (prompt, sample) as its own engine request; all or none are queued."""
         choices: list[Choice] = []
         try:
@@ -278,7 +305,11 @@ class OpenAIApi:
                 for i in range(n):
                     params = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=(sampling.seed + i + 2**63) % SEED_SPAN - 2**63)
                     request = GenerationRequest(
-                        request_id=f"srv-{uuid.uuid4().hex[:16]}", work_class=WorkClass.SERVING, prompt_token_ids=prompt_ids, sampling=params, stream=stream
+                        request_id=f"srv-{uuid.uuid4().hex[:16]}",
+                        work_class=WorkClass.SERVING,
+                        prompt_token_ids=prompt_ids,
+                        sampling=params,
+                        stream=stream,
                     )
                     choices.append(Choice(p * n + i, prompt_ids, self.engine.submit(request)))
         except BaseException:
@@ -297,7 +328,9 @@ class OpenAIApi:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(
+        self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...], offset: int
+    ) -> dict[str, Any]:
         """The completions `logprobs` object: each token, its logprob, its top alternatives (the
         sampled token included, as vLLM does) and its character offset in the completion text."""
         tokens = [self._token(t) for t in token_ids]
@@ -314,6 +347,7 @@ class OpenAIApi:
 
     def _chat_logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...]) -> dict[str, Any]:
         """The chat `logprobs` object: `content`, one entry per token with its `top_logprobs` (k entries)."""
+
         def entry(token_id: int, lp: float) -> dict[str, Any]:
             token = self._token(token_id)
             return {"token": token, "logprob": finite(lp), "bytes": list(token.encode("utf-8", "replace"))}
@@ -399,8 +433,14 @@ class OpenAIApi:
         started_ns = time.time_ns()
         with tracer().start_as_current_span(
             "executor.serving",
-            attributes={"rose.executor_id": self.telemetry.executor_id, "rose.request_id": choices[0].handle.request_id, "gen_ai.request.model": self.model_name,
-                        "gen_ai.usage.input_tokens": sum(len(p) for p in prompts), "rose.stream": stream, "rose.choices": len(choices)},
+            attributes={
+                "rose.executor_id": self.telemetry.executor_id,
+                "rose.request_id": choices[0].handle.request_id,
+                "gen_ai.request.model": self.model_name,
+                "gen_ai.usage.input_tokens": sum(len(p) for p in prompts),
+                "rose.stream": stream,
+                "rose.choices": len(choices),
+            },
         ) as span:
             try:
                 if not stream:
@@ -413,8 +453,13 @@ class OpenAIApi:
                     for result in results:
                         self._finished(span, result, started_ns)
                     return web.json_response(
-                        {**head, "object": objects[0], "created": int(time.time()), "choices": [final(c.index, r) for c, r in zip(choices, results)],
-                         "usage": self._usage(prompts, sum(len(r.token_ids) for r in results))}
+                        {
+                            **head,
+                            "object": objects[0],
+                            "created": int(time.time()),
+                            "choices": [final(c.index, r) for c, r in zip(choices, results)],
+                            "usage": self._usage(prompts, sum(len(r.token_ids) for r in results)),
+                        }
                     )
                 return await self._stream(request, choices, head, objects[1], prompts, options, span, started_ns, chunk)
             except (ConnectionResetError, asyncio.CancelledError):
@@ -424,8 +469,16 @@ class OpenAIApi:
                 raise
 
     async def _stream(
-        self, request: web.Request, choices: list[Choice], head: dict[str, Any], obj: str, prompts: list[tuple[int, ...]], options: StreamOptions,
-        span: trace.Span, started_ns: int, chunk: Callable[[int, StreamDelta, bool], dict[str, Any]],
+        self,
+        request: web.Request,
+        choices: list[Choice],
+        head: dict[str, Any],
+        obj: str,
+        prompts: list[tuple[int, ...]],
+        options: StreamOptions,
+        span: trace.Span,
+        started_ns: int,
+        chunk: Callable[[int, StreamDelta, bool], dict[str, Any]],
     ) -> web.StreamResponse:
         """Every choice's deltas as they come (interleaved, each chunk naming its index), then usage if asked, then [DONE]."""
         events: asyncio.Queue = asyncio.Queue()
@@ -448,7 +501,12 @@ class OpenAIApi:
                     choice, item = await events.get()
                     if isinstance(item, StreamDelta):
                         completion_tokens += len(item.token_ids)
-                        event = {**head, "object": obj, "created": int(time.time()), "choices": [chunk(choice.index, item, choice.index not in started)]}
+                        event = {
+                            **head,
+                            "object": obj,
+                            "created": int(time.time()),
+                            "choices": [chunk(choice.index, item, choice.index not in started)],
+                        }
                         started.add(choice.index)
                         if options.include_usage and options.continuous_usage_stats:  # vLLM: only together with include_usage
                             event["usage"] = self._usage(prompts, completion_tokens)
@@ -480,8 +538,14 @@ class OpenAIApi:
         if result.token_ids:
             span.add_event("first_token", timestamp=started_ns + int(t.ttft_ms * 1e6))
         span.set_attributes(
-            {"gen_ai.usage.output_tokens": len(result.token_ids), "rose.finish_reason": result.finish_reason, "rose.queue_ms": t.queue_ms,
-             "rose.ttft_ms": t.ttft_ms, "rose.tpot_ms": t.tpot_ms, "rose.preemptions": t.preemptions}
+            {
+                "gen_ai.usage.output_tokens": len(result.token_ids),
+                "rose.finish_reason": result.finish_reason,
+                "rose.queue_ms": t.queue_ms,
+                "rose.ttft_ms": t.ttft_ms,
+                "rose.tpot_ms": t.tpot_ms,
+                "rose.preemptions": t.preemptions,
+            }
         )
 
     @staticmethod
@@ -496,7 +560,7 @@ class OpenAIApi:
         return web.json_response({"object": "list", "data": [serving] + [card() for card in request.app[MODEL_CARDS]]})
 
     async def health(self, _request: web.Request) -> web.Response:
-        """"ok", or "degraded" for LANE_FAILURE_HEALTH_WINDOW_S after an engine iteration raised (its
+        """ "ok", or "degraded" for LANE_FAILURE_HEALTH_WINDOW_S after an engine iteration raised (its
         running requests were aborted): 503 when it was the serving lane, so that a load balancer
         sends production traffic elsewhere until this replica has run clean for the window; 200 when
         it was the rollout lane, which production traffic does not touch."""

@@ -36,7 +36,7 @@ async def read_body(request: web.Request, timeout_s: float = BODY_READ_TIMEOUT_S
     """The whole body, within ``timeout_s`` (408 past it); aiohttp enforces the size limit (413)."""
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {timeout_s:g} s") from None
 
 
@@ -84,7 +84,7 @@ class HeadDeadlineHandler(RequestHandler):
         self._disarm()
         super().connection_lost(exc)
 
-    async def _handle_request(self, request, start_time, request_handler):  # type: ignore[no-untyped-def]
+    async def _handle_request(self, request, start_time, request_handler):
         self._disarm()
         self._serving_request = True
         try:
@@ -118,6 +118,10 @@ class HardenedAppRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         base = await super()._make_server()  # the app's startup hooks run here; rebuild the same server with our handler
         return HeadDeadlineServer(
-            base.request_handler, request_factory=base.request_factory, handler_cancellation=base.handler_cancellation,
-            loop=base._loop, head_timeout_s=self.head_timeout_s, **base._kwargs,
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            loop=base._loop,
+            head_timeout_s=self.head_timeout_s,
+            **base._kwargs,
         )

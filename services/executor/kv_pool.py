@@ -15,6 +15,7 @@ block ever changes class: each pool is its own tensor, allocated once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -59,6 +60,15 @@ class PoolUsage:
     @property
     def total_bytes(self) -> int:
         return self.total_blocks * self.block_bytes
+
+
+class PagedKV(Protocol):
+    """What a forward reads of a pool: the paged K/V tensors and their block size (a `KVPool`, or
+    the rollout child's view of the same shared tensors, which allocates nothing itself)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int
 
 
 class KVPool:

@@ -20,7 +20,7 @@ from rose.contracts.registry import LEASE, SLO_ALERT
 from rose.contracts.slo import SloAlert
 from rose.shared.bus import Bus, Delivery
 
-from .engine import Engine
+from .backend import CoServingEngine
 
 log = logging.getLogger("rose.executor.leases")
 
@@ -28,7 +28,7 @@ DEDICATED_LEASE_ID = "dedicated"
 
 
 class LeaseGuard:
-    def __init__(self, engine: Engine, executor_id: str, *, dedicated: bool, rollout_kv_bytes: int) -> None:
+    def __init__(self, engine: CoServingEngine, executor_id: str, *, dedicated: bool, rollout_kv_bytes: int) -> None:
         self.engine = engine
         self.executor_id = executor_id
         self.dedicated = dedicated

@@ -64,25 +64,16 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
     serving_dir, policy_dir = model_dirs(config)
     if e.backend == "sglang":
         return SGLangBackend.from_dirs(
-            str(serving_dir), str(policy_dir), config.sglang_backend, dtype=getattr(torch, e.dtype), policy=e.policy, device=e.device,
-            slo_ttft_ms=e.slo_ttft_ms, slo_tpot_ms=e.slo_tpot_ms,
+            str(serving_dir),
+            str(policy_dir),
+            config.sglang_backend,
+            dtype=getattr(torch, e.dtype),
+            policy=e.policy,
+            device=e.device,
+            slo_ttft_ms=e.slo_ttft_ms,
+            slo_tpot_ms=e.slo_tpot_ms,
         )
-    engine_config = EngineConfig(
-        serving_kv_bytes=int(e.serving_kv_mib * MIB),
-        rollout_kv_bytes=int(e.rollout_kv_mib * MIB),
-        serving_max_batch=e.serving_max_batch,
-        rollout_max_batch=e.rollout_max_batch,
-        quantum_ms=e.quantum_ms,
-        lend_serving_core=e.lend_serving_core,
-        rollout_process=e.rollout_process,
-        cuda_graphs=e.cuda_graphs,
-        slo_ttft_ms=e.slo_ttft_ms,
-        slo_tpot_ms=e.slo_tpot_ms,
-        seed=e.seed,
-        device=e.device,
-        dtype=getattr(torch, e.dtype),
-    )
-    return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
+    return Engine.from_dirs(str(serving_dir), str(policy_dir), EngineConfig.from_settings(e), policy=e.policy)
 
 
 async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:
@@ -107,9 +98,15 @@ async def follow_weights(rt: ServiceRuntime, engine: CoServingEngine, config: Ex
         if keys:
             log.info("trusting weight-signing keys %s", sorted(keys))
         else:  # not fatal: the publisher may create the default pair later; until then every version is refused
-            log.warning("no trusted weight-signing key yet (%s); policy versions are refused until one is there", "; ".join(problems) or verifier.trusted)
+            log.warning(
+                "no trusted weight-signing key yet (%s); policy versions are refused until one is there", "; ".join(problems) or verifier.trusted
+            )
     follower = WeightFollower(
-        rt.bus, model=config.weights.model, apply=updates.apply, executor_id=rt.instance, digest=updates.digest if config.weights.report_digest else None,
+        rt.bus,
+        model=config.weights.model,
+        apply=updates.apply,
+        executor_id=rt.instance,
+        digest=updates.digest if config.weights.report_digest else None,
         verifier=verifier,
     )
     await follower.start(engine.policy_state_dict(), None)
@@ -128,8 +125,14 @@ def publish_bursts(engine: Engine, bus: Bus, executor_id: str, telemetry: Teleme
             log.warning("could not publish a burst alert: %r", exc)
 
     def on_burst(trip: BurstTrip) -> None:
-        alert = SloAlert(executor_id=executor_id, at=time.time(), severity="burst", reason=trip.reason,
-                         arrival_rate_rps=trip.arrival_rate_rps, serving_queue=trip.serving_queue)
+        alert = SloAlert(
+            executor_id=executor_id,
+            at=time.time(),
+            severity="burst",
+            reason=trip.reason,
+            arrival_rate_rps=trip.arrival_rate_rps,
+            serving_queue=trip.serving_queue,
+        )
         telemetry.burst_alerted()
         # a trace of its own: the serving request whose arrival tripped the detector is not its cause
         task = asyncio.get_running_loop().create_task(send(alert), context=contextvars.Context())
@@ -159,8 +162,12 @@ async def run(config: ExecutorConfig) -> None:
         # behind the sglang backend, the SGLang servers answer these calls themselves)
         if config.sglang_api.enabled and isinstance(engine, Engine):
             SGLangApi(
-                engine, config.sglang_api, model_dir=str(model_dirs(config)[1]), served_name=config.weights.model,
-                follows_bus_weights=config.weights.follow, executor_id=rt.instance,
+                engine,
+                config.sglang_api,
+                model_dir=str(model_dirs(config)[1]),
+                served_name=config.weights.model,
+                follows_bus_weights=config.weights.follow,
+                executor_id=rt.instance,
             ).mount(openai_api.app)
         runner, base_url = await serve_http(openai_api, config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")

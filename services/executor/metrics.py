@@ -14,20 +14,24 @@ from dataclasses import dataclass, field
 
 from ddsketch import DDSketch
 
-from rose.shared.sketch import SKETCH_RELATIVE_ACCURACY
+from rose.shared.sketch import new_sketch
 
 MAX_RECLAIM_SAMPLES = 10_000
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IntervalCounters:
+    """What one metrics interval saw, for ``EngineStats``: our engine records it here (``EngineMetrics``);
+    the SGLang backend records arrivals, completions and reclaims itself and adds what it scrapes from
+    its servers (sketches, token counts, which Prometheus counters give as floats)."""
+
     started: float = field(default_factory=time.monotonic)
-    ttft: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
-    tpot: DDSketch = field(default_factory=lambda: DDSketch(SKETCH_RELATIVE_ACCURACY))
+    ttft: DDSketch = field(default_factory=new_sketch)
+    tpot: DDSketch = field(default_factory=new_sketch)
     serving_arrivals: int = 0
     serving_completed: int = 0
-    serving_tokens: int = 0
-    rollout_tokens: int = 0
+    serving_tokens: float = 0
+    rollout_tokens: float = 0
     reclaim_ms: list[float] = field(default_factory=list)
 
 

@@ -19,32 +19,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .cuda_graphs import DecodeGraphs, DecodeInputs
-from .kv_pool import KVPool, KVShape, key_slots
+from .forward_item import ForwardItem
+from .kv_pool import KVShape, PagedKV, key_slots
 from .sampling import SamplerState, sample_batch
 from .weights import StagedWeights
-
 
 log = logging.getLogger("rose.executor.model_runner")
 
 HOLD_POLL_S = 0.0002  # how often a held forward asks whether to go on
 
 
-@dataclass(frozen=True)
-class ForwardItem:
-    """One sequence in a batch: compute ``token_ids`` at positions ``start .. start+len-1``."""
-
-    block_table: list[int]  # must cover start + len(token_ids) positions
-    start: int  # tokens already in the KV cache
-    token_ids: list[int]
-
-
 def kv_shape_of(model: torch.nn.Module) -> KVShape:
-    cfg = model.config
+    cfg: Any = model.config  # an HF config: typed by nothing torch knows
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, next(model.parameters()).dtype)
 
@@ -77,6 +69,7 @@ def holding(should_stop: Callable[[], bool] | None, should_hold: Callable[[], bo
     rollout forward (tens of ms), and abandoning would throw the finished layers away."""
     if should_hold is None:
         return should_stop
+
     def safepoint() -> bool:
         while True:
             if should_stop is not None and should_stop():
@@ -84,10 +77,11 @@ def holding(should_stop: Callable[[], bool] | None, should_hold: Callable[[], bo
             if not should_hold():
                 return False
             time.sleep(HOLD_POLL_S)
+
     return safepoint
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Architecture:
     """The numbers the forward needs from a Qwen2/Llama config."""
 
@@ -117,18 +111,25 @@ class ModelWeights:
     inv_freq: torch.Tensor
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelWeights":
-        cfg = model.config
+    def of(cls, model: torch.nn.Module) -> ModelWeights:
+        cfg: Any = model.config
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the paged runner")
         rope_params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         if rope_params.get("rope_type", "default") == "dynamic":
             raise ValueError("dynamic rope scaling is not supported by the paged runner")
         shape = kv_shape_of(model)
-        rotary = model.model.rotary_emb
+        decoder: Any = model.model  # the HF decoder stack
+        rotary = decoder.rotary_emb
         arch = Architecture(
-            shape.num_layers, cfg.num_attention_heads, shape.num_kv_heads, shape.head_dim, cfg.rms_norm_eps,
-            cfg.vocab_size, cfg.max_position_embeddings, float(getattr(rotary, "attention_scaling", 1.0)),
+            num_layers=shape.num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            eps=cfg.rms_norm_eps,
+            vocab_size=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+            attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         )
         return cls(arch, dict(model.named_parameters(remove_duplicate=False)), rotary.inv_freq)
 
@@ -136,7 +137,7 @@ class ModelWeights:
         return self.params[f"{prefix}.weight"], self.params.get(f"{prefix}.bias")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _AttentionGroup:
     """Attention for some items of a packed batch (the prefilling ones, or the decoding ones):
     their queries as a padded ``[items, heads, max_q, head_dim]`` batch against their keys and
@@ -157,7 +158,7 @@ class _AttentionGroup:
     mask: torch.Tensor  # [items, 1, max_q, max_k]: key visible to query
 
     @classmethod
-    def of(cls, items: list[ForwardItem], qlens: list[int], offsets: list[int], members: list[int], bs: int, dev) -> "_AttentionGroup":
+    def of(cls, items: list[ForwardItem], qlens: list[int], offsets: list[int], members: list[int], bs: int, dev) -> _AttentionGroup:
         max_q = max(qlens[i] for i in members)
         ctx = [items[i].start + qlens[i] for i in members]
         max_k = max(ctx)
@@ -169,18 +170,40 @@ class _AttentionGroup:
         mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < torch.tensor(ctx)[:, None, None]))[:, None].to(dev)
         first = offsets[members[0]]
         if all(qlens[i] == max_q and offsets[i] == first + k * max_q for k, i in enumerate(members)):
-            return cls(len(members), max_q, (first, first + len(members) * max_q), None, None, None, gather, mask)
+            return cls(
+                batch=len(members),
+                max_q=max_q,
+                span=(first, first + len(members) * max_q),
+                rows=None,
+                valid=None,
+                targets=None,
+                gather=gather,
+                mask=mask,
+            )
         rows = [offsets[i] + min(j, qlens[i] - 1) for i in members for j in range(max_q)]
         valid = [k * max_q + j for k, i in enumerate(members) for j in range(qlens[i])]
         targets = [offsets[i] + j for i in members for j in range(qlens[i])]
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return cls(len(members), max_q, None, as_index(rows), as_index(valid), as_index(targets), gather, mask)
+        return cls(
+            batch=len(members),
+            max_q=max_q,
+            span=None,
+            rows=as_index(rows),
+            valid=as_index(valid),
+            targets=as_index(targets),
+            gather=gather,
+            mask=mask,
+        )
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """This group's attention output, ``[padded rows, heads * head_dim]``, from the packed queries."""
         _, heads, hd = q.shape
         kvh = k_cache.shape[1]
-        q = q[self.span[0] : self.span[1]] if self.rows is None else q.index_select(0, self.rows)
+        if self.span is not None:
+            q = q[self.span[0] : self.span[1]]
+        else:
+            assert self.rows is not None  # `of` sets one of the two
+            q = q.index_select(0, self.rows)
         q = q.view(self.batch, self.max_q, heads, hd).transpose(1, 2)
         keys = k_cache.index_select(0, self.gather).view(self.batch, -1, kvh, hd).transpose(1, 2)  # [B, kvh, max_k, hd]
         values = v_cache.index_select(0, self.gather).view(self.batch, -1, kvh, hd).transpose(1, 2)
@@ -190,9 +213,10 @@ class _AttentionGroup:
     def attend_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Write this group's attention output into its rows of the packed ``out``."""
         result = self.attend(q, k_cache, v_cache)
-        if self.rows is None:
+        if self.span is not None:
             out[self.span[0] : self.span[1]] = result
         else:
+            assert self.targets is not None and self.valid is not None  # set with `rows`
             out.index_copy_(0, self.targets, result.index_select(0, self.valid))
 
 
@@ -212,7 +236,7 @@ class _LayerWeights:
 class PagedModelRunner:
     """Runs one HF Qwen2/Llama model (or its ``ModelWeights``) against one KV pool."""
 
-    def __init__(self, model: torch.nn.Module | ModelWeights, pool: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module | ModelWeights, pool: PagedKV) -> None:
         weights = model if isinstance(model, ModelWeights) else ModelWeights.of(model)
         self.model = None if isinstance(model, ModelWeights) else model
         self.weights = weights
@@ -225,15 +249,7 @@ class PagedModelRunner:
         self._embed = weights.params["model.embed_tokens.weight"]
         self.device = self._embed.device
         self.shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, self._embed.dtype)
-        self._layers = [
-            _LayerWeights(
-                weights.params[f"model.layers.{i}.input_layernorm.weight"],
-                *(weights.linear(f"model.layers.{i}.self_attn.{n}_proj") for n in "qkvo"),
-                weights.params[f"model.layers.{i}.post_attention_layernorm.weight"],
-                *(weights.linear(f"model.layers.{i}.mlp.{n}_proj") for n in ("gate", "up", "down")),
-            )
-            for i in range(arch.num_layers)
-        ]
+        self._layers = [self._layer_weights(weights, f"model.layers.{i}") for i in range(arch.num_layers)]
         self._norm = weights.params["model.norm.weight"]
         self._lm_head = weights.linear("lm_head") if "lm_head.weight" in weights.params else (self._embed, None)
         self._storage = list({id(t): t for t in weights.params.values()}.values()) + [weights.inv_freq]
@@ -262,7 +278,10 @@ class PagedModelRunner:
         return tuple(t.data_ptr() for t in self._storage) + (self.pool.k.data_ptr(), self.pool.v.data_ptr())
 
     def forward_sample(
-        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None,
+        self,
+        items: list[ForwardItem],
+        samples: list[tuple[int, SamplerState]],
+        should_stop: Callable[[], bool] | None = None,
         should_hold: Callable[[], bool] | None = None,
     ) -> tuple[list[int], list[float]] | None:
         """Forward, then sample one token for each ``(row, sampler)`` (the rows whose item reaches
@@ -276,6 +295,21 @@ class PagedModelRunner:
             return [], []
         return sample_batch(logits[[row for row, _ in samples]], [state for _, state in samples])
 
+    @staticmethod
+    def _layer_weights(weights: ModelWeights, prefix: str) -> _LayerWeights:
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        return _LayerWeights(
+            input_norm=weights.params[f"{prefix}.input_layernorm.weight"],
+            q=weights.linear(f"{attn}.q_proj"),
+            k=weights.linear(f"{attn}.k_proj"),
+            v=weights.linear(f"{attn}.v_proj"),
+            o=weights.linear(f"{attn}.o_proj"),
+            post_norm=weights.params[f"{prefix}.post_attention_layernorm.weight"],
+            gate=weights.linear(f"{mlp}.gate_proj"),
+            up=weights.linear(f"{mlp}.up_proj"),
+            down=weights.linear(f"{mlp}.down_proj"),
+        )
+
     def prepare_weights(self, staged: StagedWeights) -> None:
         """Before the swap, on the caller's thread while forwards go on: nothing to do here (the swap
         re-points or copies); a runner that double-buffers its weights fills its standby copy."""
@@ -283,6 +317,8 @@ class PagedModelRunner:
     def apply_weights(self, staged: StagedWeights) -> float:
         """Swap staged policy weights in (between forwards); returns the pause in ms. With captured
         CUDA graphs the new values are copied in place, so the graphs stay valid (``copy_into``)."""
+        if self.model is None:
+            raise RuntimeError("a runner built from ModelWeights has no model of its own to swap weights into")
         return staged.copy_into(self.model) if self.graphs is not None else staged.apply(self.model)
 
     @torch.inference_mode()
@@ -317,7 +353,10 @@ class PagedModelRunner:
         # Index tensors are built as Python lists and converted once each: a torch op per sequence
         # (several per sequence, 32 sequences) would be most of a decode step's ops, and every op
         # hands the interpreter lock over to the other lane and back.
-        offsets, tokens, positions, write_slots = [], [], [], []
+        offsets: list[int] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
         for it, q in zip(items, qlens):
             offsets.append(len(tokens))
             tokens.extend(it.token_ids)
@@ -342,8 +381,14 @@ class PagedModelRunner:
         last = torch.tensor([o + q - 1 for o, q in zip(offsets, qlens)], device=dev)
         return _linear(self._lm_head, x.index_select(0, last)).float()
 
-    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, groups: list["_AttentionGroup"],
-                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def _decoder(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        groups: list[_AttentionGroup],
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor | None:
         """Embedding, every layer (writing K/V at ``slots``) and the final norm: ``[tokens, hidden]``,
         or None when ``should_stop`` says so at a safepoint."""
         x = F.embedding(tokens, self._embed)  # [tokens, hidden]
@@ -362,8 +407,9 @@ class PagedModelRunner:
         """One decode step over fixed-shape inputs, the whole of it in device ops (no host sync, no
         new index tensors): what ``cuda_graphs`` captures. Float32 logits ``[batch, vocab]``."""
         batch = inputs.tokens.shape[0]
-        group = _AttentionGroup(batch, 1, (0, batch), None, None, None, inputs.gather, inputs.mask)
+        group = _AttentionGroup(batch=batch, max_q=1, span=(0, batch), rows=None, valid=None, targets=None, gather=inputs.gather, mask=inputs.mask)
         x = self._decoder(inputs.tokens, inputs.positions, inputs.slots, [group])
+        assert x is not None  # no should_stop: it runs to the end
         return _linear(self._lm_head, x).float()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,7 +419,7 @@ class PagedModelRunner:
         scale = self.weights.arch.attention_scaling
         return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
-    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, groups: list["_AttentionGroup"]) -> torch.Tensor:
+    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, groups: list[_AttentionGroup]) -> torch.Tensor:
         n = h.shape[0]
         hd, kvh, heads = self.shape.head_dim, self.shape.num_kv_heads, self.num_heads
         q = _linear(layer.q, h).view(n, heads, hd)

@@ -46,7 +46,7 @@ DEFAULT_STATIC_SHARE = 0.5
 DEFAULT_STATIC_PERIOD_MS = 100.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Signals:
     """What the engine knows about serving right now (read at a quantum boundary)."""
 
@@ -114,7 +114,9 @@ class StaticPartition(_PrefillsFreely):
     widens_when_serving_idle = False
     yields_to_alerts = True
 
-    def __init__(self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS) -> None:
+    def __init__(
+        self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS
+    ) -> None:
         self.share, self.period_ms, self.quantum_ms = share, period_ms, quantum_ms
 
     def may_run_rollout(self, s: Signals) -> bool:
@@ -150,7 +152,10 @@ class Rose:
     yields_to_alerts = True
 
     def __init__(
-        self, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, ttft_guard_fraction: float = DEFAULT_TTFT_GUARD_FRACTION,
+        self,
+        quantum_ms: float = DEFAULT_QUANTUM_MS,
+        guard_fraction: float = DEFAULT_GUARD_FRACTION,
+        ttft_guard_fraction: float = DEFAULT_TTFT_GUARD_FRACTION,
     ) -> None:
         self.quantum_ms, self.guard_fraction, self.ttft_guard_fraction = quantum_ms, guard_fraction, ttft_guard_fraction
 
@@ -161,9 +166,7 @@ class Rose:
             return False
         if not s.rollout_decode_graphs and self._batch_filling(s):
             return False
-        if s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self._tpot_threshold_ms(s):
-            return False
-        return True
+        return not (s.slo_tpot_ms is not None and s.serving_running and s.serving_iteration_ms > self._tpot_threshold_ms(s))
 
     def may_prefill_rollout(self, s: Signals) -> bool:
         """Where rollout decodes by graph replay (GPU), its quanta may go on decoding beside serving's
@@ -194,7 +197,9 @@ class Rose:
         return s.serving_max_batch - s.serving_running <= s.serving_arrival_rate_rps * FILL_LEAD_FRACTION * s.slo_ttft_ms / 1000.0
 
 
-def make_policy(name: str, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, static_share: float = DEFAULT_STATIC_SHARE):
+def make_policy(
+    name: str, quantum_ms: float = DEFAULT_QUANTUM_MS, guard_fraction: float = DEFAULT_GUARD_FRACTION, static_share: float = DEFAULT_STATIC_SHARE
+):
     if name == "serving_only":
         return ServingOnly()
     if name == "naive_share":

@@ -14,12 +14,12 @@ import torch
 
 from rose.shared.weight_layout import LayoutError, dtype_name, fits_live, state_digest
 
-from .engine import Engine
+from .backend import CoServingEngine
 from .weights import WeightUpdateError
 
 
 class PolicyUpdates:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: CoServingEngine) -> None:
         self.engine = engine
 
     async def apply(self, state: dict[str, torch.Tensor], version: int) -> float:

@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rose.contracts.executor import MAX_STOP_STRINGS, SamplingParams
+
 FinishReason = Literal["stop", "length", "abort"]
-MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI documents for chat (and vLLM's default max_logprobs)
 TopLogprobs = tuple[tuple[int, float], ...]  # one token's most likely alternatives: (token id, logprob), most likely first
 SERVING_MODEL_VERSION = 0  # the serving model is never updated; its outputs carry version 0
@@ -43,9 +44,13 @@ class RolloutRejected(RuntimeError):
         self.reason = reason  # "no_lease" | "lease_expired" | "lease_revoked" | "draining"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. temperature 0 means greedy; seed makes sampling reproducible per request."""
+@dataclass(frozen=True, kw_only=True)
+class EngineSampling:
+    """How to sample. temperature 0 means greedy; seed makes sampling reproducible per request.
+
+    The engine's own type, wider than the bus's ``SamplingParams`` (contracts/executor.py), which a
+    rollout turn carries: ``from_wire`` makes one of the other. The HTTP APIs build theirs from their
+    request bodies; ``validate`` holds every check, whichever way it was made."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +61,18 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # do not stop at the tokenizer's eos (benchmarks with fixed lengths)
     top_logprobs: int = 0  # per output token, also return this many most likely alternatives (untempered logprobs)
+
+    @classmethod
+    def from_wire(cls, params: SamplingParams) -> EngineSampling:
+        """A rollout turn's sampling (the bus contract, already bounds-checked on decode) as the engine's."""
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop=tuple(params.stop),
+            stop_token_ids=tuple(params.stop_token_ids),
+            seed=params.seed,
+        )
 
     def validate(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -78,7 +95,7 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64) or null, got {self.seed!r}", "seed")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One generation: a serving completion, or one turn of a rollout trajectory.
 
@@ -90,12 +107,12 @@ class GenerationRequest:
     request_id: str
     work_class: WorkClass
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: EngineSampling = field(default_factory=EngineSampling)
     trajectory_id: str | None = None
     stream: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamDelta:
     """New output since the previous delta (for server-sent events)."""
 
@@ -108,7 +125,7 @@ class StreamDelta:
     top_logprobs: tuple[TopLogprobs, ...] = ()  # per new token, when the request asked for them
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Timings:
     """Milliseconds, measured by the engine on the monotonic clock from submit()."""
 
@@ -120,7 +137,7 @@ class Timings:
     preemptions: int  # times a rollout sequence lost its KV and was recomputed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationResult:
     """The final output.
 
@@ -167,7 +184,8 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
     if total > max_positions:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
-            f"the model's {max_positions} positions: shorten the prompt or lower max_tokens", "max_tokens",
+            f"the model's {max_positions} positions: shorten the prompt or lower max_tokens",
+            "max_tokens",
         )
     if request.trajectory_id is not None and request.work_class is WorkClass.SERVING:
         raise InvalidRequest("trajectory_id is for rollout requests only")
@@ -186,8 +204,15 @@ def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | No
 
 
 def next_delta(
-    request: GenerationRequest, token_ids: list[int], logprobs: list[float], text: str, emitted_tokens: int, emitted_text: int,
-    final: bool, finish_reason: FinishReason | None, top_logprobs: list[TopLogprobs] | tuple[TopLogprobs, ...] = (),
+    request: GenerationRequest,
+    token_ids: list[int],
+    logprobs: list[float],
+    text: str,
+    emitted_tokens: int,
+    emitted_text: int,
+    final: bool,
+    finish_reason: FinishReason | None,
+    top_logprobs: list[TopLogprobs] | tuple[TopLogprobs, ...] = (),
 ) -> tuple[StreamDelta | None, int]:
     """The output since the last delta (None: nothing new) and how much text is emitted after it.
 
@@ -202,8 +227,13 @@ def next_delta(
     if not final and emitted_tokens == len(token_ids) and end == emitted_text:
         return None, emitted_text
     delta = StreamDelta(
-        request.request_id, tuple(token_ids[emitted_tokens:]), tuple(logprobs[emitted_tokens:]), text[emitted_text:end], final,
-        finish_reason if final else None, tuple(top_logprobs[emitted_tokens:]),
+        request_id=request.request_id,
+        token_ids=tuple(token_ids[emitted_tokens:]),
+        logprobs=tuple(logprobs[emitted_tokens:]),
+        text=text[emitted_text:end],
+        finished=final,
+        finish_reason=finish_reason if final else None,
+        top_logprobs=tuple(top_logprobs[emitted_tokens:]),
     )
     return delta, end
 

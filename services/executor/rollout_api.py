@@ -13,19 +13,20 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from rose.contracts.executor import GenerateReply, GenerateRequest, GenerateTimings
 from rose.shared.bus import Delivery
 from rose.shared.tracing import tracer
 
-from .engine import Engine
+from .backend import CoServingEngine
 from .leases import LeaseGuard
-from .protocol import GenerationRequest, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from .protocol import EngineSampling, GenerationRequest, InvalidRequest, RolloutRejected, WorkClass
 from .telemetry import Telemetry
 
 
 class RolloutApi:
-    def __init__(self, engine: Engine, guard: LeaseGuard, executor_id: str, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, engine: CoServingEngine, guard: LeaseGuard, executor_id: str, telemetry: Telemetry | None = None) -> None:
         self.engine = engine
         self.telemetry = telemetry
         self.guard = guard
@@ -44,7 +45,11 @@ class RolloutApi:
 
     def _rejected(self, request: GenerateRequest, reason: str, detail: str) -> GenerateReply:
         return GenerateReply(
-            request_id=request.request_id, executor_id=self.executor_id, status="rejected", reject_reason=reason, error=detail  # type: ignore[arg-type]
+            request_id=request.request_id,
+            executor_id=self.executor_id,
+            status="rejected",
+            reject_reason=reason,  # type: ignore[arg-type]
+            error=detail,
         )
 
     def abort(self, request: GenerateRequest) -> GenerateReply:
@@ -55,22 +60,37 @@ class RolloutApi:
         if found:
             self.aborted.add(target)
             self.inflight[target].cancel()  # type: ignore[attr-defined]
-        return GenerateReply(request_id=request.request_id, executor_id=self.executor_id, status="ok" if found else "failed", finish_reason="abort",
-                             error="" if found else f"no turn {target!r} of {request.trajectory_id} turn {request.turn_index} in flight here")
+        return GenerateReply(
+            request_id=request.request_id,
+            executor_id=self.executor_id,
+            status="ok" if found else "failed",
+            finish_reason="abort",
+            error="" if found else f"no turn {target!r} of {request.trajectory_id} turn {request.turn_index} in flight here",
+        )
 
     async def generate(self, request: GenerateRequest, _delivery: Delivery) -> GenerateReply:
         if request.abort_request_id:
             return self.abort(request)
-        attributes = {
-            "rose.executor_id": self.executor_id, "rose.trajectory_id": request.trajectory_id or "", "rose.turn_index": request.turn_index,
-            "rose.lease_id": request.lease_id or "", "rose.lease_epoch": request.lease_epoch, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+        attributes: dict[str, AttributeValue] = {
+            "rose.executor_id": self.executor_id,
+            "rose.trajectory_id": request.trajectory_id or "",
+            "rose.turn_index": request.turn_index,
+            "rose.lease_id": request.lease_id or "",
+            "rose.lease_epoch": request.lease_epoch,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
         }
         with tracer().start_as_current_span("executor.rollout", attributes=attributes) as span:
             reply = await self._generate(request, time.perf_counter())
             outcome = "ok" if reply.status == "ok" else ("interrupted" if reply.token_ids else "rejected")
             span.set_attributes(
-                {"rose.outcome": outcome, "rose.reject_reason": reply.reject_reason or "", "gen_ai.usage.output_tokens": len(reply.token_ids),
-                 "rose.policy_version": reply.policy_version, "rose.prefix_cached_tokens": reply.prefix_cached_tokens, "rose.finish_reason": reply.finish_reason or ""}
+                {
+                    "rose.outcome": outcome,
+                    "rose.reject_reason": reply.reject_reason or "",
+                    "gen_ai.usage.output_tokens": len(reply.token_ids),
+                    "rose.policy_version": reply.policy_version,
+                    "rose.prefix_cached_tokens": reply.prefix_cached_tokens,
+                    "rose.finish_reason": reply.finish_reason or "",
+                }
             )
             if self.telemetry is not None:
                 self.telemetry.rollout_answered(outcome, reply.reject_reason or "")
@@ -84,14 +104,11 @@ class RolloutApi:
             return self._rejected(
                 request, "overloaded", f"policy version {self.engine.policy_version} is older than the requested {request.min_policy_version}"
             )
-        s = request.sampling
         engine_request = GenerationRequest(
             request_id=request.request_id,
             work_class=WorkClass.ROLLOUT,
             prompt_token_ids=tuple(request.prompt_token_ids),
-            sampling=SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), seed=s.seed
-            ),
+            sampling=EngineSampling.from_wire(request.sampling),
             trajectory_id=request.trajectory_id,
             stream=False,
         )
@@ -124,7 +141,11 @@ class RolloutApi:
             executor_id=self.executor_id,
             status="rejected" if interrupted else "failed" if dropped else "ok",
             reject_reason=why if interrupted else None,  # type: ignore[arg-type]
-            error=f"interrupted after {len(result.token_ids)} tokens: {why}" if interrupted else f"aborted by its worker after {len(result.token_ids)} tokens" if dropped else "",
+            error=f"interrupted after {len(result.token_ids)} tokens: {why}"
+            if interrupted
+            else f"aborted by its worker after {len(result.token_ids)} tokens"
+            if dropped
+            else "",
             token_ids=list(result.token_ids),
             logprobs=list(result.logprobs),
             finish_reason=result.finish_reason,
@@ -136,8 +157,22 @@ class RolloutApi:
 
 
 def _split_turn(admit_ms: float, t) -> None:
-    """Where the turn's time went, on the current `executor.rollout` span."""
-    trace.get_current_span().set_attributes({
-        "rose.admit_ms": admit_ms, "rose.queue_ms": t.queue_ms, "rose.prefill_ms": max(0.0, t.ttft_ms - t.queue_ms),
-        "rose.decode_ms": max(0.0, t.total_ms - t.ttft_ms), "rose.ttft_ms": t.ttft_ms, "rose.total_ms": t.total_ms, "rose.preemptions": t.preemptions,
-    })
+    """Where the turn's time went, on the current `executor.rollout` span.
+
+    The three parts add up to `rose.total_ms` exactly, so a dashboard can stack them: the
+    instants are clamped into order (a turn with no token yet has ttft 0, a preempted one may
+    have been scheduled after its first token), never counted twice.
+    """
+    queued = min(max(t.queue_ms, 0.0), t.total_ms)
+    first_token = min(max(t.ttft_ms, queued), t.total_ms)
+    trace.get_current_span().set_attributes(
+        {
+            "rose.admit_ms": admit_ms,
+            "rose.queue_ms": queued,
+            "rose.prefill_ms": first_token - queued,
+            "rose.decode_ms": t.total_ms - first_token,
+            "rose.ttft_ms": t.ttft_ms,
+            "rose.total_ms": t.total_ms,
+            "rose.preemptions": t.preemptions,
+        }
+    )

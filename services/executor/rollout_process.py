@@ -46,15 +46,19 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
 
 from .core_lending import RETURN_TIMEOUT_S
 from .device import process_rss_bytes
+from .forward_item import ForwardItem
 from .kv_pool import KVPool
-from .model_runner import ForwardItem, ModelWeights, PagedModelRunner, holding
-from .protocol import SamplingParams
+from .model_runner import ModelWeights, PagedModelRunner, holding
+from .protocol import EngineSampling
 from .sampling import SamplerState
 from .weights import StagedWeights
 
@@ -115,8 +119,16 @@ def _point_at(params: dict[str, torch.nn.Parameter], bank: dict[str, torch.Tenso
         p.data = bank[name]
 
 
-def _child_main(conn, weights: ModelWeights, banks: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], k: torch.Tensor, v: torch.Tensor,
-                block_size: int, ctl, threads: int) -> None:
+def _child_main(
+    conn,
+    weights: ModelWeights,
+    banks: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    ctl,
+    threads: int,
+) -> None:
     """The child's loop: one message in, one reply out, until "close" or the engine goes away."""
     torch.set_num_threads(threads)
     ctl[WIDTH] = threads
@@ -162,6 +174,7 @@ def _child_main(conn, weights: ModelWeights, banks: tuple[dict[str, torch.Tensor
                     _point_at(params, banks[bank])
                 ctl[BUSY] = 1
                 fit_width()
+                reply: object
                 if kind == "forward":
                     logits = runner.forward(items, arg, should_stop=safepoint)
                     reply = None if logits is None else logits.numpy()
@@ -198,7 +211,7 @@ class _Samplers:
         self._by_seq: dict[int, tuple[SamplerState, int]] = {}
         self._forwards = 0
 
-    def states(self, specs: list[tuple[int, int, SamplingParams, int, int]]) -> list[tuple[int, SamplerState]]:
+    def states(self, specs: list[tuple[int, int, EngineSampling, int, int]]) -> list[tuple[int, SamplerState]]:
         self._forwards += 1
         out = []
         for row, seq_id, params, seed, draws in specs:
@@ -223,6 +236,9 @@ class ProcessRunner(PagedModelRunner):
     transformers); ``close`` at the end.
     """
 
+    model: torch.nn.Module  # always built from a module (the base class also takes bare ModelWeights)
+    pool: KVPool  # the engine's own pool (the child holds a view of its tensors)
+
     def __init__(self, model: torch.nn.Module, pool: KVPool, threads: int) -> None:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("the rollout forward process is for CPU devices (a GPU's lanes are streams)")
@@ -231,8 +247,8 @@ class ProcessRunner(PagedModelRunner):
         self._ctx = torch_mp.get_context("spawn")
         self._ctl = self._ctx.RawArray("i", 7)
         self._ctl[WANT_WIDTH] = self._ctl[WIDTH] = threads
-        self._process = None
-        self._conn = None
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
         self._sent_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._banks: _WeightBanks | None = None  # made at the first start (the parameters then in shared memory)
         self.restarts = 0
@@ -250,8 +266,10 @@ class ProcessRunner(PagedModelRunner):
         ours, theirs = self._ctx.Pipe()
         self._ctl[ABANDON], self._ctl[BUSY], self._ctl[WIDTH] = 0, 0, self._ctl[WANT_WIDTH]
         self._process = self._ctx.Process(
-            target=_child_main, args=(theirs, self.weights, self._banks.banks, k, v, self.pool.block_size, self._ctl, self._ctl[WANT_WIDTH]),
-            name="rose-rollout-forward", daemon=True,
+            target=_child_main,
+            args=(theirs, self.weights, self._banks.banks, k, v, self.pool.block_size, self._ctl, self._ctl[WANT_WIDTH]),
+            name="rose-rollout-forward",
+            daemon=True,
         )
         self._process.start()
         theirs.close()
@@ -263,7 +281,7 @@ class ProcessRunner(PagedModelRunner):
     def close(self) -> None:
         process, conn = self._process, self._conn
         self._process = self._conn = None
-        if process is None:
+        if process is None or conn is None:  # never started (the two are set together)
             return
         try:
             conn.send(("close",))
@@ -289,7 +307,10 @@ class ProcessRunner(PagedModelRunner):
         return None if logits is None else torch.from_numpy(logits)
 
     def forward_sample(
-        self, items: list[ForwardItem], samples: list[tuple[int, SamplerState]], should_stop: Callable[[], bool] | None = None,
+        self,
+        items: list[ForwardItem],
+        samples: list[tuple[int, SamplerState]],
+        should_stop: Callable[[], bool] | None = None,
         should_hold: Callable[[], bool] | None = None,
     ) -> tuple[list[int], list[float]] | None:
         """Forward and sample in the child: only ids and logprobs cross the pipe, and none of the
@@ -302,7 +323,7 @@ class ProcessRunner(PagedModelRunner):
                     state.skip()
         return sampled
 
-    def _in_child(self, kind: str, items: list[ForwardItem], arg, should_stop, should_hold) -> object:
+    def _in_child(self, kind: str, items: list[ForwardItem], arg, should_stop, should_hold) -> Any:
         for attempt in range(2):
             try:
                 return self._forward_once(kind, items, arg, should_stop, should_hold)
@@ -352,19 +373,20 @@ class ProcessRunner(PagedModelRunner):
             time.sleep(ACK_POLL_S)
 
     # ------------------------------------------------------------------ internals
-    def _forward_once(self, kind: str, items, arg, should_stop, should_hold) -> object:
+    def _forward_once(self, kind: str, items, arg, should_stop, should_hold) -> Any:
         if self._process is None:
             self.start()
         self._await_ready()
-        if self.pool.k is not self._sent_kv[0] and not self.pool.released:
+        if (self._sent_kv is None or self.pool.k is not self._sent_kv[0]) and not self.pool.released:
             k, v = self.pool.k, self.pool.v
             k.share_memory_(), v.share_memory_()
             self._call("kv", k, v)
             self._sent_kv = (k, v)
         ctl = self._ctl
         ctl[ABANDON] = ctl[HOLD] = 0
-        self._conn.send((kind, items, arg))
-        fd = self._conn.fileno()
+        conn = self._pipe()
+        conn.send((kind, items, arg))
+        fd = conn.fileno()
         polls = 0
         try:
             while not select.select([fd], [], [], POLL_S)[0]:  # (Connection.poll builds a selector per call)
@@ -373,7 +395,7 @@ class ProcessRunner(PagedModelRunner):
                 if should_hold is not None:
                     ctl[HOLD] = int(should_hold())
                 polls += 1
-                if polls % ALIVE_EVERY_POLLS == 0 and not self._process.is_alive() and not self._conn.poll():
+                if polls % ALIVE_EVERY_POLLS == 0 and (self._process is None or not self._process.is_alive()) and not conn.poll():
                     raise EOFError("rollout forward process exited")
         finally:
             ctl[HOLD] = 0
@@ -381,11 +403,16 @@ class ProcessRunner(PagedModelRunner):
 
     def _call(self, kind: str, *body):
         self._await_ready()
-        self._conn.send((kind, *body))
+        self._pipe().send((kind, *body))
         return self._reply()
 
+    def _pipe(self) -> Connection:
+        if self._conn is None:
+            raise EOFError("the rollout forward process is not running")
+        return self._conn
+
     def _reply(self):
-        reply, detail = self._conn.recv()
+        reply, detail = self._pipe().recv()
         if reply == "error":
             raise RuntimeError(f"rollout forward process: {detail}")
         return detail
@@ -393,9 +420,10 @@ class ProcessRunner(PagedModelRunner):
     def _await_ready(self) -> None:
         if self._ready:
             return
-        if not self._conn.poll(START_TIMEOUT_S):
+        conn = self._pipe()
+        if not conn.poll(START_TIMEOUT_S):
             raise RuntimeError(f"the rollout forward process did not start within {START_TIMEOUT_S:.0f} s")
-        kind, _pid = self._conn.recv()
+        kind, _pid = conn.recv()
         if kind != "ready":
             raise RuntimeError(f"rollout forward process: unexpected first message {kind!r}")
         self._ready = True

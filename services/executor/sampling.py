@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .protocol import SamplingParams
+from .protocol import EngineSampling
 
 # Temperatures below this sample greedily (their limit), as vLLM does: dividing float32 logits by
 # a smaller one overflows to inf, and the softmax of that is NaN, which torch.multinomial rejects.
@@ -25,7 +25,7 @@ class SamplerState:
     process samples there: ``rollout_process.py``): seed it, then skip ``draws`` uniforms.
     """
 
-    def __init__(self, params: SamplingParams, seed: int) -> None:
+    def __init__(self, params: EngineSampling, seed: int) -> None:
         self.params = params
         self.seed = seed
         self.greedy = params.temperature < GREEDY_BELOW

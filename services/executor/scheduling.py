@@ -32,7 +32,7 @@ class Limits:
     block_size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     admit: tuple[int, ...] = ()
     prefill: tuple[tuple[int, int], ...] = ()  # (seq_id, tokens to compute this iteration)
@@ -119,7 +119,7 @@ def plan_iteration(
     decode = tuple(sid for sid in steps if remaining[sid] == 1)
     used = sum(new_blocks.values()) - sum(v.num_blocks for v in running if v.seq_id in preempt)
     evict = max(0, min(evictable_blocks, used - free_blocks))
-    return Plan(tuple(admitted), prefill, decode, new_blocks, evict, tuple(preempt))
+    return Plan(admit=tuple(admitted), prefill=prefill, decode=decode, new_blocks=new_blocks, evict_cached_blocks=evict, preempt=tuple(preempt))
 
 
 def plan_shrink(over_budget_blocks: int, cached_entry_blocks: list[int], running_blocks: list[tuple[int, int]]) -> tuple[int, tuple[int, ...]]:

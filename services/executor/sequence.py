@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .protocol import GenerationRequest
+from .protocol import FinishReason, GenerationRequest
 from .sampling import SamplerState
 from .scheduling import SeqView
 
@@ -30,7 +30,7 @@ class Sequence:
         self.emitted_text = 0
         self.text = ""
         self.text_final = False  # text was cut at a stop string; do not re-decode
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.aborted = False
 
     @property

@@ -51,13 +51,14 @@ from aiohttp import web
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from .config import SGLangApiSettings
-from .engine import Engine, RequestHandle
 from . import http_api
+from .config import SGLangApiSettings
+from .engine import Engine
 from .http_api import MODEL_CARDS, ApiError, _unicode
 from .http_server import read_body, same_secret
+from .outputs import RequestHandle
 from .policy_updates import PolicyUpdates
-from .protocol import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, WorkClass
 from .sglang_tensors import PolicyMismatch, UnsafePayload, deserialize_named_tensors
 from .weights import WeightUpdateError
 
@@ -67,18 +68,66 @@ LEASE_POLL_S = 0.02
 # sampling_params keys accepted with no effect here (text formatting of special tokens, SGLang plug-ins)
 IGNORED_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "custom_params", "stream_interval", "logit_bias"}
 # accepted only at their neutral value: anything else asks for a feature this engine does not have
-NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-                    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None}
-FLUSH_CACHE_TEXT = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+NEUTRAL_SAMPLING = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+}
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+)
 
 # SGLang's metric names and default buckets (metrics/collector.py), for its Prometheus scrapers and dashboards
 _LABELS = ["model_name"]
-TTFT = Histogram("sglang:time_to_first_token_seconds", "Time to first token (SGLang-compatible /generate).", _LABELS,
-                 buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400])
-ITL = Histogram("sglang:inter_token_latency_seconds", "Inter-token latency (SGLang-compatible /generate).", _LABELS,
-                buckets=[0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1, 2, 4, 6, 8])
-E2E = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency (SGLang-compatible /generate).", _LABELS,
-                buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400])
+TTFT = Histogram(
+    "sglang:time_to_first_token_seconds",
+    "Time to first token (SGLang-compatible /generate).",
+    _LABELS,
+    buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400],
+)
+ITL = Histogram(
+    "sglang:inter_token_latency_seconds",
+    "Inter-token latency (SGLang-compatible /generate).",
+    _LABELS,
+    buckets=[
+        0.002,
+        0.004,
+        0.006,
+        0.008,
+        0.010,
+        0.015,
+        0.020,
+        0.025,
+        0.030,
+        0.035,
+        0.040,
+        0.060,
+        0.080,
+        0.100,
+        0.200,
+        0.400,
+        0.600,
+        0.800,
+        1,
+        2,
+        4,
+        6,
+        8,
+    ],
+)
+E2E = Histogram(
+    "sglang:e2e_request_latency_seconds",
+    "End-to-end request latency (SGLang-compatible /generate).",
+    _LABELS,
+    buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400],
+)
 PROMPT_TOKENS = Counter("sglang:prompt_tokens", "Prompt tokens of finished /generate requests.", _LABELS)
 GENERATION_TOKENS = Counter("sglang:generation_tokens", "Generated tokens of finished /generate requests.", _LABELS)
 REQUESTS = Counter("sglang:num_requests", "Finished /generate requests.", _LABELS)
@@ -101,7 +150,9 @@ class _SchedulerGauges:
         used = GaugeMetricFamily("sglang:num_used_tokens", "Token slots of the rollout KV pool in use.", labels=_LABELS)
         throughput = GaugeMetricFamily("sglang:gen_throughput", "Rollout tokens generated per second since the previous scrape.", labels=_LABELS)
         hit_rate = GaugeMetricFamily("sglang:cache_hit_rate", "Cached / prompt tokens of finished /generate requests, since start.", labels=_LABELS)
-        grammar = GaugeMetricFamily("sglang:num_grammar_queue_reqs", "Requests waiting for a grammar (none: no constrained decoding).", labels=_LABELS)
+        grammar = GaugeMetricFamily(
+            "sglang:num_grammar_queue_reqs", "Requests waiting for a grammar (none: no constrained decoding).", labels=_LABELS
+        )
         accept = GaugeMetricFamily("sglang:spec_accept_length", "Speculative decoding accept length (0: no speculative decoding).", labels=_LABELS)
         for api in list(self.apis):
             state = api.scheduler_state()
@@ -128,11 +179,13 @@ class OutputOptions:
     return_logprob: bool
     text_in_logprobs: bool
     no_stop_trim: bool
-    sampling: SamplingParams
+    sampling: EngineSampling
 
 
 class SGLangApi:
-    def __init__(self, engine: Engine, settings: SGLangApiSettings, *, model_dir: str, served_name: str, follows_bus_weights: bool, executor_id: str = "") -> None:
+    def __init__(
+        self, engine: Engine, settings: SGLangApiSettings, *, model_dir: str, served_name: str, follows_bus_weights: bool, executor_id: str = ""
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.model_dir = model_dir
@@ -151,8 +204,15 @@ class SGLangApi:
 
     def model_card(self) -> dict[str, Any]:
         """The policy model as `/v1/models` lists it: its name, and the path its weights came from (as `/get_model_info`)."""
-        return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "rose-policy", "root": self.model_dir, "parent": None,
-                "max_model_len": self.engine.max_positions(WorkClass.ROLLOUT)}
+        return {
+            "id": self.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "rose-policy",
+            "root": self.model_dir,
+            "parent": None,
+            "max_model_len": self.engine.max_positions(WorkClass.ROLLOUT),
+        }
 
     def mount(self, app: web.Application) -> None:
         if MODEL_CARDS in app:
@@ -186,14 +246,26 @@ class SGLangApi:
             sent = request.headers.get("Authorization", "")
             token = sent[7:] if sent.startswith("Bearer ") else request.headers.get("x-api-key", "")
             if not same_secret(token, key):
-                hint = (" (the client sent `Bearer None`: its api key is unset, as in slime's external-engine mode; give it the key, or run this "
-                        "executor with no admin key and sglang_api.allow_unauthenticated_admin = true on a private address)") if token == UNSET_KEY_TOKEN else ""
-                raise ApiError(401, "Unauthorized: admin endpoints need `Authorization: Bearer <sglang_api.admin_api_key>`" + hint,
-                               param="Authorization", code="unauthorized")
+                hint = (
+                    (
+                        " (the client sent `Bearer None`: its api key is unset, as in slime's external-engine mode; give it the key, or run this "
+                        "executor with no admin key and sglang_api.allow_unauthenticated_admin = true on a private address)"
+                    )
+                    if token == UNSET_KEY_TOKEN
+                    else ""
+                )
+                raise ApiError(
+                    401,
+                    "Unauthorized: admin endpoints need `Authorization: Bearer <sglang_api.admin_api_key>`" + hint,
+                    param="Authorization",
+                    code="unauthorized",
+                )
         elif not self.settings.allow_unauthenticated_admin:
             raise ApiError(
-                403, f"{request.path} is an admin endpoint and this executor has no admin key: set sglang_api.admin_api_key "
-                "(ROSE_SGLANG_API__ADMIN_API_KEY) and send it as a Bearer token, or sglang_api.allow_unauthenticated_admin = true", code="forbidden",
+                403,
+                f"{request.path} is an admin endpoint and this executor has no admin key: set sglang_api.admin_api_key "
+                "(ROSE_SGLANG_API__ADMIN_API_KEY) and send it as a Bearer token, or sglang_api.allow_unauthenticated_admin = true",
+                code="forbidden",
             )
 
     @staticmethod
@@ -229,11 +301,11 @@ class SGLangApi:
         return label[1] if label is not None and label[0] == version else str(version)
 
     def scheduler_state(self) -> dict[str, Any]:
-        rollout = self.engine._rollout  # counts only; read without the lane's cooperation (a scrape may be a little stale)
-        pool = rollout.pool
+        running, queued = self.engine.queue_lengths(WorkClass.ROLLOUT)  # a scrape may be a little stale
+        pool = self.engine.pool_for(WorkClass.ROLLOUT)
         return {
-            "num_running_reqs": len(rollout.running),
-            "num_queue_reqs": len(rollout.inbox) + len(rollout.waiting),
+            "num_running_reqs": running,
+            "num_queue_reqs": queued,
             "token_usage": pool.used_blocks / pool.num_blocks if pool.num_blocks else 0.0,
             "num_used_tokens": pool.used_blocks * pool.block_size,
         }
@@ -250,7 +322,7 @@ class SGLangApi:
 
     # ---- /generate -----------------------------------------------------------------------
 
-    def _sampling(self, params: Any) -> tuple[SamplingParams, bool]:
+    def _sampling(self, params: Any) -> tuple[EngineSampling, bool]:
         if params is None:
             params = {}
         if not isinstance(params, dict):
@@ -261,7 +333,9 @@ class SGLangApi:
             raise ApiError(400, f"unknown sampling_params {unknown}: supported are {sorted(known)}", param="sampling_params")
         for key, neutral in NEUTRAL_SAMPLING.items():
             if params.get(key) is not None and params[key] != neutral:
-                raise ApiError(400, f"sampling_params.{key} = {params[key]!r} is not supported by this engine (only {neutral!r})", param="sampling_params")
+                raise ApiError(
+                    400, f"sampling_params.{key} = {params[key]!r} is not supported by this engine (only {neutral!r})", param="sampling_params"
+                )
         stop = params.get("stop")
         stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else None
         if stops is None:
@@ -272,7 +346,7 @@ class SGLangApi:
         max_new = params.get("max_new_tokens")
         temperature = params.get("temperature")
         top_p, top_k = params.get("top_p"), params.get("top_k")
-        sampling = SamplingParams(
+        sampling = EngineSampling(
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=-1 if top_k is None else top_k,
@@ -315,7 +389,11 @@ class SGLangApi:
             raise ApiError(400, "Either text or input_ids should be provided.", param="input_ids")
         if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return [tuple(ids)], False
-        if isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in ids):
+        if (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in ids)
+        ):
             return [tuple(p) for p in ids], True
         raise ApiError(400, "input_ids cannot be empty: send a list of token ids (or a list of such lists for a batch)", param="input_ids")
 
@@ -331,10 +409,16 @@ class SGLangApi:
         return_logprob = bool(self._field(body, "return_logprob", bool, False))
         logprob_start = self._field(body, "logprob_start_len", int, -1)
         if logprob_start != -1 and any(logprob_start < len(p) for p in prompts):
-            raise ApiError(400, "input-token logprobs are not supported: use logprob_start_len = -1 (output logprobs only)", param="logprob_start_len")
+            raise ApiError(
+                400, "input-token logprobs are not supported: use logprob_start_len = -1 (output logprobs only)", param="logprob_start_len"
+            )
         if self._field(body, "top_logprobs_num", int, 0):
-            raise ApiError(400, "top_logprobs_num is not supported on /generate: only the sampled token's logprob is returned (the OpenAI API "
-                           f"on the serving model returns up to {MAX_TOP_LOGPROBS} alternatives)", param="top_logprobs_num")
+            raise ApiError(
+                400,
+                "top_logprobs_num is not supported on /generate: only the sampled token's logprob is returned (the OpenAI API "
+                f"on the serving model returns up to {MAX_TOP_LOGPROBS} alternatives)",
+                param="top_logprobs_num",
+            )
         if body.get("token_ids_logprob"):
             raise ApiError(400, "token_ids_logprob is not supported: only the sampled token's logprob is returned", param="token_ids_logprob")
         text_in_logprobs = bool(self._field(body, "return_text_in_logprobs", bool, False))
@@ -345,12 +429,19 @@ class SGLangApi:
         rids = self._rids(body.get("rid"), len(prompts), batch)
         waiting = self.scheduler_state()["num_queue_reqs"]
         if waiting + len(prompts) > self.settings.max_waiting_requests:
-            raise ApiError(503, f"{waiting} rollout requests are already waiting (sglang_api.max_waiting_requests = {self.settings.max_waiting_requests}): retry later", code="overloaded")
+            raise ApiError(
+                503,
+                f"{waiting} rollout requests are already waiting (sglang_api.max_waiting_requests = {self.settings.max_waiting_requests}): retry "
+                "later",
+                code="overloaded",
+            )
         await self._await_lease()
         handles = []
         try:
             for rid, prompt in zip(rids, prompts):
-                engine_request = GenerationRequest(rid, WorkClass.ROLLOUT, prompt, sampling, stream=stream)
+                engine_request = GenerationRequest(
+                    request_id=rid, work_class=WorkClass.ROLLOUT, prompt_token_ids=prompt, sampling=sampling, stream=stream
+                )
                 handles.append(self.engine.submit(engine_request, require_lease=False))
                 self.active[rid] = handles[-1]
         except InvalidRequest as exc:
@@ -383,8 +474,12 @@ class SGLangApi:
         deadline = time.monotonic() + self.settings.lease_wait_s
         while not self.engine.holds_rollout_lease:
             if time.monotonic() >= deadline:
-                raise ApiError(503, f"no rollout lease on this executor within {self.settings.lease_wait_s:g} s: a serving executor lends "
-                               "to rollout only while its SLO allows; retry, or send rollout to a dedicated executor", code="no_lease")
+                raise ApiError(
+                    503,
+                    f"no rollout lease on this executor within {self.settings.lease_wait_s:g} s: a serving executor lends "
+                    "to rollout only while its SLO allows; retry, or send rollout to a dedicated executor",
+                    code="no_lease",
+                )
             await asyncio.sleep(LEASE_POLL_S)
 
     def _rids(self, rid: Any, count: int, batch: bool) -> list[str]:
@@ -406,7 +501,9 @@ class SGLangApi:
             handle.cancel()
             self.active.pop(handle.request_id, None)
 
-    async def _stream(self, request: web.Request, handle: RequestHandle, prompt: tuple[int, ...], started: float, options: OutputOptions) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, handle: RequestHandle, prompt: tuple[int, ...], started: float, options: OutputOptions
+    ) -> web.StreamResponse:
         """SGLang's default stream: every event carries the whole output so far (text, ids, logprobs)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -436,10 +533,23 @@ class SGLangApi:
         meta["rose_token_versions"] = list(result.token_versions)  # which policy version sampled each token
         return {"text": full if options.no_stop_trim else result.text, "output_ids": ids, "meta_info": meta}
 
-    def _meta(self, rid: str, finish: dict | None, prompt_tokens: int, completion_tokens: int, cached: int, ids: list[int],
-              logprobs: list[float], options: OutputOptions) -> dict[str, Any]:
+    def _meta(
+        self,
+        rid: str,
+        finish: dict | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached: int,
+        ids: list[int],
+        logprobs: list[float],
+        options: OutputOptions,
+    ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached,
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached,
             "weight_version": self.weight_version(),
         }
         if options.return_logprob:
@@ -449,13 +559,13 @@ class SGLangApi:
             ]
         return meta
 
-    def _finish_reason(self, result: GenerationResult, sampling: SamplingParams, full_text: str) -> dict[str, Any]:
+    def _finish_reason(self, result: GenerationResult, sampling: EngineSampling, full_text: str) -> dict[str, Any]:
         if result.finish_reason == "length":
             return {"type": "length", "length": len(result.token_ids)}
         if result.finish_reason == "abort":
             return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         last = result.token_ids[-1] if result.token_ids else None
-        tail = full_text[len(result.text):]
+        tail = full_text[len(result.text) :]
         matched = next((s for s in sampling.stop if tail.startswith(s)), None)
         return {"type": "stop", "matched": matched if matched is not None else last}
 
@@ -509,8 +619,12 @@ class SGLangApi:
 
     def _weights_allowed(self) -> None:
         if self.follows_bus_weights:
-            raise ApiError(409, "this executor follows the policy's signed versions on the bus (weights.follow = true): "
-                           "set weights.follow = false (ROSE_WEIGHTS__FOLLOW=false) to push weights over HTTP", code="conflict")
+            raise ApiError(
+                409,
+                "this executor follows the policy's signed versions on the bus (weights.follow = true): "
+                "set weights.follow = false (ROSE_WEIGHTS__FOLLOW=false) to push weights over HTTP",
+                code="conflict",
+            )
 
     def _version_for(self, label: str | None) -> int:
         """The engine's integer version for a new state: the label itself when it is an integer, else the next one."""
@@ -526,7 +640,9 @@ class SGLangApi:
             try:
                 await self.updates.apply(state, version)
             except WeightUpdateError as exc:
-                return web.json_response({"success": False, "message": f"Failed to update weights: {exc}. The previous weights keep serving."}, status=400)
+                return web.json_response(
+                    {"success": False, "message": f"Failed to update weights: {exc}. The previous weights keep serving."}, status=400
+                )
             self._label = (version, label) if label is not None else None
             if self._field(body, "flush_cache", bool, True):
                 await asyncio.wrap_future(self.engine.flush_prefix_cache())
@@ -541,19 +657,25 @@ class SGLangApi:
         body = await self._optional_body(request)
         serialized = body.get("serialized_named_tensors")
         if not isinstance(serialized, list) or not serialized or not all(isinstance(s, str) for s in serialized):
-            raise ApiError(400, "`serialized_named_tensors` must be a non-empty list of base64 strings (one per TP rank)", param="serialized_named_tensors")
+            raise ApiError(
+                400, "`serialized_named_tensors` must be a non-empty list of base64 strings (one per TP rank)", param="serialized_named_tensors"
+            )
         if len(serialized) != 1:
-            raise ApiError(400, f"this executor is a single rank (tp_size 1): send one serialized entry, got {len(serialized)}", param="serialized_named_tensors")
+            raise ApiError(
+                400, f"this executor is a single rank (tp_size 1): send one serialized entry, got {len(serialized)}", param="serialized_named_tensors"
+            )
         load_format = self._field(body, "load_format", str, "direct")
         if load_format not in ("direct", "flattened_bucket"):
-            raise ApiError(400, f"load_format {load_format!r} is not supported: use null/\"direct\" or \"flattened_bucket\"", param="load_format")
+            raise ApiError(400, f'load_format {load_format!r} is not supported: use null/"direct" or "flattened_bucket"', param="load_format")
         label = self._field(body, "weight_version", str, None)
         try:
             loaded = await asyncio.to_thread(  # sizes and shapes checked against the live policy before anything is allocated
                 deserialize_named_tensors, serialized[0], params=self.engine.policy_state_dict(), flattened=load_format == "flattened_bucket"
             )
         except PolicyMismatch as exc:  # well-formed tensors that are not this policy's: refused as SGLang refuses them
-            return web.json_response({"success": False, "message": f"Failed to update weights: {exc}. The previous weights keep serving."}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {exc}. The previous weights keep serving."}, status=400
+            )
         except UnsafePayload as exc:
             return web.json_response({"success": False, "message": f"Failed to load serialized_named_tensors: {exc}"}, status=400)
         return await self._apply(dict(loaded), label, body)
@@ -571,7 +693,9 @@ class SGLangApi:
         try:
             state = await asyncio.to_thread(_read_safetensors_dir, path)
         except (OSError, ValueError) as exc:
-            return web.json_response({"success": False, "message": f"Failed to read weights from {path}: {exc}", "num_paused_requests": 0}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"Failed to read weights from {path}: {exc}", "num_paused_requests": 0}, status=400
+            )
         response = await self._apply(state, self._field(body, "weight_version", str, None), body)
         if response.status == 200:
             self.model_dir = path  # /get_model_info, /get_server_info and /v1/models now name it (SGLang's tokenizer_manager does too)
@@ -629,8 +753,12 @@ class SGLangApi:
         kept = [t for t in tags if t in MEMORY_TAGS_KEPT]
         tags = tuple(t for t in tags if t not in MEMORY_TAGS_KEPT)
         if kept and releasing:
-            raise ApiError(400, f"memory tags {kept} are never released on this executor (captured CUDA graphs stay resident): "
-                           "release kv_cache and/or weights, or send tags null", param="tags")
+            raise ApiError(
+                400,
+                f"memory tags {kept} are never released on this executor (captured CUDA graphs stay resident): "
+                "release kv_cache and/or weights, or send tags null",
+                param="tags",
+            )
         if not tags:  # resuming only what is never released: already resident
             return web.json_response(None)
         try:
@@ -648,8 +776,13 @@ class SGLangApi:
 
     async def get_model_info(self, _request: web.Request) -> web.Response:
         return web.json_response(
-            {"model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True, "preferred_sampling_params": None,
-             "weight_version": self.weight_version()}
+            {
+                "model_path": self.model_dir,
+                "tokenizer_path": self.model_dir,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version(),
+            }
         )
 
     def server_args(self, request: web.Request) -> dict[str, Any]:
@@ -668,31 +801,58 @@ class SGLangApi:
         device = self.engine.device
         index = device.torch_device.index
         return {
-            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "served_model_name": self.served_name, "host": host, "port": port,
-            "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": index or 0, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
-            "enable_memory_saver": True, "skip_tokenizer_init": False, "is_embedding": False, "trust_remote_code": False,
-            "context_length": self.engine.max_positions(WorkClass.ROLLOUT), "device": device.kind,
-            "random_seed": None, "enable_metrics": True, "disaggregation_mode": "null",
-            "load_format": "auto", "max_running_requests": self.engine._rollout.limits.max_batch, "stream_output": False,
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "served_model_name": self.served_name,
+            "host": host,
+            "port": port,
+            "nnodes": 1,
+            "node_rank": 0,
+            "gpu_id_step": 1,
+            "base_gpu_id": index or 0,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "enable_memory_saver": True,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "trust_remote_code": False,
+            "context_length": self.engine.max_positions(WorkClass.ROLLOUT),
+            "device": device.kind,
+            "random_seed": None,
+            "enable_metrics": True,
+            "disaggregation_mode": "null",
+            "load_format": "auto",
+            "max_running_requests": self.engine.max_batch(WorkClass.ROLLOUT),
+            "stream_output": False,
             "hostname": socket.gethostname(),
         }
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         engine = self.engine
-        pool = engine._rollout.pool
-        lease = engine._lease
+        pool = engine.pool_for(WorkClass.ROLLOUT)
+        lease = engine.rollout_lease
         return web.json_response(
             {
                 **self.server_args(request),
-                "weight_version": self.weight_version(), "status": "ready",
-                "max_total_num_tokens": pool.num_blocks * pool.block_size, "max_req_input_len": engine.max_positions(WorkClass.ROLLOUT) - 1,
+                "weight_version": self.weight_version(),
+                "status": "ready",
+                "max_total_num_tokens": pool.num_blocks * pool.block_size,
+                "max_req_input_len": engine.max_positions(WorkClass.ROLLOUT) - 1,
                 "internal_states": [
                     {
                         **self.scheduler_state(),
-                        "paused": engine.rollout_paused, "released_memory": sorted(engine.released_memory), "kv_cache_released": pool.released,
-                        "policy_version": engine.policy_version, "lease_id": lease.lease_id if lease else None,
-                        "lease_expires_in_s": (None if lease is None or math.isinf(lease.expires_at) else max(0.0, lease.expires_at - time.monotonic())),
-                        "prefix_cached_blocks": engine.prefix_cache.cached_blocks, "executor_id": self.executor_id,
+                        "paused": engine.rollout_paused,
+                        "released_memory": sorted(engine.released_memory),
+                        "kv_cache_released": pool.released,
+                        "policy_version": engine.policy_version,
+                        "lease_id": lease.lease_id if lease else None,
+                        "lease_expires_in_s": (
+                            None if lease is None or math.isinf(lease.expires_at) else max(0.0, lease.expires_at - time.monotonic())
+                        ),
+                        "prefix_cached_blocks": engine.prefix_cache.cached_blocks,
+                        "executor_id": self.executor_id,
                     }
                 ],
                 "version": f"{SGLANG_VERSION} (ROSE executor, SGLang-compatible API)",
@@ -703,15 +863,12 @@ class SGLangApi:
         """200 while the lanes run; 503 when they do not, or for ``http_api.LANE_FAILURE_HEALTH_WINDOW_S``
         after a rollout iteration raised (these endpoints generate on the rollout lane: SGLang answers
         503 when its generation fails, and a router then stops sending it work)."""
-        alive = all(t.is_alive() for t in self.engine._threads) and self.engine._started and not self.engine._stopping
-        if not alive:
+        if not self.engine.lanes_alive:
             return web.Response(status=503)
         failure = self.engine.metrics.recent_lane_failure(http_api.LANE_FAILURE_HEALTH_WINDOW_S, WorkClass.ROLLOUT.value)
         if failure is not None:
             return web.json_response({"status": "degraded", "last_lane_failure": http_api.lane_failure_body(failure)}, status=503)
         return web.Response(status=200)
-
-
 
 
 def _read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:

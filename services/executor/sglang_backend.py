@@ -45,13 +45,14 @@ import torch
 from ddsketch import DDSketch
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.shared.sketch import new_sketch, sketch_to_dict
+from rose.shared.sketch import sketch_to_dict
 from rose.shared.weight_layout import save_safetensors
 
 from .config import SGLangBackendSettings
 from .device import select_device
-from .engine import EngineStats, RequestHandle
 from .kv_pool import PoolUsage
+from .metrics import EngineMetrics, IntervalCounters
+from .outputs import EngineStats, RequestHandle
 from .policies import make_policy
 from .protocol import (
     SERVING_MODEL_VERSION,
@@ -112,7 +113,7 @@ class SSEDecoder:
             keep_cr = self._buf.endswith(b"\r")  # may be half of a \r\n split across reads
             self._buf = self._buf[:-1] if keep_cr else self._buf
             self._buf = self._buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if keep_cr else b"")
-        events = []
+        events: list[str] = []
         while True:
             end = self._buf.find(b"\n\n")
             if end < 0:
@@ -269,7 +270,7 @@ def _midpoint(lower: float, upper: float) -> float:
 # ---------------------------------------------------------------------------- per-request state
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Job:
     request: GenerationRequest
     handle: RequestHandle
@@ -297,20 +298,6 @@ class _Job:
         return self.request.work_class is WorkClass.ROLLOUT
 
 
-@dataclass
-class _Counters:
-    """What this interval saw, locally (arrivals, completions, reclaims) or scraped (sketches, tokens)."""
-
-    started: float = field(default_factory=time.monotonic)
-    ttft: DDSketch = field(default_factory=new_sketch)
-    tpot: DDSketch = field(default_factory=new_sketch)
-    serving_arrivals: int = 0
-    serving_completed: int = 0
-    serving_tokens: float = 0.0
-    rollout_tokens: float = 0.0
-    reclaim_ms: list[float] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     """What we need of a model directory without loading its weights."""
@@ -336,8 +323,16 @@ class SGLangBackend:
     """``CoServingEngine`` over a serving SGLang server and a rollout SGLang server."""
 
     def __init__(
-        self, settings: SGLangBackendSettings, *, serving_dir: str, policy_dir: str, dtype: torch.dtype = torch.float32,
-        policy: str = "rose", device: str = "auto", slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+        self,
+        settings: SGLangBackendSettings,
+        *,
+        serving_dir: str,
+        policy_dir: str,
+        dtype: torch.dtype = torch.float32,
+        policy: str = "rose",
+        device: str = "auto",
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> None:
         from rose.shared.models import load_model, load_tokenizer
 
@@ -373,7 +368,8 @@ class SGLangBackend:
         self._last_scrape: dict[str, Scrape] = {}
         self._scrape_ok: dict[str, bool] = {}
         self._lock = threading.Lock()  # the counters: stats() may be called from any thread
-        self._interval = _Counters()
+        self._interval = IntervalCounters()
+        self.metrics = EngineMetrics()  # no local lanes: /health reports ok here, each server's own /health tells the rest
         self._compute_yields = 0
         self._max_swap_pause_ms = 0.0
         self._prefix_hits = self._prefix_misses = self._preemptions = 0
@@ -430,7 +426,7 @@ class SGLangBackend:
             try:
                 async with asyncio.timeout(self.settings.connect_timeout_s):
                     await self._reclaim(None)
-            except (Exception, asyncio.TimeoutError) as exc:
+            except (TimeoutError, Exception) as exc:
                 log.warning("could not pause the rollout server while stopping: %s", exc)
         if self._session is not None:
             await self._session.close()
@@ -458,7 +454,7 @@ class SGLangBackend:
             self._check_lease_admits()
         loop = asyncio.get_running_loop()
         handle = RequestHandle(request.request_id, loop)
-        job = _Job(request, handle, f"rose-{uuid.uuid4().hex}", time.monotonic())
+        job = _Job(request=request, handle=handle, rid=f"rose-{uuid.uuid4().hex}", arrival=time.monotonic())
         handle._cancel = lambda _rid, job=job: self._on_loop(lambda: self._cancel(job))
         self._jobs[job.rid] = job
         job.task = loop.create_task(self._run(job), name=f"sglang-{request.request_id}")
@@ -512,7 +508,7 @@ class SGLangBackend:
         self._scrape_now.set()  # refresh for the next call, in the background
         now = time.monotonic()
         with self._lock:
-            interval, self._interval = self._interval, _Counters(started=now)
+            interval, self._interval = self._interval, IntervalCounters(started=now)
         span = max(1e-9, now - interval.started)
         serving, rollout = self._last_scrape.get("serving", Scrape()), self._last_scrape.get("rollout", Scrape())
         lease = self._lease
@@ -604,7 +600,7 @@ class SGLangBackend:
         for work_class, url in ((WorkClass.SERVING, self.serving_url), (WorkClass.ROLLOUT, self.rollout_url)):
             try:
                 infos[work_class] = await self._call(url, "/get_server_info", method="GET", timeout=self.settings.connect_timeout_s)
-            except (Exception, asyncio.TimeoutError) as exc:
+            except (TimeoutError, Exception) as exc:
                 log.warning("SGLang server %s is not answering yet: %s", url, exc)
                 continue
             tokens = infos[work_class].get("max_total_num_tokens") if isinstance(infos[work_class], dict) else None
@@ -613,8 +609,14 @@ class SGLangBackend:
         info = infos.get(WorkClass.ROLLOUT)
         label = info.get("weight_version") if isinstance(info, dict) else None
         if label not in (None, "default", str(self.policy_version)):
-            log.warning("rollout server %s reports weight_version %r, this executor starts from %s (version %d): "
-                        "the next applied version brings them in line", self.rollout_url, label, self.policy_dir, self.policy_version)
+            log.warning(
+                "rollout server %s reports weight_version %r, this executor starts from %s (version %d): "
+                "the next applied version brings them in line",
+                self.rollout_url,
+                label,
+                self.policy_dir,
+                self.policy_version,
+            )
 
     # ------------------------------------------------------------------ HTTP helpers
     def _headers(self, admin: bool) -> dict[str, str]:
@@ -688,7 +690,11 @@ class SGLangBackend:
         if s.seed is not None:
             params["sampling_seed"] = s.seed
         body: dict[str, Any] = {
-            "input_ids": list(job.request.prompt_token_ids), "sampling_params": params, "return_logprob": True, "stream": stream, "rid": job.rid,
+            "input_ids": list(job.request.prompt_token_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": stream,
+            "rid": job.rid,
         }
         if s.top_logprobs:
             body["top_logprobs_num"] = s.top_logprobs  # meta_info.output_top_logprobs: per token, [[logprob, id, text], ...]
@@ -715,7 +721,7 @@ class SGLangBackend:
             self._finish(job, "abort")
         except InvalidRequest as exc:
             self._fail(job, exc)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ServerError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ServerError, ValueError) as exc:
             log.warning("request %s to %s failed (%s: %s); finishing with abort", job.request.request_id, url, type(exc).__name__, exc)
             self._finish(job, "abort")
         except Exception:
@@ -814,15 +820,33 @@ class SGLangBackend:
         job.finish = reason
         now = time.monotonic()
         req = job.request
-        delta = self._delta(job, final=True) if req.stream else StreamDelta(
-            req.request_id, tuple(job.token_ids), tuple(job.logprobs), job.text, True, reason, tuple(job.top_logprobs)
+        delta = (
+            self._delta(job, final=True)
+            if req.stream
+            else StreamDelta(
+                request_id=req.request_id,
+                token_ids=tuple(job.token_ids),
+                logprobs=tuple(job.logprobs),
+                text=job.text,
+                finished=True,
+                finish_reason=reason,
+                top_logprobs=tuple(job.top_logprobs),
+            )
         )
         timings = timings_since(job.arrival, job.token_times, job.accepted_at, job.retractions, now)  # queue: until the server took it
         versions = tuple(job.versions)
         result = GenerationResult(
-            req.request_id, req.work_class, tuple(job.token_ids), tuple(job.logprobs), job.text, reason, versions,
-            versions[-1] if versions else (self.policy_version if job.rollout else SERVING_MODEL_VERSION), job.cached_tokens, timings,
-            tuple(job.top_logprobs),
+            request_id=req.request_id,
+            work_class=req.work_class,
+            token_ids=tuple(job.token_ids),
+            logprobs=tuple(job.logprobs),
+            text=job.text,
+            finish_reason=reason,
+            token_versions=versions,
+            policy_version=versions[-1] if versions else (self.policy_version if job.rollout else SERVING_MODEL_VERSION),
+            prefix_cached_tokens=job.cached_tokens,
+            timings=timings,
+            top_logprobs=tuple(job.top_logprobs),
         )
         with self._lock:
             if not job.rollout and reason != "abort":
@@ -862,7 +886,7 @@ class SGLangBackend:
         url = self.rollout_url if job.rollout else self.serving_url
         try:
             await self._call(url, "/abort_request", {"rid": job.rid}, timeout=self.settings.connect_timeout_s)
-        except (Exception, asyncio.TimeoutError) as exc:
+        except (TimeoutError, Exception) as exc:
             log.warning("could not abort %s on %s (%s); dropping the connection", job.request.request_id, url, exc)
             if job.task is not None:
                 job.task.cancel()
@@ -892,7 +916,8 @@ class SGLangBackend:
                     payload = await asyncio.to_thread(serialize_named_tensors, named)
                     started = time.perf_counter()
                     reply = await self._call(
-                        self.rollout_url, "/update_weights_from_tensor",
+                        self.rollout_url,
+                        "/update_weights_from_tensor",
                         {"serialized_named_tensors": [payload], "load_format": None, "flush_cache": True, "weight_version": label},
                     )
                     _check_success(reply)
@@ -906,7 +931,7 @@ class SGLangBackend:
                 if staging is not None:
                     shutil.rmtree(staging, ignore_errors=True)
                 raise WeightUpdateError(f"the rollout server refused version {version}: {exc.message}") from None
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 if staging is not None:
                     shutil.rmtree(staging, ignore_errors=True)
                 raise WeightUpdateError(f"could not send version {version} to the rollout server {self.rollout_url}: {exc!r}") from None
@@ -918,7 +943,9 @@ class SGLangBackend:
                 self._max_swap_pause_ms = max(self._max_swap_pause_ms, pause_ms)
             if staging is not None:
                 self._drop_old_staging(keep=staging)
-            log.info("policy version %d on the rollout server: %d tensors sent (%s), %.1f ms", version, len(changed), self.settings.weight_sync, pause_ms)
+            log.info(
+                "policy version %d on the rollout server: %d tensors sent (%s), %.1f ms", version, len(changed), self.settings.weight_sync, pause_ms
+            )
             return pause_ms
 
     def _write_staging(self, changed: dict[str, torch.Tensor], version: int) -> Path:
@@ -953,7 +980,9 @@ class SGLangBackend:
 
     async def _scrape_once(self) -> None:
         names = ("serving", "rollout")
-        texts = await asyncio.gather(*(self._fetch_metrics(self.serving_url if n == "serving" else self.rollout_url) for n in names), return_exceptions=True)
+        texts = await asyncio.gather(
+            *(self._fetch_metrics(self.serving_url if n == "serving" else self.rollout_url) for n in names), return_exceptions=True
+        )
         for name, text in zip(names, texts):
             url = self.serving_url if name == "serving" else self.rollout_url
             if isinstance(text, BaseException):

@@ -44,12 +44,12 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
 import torch.multiprocessing.reductions as torch_reductions
-from multiprocessing.reduction import ForkingPickler
 
 from rose.shared.weight_layout import DTYPES, fits_live
 
@@ -145,15 +145,15 @@ class _Budget:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise UnsafePayload(f"storage size {nbytes!r} is not a byte count")
         if nbytes > self.left_bytes:
-            raise UnsafePayload(
-                f"storages of {nbytes} more bytes exceed the policy's own size ({self.total_bytes} bytes): refused before allocating"
-            )
+            raise UnsafePayload(f"storages of {nbytes} more bytes exceed the policy's own size ({self.total_bytes} bytes): refused before allocating")
         self.left_bytes -= nbytes
         return nbytes
 
     def dtype(self, dtype: Any) -> torch.dtype:
         if not isinstance(dtype, torch.dtype) or dtype not in self.dtypes:
-            raise PolicyMismatch(f"dtype {dtype!r} applies to no parameter of the policy (its dtypes: {sorted(str(s.dtype) for s in self.specs.values())})")
+            raise PolicyMismatch(
+                f"dtype {dtype!r} applies to no parameter of the policy (its dtypes: {sorted(str(s.dtype) for s in self.specs.values())})"
+            )
         return dtype
 
     def tensor(self, size: Any, stride: Any, offset: Any, dtype: torch.dtype, storage_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -178,7 +178,11 @@ class _Budget:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list, torch.Size)) or len(value) > 8 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if (
+        not isinstance(value, (tuple, list, torch.Size))
+        or len(value) > 8
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
         raise UnsafePayload(f"tensor {what} {value!r} is not a short tuple of non-negative integers")
     return tuple(int(v) for v in value)
 
@@ -284,9 +288,22 @@ class _TensorsOnly(pickle.Unpickler):
         return torch_reductions.rebuild_tensor(torch.Tensor, storage, (offset, torch.Size(shape), strides, False))
 
     def _rebuild_cuda_tensor(
-        self, tensor_cls: Any, tensor_size: Any, tensor_stride: Any, tensor_offset: Any, storage_cls: Any, dtype: Any, storage_device: Any,
-        storage_handle: Any, storage_size_bytes: Any, storage_offset_bytes: Any, requires_grad: Any, ref_counter_handle: Any,
-        ref_counter_offset: Any, event_handle: Any, event_sync_required: Any,
+        self,
+        tensor_cls: Any,
+        tensor_size: Any,
+        tensor_stride: Any,
+        tensor_offset: Any,
+        storage_cls: Any,
+        dtype: Any,
+        storage_device: Any,
+        storage_handle: Any,
+        storage_size_bytes: Any,
+        storage_offset_bytes: Any,
+        requires_grad: Any,
+        ref_counter_handle: Any,
+        ref_counter_offset: Any,
+        event_handle: Any,
+        event_sync_required: Any,
     ) -> torch.Tensor:
         """torch's `rebuild_cuda_tensor` (a CUDA IPC handle), once the sizes, shape, dtype and the ref counter's segment name are checked."""
         if tensor_cls not in (_TENSOR, _PARAMETER) or storage_cls not in (_UNTYPED, _TYPED):
@@ -305,8 +322,21 @@ class _TensorsOnly(pickle.Unpickler):
         if not torch.cuda.is_available():
             raise UnsafePayload("this executor has no CUDA device: send host tensors")
         return torch_reductions.rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(_ints(tensor_size, "size")), tuple(tensor_stride), tensor_offset, torch.UntypedStorage, dtype, storage_device,
-            storage_handle, nbytes, storage_offset_bytes, False, ref_counter_handle, ref_counter_offset, event_handle, bool(event_sync_required),
+            torch.Tensor,
+            torch.Size(_ints(tensor_size, "size")),
+            tuple(tensor_stride),
+            tensor_offset,
+            torch.UntypedStorage,
+            dtype,
+            storage_device,
+            storage_handle,
+            nbytes,
+            storage_offset_bytes,
+            False,
+            ref_counter_handle,
+            ref_counter_offset,
+            event_handle,
+            bool(event_sync_required),
         )
 
 

@@ -37,7 +37,7 @@ RELAX_BELOW = 0.9  # relax only with the tail this far under the setpoint (a dea
 DECREASE = 0.5  # multiplicative decrease per control period with new evidence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GuardState:
     """What the guard exports (metrics, the bench's plot)."""
 
@@ -59,7 +59,7 @@ class SloGuard:
         self._share = 1.0
         self._last_update: float | None = None
         self._fresh_max = 0.0  # the worst ratio among samples since the last control step
-        self._state = GuardState(1.0, setpoint, 0.0, 0.0, 0.0, 0)
+        self._state = GuardState(share=1.0, setpoint=setpoint, tail_ratio=0.0, ttft_p99_ms=0.0, tpot_p99_ms=0.0, samples=0)
         self.set_slo(slo_ttft_ms, slo_tpot_ms)
 
     def set_slo(self, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> None:
@@ -126,7 +126,9 @@ class SloGuard:
                 elapsed = now - last if last is not None else self.period_s
                 share = min(1.0, share + elapsed / (RELAX_WINDOWS * self.window_s))
             self._share = share
-            self._state = GuardState(share, self.setpoint, ratio, ttft_p99, tpot_p99, len(ttfts))
+            self._state = GuardState(
+                share=share, setpoint=self.setpoint, tail_ratio=ratio, ttft_p99_ms=ttft_p99, tpot_p99_ms=tpot_p99, samples=len(ttfts)
+            )
         return share
 
 

@@ -17,7 +17,8 @@ from rose.contracts.registry import EXECUTOR_METRICS
 from rose.shared.bus import Bus
 from rose.shared.metrics import LATENCY_BUCKETS_S, meter, metric_name
 
-from .engine import Engine, EngineStats
+from .backend import CoServingEngine
+from .outputs import EngineStats
 from .protocol import GenerationResult
 
 log = logging.getLogger("rose.executor.telemetry")
@@ -31,40 +32,69 @@ class ExecutorInstruments:
         hist = dict(explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S)
         self.ttft = m.create_histogram(metric_name("executor.ttft"), unit="s", description="Serving time to first token.", **hist)
         self.tpot = m.create_histogram(metric_name("executor.tpot"), unit="s", description="Serving time per output token (after the first).", **hist)
-        self.serving_requests = m.create_counter(metric_name("executor.serving_requests"), unit="{request}", description="Serving requests finished, per finish reason.")
-        self.http_errors = m.create_counter(metric_name("executor.http_errors"), unit="{response}", description="HTTP error responses, per status code.")
-        self.tokens = m.create_counter(metric_name("executor.generated_tokens"), unit="{token}", description="Tokens generated, per work class (serving, rollout).")
+        self.serving_requests = m.create_counter(
+            metric_name("executor.serving_requests"), unit="{request}", description="Serving requests finished, per finish reason."
+        )
+        self.http_errors = m.create_counter(
+            metric_name("executor.http_errors"), unit="{response}", description="HTTP error responses, per status code."
+        )
+        self.tokens = m.create_counter(
+            metric_name("executor.generated_tokens"), unit="{token}", description="Tokens generated, per work class (serving, rollout)."
+        )
         self.queue = m.create_gauge(metric_name("executor.queue_length"), unit="{request}", description="Requests waiting, per work class.")
         self.running = m.create_gauge(metric_name("executor.running"), unit="{request}", description="Requests running, per work class.")
         self.kv_used = m.create_gauge(metric_name("executor.kv_used"), unit="By", description="KV-cache bytes in use, per pool.")
-        self.kv_capacity = m.create_gauge(metric_name("executor.kv_capacity"), unit="By", description="KV-cache bytes usable now, per pool (rollout: bounded by the lease).")
+        self.kv_capacity = m.create_gauge(
+            metric_name("executor.kv_capacity"), unit="By", description="KV-cache bytes usable now, per pool (rollout: bounded by the lease)."
+        )
         self.prefix_hits = m.create_counter(metric_name("executor.prefix_cache_hits"), unit="{hit}", description="Rollout prefix-cache hits.")
         self.prefix_misses = m.create_counter(metric_name("executor.prefix_cache_misses"), unit="{miss}", description="Rollout prefix-cache misses.")
-        self.preemptions = m.create_counter(metric_name("executor.rollout_preemptions"), unit="{preemption}", description="Rollout sequences preempted (KV dropped, recomputed later).")
-        self.lane_failures = m.create_counter(
-            metric_name("executor.lane_failures"), unit="{iteration}", description="Engine iterations that raised: logged, their running requests aborted, the lane went on."
+        self.preemptions = m.create_counter(
+            metric_name("executor.rollout_preemptions"),
+            unit="{preemption}",
+            description="Rollout sequences preempted (KV dropped, recomputed later).",
         )
-        self.policy_version = m.create_gauge(metric_name("executor.policy_version"), unit="{version}", description="Policy weight version serving rollout.")
-        self.lease_bytes = m.create_gauge(metric_name("executor.rollout_lease"), unit="By", description="KV bytes lent to rollout by the current lease.")
-        self.lease_held = m.create_gauge(metric_name("executor.rollout_lease_held"), description="1 while the executor holds a rollout lease (or is dedicated), else 0.")
+        self.lane_failures = m.create_counter(
+            metric_name("executor.lane_failures"),
+            unit="{iteration}",
+            description="Engine iterations that raised: logged, their running requests aborted, the lane went on.",
+        )
+        self.policy_version = m.create_gauge(
+            metric_name("executor.policy_version"), unit="{version}", description="Policy weight version serving rollout."
+        )
+        self.lease_bytes = m.create_gauge(
+            metric_name("executor.rollout_lease"), unit="By", description="KV bytes lent to rollout by the current lease."
+        )
+        self.lease_held = m.create_gauge(
+            metric_name("executor.rollout_lease_held"), description="1 while the executor holds a rollout lease (or is dedicated), else 0."
+        )
         self.reclaim = m.create_histogram(
             metric_name("executor.reclaim_latency"), unit="s", description="Serving arrival or lease revocation to rollout yielded.", **hist
         )
         self.rollout_share = m.create_gauge(
-            metric_name("executor.rollout_share"), description="The SLO guard's share of the device for rollout while serving has work (1: no limit, 0: rollout waits)."
+            metric_name("executor.rollout_share"),
+            description="The SLO guard's share of the device for rollout while serving has work (1: no limit, 0: rollout waits).",
         )
-        self.slo_setpoint = m.create_gauge(metric_name("executor.slo_guard_setpoint"), description="The SLO guard's target for the short-window serving p99, as a fraction of the SLO.")
+        self.slo_setpoint = m.create_gauge(
+            metric_name("executor.slo_guard_setpoint"),
+            description="The SLO guard's target for the short-window serving p99, as a fraction of the SLO.",
+        )
         self.slo_tail_ratio = m.create_gauge(
-            metric_name("executor.slo_guard_tail_ratio"), description="The SLO guard's measured short-window serving p99 (and live evidence) over the SLO, worst of TTFT and TPOT."
+            metric_name("executor.slo_guard_tail_ratio"),
+            description="The SLO guard's measured short-window serving p99 (and live evidence) over the SLO, worst of TTFT and TPOT.",
         )
-        self.burst_alerts = m.create_counter(metric_name("executor.burst_alerts"), unit="{alert}", description="Burst alerts this executor published about itself.")
+        self.burst_alerts = m.create_counter(
+            metric_name("executor.burst_alerts"), unit="{alert}", description="Burst alerts this executor published about itself."
+        )
         self.rollout_requests = m.create_counter(
-            metric_name("executor.rollout_requests"), unit="{request}", description="Rollout turns answered over the bus, per outcome (ok, rejected, interrupted)."
+            metric_name("executor.rollout_requests"),
+            unit="{request}",
+            description="Rollout turns answered over the bus, per outcome (ok, rejected, interrupted).",
         )
 
 
 class Telemetry:
-    def __init__(self, engine: Engine, executor_id: str, role: str, interval_s: float) -> None:
+    def __init__(self, engine: CoServingEngine, executor_id: str, role: str, interval_s: float) -> None:
         self.engine = engine
         self.executor_id = executor_id
         self.role = role

@@ -46,7 +46,6 @@ class StagedWeights:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1000.0
 
-
     @torch.no_grad()
     def copy_into(self, model: torch.nn.Module) -> float:
         """Copy the staged tensors into the live ones, keeping every weight's address; returns the

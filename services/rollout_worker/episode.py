@@ -10,17 +10,16 @@ twice and the trajectory comes out the same; the trajectory is published with it
 from __future__ import annotations
 
 import asyncio
-
 import hashlib
 import logging
 import time
 
 from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
 from rose.contracts.rollout import RolloutTask, Trajectory, TurnCheckpoint, TurnRecord
-from rose.shared.bus import Bus, Delivery
-
 from rose.shared.agentic.envs import ENVIRONMENTS, Environment
 from rose.shared.agentic.tools import EnvironmentFailure
+from rose.shared.bus import Bus, Delivery
+
 from .turns import TurnRunner, TurnSpec
 
 log = logging.getLogger(__name__)
@@ -84,8 +83,10 @@ class EpisodeRunner:
                 step = await asyncio.to_thread(env.step, task, index, record.text, record.finish_reason, [t.finish_reason for t in turns])
                 record.observation, record.tool_calls, done, reward = step.observation, step.tool_calls, step.done, step.reward
                 await self.bus.kv_put(
-                    TURN_CHECKPOINT, TurnCheckpoint(task_id=task.task_id, trajectory_id=tid, turn=record, done=done, reward=reward),
-                    task_id=task.task_id, turn_index=str(index),
+                    TURN_CHECKPOINT,
+                    TurnCheckpoint(task_id=task.task_id, trajectory_id=tid, turn=record, done=done, reward=reward),
+                    task_id=task.task_id,
+                    turn_index=str(index),
                 )
             turns.append(record)
             previous = record.executor_id
@@ -98,8 +99,18 @@ class EpisodeRunner:
     async def _publish(self, task: RolloutTask, turns: list[TurnRecord], status: str, reward: float, reason: str) -> None:
         tid = trajectory_id_of(task)
         trajectory = Trajectory(
-            task_id=task.task_id, trajectory_id=tid, env=task.env, status=status, worker_id=self.worker_id, group_id=task.group_id,  # type: ignore[arg-type]
-            reason=reason, reward=reward, routing=task.routing, turns=turns, created_at=task.created_at, finished_at=time.time(),
+            task_id=task.task_id,
+            trajectory_id=tid,
+            env=task.env,
+            status=status,
+            worker_id=self.worker_id,
+            group_id=task.group_id,  # type: ignore[arg-type]
+            reason=reason,
+            reward=reward,
+            routing=task.routing,
+            turns=turns,
+            created_at=task.created_at,
+            finished_at=time.time(),
         )
         if status == "failed":
             self.stats["failed"] += 1

@@ -9,11 +9,11 @@ import asyncio
 import logging
 
 from rose.contracts.registry import ROLLOUT_TASK
+from rose.shared.agentic import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
+from rose.shared.agentic.env_code import configure_registered_code_env
 from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
-from rose.shared.agentic import agentic_envs  # noqa: F401  (registers the arithmetic, code and search-QA environments)
-from rose.shared.agentic.env_code import configure_registered_code_env
 from .config import RolloutWorkerConfig
 from .telemetry import InstrumentedEpisodes
 from .turns import TurnRunner

@@ -26,12 +26,24 @@ from .episode import EpisodeRunner, trajectory_id_of
 class RolloutMetrics:
     def __init__(self) -> None:
         m = meter()
-        self.trajectories = m.create_counter(metric_name("rollout.trajectories"), unit="{trajectory}", description="Trajectories published, per status (completed, failed) and environment.")
+        self.trajectories = m.create_counter(
+            metric_name("rollout.trajectories"),
+            unit="{trajectory}",
+            description="Trajectories published, per status (completed, failed) and environment.",
+        )
         self.turns = m.create_counter(metric_name("rollout.turns"), unit="{turn}", description="Turns in published trajectories, per environment.")
-        self.attempts = m.create_counter(metric_name("rollout.turn_attempts"), unit="{attempt}", description="Executor attempts behind those turns (retries, resumes, hedges).")
-        self.tool_calls = m.create_counter(metric_name("rollout.tool_calls"), unit="{call}", description="Tool calls made by the policy, per environment, tool and outcome (ok, error).")
+        self.attempts = m.create_counter(
+            metric_name("rollout.turn_attempts"), unit="{attempt}", description="Executor attempts behind those turns (retries, resumes, hedges)."
+        )
+        self.tool_calls = m.create_counter(
+            metric_name("rollout.tool_calls"),
+            unit="{call}",
+            description="Tool calls made by the policy, per environment, tool and outcome (ok, error).",
+        )
         self.duration = m.create_histogram(
-            metric_name("rollout.episode_duration"), unit="s", description="One delivery of a task: first turn to trajectory published.",
+            metric_name("rollout.episode_duration"),
+            unit="s",
+            description="One delivery of a task: first turn to trajectory published.",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
         for name, env in ENVIRONMENTS.items():  # the label sets a dashboard queries, at 0
@@ -60,8 +72,13 @@ class InstrumentedEpisodes(EpisodeRunner):
         self.metrics = metrics or RolloutMetrics()
 
     async def handle(self, task: RolloutTask, delivery: Delivery) -> None:
-        attributes = {"rose.task_id": task.task_id, "rose.env": task.env, "rose.worker_id": self.worker_id, "rose.delivery_attempt": delivery.attempt,
-                      "rose.group_id": task.group_id}
+        attributes = {
+            "rose.task_id": task.task_id,
+            "rose.env": task.env,
+            "rose.worker_id": self.worker_id,
+            "rose.delivery_attempt": delivery.attempt,
+            "rose.group_id": task.group_id,
+        }
         with tracer().start_as_current_span("rollout.episode", attributes=attributes):
             started = time.monotonic()
             await super().handle(task, delivery)
@@ -71,5 +88,11 @@ class InstrumentedEpisodes(EpisodeRunner):
         await super()._publish(task, turns, status, reward, reason)
         self.metrics.trajectory(task.env, status, turns)
         trace.get_current_span().set_attributes(
-            {"rose.trajectory_id": trajectory_id_of(task), "rose.status": status, "rose.reward": reward, "rose.turns": len(turns), "rose.reason": reason[:256]}
+            {
+                "rose.trajectory_id": trajectory_id_of(task),
+                "rose.status": status,
+                "rose.reward": reward,
+                "rose.turns": len(turns),
+                "rose.reason": reason[:256],
+            }
         )

@@ -82,7 +82,17 @@ class TurnRunner:
     def __init__(self, bus: Bus, settings: TurnSettings) -> None:
         self.bus, self.s = bus, settings
         self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
-        self.stats = {"turns": 0, "refused": 0, "failed": 0, "resumed": 0, "discarded_tokens": 0, "hedges": 0, "hedge_wins": 0, "placed_hedges": 0, "aborted": 0}
+        self.stats = {
+            "turns": 0,
+            "refused": 0,
+            "failed": 0,
+            "resumed": 0,
+            "discarded_tokens": 0,
+            "hedges": 0,
+            "hedge_wins": 0,
+            "placed_hedges": 0,
+            "aborted": 0,
+        }
         self._aborts: set[asyncio.Task] = set()  # aborts of losing copies in flight (kept referenced until done)
 
     def typical(self) -> float:
@@ -90,9 +100,18 @@ class TurnRunner:
 
     async def _route(self, spec: TurnSpec, progress: Progress, exclude: list[str], **hedge) -> TurnRoute | None:
         req = TurnRouteRequest(
-            trajectory_id=spec.trajectory_id, turn_index=spec.turn_index, prompt_tokens=len(spec.prompt_token_ids) + len(progress.tokens),
-            previous_executor=progress.executor_id or spec.previous_executor, task_id=spec.task.task_id, group_id=spec.task.group_id,
-            group_size=spec.task.group_size, routing=spec.task.routing, exclude=list(exclude), batch_id=spec.task.batch_id, batch_size=spec.task.batch_size, **hedge,
+            trajectory_id=spec.trajectory_id,
+            turn_index=spec.turn_index,
+            prompt_tokens=len(spec.prompt_token_ids) + len(progress.tokens),
+            previous_executor=progress.executor_id or spec.previous_executor,
+            task_id=spec.task.task_id,
+            group_id=spec.task.group_id,
+            group_size=spec.task.group_size,
+            routing=spec.task.routing,
+            exclude=list(exclude),
+            batch_id=spec.task.batch_id,
+            batch_size=spec.task.batch_size,
+            **hedge,
         )
         try:
             return await self.bus.request(ROUTE_TURN, req, timeout=self.s.route_timeout_s)
@@ -109,8 +128,12 @@ class TurnRunner:
         """Tell an executor to stop the copy of this turn it still runs (another copy won), without waiting;
         best effort: a lost abort only costs that executor the rest of the copy, whose reply is ignored."""
         request = GenerateRequest(
-            request_id=self._request_id(spec, f"{tag}x"), trajectory_id=spec.trajectory_id, turn_index=spec.turn_index,
-            prompt_token_ids=prompt, task_id=spec.task.task_id, abort_request_id=self._request_id(spec, tag),
+            request_id=self._request_id(spec, f"{tag}x"),
+            trajectory_id=spec.trajectory_id,
+            turn_index=spec.turn_index,
+            prompt_token_ids=prompt,
+            task_id=spec.task.task_id,
+            abort_request_id=self._request_id(spec, tag),
         )
         task = asyncio.ensure_future(self._abort(request, executor_id))
         self._aborts.add(task)
@@ -132,7 +155,9 @@ class TurnRunner:
             trajectory_id=spec.trajectory_id,
             turn_index=spec.turn_index,
             prompt_token_ids=spec.prompt_token_ids + progress.tokens,
-            sampling=SamplingParams(temperature=self.s.temperature, max_tokens=remaining, stop_token_ids=spec.stop_token_ids, seed=spec.seed + len(progress.tokens)),
+            sampling=SamplingParams(
+                temperature=self.s.temperature, max_tokens=remaining, stop_token_ids=spec.stop_token_ids, seed=spec.seed + len(progress.tokens)
+            ),
             task_id=spec.task.task_id,
             lease_id=route.lease_id,
             lease_epoch=route.lease_epoch,
@@ -150,8 +175,15 @@ class TurnRunner:
         started = time.monotonic()
         primary = asyncio.ensure_future(self._generate(spec, progress, route, f"a{n}"))
         if self.s.hedge and route.hedge_executor and route.hedge_executor != route.executor_id:
-            placed = TurnRoute(trajectory_id=route.trajectory_id, turn_index=route.turn_index, executor_id=route.hedge_executor,
-                               lease_id=route.hedge_lease_id, lease_epoch=route.hedge_lease_epoch, role="dedicated", reason="hedge placed with the route")
+            placed = TurnRoute(
+                trajectory_id=route.trajectory_id,
+                turn_index=route.turn_index,
+                executor_id=route.hedge_executor,
+                lease_id=route.hedge_lease_id,
+                lease_epoch=route.hedge_lease_epoch,
+                role="dedicated",
+                reason="hedge placed with the route",
+            )
             self.stats["placed_hedges"] += 1
             return await self._first_of(spec, progress, primary, (route.executor_id, f"a{n}"), placed, n)
         typical = self.typical()
@@ -162,14 +194,14 @@ class TurnRunner:
         done, _ = await asyncio.wait({primary}, timeout=wait_s)
         if done:
             return primary.result()
-        hedge_route = await self._route(
-            spec, progress, [route.executor_id], hedge=True, elapsed_s=time.monotonic() - started, typical_turn_s=typical
-        )
+        hedge_route = await self._route(spec, progress, [route.executor_id], hedge=True, elapsed_s=time.monotonic() - started, typical_turn_s=typical)
         if hedge_route is None or not hedge_route.executor_id:
             return await primary
         return await self._first_of(spec, progress, primary, (route.executor_id, f"a{n}"), hedge_route, n)
 
-    async def _first_of(self, spec: TurnSpec, progress: Progress, primary: asyncio.Future, primary_at: tuple[str, str], hedge_route: TurnRoute, n: int) -> Attempt:
+    async def _first_of(
+        self, spec: TurnSpec, progress: Progress, primary: asyncio.Future, primary_at: tuple[str, str], hedge_route: TurnRoute, n: int
+    ) -> Attempt:
         """The primary and a duplicate on `hedge_route` race from the same prefix: the first complete result
         wins and the other copy is aborted on its executor. If neither completes, the failed attempt with the
         most tokens is returned, so that an interrupted copy's tokens still continue the turn."""
@@ -194,13 +226,23 @@ class TurnRunner:
 
     async def run(self, spec: TurnSpec) -> TurnRecord:
         """Complete the turn somewhere, or raise TurnFailed at the deadline (in a `rollout.turn` span)."""
-        attributes = {"rose.task_id": spec.task.task_id, "rose.trajectory_id": spec.trajectory_id, "rose.turn_index": spec.turn_index,
-                      "gen_ai.usage.input_tokens": len(spec.prompt_token_ids)}
+        attributes = {
+            "rose.task_id": spec.task.task_id,
+            "rose.trajectory_id": spec.trajectory_id,
+            "rose.turn_index": spec.turn_index,
+            "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
+        }
         with tracer().start_as_current_span("rollout.turn", attributes=attributes) as span:
             record = await self._run(spec)
             span.set_attributes(
-                {"rose.executor_id": record.executor_id, "rose.attempts": record.attempts, "gen_ai.usage.output_tokens": len(record.token_ids),
-                 "rose.policy_version": record.policy_version, "rose.prefix_cached_tokens": record.prefix_cached_tokens, "rose.finish_reason": record.finish_reason}
+                {
+                    "rose.executor_id": record.executor_id,
+                    "rose.attempts": record.attempts,
+                    "gen_ai.usage.output_tokens": len(record.token_ids),
+                    "rose.policy_version": record.policy_version,
+                    "rose.prefix_cached_tokens": record.prefix_cached_tokens,
+                    "rose.finish_reason": record.finish_reason,
+                }
             )
             return record
 

@@ -144,8 +144,16 @@ def _whole(view: ExecutorView, now: float, s: LeaseSettings, lending: LendingSet
     """A lease on the whole executor: every slot and its whole rollout pool (the executor clamps the KV)."""
     epoch = (view.lease.epoch if view.lease else 0) + 1
     return Lease(
-        lease_id=f"{view.executor_id}-e{epoch}", executor_id=view.executor_id, epoch=epoch, state="active", granted_at=now,
-        expires_at=now + s.ttl_s, kv_bytes=int(lending.whole_kv_mib * (1 << 20)), compute_share=1.0, max_rollout_batch=lending.whole_batch, reason=reason,
+        lease_id=f"{view.executor_id}-e{epoch}",
+        executor_id=view.executor_id,
+        epoch=epoch,
+        state="active",
+        granted_at=now,
+        expires_at=now + s.ttl_s,
+        kv_bytes=int(lending.whole_kv_mib * (1 << 20)),
+        compute_share=1.0,
+        max_rollout_batch=lending.whole_batch,
+        reason=reason,
     )
 
 
@@ -204,7 +212,9 @@ def plan_lending(now: float, views: list[ExecutorView], s: LeaseSettings, lendin
 
 def last_preemption(views: list[ExecutorView]) -> float:
     """When the last whole-job preemption happened (its revoked leases end at that moment), 0 if never."""
-    return max((v.lease.expires_at for v in views if v.lease is not None and v.lease.state == "revoked" and v.lease.reason.endswith(PREEMPTION)), default=0.0)
+    return max(
+        (v.lease.expires_at for v in views if v.lease is not None and v.lease.state == "revoked" and v.lease.reason.endswith(PREEMPTION)), default=0.0
+    )
 
 
 def revoke_on_alert(views: list[ExecutorView], alert: SloAlert, now: float, lending: LendingSettings) -> list[LeaseAction]:
@@ -219,5 +229,6 @@ def revoke_on_alert(views: list[ExecutorView], alert: SloAlert, now: float, lend
     why = f"{alert.severity} on {alert.executor_id}: {alert.reason}; {PREEMPTION}"
     return [
         LeaseAction("revoked", msgspec.structs.replace(_revoked(v.lease, why), expires_at=now), why)
-        for v in views if v.role == "serving" and is_active(v.lease, now) and v.lease is not None
+        for v in views
+        if v.role == "serving" and is_active(v.lease, now) and v.lease is not None
     ]

@@ -7,7 +7,9 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    a batch slot (turns queued ahead / the turns it runs at once x one turn there) plus the turn
    at the per-sequence rate measured there (its rollout tokens/s over the sequences running),
    times the model's observed error for its role (observed / predicted turn times, kept by the
-   scheduler's Fleet from the trajectories' turn records); a leased turn adds the chance of a
+   scheduler's Fleet from the trajectories' turn records; a role with no turn observed yet gets the
+   largest observed role's figure, so the raw model's optimism about a leased lane wins no turn before
+   leased turns have come back: ``Fleet.trusted_error``); a leased turn adds the chance of a
    revocation while it runs times the time to finish it on the dedicated pool instead;
 3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
    slots (the request names its batch and size), the turn goes to a dedicated executor:
@@ -147,9 +149,17 @@ def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
     return p.finish + (1.0 - math.exp(-revoke_rate * p.finish)) * fallback
 
 
-def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str, s: PlacementSettings, rng: random.Random,
-               unfinished: int | None = None, turn_tokens: float = 0.0, revoke_rate: float = 0.0,
-               model_error: dict[str, float] | None = None) -> Placement | None:
+def place_turn(
+    req: TurnRouteRequest,
+    candidates: list[Candidate],
+    affinity: str,
+    s: PlacementSettings,
+    rng: random.Random,
+    unfinished: int | None = None,
+    turn_tokens: float = 0.0,
+    revoke_rate: float = 0.0,
+    model_error: dict[str, float] | None = None,
+) -> Placement | None:
     """Where this turn runs, or None when no executor can take it.
 
     ``unfinished``: trajectories of the turn's batch not finished yet (None: unknown, no tail rule);
@@ -180,16 +190,22 @@ def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str
     if home is not None and home.load > concurrency(home) * s.overload_factor:
         home = None  # overloaded: its prefix cache is not worth the wait
     # the dedicated choice: the prefix-cache executor when it is one, else the soonest predicted
-    ded = home if home is not None and home.role == "dedicated" else (
-        min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
+    ded = (
+        home
+        if home is not None and home.role == "dedicated"
+        else (min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
+    )
     if ded is not None and in_tail(unfinished, dedicated):
         return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
     ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
     risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
     put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
     # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
-    lease = home if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_finish else (
-        min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
+    lease = (
+        home
+        if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_finish
+        else (min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
+    )
     if lease is not None and lease is home:
         return put(lease, "prefix affinity")
     if lease is not None and risky[lease.executor_id] < ded_finish:
@@ -205,8 +221,9 @@ def place_turn(req: TurnRouteRequest, candidates: list[Candidate], affinity: str
     return put(ded, why)
 
 
-def should_hedge(req: TurnRouteRequest, group_done: int, s: PlacementSettings, candidates: list[Candidate] | None = None,
-                 unfinished: int | None = None) -> tuple[bool, str]:
+def should_hedge(
+    req: TurnRouteRequest, group_done: int, s: PlacementSettings, candidates: list[Candidate] | None = None, unfinished: int | None = None
+) -> tuple[bool, str]:
     """Is this straggling turn worth a duplicate? (first result wins)
 
     A turn running on leased capacity (its executor is the first of ``req.exclude`` or

@@ -51,7 +51,12 @@ class Scheduler:
         lease = action.lease
         with tracer().start_as_current_span(
             f"lease.{action.kind}",
-            attributes={"rose.executor_id": lease.executor_id, "rose.lease_id": lease.lease_id, "rose.lease_epoch": lease.epoch, "rose.reason": action.reason},
+            attributes={
+                "rose.executor_id": lease.executor_id,
+                "rose.lease_id": lease.lease_id,
+                "rose.lease_epoch": lease.epoch,
+                "rose.reason": action.reason,
+            },
         ):
             if action.kind in ("revoked", "expired"):
                 self.fleet.on_lease(lease)  # stop routing there before anyone can see the revocation
@@ -63,7 +68,10 @@ class Scheduler:
             self.counts[action.kind] += 1
             self.metrics.lease(action.kind, lease)
             await self.bus.publish(
-                LEASE_EVENT, LeaseEvent(kind=action.kind, lease=lease, at=time.time(), reason=action.reason), kind=action.kind, executor_id=lease.executor_id
+                LEASE_EVENT,
+                LeaseEvent(kind=action.kind, lease=lease, at=time.time(), reason=action.reason),
+                kind=action.kind,
+                executor_id=lease.executor_id,
             )
         log.info("lease %s %s on %s: %s", lease.lease_id, action.kind, lease.executor_id, action.reason)
 
@@ -113,8 +121,11 @@ class Scheduler:
         """Every lease action, ours and other instances' (a core subscription: a scheduler may not create
         JetStream consumers on storage it writes, shared/security.py): routing follows them all."""
         lease, current = event.lease, self.fleet.info(event.lease.executor_id).lease
-        newer = current is None or lease.epoch > current.epoch or (
-            lease.epoch == current.epoch and (lease.state == "revoked" or (current.state == "active" and lease.expires_at >= current.expires_at)))
+        newer = (
+            current is None
+            or lease.epoch > current.epoch
+            or (lease.epoch == current.epoch and (lease.state == "revoked" or (current.state == "active" and lease.expires_at >= current.expires_at)))
+        )
         if newer:  # events of one executor may arrive out of order from two instances
             self.fleet.on_lease(lease)
 
@@ -142,18 +153,37 @@ class Scheduler:
         now, p = time.time(), self.config.placement
         nothing = dict(trajectory_id=req.trajectory_id, turn_index=req.turn_index, retry_after_s=p.no_route_retry_s)
         if req.hedge:
-            worth, why = should_hedge(req, self.fleet.group_done.get(req.group_id, 0), p, self.fleet.candidates(now), self.fleet.unfinished(req.batch_id, req.batch_size))
+            worth, why = should_hedge(
+                req, self.fleet.group_done.get(req.group_id, 0), p, self.fleet.candidates(now), self.fleet.unfinished(req.batch_id, req.batch_size)
+            )
             if not worth:
                 return TurnRoute(reason=why, **nothing)
         affinity = req.previous_executor or self.fleet.affinity.get(req.trajectory_id, "")
-        with tracer().start_as_current_span("scheduler.place", attributes={"rose.trajectory_id": req.trajectory_id, "rose.turn_index": req.turn_index}) as span:
+        with tracer().start_as_current_span(
+            "scheduler.place", attributes={"rose.trajectory_id": req.trajectory_id, "rose.turn_index": req.turn_index}
+        ) as span:
             started, cpu = time.perf_counter(), time.thread_time()
             candidates = self.fleet.candidates(now, sample=p.sample_candidates, keep=(affinity,), rng=self.rng)
-            placement = place_turn(req, candidates, affinity, p, self.rng, self.fleet.unfinished(req.batch_id, req.batch_size), self.fleet.turn_tokens,
-                                   self.fleet.revoke_rate(now), self.fleet.model_error)
+            placement = place_turn(
+                req,
+                candidates,
+                affinity,
+                p,
+                self.rng,
+                self.fleet.unfinished(req.batch_id, req.batch_size),
+                self.fleet.turn_tokens,
+                self.fleet.revoke_rate(now),
+                self.fleet.model_error,
+            )
             # what a slow route reply spent here, against the time it waited for the event loop (rose.loop_wait_ms on its reply span)
-            span.set_attributes({"rose.candidates": len(candidates), "rose.place_ms": (time.perf_counter() - started) * 1000.0,
-                                 "rose.place_cpu_ms": (time.thread_time() - cpu) * 1000.0, "rose.affinity": affinity})
+            span.set_attributes(
+                {
+                    "rose.candidates": len(candidates),
+                    "rose.place_ms": (time.perf_counter() - started) * 1000.0,
+                    "rose.place_cpu_ms": (time.thread_time() - cpu) * 1000.0,
+                    "rose.affinity": affinity,
+                }
+            )
             if placement is None:
                 self.counts["unroutable"] += 1
                 self.metrics.unroutable_turn()
@@ -167,16 +197,28 @@ class Scheduler:
             self.counts["hedged" if req.hedge else "routed"] += 1
             self.metrics.routed_turn(placement.executor_id, placement.role, req.hedge, affinity, req.routing)
             event = PlacementEvent(
-                trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id=placement.executor_id, at=now,
-                reason=placement.reason, lease_id=placement.lease_id, lease_epoch=placement.lease_epoch, hedge=req.hedge,
+                trajectory_id=req.trajectory_id,
+                turn_index=req.turn_index,
+                executor_id=placement.executor_id,
+                at=now,
+                reason=placement.reason,
+                lease_id=placement.lease_id,
+                lease_epoch=placement.lease_epoch,
+                hedge=req.hedge,
             )
             self._spawn(self.bus.publish(PLACEMENT, event, executor_id=placement.executor_id))
             # the span's whole time against this thread's CPU in it (no await inside): a long span with little CPU
             # waited for a core (a busy host), which no code here explains
             span.set_attribute("rose.span_cpu_ms", (time.thread_time() - cpu) * 1000.0)
         return TurnRoute(
-            trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id=placement.executor_id, lease_id=placement.lease_id,
-            lease_epoch=placement.lease_epoch, role=placement.role, reason=placement.reason, hedge_after_s=placement.hedge_after_s,  # type: ignore[arg-type]
+            trajectory_id=req.trajectory_id,
+            turn_index=req.turn_index,
+            executor_id=placement.executor_id,
+            lease_id=placement.lease_id,
+            lease_epoch=placement.lease_epoch,
+            role=placement.role,
+            reason=placement.reason,
+            hedge_after_s=placement.hedge_after_s,  # type: ignore[arg-type]
         )
 
     def _spawn(self, coro) -> None:

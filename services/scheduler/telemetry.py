@@ -9,13 +9,25 @@ from rose.shared.metrics import meter, metric_name
 class SchedulerMetrics:
     def __init__(self) -> None:
         m = meter()
-        self.leases = m.create_counter(metric_name("scheduler.leases"), unit="{lease}", description="Lease actions, per kind (granted, renewed, revoked, expired) and executor.")
-        self.lease_active = m.create_gauge(metric_name("scheduler.lease_active"), description="1 while the executor holds an active lease from this scheduler, else 0.")
-        self.lease_kv = m.create_gauge(metric_name("scheduler.lease_kv"), unit="By", description="KV bytes the executor's current lease lends to rollout (0 when none).")
-        self.routed = m.create_counter(metric_name("scheduler.routed_turns"), unit="{turn}", description="Turns placed, per executor, role and whether a hedge.")
-        self.unroutable = m.create_counter(metric_name("scheduler.unroutable_turns"), unit="{turn}", description="Route requests no executor could take (the worker retries).")
+        self.leases = m.create_counter(
+            metric_name("scheduler.leases"), unit="{lease}", description="Lease actions, per kind (granted, renewed, revoked, expired) and executor."
+        )
+        self.lease_active = m.create_gauge(
+            metric_name("scheduler.lease_active"), description="1 while the executor holds an active lease from this scheduler, else 0."
+        )
+        self.lease_kv = m.create_gauge(
+            metric_name("scheduler.lease_kv"), unit="By", description="KV bytes the executor's current lease lends to rollout (0 when none)."
+        )
+        self.routed = m.create_counter(
+            metric_name("scheduler.routed_turns"), unit="{turn}", description="Turns placed, per executor, role and whether a hedge."
+        )
+        self.unroutable = m.create_counter(
+            metric_name("scheduler.unroutable_turns"), unit="{turn}", description="Route requests no executor could take (the worker retries)."
+        )
         self.affinity = m.create_counter(
-            metric_name("scheduler.affinity"), unit="{turn}", description="Turns whose trajectory had a previous executor: placed there (hit) or elsewhere (miss), per routing policy."
+            metric_name("scheduler.affinity"),
+            unit="{turn}",
+            description="Turns whose trajectory had a previous executor: placed there (hit) or elsewhere (miss), per routing policy.",
         )
         self.unroutable.add(0)  # exported at 0 from the start: a dashboard shows 0, not "No data"
 

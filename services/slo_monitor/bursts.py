@@ -48,15 +48,24 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
     snaps = window.snapshots
     previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
     return classify(
-        short, lambda: stats_of(window.recent(cfg.window_s), latency=False),
+        short,
+        lambda: stats_of(window.recent(cfg.window_s), latency=False),
         lambda: stats_of(window.older_than(cfg.window_s), latency=False),
-        latest.serving_queue, previous, cfg, slo,
+        latest.serving_queue,
+        previous,
+        cfg,
+        slo,
     )
 
 
 def classify(
-    short: WindowStats, recent: WindowStats | Callable[[], WindowStats], baseline: WindowStats | Callable[[], WindowStats],
-    queue: int, previous_queue: int, cfg: BurstSettings, slo: HeadroomSettings,
+    short: WindowStats,
+    recent: WindowStats | Callable[[], WindowStats],
+    baseline: WindowStats | Callable[[], WindowStats],
+    queue: int,
+    previous_queue: int,
+    cfg: BurstSettings,
+    slo: HeadroomSettings,
 ) -> tuple[str, str] | None:
     """The signals as a pure function of window figures (the simulator calls this too).
 

@@ -105,7 +105,9 @@ def lendable_kv_bytes(latest: MetricsSnapshot | None, kv_utilisation: float, cfg
     return kv
 
 
-def assess(short: WindowStats, long: WindowStats, model: StepModel, latest: MetricsSnapshot | None, cfg: HeadroomSettings, alerting: bool) -> HeadroomVerdict:
+def assess(
+    short: WindowStats, long: WindowStats, model: StepModel, latest: MetricsSnapshot | None, cfg: HeadroomSettings, alerting: bool
+) -> HeadroomVerdict:
     """Headroom of one serving executor from its windows and step model (see the module doc)."""
     slots = rollout_slots(model, long.serving_running_peak, cfg.slo_tpot_ms, cfg.margin, cfg.max_rollout_slots)
     kv = lendable_kv_bytes(latest, short.kv_utilisation, cfg) if slots else 0

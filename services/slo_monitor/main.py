@@ -37,7 +37,6 @@ async def run(config: SloMonitorConfig) -> None:
     monitor = Monitor(config)
     metrics = MonitorMetrics()
     async with ServiceRuntime("slo_monitor", bus=config.bus, runtime=config.runtime, load=monitor.fleet_load) as rt:
-
         partition = Partition(rt.bus.instance)
 
         async def on_peer(beat: Heartbeat, _d: Delivery) -> None:

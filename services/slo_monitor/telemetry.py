@@ -6,25 +6,34 @@ from rose.contracts.executor import MetricsSnapshot
 from rose.contracts.slo import Headroom, SloAlert
 from rose.shared.metrics import meter, metric_name
 
-
 LATE_GRACE_S = 0.25  # clock skew and bus time a snapshot may take before it counts as late
 
 
 class MonitorMetrics:
     def __init__(self) -> None:
         m = meter()
-        self.alerts = m.create_counter(metric_name("slo.alerts"), unit="{alert}", description="SLO alerts published, per executor and severity (burst, violation, recovered).")
+        self.alerts = m.create_counter(
+            metric_name("slo.alerts"), unit="{alert}", description="SLO alerts published, per executor and severity (burst, violation, recovered)."
+        )
         self.ttft_p99 = m.create_gauge(metric_name("slo.ttft_p99"), unit="s", description="Serving TTFT p99 over the short window, per executor.")
         self.tpot_p99 = m.create_gauge(metric_name("slo.tpot_p99"), unit="s", description="Serving TPOT p99 over the short window, per executor.")
         self.ttft_target = m.create_gauge(metric_name("slo.ttft_target"), unit="s", description="The serving TTFT SLO the monitor protects.")
         self.tpot_target = m.create_gauge(metric_name("slo.tpot_target"), unit="s", description="The serving TPOT SLO the monitor protects.")
-        self.arrival_rate = m.create_gauge(metric_name("slo.arrival_rate"), unit="{request}/s", description="Serving arrivals per second over the short window, per executor.")
+        self.arrival_rate = m.create_gauge(
+            metric_name("slo.arrival_rate"), unit="{request}/s", description="Serving arrivals per second over the short window, per executor."
+        )
         self.headroom_kv = m.create_gauge(metric_name("slo.headroom_kv"), unit="By", description="KV bytes the executor can lend to rollout now.")
-        self.headroom_slots = m.create_gauge(metric_name("slo.headroom_slots"), unit="{sequence}", description="Rollout batch slots the executor can take now.")
+        self.headroom_slots = m.create_gauge(
+            metric_name("slo.headroom_slots"), unit="{sequence}", description="Rollout batch slots the executor can take now."
+        )
         self.lendable = m.create_gauge(metric_name("slo.lendable"), description="1 when the monitor judges the executor lendable to rollout, else 0.")
-        self.snapshots = m.create_counter(metric_name("slo.snapshots"), unit="{snapshot}", description="Executor metrics snapshots merged into the windows.")
+        self.snapshots = m.create_counter(
+            metric_name("slo.snapshots"), unit="{snapshot}", description="Executor metrics snapshots merged into the windows."
+        )
         self.snapshots_late = m.create_counter(
-            metric_name("slo.snapshots_late"), unit="{snapshot}", description="Snapshots merged more than one interval after they were taken (the monitor falls behind)."
+            metric_name("slo.snapshots_late"),
+            unit="{snapshot}",
+            description="Snapshots merged more than one interval after they were taken (the monitor falls behind).",
         )
         self.snapshots.add(0)
         self.snapshots_late.add(0)

@@ -19,7 +19,7 @@ from rose.contracts.executor import LatencySketch, MetricsSnapshot
 from rose.shared.sketch import from_contract, new_sketch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowStats:
     """What a window of snapshots says; latencies in ms, rates per second."""
 

@@ -47,7 +47,14 @@ def sequences_of(trajectory: Trajectory) -> list[Sequence]:
     out = []
     for t in turns:
         n = len(t.prompt_token_ids)
-        out.append(Sequence(list(t.prompt_token_ids) + list(t.token_ids), [False] * n + [True] * len(t.token_ids), [0.0] * n + list(t.logprobs), version=t.policy_version))
+        out.append(
+            Sequence(
+                list(t.prompt_token_ids) + list(t.token_ids),
+                [False] * n + [True] * len(t.token_ids),
+                [0.0] * n + list(t.logprobs),
+                version=t.policy_version,
+            )
+        )
     return out
 
 

@@ -104,7 +104,7 @@ def default_dir(config: TrainerConfig) -> Path:
 # ---- what a checkpoint holds besides tensors ------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerState:
     run_id: str
     step: int  # GRPO steps taken (0: after the warm start)
@@ -219,8 +219,16 @@ class CheckpointStore:
             for fname in (POLICY, OPTIMIZER, RNG, STATE):
                 _fsync(tmp / fname)
                 files[fname] = {"sha256": _digest(tmp / fname), "bytes": (tmp / fname).stat().st_size}
-            manifest = {"format": FORMAT, "job_key": self.key, "identity": self.identity, "run_id": state.run_id, "step": state.step,
-                        "version": state.version, "written_at": state.written_at, "files": files}
+            manifest = {
+                "format": FORMAT,
+                "job_key": self.key,
+                "identity": self.identity,
+                "run_id": state.run_id,
+                "step": state.step,
+                "version": state.version,
+                "written_at": state.written_at,
+                "files": files,
+            }
             _write_json(tmp / MANIFEST, manifest)  # last: a directory without it is not a checkpoint
             _fsync(tmp / MANIFEST)
             final = self.dir / name

@@ -30,8 +30,10 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.max_staleness < self.prefetch_steps:
             # a prefetched step's trajectories are about prefetch_steps versions old when trained: all would be dropped
-            raise ValueError(f"grpo.max_staleness ({self.max_staleness}) must be at least grpo.prefetch_steps ({self.prefetch_steps}): "
-                             "the batches handed out ahead are that many versions old when trained (docs/async-rl.md)")
+            raise ValueError(
+                f"grpo.max_staleness ({self.max_staleness}) must be at least grpo.prefetch_steps ({self.prefetch_steps}): "
+                "the batches handed out ahead are that many versions old when trained (docs/async-rl.md)"
+            )
 
 
 class SftSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,7 +75,9 @@ class CheckpointSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     every_steps: NonNegInt = 1  # GRPO steps between checkpoints (and one after the warm start); 0: none, never resume
     dir: str = ""  # default: $ROSE_STATE_DIR/trainer/<durable>; one subfolder per job configuration
     keep: PositiveInt = 2  # complete checkpoints kept per job (the newest)
-    ack_wait_s: PositiveSeconds = 15.0  # the trajectory consumer's ack deadline: held trajectories are kept alive within it; a dead trainer's come back after it
+    ack_wait_s: PositiveSeconds = (
+        15.0  # the trajectory consumer's ack deadline: held trajectories are kept alive within it; a dead trainer's come back after it
+    )
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

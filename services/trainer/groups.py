@@ -48,9 +48,21 @@ class GroupCollector:
     def __init__(self, *, max_staleness: int, stale_policy: StalePolicy = "drop", group_timeout_s: float = 300.0) -> None:
         self.max_staleness, self.stale_policy, self.group_timeout_s = max_staleness, stale_policy, group_timeout_s
         self.groups: dict[str, Group] = {}
-        self.stats = {"received": 0, "duplicates": 0, "failed": 0, "stale_dropped": 0, "stale_masked": 0, "unknown_group": 0, "zero_variance_groups": 0, "groups_used": 0,
-                      "late": 0, "already_used": 0,  # counted by the trainer (arrived once their group was in a step / trained on)
-                      "stale_groups": 0, "trained_past_tail": 0, "max_trained_lag": 0}
+        self.stats = {
+            "received": 0,
+            "duplicates": 0,
+            "failed": 0,
+            "stale_dropped": 0,
+            "stale_masked": 0,
+            "unknown_group": 0,
+            "zero_variance_groups": 0,
+            "groups_used": 0,
+            "late": 0,
+            "already_used": 0,  # counted by the trainer (arrived once their group was in a step / trained on)
+            "stale_groups": 0,
+            "trained_past_tail": 0,
+            "max_trained_lag": 0,
+        }
 
     def expect(self, group_id: str, size: int) -> None:
         """Announce a group the trainer emitted; trajectories of unknown groups are counted and ignored."""

@@ -71,15 +71,24 @@ def grpo_loss(new_logprobs: torch.Tensor, batch: Padded, clip_eps: float, norm: 
     with torch.no_grad():
         clipped = ((ratio - 1.0).abs() > clip_eps).float() * mask
         stats = LossStats(
-            loss=float(loss), tokens=int(mask.sum()), clip_fraction=float(clipped.sum() / n),
-            mean_ratio=float((ratio * mask).sum() / n), approx_kl=float(((ratio - 1) - log_ratio).mul(mask).sum() / n),
+            loss=float(loss),
+            tokens=int(mask.sum()),
+            clip_fraction=float(clipped.sum() / n),
+            mean_ratio=float((ratio * mask).sum() / n),
+            approx_kl=float(((ratio - 1) - log_ratio).mul(mask).sum() / n),
         )
     return loss, stats
 
 
 def grpo_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Padded], *, clip_eps: float, max_grad_norm: float,
-    epochs: int = 1, norm: LossNorm = "sequence",
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Padded],
+    *,
+    clip_eps: float,
+    max_grad_norm: float,
+    epochs: int = 1,
+    norm: LossNorm = "sequence",
 ) -> LossStats:
     """`epochs` optimizer steps over the same micro-batches (gradients accumulated across them).
 

@@ -40,8 +40,16 @@ class Tokens:
 
 def _trajectory(task: RolloutTask, turns: list[TurnRecord], reward: float, status: str = "completed", reason: str = "") -> Trajectory:
     return Trajectory(
-        task_id=task.task_id, trajectory_id=f"{task.task_id}-traj"[:128], env=task.env, status=status,  # type: ignore[arg-type]
-        group_id=task.group_id, reason=reason, reward=reward, turns=turns, created_at=task.created_at, finished_at=time.time(),
+        task_id=task.task_id,
+        trajectory_id=f"{task.task_id}-traj"[:128],
+        env=task.env,
+        status=status,  # type: ignore[arg-type]
+        group_id=task.group_id,
+        reason=reason,
+        reward=reward,
+        turns=turns,
+        created_at=task.created_at,
+        finished_at=time.time(),
     )
 
 
@@ -61,8 +69,20 @@ def scripted_episode(model, tokens: Tokens, env: Environment, task: RolloutTask,
         ids = tokens.encode(text) + [tokens.im_end]
         lps = teacher_logprobs(model, context, ids) if model is not None else [0.0] * len(ids)
         step = env.step(task, index, text, "stop", [t.finish_reason for t in turns])
-        turns.append(TurnRecord(turn_index=index, prompt_token_ids=list(context), token_ids=ids, logprobs=lps, policy_version=version,
-                                executor_id="local", finish_reason="stop", text=text, observation=step.observation, tool_calls=step.tool_calls))
+        turns.append(
+            TurnRecord(
+                turn_index=index,
+                prompt_token_ids=list(context),
+                token_ids=ids,
+                logprobs=lps,
+                policy_version=version,
+                executor_id="local",
+                finish_reason="stop",
+                text=text,
+                observation=step.observation,
+                tool_calls=step.tool_calls,
+            )
+        )
         reward = step.reward
         if step.done:
             break
@@ -110,7 +130,9 @@ def _sample(model, prompts: list[list[int]], max_tokens: int, tokens: Tokens, ge
     return results
 
 
-def sample_episodes(model, tokens: Tokens, env: Environment, tasks: list[RolloutTask], *, max_tokens: int, generator: torch.Generator, version: int = 0) -> list[Trajectory]:
+def sample_episodes(
+    model, tokens: Tokens, env: Environment, tasks: list[RolloutTask], *, max_tokens: int, generator: torch.Generator, version: int = 0
+) -> list[Trajectory]:
     """Run the tasks' episodes in lockstep, one batched generation per turn."""
     contexts = [tokens.encode(env.reset(t)) for t in tasks]
     turns: list[list[TurnRecord]] = [[] for _ in tasks]
@@ -125,8 +147,20 @@ def sample_episodes(model, tokens: Tokens, env: Environment, tasks: list[Rollout
         for i, (ids, lps, finish) in zip(active, samples):
             text = tokens.decode(ids)
             step = env.step(tasks[i], index, text, finish, [t.finish_reason for t in turns[i]])
-            turns[i].append(TurnRecord(turn_index=index, prompt_token_ids=list(contexts[i]), token_ids=ids, logprobs=lps, policy_version=version,
-                                       executor_id="local", finish_reason=finish, text=text, observation=step.observation, tool_calls=step.tool_calls))
+            turns[i].append(
+                TurnRecord(
+                    turn_index=index,
+                    prompt_token_ids=list(contexts[i]),
+                    token_ids=ids,
+                    logprobs=lps,
+                    policy_version=version,
+                    executor_id="local",
+                    finish_reason=finish,
+                    text=text,
+                    observation=step.observation,
+                    tool_calls=step.tool_calls,
+                )
+            )
             rewards[i] = step.reward
             if not step.done:
                 contexts[i] = contexts[i] + ids + tokens.encode(step.observation)

@@ -4,8 +4,9 @@ load the policy (fp32 master weights) -> connect -> resume from a checkpoint, if
 one -> consume trajectories -> (fresh: SFT warm start, checkpoint and publish -> emit tasks;
 resumed: finish its publish, emit its tasks again) -> [wait for groups -> GRPO step ->
 checkpoint -> publish -> emit] ... -> drain.
-See trainer.py for the SDK calls this makes (the public API for a user's own RL framework)
-and checkpoint.py for what a checkpoint holds and what identifies a job.
+See trainer.py for the SDK calls this makes (the public API for a user's own RL framework),
+checkpoint.py for what a checkpoint holds and what identifies a job, resume.py for when one is
+written and what a process resumed from, and ledger.py for when a trajectory is acked.
 """
 
 from __future__ import annotations

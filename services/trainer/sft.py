@@ -49,7 +49,9 @@ class SftReport:
     nll_after: float
 
 
-def warm_start(model, seqs: list[Sequence], pad_id: int, *, steps: int, lr: float, batch_size: int, seed: int = 0, eval_seqs: list[Sequence] | None = None) -> SftReport:
+def warm_start(
+    model, seqs: list[Sequence], pad_id: int, *, steps: int, lr: float, batch_size: int, seed: int = 0, eval_seqs: list[Sequence] | None = None
+) -> SftReport:
     """`steps` AdamW steps of NLL on random mini-batches of `seqs`; NLL measured on `eval_seqs`."""
     eval_seqs = eval_seqs or seqs
     before = mean_nll(model, eval_seqs, pad_id)

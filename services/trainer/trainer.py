@@ -31,17 +31,19 @@ collecting the next step's trajectories meanwhile (asynchronous RL: with `prefet
 the next step's tasks are already rolling out on the previous version, which the staleness
 bound accounts for).
 
-No fault loses work (checkpoint.py): every `checkpoint.every_steps` steps, and after the warm
-start, the trainer writes a checkpoint (weights, optimizer, RNGs, step, run id, version, the
-task cursor, the groups handed out and not yet trained on). A trajectory is acked only once a
-checkpoint covers the step that trained on it (without checkpoints: once that step trained);
-until then the trainer holds it and keeps it alive (`in_progress` within the consumer's
-`ack_wait`), so a trainer killed between collecting a group and training on it gets the group
-redelivered after its restart. A restarted trainer resumes from its newest valid checkpoint:
-the same run id, the next step, no new warm start, versions after the last one on the manifest
-stream; it hands out again (same task ids, which JetStream and the workers de-duplicate) the
-tasks that may not have gone out, and it drops redeliveries of groups it already trained on
-(acked, counted as `already_used`), so nothing is trained on or counted twice.
+No fault loses work: every `checkpoint.every_steps` steps, and after the warm start, the
+trainer writes a checkpoint (checkpoint.py: weights, optimizer, RNGs, step, run id, version, the
+task cursor, the groups handed out and not yet trained on; resume.py: when, and what it resumed
+from). A trajectory is acked only once a checkpoint covers the step that trained on it
+(ledger.py: held, kept alive, redelivered after a restart). A restarted trainer resumes from its
+newest valid checkpoint: the same run id, the next step, no new warm start, versions after the
+last one on the manifest stream; it hands out again (same task ids, which JetStream and the
+workers de-duplicate) the tasks that may not have gone out, and it drops redeliveries of groups
+it already trained on (acked, counted as `already_used`), so nothing is trained on or counted twice.
+
+This module: the three SDK calls, the job loop (warm start, then wait for groups, GRPO step,
+checkpoint, publish, emit) and the heartbeat load; it owns the job's progress (run id, steps,
+version, task cursor, rewards) and builds the `TrainerState` a checkpoint records from it.
 
 Degenerate groups: a step whose every group has equal rewards (all 0: the policy never solves
 the task, or a broken reward) gives GRPO no advantage, so it is skipped, not trained on. A
@@ -57,35 +59,31 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 import time
-from collections import Counter
-from pathlib import Path
 
 import torch
 
 from rose.client.weights import WeightsClient
 from rose.contracts.registry import ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
-from rose.contracts.rollout import Trajectory
 from rose.contracts.training import TrainingStep
+from rose.contracts.weights import VERSION_NOT_NEWER
 from rose.shared.agentic.tool_env import ToolEnv
-from rose.shared.bus import Bus, Delivery, RemoteError
+from rose.shared.bus import Bus, RemoteError
 
 from .batch import pad
-from .checkpoint import CheckpointStore, TrainerState, default_dir, identity_diff, identity_key, job_identity
+from .checkpoint import CheckpointStore, TrainerState, default_dir, job_identity
 from .config import TrainerConfig
 from .groups import GroupCollector
 from .grpo import grpo_step
+from .ledger import TRAJECTORY_MAX_DELIVER, AckLedger, group_id
 from .local_rollout import Tokens
+from .resume import Checkpoints, last_published
 from .sft import expert_sequences, warm_start
 
 log = logging.getLogger(__name__)
 
 GROUP_POLL_S = 0.1
 SFT_EVAL_SEEDS = range(1_000_000, 1_000_032)  # held out from the training traces
-ACCEPTED_RE = re.compile(r"is not newer than (\d+)")  # the weight publisher's refusal of a version number already taken
-USED_GROUPS_KEPT = 4096  # recent groups trained on, remembered (and checkpointed) to recognise their redeliveries
-TRAJECTORY_MAX_DELIVER = 1000  # held trajectories may be redelivered across many restarts; never given up on
 DEGENERATE_STEPS_LIMIT = 8  # skipped steps in a row (every group's rewards equal) that end a job: see `_degenerate_job_ends`
 
 
@@ -96,31 +94,20 @@ def task_seed(base: int, step: int, group: int) -> int:
 class Trainer:
     def __init__(self, bus: Bus, model, tokens: Tokens, envs: list[ToolEnv], config: TrainerConfig, run_id: str) -> None:
         self.bus, self.model, self.tokens, self.envs, self.config, self.run_id = bus, model, tokens, envs, config, run_id
-        g = config.grpo
+        g, c = config.grpo, config.checkpoint
         self.collector = GroupCollector(max_staleness=g.max_staleness, stale_policy=g.stale_policy, group_timeout_s=g.group_timeout_s)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
         self.weights = WeightsClient(bus, config.publish.model, staging_dir=config.publish.staging_dir or None)
+        self.ledger = AckLedger(self.collector, group_size=g.group_size, groups_per_step=g.groups_per_step, ack_wait_s=c.ack_wait_s)
+        self.checkpoints = Checkpoints(CheckpointStore(default_dir(config), job_identity(config), c.keep) if c.every_steps else None)
         self.version = config.initial_version
         self.emitted_steps = 0
         self.steps = 0
         self.rewards: list[float] = []  # mean reward of each step's groups
         self.stats: dict[str, float] = {}
         self.last: dict[str, float] = {}  # the last GRPO step's loss statistics
-        # checkpoint / resume
-        c = config.checkpoint
-        self.store = CheckpointStore(default_dir(config), job_identity(config), c.keep) if c.every_steps else None
-        self.resumed_from: int | None = None  # the checkpoint step this process resumed from
-        self.checkpoint_step = -1  # the last checkpoint written or resumed from
         self.warm_started = False  # this process ran the warm start
-        self.publish_due = False  # on resume: the checkpoint's version may not have been published
-        self.checkpoint_path: Path | None = None  # the last checkpoint written or resumed from
         self.emit_target = 0  # on resume: hand out the tasks of steps [emitted_steps, emit_target) again
-        self.emit_floor = 0  # on resume: the checkpoint's task cursor; trajectories of this run's groups from there on are held
-        self.used: dict[str, None] = {}  # groups trained on, oldest first (bounded)
-        self._held: dict[str, list[Delivery]] = {}  # group id -> its deliveries, unacked until a checkpoint covers the step that used them
-        self._counted: dict[str, Counter] = {}  # group id -> what its deliveries added to the collector's counters
-        self._settle: list[Delivery] = []  # deliveries of groups trained on, acked with the next checkpoint
-        self._keepalive: asyncio.Task[None] | None = None
 
     # ---- the three SDK calls -----------------------------------------------------------
 
@@ -128,70 +115,19 @@ class Trainer:
         """Listen for weight outcomes and consume trajectories (after `restore`, so resumed groups are known)."""
         await self.weights.start()
         c = self.config.checkpoint
-        await self.bus.consume(TRAJECTORY, self._on_trajectory, durable=self.config.durable, batch=64, manual_ack=True,
-                               ack_wait_s=c.ack_wait_s, max_deliver=TRAJECTORY_MAX_DELIVER)
-        self._keepalive = asyncio.create_task(self._keep_alive(), name="trainer:in-progress")
-
-    async def _on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
-        """Hold the trajectory of an open group (acked once trained on and checkpointed); ack anything else now."""
-        gid = trajectory.group_id
-        held = self._held.get(gid)
-        stats = self.collector.stats
-        if held is None and gid not in self.used and self._ahead(gid):
-            held = self._open(gid)  # a resumed run's step handed out after its checkpoint: its tasks go out again later
-        if held is None:
-            if gid in self.used:  # redelivered after a restart (or late for a group trained on): never twice
-                stats["received"] += 1
-                stats["already_used"] += 1
-            else:
-                self.collector.add(trajectory)  # a group of no step of this run: counted, ignored
-            await self._ack([delivery])
-            return
-        before = dict(stats)
-        if gid in self.collector.groups:
-            self.collector.add(trajectory)  # de-duplicated by trajectory id within the group
-        else:  # its group is in the step being trained: too late for it, acked with the group
-            stats["received"] += 1
-            stats["late"] += 1
-        held.append(delivery)
-        counted = self._counted.setdefault(gid, Counter())
-        for key, value in stats.items():
-            if value != before.get(key, 0):
-                counted[key] += value - before.get(key, 0)
-
-    def _open(self, group_id: str) -> list[Delivery]:
-        self.collector.expect(group_id, self.config.grpo.group_size)
-        return self._held.setdefault(group_id, [])
-
-    def _ahead(self, group_id: str) -> bool:
-        """A group of this run from a step at or after the resumed checkpoint's task cursor (not handed out by this process yet)."""
-        prefix = f"{self.run_id}-s"
-        if self.resumed_from is None or not group_id.startswith(prefix):
-            return False
-        step, _, index = group_id[len(prefix):].partition("-g")
-        return step.isdigit() and index.isdigit() and int(step) >= self.emit_floor and int(index) < self.config.grpo.groups_per_step
-
-    async def _ack(self, deliveries: list[Delivery]) -> None:
-        for d in deliveries:
-            try:
-                await d.ack()
-            except Exception as exc:  # reconnecting: it is redelivered later and acked then as already used
-                log.debug("ack failed (%r); the trajectory will be redelivered", exc)
-
-    async def _keep_alive(self) -> None:
-        """Held trajectories stay unacked for a step or more: restart their ack deadline well before it passes."""
-        interval = min(5.0, self.config.checkpoint.ack_wait_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            for d in [d for held in self._held.values() for d in held] + list(self._settle):
-                try:
-                    await d.in_progress()
-                except Exception:  # reconnecting; redelivered copies are held too
-                    pass
+        await self.bus.consume(
+            TRAJECTORY,
+            self.ledger.on_trajectory,
+            durable=self.config.durable,
+            batch=64,
+            manual_ack=True,
+            ack_wait_s=c.ack_wait_s,
+            max_deliver=TRAJECTORY_MAX_DELIVER,
+        )
+        self.ledger.start()
 
     async def stop(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        self.ledger.stop()
 
     async def emit(self, step: int) -> None:
         """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task.
@@ -203,13 +139,13 @@ class Trainer:
         for i in range(g.groups_per_step):
             index = step * g.groups_per_step + i
             env = self.envs[index % len(self.envs)]
-            group_id = f"{self.run_id}-s{step}-g{i}"
+            gid = group_id(self.run_id, step, i)
             seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, i)
-            if group_id in self.used:
+            if gid in self.ledger.used:
                 continue
-            self._open(group_id)
+            self.ledger.open(gid)
             for j in range(g.group_size):
-                task = env.task(seed, task_id=f"{group_id}-{j}", group_id=group_id, group_size=g.group_size, max_turns=t.max_turns)
+                task = env.task(seed, task_id=f"{gid}-{j}", group_id=gid, group_size=g.group_size, max_turns=t.max_turns)
                 task.env_args["max_tokens"] = str(t.max_tokens)
                 task.routing, task.created_at = t.routing, time.time()
                 # the step's batch, for the scheduler's tail rule (placement.in_tail)
@@ -225,12 +161,12 @@ class Trainer:
                 await self.weights.publish(state, self.version)
                 break
             except Exception as exc:
-                taken = ACCEPTED_RE.search(exc.description) if isinstance(exc, RemoteError) else None
-                if taken and int(taken.group(1)) >= self.version:
+                taken = exc.data.get("latest") if isinstance(exc, RemoteError) and exc.reason == VERSION_NOT_NEWER else None
+                if isinstance(taken, int) and taken >= self.version:
                     # the publisher already took this number: the process before a restart asked for it just before
                     # it died (or another publisher of this model): these weights go out under the next free one
-                    log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, int(taken.group(1)) + 1)
-                    self.version = int(taken.group(1)) + 1
+                    log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, taken + 1)
+                    self.version = taken + 1
                     continue
                 if attempt == 49:
                     raise
@@ -239,132 +175,92 @@ class Trainer:
         await self.weights.published(self.version, timeout=self.config.publish.published_timeout_s)
         log.info("published policy v%d", self.version)
 
-    # ---- checkpoint / resume -------------------------------------------------------------
+    # ---- checkpoint / resume (resume.py keeps the store, ledger.py the groups) ---------------
 
     async def restore(self) -> bool:
         """Before `start`: resume from the newest valid checkpoint of this job; False: a fresh run (and why, logged)."""
-        if self.store is None:
-            log.info("checkpoints off (checkpoint.every_steps = 0): a restart starts the job over")
-            return False
-        loaded = await asyncio.to_thread(self.store.load, self.model, self.optimizer)
+        loaded, self.run_id = await self.checkpoints.load(self.model, self.optimizer, self.run_id)
         if loaded is None:
-            others = await asyncio.to_thread(self.store.others)
-            if others:
-                path, manifest = others[-1]
-                diff = identity_diff(manifest["identity"], self.store.identity)
-                old_run = manifest.get("run_id", "")
-                if old_run == self.run_id:  # its task and group ids would collide with the other job's
-                    self.run_id = f"{self.run_id}-{identity_key(self.store.identity)[:8]}"
-                log.warning("not resuming: the checkpoints in %s are of another job configuration (run %s, step %s; %s); starting a fresh run %s "
-                            "(restore that configuration to resume it; its checkpoints are left as they are)",
-                            path.parent, old_run, manifest.get("step"), "; ".join(diff[:8]) or "?", self.run_id)
-            else:
-                log.info("no checkpoint in %s: starting a fresh run %s", self.store.dir, self.run_id)
             return False
         s = loaded.state
-        self.run_id, self.steps, self.version = s.run_id, s.step, s.version
+        self.steps, self.version = s.step, s.version
         self.emitted_steps, self.emit_target = s.emit_from, s.emitted_steps
         self.rewards, self.stats, self.last = list(s.rewards), dict(s.stats), dict(s.last)
         self.collector.stats.update(s.collector_stats)
-        self.used = dict.fromkeys(s.used_groups)
-        for gid, size in s.outstanding:
-            self.collector.expect(gid, size)
-            self._held[gid] = []
-        self.emit_floor = s.emit_from
-        for step in range(s.emit_from, s.emitted_steps):  # known before consuming: their redeliveries must not be taken for strangers
-            for i in range(self.config.grpo.groups_per_step):
-                self._open(f"{self.run_id}-s{step}-g{i}")
-        self.publish_due = s.publish_due and loaded.published is None
+        self.ledger.restore(self.run_id, outstanding=s.outstanding, used_groups=s.used_groups, emit_from=s.emit_from, emitted_steps=s.emitted_steps)
         if loaded.published is not None:  # its weights went out (maybe re-numbered by an earlier resume)
             self.version = max(self.version, loaded.published)
-        self.resumed_from = self.checkpoint_step = s.step
-        self.checkpoint_path = loaded.path
-        log.info("resumed run %s from checkpoint %s: step %d, version %d (%s), %d groups open, tasks handed out through step %d",
-                 self.run_id, loaded.path, s.step, self.version, "published" if loaded.published is not None else "publish not recorded",
-                 len(self._held), s.emitted_steps - 1)
+        log.info(
+            "resumed run %s from checkpoint %s: step %d, version %d (%s), %d groups open, tasks handed out through step %d",
+            self.run_id,
+            loaded.path,
+            s.step,
+            self.version,
+            "published" if loaded.published is not None else "publish not recorded",
+            self.ledger.open_groups(),
+            s.emitted_steps - 1,
+        )
         return True
-
-    async def _last_published(self) -> int | None:
-        for attempt in range(5):
-            try:
-                return await self.weights.last_version()
-            except Exception as exc:  # reconnecting; the publisher refuses a stale number anyway
-                log.warning("could not read the last published version (%r)%s", exc, "; retrying" if attempt < 4 else "; going on without it")
-                await asyncio.sleep(1.0)
-        return None
 
     async def resume(self) -> None:
         """After `start` on a resumed run: finish the publish the checkpoint may have cut short, hand out its steps again."""
-        last = await self._last_published()
-        if last is not None and (last > self.version or (last == self.version and self.publish_due)):
+        last = await last_published(self.weights)
+        publish_due = self.checkpoints.publish_due
+        if last is not None and (last > self.version or (last == self.version and publish_due)):
             # a version went out after ours (another publisher's), or one with our number that may not be ours:
             # executors must run the checkpoint's weights, under a number after every other
-            log.info("the manifest stream's last version is v%d (the checkpoint's: v%d): publishing the checkpoint's weights as v%d", last, self.version, last + 1)
+            log.info(
+                "the manifest stream's last version is v%d (the checkpoint's: v%d): publishing the checkpoint's weights as v%d",
+                last,
+                self.version,
+                last + 1,
+            )
             self.version = last + 1
             await self.publish()
-            self._mark_published()
-        elif self.publish_due:
+            self.checkpoints.mark_published(self.version)
+        elif publish_due:
             log.info("publishing v%d, which the checkpoint was written for (the previous process stopped before it went out)", self.version)
             await self.publish()
-            self._mark_published()
+            self.checkpoints.mark_published(self.version)
         for step in range(self.emitted_steps, self.emit_target):
             await self.emit(step)
 
     async def fresh(self) -> None:
         """After `start` on a fresh run: version numbers go on after the last one on the manifest stream."""
-        last = await self._last_published()
+        last = await last_published(self.weights)
         if last is not None and last > self.version:
             log.info("the manifest stream already has v%d of %s: this run's versions follow it", last, self.config.publish.model)
             self.version = last
 
     def _state(self, emit_owed: int, publish_due: bool) -> TrainerState:
-        stats = Counter(self.collector.stats)
-        for gid in self._held:  # open groups: their trajectories are redelivered after a restart and counted then
-            stats.subtract(self._counted.get(gid, Counter()))
         return TrainerState(
-            run_id=self.run_id, step=self.steps, version=self.version, emitted_steps=self.emitted_steps + emit_owed, emit_from=self.emitted_steps,
-            outstanding=[(gid, self.collector.groups[gid].size) for gid in self._held if gid in self.collector.groups],
-            used_groups=list(self.used), rewards=list(self.rewards), collector_stats={k: int(v) for k, v in stats.items()},
-            stats=dict(self.stats), last=dict(self.last), warm_started=True, publish_due=publish_due,
+            run_id=self.run_id,
+            step=self.steps,
+            version=self.version,
+            emitted_steps=self.emitted_steps + emit_owed,
+            emit_from=self.emitted_steps,
+            outstanding=self.ledger.outstanding(),
+            used_groups=self.ledger.used_groups(),
+            rewards=list(self.rewards),
+            collector_stats=self.ledger.settled_stats(),
+            stats=dict(self.stats),
+            last=dict(self.last),
+            warm_started=True,
+            publish_due=publish_due,
         )
 
     async def checkpoint(self, emit_owed: int, publish_due: bool = True) -> None:
         """Write a checkpoint (a failure is logged, never fatal), then ack the trajectories it covers."""
-        if self.store is None:
+        if self.checkpoints.store is None:
             return
-        state = self._state(emit_owed, publish_due)
-        try:
-            path = await asyncio.to_thread(self.store.save, self.model, self.optimizer, state)
-        except Exception:
-            log.exception("checkpoint of step %d failed; its trajectories stay unacked until the next one", self.steps)
-            return
-        self.checkpoint_step, self.checkpoint_path = self.steps, path
-        log.info("checkpoint: step %d, version %d -> %s", self.steps, self.version, path)
-        settle, self._settle = self._settle, []
-        await self._ack(settle)
+        if await self.checkpoints.save(self.model, self.optimizer, self._state(emit_owed, publish_due)):
+            await self.ledger.settle()
 
     async def final_checkpoint(self) -> None:
         """On a clean stop: checkpoint the steps taken since the last one (every_steps > 1), so none is redone."""
-        if self.store is not None and self.checkpoint_step != self.steps:
+        if self.checkpoints.behind(self.steps):
             await self.checkpoint(emit_owed=0, publish_due=True)
-            self._mark_published()
-
-    def _mark_published(self) -> None:
-        """The last checkpoint's weights are out as `self.version`: a resume from it publishes nothing."""
-        if self.store is not None and self.checkpoint_path is not None:
-            try:
-                self.store.mark_published(self.checkpoint_path, self.version)
-            except OSError as exc:
-                log.warning("could not record the publish of v%d in %s: %r", self.version, self.checkpoint_path, exc)
-
-    def _use(self, group_ids: list[str]) -> None:
-        """These groups were trained on: their deliveries await the next checkpoint, redeliveries are recognised."""
-        for gid in group_ids:
-            self._settle += self._held.pop(gid, [])
-            self._counted.pop(gid, None)
-            self.used[gid] = None
-        while len(self.used) > USED_GROUPS_KEPT:
-            del self.used[next(iter(self.used))]
+            self.checkpoints.mark_published(self.version)
 
     # ---- training ----------------------------------------------------------------------
 
@@ -374,7 +270,9 @@ class Trainer:
         if s.steps:
             train = expert_sequences(self.envs, self.tokens, range(s.traces_per_env))
             held_out = expert_sequences(self.envs, self.tokens, SFT_EVAL_SEEDS)
-            report = await asyncio.to_thread(warm_start, self.model, train, self.tokens.pad_id, steps=s.steps, lr=s.lr, batch_size=s.batch_size, eval_seqs=held_out)
+            report = await asyncio.to_thread(
+                warm_start, self.model, train, self.tokens.pad_id, steps=s.steps, lr=s.lr, batch_size=s.batch_size, eval_seqs=held_out
+            )
             self.stats.update(sft_steps=report.steps, sft_nll_before=report.nll_before, sft_nll_after=report.nll_after)
             log.info("warm start: %d steps, expert NLL/token %.3f -> %.3f", report.steps, report.nll_before, report.nll_after)
             self.warm_started = trained = True
@@ -383,7 +281,7 @@ class Trainer:
         await self.checkpoint(emit_owed=self.config.grpo.prefetch_steps + 1, publish_due=trained)
         if trained:
             await self.publish()
-            self._mark_published()
+            self.checkpoints.mark_published(self.version)
 
     async def next_groups(self, stop: asyncio.Event) -> list:
         """The oldest `groups_per_step` complete groups, whichever step handed them out (with
@@ -396,7 +294,7 @@ class Trainer:
         while len(ready) < want and not stop.is_set():
             usable, expired = self.collector.expire(self.collector.ready(), self.version)
             ready += usable
-            self._use([g.group_id for g in expired])  # never trained on: acked with the next checkpoint, redeliveries ignored
+            self.ledger.use([g.group_id for g in expired])  # never trained on: acked with the next checkpoint, redeliveries ignored
             if len(ready) < want:
                 await asyncio.sleep(GROUP_POLL_S)
         taken, back = self.collector.take(ready, want) if not stop.is_set() else ([], ready)
@@ -432,23 +330,21 @@ class Trainer:
             trained = time.monotonic()
             self.version += 1
             self.steps += 1
-            self._use([g.group_id for g in groups])
+            self.ledger.use([g.group_id for g in groups])
             if every == 0:  # no checkpoints: acked once trained on
-                settle, self._settle = self._settle, []
-                await self._ack(settle)
+                await self.ledger.settle()
             elif self.steps % every == 0:
                 await self.checkpoint(emit_owed=1)
             await self.publish()
-            if every and self.checkpoint_step == self.steps:
-                self._mark_published()
+            if every and self.checkpoints.last_step == self.steps:
+                self.checkpoints.mark_published(self.version)
             await self._report(groups, len(rewards), len(seqs), trained - started, time.monotonic() - trained)
         else:
             self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
             self.stats["skipped_in_a_row"] = self.stats.get("skipped_in_a_row", 0) + 1
-            self._use([g.group_id for g in groups])  # acked with the next checkpoint (redone as skipped after a restart)
+            self.ledger.use([g.group_id for g in groups])  # acked with the next checkpoint (redone as skipped after a restart)
             if every == 0:
-                settle, self._settle = self._settle, []
-                await self._ack(settle)
+                await self.ledger.settle()
             if self._degenerate_job_ends():
                 return False  # no more tasks handed out: the job ends here (main: final checkpoint, exit)
         if seqs and self.config.max_steps and self.steps + int(self.stats.get("skipped_steps", 0)) >= self.config.max_steps:
@@ -466,31 +362,59 @@ class Trainer:
         skipped, in_a_row = int(self.stats["skipped_steps"]), int(self.stats["skipped_in_a_row"])
         max_steps = self.config.max_steps
         if in_a_row >= DEGENERATE_STEPS_LIMIT:
-            log.error("stopping run %s: %d steps in a row had every group's rewards equal (last reward %.3f), so GRPO had nothing to learn from; "
-                      "check the environment's reward and the policy's warm start (rose.services.trainer.trainer: degenerate groups)",
-                      self.run_id, in_a_row, self.rewards[-1] if self.rewards else 0.0)
+            log.error(
+                "stopping run %s: %d steps in a row had every group's rewards equal (last reward %.3f), so GRPO had nothing to learn from; "
+                "check the environment's reward and the policy's warm start (rose.services.trainer.trainer: degenerate groups)",
+                self.run_id,
+                in_a_row,
+                self.rewards[-1] if self.rewards else 0.0,
+            )
             return True
         if max_steps and self.steps + skipped >= max_steps:
-            log.warning("run %s ends: %d steps of max_steps %d taken, %d of them skipped (every group's rewards equal)",
-                        self.run_id, self.steps + skipped, max_steps, skipped)
+            log.warning(
+                "run %s ends: %d steps of max_steps %d taken, %d of them skipped (every group's rewards equal)",
+                self.run_id,
+                self.steps + skipped,
+                max_steps,
+                skipped,
+            )
             return True
         return False
 
     async def _report(self, groups: list, trajectories: int, sequences: int, train_s: float, publish_s: float) -> None:
         """The public progress event (TRAINING_STEP) of the step just taken."""
-        await self.bus.publish(TRAINING_STEP, TrainingStep(
-            run_id=self.run_id, step=self.steps, version=self.version, reward_mean=self.rewards[-1], groups=len(groups),
-            trajectories=trajectories, trained_sequences=sequences, loss=self.last.get("loss", 0.0),
-            clip_fraction=self.last.get("clip_fraction", 0.0), approx_kl=self.last.get("approx_kl", 0.0),
-            stale_dropped=self.collector.stats["stale_dropped"], train_s=train_s, publish_s=publish_s, at=time.time(),
-            resumed_from_step=self.resumed_from,
-        ), run_id=self.run_id)
+        await self.bus.publish(
+            TRAINING_STEP,
+            TrainingStep(
+                run_id=self.run_id,
+                step=self.steps,
+                version=self.version,
+                reward_mean=self.rewards[-1],
+                groups=len(groups),
+                trajectories=trajectories,
+                trained_sequences=sequences,
+                loss=self.last.get("loss", 0.0),
+                clip_fraction=self.last.get("clip_fraction", 0.0),
+                approx_kl=self.last.get("approx_kl", 0.0),
+                stale_dropped=self.collector.stats["stale_dropped"],
+                train_s=train_s,
+                publish_s=publish_s,
+                at=time.time(),
+                resumed_from_step=self.checkpoints.resumed_from,
+            ),
+            run_id=self.run_id,
+        )
 
     def load(self) -> dict[str, float]:
         out = {f"collector_{k}": float(v) for k, v in self.collector.stats.items()}
         out.update({k: float(v) for k, v in self.stats.items()})
         out.update({f"last_{k}": float(v) for k, v in self.last.items()})
         out.update(steps=float(self.steps), version=float(self.version), reward_last=self.rewards[-1] if self.rewards else 0.0)
-        out.update(resumed_from_step=float(-1 if self.resumed_from is None else self.resumed_from), checkpoint_step=float(self.checkpoint_step),
-                   warm_started=float(self.warm_started), held_trajectories=float(sum(len(h) for h in self._held.values()) + len(self._settle)))
+        resumed_from = self.checkpoints.resumed_from
+        out.update(
+            resumed_from_step=float(-1 if resumed_from is None else resumed_from),
+            checkpoint_step=float(self.checkpoints.last_step),
+            warm_started=float(self.warm_started),
+            held_trajectories=float(self.ledger.held_trajectories()),
+        )
         return out

@@ -25,9 +25,10 @@ import time
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_OBJECTS, WEIGHTS_STAGING_OBJECTS
-from rose.contracts.weights import WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
+from rose.contracts.weights import VERSION_NOT_NEWER, WeightPublishAccepted, WeightPublishFailed, WeightPublishRequest
 from rose.shared.bus import Bus, Delivery
 from rose.shared.tracing import tracer
 from rose.shared.weight_signing import ManifestSigner
@@ -79,7 +80,11 @@ class WeightPublisher:
             raise PublishError(f"request for model {request.model!r} sent on the subject of {delivery.tokens.get('model')!r}")
         last = self._accepted.get(request.model)
         if last is not None and request.version <= last:
-            raise PublishError(f"version {request.version} of {request.model} is not newer than {last}, already accepted")
+            raise PublishError(
+                f"version {request.version} of {request.model} is not newer than {last}, already accepted",
+                reason=VERSION_NOT_NEWER,
+                data={"latest": last},
+            )
         if request.source == "path":
             sources.check_path(request.path, self.settings)
         elif not request.object_name:
@@ -104,7 +109,12 @@ class WeightPublisher:
             request, ctx = await queue.get()
             token = otel_context.attach(ctx)
             try:
-                attributes = {"rose.model": model, "rose.weight_version": request.version, "rose.weight_source": request.source, "rose.request_id": request.request_id}
+                attributes: dict[str, AttributeValue] = {
+                    "rose.model": model,
+                    "rose.weight_version": request.version,
+                    "rose.weight_source": request.source,
+                    "rose.request_id": request.request_id,
+                }
                 with tracer().start_as_current_span("weights.publish", attributes=attributes) as span:
                     try:
                         await self.publish_one(versions, request)
@@ -117,15 +127,24 @@ class WeightPublisher:
     async def _failed(self, versions: ModelVersions, request: WeightPublishRequest, exc: Exception) -> None:
         """Report a failed version once and free its number; never raises, so the model's worker goes on."""
         model = request.model
-        log.error("publishing %s v%s failed: %s: %s (the next version is published against v%s)", model, request.version, type(exc).__name__, exc,
-                  versions.last_version, exc_info=not isinstance(exc, PublishError))
+        log.error(
+            "publishing %s v%s failed: %s: %s (the next version is published against v%s)",
+            model,
+            request.version,
+            type(exc).__name__,
+            exc,
+            versions.last_version,
+            exc_info=not isinstance(exc, PublishError),
+        )
         self.metrics.failed(model)
         if self._accepted.get(model) == request.version:  # nothing newer accepted: the number may be asked for again
             if versions.last_version is None:
                 self._accepted.pop(model, None)
             else:
                 self._accepted[model] = versions.last_version
-        failed = WeightPublishFailed(request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}")
+        failed = WeightPublishFailed(
+            request_id=request.request_id, model=model, version=request.version, at=time.time(), reason=f"{type(exc).__name__}: {exc}"
+        )
         try:
             await self.bus.publish(WEIGHT_PUBLISH_FAILED, failed, model=model)
         except Exception as err:  # the bus is reconnecting: the log line and the counter still say it
@@ -144,10 +163,19 @@ class WeightPublisher:
         self.published += 1
         self.metrics.published(manifest, time.perf_counter() - started)
         trace.get_current_span().set_attributes(
-            {"rose.weight_kind": manifest.kind, "rose.wire_bytes": manifest.wire_bytes, "rose.full_bytes": manifest.full_bytes,
-             "rose.changed_fraction": manifest.changed_fraction}
+            {
+                "rose.weight_kind": manifest.kind,
+                "rose.wire_bytes": manifest.wire_bytes,
+                "rose.full_bytes": manifest.full_bytes,
+                "rose.changed_fraction": manifest.changed_fraction,
+            }
         )
         log.info(
             "published %s v%d (%s): %d of %d bytes on the wire, %.2f%% changed",
-            manifest.model, manifest.version, manifest.kind, manifest.wire_bytes, manifest.full_bytes, 100 * manifest.changed_fraction,
+            manifest.model,
+            manifest.version,
+            manifest.kind,
+            manifest.wire_bytes,
+            manifest.full_bytes,
+            100 * manifest.changed_fraction,
         )

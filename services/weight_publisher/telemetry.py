@@ -11,15 +11,29 @@ class PublisherMetrics:
 
     def __init__(self) -> None:
         m = meter()
-        self.versions = m.create_counter(metric_name("weight_publisher.versions"), unit="{version}", description="Weight versions published, per model and kind (keyframe, delta).")
-        self.failures = m.create_counter(metric_name("weight_publisher.failures"), unit="{version}", description="Accepted publish requests that failed, per model.")
-        self.wire_total = m.create_counter(metric_name("weight_publisher.wire"), unit="By", description="Encoded bytes stored for followers to fetch (on the wire), per model.")
+        self.versions = m.create_counter(
+            metric_name("weight_publisher.versions"), unit="{version}", description="Weight versions published, per model and kind (keyframe, delta)."
+        )
+        self.failures = m.create_counter(
+            metric_name("weight_publisher.failures"), unit="{version}", description="Accepted publish requests that failed, per model."
+        )
+        self.wire_total = m.create_counter(
+            metric_name("weight_publisher.wire"), unit="By", description="Encoded bytes stored for followers to fetch (on the wire), per model."
+        )
         self.version = m.create_gauge(metric_name("weight_publisher.version"), unit="{version}", description="The last version published, per model.")
-        self.version_wire = m.create_gauge(metric_name("weight_publisher.version_wire"), unit="By", description="Bytes on the wire of the last version published, per model.")
-        self.version_full = m.create_gauge(metric_name("weight_publisher.version_full"), unit="By", description="Dense bytes of the last version published, per model.")
-        self.changed = m.create_gauge(metric_name("weight_publisher.changed_fraction"), description="Fraction of elements that changed in the last version, per model.")
+        self.version_wire = m.create_gauge(
+            metric_name("weight_publisher.version_wire"), unit="By", description="Bytes on the wire of the last version published, per model."
+        )
+        self.version_full = m.create_gauge(
+            metric_name("weight_publisher.version_full"), unit="By", description="Dense bytes of the last version published, per model."
+        )
+        self.changed = m.create_gauge(
+            metric_name("weight_publisher.changed_fraction"), description="Fraction of elements that changed in the last version, per model."
+        )
         self.duration = m.create_histogram(
-            metric_name("weight_publisher.publish_duration"), unit="s", description="Request taken off the queue to manifest announced (load, encode, store).",
+            metric_name("weight_publisher.publish_duration"),
+            unit="s",
+            description="Request taken off the queue to manifest announced (load, encode, store).",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_MANIFEST
-from rose.contracts.weights import ShardInfo, TensorInfo, WeightManifest
+from rose.contracts.weights import VERSION_NOT_NEWER, ShardInfo, TensorInfo, WeightManifest
 from rose.shared.bus import Bus, RequestRefused
 from rose.shared.weight_codec import Divergence, EncodedShard, encode_shard, topk_sparsify
 from rose.shared.weight_layout import FLOAT_DTYPES, Layout, itemsize, pack_shards, plan_layout
@@ -75,7 +75,7 @@ def _encode_all(layout: Layout, shards: dict[int, np.ndarray], last: _Last | Non
     for sid, buf in shards.items():
         base = last.shards[sid] if last is not None else None
         encoded[sid] = encode_shard(buf, base, layout.segments(sid))
-        digests[sid] = last.digests[sid] if encoded[sid].encoding == "unchanged" and last else hashlib.sha256(buf).hexdigest()
+        digests[sid] = last.digests[sid] if encoded[sid].encoding == "unchanged" and last else hashlib.sha256(buf.data).hexdigest()
     return encoded, digests
 
 
@@ -95,7 +95,11 @@ class ModelVersions:
 
     def check(self, version: int) -> None:
         if self._last is not None and version <= self._last.version:
-            raise PublishError(f"version {version} of {self.model} is not newer than the last published, {self._last.version}")
+            raise PublishError(
+                f"version {version} of {self.model} is not newer than the last published, {self._last.version}",
+                reason=VERSION_NOT_NEWER,
+                data={"latest": self._last.version},
+            )
 
     async def publish(self, tensors: Tensors, version: int, *, keyframe: bool = False) -> WeightManifest:
         """Encode, store and announce `version`; returns its manifest."""
@@ -111,12 +115,7 @@ class ModelVersions:
         started = time.perf_counter()
         layout = plan_layout(((n, d, s) for n, (d, s, _) in tensors.items()), self.settings.shard_bytes)
         last = self._last
-        keyframe = (
-            keyframe
-            or last is None
-            or last.layout != layout
-            or version - last.keyframe_version >= self.settings.keyframe_interval
-        )
+        keyframe = keyframe or last is None or last.layout != layout or version - last.keyframe_version >= self.settings.keyframe_interval
         base = None if keyframe else last
         shards, divergence = await asyncio.to_thread(self._held_shards, layout, tensors, base)
         encoded, digests = await asyncio.to_thread(_encode_all, layout, shards, base)
@@ -162,7 +161,7 @@ class ModelVersions:
         shards = [
             ShardInfo(
                 shard_id=sid,
-                encoding=e.encoding,  # type: ignore[arg-type]
+                encoding=e.encoding,
                 object_name="" if e.encoding == "unchanged" else object_name(self.model, version, sid),
                 wire_bytes=e.wire_bytes,
                 decoded_bytes=layout.shard_sizes[sid],
@@ -182,7 +181,10 @@ class ModelVersions:
             created_at=time.time(),
             bucket=self.store.bucket,
             shards=shards,
-            tensors=[TensorInfo(name=s.name, dtype=s.dtype, shape=list(s.shape), shard_id=s.shard_id, offset=s.offset, nbytes=s.nbytes) for s in layout.slots],
+            tensors=[
+                TensorInfo(name=s.name, dtype=s.dtype, shape=list(s.shape), shard_id=s.shard_id, offset=s.offset, nbytes=s.nbytes)
+                for s in layout.slots
+            ],
             lossy=self.settings.lossy and base is not None,
             max_divergence=divergence.max_abs,
             mean_divergence=divergence.mean_abs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
+from collections.abc import Callable
 
 from rose.contracts.rollout import RolloutTask
 
@@ -24,8 +25,14 @@ MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 60
 OPS = ("+", "-", "*")
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_BINARY: dict[type[ast.operator], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[int], int]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculate(expression: str) -> str:
@@ -83,7 +90,9 @@ class ArithmeticEnv(ToolEnv):
         except ValueError:
             max_operand = 0
         if not 1 <= max_operand <= MAX_OPERAND_LIMIT:
-            raise EnvironmentFailure(f"arithmetic: task {task.task_id}: env_args[{MAX_OPERAND_ARG!r}] must be an integer in 1..{MAX_OPERAND_LIMIT}, not {raw!r}")
+            raise EnvironmentFailure(
+                f"arithmetic: task {task.task_id}: env_args[{MAX_OPERAND_ARG!r}] must be an integer in 1..{MAX_OPERAND_LIMIT}, not {raw!r}"
+            )
         return self.problem(self.seed_of(task), max_operand)
 
     def problem(self, seed: int, max_operand: int | None = None) -> Problem:

@@ -33,7 +33,37 @@ PEOPLE = 100
 TOP_K = 3
 MAX_QUERY_WORDS = 16
 
-_SYLLABLES = "ka lo mi ren tas vel dor an is bru fen gal hor iv jen kor lum nar os pel qua rin sol tev ur vin wex yar zol".split()
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tas",
+    "vel",
+    "dor",
+    "an",
+    "is",
+    "bru",
+    "fen",
+    "gal",
+    "hor",
+    "iv",
+    "jen",
+    "kor",
+    "lum",
+    "nar",
+    "os",
+    "pel",
+    "qua",
+    "rin",
+    "sol",
+    "tev",
+    "ur",
+    "vin",
+    "wex",
+    "yar",
+    "zol",
+]
 _PROFESSIONS = ["baker", "painter", "sailor", "teacher", "miner", "weaver", "doctor", "farmer", "potter", "singer"]
 _WORD_RE = re.compile(r"[a-z0-9]+")
 

@@ -79,7 +79,7 @@ NO_BACKEND_HELP = (
     "kernel.unprivileged_userns_clone=1; Ubuntu 24.04: kernel.apparmor_restrict_unprivileged_userns=0; in a Docker "
     "container: --security-opt seccomp=unconfined --security-opt apparmor=unconfined, or a seccomp profile that allows "
     "unshare, mount, umount2 and pivot_root), or install the `docker` Python SDK with a reachable Docker engine "
-    "(backend \"docker\"). Development machines only: set the sandbox backend to \"unsafe\" "
+    '(backend "docker"). Development machines only: set the sandbox backend to "unsafe" '
     "(ROSE_SANDBOX__BACKEND=unsafe) to run without isolation. See docs/sandbox.md."
 )
 
@@ -92,7 +92,7 @@ class SandboxUnavailable(SandboxError):
     """No isolating backend works on this machine (and `unsafe` was not asked for)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
     wall_s: float = 10.0
     cpu_s: int = 5
@@ -115,7 +115,7 @@ class DockerSettings:
     ping_timeout_s: float = 2.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SandboxResult:
     backend: Backend
     exit_code: int | None
@@ -150,13 +150,21 @@ class _Supervised:
     duration_s: float
 
 
-def _supervise(cmd: list[str], env: dict[str, str], limits: SandboxLimits, *, cwd: str, stdin_data: bytes = b"",
-               pass_fds: tuple[int, ...] = (), preexec_fn=None) -> _Supervised:
+def _supervise(
+    cmd: list[str], env: dict[str, str], limits: SandboxLimits, *, cwd: str, stdin_data: bytes = b"", pass_fds: tuple[int, ...] = (), preexec_fn=None
+) -> _Supervised:
     """Run `cmd` in a new session; read its output as it comes; kill the session at the wall or output limit."""
     started = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin_data else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds, preexec_fn=preexec_fn,
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if stdin_data else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=pass_fds,
+        preexec_fn=preexec_fn,
     )
     out, err, killed = bytearray(), bytearray(), ""
     sel = selectors.DefaultSelector()
@@ -230,7 +238,7 @@ def _text(data: bytes, limit: int) -> str:
 # builds the new root, pivots into it and forks Q, which drops everything and execs the program.
 # P reports on the status fd: "started ...", then "exit N" / "signal N"; any failed step:
 # "setup-error STEP: REASON" and nothing runs.
-_LAUNCHER = r'''
+_LAUNCHER = r"""
 import _socket, ctypes, fcntl, json, os, resource, signal, struct, sys
 cfg = json.loads(sys.argv[1])
 STATUS = cfg["status_fd"]
@@ -373,9 +381,14 @@ def drop_and_exec():
         raise OSError("could not empty the capability bounding set (stopped at %d)" % cap)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     lim = cfg["limits"]
-    for res, soft, hard in ((resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1), (resource.RLIMIT_AS, lim["memory_bytes"], lim["memory_bytes"]),
-                            (resource.RLIMIT_FSIZE, lim["file_bytes"], lim["file_bytes"]), (resource.RLIMIT_NOFILE, lim["max_open_files"], lim["max_open_files"]),
-                            (resource.RLIMIT_NPROC, lim["max_processes"], lim["max_processes"]), (resource.RLIMIT_CORE, 0, 0)):
+    for res, soft, hard in (
+        (resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1),
+        (resource.RLIMIT_AS, lim["memory_bytes"], lim["memory_bytes"]),
+        (resource.RLIMIT_FSIZE, lim["file_bytes"], lim["file_bytes"]),
+        (resource.RLIMIT_NOFILE, lim["max_open_files"], lim["max_open_files"]),
+        (resource.RLIMIT_NPROC, lim["max_processes"], lim["max_processes"]),
+        (resource.RLIMIT_CORE, 0, 0),
+    ):
         resource.setrlimit(res, (soft, hard))
     os.nice(cfg["nice"])
     exe = cfg["interpreter"]
@@ -445,11 +458,11 @@ if os.read(r_ready, 1) == b"u":
 os.close(w_go)
 _, st = os.waitpid(c, 0)
 os._exit(0 if os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 else 125)
-'''
+"""
 
 # The program's interpreter runs this (as `-c`): read the program, delete the file (it cannot read
 # its harness back), run it as __main__.
-_NS_BOOTSTRAP = r'''
+_NS_BOOTSTRAP = r"""
 import os, sys
 _prog = sys.argv[1]
 with open(_prog, encoding="utf-8", errors="replace") as _f:
@@ -458,7 +471,7 @@ os.remove(_prog)
 _code = compile(_src, "main.py", "exec")
 del _src, _f, _prog
 exec(_code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
-'''
+"""
 
 PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8", "USER": "sandbox"}
 
@@ -518,7 +531,9 @@ class NamespaceBackend:
     def __init__(self) -> None:
         interpreter = find_interpreter(os.geteuid())
         if interpreter is None:
-            raise SandboxUnavailable(f"no Python interpreter that uid {os.geteuid()} can run was found (tried the running one and {', '.join(SYSTEM_PYTHONS)})")
+            raise SandboxUnavailable(
+                f"no Python interpreter that uid {os.geteuid()} can run was found (tried the running one and {', '.join(SYSTEM_PYTHONS)})"
+            )
         if platform.machine() not in PIVOT_ROOT_SYSCALL:
             raise SandboxUnavailable(f"the namespace sandbox does not know pivot_root's syscall number on {platform.machine()}")
         self.interpreter = interpreter
@@ -529,8 +544,27 @@ class NamespaceBackend:
             raise SandboxUnavailable(f"the namespace sandbox's probe program did not run: {probe.summary()}: {probe.stderr.strip()[-300:]}")
 
     def enforced(self) -> list[str]:
-        out = ["userns", "pidns", "netns", "mountns", "ipcns", "utsns", "read_only_root", "tmpfs_workdir", "no_capabilities", "no_new_privs",
-               "uid_unprivileged", "clean_env", "rlimit_cpu", "rlimit_as", "rlimit_fsize", "rlimit_nproc", "rlimit_nofile", "wall_time", "output_limit"]
+        out = [
+            "userns",
+            "pidns",
+            "netns",
+            "mountns",
+            "ipcns",
+            "utsns",
+            "read_only_root",
+            "tmpfs_workdir",
+            "no_capabilities",
+            "no_new_privs",
+            "uid_unprivileged",
+            "clean_env",
+            "rlimit_cpu",
+            "rlimit_as",
+            "rlimit_fsize",
+            "rlimit_nproc",
+            "rlimit_nofile",
+            "wall_time",
+            "output_limit",
+        ]
         if self.have_proc:
             out.append("own_proc")
         if not self.nested_userns:
@@ -541,15 +575,36 @@ class NamespaceBackend:
         status_r, status_w = os.pipe()
         try:
             cfg = {
-                "status_fd": status_w, "uid": SANDBOX_UID, "nobody": NOBODY, "base": tempfile.gettempdir(),
-                "system_dirs": [d for d in SYSTEM_DIRS if os.path.lexists(d)], "interpreter_dirs": list(self.interpreter.dirs),
-                "hide": _hidden_paths(tuple(os.path.realpath(d) for d in SYSTEM_DIRS if os.path.exists(d)) + self.interpreter.dirs), "disk_bytes": limits.disk_bytes, "interpreter": self.interpreter.path,
-                "pivot_root_syscall": PIVOT_ROOT_SYSCALL[platform.machine()], "bootstrap": _NS_BOOTSTRAP, "env": PROGRAM_ENV, "nice": NICE,
-                "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
-                           "max_open_files": limits.max_open_files, "max_processes": limits.max_processes},
+                "status_fd": status_w,
+                "uid": SANDBOX_UID,
+                "nobody": NOBODY,
+                "base": tempfile.gettempdir(),
+                "system_dirs": [d for d in SYSTEM_DIRS if os.path.lexists(d)],
+                "interpreter_dirs": list(self.interpreter.dirs),
+                "hide": _hidden_paths(tuple(os.path.realpath(d) for d in SYSTEM_DIRS if os.path.exists(d)) + self.interpreter.dirs),
+                "disk_bytes": limits.disk_bytes,
+                "interpreter": self.interpreter.path,
+                "pivot_root_syscall": PIVOT_ROOT_SYSCALL[platform.machine()],
+                "bootstrap": _NS_BOOTSTRAP,
+                "env": PROGRAM_ENV,
+                "nice": NICE,
+                "limits": {
+                    "cpu_s": limits.cpu_s,
+                    "memory_bytes": limits.memory_bytes,
+                    "file_bytes": limits.file_bytes,
+                    "max_open_files": limits.max_open_files,
+                    "max_processes": limits.max_processes,
+                },
             }
             cmd = [self.interpreter.path, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)]
-            seen = _supervise(cmd, {"PATH": PROGRAM_ENV["PATH"], "LANG": "C.UTF-8"}, limits, cwd="/", stdin_data=code.encode("utf-8", "replace") or b"\n", pass_fds=(status_w,))
+            seen = _supervise(
+                cmd,
+                {"PATH": PROGRAM_ENV["PATH"], "LANG": "C.UTF-8"},
+                limits,
+                cwd="/",
+                stdin_data=code.encode("utf-8", "replace") or b"\n",
+                pass_fds=(status_w,),
+            )
         finally:
             os.close(status_w)
             status = _read_all(status_r)
@@ -573,8 +628,13 @@ class NamespaceBackend:
         if not killed and "MemoryError" in stderr[-2000:]:
             killed = "memory"
         return SandboxResult(
-            backend=self.name, exit_code=exit_code, stdout=_text(seen.stdout, limits.max_output_bytes), stderr=stderr,
-            duration_s=seen.duration_s, killed=killed, enforced=self.enforced(),  # type: ignore[arg-type]
+            backend=self.name,
+            exit_code=exit_code,
+            stdout=_text(seen.stdout, limits.max_output_bytes),
+            stderr=stderr,
+            duration_s=seen.duration_s,
+            killed=killed,  # type: ignore[arg-type]
+            enforced=self.enforced(),
         )
 
 
@@ -603,13 +663,13 @@ def _read_all(fd: int) -> str:
 # The program's interpreter runs this first (as `-c`): install the audit hook, then run the
 # program file. Arguments: sandbox dir, program file. A diagnostic that reports the obvious
 # attempts; it is NOT a boundary (see the module doc).
-_UNSAFE_BOOTSTRAP = r'''
+_UNSAFE_BOOTSTRAP = r"""
 import os, sys
 _dir, _prog = sys.argv[1], sys.argv[2]
 os.chdir(_dir)
 _src = open(_prog, encoding="utf-8", errors="replace").read()
 os.remove(_prog)
-_MARK = %r
+_MARK = __BLOCK_MARK__
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PROC = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "pty.spawn"}
 _NET = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr"}
@@ -631,18 +691,18 @@ def _hook(event, args):
         path, mode, flags = args
         writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS)
         if writing and not _inside(path):
-            _block("write outside the sandbox dir: %%s" %% (path,))
+            _block("write outside the sandbox dir: %s" % (path,))
     elif event in _PROC:
-        _block("process creation (%%s)" %% event)
+        _block("process creation (%s)" % event)
     elif event == "socket.__new__" and args[1] != 1:
-        _block("network socket (family %%s)" %% (args[1],))
+        _block("network socket (family %s)" % (args[1],))
     elif event in _NET:
-        _block("network access (%%s)" %% event)
+        _block("network access (%s)" % event)
 sys.addaudithook(_hook)
 _code = compile(_src, _prog, "exec")
 del _src
 exec(_code, {"__name__": "__main__", "__file__": _prog, "__builtins__": __builtins__})
-''' % BLOCK_MARK
+""".replace("__BLOCK_MARK__", repr(BLOCK_MARK))
 
 
 class UnsafeBackend:
@@ -684,8 +744,14 @@ class UnsafeBackend:
             killed = "memory"
         blocked = [line[len(BLOCK_MARK) :] for line in stderr.splitlines() if line.startswith(BLOCK_MARK)]
         return SandboxResult(
-            backend="unsafe", exit_code=rc, stdout=_text(seen.stdout, limits.max_output_bytes), stderr=stderr, duration_s=seen.duration_s,
-            killed=killed, blocked=blocked, enforced=self.enforced(),  # type: ignore[arg-type]
+            backend="unsafe",
+            exit_code=rc,
+            stdout=_text(seen.stdout, limits.max_output_bytes),
+            stderr=stderr,
+            duration_s=seen.duration_s,
+            killed=killed,  # type: ignore[arg-type]
+            blocked=blocked,
+            enforced=self.enforced(),
         )
 
 
@@ -715,17 +781,41 @@ class DockerBackend:
         return True
 
     def enforced(self) -> list[str]:
-        return ["container", "no_network", "mem_limit", "pids_limit", "one_cpu", "read_only_root", "tmpfs_workdir", "cap_drop_all", "no_new_privileges", "uid_nobody", "wall_time", "output_limit"]
+        return [
+            "container",
+            "no_network",
+            "mem_limit",
+            "pids_limit",
+            "one_cpu",
+            "read_only_root",
+            "tmpfs_workdir",
+            "cap_drop_all",
+            "no_new_privileges",
+            "uid_nobody",
+            "wall_time",
+            "output_limit",
+        ]
 
     def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
         from docker.types import LogConfig  # noqa: PLC0415
 
         started = time.monotonic()
         container = self.client.containers.run(
-            self.settings.image, ["python", "-I", "-c", _DOCKER_BOOT], environment={"ROSE_SANDBOX_CODE": code}, detach=True,
-            network_disabled=True, mem_limit=limits.memory_bytes, memswap_limit=limits.memory_bytes, nano_cpus=1_000_000_000,
-            pids_limit=limits.max_processes, read_only=True, tmpfs={"/sandbox": f"size={limits.disk_bytes}"}, working_dir="/sandbox",
-            user=f"{NOBODY}:{NOBODY}", cap_drop=["ALL"], security_opt=["no-new-privileges"],
+            self.settings.image,
+            ["python", "-I", "-c", _DOCKER_BOOT],
+            environment={"ROSE_SANDBOX_CODE": code},
+            detach=True,
+            network_disabled=True,
+            mem_limit=limits.memory_bytes,
+            memswap_limit=limits.memory_bytes,
+            nano_cpus=1_000_000_000,
+            pids_limit=limits.max_processes,
+            read_only=True,
+            tmpfs={"/sandbox": f"size={limits.disk_bytes}"},
+            working_dir="/sandbox",
+            user=f"{NOBODY}:{NOBODY}",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
             log_config=LogConfig(type="json-file", config={"max-size": str(limits.max_output_bytes)}),
         )
         killed = ""
@@ -746,9 +836,13 @@ class DockerBackend:
         if len(stdout) + len(stderr) > limits.max_output_bytes:
             killed = killed or "output_limit"
         return SandboxResult(
-            backend="docker", exit_code=exit_code, stdout=stdout[: limits.max_output_bytes].decode("utf-8", "replace"),
-            stderr=stderr[: limits.max_output_bytes].decode("utf-8", "replace"), duration_s=time.monotonic() - started,
-            killed=killed, enforced=self.enforced(),  # type: ignore[arg-type]
+            backend="docker",
+            exit_code=exit_code,
+            stdout=stdout[: limits.max_output_bytes].decode("utf-8", "replace"),
+            stderr=stderr[: limits.max_output_bytes].decode("utf-8", "replace"),
+            duration_s=time.monotonic() - started,
+            killed=killed,  # type: ignore[arg-type]
+            enforced=self.enforced(),
         )
 
 
@@ -761,8 +855,14 @@ class Sandbox:
     isolating backend, e.g. a machine where neither exists).
     """
 
-    def __init__(self, backend: BackendChoice = "auto", limits: SandboxLimits = SandboxLimits(), docker: DockerSettings = DockerSettings(),
-                 *, auto_order: tuple[Backend, ...] = ISOLATING_BACKENDS) -> None:
+    def __init__(
+        self,
+        backend: BackendChoice = "auto",
+        limits: SandboxLimits = SandboxLimits(),
+        docker: DockerSettings = DockerSettings(),
+        *,
+        auto_order: tuple[Backend, ...] = ISOLATING_BACKENDS,
+    ) -> None:
         self.limits = limits
         self.backend: DockerBackend | NamespaceBackend | UnsafeBackend
         if backend == "unsafe":

@@ -67,8 +67,13 @@ class ToolEnv:
     def task(self, seed: int, *, task_id: str, group_id: str = "", group_size: int = 1, max_turns: int | None = None) -> RolloutTask:
         problem = self.problem(seed)
         return RolloutTask(
-            task_id=task_id, env=self.name, prompt=problem.question, group_id=group_id, group_size=group_size,
-            max_turns=max_turns or self.max_turns, env_args={SEED_ARG: str(seed)},
+            task_id=task_id,
+            env=self.name,
+            prompt=problem.question,
+            group_id=group_id,
+            group_size=group_size,
+            max_turns=max_turns or self.max_turns,
+            env_args={SEED_ARG: str(seed)},
         )
 
     def seed_of(self, task: RolloutTask) -> int:

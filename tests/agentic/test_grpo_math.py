@@ -10,7 +10,7 @@ import torch
 from rose.contracts.rollout import Trajectory, TurnRecord
 from rose.services.trainer.batch import Sequence, pad, sequences_of, token_logprobs
 from rose.services.trainer.groups import GroupCollector
-from rose.services.trainer.grpo import grpo_loss, grpo_step, group_advantages
+from rose.services.trainer.grpo import group_advantages, grpo_loss, grpo_step
 from rose.shared.models import ModelShape, build_model
 
 TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -18,12 +18,21 @@ VOCAB = 64
 
 
 def turn(index: int, prompt: list[int], tokens: list[int], version: int = 0) -> TurnRecord:
-    return TurnRecord(turn_index=index, prompt_token_ids=prompt, token_ids=tokens, logprobs=[-1.0] * len(tokens), policy_version=version, executor_id="ex")
+    return TurnRecord(
+        turn_index=index, prompt_token_ids=prompt, token_ids=tokens, logprobs=[-1.0] * len(tokens), policy_version=version, executor_id="ex"
+    )
 
 
 def traj(tid: str, group: str, reward: float, version: int = 0, status: str = "completed") -> Trajectory:
-    return Trajectory(task_id=tid, trajectory_id=f"{tid}-traj", env="arithmetic", status=status, group_id=group, reward=reward,  # type: ignore[arg-type]
-                      turns=[turn(0, [1, 2, 3], [4, 5], version)])
+    return Trajectory(
+        task_id=tid,
+        trajectory_id=f"{tid}-traj",
+        env="arithmetic",
+        status=status,
+        group_id=group,
+        reward=reward,  # type: ignore[arg-type]
+        turns=[turn(0, [1, 2, 3], [4, 5], version)],
+    )
 
 
 def test_group_advantages_are_normalised_and_zero_without_spread():
@@ -130,7 +139,9 @@ async def test_a_step_takes_exactly_its_groups_oldest_first_and_leaves_the_rest_
         collector.groups[gid].created = float(i)  # handed out in this order
     for gid in ("s1-g1", "s0-g1", "s1-g0", "s0-g0"):  # complete out of order
         collector.add(traj(f"t-{gid}", gid, 1.0))
-    owner = SimpleNamespace(config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector, version=0, _use=lambda ids: None)
+    owner = SimpleNamespace(
+        config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector, version=0, ledger=SimpleNamespace(use=lambda ids: None)
+    )
     first = await Trainer.next_groups(owner, asyncio.Event())
     assert [g.group_id for g in first] == ["s0-g0", "s0-g1"]
     assert sorted(collector.groups) == ["s1-g0", "s1-g1"]  # back in the collector, still complete

@@ -1,6 +1,6 @@
 """The code sandbox holds every known escape, judged from outside; without isolation the code env refuses.
 
-The attacks live in rose.cli.security_sandbox_attacks (`rose bench security` runs the same
+The attacks live in rose.bench.sandbox_attacks (`rose bench security` runs the same
 ones); each row's `blocked` comes from an observable effect (no marker file outside, no
 connection at a listener, no secret in the output, no process left alive, a limit held).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rose.cli.security_sandbox_attacks import ATTACKS, run_sandbox_attacks
+from rose.bench.sandbox_attacks import ATTACKS, run_sandbox_attacks
 from rose.services.rollout_worker.config import RolloutWorkerConfig
 from rose.shared.agentic import sandbox as sandbox_module
 from rose.shared.agentic.env_code import CodeEnv
@@ -57,8 +57,12 @@ def test_the_attacks_do_escape_a_sandbox_without_isolation():
     only = ["audit_hook_disabled", "fork_exec", "nkey_seeds", "parent_environ", "tcp_loopback", "signal_host_process"]
     rows = run_sandbox_attacks("nobody", backend="unsafe", only=only)
     assert [r["attack"] for r in rows if not r["blocked"]] == [
-        "audit_hook_disabled_then_subprocess", "fork_exec_without_audit_event", "read_nkey_seeds_in_state_dir", "read_parent_environ",
-        "tcp_to_host_loopback", "kill_a_host_process",
+        "audit_hook_disabled_then_subprocess",
+        "fork_exec_without_audit_event",
+        "read_nkey_seeds_in_state_dir",
+        "read_parent_environ",
+        "tcp_to_host_loopback",
+        "kill_a_host_process",
     ], rows
 
 

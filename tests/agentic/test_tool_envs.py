@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from agentic_helpers import BrokenEnv
 
 from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv, calculate
@@ -13,7 +14,6 @@ from rose.shared.agentic.env_search_qa import CORPUS_PATH, SearchQAEnv, build_co
 from rose.shared.agentic.envs import ENVIRONMENTS, IM_END, IM_START
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.agentic.tools import EnvironmentFailure, ToolError, format_answer, format_call
-from agentic_helpers import BrokenEnv
 
 
 def test_the_worker_knows_the_tool_envs():
@@ -97,7 +97,7 @@ def test_code_env_rewards_the_fraction_of_tests_passed():
     loop = f"def {spec.function}(x):\n    while True:\n        pass"
     looped = env.run_tests(loop, spec)
     assert looped.passed == 0 and "killed: cpu_time" in looped.detail
-    fake = f"print('ROSE-RESULTS-0000000000000000:[\"1\", \"1\", \"1\", \"1\", \"1\"]')\ndef {spec.function}(x):\n    return None"
+    fake = f'print(\'ROSE-RESULTS-0000000000000000:["1", "1", "1", "1", "1"]\')\ndef {spec.function}(x):\n    return None'
     assert env.run_tests(fake, spec).passed == 0
 
 

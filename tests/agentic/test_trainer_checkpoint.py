@@ -135,8 +135,11 @@ def test_keeps_the_newest_n_and_removes_stale_temp_dirs(tmp_path):
 
 
 def config_of(tmp_path, **grpo) -> TrainerConfig:
-    return TrainerConfig(models=PolicyModelRef(policy_dir=str(tmp_path / "policy")), grpo=GrpoSettings(**grpo),
-                         checkpoint=CheckpointSettings(dir=str(tmp_path / "ckpt")))
+    return TrainerConfig(
+        models=PolicyModelRef(policy_dir=str(tmp_path / "policy")),
+        grpo=GrpoSettings(**grpo),
+        checkpoint=CheckpointSettings(dir=str(tmp_path / "ckpt")),
+    )
 
 
 def trainer_of(config: TrainerConfig, run_id: str) -> Trainer:
@@ -149,17 +152,24 @@ async def test_a_changed_job_configuration_starts_a_fresh_run_instead_of_resumin
     a = trainer_of(config_of(tmp_path, lr=1e-3), "trainer-host-1")
     a.steps, a.version, a.emitted_steps = 3, 4, 5
     await a.checkpoint(emit_owed=1)
-    assert a.checkpoint_step == 3
+    assert a.checkpoints.last_step == 3
 
     same = trainer_of(config_of(tmp_path, lr=1e-3, group_timeout_s=30.0), "trainer-host-2")  # an operational change only
     assert await same.restore()
-    assert (same.run_id, same.steps, same.version, same.resumed_from, same.emitted_steps, same.emit_target) == ("trainer-host-1", 3, 4, 3, 5, 6)
+    assert (same.run_id, same.steps, same.version, same.checkpoints.resumed_from, same.emitted_steps, same.emit_target) == (
+        "trainer-host-1",
+        3,
+        4,
+        3,
+        5,
+        6,
+    )
     assert same.load()["resumed_from_step"] == 3.0 and same.load()["warm_started"] == 0.0
 
     caplog.set_level(logging.INFO)
     changed = trainer_of(config_of(tmp_path, lr=2e-3), "trainer-host-1")
     assert not await changed.restore()
-    assert changed.steps == 0 and changed.resumed_from is None
+    assert changed.steps == 0 and changed.checkpoints.resumed_from is None
     assert "not resuming" in caplog.text and "grpo.lr: 0.001 -> 0.002" in caplog.text
     assert changed.run_id.startswith("trainer-host-1-") and changed.run_id != "trainer-host-1"  # its task ids must not collide
     assert identity_diff(job_identity(config_of(tmp_path, lr=1e-3)), job_identity(config_of(tmp_path, lr=2e-3))) == ["grpo.lr: 0.001 -> 0.002"]
@@ -171,4 +181,4 @@ async def test_checkpoints_off_never_resume(tmp_path):
     config = config_of(tmp_path)
     config.checkpoint.every_steps = 0
     t = trainer_of(config, "r")
-    assert t.store is None and not await t.restore()
+    assert t.checkpoints.store is None and not await t.restore()

@@ -45,10 +45,20 @@ async def test_a_killed_trainer_resumes_its_run_where_it_was(tmp_path, tiny_poli
     server = NatsServer(tmp_path / "nats").start()
     bus_config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0)
     env = {
-        "NATS_URL": server.url, "ROSE_STATE_DIR": str(state), "ROSE_MODELS__POLICY_DIR": str(tiny_policy), "ROSE_THREADS": "1",
-        "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.3", "ROSE_GRPO__GROUP_SIZE": str(GROUP_SIZE), "ROSE_GRPO__GROUPS_PER_STEP": str(GROUPS),
-        "ROSE_GRPO__PREFETCH_STEPS": "0", "ROSE_GRPO__MAX_STALENESS": "1000", "ROSE_GRPO__LR": "1e-3",
-        "ROSE_SFT__STEPS": "2", "ROSE_SFT__TRACES_PER_ENV": "8", "ROSE_SFT__BATCH_SIZE": "4", "ROSE_TASKS__MAX_OPERAND": "9",
+        "NATS_URL": server.url,
+        "ROSE_STATE_DIR": str(state),
+        "ROSE_MODELS__POLICY_DIR": str(tiny_policy),
+        "ROSE_THREADS": "1",
+        "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.3",
+        "ROSE_GRPO__GROUP_SIZE": str(GROUP_SIZE),
+        "ROSE_GRPO__GROUPS_PER_STEP": str(GROUPS),
+        "ROSE_GRPO__PREFETCH_STEPS": "0",
+        "ROSE_GRPO__MAX_STALENESS": "1000",
+        "ROSE_GRPO__LR": "1e-3",
+        "ROSE_SFT__STEPS": "2",
+        "ROSE_SFT__TRACES_PER_ENV": "8",
+        "ROSE_SFT__BATCH_SIZE": "4",
+        "ROSE_TASKS__MAX_OPERAND": "9",
         "ROSE_CHECKPOINT__ACK_WAIT_S": "2",  # the dead process's unacked trajectories come back after this
     }
     first = ServiceProcess("trainer", FIRST, dict(env), tmp_path / "trainer-a.log")
@@ -88,8 +98,11 @@ async def test_a_killed_trainer_resumes_its_run_where_it_was(tmp_path, tiny_poli
             await until(lambda: len(steps) >= 2, TIMEOUT_S, f"two GRPO steps of the first trainer:\n{first.log_tail()}")
             # It trained on the groups of steps 0 and 1, checkpointed, and handed out step 2's tasks; it now
             # holds the first member of each step-2 group (the test holds the second back): collected, not trained on.
-            load = await until(lambda: _when(load_of(FIRST), lambda l: l.get("held_trajectories", 0) >= GROUPS and l.get("checkpoint_step") == 2.0),
-                               TIMEOUT_S, "the first trainer holding the step-2 trajectories")
+            load = await until(
+                lambda: _when(load_of(FIRST), lambda beat: beat.get("held_trajectories", 0) >= GROUPS and beat.get("checkpoint_step") == 2.0),
+                TIMEOUT_S,
+                "the first trainer holding the step-2 trajectories",
+            )
             assert load["steps"] == 2.0 and load["warm_started"] == 1.0 and load["resumed_from_step"] == -1.0
 
             async def unacked() -> bool:
@@ -110,7 +123,7 @@ async def test_a_killed_trainer_resumes_its_run_where_it_was(tmp_path, tiny_poli
             assert (step.run_id, step.step, step.version, step.resumed_from_step) == (run_id, 3, published_before + 1, 2)
             assert step.groups == GROUPS and step.trajectories == GROUPS * GROUP_SIZE  # complete groups: nothing the dead process held was lost
             assert sorted(set(versions))[:4] == [1, 2, 3, 4]  # no second warm start, no version skipped or reused
-            load = await until(lambda: _when(load_of(SECOND), lambda l: l.get("steps") == 3.0), TIMEOUT_S, "the resumed trainer's heartbeat")
+            load = await until(lambda: _when(load_of(SECOND), lambda beat: beat.get("steps") == 3.0), TIMEOUT_S, "the resumed trainer's heartbeat")
             assert load["warm_started"] == 0.0 and load["resumed_from_step"] == 2.0 and "sft_steps" in load  # from the checkpoint, not rerun
             assert load["collector_received"] == 3 * GROUPS * GROUP_SIZE and load["collector_already_used"] == 0  # each trajectory counted once
             assert load["collector_unknown_group"] == 0
@@ -127,4 +140,3 @@ async def test_a_killed_trainer_resumes_its_run_where_it_was(tmp_path, tiny_poli
 async def _when(value, check):
     v = await value
     return v if check(v) else None
-

@@ -14,17 +14,16 @@ from rose.client import WeightsClient
 from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORY
 from rose.contracts.rollout import RolloutTask
 from rose.contracts.training import TrainingStep
-from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
-from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.services.trainer.config import CheckpointSettings, GrpoSettings, SftSettings, TasksSettings, TrainerConfig
-from rose.shared.models import PolicyModelRef
 from rose.services.trainer.local_rollout import Tokens, scripted_episode
 from rose.services.trainer.main import run as run_trainer
 from rose.services.weight_publisher.config import WeightPublisherConfig
 from rose.services.weight_publisher.main import run as run_publisher
+from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
+from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.shared.bus import Bus, Delivery
 from rose.shared.config import BusConfig, RuntimeConfig
-from rose.shared.models import build_model, load_tokenizer
+from rose.shared.models import PolicyModelRef, build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 
@@ -123,6 +122,7 @@ async def test_trainer_consumes_groups_and_publishes_a_version(server, tiny_poli
             (job,) = (tmp_path / "checkpoints").iterdir()
             assert sorted(p.name for p in job.iterdir()) == ["step-00000000", "step-00000001"]
             assert all((p / "manifest.json").is_file() for p in job.iterdir())
+
             async def all_acked():
                 info = await bus.js.consumer_info("ROSE_TRAJECTORIES", config.durable)
                 return info.num_ack_pending == 0 and info.num_pending == 0

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rose.shared.agentic.env_arithmetic import ArithmeticEnv
 from rose.services.trainer.batch import pad
 from rose.services.trainer.groups import GroupCollector
 from rose.services.trainer.grpo import grpo_step
 from rose.services.trainer.local_rollout import Tokens, sample_episodes, teacher_logprobs
 from rose.services.trainer.sft import expert_sequences, mean_nll, warm_start
+from rose.shared.agentic.env_arithmetic import ArithmeticEnv
 from rose.shared.models import ModelShape, build_model, load_tokenizer
 
 TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)

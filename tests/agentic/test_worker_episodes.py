@@ -7,19 +7,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agentic_helpers import BrokenEnv
 
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN, TRAJECTORY
 from rose.contracts.rollout import Trajectory, TurnRoute, TurnRouteRequest
-from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.services.rollout_worker.config import TurnSettings
-from rose.shared.agentic.envs import ENVIRONMENTS, register
 from rose.services.rollout_worker.episode import EpisodeRunner
 from rose.services.rollout_worker.turns import TurnRunner
 from rose.services.trainer.local_rollout import Tokens
+from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
+from rose.shared.agentic.envs import ENVIRONMENTS, register
 from rose.shared.bus import Delivery
 from rose.shared.models import load_tokenizer
-from agentic_helpers import BrokenEnv
 
 EXECUTOR = "ex-agentic-standin"
 MAX_DELIVER = 3
@@ -33,12 +33,22 @@ async def worker(bus, models_dir):
     published: list[Trajectory] = []
 
     async def route(req: TurnRouteRequest, _d) -> TurnRoute:
-        return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id=EXECUTOR, lease_id="lease-1", lease_epoch=1, role="dedicated")
+        return TurnRoute(
+            trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id=EXECUTOR, lease_id="lease-1", lease_epoch=1, role="dedicated"
+        )
 
     async def generate(req: GenerateRequest, _d) -> GenerateReply:
         text = scripts[req.task_id][req.turn_index]
         ids = tokens.encode(text) + [tokens.im_end]
-        return GenerateReply(request_id=req.request_id, executor_id=EXECUTOR, status="ok", token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", policy_version=3)
+        return GenerateReply(
+            request_id=req.request_id,
+            executor_id=EXECUTOR,
+            status="ok",
+            token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason="stop",
+            policy_version=3,
+        )
 
     async def collect(t: Trajectory, _d) -> None:
         published.append(t)
@@ -46,7 +56,9 @@ async def worker(bus, models_dir):
     await bus.serve(ROUTE_TURN, route)
     await bus.serve(GENERATE, generate, executor_id=EXECUTOR)
     await bus.subscribe(TRAJECTORY, collect)
-    runner = EpisodeRunner(bus, TurnRunner(bus, TurnSettings(hedge=False)), tokens.tokenizer, "worker-agentic", max_tokens=64, max_deliver=MAX_DELIVER)
+    runner = EpisodeRunner(
+        bus, TurnRunner(bus, TurnSettings(hedge=False)), tokens.tokenizer, "worker-agentic", max_tokens=64, max_deliver=MAX_DELIVER
+    )
     return runner, tokens, scripts, published
 
 

@@ -26,9 +26,20 @@ import jsonschema
 import pytest
 import yaml
 
-from rose.cli.main import ON_DEMAND_SERVICES, SERVICE_MODULES, build_parser
+from rose.cli.main import build_parser
+from rose.cli.service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
 from rose.shared.nats_server import COMPOSE_AUTH_DIR, compose_route_addresses
-from rose.shared.security import CLUSTER_INCLUDE, OPERATOR, ROUTE_SECRET, SEED_SUFFIX, SERVER_INCLUDE, USERS, instance_user, parse_instances, permissions
+from rose.shared.security import (
+    CLUSTER_INCLUDE,
+    OPERATOR,
+    ROUTE_SECRET,
+    SEED_SUFFIX,
+    SERVER_INCLUDE,
+    USERS,
+    instance_user,
+    parse_instances,
+    permissions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "compose"
@@ -65,8 +76,13 @@ def _mounts(service: dict) -> list[dict]:
         else:
             options = volume.get("volume") or {}
             out.append(
-                {"source": volume["source"], "target": volume["target"], "read_only": bool(volume.get("read_only")),
-                 "subpath": options.get("subpath"), "nocopy": bool(options.get("nocopy"))}
+                {
+                    "source": volume["source"],
+                    "target": volume["target"],
+                    "read_only": bool(volume.get("read_only")),
+                    "subpath": options.get("subpath"),
+                    "nocopy": bool(options.get("nocopy")),
+                }
             )
     return out
 
@@ -260,7 +276,9 @@ def test_security_init_is_a_one_shot_that_writes_the_credentials_volume_and_keep
     assert init["restart"] == "no" and not init.get("depends_on") and not init.get("profiles")
     assert _mounts(init) == [{"source": CREDENTIALS, "target": "/creds", "read_only": False, "subpath": None, "nocopy": False}]
     assert CREDENTIALS in COMPOSE["volumes"]
-    assert re.search(r"^\s+&& mkdir -p .*/creds\b.*\n\s+&& chown rose:rose .*/creds\b", (DEPLOY / "Dockerfile").read_text(), re.M)  # the volume starts owned by `rose`
+    assert re.search(
+        r"^\s+&& mkdir -p .*/creds\b.*\n\s+&& chown rose:rose .*/creds\b", (DEPLOY / "Dockerfile").read_text(), re.M
+    )  # the volume starts owned by `rose`
 
     creds = tmp_path / "creds"
     first = _security_init(creds)
@@ -317,7 +335,9 @@ def test_every_rose_container_mounts_exactly_its_own_seed():
     assert len(executors) == 4 and len(set(executors.values())) == 4
     assert not any(m["subpath"] == f"executor{SEED_SUFFIX}" for s in SERVICES.values() for m in _credential_mounts(s))  # the shared one: nobody
     for name in executors:  # and the weights' trusted keys they already had
-        assert {"source": "weights-trusted", "target": "/trusted", "read_only": True, "subpath": None, "nocopy": False} in _mounts(SERVICES[name]), name
+        assert {"source": "weights-trusted", "target": "/trusted", "read_only": True, "subpath": None, "nocopy": False} in _mounts(SERVICES[name]), (
+            name
+        )
 
 
 def test_security_init_makes_a_user_for_every_executor_instance_pinned_to_it(tmp_path):
@@ -385,10 +405,11 @@ def test_one_shots_run_in_order():
     assert all(provision[n]["condition"] == "service_healthy" for n in NATS_NODES)
     for name in LONG_RUNNING:
         assert SERVICES[name]["depends_on"]["provision"]["condition"] == "service_completed_successfully", name
+
     # no cycle: every chain of depends_on ends
     def chain(name: str, seen: tuple[str, ...] = ()) -> None:
         assert name not in seen, f"dependency cycle: {' -> '.join((*seen, name))}"
-        for target in (SERVICES[name].get("depends_on") or {}):
+        for target in SERVICES[name].get("depends_on") or {}:
             chain(target, (*seen, name))
 
     for name in SERVICES:
@@ -450,7 +471,7 @@ def test_grafana_is_provisioned_with_datasources_and_the_dashboards_folder():
 def test_dockerfile_installs_the_project_with_constraints_and_bakes_no_secret():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.\d+-slim$", dockerfile, re.M)
-    assert "pip install -c constraints.txt \".${ROSE_EXTRAS}\"" in dockerfile  # the project (plus the gpu extras in the CUDA image)
+    assert 'pip install -c constraints.txt ".${ROSE_EXTRAS}"' in dockerfile  # the project (plus the gpu extras in the CUDA image)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     settings = re.findall(r"^(?:ENV|ARG)\s+(.+)$", dockerfile, re.M)
     assert not [s for s in settings if re.search(r"PASSWORD|SECRET|TOKEN|CREDS|NKEY|_KEY", s, re.I)]

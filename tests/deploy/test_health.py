@@ -29,8 +29,18 @@ from rose.shared.security import OPERATOR, init_credentials
 def _beat(*, service="scheduler", instance="scheduler-1", host="box", age=0.0, state="ready", interval=1.0) -> Heartbeat:
     now = time.time()
     return Heartbeat(
-        service=service, instance=instance, version="0", host=host, pid=1, started_at=now - 60, sent_at=now - age,
-        interval_s=interval, state=state, load={}, endpoints={}, labels={},
+        service=service,
+        instance=instance,
+        version="0",
+        host=host,
+        pid=1,
+        started_at=now - 60,
+        sent_at=now - age,
+        interval_s=interval,
+        state=state,
+        load={},
+        endpoints={},
+        labels={},
     )
 
 
@@ -101,8 +111,12 @@ def test_health_runs_on_the_services_own_seed(secured):
 
     async def beat() -> None:
         async with Bus(_own(server, creds, "executor"), service="executor", instance="ex-health") as bus:
-            await bus.kv_put(SERVICE_REGISTRY, _beat(service="executor", instance="ex-health", host=socket.gethostname(), interval=30.0),
-                             service="executor", instance="ex-health")
+            await bus.kv_put(
+                SERVICE_REGISTRY,
+                _beat(service="executor", instance="ex-health", host=socket.gethostname(), interval=30.0),
+                service="executor",
+                instance="ex-health",
+            )
 
     asyncio.run(beat())
     ok = _rose("health", "executor", "--local", "--nats-url", server.url, env=env)
@@ -114,9 +128,10 @@ def test_health_runs_on_the_services_own_seed(secured):
 async def test_the_core_nats_fallback_hears_only_the_services_own_heartbeats(secured):
     """While JetStream cannot answer, health listens on core NATS: each service may hear its own heartbeats, no one else's."""
     server, creds = secured
-    async with Bus(_own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-health") as checker, Bus(
-        _own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-live"
-    ) as live:
+    async with (
+        Bus(_own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-health") as checker,
+        Bus(_own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-live") as live,
+    ):
         listening = asyncio.create_task(_live_heartbeats(checker, "rollout_worker", 30.0))
         while not listening.done():  # until the subscription is in place and hears one
             await live.publish(HEARTBEAT, _beat(service="rollout_worker", instance="rw-live"), service="rollout_worker", instance="rw-live")
@@ -136,7 +151,9 @@ def test_health_falls_back_to_the_operator_seed_of_the_state_dir(secured, tmp_pa
 
     async def beat() -> None:
         async with Bus(_own(server, creds, "scheduler"), service="scheduler", instance="sched-up") as bus:
-            await bus.kv_put(SERVICE_REGISTRY, _beat(service="scheduler", instance="sched-up", interval=30.0), service="scheduler", instance="sched-up")
+            await bus.kv_put(
+                SERVICE_REGISTRY, _beat(service="scheduler", instance="sched-up", interval=30.0), service="scheduler", instance="sched-up"
+            )
 
     asyncio.run(beat())
     ok = _rose("health", "scheduler", "--state-dir", str(state), "--timeout", "5")  # the URL comes from up.json too

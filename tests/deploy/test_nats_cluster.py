@@ -38,8 +38,8 @@ import nats.errors
 import nkeys
 import pytest
 import yaml
-from polling import until
 from nats.js.errors import APIError, NoStreamResponseError
+from polling import until
 
 from rose.contracts import RolloutTask
 from rose.contracts.registry import ALL_SERVICES, KV_BUCKETS, OBJECT_STORES, ROLLOUT_TASK, SERVICE_EVENT, SERVICE_REGISTRY, STREAMS
@@ -156,8 +156,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def _beat(service: str, instance: str) -> Heartbeat:
     now = time.time()
     return Heartbeat(
-        service=service, instance=instance, version="0", host=socket.gethostname(), pid=os.getpid(), started_at=now, sent_at=now,
-        interval_s=30.0, state="ready", load={}, endpoints={}, labels={},
+        service=service,
+        instance=instance,
+        version="0",
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_at=now,
+        sent_at=now,
+        interval_s=30.0,
+        state="ready",
+        load={},
+        endpoints={},
+        labels={},
     )
 
 
@@ -187,7 +197,7 @@ async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
             with open(logs[-1], "wb") as log:  # started elsewhere: the includes resolve against the config file's directory
                 procs.append(subprocess.Popen([find_binary(), "-c", str(node_dir / "nats.conf")], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
         for i, (node, (_, _, monitor)) in enumerate(zip(NODES, ports)):
-            await until(lambda: _healthy(procs[i], logs[i], monitor), 60, f"{node} healthy (log: {logs[i]})", step=0.2)
+            await until(lambda i=i, monitor=monitor: _healthy(procs[i], logs[i], monitor), 60, f"{node} healthy (log: {logs[i]})", step=0.2)
         for node, (_, _, monitor) in zip(NODES, ports):
             varz = _get(monitor, "/varz")
             assert varz["server_name"] == node and varz["max_payload"] == 8 << 20  # from the compose file
@@ -246,7 +256,12 @@ async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
         for service in ALL_SERVICES:
             instance = own[service][0]
             async with Bus(as_service(service), service=service, instance=instance) as bus:
-                await _retry("heartbeat", lambda: bus.kv_put(SERVICE_REGISTRY, _beat(service, instance), service=service, instance=instance))
+                await _retry(
+                    "heartbeat",
+                    lambda bus=bus, service=service, instance=instance: bus.kv_put(
+                        SERVICE_REGISTRY, _beat(service, instance), service=service, instance=instance
+                    ),
+                )
 
         def health(service: str) -> tuple[str, subprocess.CompletedProcess[str]]:
             env = {"ROSE_BUS__NKEY_SEED_FILE": str(creds / own[service][1])}  # what the compose container sets
@@ -258,9 +273,10 @@ async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
                 assert checked.returncode == 0 and "healthy" in checked.stdout, (service, checked.stdout + checked.stderr)
 
         # R3 JetStream between two services: the trainer hands out a task, a worker consumes it
-        async with Bus(as_service("trainer"), service="trainer", instance="tr-compose") as trainer, Bus(
-            as_service("rollout_worker"), service="rollout_worker", instance="rw-compose"
-        ) as worker:
+        async with (
+            Bus(as_service("trainer"), service="trainer", instance="tr-compose") as trainer,
+            Bus(as_service("rollout_worker"), service="rollout_worker", instance="rw-compose") as worker,
+        ):
             got: list[str] = []
 
             async def on_task(task: RolloutTask, _delivery: Delivery) -> None:
@@ -270,7 +286,9 @@ async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
             await trainer.publish(ROLLOUT_TASK, RolloutTask(task_id="compose-t1", env="conversation", prompt="hi"), msg_id="compose-t1")
             await until(lambda: got == ["compose-t1"], RETRY_S, "the task consumed")
             info = await worker.js.stream_info(ROLLOUT_TASK.stream.name)
-            assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2 and info.state.last_seq == 1  # a work queue: acked, removed
+            assert (
+                info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2 and info.state.last_seq == 1
+            )  # a work queue: acked, removed
     finally:
         _stop(procs)
 
@@ -281,7 +299,14 @@ async def _retry(what: str, fn, timeout: float = RETRY_S):
     while True:
         try:
             return await fn()
-        except (APIError, NoStreamResponseError, nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError, asyncio.TimeoutError) as exc:
+        except (
+            TimeoutError,
+            APIError,
+            NoStreamResponseError,
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.errors.ConnectionReconnectingError,
+        ) as exc:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what} still failing {timeout:.0f}s after the node kill: {exc!r}") from exc
             await asyncio.sleep(0.3)
@@ -308,8 +333,18 @@ async def _refused(url: str, **credentials: str) -> bool:
 
 def _heartbeat(sent_at: float) -> Heartbeat:
     return Heartbeat(
-        service="r3probe", instance="probe-1", version="0", host="test", pid=os.getpid(), started_at=sent_at, sent_at=sent_at,
-        interval_s=1.0, state="ready", load={}, endpoints={}, labels={},
+        service="r3probe",
+        instance="probe-1",
+        version="0",
+        host="test",
+        pid=os.getpid(),
+        started_at=sent_at,
+        sent_at=sent_at,
+        interval_s=1.0,
+        state="ready",
+        load={},
+        endpoints={},
+        labels={},
     )
 
 
@@ -336,7 +371,9 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
             assert await _refused(url, nkeys_seed=str(stranger)), f"{url} let an unknown key in"
         assert not await _refused(cluster.url, nkeys_seed=operator["ROSE_BUS__NKEY_SEED_FILE"])
 
-        config = BusConfig(url=cluster.url, replicas=3, initial_connect_deadline_s=10.0, reconnect_wait_s=0.2, nkey_seed_file=operator["ROSE_BUS__NKEY_SEED_FILE"])
+        config = BusConfig(
+            url=cluster.url, replicas=3, initial_connect_deadline_s=10.0, reconnect_wait_s=0.2, nkey_seed_file=operator["ROSE_BUS__NKEY_SEED_FILE"]
+        )
         # What the compose `provision` service runs; a second run finds everything in place.
         first = _rose("provision", "--replicas", "3", "--nats-url", cluster.url, env=operator)
         assert first.returncode == 0 and "with 3 replica(s)" in first.stdout, first.stdout + first.stderr
@@ -360,7 +397,8 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
 
             # A real service on the cluster (it provisions again and must agree on R3).
             service = ServiceProcess(
-                "slo_monitor", "slo-r3",
+                "slo_monitor",
+                "slo-r3",
                 {"NATS_URL": cluster.url, "ROSE_BUS__REPLICAS": "3", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", **creds.env("slo_monitor")},
                 tmp_path / "slo_monitor.log",
             ).start()
@@ -368,8 +406,14 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
 
             before = [f"before-{i}" for i in range(5)]
             for reason in before:
-                await bus.publish(SERVICE_EVENT, ServiceEvent(kind="up", service="r3probe", instance="probe-1", at=time.time(), reason=reason),
-                                  msg_id=reason, kind="up", service="r3probe", instance="probe-1")
+                await bus.publish(
+                    SERVICE_EVENT,
+                    ServiceEvent(kind="up", service="r3probe", instance="probe-1", at=time.time(), reason=reason),
+                    msg_id=reason,
+                    kind="up",
+                    service="r3probe",
+                    instance="probe-1",
+                )
             await bus.kv_put(SERVICE_REGISTRY, _heartbeat(1.0), service="r3probe", instance="probe-1")
             weights = await bus.js.object_store("rose_weights")
             await weights.put("r3-probe-object", b"x" * 300_000)
@@ -384,7 +428,12 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
             for reason in after:
                 event = ServiceEvent(kind="down", service="r3probe", instance="probe-1", at=time.time(), reason=reason)
                 # msg_id: a publish retried after a lost ack is stored once
-                await _retry("publish", lambda: bus.publish(SERVICE_EVENT, event, msg_id=reason, kind="down", service="r3probe", instance="probe-1"))
+                await _retry(
+                    "publish",
+                    lambda event=event, reason=reason: bus.publish(
+                        SERVICE_EVENT, event, msg_id=reason, kind="down", service="r3probe", instance="probe-1"
+                    ),
+                )
 
             new_info = await _retry("stream info", lambda: bus.js.stream_info(SERVICE_EVENT.stream.name))
             assert new_info.cluster.leader != victim.server_name

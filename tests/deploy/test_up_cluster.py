@@ -48,7 +48,9 @@ def test_up_with_a_three_node_cluster_survives_a_node_kill(tmp_path):
     with open(log, "w") as out:
         up = subprocess.Popen(
             [sys.executable, "-m", "rose.cli.main", "up", "--nats-cluster", "3", "--services", "slo_monitor", "scheduler"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         text = wait_until_up(up, log, UP_TIMEOUT_S)

@@ -30,7 +30,10 @@ class StubEngine:
 
 def test_only_naive_share_ignores_alerts():
     assert {name: make_policy(name).yields_to_alerts for name in POLICY_NAMES} == {
-        "serving_only": True, "naive_share": False, "static_partition": True, "rose": True,
+        "serving_only": True,
+        "naive_share": False,
+        "static_partition": True,
+        "rose": True,
     }
     cfg = load_config(ExecutorConfig, env={"ROSE_ENGINE__POLICY": "naive_share"})
     assert cfg.engine.policy == "naive_share" and ExecutorConfig().engine.policy == "rose"
@@ -41,8 +44,17 @@ async def test_guard_yields_on_alert_unless_the_policy_ignores_the_slo(policy):
     engine = StubEngine(policy)
     guard = LeaseGuard(engine, "ex-a", dedicated=False, rollout_kv_bytes=1 << 20)  # type: ignore[arg-type]
     now = time.time()
-    lease = Lease(lease_id="ex-a-e1", executor_id="ex-a", epoch=1, state="active", granted_at=now, expires_at=now + 60,
-                  kv_bytes=1 << 20, compute_share=1.0, max_rollout_batch=8)
+    lease = Lease(
+        lease_id="ex-a-e1",
+        executor_id="ex-a",
+        epoch=1,
+        state="active",
+        granted_at=now,
+        expires_at=now + 60,
+        kv_bytes=1 << 20,
+        compute_share=1.0,
+        max_rollout_batch=8,
+    )
     await guard._on_lease("ex-a", lease)
     assert engine.lease_id == "ex-a-e1" and guard.current is lease
     await guard._on_alert(SloAlert(executor_id="ex-a", at=now, severity="burst", reason="test"), None)  # type: ignore[arg-type]
@@ -61,15 +73,18 @@ async def test_the_executor_publishes_its_own_burst_alert_at_the_arrival_that_tr
 
     from rose.contracts.registry import EXECUTOR_BURST
     from rose.services.executor.main import publish_bursts
-    from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+    from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
     from rose.services.executor.telemetry import Telemetry
 
     engine = make_engine("rose")
     got: list[tuple[SloAlert, float]] = []
     await bus.subscribe(EXECUTOR_BURST, lambda a, _d: asyncio.sleep(0, got.append((a, time.monotonic()))), executor_id="ex-burst")
     publish_bursts(engine, bus, "ex-burst", Telemetry(engine, "ex-burst", "serving", 1.0))
-    sampling = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    handles = [engine.submit(GenerationRequest(f"b{i}", WorkClass.SERVING, tuple(range(10, 58)), sampling)) for i in range(12)]
+    sampling = EngineSampling(temperature=0, max_tokens=4, ignore_eos=True)
+    handles = [
+        engine.submit(GenerationRequest(request_id=f"b{i}", work_class=WorkClass.SERVING, prompt_token_ids=tuple(range(10, 58)), sampling=sampling))
+        for i in range(12)
+    ]
     await asyncio.gather(*(h.result() for h in handles))
     for _ in range(100):
         if got:

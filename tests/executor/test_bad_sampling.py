@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rose.services.executor.protocol import InvalidRequest, SamplingParams
+from rose.services.executor.protocol import EngineSampling, InvalidRequest
 from rose.services.executor.sampling import SamplerState, sample_batch
 
 
 def _sample(logits: torch.Tensor, **params) -> list[int]:
-    return sample_batch(logits, [SamplerState(SamplingParams(**params), seed=1) for _ in range(len(logits))])[0]
+    return sample_batch(logits, [SamplerState(EngineSampling(**params), seed=1) for _ in range(len(logits))])[0]
 
 
 def test_a_temperature_that_rounds_to_zero_in_float32_samples_greedily():
@@ -25,11 +25,17 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     assert _sample(logits, temperature=1.0, top_p=1e-320) == logits.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("params,needle", [
-    (dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"),
-])
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(temperature=float("inf")), "finite"),
+        (dict(temperature=float("nan")), "finite"),
+    ],
+)
 def test_out_of_range_values_are_refused_before_the_engine(params, needle):
     with pytest.raises(InvalidRequest, match=needle):
-        SamplingParams(**params).validate()
-    SamplingParams(seed=2**64 - 1).validate()
-    SamplingParams(seed=-(2**63)).validate()
+        EngineSampling(**params).validate()
+    EngineSampling(seed=2**64 - 1).validate()
+    EngineSampling(seed=-(2**63)).validate()

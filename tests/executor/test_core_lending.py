@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rose.services.executor.core_lending import CoreLending
-from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 
 
 def test_lent_core_is_taken_back_only_once_the_rollout_lane_has_narrowed():
@@ -61,12 +61,20 @@ def test_an_idle_rollout_lane_narrows_at_once_and_a_single_width_never_lends():
 
 def _serving(i):
     ids = tuple(range(20, 60))
-    return GenerationRequest(f"s{i}", WorkClass.SERVING, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return GenerationRequest(
+        request_id=f"s{i}", work_class=WorkClass.SERVING, prompt_token_ids=ids, sampling=EngineSampling(temperature=0, max_tokens=12, ignore_eos=True)
+    )
 
 
 def _rollout(i):
     ids = tuple(range(30, 62))
-    return GenerationRequest(f"r{i}", WorkClass.ROLLOUT, ids, SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True), stream=False)
+    return GenerationRequest(
+        request_id=f"r{i}",
+        work_class=WorkClass.ROLLOUT,
+        prompt_token_ids=ids,
+        sampling=EngineSampling(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True),
+        stream=False,
+    )
 
 
 async def _serve_beside_rollout(engine, n_serving=6, n_rollout=8):
@@ -108,19 +116,28 @@ def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
     from rose.services.executor.policies import Signals, make_policy
 
     rose = make_policy("rose")
-    side_by_side = dict(serving_prefill_pending=0, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32,
-                        slo_ttft_ms=100.0, serving_arrival_rate_rps=500.0)
-    assert rose.may_run_rollout(Signals(0.0, serving_running=21, **side_by_side))
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=22, **side_by_side))  # 10 slots left: filled within the margin
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=4, **{**side_by_side, "serving_iteration_ms": 17.0}))  # step past 32 / 2 ms
+    side_by_side = dict(
+        serving_prefill_pending=0,
+        serving_iteration_ms=5.0,
+        slo_tpot_ms=40.0,
+        lanes_overlap=False,
+        serving_max_batch=32,
+        slo_ttft_ms=100.0,
+        serving_arrival_rate_rps=500.0,
+    )
+    assert rose.may_run_rollout(Signals(now=0.0, serving_running=21, **side_by_side))
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_running=22, **side_by_side))  # 10 slots left: filled within the margin
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_running=4, **{**side_by_side, "serving_iteration_ms": 17.0}))  # step past 32 / 2 ms
     unknown_limit = {**side_by_side, "serving_max_batch": 0}
-    assert rose.may_run_rollout(Signals(0.0, serving_running=30, **unknown_limit))
+    assert rose.may_run_rollout(Signals(now=0.0, serving_running=30, **unknown_limit))
     # rollout forwards in a process of their own: no interpreter lock to hand over, so only the backlog and
     # iteration-time guards (which see the hardware's interference directly) pause it
     own_process = {**side_by_side, "shares_interpreter": False}
-    assert rose.may_run_rollout(Signals(0.0, serving_running=30, **own_process))
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2, "serving_oldest_wait_ms": 70.0}))
-    assert not rose.may_run_rollout(Signals(0.0, serving_running=30, **{**own_process, "serving_iteration_ms": 33.0}))
+    assert rose.may_run_rollout(Signals(now=0.0, serving_running=30, **own_process))
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_running=30, **{**own_process, "serving_prefill_pending": 2, "serving_oldest_wait_ms": 70.0})
+    )
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_running=30, **{**own_process, "serving_iteration_ms": 33.0}))
 
 
 def test_side_by_side_rose_pauses_for_a_serving_backlog_once_its_first_tokens_are_at_risk():
@@ -131,18 +148,28 @@ def test_side_by_side_rose_pauses_for_a_serving_backlog_once_its_first_tokens_ar
 
     rose = make_policy("rose")
     beside = dict(serving_running=4, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=False, serving_max_batch=32, shares_interpreter=False)
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=74.0, slo_ttft_ms=100.0, **beside))
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, slo_ttft_ms=100.0, **beside))  # 75 + 5 = 0.8 x 100 ms
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=64.0, slo_ttft_ms=100.0, **beside))
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=3, serving_oldest_wait_ms=65.0, slo_ttft_ms=100.0, **beside))  # 65 + 3 x 5 ms
+    assert rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=74.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, slo_ttft_ms=100.0, **beside)
+    )  # 75 + 5 = 0.8 x 100 ms
+    assert rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=3, serving_oldest_wait_ms=64.0, slo_ttft_ms=100.0, **beside))
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=3, serving_oldest_wait_ms=65.0, slo_ttft_ms=100.0, **beside)
+    )  # 65 + 3 x 5 ms
     # the closed loop's share scales the thresholds: at half, 40 ms for the first token, 16 ms for the serving step
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=35.0, slo_ttft_ms=100.0, rollout_share=0.5, **beside))
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 17.0}))
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 15.0}))
-    assert rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known: one may wait
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # ... two may not
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=35.0, slo_ttft_ms=100.0, rollout_share=0.5, **beside)
+    )
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 17.0})
+    )
+    assert rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=0, slo_ttft_ms=100.0, rollout_share=0.5, **{**beside, "serving_iteration_ms": 15.0})
+    )
+    assert rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **beside))  # no TTFT SLO known: one may wait
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=2, serving_oldest_wait_ms=0.0, **beside))  # ... two may not
     overlap = {**beside, "lanes_overlap": True}
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, slo_ttft_ms=100.0, **overlap))
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, slo_ttft_ms=100.0, **overlap))
 
 
 def test_on_a_gpu_rose_keeps_decoding_beside_pending_first_tokens_but_holds_its_eager_prefill():
@@ -152,23 +179,33 @@ def test_on_a_gpu_rose_keeps_decoding_beside_pending_first_tokens_but_holds_its_
     from rose.services.executor.policies import Signals, make_policy
 
     rose = make_policy("rose")
-    gpu = dict(serving_running=4, serving_iteration_ms=5.0, slo_tpot_ms=40.0, lanes_overlap=True, serving_max_batch=32,
-               priority_streams=True, rollout_decode_graphs=True, slo_ttft_ms=100.0)
-    pending = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **gpu)
+    gpu = dict(
+        serving_running=4,
+        serving_iteration_ms=5.0,
+        slo_tpot_ms=40.0,
+        lanes_overlap=True,
+        serving_max_batch=32,
+        priority_streams=True,
+        rollout_decode_graphs=True,
+        slo_ttft_ms=100.0,
+    )
+    pending = Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **gpu)
     assert rose.may_run_rollout(pending) and not rose.may_prefill_rollout(pending)
-    at_risk = Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, **gpu)
+    at_risk = Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=75.0, **gpu)
     assert not rose.may_run_rollout(at_risk)
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, **{**gpu, "slo_ttft_ms": None}))  # no TTFT SLO known
-    quiet = Signals(0.0, serving_prefill_pending=0, **gpu)
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=1, **{**gpu, "slo_ttft_ms": None}))  # no TTFT SLO known
+    quiet = Signals(now=0.0, serving_prefill_pending=0, **gpu)
     assert rose.may_run_rollout(quiet) and rose.may_prefill_rollout(quiet)
-    filling = Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_running": 22, "serving_arrival_rate_rps": 500.0})
+    filling = Signals(now=0.0, serving_prefill_pending=0, **{**gpu, "serving_running": 22, "serving_arrival_rate_rps": 500.0})
     assert rose.may_run_rollout(filling) and not rose.may_prefill_rollout(filling)
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**gpu, "serving_iteration_ms": 33.0}))  # TPOT guard
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=0, **{**gpu, "serving_iteration_ms": 33.0}))  # TPOT guard
     eager = {**gpu, "rollout_decode_graphs": False}
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=0, **{**eager, "serving_running": 22, "serving_arrival_rate_rps": 500.0}))
-    assert rose.may_prefill_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **eager))
+    assert not rose.may_run_rollout(
+        Signals(now=0.0, serving_prefill_pending=0, **{**eager, "serving_running": 22, "serving_arrival_rate_rps": 500.0})
+    )
+    assert rose.may_prefill_rollout(Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=10.0, **eager))
     cpu_widened = {**gpu, "priority_streams": False, "rollout_decode_graphs": False}  # CPU lane over serving's core: give it back now
-    assert not rose.may_run_rollout(Signals(0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **cpu_widened))
+    assert not rose.may_run_rollout(Signals(now=0.0, serving_prefill_pending=1, serving_oldest_wait_ms=0.0, **cpu_widened))
     for name in ("serving_only", "naive_share", "static_partition"):
         assert make_policy(name).may_prefill_rollout(pending)
 

@@ -17,12 +17,13 @@ import time
 import pytest
 import torch
 
-from rose.services.executor.engine import Engine, EngineConfig
-from rose.services.executor.kv_pool import KVPool
 from rose.services.executor.cuda_graphs import DecodeInputs
-from rose.services.executor.model_runner import ForwardItem, PagedModelRunner, kv_shape_of
-from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
-from rose.shared.models import init_models, load_model, load_tokenizer
+from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.forward_item import ForwardItem
+from rose.services.executor.kv_pool import KVPool
+from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
+from rose.shared.models import init_models, load_model
 
 MIB = 1 << 20
 HAS_CUDA = torch.cuda.is_available()
@@ -87,10 +88,10 @@ def test_the_packed_paged_forward_matches_hf_on_the_device(model_dirs, device, d
         assert out.device.type == device
         assert _relative_error(out[b, :p], ref[:p]) < tolerance
     # then one forward with the first sequence's last three tokens as a chunk beside two decode steps
-    items = [ForwardItem(tables[0], prefilled[0], seqs[0][prefilled[0]:].tolist())]
+    items = [ForwardItem(tables[0], prefilled[0], seqs[0][prefilled[0] :].tolist())]
     items += [ForwardItem(t, p, [s[p].item()]) for t, s, p in zip(tables[1:], seqs[1:], prefilled[1:])]
     out = runner.forward(items, all_logits=True)
-    assert _relative_error(out[0, :3], refs[0][prefilled[0]:]) < tolerance
+    assert _relative_error(out[0, :3], refs[0][prefilled[0] :]) < tolerance
     for b in (1, 2):
         assert _relative_error(out[b, 0], refs[b][prefilled[b]]) < tolerance
 
@@ -105,11 +106,25 @@ def test_both_classes_generate_on_the_device_and_telemetry_reports_it(model_dirs
         try:
             engine.set_rollout_lease(engine.config.rollout_kv_bytes, time.monotonic() + 600)
             rollout = [
-                engine.submit(GenerationRequest(f"r{i}", WorkClass.ROLLOUT, tuple(range(10 + i, 30 + i)),
-                                                SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True), stream=False))
+                engine.submit(
+                    GenerationRequest(
+                        request_id=f"r{i}",
+                        work_class=WorkClass.ROLLOUT,
+                        prompt_token_ids=tuple(range(10 + i, 30 + i)),
+                        sampling=EngineSampling(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True),
+                        stream=False,
+                    )
+                )
                 for i in range(4)
             ]
-            serving = engine.submit(GenerationRequest("s", WorkClass.SERVING, tuple(range(40, 60)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+            serving = engine.submit(
+                GenerationRequest(
+                    request_id="s",
+                    work_class=WorkClass.SERVING,
+                    prompt_token_ids=tuple(range(40, 60)),
+                    sampling=EngineSampling(temperature=0, max_tokens=8, ignore_eos=True),
+                )
+            )
             return await asyncio.wait_for(asyncio.gather(serving.result(), *(h.result() for h in rollout)), 120), engine.stats()
         finally:
             await engine.stop()

@@ -8,7 +8,7 @@ import torch
 
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.policies import POLICY_NAMES
-from rose.services.executor.protocol import GenerationRequest, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, InvalidRequest, RolloutRejected, WorkClass
 from rose.services.executor.weights import WeightUpdateError
 
 MIB = 1 << 20
@@ -21,7 +21,7 @@ def req(engine, rid, cls=WorkClass.ROLLOUT, prompt=PROMPT, **kw):
     stream = kw.pop("stream", True)
     traj = kw.pop("trajectory_id", None)
     ids = prompt if isinstance(prompt, tuple) else tuple(engine.tokenizer_for(cls).encode(prompt))
-    return GenerationRequest(rid, cls, ids, SamplingParams(**kw), trajectory_id=traj, stream=stream)
+    return GenerationRequest(request_id=rid, work_class=cls, prompt_token_ids=ids, sampling=EngineSampling(**kw), trajectory_id=traj, stream=stream)
 
 
 async def generate(engine, request):
@@ -53,7 +53,7 @@ async def test_seeded_sampling_survives_revoke_and_new_lease(make_engine):
     params = dict(temperature=1.0, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True)
     reference = await generate(engine, req(engine, "ref", **params))
     handle = engine.submit(req(engine, "rev", **params))
-    async for delta in handle:
+    async for _delta in handle:
         engine.revoke_rollout()
         await asyncio.sleep(0.05)
         assert engine.stats().rollout_pool.used_blocks == 0
@@ -198,3 +198,30 @@ async def test_every_policy_serves_and_runs_rollout(make_engine, policy):
         assert len((await h.result()).token_ids) >= 1
     stats = engine.stats()
     assert stats.ttft_ms["count"] == 1 and stats.serving_completed == 1
+
+
+async def test_public_read_outs(make_engine):
+    """What the SGLang-compatible API and the benchmarks read, instead of the engine's private state."""
+    engine = make_engine()
+    assert engine.lanes_alive and not engine.stopping
+    assert engine.rollout_lease is not None and engine.rollout_lease.budget_bytes == TEST_CONFIG.rollout_kv_bytes
+    assert engine.max_batch(WorkClass.ROLLOUT) == TEST_CONFIG.rollout_max_batch
+    assert engine.pool_for(WorkClass.ROLLOUT).block_size == TEST_CONFIG.block_size
+    assert engine.queue_lengths(WorkClass.SERVING) == (0, 0)
+    assert engine.cuda_graph_stats() == {"serving": None, "rollout": None}  # CPU: no graphs
+    handle = engine.submit(req(engine, "ro", max_tokens=4))
+    assert sum(engine.queue_lengths(WorkClass.ROLLOUT)) == 1
+    await handle.result()
+    await engine.stop()
+    assert engine.stopping and not engine.lanes_alive
+    engine.revoke_rollout()
+    assert engine.rollout_lease is None
+
+
+def test_engine_config_defaults_are_the_services():
+    """One definition of each default: EngineConfig's are config.EngineSettings', except the two it differs in on purpose."""
+    from rose.services.executor.config import EngineSettings
+
+    service = EngineConfig.from_settings(EngineSettings())
+    differ = {name for name, value in vars(EngineConfig()).items() if getattr(service, name) != value}
+    assert differ == {"slo_ttft_ms", "slo_tpot_ms", "rollout_process"}

@@ -2,8 +2,9 @@
 
 import torch
 
+from rose.services.executor.forward_item import ForwardItem
 from rose.services.executor.kv_pool import KVPool
-from rose.services.executor.model_runner import ForwardItem, PagedModelRunner, kv_shape_of
+from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
 
 ATOL = 1e-4
 
@@ -39,7 +40,16 @@ def test_one_packed_forward_prefills_and_decodes_side_by_side(loaded):
     refs = [model(s[None]).logits[0] for s in seqs]
     tables = [pool.allocate(pool.blocks_for(41)) for _ in seqs]
     # sequences 0 and 1 are decoding (their prompts cached by an earlier forward); 3 has 17 tokens cached
-    assert runner.forward([ForwardItem(tables[0], 0, seqs[0][:29].tolist()), ForwardItem(tables[1], 0, seqs[1][:20].tolist()), ForwardItem(tables[3], 0, seqs[3][:17].tolist())]) is not None
+    assert (
+        runner.forward(
+            [
+                ForwardItem(tables[0], 0, seqs[0][:29].tolist()),
+                ForwardItem(tables[1], 0, seqs[1][:20].tolist()),
+                ForwardItem(tables[3], 0, seqs[3][:17].tolist()),
+            ]
+        )
+        is not None
+    )
     items = [
         ForwardItem(tables[2], 0, seqs[2].tolist()),  # a whole prompt
         ForwardItem(tables[0], 29, [seqs[0][29].item()]),  # decode

@@ -14,7 +14,7 @@ import torch
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.kv_pool import KVPool, KVShape
 from rose.services.executor.model_runner import kv_shape_of
-from rose.services.executor.protocol import GenerationRequest, InvalidRequest, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, InvalidRequest, WorkClass
 
 MIB = 1 << 20
 PROMPT = tuple(range(5, 29))  # 24 token ids valid in both models' vocabularies
@@ -22,8 +22,8 @@ LONG_LEASE_S = 3600.0
 
 
 def request(rid: str, cls: WorkClass, prompt=PROMPT, max_tokens: int = 8, trajectory_id: str | None = None) -> GenerationRequest:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return GenerationRequest(rid, cls, prompt, params, trajectory_id=trajectory_id, stream=False)
+    params = EngineSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(request_id=rid, work_class=cls, prompt_token_ids=prompt, sampling=params, trajectory_id=trajectory_id, stream=False)
 
 
 def nonzero_blocks(pool: KVPool) -> set[int]:

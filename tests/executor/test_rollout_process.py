@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rose.services.executor.engine import EngineConfig
-from rose.services.executor.model_runner import ForwardItem
-from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.forward_item import ForwardItem
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.rollout_process import HELD, WIDTH, ProcessRunner, _Samplers
 from rose.services.executor.sampling import SamplerState
 from rose.shared.models import load_model
@@ -27,8 +27,17 @@ def _turns(tag: str, n: int = 6) -> list[GenerationRequest]:
     """Sampled rollout turns of different lengths, two of them one trajectory's turns."""
     out = []
     for i in range(n):
-        sampling = SamplingParams(temperature=0.9, top_p=0.95 if i == 1 else 1.0, max_tokens=12 + 3 * i, seed=100 + i, ignore_eos=True)
-        out.append(GenerationRequest(f"{tag}-{i}", WorkClass.ROLLOUT, tuple(range(30 + i, 50 + 2 * i)), sampling, trajectory_id=f"{tag}-traj" if i < 2 else None, stream=False))
+        sampling = EngineSampling(temperature=0.9, top_p=0.95 if i == 1 else 1.0, max_tokens=12 + 3 * i, seed=100 + i, ignore_eos=True)
+        out.append(
+            GenerationRequest(
+                request_id=f"{tag}-{i}",
+                work_class=WorkClass.ROLLOUT,
+                prompt_token_ids=tuple(range(30 + i, 50 + 2 * i)),
+                sampling=sampling,
+                trajectory_id=f"{tag}-traj" if i < 2 else None,
+                stream=False,
+            )
+        )
     return out
 
 
@@ -76,7 +85,9 @@ def test_the_child_is_sent_weights_that_need_no_transformers(model_paths):
     from rose.services.executor.model_runner import ModelWeights
 
     weights = ModelWeights.of(load_model(model_paths.policy))
-    probe = "import pickle, sys; w = pickle.load(sys.stdin.buffer); print(sorted(m for m in sys.modules if m.startswith('transformers')), len(w.params))"
+    probe = (
+        "import pickle, sys; w = pickle.load(sys.stdin.buffer); print(sorted(m for m in sys.modules if m.startswith('transformers')), len(w.params))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps(weights), capture_output=True, check=True)
     assert done.stdout.decode().split() == ["[]", str(len(weights.params))]
 
@@ -115,16 +126,16 @@ async def test_released_and_restored_kv_is_handed_to_the_child(make_engine):
 
 
 def test_rebuilt_generators_continue_the_engines_stream():
-    params = SamplingParams(temperature=1.0, seed=7)
+    params = EngineSampling(temperature=1.0, seed=7)
     live = SamplerState(params, 7)
     for _ in range(5):
         live.draw()
     samplers = _Samplers()
-    (_, rebuilt), = samplers.states([(0, 1, params, 7, live.draws)])
+    ((_, rebuilt),) = samplers.states([(0, 1, params, 7, live.draws)])
     assert rebuilt.draw().item() == live.draw().item()
-    (_, same), = samplers.states([(0, 1, params, 7, live.draws)])
+    ((_, same),) = samplers.states([(0, 1, params, 7, live.draws)])
     assert same is rebuilt  # kept while in step with the engine
-    (_, other), = samplers.states([(0, 1, params, 8, live.draws)])
+    ((_, other),) = samplers.states([(0, 1, params, 8, live.draws)])
     assert other is not rebuilt  # another sequence behind a reused key: never its generator
 
 
@@ -140,7 +151,7 @@ def _long_prefill(make_engine) -> tuple[ProcessRunner, list[ForwardItem]]:
 
 def test_a_forward_stops_at_the_childs_safepoint_and_samples_nothing(loaded, make_engine):
     runner, items = _long_prefill(make_engine)
-    state = SamplerState(SamplingParams(temperature=1.0), 3)
+    state = SamplerState(EngineSampling(temperature=1.0), 3)
     assert runner.forward_sample(items, [(0, state)], should_stop=lambda: True) is None  # a 4k-token prefill: stopped at a layer
     assert state.draws == 0  # nothing sampled, no randomness used
     ids, logprobs = runner.forward_sample(items, [(0, state)])
@@ -151,7 +162,7 @@ def test_a_held_forward_waits_at_a_safepoint_and_goes_on_where_it_was(loaded, ma
     """A serving burst holds the child's forward at a layer safepoint; released, it finishes with
     exactly the result of a forward never held (nothing redone, no randomness used meanwhile)."""
     runner, items = _long_prefill(make_engine)
-    params = SamplingParams(temperature=1.0)
+    params = EngineSampling(temperature=1.0)
     free = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))])
     asked = []
 
@@ -163,7 +174,9 @@ def test_a_held_forward_waits_at_a_safepoint_and_goes_on_where_it_was(loaded, ma
     held = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))], should_hold=burst)
     assert runner._ctl[HELD] > before  # a 4k-token prefill: the child reached a safepoint while held
     assert held == free and len(asked) > 30
-    stopped = runner.forward_sample(items, [(0, SamplerState(params, 3))], should_stop=lambda: len(asked) > 40, should_hold=lambda: asked.append(True) or True)
+    stopped = runner.forward_sample(
+        items, [(0, SamplerState(params, 3))], should_stop=lambda: len(asked) > 40, should_hold=lambda: asked.append(True) or True
+    )
     assert stopped is None  # a stop while held still abandons
 
 
@@ -272,7 +285,12 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "forward_sample", fails_once)
-    request = GenerationRequest("s-fault", WorkClass.SERVING, tuple(range(20, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    request = GenerationRequest(
+        request_id="s-fault",
+        work_class=WorkClass.SERVING,
+        prompt_token_ids=tuple(range(20, 40)),
+        sampling=EngineSampling(temperature=0, max_tokens=6, ignore_eos=True),
+    )
     assert (await engine.submit(request).result()).finish_reason == "abort"
     assert (await engine.submit(dataclasses.replace(request, request_id="s-after")).result()).finish_reason == "length"
     status, body = await _health(engine)
@@ -283,6 +301,7 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
 
 
 # ---- double-buffered weight swaps (issue 21, item 5) -------------------------------------------
+
 
 def _perturbed(engine, suffix: str = "mlp.up_proj.weight", scale: float = 0.05) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
@@ -304,7 +323,10 @@ async def test_a_flip_serves_the_new_version_whole_and_bit_exact(make_engine):
     runner = _runner(engine)
     pool = engine._rollout.pool
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
-    items = [ForwardItem(pool.allocate(pool.blocks_for(24)), 0, list(range(40, 64))), ForwardItem(pool.allocate(pool.blocks_for(9)), 0, list(range(7, 16)))]
+    items = [
+        ForwardItem(pool.allocate(pool.blocks_for(24)), 0, list(range(40, 64))),
+        ForwardItem(pool.allocate(pool.blocks_for(9)), 0, list(range(7, 16))),
+    ]
     old_state = {n: t.clone() for n, t in engine.policy_state_dict().items()}
     old = runner.forward(items)
     new = _perturbed(engine)
@@ -334,7 +356,7 @@ def test_a_forward_in_flight_during_an_update_sees_the_old_weights_whole(loaded,
 
     runner, items = _long_prefill(make_engine)
     items = items[:8]  # 2k tokens: still outlasts the engine's 1 ms polls
-    params = SamplingParams(temperature=1.0)
+    params = EngineSampling(temperature=1.0)
     samples = lambda: [(row, SamplerState(params, 10 + row)) for row in range(8)]  # noqa: E731
     undisturbed = runner.forward_sample(items, samples())
     new = {n: t + 0.05 for n, t in runner.model.state_dict().items() if n.endswith(("up_proj.weight", "down_proj.weight", "q_proj.weight"))}

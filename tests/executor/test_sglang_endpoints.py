@@ -9,17 +9,15 @@ import time
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 from safetensors.torch import save_file
+from sglang_sender import flattened_tensor_metadata
 
 from rose.services.executor.config import SGLangApiSettings
 from rose.services.executor.http_api import OpenAIApi
 from rose.services.executor.sglang_api import SGLangApi
 from rose.services.executor.sglang_tensors import serialize_named_tensors
 from rose.services.executor.telemetry import Telemetry
-
-from sglang_sender import flattened_tensor_metadata
 
 OPEN = SGLangApiSettings(allow_unauthenticated_admin=True)
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -69,7 +67,9 @@ async def test_generate_shape_matches_sglang(serve):
 
 async def test_stop_string_reason_and_no_stop_trim(serve):
     session, base, _, _ = await serve()
-    status, free = await post(session, f"{base}/generate", {"text": "Question: 12+7?", "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}})
+    status, free = await post(
+        session, f"{base}/generate", {"text": "Question: 12+7?", "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+    )
     assert status == 200 and len(free["text"]) > 3
     stop = free["text"][1:3]  # a stop string the greedy output is known to contain
     params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True, "stop": [stop]}
@@ -235,10 +235,14 @@ async def test_refused_weight_updates_keep_the_previous_weights(serve, tmp_path)
     evil = base64.b64encode(pickle.dumps([("x", Evil())])).decode()
     status, out = await post(session, f"{base}/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
     assert status == 400 and not out["success"] and "refusing to load builtins.print" in out["message"]
-    status, out = await post(session, f"{base}/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([("model.nope", torch.zeros(2))])]})
+    status, out = await post(
+        session, f"{base}/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([("model.nope", torch.zeros(2))])]}
+    )
     assert status == 400 and "unknown parameter names" in out["message"]
     name, new = _changed(engine)
-    status, out = await post(session, f"{base}/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([(name, new[:1].clone())])]})
+    status, out = await post(
+        session, f"{base}/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([(name, new[:1].clone())])]}
+    )
     assert status == 400 and "shape" in out["message"]
     status, out = await post(session, f"{base}/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert status == 400 and not out["success"] and out["num_paused_requests"] == 0
@@ -252,8 +256,14 @@ async def test_update_weights_from_disk(serve, tmp_path):
     session, base, engine, _ = await serve()
     name, new = _changed(engine, 2.0)
     save_file({name: new.contiguous()}, str(tmp_path / "model.safetensors"))
-    status, out = await post(session, f"{base}/update_weights_from_disk", {"model_path": str(tmp_path), "abort_all_requests": True, "weight_version": "step-12"})
-    assert status == 200 and out == {"success": True, "message": "Succeeded to update model weights. Weight version updated to step-12.", "num_paused_requests": 0}
+    status, out = await post(
+        session, f"{base}/update_weights_from_disk", {"model_path": str(tmp_path), "abort_all_requests": True, "weight_version": "step-12"}
+    )
+    assert status == 200 and out == {
+        "success": True,
+        "message": "Succeeded to update model weights. Weight version updated to step-12.",
+        "num_paused_requests": 0,
+    }
     assert torch.equal(engine.policy_state_dict()[name], new)
     info = await (await session.get(f"{base}/get_model_info")).json()
     assert info["weight_version"] == "step-12" and info["is_generation"] and info["model_path"]
@@ -300,8 +310,16 @@ async def test_version_label_memory_cache_abort_info_and_metrics(serve):
         assert r.status == 200
     async with session.get(f"{base}/metrics") as r:
         text = await r.text()
-    for metric in ("sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_count",
-                   "sglang:generation_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_aborted_requests_total"):
+    for metric in (
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:inter_token_latency_seconds_bucket",
+        "sglang:e2e_request_latency_seconds_count",
+        "sglang:generation_tokens_total",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:num_aborted_requests_total",
+    ):
         assert metric in text, metric
 
 

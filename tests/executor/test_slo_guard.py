@@ -11,7 +11,7 @@ import time
 
 from rose.services.executor.burst_alerts import ArrivalBurstDetector
 from rose.services.executor.engine import EngineConfig
-from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.slo_guard import RELAX_WINDOWS, SETPOINT, SloGuard
 from rose.services.slo_monitor.config import BurstSettings
 
@@ -66,7 +66,7 @@ def test_the_executor_detects_a_burst_of_arrivals_against_its_own_baseline():
     trips = [det.arrival(i * 0.1, 0) for i in range(40)]  # 10/s for 4 s: the baseline
     assert not any(trips)
     t, found = 4.0, None
-    for i in range(30):  # then 50/s
+    for _ in range(30):  # then 50/s
         t += 0.02
         trip = det.arrival(t, 0)
         found = found or trip
@@ -79,11 +79,22 @@ def test_the_executor_detects_a_burst_of_arrivals_against_its_own_baseline():
 
 
 def _serving(i: int, max_tokens: int = 8) -> GenerationRequest:
-    return GenerationRequest(f"s{i}", WorkClass.SERVING, tuple(range(10, 58)), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return GenerationRequest(
+        request_id=f"s{i}",
+        work_class=WorkClass.SERVING,
+        prompt_token_ids=tuple(range(10, 58)),
+        sampling=EngineSampling(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def _rollout(i: int) -> GenerationRequest:
-    return GenerationRequest(f"r{i}", WorkClass.ROLLOUT, tuple(range(10, 42)), SamplingParams(temperature=1.0, max_tokens=200, seed=i, ignore_eos=True), stream=False)
+    return GenerationRequest(
+        request_id=f"r{i}",
+        work_class=WorkClass.ROLLOUT,
+        prompt_token_ids=tuple(range(10, 42)),
+        sampling=EngineSampling(temperature=1.0, max_tokens=200, seed=i, ignore_eos=True),
+        stream=False,
+    )
 
 
 async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serving_load_and_gives_it_back_after(make_engine):

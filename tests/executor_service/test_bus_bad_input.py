@@ -68,7 +68,10 @@ async def test_random_bytes_are_always_a_400_and_a_dead_letter(bus, executor, re
     after = (await bus.js.stream_info("ROSE_DLQ")).state.messages
     assert after - before == sum(1 for d in seen if not _valid(d))
     with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():  # shown also without -s
-        print(f"\nbus bad input: {len(CASES)} named cases + {len(seen)} random payloads to the executor's generate endpoint; each answered 400 and dead-lettered")
+        print(
+            f"\nbus bad input: {len(CASES)} named cases + {len(seen)} random payloads to the executor's generate endpoint; each answered 400 and "
+            "dead-lettered"
+        )
 
 
 def _valid(data: bytes) -> bool:

@@ -69,25 +69,29 @@ BAD = [
     pytest.param(b'{"model": "rose-serving", "prompt": [99999999]}', 400, "token ids", id="bad-token-id"),
     pytest.param(b'{"model": "rose-serving", "prompt": "x", "n": 0}', 400, "`n`", id="n-zero"),
     pytest.param(b'{"model": "policy", "prompt": "x"}', 404, "POST /generate", id="policy-model-on-openai-route"),
-    pytest.param(b'[1, 2]', 400, "JSON object", id="not-an-object"),
+    pytest.param(b"[1, 2]", 400, "JSON object", id="not-an-object"),
 ]
 
 
 @pytest.mark.parametrize("body,status,needle", BAD)
 async def test_bad_requests_get_openai_style_4xx_and_serving_continues(client, executor, body, status, needle):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"{executor[1]}/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:
-            assert r.status == status
-            err = (await r.json())["error"]
-            assert needle in err["message"] and err["type"]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{executor[1]}/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r,
+    ):
+        assert r.status == status
+        err = (await r.json())["error"]
+        assert needle in err["message"] and err["type"]
     ok = await client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
     assert ok.choices[0].text is not None
 
 
 async def test_bad_chat_messages(executor):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"{executor[1]}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}) as r:
-            assert r.status == 400 and "messages[0]" in (await r.json())["error"]["message"]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{executor[1]}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}) as r,
+    ):
+        assert r.status == 400 and "messages[0]" in (await r.json())["error"]["message"]
 
 
 async def test_openai_client_raises_on_unknown_model(client):

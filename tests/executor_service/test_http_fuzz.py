@@ -33,9 +33,12 @@ FIELDS = {
     "model": st.just(MODEL) | st.just(MODEL) | JSON_VALUES,
     "prompt": st.text(max_size=30) | st.lists(st.integers(-3, 5000), max_size=6) | st.lists(st.text(max_size=5), max_size=2) | JSON_VALUES,
     "messages": st.lists(
-        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]), "content": st.text(max_size=20) | JSON_VALUES}),
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]), "content": st.text(max_size=20) | JSON_VALUES}
+        ),
         max_size=3,
-    ) | JSON_VALUES,
+    )
+    | JSON_VALUES,
     "max_tokens": SMALL_TOKENS | JSON_VALUES,
     "max_completion_tokens": SMALL_TOKENS | JSON_VALUES,
     "temperature": st.floats() | st.sampled_from([0, 1e-320, 1e-40, 1e308]) | JSON_VALUES,
@@ -50,8 +53,17 @@ FIELDS = {
 # Without an explicit max_tokens a valid request generates the default 16 tokens: cheap enough.
 API_BODY = st.fixed_dictionaries({"model": FIELDS["model"]}, optional={k: v for k, v in FIELDS.items() if k != "model"})
 ENDPOINTS = st.sampled_from(
-    [("POST", "/v1/completions")] * 4 + [("POST", "/v1/chat/completions")] * 4
-    + [("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/models"), ("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("POST", "/v1/nope"), ("GET", "/")]
+    [("POST", "/v1/completions")] * 4
+    + [("POST", "/v1/chat/completions")] * 4
+    + [
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("POST", "/v1/models"),
+        ("GET", "/v1/completions"),
+        ("PUT", "/v1/chat/completions"),
+        ("POST", "/v1/nope"),
+        ("GET", "/"),
+    ]
 )
 
 
@@ -122,7 +134,11 @@ def _show(request):
         print(f"\nexecutor HTTP API: {sum(CASES.values())} generated requests ({dict(CASES)}), statuses {dict(sorted(STATUSES.items()))}; no 5xx")
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 
 
 def _json(doc) -> bytes:
@@ -171,10 +187,19 @@ def test_serving_continues_after_the_fuzz(api):
 SGLANG_SAMPLING = st.fixed_dictionaries(
     {},
     optional={
-        "max_new_tokens": SMALL_TOKENS | JSON_VALUES, "temperature": FIELDS["temperature"], "top_p": FIELDS["top_p"], "top_k": st.integers(-3, 3) | JSON_VALUES,
-        "stop": FIELDS["stop"], "stop_token_ids": st.lists(st.integers(-2, 5000), max_size=3) | JSON_VALUES, "ignore_eos": st.booleans() | JSON_VALUES,
-        "sampling_seed": st.integers() | JSON_VALUES, "n": st.integers(-1, 2) | JSON_VALUES, "no_stop_trim": st.booleans(),
-        "frequency_penalty": st.floats() | JSON_VALUES, "skip_special_tokens": st.booleans(), "bogus": JSON_VALUES,
+        "max_new_tokens": SMALL_TOKENS | JSON_VALUES,
+        "temperature": FIELDS["temperature"],
+        "top_p": FIELDS["top_p"],
+        "top_k": st.integers(-3, 3) | JSON_VALUES,
+        "stop": FIELDS["stop"],
+        "stop_token_ids": st.lists(st.integers(-2, 5000), max_size=3) | JSON_VALUES,
+        "ignore_eos": st.booleans() | JSON_VALUES,
+        "sampling_seed": st.integers() | JSON_VALUES,
+        "n": st.integers(-1, 2) | JSON_VALUES,
+        "no_stop_trim": st.booleans(),
+        "frequency_penalty": st.floats() | JSON_VALUES,
+        "skip_special_tokens": st.booleans(),
+        "bogus": JSON_VALUES,
     },
 )
 GENERATE_BODY = st.fixed_dictionaries(
@@ -182,25 +207,48 @@ GENERATE_BODY = st.fixed_dictionaries(
     optional={
         "text": st.text(max_size=20) | st.lists(st.text(max_size=6), max_size=3) | JSON_VALUES,
         "input_ids": st.lists(st.integers(-3, 5000), max_size=6) | st.lists(st.lists(st.integers(0, 50), max_size=3), max_size=2) | JSON_VALUES,
-        "sampling_params": SGLANG_SAMPLING | JSON_VALUES, "return_logprob": st.booleans() | JSON_VALUES, "logprob_start_len": st.integers(-2, 3) | JSON_VALUES,
-        "top_logprobs_num": st.integers(0, 2) | JSON_VALUES, "stream": st.booleans() | JSON_VALUES, "rid": st.text(max_size=6) | JSON_VALUES,
-        "priority": st.integers() | JSON_VALUES, "return_text_in_logprobs": st.booleans(),
+        "sampling_params": SGLANG_SAMPLING | JSON_VALUES,
+        "return_logprob": st.booleans() | JSON_VALUES,
+        "logprob_start_len": st.integers(-2, 3) | JSON_VALUES,
+        "top_logprobs_num": st.integers(0, 2) | JSON_VALUES,
+        "stream": st.booleans() | JSON_VALUES,
+        "rid": st.text(max_size=6) | JSON_VALUES,
+        "priority": st.integers() | JSON_VALUES,
+        "return_text_in_logprobs": st.booleans(),
     },
 )
 # pause, continue and memory release are left out: a valid one (an empty body is one) would hold every later request
 SGLANG_ENDPOINTS = st.sampled_from(
     [("POST", "/generate")] * 6
-    + [("POST", "/update_weights_from_tensor"), ("POST", "/update_weights_from_disk"), ("POST", "/update_weight_version"), ("POST", "/abort_request"),
-       ("GET", "/get_weight_version"), ("GET", "/get_model_info"), ("GET", "/get_server_info"), ("POST", "/get_weights_by_name"), ("GET", "/flush_cache"),
-       ("GET", "/health_generate"), ("DELETE", "/generate")]
+    + [
+        ("POST", "/update_weights_from_tensor"),
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/update_weight_version"),
+        ("POST", "/abort_request"),
+        ("GET", "/get_weight_version"),
+        ("GET", "/get_model_info"),
+        ("GET", "/get_server_info"),
+        ("POST", "/get_weights_by_name"),
+        ("GET", "/flush_cache"),
+        ("GET", "/health_generate"),
+        ("DELETE", "/generate"),
+    ]
 )
 ADMIN_FIELDS = st.fixed_dictionaries(
     {},
     optional={
-        "serialized_named_tensors": st.lists(st.text(max_size=40) | st.binary(max_size=30).map(lambda b: __import__("base64").b64encode(b).decode()), max_size=2) | JSON_VALUES,
-        "load_format": st.sampled_from([None, "direct", "flattened_bucket", "pt"]) | JSON_VALUES, "model_path": st.text(max_size=10) | JSON_VALUES,
-        "weight_version": st.text(max_size=5) | JSON_VALUES, "new_version": st.text(max_size=5) | JSON_VALUES, "rid": st.text(max_size=5) | JSON_VALUES,
-        "name": st.text(max_size=10) | JSON_VALUES, "truncate_size": st.integers(-2, 3) | JSON_VALUES, "flush_cache": st.booleans() | JSON_VALUES,
+        "serialized_named_tensors": st.lists(
+            st.text(max_size=40) | st.binary(max_size=30).map(lambda b: __import__("base64").b64encode(b).decode()), max_size=2
+        )
+        | JSON_VALUES,
+        "load_format": st.sampled_from([None, "direct", "flattened_bucket", "pt"]) | JSON_VALUES,
+        "model_path": st.text(max_size=10) | JSON_VALUES,
+        "weight_version": st.text(max_size=5) | JSON_VALUES,
+        "new_version": st.text(max_size=5) | JSON_VALUES,
+        "rid": st.text(max_size=5) | JSON_VALUES,
+        "name": st.text(max_size=10) | JSON_VALUES,
+        "truncate_size": st.integers(-2, 3) | JSON_VALUES,
+        "flush_cache": st.booleans() | JSON_VALUES,
     },
 )
 
@@ -221,8 +269,14 @@ async def sglang_server(nats_server, bus_config, models_dir, tmp_path_factory, s
     from rose.shared.provisioning import provision
 
     env = {
-        "NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state_dir), "ROSE_MODELS__DIR": str(models_dir), "ROSE_ROLE": "dedicated",
-        "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": "8", "ROSE_ENGINE__ROLLOUT_KV_MIB": "16", "ROSE_WEIGHTS__FOLLOW": "false",
+        "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
+        "ROSE_MODELS__DIR": str(models_dir),
+        "ROSE_ROLE": "dedicated",
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_ENGINE__SERVING_KV_MIB": "8",
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
+        "ROSE_WEIGHTS__FOLLOW": "false",
         "ROSE_SGLANG_API__ALLOW_UNAUTHENTICATED_ADMIN": "true",
     }
     proc = ServiceProcess("executor", "ex-sglang-fuzz", env, tmp_path_factory.mktemp("sglang-fuzz") / "executor.log").start()
@@ -248,9 +302,14 @@ def test_generated_sglang_requests_get_2xx_or_a_4xx_that_says_why(sglang_server,
     if path == "/generate" and status == 200 and not content_type.startswith("text/event-stream"):
         outs = json.loads(raw)
         for out in outs if isinstance(outs, list) else [outs]:
-            assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length", "abort") and len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+            assert (
+                out["meta_info"]["finish_reason"]["type"] in ("stop", "length", "abort")
+                and len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+            )
 
 
 def test_sglang_generate_still_works_after_the_fuzz(sglang_server):
-    status, _, data = sglang_server.send("POST", "/generate", _json({"text": "2+3?", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}))
+    status, _, data = sglang_server.send(
+        "POST", "/generate", _json({"text": "2+3?", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
+    )
     assert status == 200 and json.loads(data)["meta_info"]["completion_tokens"] == 3

@@ -286,7 +286,9 @@ async def test_a_request_head_sent_slowly_is_cut_off_by_the_server(executor):
 
     body = b'{"model": "rose-serving", "prompt": "hi", "max_tokens": 2, "temperature": 0}'
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    )
     for i in range(0, len(body), 16):  # the body trickles in over ~2 s: not under the head deadline
         writer.write(body[i : i + 16])
         await writer.drain()

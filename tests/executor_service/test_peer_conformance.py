@@ -38,9 +38,16 @@ IDS = list(range(5, 25))
 @pytest.fixture(scope="module")
 async def peer_executor(nats_server, bus_config, models_dir, tmp_path_factory, state_dir):
     env = {
-        "NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state_dir), "ROSE_MODELS__DIR": str(models_dir), "ROSE_ROLE": "dedicated",
-        "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": "8", "ROSE_ENGINE__ROLLOUT_KV_MIB": "16", "ROSE_WEIGHTS__FOLLOW": "false",
-        "ROSE_SGLANG_API__ALLOW_UNAUTHENTICATED_ADMIN": "true", "ROSE_HTTP__HOST": "127.0.0.1",
+        "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
+        "ROSE_MODELS__DIR": str(models_dir),
+        "ROSE_ROLE": "dedicated",
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_ENGINE__SERVING_KV_MIB": "8",
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
+        "ROSE_WEIGHTS__FOLLOW": "false",
+        "ROSE_SGLANG_API__ALLOW_UNAUTHENTICATED_ADMIN": "true",
+        "ROSE_HTTP__HOST": "127.0.0.1",
     }
     proc = ServiceProcess("executor", "ex-peers", env, tmp_path_factory.mktemp("peer-executor") / "executor.log").start()
     try:
@@ -78,8 +85,19 @@ async def test_slime_external_engine_init_sees_the_server_args_it_expects(peer_e
     # _compute_server_args for one engine of one GPU (rollout_num_gpus_per_engine 1, sglang_pp/dp/ep_size 1, --offload-rollout),
     # minus _EXTERNAL_ENGINE_SKIP_CHECK_FIELDS: _sanity_check_server_args asserts each of these equal
     host, port = base.removeprefix("http://").rsplit(":", 1)
-    expected = {"enable_memory_saver": True, "host": host, "port": int(port), "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
-                "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1}
+    expected = {
+        "enable_memory_saver": True,
+        "host": host,
+        "port": int(port),
+        "nnodes": 1,
+        "node_rank": 0,
+        "gpu_id_step": 1,
+        "base_gpu_id": 0,
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "ep_size": 1,
+    }
     assert {name: actual.get(name) for name in expected} == expected
     assert actual["model_path"] and actual["served_model_name"] == "policy"
 
@@ -87,8 +105,18 @@ async def test_slime_external_engine_init_sees_the_server_args_it_expects(peer_e
 async def test_slime_rollout_memory_and_flush_calls(peer_executor):
     base, session = peer_executor
     # GenerateState.sampling_params + generate(): input_ids, return_logprob; reads output_token_logprobs, text, finish_reason
-    sampling_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "stop": None, "stop_token_ids": None,
-                       "skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False, "sampling_seed": 3}
+    sampling_params = {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": 8,
+        "stop": None,
+        "stop_token_ids": None,
+        "skip_special_tokens": True,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+        "sampling_seed": 3,
+    }
     status, output = await post(session, f"{base}/generate", {"sampling_params": sampling_params, "return_logprob": True, "input_ids": IDS})
     assert status == 200, output
     tokens = [item[1] for item in output["meta_info"]["output_token_logprobs"]]
@@ -111,8 +139,15 @@ async def test_slime_rollout_memory_and_flush_calls(peer_executor):
 async def test_verl_batched_generate_with_null_images_and_models(peer_executor):
     base, session = peer_executor
     # AsyncHttpServerAdapter.generate(): None values filtered out of the payload; image_data of nulls for text prompts
-    payload = {"text": None, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "input_ids": [IDS, IDS[:10]], "image_data": [None, None],
-               "return_logprob": True, "logprob_start_len": None, "top_logprobs_num": None}
+    payload = {
+        "text": None,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+        "input_ids": [IDS, IDS[:10]],
+        "image_data": [None, None],
+        "return_logprob": True,
+        "logprob_start_len": None,
+        "top_logprobs_num": None,
+    }
     status, outputs = await post(session, f"{base}/generate", {k: v for k, v in payload.items() if v is not None})
     assert status == 200 and isinstance(outputs, list) and len(outputs) == 2, outputs
     for output in outputs:  # async_sglang_server.generate: (log_prob, token_ids, _) triplets
@@ -132,7 +167,14 @@ async def test_areal_pause_resubmit_and_disk_update(peer_executor, models_dir, t
     base, session = peer_executor
     assert (await get(session, f"{base}/health"))[0] == 200  # check_health
     max_new_tokens = 48
-    sample_params = {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [], "frequency_penalty": 0.0}
+    sample_params = {
+        "top_p": 1.0,
+        "top_k": 100000000,
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "stop_token_ids": [],
+        "frequency_penalty": 0.0,
+    }
     payload = {"input_ids": list(IDS), "image_data": None, "sampling_params": sample_params, "return_logprob": True, "stream": False}
 
     async def agenerate() -> tuple[list[int], str, int]:
@@ -173,10 +215,20 @@ async def test_areal_pause_resubmit_and_disk_update(peer_executor, models_dir, t
 async def test_sglang_own_server_tests(peer_executor):
     base, session = peer_executor
     # test_srt_endpoint.py: text prompt with logprobs; top_logprobs_num is refused here, naming it
-    status, out = await post(session, f"{base}/generate", {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 4},
-                                                            "return_logprob": True, "logprob_start_len": -1})
+    status, out = await post(
+        session,
+        f"{base}/generate",
+        {
+            "text": "The capital of France is",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        },
+    )
     assert status == 200 and len(out["meta_info"]["output_token_logprobs"]) == 4
-    status, err = await post(session, f"{base}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "top_logprobs_num": 3})
+    status, err = await post(
+        session, f"{base}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "top_logprobs_num": 3}
+    )
     assert status == 400 and err["error"]["param"] == "top_logprobs_num"
     # test_weight_version.py: /update_weight_version then /get_weight_version and meta_info.weight_version
     status, out = await post(session, f"{base}/update_weight_version", {"new_version": "v2.0", "abort_all_requests": False})
@@ -185,15 +237,29 @@ async def test_sglang_own_server_tests(peer_executor):
     _, out = await post(session, f"{base}/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
     assert out["meta_info"]["weight_version"] == "v2.0"
     # test_metrics.py: a streamed generate, then the essential metrics (those this executor has: no grammar or speculation)
-    async with session.post(f"{base}/generate", json={"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8},
-                                                     "stream": True}) as r:
+    async with session.post(
+        f"{base}/generate", json={"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}, "stream": True}
+    ) as r:
         assert r.status == 200
         async for _ in r.content:
             pass
     status, text = await get(session, f"{base}/metrics")
-    for metric in ("sglang:num_running_reqs", "sglang:num_used_tokens", "sglang:token_usage", "sglang:gen_throughput", "sglang:num_queue_reqs",
-                   "sglang:num_grammar_queue_reqs", "sglang:cache_hit_rate", "sglang:spec_accept_length", "sglang:prompt_tokens_total",
-                   "sglang:generation_tokens_total", "sglang:cached_tokens_total", "sglang:num_requests_total", "sglang:time_to_first_token_seconds",
-                   "sglang:inter_token_latency_seconds", "sglang:e2e_request_latency_seconds"):
+    for metric in (
+        "sglang:num_running_reqs",
+        "sglang:num_used_tokens",
+        "sglang:token_usage",
+        "sglang:gen_throughput",
+        "sglang:num_queue_reqs",
+        "sglang:num_grammar_queue_reqs",
+        "sglang:cache_hit_rate",
+        "sglang:spec_accept_length",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:cached_tokens_total",
+        "sglang:num_requests_total",
+        "sglang:time_to_first_token_seconds",
+        "sglang:inter_token_latency_seconds",
+        "sglang:e2e_request_latency_seconds",
+    ):
         assert metric in text, metric
     assert 'model_name="policy"' in text and "_sum{" in text and "_count{" in text and "_bucket{" in text

@@ -15,15 +15,28 @@ from rose.shared.codec import decode
 def _lease(executor_id: str, *, epoch: int = 1, state: str = "active", ttl: float = 60.0) -> Lease:
     now = time.time()
     return Lease(
-        lease_id=f"lease-{epoch}", executor_id=executor_id, epoch=epoch, state=state, granted_at=now, expires_at=now + ttl,  # type: ignore[arg-type]
-        kv_bytes=8 << 20, compute_share=0.5, max_rollout_batch=8,
+        lease_id=f"lease-{epoch}",
+        executor_id=executor_id,
+        epoch=epoch,
+        state=state,
+        granted_at=now,
+        expires_at=now + ttl,  # type: ignore[arg-type]
+        kv_bytes=8 << 20,
+        compute_share=0.5,
+        max_rollout_batch=8,
     )
 
 
 def _turn(lease: Lease | None, i: int = 0, **kw) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"turn-{i}-{time.monotonic_ns()}", trajectory_id="traj-1", turn_index=i, prompt_token_ids=[5, 6, 7, 8],
-        sampling=SamplingParams(temperature=0.0, max_tokens=6), lease_id=lease.lease_id if lease else "", lease_epoch=lease.epoch if lease else 0, **kw,
+        request_id=f"turn-{i}-{time.monotonic_ns()}",
+        trajectory_id="traj-1",
+        turn_index=i,
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling=SamplingParams(temperature=0.0, max_tokens=6),
+        lease_id=lease.lease_id if lease else "",
+        lease_epoch=lease.epoch if lease else 0,
+        **kw,
     )
 
 
@@ -71,8 +84,13 @@ async def test_second_turn_hits_the_retained_prefix(bus, executor):
     assert first.status == "ok", first.error
     second_prompt = [5, 6, 7, 8, *first.token_ids, 9, 10]
     second = GenerateRequest(
-        request_id=f"turn-1-{time.monotonic_ns()}", trajectory_id="traj-1", turn_index=1, prompt_token_ids=second_prompt,
-        sampling=SamplingParams(temperature=0.0, max_tokens=4), lease_id=lease.lease_id, lease_epoch=lease.epoch,
+        request_id=f"turn-1-{time.monotonic_ns()}",
+        trajectory_id="traj-1",
+        turn_index=1,
+        prompt_token_ids=second_prompt,
+        sampling=SamplingParams(temperature=0.0, max_tokens=4),
+        lease_id=lease.lease_id,
+        lease_epoch=lease.epoch,
     )
     reply = await bus.request(GENERATE, second, executor_id=ex, timeout=30)
     assert reply.status == "ok" and reply.prefix_cached_tokens > 0
@@ -83,8 +101,13 @@ async def test_invalid_turn_is_rejected_with_reason(bus, executor):
     lease = _lease(ex, epoch=4)
     await _set_lease(bus, ex, lease)
     too_long = GenerateRequest(
-        request_id="too-long", trajectory_id="traj-2", turn_index=0, prompt_token_ids=[1] * 10, sampling=SamplingParams(max_tokens=60000),
-        lease_id=lease.lease_id, lease_epoch=lease.epoch,
+        request_id="too-long",
+        trajectory_id="traj-2",
+        turn_index=0,
+        prompt_token_ids=[1] * 10,
+        sampling=SamplingParams(max_tokens=60000),
+        lease_id=lease.lease_id,
+        lease_epoch=lease.epoch,
     )
     reply = await bus.request(GENERATE, too_long, executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "invalid" and "max_tokens" in reply.error

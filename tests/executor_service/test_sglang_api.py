@@ -24,9 +24,15 @@ START_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module")
 async def sglang_executor(nats_server, bus_config, models_dir, tmp_path_factory, state_dir):
     env = {
-        "NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state_dir), "ROSE_MODELS__DIR": str(models_dir), "ROSE_ROLE": "dedicated",
-        "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": "8", "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
-        "ROSE_WEIGHTS__FOLLOW": "false", "ROSE_SGLANG_API__ADMIN_API_KEY": KEY,
+        "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
+        "ROSE_MODELS__DIR": str(models_dir),
+        "ROSE_ROLE": "dedicated",
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_ENGINE__SERVING_KV_MIB": "8",
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
+        "ROSE_WEIGHTS__FOLLOW": "false",
+        "ROSE_SGLANG_API__ADMIN_API_KEY": KEY,
     }
     log = tmp_path_factory.mktemp("sglang-executor") / "executor.log"
     proc = ServiceProcess("executor", "ex-sglang-api", env, log).start()
@@ -76,8 +82,17 @@ async def test_slime_style_session_against_a_real_executor(sglang_executor, mode
         assert (await http.get("/flush_cache", headers=AUTH)).status_code == 200
 
         tokenizer_ids = list(range(5, 25))
-        params = {"temperature": 0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16, "stop": None, "stop_token_ids": None,
-                  "skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False}
+        params = {
+            "temperature": 0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "max_new_tokens": 16,
+            "stop": None,
+            "stop_token_ids": None,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
         before = (await http.post("/generate", json={"sampling_params": params, "return_logprob": True, "input_ids": tokenizer_ids})).json()
         assert before["meta_info"]["weight_version"] == "0" and len(before["meta_info"]["output_token_logprobs"]) == 16
 
@@ -87,7 +102,12 @@ async def test_slime_style_session_against_a_real_executor(sglang_executor, mode
         update = [(name, (state[name] * -1.0).contiguous())]  # held here until the executor has answered
         assert (await http.post("/pause_generation", json={}, headers=AUTH)).json()["status"] == "ok"
         assert (await http.get("/flush_cache", headers=AUTH)).status_code == 200
-        body = {"serialized_named_tensors": [await asyncio.to_thread(serialize_named_tensors, update)], "load_format": None, "flush_cache": False, "weight_version": "1"}
+        body = {
+            "serialized_named_tensors": [await asyncio.to_thread(serialize_named_tensors, update)],
+            "load_format": None,
+            "flush_cache": False,
+            "weight_version": "1",
+        }
         reply = await http.post("/update_weights_from_tensor", json=body, headers=AUTH)
         assert reply.status_code == 200 and reply.json()["success"], reply.text
         assert (await http.post("/continue_generation", json={}, headers=AUTH)).status_code == 200

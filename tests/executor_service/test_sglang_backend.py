@@ -29,7 +29,7 @@ from rose.services.executor.backend import CoServingEngine
 from rose.services.executor.config import SGLangBackendSettings
 from rose.services.executor.engine import Engine
 from rose.services.executor.policy_updates import PolicyUpdates
-from rose.services.executor.protocol import GenerationRequest, InvalidRequest, RolloutRejected, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, InvalidRequest, RolloutRejected, WorkClass
 from rose.services.executor.sglang_backend import (
     Histogram,
     SGLangBackend,
@@ -124,8 +124,24 @@ def test_buckets_become_a_sketch_at_representative_values():
 
 def test_both_engines_satisfy_the_protocol():
     for cls in (Engine, SGLangBackend):
-        missing = [m for m in ("start", "stop", "submit", "tokenizer_for", "max_positions", "set_rollout_lease", "set_rollout_budget",
-                               "revoke_rollout", "set_slo", "apply_policy_weights", "policy_state_dict", "stats") if not callable(getattr(cls, m, None))]
+        missing = [
+            m
+            for m in (
+                "start",
+                "stop",
+                "submit",
+                "tokenizer_for",
+                "max_positions",
+                "set_rollout_lease",
+                "set_rollout_budget",
+                "revoke_rollout",
+                "set_slo",
+                "apply_policy_weights",
+                "policy_state_dict",
+                "stats",
+            )
+            if not callable(getattr(cls, m, None))
+        ]
         assert not missing, (cls, missing)
 
 
@@ -134,10 +150,17 @@ def test_both_engines_satisfy_the_protocol():
 
 def _stand_in_env(nats_server, state_dir, models_dir, model: str) -> dict[str, str]:
     return {
-        "NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state_dir), "ROSE_MODELS__DIR": str(models_dir),
+        "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
+        "ROSE_MODELS__DIR": str(models_dir),
         "ROSE_MODELS__POLICY_DIR": str(models_dir / model),  # the model its SGLang endpoints serve
-        "ROSE_ROLE": "dedicated", "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": "4", "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
-        "ROSE_WEIGHTS__FOLLOW": "false", "ROSE_SGLANG_API__ALLOW_UNAUTHENTICATED_ADMIN": "true", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
+        "ROSE_ROLE": "dedicated",
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_ENGINE__SERVING_KV_MIB": "4",
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": "16",
+        "ROSE_WEIGHTS__FOLLOW": "false",
+        "ROSE_SGLANG_API__ALLOW_UNAUTHENTICATED_ADMIN": "true",
+        "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
     }
 
 
@@ -178,8 +201,12 @@ async def _state(url: str) -> dict:
 
 def _request(work_class: WorkClass, max_tokens: int = 6, *, stream: bool = True, ignore_eos: bool = False, **kw) -> GenerationRequest:
     return GenerationRequest(
-        f"{work_class.value}-{time.monotonic_ns()}", work_class, (5, 6, 7, 8, 9),
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos), stream=stream, **kw,
+        request_id=f"{work_class.value}-{time.monotonic_ns()}",
+        work_class=work_class,
+        prompt_token_ids=(5, 6, 7, 8, 9),
+        sampling=EngineSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos),
+        stream=stream,
+        **kw,
     )
 
 
@@ -205,9 +232,17 @@ async def test_serving_streams_with_local_timings_and_scraped_stats(servers, mod
         assert quiet.finish_reason in ("stop", "length") and 1 <= len(quiet.token_ids) <= 4
 
         with pytest.raises(InvalidRequest, match="positions"):
-            backend.submit(GenerationRequest("too-long", WorkClass.SERVING, (1,) * 10, SamplingParams(max_tokens=60000)))
+            backend.submit(
+                GenerationRequest(
+                    request_id="too-long", work_class=WorkClass.SERVING, prompt_token_ids=(1,) * 10, sampling=EngineSampling(max_tokens=60000)
+                )
+            )
         with pytest.raises(InvalidRequest, match="token ids"):
-            backend.submit(GenerationRequest("bad-ids", WorkClass.SERVING, (1, 10**7), SamplingParams(max_tokens=2)))
+            backend.submit(
+                GenerationRequest(
+                    request_id="bad-ids", work_class=WorkClass.SERVING, prompt_token_ids=(1, 10**7), sampling=EngineSampling(max_tokens=2)
+                )
+            )
 
         seen = {"ttft": 0.0, "tpot": 0.0, "tokens": 0.0, "completed": 0}
 
@@ -395,7 +430,15 @@ async def test_a_request_the_server_refuses_raises_its_message(servers, models_d
     backend.start()
     try:
         for stream in (True, False):
-            handle = backend.submit(GenerationRequest(f"long-{stream}", WorkClass.SERVING, (5, 6, 7), SamplingParams(max_tokens=5000), stream=stream))
+            handle = backend.submit(
+                GenerationRequest(
+                    request_id=f"long-{stream}",
+                    work_class=WorkClass.SERVING,
+                    prompt_token_ids=(5, 6, 7),
+                    sampling=EngineSampling(max_tokens=5000),
+                    stream=stream,
+                )
+            )
             assert [d async for d in handle] == []
             with pytest.raises(InvalidRequest, match="exceeds the model's 2048 positions"):
                 await handle.result()
@@ -433,10 +476,17 @@ async def test_a_server_that_is_down_finishes_requests_with_abort(servers, model
 async def backend_executor(servers, nats_server, bus_config, models_dir, tmp_path_factory, state_dir):
     """`rose run executor` with ROSE_ENGINE__BACKEND=sglang in front of the stand-ins; yields (executor id, http URL)."""
     env = {
-        "NATS_URL": nats_server.url, "ROSE_STATE_DIR": str(state_dir), "ROSE_MODELS__DIR": str(models_dir),
-        "ROSE_ENGINE__BACKEND": "sglang", "ROSE_ENGINE__DEVICE": "cpu", "ROSE_WEIGHTS__FOLLOW": "false",
-        "ROSE_SGLANG_BACKEND__SERVING_URL": servers["serving"], "ROSE_SGLANG_BACKEND__ROLLOUT_URL": servers["rollout"],
-        "ROSE_SGLANG_BACKEND__SCRAPE_INTERVAL_S": "0.2", "ROSE_METRICS_INTERVAL_S": "0.5", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
+        "NATS_URL": nats_server.url,
+        "ROSE_STATE_DIR": str(state_dir),
+        "ROSE_MODELS__DIR": str(models_dir),
+        "ROSE_ENGINE__BACKEND": "sglang",
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_WEIGHTS__FOLLOW": "false",
+        "ROSE_SGLANG_BACKEND__SERVING_URL": servers["serving"],
+        "ROSE_SGLANG_BACKEND__ROLLOUT_URL": servers["rollout"],
+        "ROSE_SGLANG_BACKEND__SCRAPE_INTERVAL_S": "0.2",
+        "ROSE_METRICS_INTERVAL_S": "0.5",
+        "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
     }
     proc = ServiceProcess("executor", "ex-sglang-backend", env, tmp_path_factory.mktemp("sglang-backend") / "executor.log").start()
     try:
@@ -450,15 +500,27 @@ async def backend_executor(servers, nats_server, bus_config, models_dir, tmp_pat
 def _lease(executor_id: str, epoch: int, *, state: str = "active", ttl: float = 60.0) -> Lease:
     now = time.time()
     return Lease(
-        lease_id=f"sg-lease-{epoch}", executor_id=executor_id, epoch=epoch, state=state, granted_at=now, expires_at=now + ttl,  # type: ignore[arg-type]
-        kv_bytes=8 << 20, compute_share=0.5, max_rollout_batch=8,
+        lease_id=f"sg-lease-{epoch}",
+        executor_id=executor_id,
+        epoch=epoch,
+        state=state,
+        granted_at=now,
+        expires_at=now + ttl,  # type: ignore[arg-type]
+        kv_bytes=8 << 20,
+        compute_share=0.5,
+        max_rollout_batch=8,
     )
 
 
 def _turn(lease: Lease, max_tokens: int = 6, **kw) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"sg-turn-{time.monotonic_ns()}", trajectory_id="sg-traj", turn_index=0, prompt_token_ids=[5, 6, 7, 8],
-        sampling=WireSampling(temperature=0.0, max_tokens=max_tokens, **kw), lease_id=lease.lease_id, lease_epoch=lease.epoch,
+        request_id=f"sg-turn-{time.monotonic_ns()}",
+        trajectory_id="sg-traj",
+        turn_index=0,
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling=WireSampling(temperature=0.0, max_tokens=max_tokens, **kw),
+        lease_id=lease.lease_id,
+        lease_epoch=lease.epoch,
     )
 
 
@@ -471,9 +533,16 @@ async def test_executor_serves_openai_through_the_serving_server(backend_executo
     try:
         done = await client.completions.create(model="rose-serving", prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
         assert done.choices[0].finish_reason in ("stop", "length") and 1 <= done.usage.completion_tokens <= 5
-        chunks = [c async for c in await client.chat.completions.create(
-            model="rose-serving", messages=[{"role": "user", "content": "2+2="}], max_tokens=6, temperature=0, stream=True,
-        )]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="rose-serving",
+                messages=[{"role": "user", "content": "2+2="}],
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+            )
+        ]
         assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[0].choices[0].delta.role == "assistant"
         # the telemetry task publishes snapshots whose latency sketches come from the serving server's histograms
         ttft = 0.0
@@ -482,6 +551,8 @@ async def test_executor_serves_openai_through_the_serving_server(backend_executo
             snap = decode((await sub.next_msg(timeout=5)).data, MetricsSnapshot)
             ttft += snap.ttft_ms.count
         assert ttft >= 2 and snap.device is not None and snap.device.kind == "cpu"
+        health = await _get(http, "/health")  # the executor's own health, over a backend with no local lanes
+        assert health["status"] == "ok" and health["lane_failures"] == 0
     finally:
         await sub.unsubscribe()
         await client.close()
@@ -501,7 +572,8 @@ async def test_executor_lends_the_rollout_server_under_bus_leases(backend_execut
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex, timeout=30)
     assert reply.status == "ok", reply.error
     assert 1 <= len(reply.token_ids) <= 6 and len(reply.logprobs) == len(reply.token_ids) and reply.finish_reason in ("stop", "length")
-    assert reply.policy_version == 5  # the version the rollout server reports (the disk-sync test above left it at 5)
+    served = int((await _get(url, "/get_weight_version"))["weight_version"] or 0)
+    assert reply.policy_version == served  # the version the rollout server reports, whatever earlier tests loaded
 
     await bus.kv_put(LEASE, _lease(ex, 1, state="revoked"), executor_id=ex)
     state = await until(lambda: _paused_and_released(url), 10, "the revoke pauses the rollout server")
@@ -528,7 +600,8 @@ async def test_a_killed_rollout_server_aborts_the_turn_and_the_executor_carries_
     reply = await asyncio.wait_for(long_turn, 20)
     assert reply.finish_reason == "abort" and len(reply.token_ids) < 1500
     assert proc.alive()
-    async with aiohttp.ClientSession() as s, s.post(
-        f"{http}/v1/completions", json={"model": "rose-serving", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{http}/v1/completions", json={"model": "rose-serving", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}) as r,
+    ):
         assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] in ("stop", "length")

@@ -75,10 +75,28 @@ async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, ex
         assert event.executor_id == ex and event.pause_ms >= 0
 
         now = time.time()
-        lease = Lease(lease_id="wl-1", executor_id=ex, epoch=11, state="active", granted_at=now, expires_at=now + 60, kv_bytes=8 << 20, compute_share=0.5, max_rollout_batch=4)
+        lease = Lease(
+            lease_id="wl-1",
+            executor_id=ex,
+            epoch=11,
+            state="active",
+            granted_at=now,
+            expires_at=now + 60,
+            kv_bytes=8 << 20,
+            compute_share=0.5,
+            max_rollout_batch=4,
+        )
         await bus.kv_put(LEASE, lease, executor_id=ex)
         await asyncio.sleep(0.3)
-        turn = GenerateRequest(request_id="wv-1", trajectory_id="wtraj", turn_index=0, prompt_token_ids=[3, 4, 5], sampling=SamplingParams(temperature=0.0, max_tokens=3), lease_id="wl-1", lease_epoch=11)
+        turn = GenerateRequest(
+            request_id="wv-1",
+            trajectory_id="wtraj",
+            turn_index=0,
+            prompt_token_ids=[3, 4, 5],
+            sampling=SamplingParams(temperature=0.0, max_tokens=3),
+            lease_id="wl-1",
+            lease_epoch=11,
+        )
         reply = await bus.request(GENERATE, turn, executor_id=ex, timeout=30)
         assert reply.status == "ok" and reply.policy_version == 1
 
@@ -96,12 +114,16 @@ async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, ex
         # under the publisher's signature: both refused before fetching, version 1 keeps serving
         v1 = await client.published(1, timeout=TIMEOUT_S)
         assert v1.signature and v1.key_id
-        for version, spoiled, needle in ((3, msgspec.structs.replace(v1, version=3, signature=""), "unsigned"),
-                                         (4, msgspec.structs.replace(v1, version=4), "altered after signing")):
+        for version, spoiled, needle in (
+            (3, msgspec.structs.replace(v1, version=3, signature=""), "unsigned"),
+            (4, msgspec.structs.replace(v1, version=4), "altered after signing"),
+        ):
             await bus.publish(WEIGHT_MANIFEST, spoiled, model="policy", kind=spoiled.kind, version=str(version))
             refusal = await _next(failed, version)
             assert refusal.kind == "signature" and needle in refusal.reason and refusal.kept_version == 1
         last = await bus.js.get_last_msg("ROSE_DLQ", DEAD_LETTER.pattern(service="executor"))
         assert msgspec.json.decode(last.data, type=DeadLetter).kind == "unauthorised"
-        reply = await bus.request(GENERATE, GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-3"}), executor_id=ex, timeout=30)
+        reply = await bus.request(
+            GENERATE, GenerateRequest(**{**{f: getattr(turn, f) for f in turn.__struct_fields__}, "request_id": "wv-3"}), executor_id=ex, timeout=30
+        )
         assert reply.status == "ok" and reply.policy_version == 1

@@ -20,16 +20,29 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from polling import until
 import torch
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
+from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.client import PublishFailedError, WeightsClient
 from rose.contracts.lease import Lease
-from rose.contracts.registry import CHANNELS, LEASE, ROLLOUT_TASK, ROUTE_TURN, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_PUBLISH, WEIGHTS_STAGING_OBJECTS, Kind
+from rose.contracts.registry import (
+    CHANNELS,
+    LEASE,
+    ROLLOUT_TASK,
+    ROUTE_TURN,
+    SERVICE_REGISTRY,
+    SLO_ALERT,
+    TRAJECTORY,
+    WEIGHT_APPLIED,
+    WEIGHT_FAILED,
+    WEIGHT_PUBLISH,
+    WEIGHTS_STAGING_OBJECTS,
+    Kind,
+)
 from rose.contracts.rollout import RolloutTask, TurnRouteRequest
 from rose.contracts.slo import SloAlert
 from rose.contracts.weights import WeightPublishRequest
@@ -85,18 +98,32 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
 
     configs = {
         "executor": ExecutorConfig(
-            bus=bus_cfg, runtime=runtime("executor"), models=ModelsConfig(dir=str(models_dir)),
-            engine=EngineSettings(device="cpu", serving_kv_mib=16, rollout_kv_mib=16), metrics_interval_s=0.2,
+            bus=bus_cfg,
+            runtime=runtime("executor"),
+            models=ModelsConfig(dir=str(models_dir)),
+            engine=EngineSettings(device="cpu", serving_kv_mib=16, rollout_kv_mib=16),
+            metrics_interval_s=0.2,
         ),
         "slo_monitor": SloMonitorConfig(bus=bus_cfg, runtime=runtime("slo_monitor"), headroom_interval_s=0.3),
-        "scheduler": SchedulerConfig(bus=bus_cfg, runtime=runtime("scheduler"), tick_s=0.2, leases=LeaseSettings(ttl_s=30.0, renew_before_s=10.0, cooldown_s=60.0)),
+        "scheduler": SchedulerConfig(
+            bus=bus_cfg, runtime=runtime("scheduler"), tick_s=0.2, leases=LeaseSettings(ttl_s=30.0, renew_before_s=10.0, cooldown_s=60.0)
+        ),
         "weight_publisher": WeightPublisherConfig(bus=bus_cfg, runtime=runtime("weight_publisher")),
         "rollout_worker": RolloutWorkerConfig(
-            bus=bus_cfg, runtime=runtime("rollout_worker"), models=PolicyModelRef(dir=str(models_dir)),
-            turns=TurnSettings(max_tokens=4, hedge=False), concurrency=1,
+            bus=bus_cfg,
+            runtime=runtime("rollout_worker"),
+            models=PolicyModelRef(dir=str(models_dir)),
+            turns=TurnSettings(max_tokens=4, hedge=False),
+            concurrency=1,
         ),
     }
-    mains = {"executor": executor_main, "slo_monitor": monitor_main, "scheduler": scheduler_main, "weight_publisher": publisher_main, "rollout_worker": worker_main}
+    mains = {
+        "executor": executor_main,
+        "slo_monitor": monitor_main,
+        "scheduler": scheduler_main,
+        "weight_publisher": publisher_main,
+        "rollout_worker": worker_main,
+    }
     buses: list[Bus] = []  # every service's bus, to read back which channels it read (the Bus records them)
     connect = Bus.connect
 
@@ -187,7 +214,10 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             await asyncio.sleep(0.6)  # one more telemetry interval and headroom round
             healthy = await _scrape_all(endpoints)
             # now the faults: an HTTP error, a task for an unknown environment (a failed trajectory)
-            async with aiohttp.ClientSession() as http, http.post(f"{endpoints['executor']['http']}/v1/completions", json={**body, "model": "nope"}) as r:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{endpoints['executor']['http']}/v1/completions", json={**body, "model": "nope"}) as r,
+            ):
                 assert r.status == 404  # counted as an HTTP error
             await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=f"{task_id}-bad", env="no_such_env", prompt="x"))
             await until(lambda: _has(trajectories, {f"{task_id}-bad"}), STEP_TIMEOUT_S, "the failed trajectory")
@@ -224,7 +254,9 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
         for b in buses:
             if b.service in SERVICES:
                 reads.setdefault(b.service, set()).update(b.reads)
-        yield Observed(finished, serving_trace, rollout_trace, weights_trace, len(trajectory.turns), endpoints, scrapes, exported, healthy=healthy, reads=reads)
+        yield Observed(
+            finished, serving_trace, rollout_trace, weights_trace, len(trajectory.turns), endpoints, scrapes, exported, healthy=healthy, reads=reads
+        )
     finally:
         Bus.connect = connect  # type: ignore[method-assign]
         for name in reversed(list(tasks)):
@@ -311,7 +343,9 @@ def test_rollout_task_is_one_trace_through_every_turn_and_executor(observed):
         if span.name == "scheduler.place":  # what a slow route reply spent deciding, and the CPU it had meanwhile
             assert span.attributes["rose.candidates"] >= 1 and span.attributes["rose.place_ms"] >= 0 and span.attributes["rose.span_cpu_ms"] >= 0
         if span.name.startswith("reply "):  # the wait before its handler ran, the handler's wall and CPU time
-            assert span.attributes["rose.loop_wait_ms"] >= 0 and span.attributes["rose.handler_ms"] >= 0 and span.attributes["rose.handler_cpu_ms"] >= 0
+            assert (
+                span.attributes["rose.loop_wait_ms"] >= 0 and span.attributes["rose.handler_ms"] >= 0 and span.attributes["rose.handler_cpu_ms"] >= 0
+            )
     assert "send rose.rollout.trajectories.{status}" in names
 
 
@@ -347,8 +381,15 @@ def test_weight_publish_is_one_trace_to_the_executors_apply(observed):
 
 def test_metric_names_follow_conventions(observed):
     ours = {n for n in observed.exported if n.startswith("rose_")}
-    assert {"rose_executor_ttft_seconds_bucket", "rose_executor_tpot_seconds_bucket", "rose_scheduler_leases_total", "rose_rollout_trajectories_total",
-            "rose_weight_publisher_version_wire_bytes", "rose_weights_applied_total", "rose_slo_ttft_p99_seconds"} <= ours
+    assert {
+        "rose_executor_ttft_seconds_bucket",
+        "rose_executor_tpot_seconds_bucket",
+        "rose_scheduler_leases_total",
+        "rose_rollout_trajectories_total",
+        "rose_weight_publisher_version_wire_bytes",
+        "rose_weights_applied_total",
+        "rose_slo_ttft_p99_seconds",
+    } <= ours
     families = {f.name: f.type for text in observed.scrapes.values() for f in text_string_to_metric_families(text) if f.name.startswith("rose_")}
     for name, kind in families.items():
         if kind == "counter":
@@ -359,9 +400,46 @@ def test_metric_names_follow_conventions(observed):
 
 
 PROMQL_WORDS = {
-    "sum", "min", "max", "avg", "count", "rate", "irate", "increase", "delta", "deriv", "histogram_quantile", "by", "without", "on", "ignoring",
-    "group_left", "group_right", "and", "or", "unless", "offset", "bool", "topk", "bottomk", "clamp_min", "clamp_max", "abs", "vector", "scalar",
-    "time", "label_replace", "max_over_time", "min_over_time", "avg_over_time", "last_over_time", "changes", "resets", "le", "sort", "sort_desc",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "deriv",
+    "histogram_quantile",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "topk",
+    "bottomk",
+    "clamp_min",
+    "clamp_max",
+    "abs",
+    "vector",
+    "scalar",
+    "time",
+    "label_replace",
+    "max_over_time",
+    "min_over_time",
+    "avg_over_time",
+    "last_over_time",
+    "changes",
+    "resets",
+    "le",
+    "sort",
+    "sort_desc",
 }
 
 
@@ -419,7 +497,10 @@ def _panels(dashboard: dict) -> list[dict]:
 
 
 def test_metric_name_extraction():
-    expr = 'histogram_quantile(0.99, sum by (le, executor) (rate(rose_executor_ttft_seconds_bucket{executor=~"$executor"}[$__rate_interval]))) / on() group_left max(rose_slo_ttft_target_seconds)'
+    expr = (
+        'histogram_quantile(0.99, sum by (le, executor) (rate(rose_executor_ttft_seconds_bucket{executor=~"$executor"}[$__rate_interval]))) / '
+        "on() group_left max(rose_slo_ttft_target_seconds)"
+    )
     assert metric_names(expr) == {"rose_executor_ttft_seconds_bucket", "rose_slo_ttft_target_seconds"}
     expr = 'sum(rate(rose_x_total{outcome="hit",executor=~"$executor"}[5m])) / sum(rate(rose_x_total[5m]))'
     assert selectors(expr) == [("rose_x_total", [("outcome", "=", "hit"), ("executor", "=~", "$executor")]), ("rose_x_total", [])]
@@ -434,12 +515,16 @@ def test_every_panel_selector_has_a_series_on_a_healthy_fleet(observed):
     A histogram of a rare event (reclaim latency) has no series before its first observation:
     the SDK exports none, and a quantile of nothing is rightly "No data". Those are checked on the
     final scrape, after the fixture's faults (a lease revoked: a reclaim)."""
+
     def series(text: str) -> list[tuple[str, dict[str, str]]]:
         return [(sample.name, sample.labels) for family in text_string_to_metric_families(text) for sample in family.samples]
 
     healthy, final = series(observed.healthy), series("\n".join(observed.scrapes.values()))
-    empty = [(f, title, name, matchers) for f, title, name, matchers in _dashboard_selectors()
-             if not any(n == name and _matches(labels, matchers) for n, labels in (final if name.endswith("_bucket") else healthy))]
+    empty = [
+        (f, title, name, matchers)
+        for f, title, name, matchers in _dashboard_selectors()
+        if not any(n == name and _matches(labels, matchers) for n, labels in (final if name.endswith("_bucket") else healthy))
+    ]
     assert not empty, "panels with no series: " + "; ".join(f"{f}: {title!r} {name}{matchers}" for f, title, name, matchers in empty)
 
 

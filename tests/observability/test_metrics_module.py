@@ -11,8 +11,8 @@ import textwrap
 
 import aiohttp
 import pytest
-from otlp_receiver import otlp_receiver
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from otlp_receiver import otlp_receiver
 
 from rose.contracts.registry import SERVICE_REGISTRY
 from rose.services.scheduler.config import SchedulerConfig
@@ -81,7 +81,9 @@ def test_otlp_metrics_follow_the_standard_variables(monkeypatch):
 def test_bad_metrics_port_names_the_field_and_its_source():
     with pytest.raises(ConfigError, match=r"runtime\.metrics_port.*ROSE_RUNTIME__METRICS_PORT"):
         load_config(SchedulerConfig, env={"ROSE_RUNTIME__METRICS_PORT": "70000"})
-    assert load_config(SchedulerConfig, env={"ROSE_RUNTIME__METRICS_PORT": "9464", "ROSE_RUNTIME__METRICS_HOST": "0.0.0.0"}).runtime.metrics_port == 9464
+    assert (
+        load_config(SchedulerConfig, env={"ROSE_RUNTIME__METRICS_PORT": "9464", "ROSE_RUNTIME__METRICS_HOST": "0.0.0.0"}).runtime.metrics_port == 9464
+    )
 
 
 OTLP_SCRIPT = textwrap.dedent(

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -40,12 +39,22 @@ def _spans(received: list) -> list[dict]:
             attrs = {a.key: a.value.string_value for a in resource.resource.attributes}
             for scope in resource.scope_spans:
                 for span in scope.spans:
-                    out.append({
-                        "service": attrs.get("service.name", ""), "instance": attrs.get("service.instance.id", ""), "name": span.name,
-                        "trace": span.trace_id.hex(), "id": span.span_id.hex(), "parent": span.parent_span_id.hex(),
-                        "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
-                        "attributes": {a.key: (a.value.string_value or a.value.int_value or a.value.double_value or a.value.bool_value) for a in span.attributes},
-                    })
+                    out.append(
+                        {
+                            "service": attrs.get("service.name", ""),
+                            "instance": attrs.get("service.instance.id", ""),
+                            "name": span.name,
+                            "trace": span.trace_id.hex(),
+                            "id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex(),
+                            "start": span.start_time_unix_nano,
+                            "end": span.end_time_unix_nano,
+                            "attributes": {
+                                a.key: (a.value.string_value or a.value.int_value or a.value.double_value or a.value.bool_value)
+                                for a in span.attributes
+                            },
+                        }
+                    )
     return out
 
 
@@ -55,15 +64,17 @@ def analyse(spans: list[dict]) -> dict:
         traces[s["trace"]].append(s)
     broken, periodic_roots, tasks, versions = [], [], [], {}
     executors = {s["instance"] for s in spans if s["service"] == "rose-executor"}
-    for trace_id, members in traces.items():
+    for members in traces.values():
         ids = {s["id"] for s in members}
-        broken += [f'{s["service"]}: {s["name"]}' for s in members if s["parent"] and s["parent"] not in ids]
+        broken += [f"{s['service']}: {s['name']}" for s in members if s["parent"] and s["parent"] not in ids]
         periodic_roots += [s["name"] for s in members if not s["parent"] and any(p in s["name"] for p in PERIODIC)]
         ordered = sorted(members, key=lambda s: s["start"])
         if any(s["name"] == "process rose.rollout.tasks" for s in members):
             services = [s["service"] for s in ordered]
-            whole = all(svc in services for svc in TASK_PATH) and services[0] == "rose-trainer" and any(
-                s["service"] == "rose-trainer" and s["name"].startswith("process rose.rollout.trajectories") for s in members
+            whole = (
+                all(svc in services for svc in TASK_PATH)
+                and services[0] == "rose-trainer"
+                and any(s["service"] == "rose-trainer" and s["name"].startswith("process rose.rollout.trajectories") for s in members)
             )
             tasks.append(whole)
         for s in members:
@@ -71,10 +82,16 @@ def analyse(spans: list[dict]) -> dict:
                 applied = {a["attributes"].get("rose.executor_id") for a in members if a["name"] == "weights.apply"}
                 versions[str(s["attributes"].get("rose.weight_version"))] = sorted(applied)
     return {
-        "spans": len(spans), "traces": len(traces), "broken_parent_links": len(broken), "broken_examples": broken[:10],
-        "periodic_roots": len(periodic_roots), "periodic_root_examples": periodic_roots[:10],
-        "task_traces": len(tasks), "task_traces_whole": sum(tasks),
-        "executors": sorted(executors), "weight_versions": versions,
+        "spans": len(spans),
+        "traces": len(traces),
+        "broken_parent_links": len(broken),
+        "broken_examples": broken[:10],
+        "periodic_roots": len(periodic_roots),
+        "periodic_root_examples": periodic_roots[:10],
+        "task_traces": len(tasks),
+        "task_traces_whole": sum(tasks),
+        "executors": sorted(executors),
+        "weight_versions": versions,
         "weight_versions_reaching_every_executor": sum(1 for v in versions.values() if set(v) >= executors),
         "route_replies_ms": _route_replies(spans),
         "roots_by_name": dict(sorted(_count(s["name"] for s in spans if not s["parent"]).items(), key=lambda kv: -kv[1])[:15]),
@@ -92,19 +109,36 @@ def _route_replies(spans: list[dict]) -> dict[str, float]:
             total = (s["end"] - s["start"]) / 1e6
             inside = sum((c["end"] - c["start"]) / 1e6 for c in children[s["id"]] if c["name"] == "scheduler.place")
             cpu = sum(float(c["attributes"].get("rose.span_cpu_ms", 0.0)) for c in children[s["id"]] if c["name"] == "scheduler.place")
-            rows.append((total, float(s["attributes"].get("rose.loop_wait_ms", 0.0)), inside, float(s["attributes"].get("rose.handler_ms", 0.0)),
-                         float(s["attributes"].get("rose.handler_cpu_ms", 0.0)), cpu))
+            rows.append(
+                (
+                    total,
+                    float(s["attributes"].get("rose.loop_wait_ms", 0.0)),
+                    inside,
+                    float(s["attributes"].get("rose.handler_ms", 0.0)),
+                    float(s["attributes"].get("rose.handler_cpu_ms", 0.0)),
+                    cpu,
+                )
+            )
     if not rows:
         return {}
     rows.sort()
+
     def pct(values: list[float], q: float) -> float:
         values = sorted(values)
         return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+
     return {
-        "count": len(rows), "reply_p50": pct([r[0] for r in rows], 0.5), "reply_p99": pct([r[0] for r in rows], 0.99), "reply_max": round(rows[-1][0], 3),
-        "slowest_loop_wait": round(rows[-1][1], 3), "slowest_place": round(rows[-1][2], 3), "slowest_unexplained": round(rows[-1][0] - rows[-1][2], 3),
+        "count": len(rows),
+        "reply_p50": pct([r[0] for r in rows], 0.5),
+        "reply_p99": pct([r[0] for r in rows], 0.99),
+        "reply_max": round(rows[-1][0], 3),
+        "slowest_loop_wait": round(rows[-1][1], 3),
+        "slowest_place": round(rows[-1][2], 3),
+        "slowest_unexplained": round(rows[-1][0] - rows[-1][2], 3),
         "loop_wait_p99": pct([r[1] for r in rows], 0.99),
-        "slowest_handler": round(rows[-1][3], 3), "slowest_handler_cpu": round(rows[-1][4], 3), "slowest_place_cpu": round(rows[-1][5], 3),
+        "slowest_handler": round(rows[-1][3], 3),
+        "slowest_handler_cpu": round(rows[-1][4], 3),
+        "slowest_place_cpu": round(rows[-1][5], 3),
         "slowest_5": [[round(v, 2) for v in r] for r in rows[-5:]],  # (reply, loop wait, place span, handler, handler CPU, place CPU) ms
     }
 

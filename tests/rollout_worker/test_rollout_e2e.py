@@ -23,8 +23,15 @@ async def _publish_tasks(bus, n: int, turns: int, tag: str, routing: str = "affi
     ids = set()
     for i in range(n):
         task = RolloutTask(
-            task_id=f"{tag}-{i}", env="conversation", prompt=f"Tell me about item {i}.", max_turns=turns, group_id=tag, group_size=n,
-            routing=routing, created_at=time.time(), env_args={"max_tokens": str(max_tokens)},  # type: ignore[arg-type]
+            task_id=f"{tag}-{i}",
+            env="conversation",
+            prompt=f"Tell me about item {i}.",
+            max_turns=turns,
+            group_id=tag,
+            group_size=n,
+            routing=routing,
+            created_at=time.time(),
+            env_args={"max_tokens": str(max_tokens)},  # type: ignore[arg-type]
         )
         await bus.publish(ROLLOUT_TASK, task)
         ids.add(task.task_id)
@@ -71,8 +78,13 @@ async def test_revoked_lease_interrupts_the_turn_with_its_tokens(fleet):
         await asyncio.sleep(0.2)
     assert lease is not None and lease.state == "active"
     long_turn = GenerateRequest(
-        request_id=f"long-{time.monotonic_ns()}", trajectory_id=f"long-{time.monotonic_ns()}", turn_index=0, prompt_token_ids=[5, 6, 7, 8],
-        sampling=SamplingParams(temperature=1.0, max_tokens=1500, seed=1), lease_id=lease.lease_id, lease_epoch=lease.epoch,
+        request_id=f"long-{time.monotonic_ns()}",
+        trajectory_id=f"long-{time.monotonic_ns()}",
+        turn_index=0,
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling=SamplingParams(temperature=1.0, max_tokens=1500, seed=1),
+        lease_id=lease.lease_id,
+        lease_epoch=lease.epoch,
     )
     pending = asyncio.ensure_future(bus.request(GENERATE, long_turn, timeout=60.0, executor_id=SERVING))
     await asyncio.sleep(1.0)
@@ -114,6 +126,4 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
         _check_trajectory(t, turns, max_tokens=16)
     mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
     assert len(mine) == len({t.trajectory_id for t in mine}), "a trajectory was published twice"
-    assert any(r.attempts > 1 for t in got.values() for r in t.turns) or any(
-        r.executor_id == SERVING for t in got.values() for r in t.turns
-    )
+    assert any(r.attempts > 1 for t in got.values() for r in t.turns) or any(r.executor_id == SERVING for t in got.values() for r in t.turns)

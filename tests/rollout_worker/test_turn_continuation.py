@@ -46,8 +46,14 @@ class Executor:
     """One real executor's rollout side on the bus; every reply it sent is kept."""
 
     def __init__(self, models_dir, executor_id: str, dedicated: bool) -> None:
-        self.engine = Engine(load_model(models_dir / "serving"), load_tokenizer(models_dir / "serving"),
-                             load_model(models_dir / "policy"), load_tokenizer(models_dir / "policy"), CONFIG, "rose")
+        self.engine = Engine(
+            load_model(models_dir / "serving"),
+            load_tokenizer(models_dir / "serving"),
+            load_model(models_dir / "policy"),
+            load_tokenizer(models_dir / "policy"),
+            CONFIG,
+            "rose",
+        )
         self.guard = LeaseGuard(self.engine, executor_id, dedicated=dedicated, rollout_kv_bytes=CONFIG.rollout_kv_bytes)
         self.api = RolloutApi(self.engine, self.guard, executor_id)
         self.executor_id = executor_id
@@ -88,8 +94,17 @@ async def executors(bus, models_dir):
 
 def _lease(state: str) -> Lease:
     now = time.time()
-    return Lease(lease_id="tc-lease", executor_id=SERVING, epoch=1, state=state, granted_at=now, expires_at=now + 120.0,  # type: ignore[arg-type]
-                 kv_bytes=CONFIG.rollout_kv_bytes, compute_share=1.0, max_rollout_batch=8)
+    return Lease(
+        lease_id="tc-lease",
+        executor_id=SERVING,
+        epoch=1,
+        state=state,
+        granted_at=now,
+        expires_at=now + 120.0,  # type: ignore[arg-type]
+        kv_bytes=CONFIG.rollout_kv_bytes,
+        compute_share=1.0,
+        max_rollout_batch=8,
+    )
 
 
 async def _grant(bus, serving: Executor) -> None:
@@ -111,7 +126,9 @@ async def _scheduler(bus, hedge: str = "", seen: list[TurnRouteRequest] | None =
             seen.append(req)
         base = dict(trajectory_id=req.trajectory_id, turn_index=req.turn_index)
         if SERVING not in req.exclude and not req.hedge:
-            extra = {"placed": dict(hedge_executor=DEDICATED, hedge_lease_id=DEDICATED_LEASE_ID), "after": dict(hedge_after_s=HEDGE_AFTER_S)}.get(hedge, {})
+            extra = {"placed": dict(hedge_executor=DEDICATED, hedge_lease_id=DEDICATED_LEASE_ID), "after": dict(hedge_after_s=HEDGE_AFTER_S)}.get(
+                hedge, {}
+            )
             return TurnRoute(**base, executor_id=SERVING, lease_id="tc-lease", lease_epoch=1, role="serving", **extra)
         return TurnRoute(**base, executor_id=DEDICATED, lease_id=DEDICATED_LEASE_ID, role="dedicated")
 
@@ -127,8 +144,14 @@ async def _full_length_reference(bus, ex: Executor) -> tuple[list[int], Generate
     """A prompt whose greedy turn runs to max_tokens on the dedicated executor (no early end of text), and that turn."""
     for first in range(20, 400, 37):
         prompt = [first, first + 1, first + 2, first + 3]
-        req = GenerateRequest(request_id=f"tc-ref-{first}", trajectory_id=f"tc-ref-{first}", turn_index=0, prompt_token_ids=prompt,
-                              sampling=SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS), lease_id=DEDICATED_LEASE_ID)
+        req = GenerateRequest(
+            request_id=f"tc-ref-{first}",
+            trajectory_id=f"tc-ref-{first}",
+            turn_index=0,
+            prompt_token_ids=prompt,
+            sampling=SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS),
+            lease_id=DEDICATED_LEASE_ID,
+        )
         reply = await bus.request(GENERATE, req, timeout=30.0, executor_id=DEDICATED)
         if reply.status == "ok" and len(reply.token_ids) == TURN_TOKENS:
             return prompt, reply

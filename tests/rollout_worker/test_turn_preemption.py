@@ -26,14 +26,29 @@ async def test_interrupted_turn_keeps_or_discards_its_tokens(bus):
 
     async def cut(req, _d):  # loses its lease after 2 tokens
         received["tp-cut"].append(req)
-        return GenerateReply(request_id=req.request_id, executor_id="tp-cut", status="rejected", reject_reason="lease_revoked",
-                             token_ids=[101, 102], logprobs=[-0.5, -0.5], finish_reason="abort", policy_version=3)
+        return GenerateReply(
+            request_id=req.request_id,
+            executor_id="tp-cut",
+            status="rejected",
+            reject_reason="lease_revoked",
+            token_ids=[101, 102],
+            logprobs=[-0.5, -0.5],
+            finish_reason="abort",
+            policy_version=3,
+        )
 
     async def ok(req, _d):
         received["tp-ok"].append(req)
         n = req.sampling.max_tokens
-        return GenerateReply(request_id=req.request_id, executor_id="tp-ok", status="ok", token_ids=list(range(200, 200 + n)),
-                             logprobs=[-0.1] * n, finish_reason="length", policy_version=3)
+        return GenerateReply(
+            request_id=req.request_id,
+            executor_id="tp-ok",
+            status="ok",
+            token_ids=list(range(200, 200 + n)),
+            logprobs=[-0.1] * n,
+            finish_reason="length",
+            policy_version=3,
+        )
 
     await bus.serve(ROUTE_TURN, route)
     await bus.serve(GENERATE, cut, executor_id="tp-cut")

@@ -31,7 +31,9 @@ async def _stand_in_scheduler(bus, plan: dict[str, list[str]], seen: list[TurnRo
 
 
 def _ok(req: GenerateRequest, ex: str, tokens: list[int], status: str = "ok", **kw) -> GenerateReply:
-    return GenerateReply(request_id=req.request_id, executor_id=ex, status=status, token_ids=tokens, logprobs=[-0.5] * len(tokens), policy_version=3, **kw)  # type: ignore[arg-type]
+    return GenerateReply(
+        request_id=req.request_id, executor_id=ex, status=status, token_ids=tokens, logprobs=[-0.5] * len(tokens), policy_version=3, **kw
+    )  # type: ignore[arg-type]
 
 
 async def test_refusal_interrupt_and_hedge(bus):
@@ -67,7 +69,9 @@ async def test_refusal_interrupt_and_hedge(bus):
     resumed = received["tw-fast"][0]
     assert resumed.prompt_token_ids == [10, 11, 12, 101, 102] and resumed.sampling.max_tokens == 4
     assert record.token_ids == [101, 102, 200, 201, 202, 203] and len(record.logprobs) == 6
-    assert record.executor_id == "tw-fast" and record.attempts == 3 and runner.stats["resumed"] == 1 and runner.stats["refused"] == 2  # the interrupted reply is a refusal too
+    assert (
+        record.executor_id == "tw-fast" and record.attempts == 3 and runner.stats["resumed"] == 1 and runner.stats["refused"] == 2
+    )  # the interrupted reply is a refusal too
 
     # a straggler: the primary (tw-slow) hangs past 1.5 x the typical turn time; the hedge on tw-fast wins
     for _ in range(4):
@@ -85,8 +89,8 @@ async def test_redelivered_task_resumes_from_its_checkpoints(bus, models_dir):
     """At least once, idempotent by (task id, turn index): checkpointed turns are not generated again."""
     from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
     from rose.contracts.rollout import TurnCheckpoint
-    from rose.shared.agentic.envs import ENVIRONMENTS
     from rose.services.rollout_worker.episode import EpisodeRunner, trajectory_id_of
+    from rose.shared.agentic.envs import ENVIRONMENTS
     from rose.shared.bus import Delivery
     from rose.shared.models import load_tokenizer
 
@@ -107,9 +111,19 @@ async def test_redelivered_task_resumes_from_its_checkpoints(bus, models_dir):
     first_prompt = episodes.encode(ENVIRONMENTS["conversation"].reset(task))
     from rose.contracts.rollout import TurnRecord
 
-    turn0 = TurnRecord(turn_index=0, prompt_token_ids=first_prompt, token_ids=[42, 43], logprobs=[-1.0, -1.0], policy_version=1, executor_id="ep-old",
-                       finish_reason="length", observation=ENVIRONMENTS["conversation"].step(task, 0, "", "length", []).observation)
-    await bus.kv_put(TURN_CHECKPOINT, TurnCheckpoint(task_id=task.task_id, trajectory_id=trajectory_id_of(task), turn=turn0), task_id=task.task_id, turn_index="0")
+    turn0 = TurnRecord(
+        turn_index=0,
+        prompt_token_ids=first_prompt,
+        token_ids=[42, 43],
+        logprobs=[-1.0, -1.0],
+        policy_version=1,
+        executor_id="ep-old",
+        finish_reason="length",
+        observation=ENVIRONMENTS["conversation"].step(task, 0, "", "length", []).observation,
+    )
+    await bus.kv_put(
+        TURN_CHECKPOINT, TurnCheckpoint(task_id=task.task_id, trajectory_id=trajectory_id_of(task), turn=turn0), task_id=task.task_id, turn_index="0"
+    )
 
     published: list = []
 
@@ -124,7 +138,9 @@ async def test_redelivered_task_resumes_from_its_checkpoints(bus, models_dir):
     await asyncio.sleep(0.3)
     assert [r.turn_index for r in received] == [1, 2]  # turn 0 came from its checkpoint, and nothing twice
     assert received[0].prompt_token_ids[: len(first_prompt) + 2] == first_prompt + [42, 43]
-    assert len(published) == 2 and all(t.status == "completed" and [r.token_ids for r in t.turns] == [[42, 43], [301, 301], [302, 302]] for t in published)
+    assert len(published) == 2 and all(
+        t.status == "completed" and [r.token_ids for r in t.turns] == [[42, 43], [301, 301], [302, 302]] for t in published
+    )
     assert published[0].trajectory_id == published[1].trajectory_id
     # core subscribers see both publishes; the durable stream kept one (Nats-Msg-Id de-duplication)
     assert (await bus.js.stream_info(TRAJECTORY.stream.name)).state.messages == stored

@@ -24,12 +24,33 @@ NOW = 10_000.0
 
 def headroom(ex: str, at: float, *, lendable: bool = True, ttft: float = 50.0) -> Headroom:
     return Headroom(
-        executor_id=ex, at=at, kv_bytes=8 << 20, compute_share=0.25, rollout_batch_slots=4, ttft_p99_ms=ttft, tpot_p99_ms=10.0,
-        slo_ttft_ms=500.0, slo_tpot_ms=100.0, arrival_rate_rps=5.0, serving_queue=0, lendable=lendable, reason="test",
+        executor_id=ex,
+        at=at,
+        kv_bytes=8 << 20,
+        compute_share=0.25,
+        rollout_batch_slots=4,
+        ttft_p99_ms=ttft,
+        tpot_p99_ms=10.0,
+        slo_ttft_ms=500.0,
+        slo_tpot_ms=100.0,
+        arrival_rate_rps=5.0,
+        serving_queue=0,
+        lendable=lendable,
+        reason="test",
     )
 
 
-def view(ex: str, now: float = NOW, *, lease=None, lendable_since: float = 0.0, h: Headroom | None = None, alive: bool = True, role: str = "serving", alert_at: float = 0.0) -> ExecutorView:
+def view(
+    ex: str,
+    now: float = NOW,
+    *,
+    lease=None,
+    lendable_since: float = 0.0,
+    h: Headroom | None = None,
+    alive: bool = True,
+    role: str = "serving",
+    alert_at: float = 0.0,
+) -> ExecutorView:
     return ExecutorView(ex, role, alive, h if h is not None else headroom(ex, now), lease, alert_at, lendable_since)
 
 
@@ -87,7 +108,9 @@ def test_elastic_lends_only_after_the_idle_window_and_keeps_min_serving():
     stale = headroom("a", NOW - 10)
     assert plan_lending(NOW, [view("a", lendable_since=NOW - 40, h=stale), view("b")], S, ELASTIC) == []
     # with min_serving = 0 both may go
-    both = plan_lending(NOW, [view("a", lendable_since=NOW - 25), view("b", lendable_since=NOW - 40)], S, msgspec.structs.replace(ELASTIC, min_serving=0))
+    both = plan_lending(
+        NOW, [view("a", lendable_since=NOW - 25), view("b", lendable_since=NOW - 40)], S, msgspec.structs.replace(ELASTIC, min_serving=0)
+    )
     assert len(both) == 2
 
 

@@ -21,7 +21,9 @@ def req(**kw) -> TurnRouteRequest:
     return TurnRouteRequest(**{**dict(trajectory_id="t-1", turn_index=1, prompt_tokens=10), **kw})
 
 
-def ded(ex: str = "ded-1", *, running: int = 32, queued: int = 0, load: int | None = None, tps: float = 3200.0, slots: int = 256, capacity: int = 0) -> Candidate:
+def ded(
+    ex: str = "ded-1", *, running: int = 32, queued: int = 0, load: int | None = None, tps: float = 3200.0, slots: int = 256, capacity: int = 0
+) -> Candidate:
     return Candidate(ex, "dedicated", "", 0, tps, running + queued if load is None else load, slots, running, queued, capacity, 0)
 
 
@@ -90,9 +92,24 @@ def test_hedge_a_late_leased_turn_on_a_free_dedicated_slot():
 
 
 def headroom(ex: str, at: float, role: str, running: int, queued: int, tps: float, slots: int = 256) -> Headroom:
-    return Headroom(executor_id=ex, at=at, kv_bytes=1 << 30, compute_share=1.0, rollout_batch_slots=slots, ttft_p99_ms=0.0, tpot_p99_ms=0.0,
-                    slo_ttft_ms=1000.0, slo_tpot_ms=100.0, arrival_rate_rps=0.0, serving_queue=0, role=role, lendable=True,  # type: ignore[arg-type]
-                    rollout_running=running, rollout_queue=queued, rollout_tokens_per_s=tps)
+    return Headroom(
+        executor_id=ex,
+        at=at,
+        kv_bytes=1 << 30,
+        compute_share=1.0,
+        rollout_batch_slots=slots,
+        ttft_p99_ms=0.0,
+        tpot_p99_ms=0.0,
+        slo_ttft_ms=1000.0,
+        slo_tpot_ms=100.0,
+        arrival_rate_rps=0.0,
+        serving_queue=0,
+        role=role,
+        lendable=True,  # type: ignore[arg-type]
+        rollout_running=running,
+        rollout_queue=queued,
+        rollout_tokens_per_s=tps,
+    )
 
 
 def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
@@ -100,8 +117,12 @@ def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
 
     fleet = Fleet(SchedulerConfig())
     for ex, role in (("d0", "dedicated"), ("d1", "dedicated"), ("s0", "serving")):
-        fleet.on_heartbeat(Heartbeat(service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9,
-                                     labels={"role": role}), now=100.0)
+        fleet.on_heartbeat(
+            Heartbeat(
+                service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9, labels={"role": role}
+            ),
+            now=100.0,
+        )
     fleet.on_headroom(headroom("d0", 100.0, "dedicated", 40, 5, 4000.0))
     fleet.on_headroom(headroom("d1", 100.0, "dedicated", 10, 0, 1000.0))
     cands = {c.executor_id: c for c in fleet.candidates(100.0)}
@@ -118,12 +139,48 @@ def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
     fleet.on_turn_result("b", 0, int(fleet.turn_tokens), 20.0)
     assert fleet.model_error["dedicated"] > 1.5
     # a revoked lease is a revocation; re-sending the revoked record is not another one
-    active = Lease(lease_id="s0-e1", executor_id="s0", epoch=1, state="active", granted_at=100.0, expires_at=110.0, kv_bytes=1, compute_share=0.1, max_rollout_batch=4)
+    active = Lease(
+        lease_id="s0-e1",
+        executor_id="s0",
+        epoch=1,
+        state="active",
+        granted_at=100.0,
+        expires_at=110.0,
+        kv_bytes=1,
+        compute_share=0.1,
+        max_rollout_batch=4,
+    )
     fleet.on_lease(active, 100.0)
     revoked = msgspec.structs.replace(active, state="revoked")
     fleet.on_lease(revoked, 105.0)
     fleet.on_lease(revoked, 105.0)
     assert len(fleet.revocations) == 1 and fleet.revoke_rate(106.0) > 0 and fleet.revoke_rate(106.0 + 1000.0) == 0.0
+
+
+def test_a_lease_is_not_taken_on_an_untrusted_prediction():
+    """No leased turn observed yet: the leased role's correction is the largest observed (none: the largest the fleet
+    believes), so the raw model's optimism about a leased lane cannot win a turn; observed leased turns then count."""
+    from rose.services.scheduler.fleet import MAX_MODEL_ERROR
+
+    fleet = Fleet(SchedulerConfig())
+    pool = [ded(running=32, queued=64), lease()]
+    assert place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0).role == "serving"  # the raw model: the lease is sooner
+    assert fleet.model_error["serving"] == MAX_MODEL_ERROR
+    untrusted = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, model_error=fleet.model_error)
+    assert untrusted is not None and untrusted.role == "dedicated"
+    fleet.on_trajectory("a", "g", [300])
+    # dedicated turns took 4x their prediction: an unobserved leased lane is taken to be at least as far off
+    for k in range(3):
+        fleet.on_prediction("b", k, "dedicated", 10.0)
+        fleet.on_turn_result("b", k, int(fleet.turn_tokens), 40.0)
+    assert abs(fleet.model_error["dedicated"] - 4.0) < 1e-6 and abs(fleet.model_error["serving"] - 4.0) < 1e-6
+    # leased turns observed at 2x their prediction: the role's own figure replaces the prior
+    for k in range(3):
+        fleet.on_prediction("c", k, "serving", 10.0)
+        fleet.on_turn_result("c", k, int(fleet.turn_tokens), 20.0)
+    assert abs(fleet.model_error["serving"] - 2.0) < 1e-6 and abs(fleet.model_error["dedicated"] - 4.0) < 1e-6
+    trusted = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, model_error=fleet.model_error)
+    assert trusted is not None and trusted.role == "serving"
 
 
 def test_route_messages_evolve_with_defaults():

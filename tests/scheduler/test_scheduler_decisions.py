@@ -19,12 +19,25 @@ P = PlacementSettings()
 
 def headroom(at: float, *, ttft: float = 50.0, tpot: float = 10.0, lendable: bool = True, slots: int = 8, ex: str = "ex-1") -> Headroom:
     return Headroom(
-        executor_id=ex, at=at, kv_bytes=64 << 20, compute_share=0.25, rollout_batch_slots=slots, ttft_p99_ms=ttft, tpot_p99_ms=tpot,
-        slo_ttft_ms=500.0, slo_tpot_ms=100.0, arrival_rate_rps=5.0, serving_queue=0, lendable=lendable, reason="test",
+        executor_id=ex,
+        at=at,
+        kv_bytes=64 << 20,
+        compute_share=0.25,
+        rollout_batch_slots=slots,
+        ttft_p99_ms=ttft,
+        tpot_p99_ms=tpot,
+        slo_ttft_ms=500.0,
+        slo_tpot_ms=100.0,
+        arrival_rate_rps=5.0,
+        serving_queue=0,
+        lendable=lendable,
+        reason="test",
     )
 
 
-def view(now: float, *, lease: Lease | None = None, h: Headroom | None = None, alive: bool = True, alert_at: float = 0.0, role: str = "serving") -> ExecutorView:
+def view(
+    now: float, *, lease: Lease | None = None, h: Headroom | None = None, alive: bool = True, alert_at: float = 0.0, role: str = "serving"
+) -> ExecutorView:
     return ExecutorView("ex-1", role, alive, h if h is not None else headroom(now), lease, alert_at)
 
 
@@ -52,8 +65,17 @@ def test_grant_then_renew_then_hysteresis_then_revoke():
 
 def test_epoch_grows_with_every_grant_and_cooldown_after_alert():
     now = 2000.0
-    old = Lease(lease_id="ex-1-e3", executor_id="ex-1", epoch=3, state="revoked", granted_at=now - 50, expires_at=now - 40,
-                kv_bytes=1, compute_share=0.1, max_rollout_batch=1)
+    old = Lease(
+        lease_id="ex-1-e3",
+        executor_id="ex-1",
+        epoch=3,
+        state="revoked",
+        granted_at=now - 50,
+        expires_at=now - 40,
+        kv_bytes=1,
+        compute_share=0.1,
+        max_rollout_batch=1,
+    )
     assert plan_one(view(now, lease=old, alert_at=now - 1), now, S) is None  # cooling down
     grant = plan_one(view(now, lease=old, alert_at=now - 6), now, S)
     assert grant is not None and grant.lease.epoch == 4 and grant.lease.lease_id != old.lease_id

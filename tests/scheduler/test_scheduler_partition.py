@@ -14,15 +14,15 @@ import os
 import socket
 import time
 
+from polling import until
+from test_scheduler_decisions import headroom
+from test_scheduler_service import ENV, START_TIMEOUT_S
+
 from rose.contracts.lease import Lease
 from rose.contracts.registry import HEADROOM, HEARTBEAT, LEASE, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
 from rose.shared.launch import ServiceProcess
 from rose.shared.partition import Partition, weight
-
-from polling import until
-from test_scheduler_decisions import headroom
-from test_scheduler_service import ENV, START_TIMEOUT_S
 
 EXECUTORS = [f"ex-p{i}" for i in range(10)]
 TTL_S = float(ENV["ROSE_LEASES__TTL_S"])
@@ -36,12 +36,16 @@ def test_rendezvous_owner_is_the_same_everywhere_and_moves_only_the_dead_instanc
     for me, part in views.items():
         for other in views:
             if other != me:
-                part.on_heartbeat(Heartbeat(service="scheduler", instance=other, version="t", host="h", pid=1, started_at=now, sent_at=now, interval_s=1.0), now)
+                part.on_heartbeat(
+                    Heartbeat(service="scheduler", instance=other, version="t", host="h", pid=1, started_at=now, sent_at=now, interval_s=1.0), now
+                )
     owners = {ex: views["a"].owner(ex, now) for ex in EXECUTORS * 3}
     assert all(views[name].owner(ex, now) == owner for ex, owner in owners.items() for name in views)
     assert sum(views[name].owns(ex, now) for ex in EXECUTORS for name in views) == len(EXECUTORS)  # each exactly once
     later = now + 10.0  # "c" fell silent: only its executors move
-    views["a"].on_heartbeat(Heartbeat(service="scheduler", instance="b", version="t", host="h", pid=1, started_at=now, sent_at=later, interval_s=1.0), later)
+    views["a"].on_heartbeat(
+        Heartbeat(service="scheduler", instance="b", version="t", host="h", pid=1, started_at=now, sent_at=later, interval_s=1.0), later
+    )
     for ex in EXECUTORS:
         before = owners[ex]
         after = views["a"].owner(ex, later)
@@ -52,8 +56,16 @@ def test_rendezvous_owner_is_the_same_everywhere_and_moves_only_the_dead_instanc
 def beat(instance: str) -> Heartbeat:
     now = time.time()
     return Heartbeat(
-        service="executor", instance=instance, version="test", host=socket.gethostname(), pid=os.getpid(), started_at=now, sent_at=now,
-        interval_s=HEARTBEAT_S, state="ready", labels={"role": "serving"},
+        service="executor",
+        instance=instance,
+        version="test",
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_at=now,
+        sent_at=now,
+        interval_s=HEARTBEAT_S,
+        state="ready",
+        labels={"role": "serving"},
     )
 
 
@@ -119,4 +131,6 @@ async def test_two_instances_never_grant_an_executor_twice_and_a_survivor_takes_
             if new.state == "active" and new.lease_id != prev.lease_id:
                 assert new.epoch > prev.epoch, f"{ex}: epoch went {prev.epoch} -> {new.epoch}"
                 still_active = prev.state == "active" and prev.expires_at > new.granted_at
-                assert not still_active, f"{ex} granted twice: {prev.lease_id} (active until {prev.expires_at}) and {new.lease_id} at {new.granted_at}"
+                assert not still_active, (
+                    f"{ex} granted twice: {prev.lease_id} (active until {prev.expires_at}) and {new.lease_id} at {new.granted_at}"
+                )

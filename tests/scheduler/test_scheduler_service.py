@@ -8,15 +8,14 @@ import os
 import socket
 import time
 
+from polling import until
+from test_scheduler_decisions import headroom
 
 from rose.contracts.registry import EVENTS_STREAM, EXECUTOR_BURST, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import SloAlert
 from rose.shared.launch import ServiceProcess
-
-from polling import until
-from test_scheduler_decisions import headroom
 
 START_TIMEOUT_S = 60.0
 ENV = {
@@ -31,8 +30,16 @@ ENV = {
 def beat(instance: str, role: str) -> Heartbeat:
     now = time.time()
     return Heartbeat(
-        service="executor", instance=instance, version="test", host=socket.gethostname(), pid=os.getpid(), started_at=now, sent_at=now,
-        interval_s=0.5, state="ready", labels={"role": role},
+        service="executor",
+        instance=instance,
+        version="test",
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_at=now,
+        sent_at=now,
+        interval_s=0.5,
+        state="ready",
+        labels={"role": role},
     )
 
 
@@ -100,7 +107,9 @@ async def test_lease_lifecycle_routing_and_restart(bus, nats_server, tmp_path):
 
             # the executor's own burst alert (executor.burst, services/executor/main.py) takes it back the same way
             calm["ex-s1"] = False
-            await bus.publish(EXECUTOR_BURST, SloAlert(executor_id="ex-s1", at=time.time(), severity="burst", reason="executor-side burst"), executor_id="ex-s1")
+            await bus.publish(
+                EXECUTOR_BURST, SloAlert(executor_id="ex-s1", at=time.time(), severity="burst", reason="executor-side burst"), executor_id="ex-s1"
+            )
             revoked = await until(lambda: _state(bus, "revoked"), timeout=5.0, step=0.02)
             assert "executor-side burst" in revoked.reason and revoked.epoch >= again.epoch
     finally:

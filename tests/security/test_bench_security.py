@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from rose.cli.bench_security import run_security_bench
+from rose.bench.security import run_security_bench
 
 ROW_KEYS = {"attack", "category", "as_user", "blocked", "evidence"}
 

@@ -4,7 +4,7 @@
 makes a user per executor instance whose subjects are pinned to it: it serves only its own
 `generate` subject and publishes metrics, weight events, heartbeats and registry keys only under
 its own id. The generic `executor` user stays for instances nobody declared. A real executor
-started the way the launchers start them (cli/fleet.py) runs on its instance's key.
+started the way the launchers start them (bench/fleet.py) runs on its instance's key.
 """
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ from nats.js.errors import NotFoundError
 from polling import until
 
 from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, SloAlert
-from rose.contracts.registry import EXECUTOR_METRICS, GENERATE, HEARTBEAT, SERVICE_REGISTRY, SLO_ALERT, TELEMETRY_STREAM, WEIGHT_APPLIED, WEIGHT_FAILED
+from rose.contracts.registry import (
+    EXECUTOR_METRICS,
+    GENERATE,
+    HEARTBEAT,
+    SERVICE_REGISTRY,
+    SLO_ALERT,
+    TELEMETRY_STREAM,
+    WEIGHT_APPLIED,
+    WEIGHT_FAILED,
+)
 from rose.contracts.weights import WeightApplied, WeightFailed
 from rose.shared.bus import Bus, Delivery, PermissionDenied
 from rose.shared.config import BusConfig
@@ -77,10 +86,17 @@ def test_instance_users_are_derived_from_the_registry_and_written_privately(cred
     generic = permissions("executor")
     assert f"rose.executor.{A}.generate" in a.subscribe and "rose.executor.*.generate" in generic.subscribe
     assert not any(s.startswith("rose.executor.") and s != f"rose.executor.{A}.generate" for s in a.subscribe)
-    for own in (f"rose.telemetry.executor.{A}", f"rose.events.weights.applied.{A}", f"rose.events.weights.failed.{A}",
-                f"rose.svc.heartbeat.executor.{A}", f"$KV.rose_services.executor.{A}"):
+    for own in (
+        f"rose.telemetry.executor.{A}",
+        f"rose.events.weights.applied.{A}",
+        f"rose.events.weights.failed.{A}",
+        f"rose.svc.heartbeat.executor.{A}",
+        f"$KV.rose_services.executor.{A}",
+    ):
         assert own in a.publish, own
-    assert not [s for s in a.publish if s.endswith(".*") and s.startswith(("rose.telemetry.", "rose.events.weights.", "rose.svc.", "$KV.rose_services."))]
+    assert not [
+        s for s in a.publish if s.endswith(".*") and s.startswith(("rose.telemetry.", "rose.events.weights.", "rose.svc.", "$KV.rose_services."))
+    ]
     assert len(a.publish) == len(generic.publish) and len(a.subscribe) == len(generic.subscribe)  # pinned, nothing added or lost
 
     for instance in (A, B):
@@ -112,9 +128,11 @@ def test_instance_names_are_checked_and_seeds_kept_across_runs(tmp_path):
 
 
 async def test_one_executors_key_cannot_act_as_another(server, creds, operator):
-    async with Bus(_config(server, creds.seed_file("executor", A)), service="executor", instance=A) as a, Bus(
-        _config(server, creds.seed_file("executor", B)), service="executor", instance=B
-    ) as b, Bus(_config(server, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-inst") as worker:
+    async with (
+        Bus(_config(server, creds.seed_file("executor", A)), service="executor", instance=A) as a,
+        Bus(_config(server, creds.seed_file("executor", B)), service="executor", instance=B) as b,
+        Bus(_config(server, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-inst") as worker,
+    ):
         # its own: serve, report, heartbeat
         await a.serve(GENERATE, _reply(A), executor_id=A)
         await b.serve(GENERATE, _reply(B), executor_id=B)
@@ -154,7 +172,9 @@ async def test_one_executors_key_cannot_act_as_another(server, creds, operator):
             await a.nc.subscribe(f"_INBOX_executor.{B}.>")
             await a.nc.flush()
             await a.nc.flush()
-        assert a.nc._inbox_prefix.decode().startswith(f"_INBOX_executor.{A}")  # its own replies arrive under its name (its kv_put above got its answer there)
+        assert a.nc._inbox_prefix.decode().startswith(
+            f"_INBOX_executor.{A}"
+        )  # its own replies arrive under its name (its kv_put above got its answer there)
         with pytest.raises(PermissionDenied):  # the alert is the monitor's to send, as before
             await a.publish(SLO_ALERT, SloAlert(executor_id=A, at=NOW, severity="burst", reason="x"), executor_id=A)
 
@@ -173,9 +193,10 @@ async def test_one_executors_key_cannot_act_as_another(server, creds, operator):
 
 async def test_the_generic_executor_key_still_serves_undeclared_instances(server, creds, operator):
     """The weaker option, for executors nobody declared (autoscaled ones): any executor id, as before."""
-    async with Bus(_config(server, creds.seed_file("executor")), service="executor", instance="auto-7") as auto, Bus(
-        _config(server, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-auto"
-    ) as worker:
+    async with (
+        Bus(_config(server, creds.seed_file("executor")), service="executor", instance="auto-7") as auto,
+        Bus(_config(server, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-auto") as worker,
+    ):
         await auto.serve(GENERATE, _reply("auto-7"), executor_id="auto-7")
         req = GenerateRequest(request_id="g2", trajectory_id="t", turn_index=0, prompt_token_ids=[1])
         assert (await worker.request(GENERATE, req, executor_id="auto-7")).executor_id == "auto-7"
@@ -186,8 +207,8 @@ async def test_the_generic_executor_key_still_serves_undeclared_instances(server
 
 
 def test_launchers_give_each_executor_its_instance_key_and_refuse_an_undeclared_one(tmp_path, creds):
-    from rose.cli.demo import SPEC, TRAINER, job_processes
-    from rose.cli.fleet import executor_instances
+    from rose.bench.demo import SPEC, TRAINER, job_processes
+    from rose.bench.fleet import executor_instances
 
     names = executor_instances(SPEC, 2, 1)
     declared = init_credentials(tmp_path / "creds", instances={"executor": names})
@@ -205,8 +226,8 @@ def test_launchers_give_each_executor_its_instance_key_and_refuse_an_undeclared_
 
 @pytest.mark.timeout(180)
 async def test_a_launched_executor_serves_and_heartbeats_on_its_instance_key(tmp_path, models_dir):
-    """The executor process as `rose demo` / the benches start it (cli/fleet.py), on its own instance's key."""
-    from rose.cli.fleet import FleetSpec, assign_credentials, executor_instances, fleet_processes
+    """The executor process as `rose demo` / the benches start it (bench/fleet.py), on its own instance's key."""
+    from rose.bench.fleet import FleetSpec, assign_credentials, executor_instances, fleet_processes
 
     spec = FleetSpec(prefix="inst")
     (name,) = executor_instances(spec, 1, 0)
@@ -217,9 +238,10 @@ async def test_a_launched_executor_serves_and_heartbeats_on_its_instance_key(tmp
         executor = procs[name]
         executor.env["ROSE_STATE_DIR"] = str(tmp_path / "state")
         assert executor.env["ROSE_BUS__NKEY_SEED_FILE"] == str(creds.seed_file("executor", name))
-        async with Bus(_config(srv, creds.seed_file(OPERATOR)), service=OPERATOR, instance="ops-launch") as ops, Bus(
-            _config(srv, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-launch"
-        ) as worker:
+        async with (
+            Bus(_config(srv, creds.seed_file(OPERATOR)), service=OPERATOR, instance="ops-launch") as ops,
+            Bus(_config(srv, creds.seed_file("rollout_worker")), service="rollout_worker", instance="rw-launch") as worker,
+        ):
             await provision(ops.js)
             beats: list[Heartbeat] = []
 
@@ -230,7 +252,9 @@ async def test_a_launched_executor_serves_and_heartbeats_on_its_instance_key(tmp
             executor.start()
             try:
                 await executor.wait_ready(ops, 150)
-                reply = await worker.request(GENERATE, GenerateRequest(request_id="g-l", trajectory_id="t", turn_index=0, prompt_token_ids=[1, 2]), executor_id=name)
+                reply = await worker.request(
+                    GENERATE, GenerateRequest(request_id="g-l", trajectory_id="t", turn_index=0, prompt_token_ids=[1, 2]), executor_id=name
+                )
                 assert reply.executor_id == name and reply.request_id == "g-l"  # answered on its own subject (no lease: rejected)
                 await until(lambda: any(b.state == "ready" for b in beats), 30, "a ready heartbeat on core NATS")
                 await until(lambda: _has_metrics(ops, name), 30, "its metrics in the telemetry stream")
@@ -254,7 +278,10 @@ async def test_health_on_an_instance_key_listens_to_that_instance_only(server, c
     from rose.cli.health import _live_heartbeats
 
     seed = creds.seed_file("executor", A)
-    async with Bus(_config(server, seed), service="executor", instance="health-a") as checker, Bus(_config(server, seed), service="executor", instance=A) as live:
+    async with (
+        Bus(_config(server, seed), service="executor", instance="health-a") as checker,
+        Bus(_config(server, seed), service="executor", instance=A) as live,
+    ):
         listening = asyncio.create_task(_live_heartbeats(checker, "executor", 30.0, A))
         while not listening.done():  # until the subscription is in place and hears one
             await live.publish(HEARTBEAT, _beat(A), service="executor", instance=A)

@@ -36,21 +36,30 @@ from rose.contracts.registry import (
 )
 from rose.contracts.weights import WeightManifest, WeightPublishAccepted, WeightPublishRequest
 from rose.shared.bus import Bus, Delivery, PermissionDenied
+from rose.shared.config import BusConfig
 from rose.shared.security import SEED_SUFFIX, USERS, permissions, public_key
 from rose.shared.weight_store import WeightStore
-
-from rose.shared.config import BusConfig
 
 NOW = time.time()
 
 
 def _manifest(version: int) -> WeightManifest:
-    return WeightManifest(model="policy", version=version, base_version=None, keyframe=True, created_at=NOW, bucket="rose_weights", shards=[], tensors=[])
+    return WeightManifest(
+        model="policy", version=version, base_version=None, keyframe=True, created_at=NOW, bucket="rose_weights", shards=[], tensors=[]
+    )
 
 
 def _lease(executor: str) -> Lease:
     return Lease(
-        lease_id="l1", executor_id=executor, epoch=1, state="active", granted_at=NOW, expires_at=NOW + 60, kv_bytes=1 << 20, compute_share=0.5, max_rollout_batch=2
+        lease_id="l1",
+        executor_id=executor,
+        epoch=1,
+        state="active",
+        granted_at=NOW,
+        expires_at=NOW + 60,
+        kv_bytes=1 << 20,
+        compute_share=0.5,
+        max_rollout_batch=2,
     )
 
 
@@ -159,9 +168,11 @@ async def test_executor_reads_but_cannot_grant_itself_a_lease(as_user, operator)
 
 
 async def test_trainer_publishes_tasks_and_weight_requests_worker_consumes_them(as_user, operator):
-    async with Bus(as_user("trainer"), service="trainer", instance="tr-1") as trainer, Bus(
-        as_user("rollout_worker"), service="rollout_worker", instance="rw-2"
-    ) as worker, Bus(as_user("weight_publisher"), service="weight_publisher", instance="wp-2") as publisher:
+    async with (
+        Bus(as_user("trainer"), service="trainer", instance="tr-1") as trainer,
+        Bus(as_user("rollout_worker"), service="rollout_worker", instance="rw-2") as worker,
+        Bus(as_user("weight_publisher"), service="weight_publisher", instance="wp-2") as publisher,
+    ):
         got: list[str] = []
 
         async def on_task(task: RolloutTask, d: Delivery) -> None:
@@ -174,7 +185,9 @@ async def test_trainer_publishes_tasks_and_weight_requests_worker_consumes_them(
         await publisher.serve(WEIGHT_PUBLISH, on_publish, queue="publishers")
         await trainer.publish(ROLLOUT_TASK, RolloutTask(task_id="sec-t1", env="conversation", prompt="hi"), msg_id="sec-t1")
         accepted = await trainer.request(
-            WEIGHT_PUBLISH, WeightPublishRequest(request_id="rq1", model="policy", version=1, source="object", object_name="policy-v1"), model="policy"
+            WEIGHT_PUBLISH,
+            WeightPublishRequest(request_id="rq1", model="policy", version=1, source="object", object_name="policy-v1"),
+            model="policy",
         )
         assert accepted.version == 1
         await WeightStore(trainer.js, WEIGHTS_STAGING_OBJECTS.bucket).put("policy-v1", b"s" * 1000)  # the staging upload
@@ -186,13 +199,17 @@ async def test_trainer_publishes_tasks_and_weight_requests_worker_consumes_them(
         with pytest.raises(PermissionDenied):  # a worker hands out no work
             await worker.publish(ROLLOUT_TASK, RolloutTask(task_id="sec-t2", env="conversation", prompt="hi"))
         with pytest.raises(PermissionDenied):  # nor asks for weights to be published
-            await worker.request(WEIGHT_PUBLISH, WeightPublishRequest(request_id="rq2", model="policy", version=2, source="path", path="/x"), model="policy")
+            await worker.request(
+                WEIGHT_PUBLISH, WeightPublishRequest(request_id="rq2", model="policy", version=2, source="path", path="/x"), model="policy"
+            )
 
 
 async def test_request_reply_between_services_and_refusals_of_the_wrong_side(as_user, operator):
-    async with Bus(as_user("executor"), service="executor", instance="ex-9") as executor, Bus(
-        as_user("rollout_worker"), service="rollout_worker", instance="rw-9"
-    ) as worker, Bus(as_user("slo_monitor"), service="slo_monitor", instance="mon-9") as monitor:
+    async with (
+        Bus(as_user("executor"), service="executor", instance="ex-9") as executor,
+        Bus(as_user("rollout_worker"), service="rollout_worker", instance="rw-9") as worker,
+        Bus(as_user("slo_monitor"), service="slo_monitor", instance="mon-9") as monitor,
+    ):
 
         async def generate(req: GenerateRequest, d: Delivery) -> GenerateReply:
             return GenerateReply(request_id=req.request_id, executor_id="ex-9", status="ok", token_ids=[4])
@@ -209,8 +226,17 @@ async def test_request_reply_between_services_and_refusals_of_the_wrong_side(as_
         from rose.contracts import Headroom
 
         headroom = Headroom(
-            executor_id="ex-9", at=NOW, kv_bytes=1, compute_share=0.5, rollout_batch_slots=1, ttft_p99_ms=1.0, tpot_p99_ms=1.0, slo_ttft_ms=500.0,
-            slo_tpot_ms=100.0, arrival_rate_rps=1.0, serving_queue=0,
+            executor_id="ex-9",
+            at=NOW,
+            kv_bytes=1,
+            compute_share=0.5,
+            rollout_batch_slots=1,
+            ttft_p99_ms=1.0,
+            tpot_p99_ms=1.0,
+            slo_ttft_ms=500.0,
+            slo_tpot_ms=100.0,
+            arrival_rate_rps=1.0,
+            serving_queue=0,
         )
         await monitor.publish(HEADROOM, headroom, executor_id="ex-9")
         with pytest.raises(PermissionDenied):

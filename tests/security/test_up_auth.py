@@ -12,13 +12,13 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nats
 import pytest
-
 from rose_cli import rose, wait_until_up
 
-from rose.cli.main import ON_DEMAND_SERVICES, SERVICE_MODULES
+from rose.cli.service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
 from rose.shared.security import USERS
 
 UP_TIMEOUT_S = 180.0
@@ -53,7 +53,8 @@ def test_up_runs_every_service_with_its_own_credentials(tmp_path, models_dir):
         (executor,) = [s for s in report["services"] if s["service"] == "executor"]
         own = security / f"executor@{executor['instance']}.nk"
         assert stat.S_IMODE(os.stat(own).st_mode) == 0o600 and f"# executor@{executor['instance']}\n" in server_conf
-        environ = dict(line.split("=", 1) for line in open(f"/proc/{executor['pid']}/environ").read().split("\0") if "=" in line)
+        raw_environ = Path(f"/proc/{executor['pid']}/environ").read_text()
+        environ = dict(line.split("=", 1) for line in raw_environ.split("\0") if "=" in line)
         assert environ["ROSE_BUS__NKEY_SEED_FILE"] == str(own) and environ["ROSE_RUNTIME__INSTANCE"] == executor["instance"]
 
         async def anonymous() -> None:

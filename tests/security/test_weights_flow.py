@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
 
 from rose.client import WeightsClient
 from rose.services.weight_publisher.config import PublisherSettings, WeightPublisherConfig
@@ -17,7 +18,6 @@ from rose.shared.bus import Bus
 from rose.shared.config import RuntimeConfig
 from rose.shared.weight_signing import generate_keypair
 from rose.shared.weight_sync import WeightFollower
-import torch
 
 TIMEOUT = 20.0
 
@@ -48,9 +48,10 @@ async def test_trainer_publisher_executor_with_their_own_credentials(as_user, op
     service = asyncio.create_task(run(config))
     executor = _Executor()
     try:
-        async with Bus(as_user("executor"), service="executor", instance="ex-sec") as ex_bus, Bus(
-            as_user("trainer"), service="trainer", instance="tr-sec"
-        ) as trainer:
+        async with (
+            Bus(as_user("executor"), service="executor", instance="ex-sec") as ex_bus,
+            Bus(as_user("trainer"), service="trainer", instance="tr-sec") as trainer,
+        ):
             follower = WeightFollower(ex_bus, model="policy-sec", apply=executor.apply)
             await follower.start(executor.state, None)
             async with WeightsClient(trainer, "policy-sec") as weights:

@@ -10,14 +10,16 @@ from dataclasses import replace
 
 import pytest
 
-from rose.cli.sim.bench import config_key, grid_configs, rows_of, run_grid, targets_of
-from rose.cli.sim.engine import SimConfig, Simulation
-from rose.cli.sim.rollouts import RolloutSpec
 from rose.services.scheduler import placement
+from rose.sim.bench import config_key, grid_configs, rows_of, run_grid, targets_of
+from rose.sim.engine import SimConfig, Simulation
+from rose.sim.rollouts import RolloutSpec
 
 
 def small(policy: str, demand: float, **kw) -> SimConfig:
-    return SimConfig(model="7B", gpus=8, policy=policy, steps=1, seed=0, rollout=replace(RolloutSpec(), oversubscription=demand), rollout_gpu_ratio=0.25, **kw)
+    return SimConfig(
+        model="7B", gpus=8, policy=policy, steps=1, seed=0, rollout=replace(RolloutSpec(), oversubscription=demand), rollout_gpu_ratio=0.25, **kw
+    )
 
 
 def test_the_sim_places_with_the_schedulers_inputs_and_keeps_the_tail_off_leases():
@@ -47,8 +49,16 @@ def test_the_sim_places_with_the_schedulers_inputs_and_keeps_the_tail_off_leases
 @pytest.fixture(scope="module")
 def grid():
     """7B on 8 GPUs (2 dedicated), demand 1x and 4x, synchronous, static / elastic_baseline / rose, one step."""
-    configs = grid_configs(models=("7B",), fleets=(8,), demands=(1.0, 4.0), ratios=(0.25,), modes=("sync",),
-                           policies=("static", "elastic_baseline", "rose"), steps=1, seed=0)
+    configs = grid_configs(
+        models=("7B",),
+        fleets=(8,),
+        demands=(1.0, 4.0),
+        ratios=(0.25,),
+        modes=("sync",),
+        policies=("static", "elastic_baseline", "rose"),
+        steps=1,
+        seed=0,
+    )
     return rows_of(run_grid(configs, jobs=1))
 
 

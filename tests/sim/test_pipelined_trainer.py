@@ -7,16 +7,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-from rose.cli.sim import calibration as cal
-from rose.cli.sim import engine
-from rose.cli.sim.coserve import rollout_interference, serving_tick
-from rose.cli.sim.devices import MeasuredSteps
-from rose.cli.sim.engine import simulate
-from rose.cli.sim.policies import make_fleet_policy
-from rose.services.executor import policies as executor_policies
-
 from test_calibration_and_cli import SYNTHETIC_E2E  # tests/sim is on sys.path (pytest rootdir imports)
+
+from rose.services.executor import policies as executor_policies
+from rose.sim import calibration as cal
+from rose.sim import engine
+from rose.sim.coserve import rollout_interference, serving_tick
+from rose.sim.devices import MeasuredSteps
+from rose.sim.engine import simulate
+from rose.sim.policies import make_fleet_policy
 
 SERVING, POLICY = cal._e2e_step_models(SYNTHETIC_E2E, None, 0)[:2]
 
@@ -38,13 +37,13 @@ def test_the_models_constants_are_the_services_own():
 
 
 def test_trainer_settings_from_the_e2e_json_else_the_demo():
-    from rose.cli.demo import TRAINER
+    from rose.bench.demo import TRAINER
 
     own = cal.trainer_settings({"trainer": {"ROSE_GRPO__PREFETCH_STEPS": "2", "ROSE_GRPO__MAX_STALENESS": "3", "ROSE_GRPO__GROUP_SIZE": "4"}})
     assert (own["prefetch_steps"], own["max_staleness"], own["group_size"]) == (2, 3, 4)
     assert own["trainer_settings_from"] == "the e2e JSON's trainer block"
     demo = cal.trainer_settings({})
-    assert demo["prefetch_steps"] == int(TRAINER["ROSE_GRPO__PREFETCH_STEPS"]) and "cli/demo.py" in demo["trainer_settings_from"]
+    assert demo["prefetch_steps"] == int(TRAINER["ROSE_GRPO__PREFETCH_STEPS"]) and "bench/demo.py" in demo["trainer_settings_from"]
     assert cal._e2e_config(SYNTHETIC_E2E, "static", SERVING, POLICY, 0, steps=2).prefetch_steps == demo["prefetch_steps"]
 
 
@@ -117,7 +116,7 @@ def test_naive_lane_makes_serving_wait_behind_a_whole_rollout_batch():
     naive, rose = make_fleet_policy("naive_share").executor_policy, make_fleet_policy("rose").executor_policy
     assert isinstance(naive, executor_policies.NaiveShare) and naive.quantum_ms is None and naive.shares_serving_lane
     tau, turn_tokens = np.array([0.008]), 16.0
-    signals = lambda d: executor_policies.Signals(0.0, 0, 2, 5.0, 100.0)  # noqa: E731
+    signals = lambda d: executor_policies.Signals(now=0.0, serving_prefill_pending=0, serving_running=2, serving_iteration_ms=5.0, slo_tpot_ms=100.0)  # noqa: E731
     extra, wait, _ = rollout_interference(naive, np.array([True]), tau, turn_tokens, signals)
     assert extra[0] == wait[0] == pytest.approx(tau[0] * turn_tokens)  # the whole batch: 16 decode steps
     r_extra, r_wait, _ = rollout_interference(rose, np.array([True]), tau, turn_tokens, signals)

@@ -2,13 +2,13 @@
 
 import numpy as np
 
-from rose.cli.sim import policies as simp
-from rose.cli.sim.engine import SimConfig, Simulation
 from rose.services.executor import policies as executor_policies
 from rose.services.scheduler import fleet as scheduler_fleet
 from rose.services.scheduler import leases, placement
 from rose.services.scheduler.config import LendingSettings
 from rose.services.slo_monitor import bursts, headroom
+from rose.sim import policies as simp
+from rose.sim.engine import SimConfig, Simulation
 
 
 def test_policy_callables_are_the_services_functions():
@@ -38,6 +38,7 @@ def test_the_simulation_uses_the_schedulers_fleet_and_its_decisions():
         def f(*a, **k):
             calls[key] += 1
             return real[key](*a, **k)
+
         return f
 
     sim.policy.plan_lending, sim.policy.place_turn = counting("plan"), counting("place")
@@ -63,11 +64,28 @@ def test_classify_matches_the_monitors_detector_on_window_figures():
     rng = np.random.default_rng(0)
     for t in range(40):
         arrivals = int(rng.poisson(5 if t < 35 else 20))
-        window.add(MetricsSnapshot(executor_id="e", at=float(t), interval_s=1.0, serving_arrivals=arrivals, serving_queue=0,
-                                   ttft_ms=LatencySketch(), tpot_ms=LatencySketch()), float(t))
+        window.add(
+            MetricsSnapshot(
+                executor_id="e",
+                at=float(t),
+                interval_s=1.0,
+                serving_arrivals=arrivals,
+                serving_queue=0,
+                ttft_ms=LatencySketch(),
+                tpot_ms=LatencySketch(),
+            ),
+            float(t),
+        )
         found = bursts.signals(window, cfg, slo, window.stats(3.0))
         snaps = window.snapshots
-        direct = bursts.classify(window.stats(3.0), stats_of(window.recent(cfg.window_s)), stats_of(window.older_than(cfg.window_s)),
-                                 snaps[-1].serving_queue, snaps[-2].serving_queue if len(snaps) > 1 else 0, cfg, slo)
+        direct = bursts.classify(
+            window.stats(3.0),
+            stats_of(window.recent(cfg.window_s)),
+            stats_of(window.older_than(cfg.window_s)),
+            snaps[-1].serving_queue,
+            snaps[-2].serving_queue if len(snaps) > 1 else 0,
+            cfg,
+            slo,
+        )
         assert found == direct
     assert found is not None and found[0] == "burst"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from rose.cli.sim.engine import Infeasible, SimConfig, simulate
-from rose.cli.sim.traces import DiurnalBursty
-from rose.cli.sim.weights import SyncSpec, sync_seconds
+from rose.sim.engine import Infeasible, SimConfig, simulate
+from rose.sim.traces import DiurnalBursty
+from rose.sim.weights import SyncSpec, sync_seconds
 
 BURSTY = DiurnalBursty(amplitude=0.3, burst_every_s=120.0, burst_factor=1.8, burst_len_s=30.0)
 
@@ -12,7 +12,10 @@ BURSTY = DiurnalBursty(amplitude=0.3, burst_every_s=120.0, burst_factor=1.8, bur
 @pytest.fixture(scope="module")
 def small_run():
     """7B on 8 H100s, one RL step, a bursty trace: the four policies, the same seed."""
-    return {p: simulate(SimConfig(model="7B", gpus=8, policy=p, steps=1, seed=3, trace_shape=BURSTY)) for p in ("static", "naive_share", "elastic_baseline", "rose")}
+    return {
+        p: simulate(SimConfig(model="7B", gpus=8, policy=p, steps=1, seed=3, trace_shape=BURSTY))
+        for p in ("static", "naive_share", "elastic_baseline", "rose")
+    }
 
 
 def test_deterministic_given_seed():
@@ -40,12 +43,15 @@ def test_rose_at_least_static_where_the_pool_is_short():
     notes of `rose bench sim`)."""
     from dataclasses import replace
 
-    from rose.cli.sim.rollouts import RolloutSpec
+    from rose.sim.rollouts import RolloutSpec
 
     spec = replace(RolloutSpec(), oversubscription=4.0)
     ratios = []
     for seed in (0, 1, 2):
-        r = {p: simulate(SimConfig(model="7B", gpus=8, policy=p, steps=1, seed=seed, trace_shape=BURSTY, load=0.25, rollout=spec)) for p in ("static", "rose")}
+        r = {
+            p: simulate(SimConfig(model="7B", gpus=8, policy=p, steps=1, seed=seed, trace_shape=BURSTY, load=0.25, rollout=spec))
+            for p in ("static", "rose")
+        }
         assert r["rose"]["slo_violations"] == 0 == r["static"]["slo_violations_serving_alone"]
         ratios.append(r["rose"]["rl_steps_per_hour"] / r["static"]["rl_steps_per_hour"])
     assert sum(ratios) / len(ratios) >= 1.0, ratios

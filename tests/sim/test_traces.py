@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rose.cli.sim.traces import SAMPLE_CSV, DiurnalBursty, TraceError, diurnal_bursty, load_azure_csv, requests_to_trace, write_sample_csv
+from rose.sim.traces import SAMPLE_CSV, DiurnalBursty, TraceError, diurnal_bursty, load_azure_csv, requests_to_trace, write_sample_csv
 
 
 def test_good_file(tmp_path):
@@ -75,4 +75,6 @@ def test_synthetic_shape_has_a_daily_cycle_and_bursts():
     hourly = t.rate.reshape(24, 3600).mean(axis=1)
     assert int(np.argmax(hourly)) in range(11, 18) and int(np.argmin(hourly)) in (0, 1, 2, 3, 4, 23)
     assert t.rate.max() > 1.9 * np.median(t.rate)
-    assert np.array_equal(t.rate, diurnal_bursty(24 * 3600, 0.0, DiurnalBursty(amplitude=0.3, peak_hour=14.0, burst_every_s=600, burst_factor=2.0), seed=1).rate)
+    assert np.array_equal(
+        t.rate, diurnal_bursty(24 * 3600, 0.0, DiurnalBursty(amplitude=0.3, peak_hour=14.0, burst_every_s=600, burst_factor=2.0), seed=1).rate
+    )

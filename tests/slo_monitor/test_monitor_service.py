@@ -6,11 +6,10 @@ import asyncio
 import time
 
 import pytest
+from test_monitor_model import snap
 
 from rose.contracts.registry import EXECUTOR_METRICS, HEADROOM, SLO_ALERT
 from rose.shared.launch import ServiceProcess
-
-from test_monitor_model import snap
 
 START_TIMEOUT_S = 60.0
 
@@ -18,7 +17,9 @@ START_TIMEOUT_S = 60.0
 @pytest.fixture
 async def monitor(bus, nats_server, tmp_path):
     proc = ServiceProcess(
-        "slo_monitor", "mon-test", {"NATS_URL": nats_server.url, "ROSE_HEADROOM_INTERVAL_S": "0.3", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"},
+        "slo_monitor",
+        "mon-test",
+        {"NATS_URL": nats_server.url, "ROSE_HEADROOM_INTERVAL_S": "0.3", "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"},
         tmp_path / "monitor.log",
     ).start()
     try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from weights_helpers import Executor, make_state, rl_step, same
 
 from rose.client import PublishFailedError, WeightsClient
 from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
-from rose.contracts.weights import WeightPublishFailed, WeightPublishRequest
+from rose.contracts.weights import VERSION_NOT_NEWER, WeightPublishFailed, WeightPublishRequest
 from rose.services.weight_publisher.config import PublisherSettings, WeightPublisherConfig
 from rose.services.weight_publisher.main import run
 from rose.shared.bus import Bus, RemoteError
@@ -16,7 +17,6 @@ from rose.shared.config import RuntimeConfig
 from rose.shared.weight_layout import save_safetensors
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
-from weights_helpers import Executor, make_state, rl_step, same
 
 TIMEOUT = 15.0
 
@@ -40,7 +40,10 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
     follower = WeightFollower(follower_bus, model=model_name, apply=executor.apply)
     await follower.start(executor.state, None)
     try:
-        async with WeightsClient(bus, model_name) as staged_via_objects, WeightsClient(bus, model_name, staging_dir=tmp_path / "stage") as staged_via_path:
+        async with (
+            WeightsClient(bus, model_name) as staged_via_objects,
+            WeightsClient(bus, model_name, staging_dir=tmp_path / "stage") as staged_via_path,
+        ):
             await asyncio.sleep(0.5)  # the service's endpoint is up once it has announced itself; retry until then
             for version in range(1, 6):
                 states.setdefault(version, rl_step(states.get(version - 1, states[1]), version))
@@ -48,7 +51,7 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
                     client, source = staged_via_path, save_safetensors(states[version], tmp_path / "v4.safetensors")
                 else:
                     client, source = (staged_via_objects if version % 2 else staged_via_path), states[version]
-                for attempt in range(40):
+                for _attempt in range(40):
                     try:
                         accepted = await client.publish(source, version)
                         break
@@ -64,12 +67,17 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
             with pytest.raises(RemoteError, match="not newer") as refused:
                 await staged_via_path.publish(states[5], 5)
             assert refused.value.code == "400"  # a client error: answered, not dead-lettered
+            assert refused.value.reason == VERSION_NOT_NEWER and refused.value.data["latest"] >= 5  # what a trainer branches on
             # A path the publisher cannot read is refused too.
             with pytest.raises(RemoteError, match="does not exist"):
                 await staged_via_path.publish(tmp_path / "nowhere", 6)
             # A staged object that is not safetensors fails after acceptance: the client hears why.
             await WeightStore(bus.js, WEIGHTS_STAGING_OBJECTS.bucket).put("junk", b"not safetensors at all")
-            await bus.request(WEIGHT_PUBLISH, WeightPublishRequest(request_id="r7", model=model_name, version=7, source="object", object_name="junk"), model=model_name)
+            await bus.request(
+                WEIGHT_PUBLISH,
+                WeightPublishRequest(request_id="r7", model=model_name, version=7, source="object", object_name="junk"),
+                model=model_name,
+            )
             with pytest.raises(PublishFailedError, match="safetensors"):
                 await staged_via_objects.published(7, timeout=TIMEOUT)
     finally:
@@ -92,7 +100,7 @@ async def test_a_failed_version_does_not_stall_the_versions_after_it(publisher_s
             await follower.start(executor.state, None)
         try:
             async with WeightsClient(bus, model_name) as weights:
-                for attempt in range(40):  # the service is still starting
+                for _attempt in range(40):  # the service is still starting
                     try:
                         await weights.publish(states[1], 1)
                         break
@@ -100,7 +108,11 @@ async def test_a_failed_version_does_not_stall_the_versions_after_it(publisher_s
                         await asyncio.sleep(0.25)
                 await weights.published(1, timeout=TIMEOUT)
                 # v2: accepted, then its staged object is missing when the publisher reads it
-                await bus.request(WEIGHT_PUBLISH, WeightPublishRequest(request_id="gone", model=model_name, version=2, source="object", object_name="gone"), model=model_name)
+                await bus.request(
+                    WEIGHT_PUBLISH,
+                    WeightPublishRequest(request_id="gone", model=model_name, version=2, source="object", object_name="gone"),
+                    model=model_name,
+                )
                 with pytest.raises(PublishFailedError, match="gone"):
                     await weights.published(2, timeout=TIMEOUT)
                 for version in (2, 3):  # v2 again (its source fixed), then v3

@@ -11,6 +11,7 @@ import os
 
 import msgspec
 import pytest
+from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 from rose.contracts import DeadLetter
 from rose.contracts.registry import DEAD_LETTER, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
@@ -30,7 +31,6 @@ from rose.shared.weight_signing import (
 )
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
-from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 SETTINGS = PublisherSettings(shard_bytes=1 << 20, keyframe_interval=100)
 TIMEOUT = 10.0
@@ -180,7 +180,9 @@ def _manifest() -> WeightManifest:
 
     shard = ShardInfo(shard_id=0, encoding="dense", object_name="m/v1/s0", wire_bytes=8, decoded_bytes=8, sha256="ab" * 32)
     tensor = TensorInfo(name="w", dtype="float32", shape=[2], shard_id=0, offset=0, nbytes=8)
-    return WeightManifest(model="m", version=1, base_version=None, keyframe=True, created_at=1.7e9 + 0.123456789, bucket="b", shards=[shard], tensors=[tensor])
+    return WeightManifest(
+        model="m", version=1, base_version=None, keyframe=True, created_at=1.7e9 + 0.123456789, bucket="b", shards=[shard], tensors=[tensor]
+    )
 
 
 def test_canonical_bytes_survive_the_wire_and_ignore_defaults(tmp_path):
@@ -220,7 +222,6 @@ def test_any_manifest_is_verified_or_refused_never_a_crash(tmp_path):
     import msgspec.inspect as mi
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-
     from test_contracts import strategy_for
 
     signer = ManifestSigner.from_file(generate_keypair(tmp_path).private)

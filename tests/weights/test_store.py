@@ -24,7 +24,9 @@ async def craft(js, name: str, chunks: list[bytes], *, size: int, digest_of: byt
     for chunk in chunks:
         await js.publish(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=nuid), chunk)
     digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(digest_of).digest()).decode()
-    info = api.ObjectInfo(name=name, bucket=BUCKET, nuid=nuid, size=size, chunks=len(chunks), digest=digest, options=api.ObjectMetaOptions(max_chunk_size=1 << 20))
+    info = api.ObjectInfo(
+        name=name, bucket=BUCKET, nuid=nuid, size=size, chunks=len(chunks), digest=digest, options=api.ObjectMetaOptions(max_chunk_size=1 << 20)
+    )
     meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=BUCKET, obj=base64.urlsafe_b64encode(name.encode()).decode())
     await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.services.weight_publisher.config import PublisherSettings
@@ -10,7 +10,6 @@ from rose.services.weight_publisher.versions import ModelVersions
 from rose.shared.weight_layout import layout_of
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
-from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 SMALL_SHARDS = PublisherSettings(shard_bytes=8192, keyframe_interval=100)
 TIMEOUT = 10.0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-
 import torch
-
 from polling import until  # noqa: F401 - re-exported for the weights tests
+
 from rose.shared.bus import Delivery
+
 
 def make_state(seed: int = 0, *, scale: int = 1) -> dict[str, torch.Tensor]:
     """A tiny transformer-shaped state dict: bf16 matrices, fp32 norms, an fp16 head."""
@@ -33,7 +33,10 @@ def as_sources(state: dict[str, torch.Tensor]):
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8) if a[n].dtype != torch.bool else a[n], b[n].view(torch.uint8) if b[n].dtype != torch.bool else b[n]) for n in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.uint8) if a[n].dtype != torch.bool else a[n], b[n].view(torch.uint8) if b[n].dtype != torch.bool else b[n])
+        for n in a
+    )
 
 
 class Executor:

@@ -7,7 +7,7 @@ prefill at several lengths, and fits ``devices.MeasuredSteps`` (least squares) t
 
 Those step models replace the roofline, and the simulator predicts a real run:
 
-- ``calibrate_e2e(report)`` — the real RL job of ``rose bench e2e`` (cli/bench_e2e.py). Read
+- ``calibrate_e2e(report)`` — the real RL job of ``rose bench e2e`` (bench/e2e.py). Read
   from its JSON: per policy ``rl_steps_per_hour``, ``rollout_s_per_step``,
   ``serving_slo_attainment`` and the measured ``calibration`` block (trajectories per step,
   turns per trajectory, tokens per turn, train and publish seconds, serving arrivals per
@@ -18,7 +18,7 @@ Those step models replace the roofline, and the simulator predicts a real run:
   ``serving_slo_attainment`` are predicted by the fleet simulator (engine.py) with that setup;
   error = ``|predicted - measured| / measured``. The trainer runs as the real one does: its
   ``prefetch_steps`` / ``max_staleness`` / group size from the JSON's ``trainer`` block (else
-  cli/demo.py TRAINER), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
+  bench/demo.py TRAINER), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
   also cap the simulated turns and tokens per turn, the worker's ``worker_concurrency`` episodes, groups taken as
   ``Trainer.next_groups`` takes them (engine.py ``_trainer_pipelined``), as many steps as the real
   run trained. One thing is fitted, and said so in the output: the rollout engine's in-situ
@@ -78,8 +78,9 @@ def measure_step_times(seed: int = 0, threads: int = 1, repeats: int = REPEATS, 
     """Time decode and prefill steps of the tiny serving and policy models with the executor's forward."""
     import torch
 
+    from rose.services.executor.forward_item import ForwardItem
     from rose.services.executor.kv_pool import KVPool
-    from rose.services.executor.model_runner import ForwardItem, PagedModelRunner, kv_shape_of
+    from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
     from rose.shared.models import POLICY_SHAPE, SERVING_SHAPE, VOCAB_SIZE, build_model
 
     previous = torch.get_num_threads()
@@ -145,7 +146,7 @@ def _rel(pred: float, meas: float) -> float | None:
 # ---- against a real `rose bench coserve` run --------------------------------------------------
 def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
     """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
-    from rose.cli import bench_coserve as bc
+    from rose.bench import coserve as bc
     from rose.services.executor.policies import make_policy
 
     from .coserve import rollout_interference, rollout_share, serving_tick
@@ -188,9 +189,15 @@ def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True)
             # a CPU executor runs a policy's own rollout lane on its own thread and core, beside serving
             st, share = st0, np.ones(len(t))
         else:
-            extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req,
-                                                    lambda d: executor_signals(float(t[d]), st0.batch[d], float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3,
-                                                                               serving_max_batch=bc.BENCH_CONFIG.serving_max_batch))
+            extra, wait, may = rollout_interference(
+                ep,
+                active,
+                np.full(len(t), tau_r),
+                per_req,
+                lambda d, st0=st0: executor_signals(  # st0 of this tick (bound now, not when called)
+                    float(t[d]), st0.batch[d], float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3, serving_max_batch=bc.BENCH_CONFIG.serving_max_batch
+                ),
+            )
             st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
             share = rollout_share(ep, st, extra, may)
         tps = float(np.mean(share)) * alone_tps
@@ -220,11 +227,19 @@ def calibrate_coserve(report: dict, step_times: dict, source: str) -> dict:
         if "slo_attainment" in p:
             detail[name].update(measured_slo_attainment=m.get("slo_attainment"), predicted_slo_attainment=p["slo_attainment"])
     detail["static"]["fitted"] = "the engine's per-iteration overhead is fitted to this figure: its error is 0 by construction"
-    return {"calibration": errors, "calibration_detail": {"source": source, "against": "rose bench coserve (one executor, real engine)", "per_policy": detail,
-                                                          "engine_overhead_ms_per_iteration": pred["engine_overhead_ms"],
-                                                          "device_model": "CPU: a rollout lane of its own runs on its own core beside serving (rose); "
-                                                                          "naive_share shares the serving lane (time-sliced as on one accelerator)",
-                                                          "step_times": step_times, "step_fit_max_error": fit_error(step_times)}}
+    return {
+        "calibration": errors,
+        "calibration_detail": {
+            "source": source,
+            "against": "rose bench coserve (one executor, real engine)",
+            "per_policy": detail,
+            "engine_overhead_ms_per_iteration": pred["engine_overhead_ms"],
+            "device_model": "CPU: a rollout lane of its own runs on its own core beside serving (rose); "
+            "naive_share shares the serving lane (time-sliced as on one accelerator)",
+            "step_times": step_times,
+            "step_fit_max_error": fit_error(step_times),
+        },
+    }
 
 
 # ---- against a real `rose bench e2e` run ------------------------------------------------------
@@ -250,17 +265,33 @@ def e2e_setup(report: dict, policy: str) -> dict:
     fleet = report.get("fleet", {})
     cal = (report.get("policies", {}).get(policy, {}) or {}).get("calibration", {}) or {}
     out = {
-        "serving_executors": report.get("serving_executors", 2), "dedicated_executors": report.get("dedicated_executors", 1),
-        "serving_rps": cal.get("serving_arrival_rps_per_executor") or fleet.get("base_rps", 2.0), "burst_factor": fleet.get("burst_factor", 1.0),
-        "burst_every_s": fleet.get("burst_every_s", 30.0), "burst_len_s": fleet.get("burst_len_s", 5.0),
-        "serving_prompt_tokens": fleet.get("serving_prompt_tokens", 48), "serving_output_tokens": fleet.get("serving_max_tokens", 32),
-        "slo_ttft_ms": fleet.get("slo_ttft_ms", 500.0), "slo_tpot_ms": fleet.get("slo_tpot_ms", 100.0),
-        "trajectories_per_step": cal.get("trajectories_per_step", 16), "turns_median": cal.get("turns_per_trajectory") or 3,
-        "gen_median": cal.get("tokens_per_turn") or fleet.get("rollout_max_tokens", 16), "gen_max": fleet.get("rollout_max_tokens", 256),
-        "prompt_median": cal.get("prompt_tokens_per_turn") or 64, "tool_tokens_median": 16, "tool_latency_median_s": 0.05,
-        "train_s_per_step": (cal.get("train_s_per_step") or 0.0) + (cal.get("publish_s_per_step") or 0.0) if cal.get("train_s_per_step") is not None else None,
-        "serving_kv_bytes": 64 << 20, "rollout_kv_bytes": 128 << 20, "serving_kv_bytes_per_token": 2048, "policy_kv_bytes_per_token": 4096,
-        "max_batch": fleet.get("worker_concurrency", 32), "worker_concurrency": fleet.get("worker_concurrency", 32), "steps": 16,
+        "serving_executors": report.get("serving_executors", 2),
+        "dedicated_executors": report.get("dedicated_executors", 1),
+        "serving_rps": cal.get("serving_arrival_rps_per_executor") or fleet.get("base_rps", 2.0),
+        "burst_factor": fleet.get("burst_factor", 1.0),
+        "burst_every_s": fleet.get("burst_every_s", 30.0),
+        "burst_len_s": fleet.get("burst_len_s", 5.0),
+        "serving_prompt_tokens": fleet.get("serving_prompt_tokens", 48),
+        "serving_output_tokens": fleet.get("serving_max_tokens", 32),
+        "slo_ttft_ms": fleet.get("slo_ttft_ms", 500.0),
+        "slo_tpot_ms": fleet.get("slo_tpot_ms", 100.0),
+        "trajectories_per_step": cal.get("trajectories_per_step", 16),
+        "turns_median": cal.get("turns_per_trajectory") or 3,
+        "gen_median": cal.get("tokens_per_turn") or fleet.get("rollout_max_tokens", 16),
+        "gen_max": fleet.get("rollout_max_tokens", 256),
+        "prompt_median": cal.get("prompt_tokens_per_turn") or 64,
+        "tool_tokens_median": 16,
+        "tool_latency_median_s": 0.05,
+        "train_s_per_step": (cal.get("train_s_per_step") or 0.0) + (cal.get("publish_s_per_step") or 0.0)
+        if cal.get("train_s_per_step") is not None
+        else None,
+        "serving_kv_bytes": 64 << 20,
+        "rollout_kv_bytes": 128 << 20,
+        "serving_kv_bytes_per_token": 2048,
+        "policy_kv_bytes_per_token": 4096,
+        "max_batch": fleet.get("worker_concurrency", 32),
+        "worker_concurrency": fleet.get("worker_concurrency", 32),
+        "steps": 16,
     }
     out.update(trainer_settings(report))
     out.update({k: v for k, v in (report.get("setup") or {}).items() if v is not None})
@@ -270,17 +301,21 @@ def e2e_setup(report: dict, policy: str) -> dict:
 def trainer_settings(report: dict) -> dict:
     """The real trainer's asynchrony (``grpo.prefetch_steps``, ``grpo.max_staleness``) and group size:
     the e2e JSON's ``trainer`` block (the ROSE_* settings the bench gave the trainer), else the
-    demo's own (cli/demo.py TRAINER), which is what ``rose bench e2e`` runs."""
+    demo's own (bench/demo.py TRAINER), which is what ``rose bench e2e`` runs."""
     env = report.get("trainer")
     source = "the e2e JSON's trainer block"
     if not env:
-        from rose.cli.demo import TRAINER
+        from rose.bench.demo import TRAINER
 
-        env, source = TRAINER, "cli/demo.py TRAINER (the e2e JSON has no trainer block)"
+        env, source = TRAINER, "bench/demo.py TRAINER (the e2e JSON has no trainer block)"
     defaults = {"ROSE_GRPO__PREFETCH_STEPS": 1, "ROSE_GRPO__MAX_STALENESS": 2, "ROSE_GRPO__GROUP_SIZE": 8}  # services/trainer/config.py
     get = lambda k: int(env.get(k, defaults[k]))  # noqa: E731
-    out = {"prefetch_steps": get("ROSE_GRPO__PREFETCH_STEPS"), "max_staleness": get("ROSE_GRPO__MAX_STALENESS"),
-           "group_size": get("ROSE_GRPO__GROUP_SIZE"), "trainer_settings_from": source}
+    out = {
+        "prefetch_steps": get("ROSE_GRPO__PREFETCH_STEPS"),
+        "max_staleness": get("ROSE_GRPO__MAX_STALENESS"),
+        "group_size": get("ROSE_GRPO__GROUP_SIZE"),
+        "trainer_settings_from": source,
+    }
     # the tasks' own bounds: an episode never runs past max_turns turns of at most max_tokens tokens each
     # (without them the simulated turn counts and lengths get a log-normal tail the real job cannot have)
     if env.get("ROSE_TASKS__MAX_TURNS"):
@@ -306,27 +341,69 @@ def _e2e_config(report: dict, name: str, sperf, pperf, seed: int, steps: int | N
     p, o = float(s["serving_prompt_tokens"]), float(s["serving_output_tokens"])
     trace = Trace(float(s["serving_rps"]) * n_serv * shape, np.full(horizon, p), np.full(horizon, o), p, 0.0, "e2e setup")
     gen_max = min(int(s["gen_max"]), int(s.get("task_max_tokens") or s["gen_max"]))
-    spec = replace(RolloutSpec(), group_size=int(s["group_size"]), turns_median=float(s["turns_median"]), turns_sigma=0.3, gen_median=min(float(s["gen_median"]), gen_max),
-                   gen_sigma=0.3, gen_min=1, gen_max=gen_max, tool_tokens_median=float(s["tool_tokens_median"]), tool_latency_median_s=float(s["tool_latency_median_s"]),
-                   prompt_median=float(s["prompt_median"]), max_context=4096, max_turns=int(s.get("max_turns") or max(2, int(2 * float(s["turns_median"])))))
+    spec = replace(
+        RolloutSpec(),
+        group_size=int(s["group_size"]),
+        turns_median=float(s["turns_median"]),
+        turns_sigma=0.3,
+        gen_median=min(float(s["gen_median"]), gen_max),
+        gen_sigma=0.3,
+        gen_min=1,
+        gen_max=gen_max,
+        tool_tokens_median=float(s["tool_tokens_median"]),
+        tool_latency_median_s=float(s["tool_latency_median_s"]),
+        prompt_median=float(s["prompt_median"]),
+        max_context=4096,
+        max_turns=int(s.get("max_turns") or max(2, int(2 * float(s["turns_median"])))),
+    )
     kvs, kvp = float(s["serving_kv_bytes_per_token"]), float(s["policy_kv_bytes_per_token"])
-    memory = {"usable_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]), "usable_dedicated": float(s["rollout_kv_bytes"]),
-              "total_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]), "serving_pool_tokens": float(s["serving_kv_bytes"]) / kvs,
-              "kvb_serving": kvs, "kvb_policy": kvp, "serving_weight_bytes": 0.0, "policy_weight_bytes": 0.0}
-    return SimConfig(policy=name, perf=(sperf, pperf, pperf), n_serving=n_serv, n_dedicated=int(s["dedicated_executors"]), trace=trace, rollout=spec,
-                     trajectories=int(s["trajectories_per_step"]), steps=int(steps or s["steps"]), seed=seed, slo_ttft_ms=float(s["slo_ttft_ms"]),
-                     slo_tpot_ms=float(s["slo_tpot_ms"]), memory=memory, train_s=s["train_s_per_step"], warmup_s=5.0, max_sim_s=2 * 3600.0,
-                     max_rollout_batch=int(s["max_batch"]), dt=E2E_DT, prefetch_steps=int(s["prefetch_steps"]), max_staleness=int(s["max_staleness"]),
-                     worker_concurrency=int(s["worker_concurrency"]) if s.get("worker_concurrency") else None)
+    memory = {
+        "usable_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]),
+        "usable_dedicated": float(s["rollout_kv_bytes"]),
+        "total_serving": float(s["serving_kv_bytes"]) + float(s["rollout_kv_bytes"]),
+        "serving_pool_tokens": float(s["serving_kv_bytes"]) / kvs,
+        "kvb_serving": kvs,
+        "kvb_policy": kvp,
+        "serving_weight_bytes": 0.0,
+        "policy_weight_bytes": 0.0,
+    }
+    return SimConfig(
+        policy=name,
+        perf=(sperf, pperf, pperf),
+        n_serving=n_serv,
+        n_dedicated=int(s["dedicated_executors"]),
+        trace=trace,
+        rollout=spec,
+        trajectories=int(s["trajectories_per_step"]),
+        steps=int(steps or s["steps"]),
+        seed=seed,
+        slo_ttft_ms=float(s["slo_ttft_ms"]),
+        slo_tpot_ms=float(s["slo_tpot_ms"]),
+        memory=memory,
+        train_s=s["train_s_per_step"],
+        warmup_s=5.0,
+        max_sim_s=2 * 3600.0,
+        max_rollout_batch=int(s["max_batch"]),
+        dt=E2E_DT,
+        prefetch_steps=int(s["prefetch_steps"]),
+        max_staleness=int(s["max_staleness"]),
+        worker_concurrency=int(s["worker_concurrency"]) if s.get("worker_concurrency") else None,
+    )
 
 
 def slowed(steps: MeasuredSteps, factor: float) -> MeasuredSteps:
     """A step model ``factor`` x slower (every term)."""
     from dataclasses import replace
 
-    return replace(steps, decode_base_s=steps.decode_base_s * factor, decode_per_seq_s=steps.decode_per_seq_s * factor,
-                   decode_per_ctx_token_s=steps.decode_per_ctx_token_s * factor, prefill_base_s=steps.prefill_base_s * factor,
-                   prefill_per_token_s=steps.prefill_per_token_s * factor, name=f"{steps.name} x{factor:.2f} in situ")
+    return replace(
+        steps,
+        decode_base_s=steps.decode_base_s * factor,
+        decode_per_seq_s=steps.decode_per_seq_s * factor,
+        decode_per_ctx_token_s=steps.decode_per_ctx_token_s * factor,
+        prefill_base_s=steps.prefill_base_s * factor,
+        prefill_per_token_s=steps.prefill_per_token_s * factor,
+        name=f"{steps.name} x{factor:.2f} in situ",
+    )
 
 
 def fit_contention(report: dict, sperf: MeasuredSteps, pperf: MeasuredSteps, seed: int = 0, policy: str = "static") -> dict:
@@ -349,7 +426,11 @@ def fit_contention(report: dict, sperf: MeasuredSteps, pperf: MeasuredSteps, see
     cal = ((report.get("policies") or {}).get(policy) or {}).get("calibration") or {}
     target = cal.get("turn_s_p50")
     if not target or target <= 0:
-        return {"factor": 1.0, "fitted_on": None, "reason": f"no {policy} run with calibration.turn_s_p50 in the e2e JSON: step times used as measured"}
+        return {
+            "factor": 1.0,
+            "fitted_on": None,
+            "reason": f"no {policy} run with calibration.turn_s_p50 in the e2e JSON: step times used as measured",
+        }
     runs: list[tuple[float, float]] = []
 
     def turn_p50(k: float) -> float:
@@ -387,8 +468,13 @@ def fit_contention(report: dict, sperf: MeasuredSteps, pperf: MeasuredSteps, see
                 side = 1
     k = math.exp(x)
     at_k = [t for kk, t in runs if abs(kk - k) <= 1e-9 * kk]  # x is always evaluated (the last run, or a bracket end)
-    return {"factor": k, "fitted_on": f"{policy}: calibration.turn_s_p50", "target_turn_s_p50": target, "predicted_turn_s_p50": at_k[-1] if at_k else None,
-            "evaluations": [{"factor": round(kk, 4), "turn_s_p50": round(t, 4)} for kk, t in runs]}
+    return {
+        "factor": k,
+        "fitted_on": f"{policy}: calibration.turn_s_p50",
+        "target_turn_s_p50": target,
+        "predicted_turn_s_p50": at_k[-1] if at_k else None,
+        "evaluations": [{"factor": round(kk, 4), "turn_s_p50": round(t, 4)} for kk, t in runs],
+    }
 
 
 def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int = 0, contention: float | None = None) -> dict:
@@ -414,25 +500,44 @@ def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int 
         mc = measured.get("calibration") or {}
         errors[name] = _rel(sim["rl_steps_per_hour"], measured.get("rl_steps_per_hour"))
         slo_errors[name] = _rel(sim["serving_slo_attainment"], measured.get("serving_slo_attainment"))
-        detail[name] = {"metric": "rl_steps_per_hour", "measured": measured.get("rl_steps_per_hour"), "predicted": sim["rl_steps_per_hour"],
-                        "measured_slo_attainment": measured.get("serving_slo_attainment"), "predicted_slo_attainment": sim["serving_slo_attainment"],
-                        "slo_attainment_error": slo_errors[name],
-                        "measured_rollout_s_per_step": measured.get("rollout_s_per_step"), "predicted_rollout_s_per_step": sim["rollout_s_per_step"],
-                        "measured_trainer_wait_s_per_step": mc.get("trainer_wait_s_per_step"), "predicted_trainer_wait_s_per_step": sim["trainer_wait_s_per_step"],
-                        "predicted_groups_per_trained_step": sim["groups_per_trained_step"],
-                        "measured_turn_s_p50": mc.get("turn_s_p50"), "predicted_turn_s_p50": sim["turn_s_p50"],
-                        "measured_dedicated_rollout_tokens_per_s": mc.get("dedicated_rollout_tokens_per_s"),
-                        "predicted_dedicated_rollout_tokens_per_s": sim["dedicated_rollout_tokens_per_s"],
-                        "measured_rollout_tokens_on_serving_fraction": measured.get("harvested_fraction"),
-                        "predicted_rollout_tokens_on_serving_fraction": sim["rollout_tokens_on_serving_fraction"], "steps_simulated": sim["steps"]}
+        detail[name] = {
+            "metric": "rl_steps_per_hour",
+            "measured": measured.get("rl_steps_per_hour"),
+            "predicted": sim["rl_steps_per_hour"],
+            "measured_slo_attainment": measured.get("serving_slo_attainment"),
+            "predicted_slo_attainment": sim["serving_slo_attainment"],
+            "slo_attainment_error": slo_errors[name],
+            "measured_rollout_s_per_step": measured.get("rollout_s_per_step"),
+            "predicted_rollout_s_per_step": sim["rollout_s_per_step"],
+            "measured_trainer_wait_s_per_step": mc.get("trainer_wait_s_per_step"),
+            "predicted_trainer_wait_s_per_step": sim["trainer_wait_s_per_step"],
+            "predicted_groups_per_trained_step": sim["groups_per_trained_step"],
+            "measured_turn_s_p50": mc.get("turn_s_p50"),
+            "predicted_turn_s_p50": sim["turn_s_p50"],
+            "measured_dedicated_rollout_tokens_per_s": mc.get("dedicated_rollout_tokens_per_s"),
+            "predicted_dedicated_rollout_tokens_per_s": sim["dedicated_rollout_tokens_per_s"],
+            "measured_rollout_tokens_on_serving_fraction": measured.get("harvested_fraction"),
+            "predicted_rollout_tokens_on_serving_fraction": sim["rollout_tokens_on_serving_fraction"],
+            "steps_simulated": sim["steps"],
+        }
     if fit.get("fitted_on") and isinstance(detail.get("static"), dict):
-        detail["static"]["fitted"] = ("the rollout engine's in-situ slowdown is fitted to this run's median turn time: static's error is "
-                                      "partly fitted by construction (its steps/h and SLO attainment are not fitted)")
+        detail["static"]["fitted"] = (
+            "the rollout engine's in-situ slowdown is fitted to this run's median turn time: static's error is "
+            "partly fitted by construction (its steps/h and SLO attainment are not fitted)"
+        )
     trainer = {k: s0[k] for k in ("prefetch_steps", "max_staleness", "group_size", "worker_concurrency", "trainer_settings_from")} if s0 else None
-    return {"calibration": errors, "calibration_slo_attainment": slo_errors,
-            "calibration_detail": {"source": source, "against": "rose bench e2e (the real RL job)", "per_policy": detail, "trainer": trainer,
-                                   "contention": {**fit, "applies_to": "the policy's step times on every executor, every policy (serving step times as measured)"},
-                                   "step_times": used_steps}}
+    return {
+        "calibration": errors,
+        "calibration_slo_attainment": slo_errors,
+        "calibration_detail": {
+            "source": source,
+            "against": "rose bench e2e (the real RL job)",
+            "per_policy": detail,
+            "trainer": trainer,
+            "contention": {**fit, "applies_to": "the policy's step times on every executor, every policy (serving step times as measured)"},
+            "step_times": used_steps,
+        },
+    }
 
 
 def calibrate(*, e2e: str | None, coserve: str | None, measure: bool, seed: int, console=None) -> dict:
@@ -442,8 +547,11 @@ def calibrate(*, e2e: str | None, coserve: str | None, measure: bool, seed: int,
     step_times = measure_step_times(seed) if measure or coserve else None
     if coserve:
         return calibrate_coserve(json.loads(Path(coserve).read_text()), step_times, source=str(coserve))
-    detail = {"source": ("step times measured now; " if step_times is not None else "") + "no real per-policy run to compare against (no bench-out/e2e.json)",
-              "next": "pass --e2e FILE (rose bench e2e) or --coserve FILE / --calibrate (runs rose bench coserve briefly)"}
+    detail = {
+        "source": ("step times measured now; " if step_times is not None else "")
+        + "no real per-policy run to compare against (no bench-out/e2e.json)",
+        "next": "pass --e2e FILE (rose bench e2e) or --coserve FILE / --calibrate (runs rose bench coserve briefly)",
+    }
     if step_times is not None:
         detail.update(step_times=step_times, step_fit_max_error=fit_error(step_times))
     return {"calibration": {}, "calibration_detail": detail}

@@ -50,7 +50,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rose.cli.bench_bus import refuses_anonymous
+from rose.bench.bus import refuses_anonymous
 from rose.client import WeightsClient
 from rose.contracts.registry import WEIGHT_APPLIED, WEIGHTS_OBJECTS
 from rose.contracts.weights import WeightApplied, WeightManifest
@@ -59,11 +59,10 @@ from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.shared.security import OPERATOR, Credentials, init_credentials, inbox_prefix
+from rose.shared.security import OPERATOR, Credentials, inbox_prefix, init_credentials
 from rose.shared.weight_codec import ShardDecoder, decode_shard, encode_shard
 from rose.shared.weight_layout import DEFAULT_SHARD_BYTES, layout_of, pack_shards, state_bytes, state_digest
 from rose.shared.weight_store import WeightStore
-
 
 DEFAULT_PARAMS = 25_000_000
 DEFAULT_STEPS = 10
@@ -77,7 +76,14 @@ BATCH = 4
 CODEC_REPEATS = 3
 APPLY_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 120.0
-TARGETS = {"ratio_vs_changed": 0.8, "ratio_when_sparse": 0.03, "sparse_changed": 0.01, "full_snapshot_speedup": 3.0, "apply_pause_ms": 50.0, "codec_mb_s": 1000.0}
+TARGETS = {
+    "ratio_vs_changed": 0.8,
+    "ratio_when_sparse": 0.03,
+    "sparse_changed": 0.01,
+    "full_snapshot_speedup": 3.0,
+    "apply_pause_ms": 50.0,
+    "codec_mb_s": 1000.0,
+}
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -161,7 +167,7 @@ async def full_snapshot(url: str, state: dict[str, torch.Tensor], creds: Credent
 
     layout = layout_of(state, DEFAULT_SHARD_BYTES)
     shards = pack_shards(layout, state_bytes(state))
-    blob = b"".join(memoryview(shards[s]) for s in sorted(shards))
+    blob = b"".join(shards[s].data for s in sorted(shards))
     nc = await nats.connect(url, nkeys_seed=str(creds.seed_file("weight_publisher")), inbox_prefix=inbox_prefix("weight_publisher"))
     try:
         js = nc.jetstream()
@@ -179,7 +185,7 @@ async def full_snapshot(url: str, state: dict[str, torch.Tensor], creds: Credent
         ours = WeightStore(js, WEIGHTS_OBJECTS.bucket)
         t0 = time.perf_counter()
         payloads = {sid: encode_shard(buf, None, layout.segments(sid)) for sid, buf in shards.items()}
-        digests = {sid: hashlib.sha256(buf).hexdigest() for sid, buf in shards.items()}
+        digests = {sid: hashlib.sha256(buf.data).hexdigest() for sid, buf in shards.items()}
         await asyncio.gather(*(ours.put(f"bench/full/{sid}", p.payload) for sid, p in payloads.items()))
         our_put_s = time.perf_counter() - t0
 
@@ -192,7 +198,7 @@ async def full_snapshot(url: str, state: dict[str, torch.Tensor], creds: Credent
 
             await ours.fetch(f"bench/full/{sid}", sink, verify_digest=False)  # the content digest below covers it
             out = box[0].finish()
-            return hashlib.sha256(out).hexdigest() == digests[sid]
+            return hashlib.sha256(out.data).hexdigest() == digests[sid]
 
         t0 = time.perf_counter()
         ok = await asyncio.gather(*(fetch(sid) for sid in shards))
@@ -211,11 +217,14 @@ async def full_snapshot(url: str, state: dict[str, torch.Tensor], creds: Credent
 def _start_publisher(url: str, workdir: Path, keyframe_interval: int, creds: Credentials) -> subprocess.Popen:
     config = workdir / "weight_publisher.toml"
     config.write_text(
-        f'[bus]\nurl = "{url}"\nnkey_seed_file = "{creds.seed_file("weight_publisher")}"\n[runtime]\ninstance = "bench-publisher"\nlog_level = "WARNING"\n'
+        f'[bus]\nurl = "{url}"\nnkey_seed_file = "{creds.seed_file("weight_publisher")}"\n[runtime]\ninstance = "bench-publisher"\nlog_level = '
+        '"WARNING"\n'
         f"[publisher]\nkeyframe_interval = {keyframe_interval}\n"
     )
     env = {**os.environ, "ROSE_STATE_DIR": str(workdir)}  # this run's weight-signing keys, never ./.rose
-    return subprocess.Popen([sys.executable, "-m", "rose.cli.main", "run", "weight_publisher", "--config", str(config)], stdout=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rose.cli.main", "run", "weight_publisher", "--config", str(config)], stdout=subprocess.DEVNULL, env=env
+    )
 
 
 def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
@@ -226,7 +235,7 @@ def _executor_models(trainer: Trainer, workdir: Path) -> tuple[Path, Path]:
 
     paths = init_models(workdir / "models", seed=0)
     policy_dir = workdir / "models" / "bench-policy"
-    model = Qwen2ForCausalLM(Qwen2Config(**trainer.model.config.to_dict())).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(Qwen2Config(**trainer.model.config.to_dict())).bfloat16()
     model.load_state_dict(trainer.bf16())
     model.save_pretrained(policy_dir)
     load_tokenizer(paths.serving).save_pretrained(policy_dir)
@@ -322,7 +331,9 @@ async def run_weights_bench(
     return out
 
 
-async def _bench(console: Console, trainer: Trainer, steps: int, url: str, workdir: Path, creds: Credentials) -> tuple[dict[str, Any], dict[str, float], dict[int, str]]:
+async def _bench(
+    console: Console, trainer: Trainer, steps: int, url: str, workdir: Path, creds: Credentials
+) -> tuple[dict[str, Any], dict[str, float], dict[int, str]]:
     """The publisher and executor processes, every version through them, then the full-snapshot comparison.
 
     Returns the versions' rows, the full-snapshot timings and the executor's digest of each applied version.
@@ -343,7 +354,7 @@ async def _bench(console: Console, trainer: Trainer, steps: int, url: str, workd
                 raise TimeoutError(f"version {version} was not applied within {APPLY_TIMEOUT_S}s")
             try:
                 await asyncio.wait_for(arrived.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return applied[version]
 
@@ -371,7 +382,7 @@ async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: P
     enc_rates: list[float] = []
     dec_rates: list[float] = []
     codec_exact = True
-    prev = None
+    prev: dict[str, torch.Tensor] | None = None
     async with WeightsClient(bus, MODEL, staging_dir=workdir / "staging") as client:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("versions", total=steps + 1)
@@ -385,7 +396,8 @@ async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: P
                 event = await wait_applied(version)
                 if prev is not None:
                     enc, dec, exact = await asyncio.to_thread(codec_speed, prev, state)
-                    enc_rates.append(enc), dec_rates.append(dec)
+                    enc_rates.append(enc)
+                    dec_rates.append(dec)
                     codec_exact = codec_exact and exact
                 shards, tensors = _changed(manifest)
                 rows.append(
@@ -410,11 +422,20 @@ async def _run_versions(console: Console, trainer: Trainer, bus: Bus, workdir: P
                 )
                 prev = state
                 progress.advance(task)
+            assert prev is not None  # steps + 1 >= 1 versions went out
             sparse = await _sparse_versions(client, prev, steps + 1, wait_applied)
-    full_bytes = sum(t.numel() * t.element_size() for t in prev.values())  # type: ignore[union-attr]
+    full_bytes = sum(t.numel() * t.element_size() for t in prev.values())
     pauses = [{k: r[k] for k in ("version", "kind", "changed_shards", "shards", "changed_tensors", "pause_ms")} for r in rows + sparse]
-    return {"per_version": rows, "sparse_versions": sparse, "pause_by_changed_shards": pauses, "encode_mb_s": enc_rates, "decode_mb_s": dec_rates,
-            "codec_exact": codec_exact, "full_bytes": full_bytes, "_last_state": prev}
+    return {
+        "per_version": rows,
+        "sparse_versions": sparse,
+        "pause_by_changed_shards": pauses,
+        "encode_mb_s": enc_rates,
+        "decode_mb_s": dec_rates,
+        "codec_exact": codec_exact,
+        "full_bytes": full_bytes,
+        "_last_state": prev,
+    }
 
 
 def _changed(manifest: WeightManifest) -> tuple[int, int]:
@@ -434,8 +455,17 @@ async def _sparse_versions(client: WeightsClient, state: dict[str, torch.Tensor]
         manifest: WeightManifest = await client.published(version)
         event = await wait_applied(version)
         shards, tensors = _changed(manifest)
-        rows.append({"version": version, "kind": kind, "changed_shards": shards, "shards": len(manifest.shards), "changed_tensors": tensors,
-                     "pause_ms": event.pause_ms, "sha256": state_digest(state)})
+        rows.append(
+            {
+                "version": version,
+                "kind": kind,
+                "changed_shards": shards,
+                "shards": len(manifest.shards),
+                "changed_tensors": tensors,
+                "pause_ms": event.pause_ms,
+                "sha256": state_digest(state),
+            }
+        )
     return rows
 
 
@@ -460,7 +490,12 @@ def _plot(out: dict[str, Any], path: Path) -> None:
 
     rows = out["per_version"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.bar([r["version"] for r in rows], [r["wire_bytes"] for r in rows], color=["tab:orange" if r["keyframe"] else "tab:blue" for r in rows], label="sent (orange: keyframe)")
+    ax.bar(
+        [r["version"] for r in rows],
+        [r["wire_bytes"] for r in rows],
+        color=["tab:orange" if r["keyframe"] else "tab:blue" for r in rows],
+        label="sent (orange: keyframe)",
+    )
     ax.plot([r["version"] for r in rows], [r["changed_fraction"] * out["full_bytes"] for r in rows], "k.--", label="bytes of the changed elements")
     ax.axhline(out["full_bytes"], color="tab:red", linestyle=":", label="full bf16 snapshot")
     ax.set_yscale("log")
@@ -502,8 +537,14 @@ def _table(console: Console, out: dict[str, Any], path: Path) -> None:
     for r in out["per_version"]:
         ratio = r["wire_ratio"] / r["changed_fraction"] if r["changed_fraction"] and not r["keyframe"] else float("nan")
         versions.add_row(
-            str(r["version"]), "key" if r["keyframe"] else "delta", f"{r['changed_fraction']:.4f}", f"{r['wire_ratio']:.5f}",
-            f"{ratio:.3f}", f"{r['publish_s'] * 1e3:.0f}", f"{r['fetch_apply_s'] * 1e3:.0f}", f"{r['pause_ms']:.1f}",
+            str(r["version"]),
+            "key" if r["keyframe"] else "delta",
+            f"{r['changed_fraction']:.4f}",
+            f"{r['wire_ratio']:.5f}",
+            f"{ratio:.3f}",
+            f"{r['publish_s'] * 1e3:.0f}",
+            f"{r['fetch_apply_s'] * 1e3:.0f}",
+            f"{r['pause_ms']:.1f}",
         )
     console.print(versions)
     pauses = ", ".join(f"v{r['version']} {r['changed_shards']}/{r['shards']} shards {r['pause_ms']:.1f} ms" for r in out["pause_by_changed_shards"])

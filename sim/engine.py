@@ -67,7 +67,7 @@ from rose.services.slo_monitor.windows import WindowStats
 from .coserve import rollout_interference, rollout_share, serving_tick, slo_capacity_rps
 from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
 from .policies import executor_signals, make_fleet_policy, monitor_settings
-from .rollouts import RolloutSpec, batch_trajectories, mean_context, bundle_size, sample_batch, turn_length_quantile
+from .rollouts import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 from .traces import DiurnalBursty, Trace, diurnal_bursty
 from .weights import SyncSpec, sync_seconds
 
@@ -205,7 +205,9 @@ class Simulation:
         # rollout running beside it (one quantum per serving iteration makes requests stay longer)
         peak = float(np.percentile(self.fleet_rate, 99.9)) / self.n_serv
         q = c.quantum_ms / 1e3
-        at_peak = serving_tick(self.sperf, np.array([peak]), self.prompt_mean, self.output_mean, self.prompt_p99, q, q, 0.0, 1.0, self.alone_kv_tokens)
+        at_peak = serving_tick(
+            self.sperf, np.array([peak]), self.prompt_mean, self.output_mean, self.prompt_p99, q, q, 0.0, 1.0, self.alone_kv_tokens
+        )
         pool_tokens = min(self.alone_kv_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (self.prompt_mean + self.output_mean))
         self.pool_tokens = mem.get("serving_pool_tokens", pool_tokens)
         self.cohost_free_bytes = usable_s - ws - wp - self.pool_tokens * self.kvb_s
@@ -222,7 +224,7 @@ class Simulation:
         self.ids = [f"s{i}" for i in range(self.n_serv)] + [f"d{j}" for j in range(self.n_ded)]
         self.index = {e: i for i, e in enumerate(self.ids)}
         self.is_ded = np.zeros(self.D, dtype=bool)
-        self.is_ded[self.n_serv:] = True
+        self.is_ded[self.n_serv :] = True
         self.slots = np.zeros(self.D)  # rollout sequences allowed now
         self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
         self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
@@ -237,11 +239,25 @@ class Simulation:
         self.fleet = Fleet(SchedulerConfig())
         for d, eid in enumerate(self.ids):
             role = "dedicated" if self.is_ded[d] else "serving"
-            self.fleet.on_heartbeat(Heartbeat(service="executor", instance=eid, version="sim", host="sim", pid=0, started_at=0.0, sent_at=0.0,
-                                              interval_s=1e12, labels={"role": role}), now=0.0)
+            self.fleet.on_heartbeat(
+                Heartbeat(
+                    service="executor",
+                    instance=eid,
+                    version="sim",
+                    host="sim",
+                    pid=0,
+                    started_at=0.0,
+                    sent_at=0.0,
+                    interval_s=1e12,
+                    labels={"role": role},
+                ),
+                now=0.0,
+            )
         self.placement_settings = self.fleet.config.placement
         # monitor
-        self.win_cfg, self.burst_cfg, self.head_cfg = monitor_settings(c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes)))
+        self.win_cfg, self.burst_cfg, self.head_cfg = monitor_settings(
+            c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes))
+        )
         self.W = max(2, int(round(self.win_cfg.long_s / c.dt)))
         self.S = max(1, int(round(self.win_cfg.short_s / c.dt)))
         self.k_snap = max(1, int(round(METRICS_INTERVAL_S / c.dt)))  # ticks per metrics snapshot (the monitor's cadence)
@@ -254,11 +270,20 @@ class Simulation:
         self.monitor_from = 0.0
         self._cand_tick, self._cand, self._cand_pos, self._revoke_rate = -1, [], {}, 0.0
         self.burst_state = [BurstState() for _ in range(n)]
-        self.step_models: list[StepModel] = [StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)]
+        self.step_models: list[StepModel] = [
+            StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)
+        ]
         used = self.total_s - max(0.0, self.cohost_free_bytes)
-        self.latest = MetricsSnapshot(executor_id="s0", at=0.0, interval_s=c.dt, device=DeviceTelemetry(kind="cuda", name=self.device.name, memory_total_bytes=int(self.total_s), memory_used_bytes=int(max(0.0, used))))
+        self.latest = MetricsSnapshot(
+            executor_id="s0",
+            at=0.0,
+            interval_s=c.dt,
+            device=DeviceTelemetry(kind="cuda", name=self.device.name, memory_total_bytes=int(self.total_s), memory_used_bytes=int(max(0.0, used))),
+        )
         # the whole fleet serving alone, second by second (what static sees), for attribution
-        alone = serving_tick(self.sperf, self.fleet_rate / self.n_serv, self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, c.dt, self.alone_kv_tokens)
+        alone = serving_tick(
+            self.sperf, self.fleet_rate / self.n_serv, self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, c.dt, self.alone_kv_tokens
+        )
         self.alone_bad = (alone.ttft_p99_s > c.slo_ttft_ms / 1e3) | (alone.tpot_p99_s > c.slo_tpot_ms / 1e3) | (alone.queue > 0)
         # turn table (one active turn per simulated trajectory), sized per step
         self.bundle = 1
@@ -270,9 +295,29 @@ class Simulation:
         self.retained = np.zeros(self.D)  # prefix-cache bytes retained by idle trajectories per device
         self.seq_counter = 0
         # accounting
-        self.acc = dict(violations=0.0, bad_requests=0.0, requests=0.0, violations_alone=0.0, bad_alone=0.0, lent_instance_s=0.0, serving_instance_s=0.0,
-                        rollout_tokens=0.0, serving_tokens=0.0, granted=0, renewed=0, revoked=0, expired=0, alerts=0, interrupted=0, aborted=0, bounced=0,
-                        prefix_hits=0, prefix_misses=0, hedges=0, hedge_wins=0)
+        self.acc = dict(
+            violations=0.0,
+            bad_requests=0.0,
+            requests=0.0,
+            violations_alone=0.0,
+            bad_alone=0.0,
+            lent_instance_s=0.0,
+            serving_instance_s=0.0,
+            rollout_tokens=0.0,
+            serving_tokens=0.0,
+            granted=0,
+            renewed=0,
+            revoked=0,
+            expired=0,
+            alerts=0,
+            interrupted=0,
+            aborted=0,
+            bounced=0,
+            prefix_hits=0,
+            prefix_misses=0,
+            hedges=0,
+            hedge_wins=0,
+        )
         self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
         self.steps: list[dict] = []
         self.worker = None  # the rollout worker's episode slots (``worker_concurrency``)
@@ -355,12 +400,27 @@ class Simulation:
         if role == "dedicated" and "kv_slots" in self.cfg.what_if:
             slots = min(slots, self._kv_slots(self.kvcap[d]))
         tps = self._reported_tps(d, tps)
-        self.fleet.on_headroom(Headroom(
-            executor_id=self.ids[d], at=now, kv_bytes=0, compute_share=1.0 if role == "dedicated" else 0.0, rollout_batch_slots=slots,
-            ttft_p99_ms=0.0, tpot_p99_ms=0.0, slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms, arrival_rate_rps=0.0, serving_queue=0,
-            role=role, lendable=role == "dedicated", reason="dedicated rollout executor" if role == "dedicated" else "serving",
-            rollout_running=int(running), rollout_queue=int(queued), rollout_tokens_per_s=float(tps),
-        ))
+        self.fleet.on_headroom(
+            Headroom(
+                executor_id=self.ids[d],
+                at=now,
+                kv_bytes=0,
+                compute_share=1.0 if role == "dedicated" else 0.0,
+                rollout_batch_slots=slots,
+                ttft_p99_ms=0.0,
+                tpot_p99_ms=0.0,
+                slo_ttft_ms=self.cfg.slo_ttft_ms,
+                slo_tpot_ms=self.cfg.slo_tpot_ms,
+                arrival_rate_rps=0.0,
+                serving_queue=0,
+                role=role,
+                lendable=role == "dedicated",
+                reason="dedicated rollout executor" if role == "dedicated" else "serving",
+                rollout_running=int(running),
+                rollout_queue=int(queued),
+                rollout_tokens_per_s=float(tps),
+            )
+        )
 
     # ------------------------------------------------------------------ the clock
     def _clock(self):
@@ -386,7 +446,7 @@ class Simulation:
         # the sampled arrivals feed burst detection and request accounting
         rate = np.where(serving_mode, per_inst, 0.0)
         # rollout running on serving instances, at the start of the tick
-        running = (self.state == 2)
+        running = self.state == 2
         br = np.bincount(self.dev[running], minlength=self.D)[: self.n_serv] * self.bundle if running.any() else np.zeros(self.n_serv)
         ctx_r = self._mean_ctx(running)[: self.n_serv]
         tau_r = self.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
@@ -394,7 +454,9 @@ class Simulation:
         ready = self.ready_at[: self.n_serv] <= now
         active = (br > 0) & (self.slots[: self.n_serv] > 0) & ready if (ep is not None and self.cohosting) else np.zeros(self.n_serv, dtype=bool)
         last_bs = self.ring["bs"][:, (self.tick_no - 1) % self.W]
-        extra, wait, may = rollout_interference(ep, active, tau_r, self.turn_p90, lambda d: executor_signals(now, last_bs[d], self.prev_iter_ms[d], c.slo_tpot_ms))
+        extra, wait, may = rollout_interference(
+            ep, active, tau_r, self.turn_p90, lambda d: executor_signals(now, last_bs[d], self.prev_iter_ms[d], c.slo_tpot_ms)
+        )
         st = serving_tick(self.sperf, rate, self.prompt_mean, self.output_mean, self.prompt_p99, extra, wait, self.queue, dt, self.serving_kv_tokens)
         self.queue = np.where(serving_mode, st.queue, 0.0)
         self.prev_iter_ms = st.iteration_s * 1e3
@@ -408,14 +470,14 @@ class Simulation:
         self.acc["violations_alone"] += float(self.alone_bad[min(len(self.alone_bad) - 1, int(now))]) * self.n_serv * dt
         # what each instance's rollout lane gets this second
         share = np.zeros(self.D)
-        share[self.n_serv:] = (self.ready_at[self.n_serv:] <= now).astype(float)
+        share[self.n_serv :] = (self.ready_at[self.n_serv :] <= now).astype(float)
         if ep is not None and self.cohosting:
             share[: self.n_serv] = np.where(ready & (self.slots[: self.n_serv] > 0), rollout_share(ep, st, extra, may), 0.0)
         if self.cohosting:
             self.acc["lent_instance_s"] += float(lent.sum()) * dt
         tokens = self._rollout_tick(now, dt, share)
         self.ring_tps[:, self.tick_no % self.W] = tokens / dt
-        self.ded_window_tokens += tokens[self.n_serv:]
+        self.ded_window_tokens += tokens[self.n_serv :]
         # monitor ring buffers (serving instances)
         col = self.tick_no % self.W
         r = self.ring
@@ -495,7 +557,11 @@ class Simulation:
             q, dq, need = q[order], dq[order], need[order]
             run = self.state == 2
             used_slots = (np.bincount(self.dev[run], minlength=self.D) * bundle) if run.any() else np.zeros(self.D)
-            used_kv = np.bincount(self.dev[run], weights=bundle * (self.ctx[run] + self.dec_left[run]) * kvb, minlength=self.D) if run.any() else np.zeros(self.D)
+            used_kv = (
+                np.bincount(self.dev[run], weights=bundle * (self.ctx[run] + self.dec_left[run]) * kvb, minlength=self.D)
+                if run.any()
+                else np.zeros(self.D)
+            )
             pos = np.arange(q.size)
             first = np.r_[True, dq[1:] != dq[:-1]]
             start = np.maximum.accumulate(np.where(first, pos, 0))
@@ -520,7 +586,11 @@ class Simulation:
         ndec = np.bincount(dr[dec], minlength=self.D)
         nb = ndec * bundle
         ctx_d = np.bincount(dr[dec], weights=self.ctx[run][dec], minlength=self.D) / np.maximum(ndec, 1)
-        tau = np.where(self.is_ded, self.pperf_d.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)), self.pperf_s.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)))
+        tau = np.where(
+            self.is_ded,
+            self.pperf_d.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
+            self.pperf_s.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
+        )
         T = share * dt
         t_pf = np.where(nb > 0, np.minimum(PF, 0.5 * T), np.minimum(PF, T))
         n_it = np.where(nb > 0, (T - t_pf) / tau, 0.0)
@@ -557,7 +627,7 @@ class Simulation:
         filled = min(self.tick_no, W)
         last = (self.tick_no - 1 - np.arange(filled)) % W  # newest first
         short_idx, long_idx = last[: min(S, filled)], last
-        recent_idx, base_idx = last[: self.k_snap], last[self.k_snap:]  # the latest snapshot, the history before it
+        recent_idx, base_idx = last[: self.k_snap], last[self.k_snap :]  # the latest snapshot, the history before it
         L = lambda a: a.tolist()  # noqa: E731  (plain floats: numpy scalars are slow in the loop)
         ttft_s, tpot_s = L(r["ttft"][:, short_idx].max(axis=1)), L(r["tpot"][:, short_idx].max(axis=1))
         ttft_l, tpot_l = L(r["ttft"][:, long_idx].max(axis=1)), L(r["tpot"][:, long_idx].max(axis=1))
@@ -577,33 +647,113 @@ class Simulation:
         c, bundle = self.cfg, self.bundle
         for d in range(self.n_serv):
             eid = self.ids[d]
-            short = WindowStats(span_s, len(short_idx), ttft_s[d], tpot_s[d], arr_s[d], arr_s[d] / span_s, int(arr_s[d]), int(q_now[d]), int(bs_short[d]), tps_peak[d], kv_util[d], util[d])
-            recent = WindowStats(span_r, 1, 0.0, 0.0, arr_r[d], arr_r[d] / span_r, int(arr_r[d]), int(q_now[d]), 0, 0.0, 0.0, 0.0)
-            base = WindowStats(span_b, len(base_idx), 0.0, 0.0, arr_b[d], arr_b[d] / span_b if span_b else 0.0, int(arr_b[d]), 0, 0, 0.0, 0.0, 0.0)
+            short = WindowStats(
+                span_s=span_s,
+                snapshots=len(short_idx),
+                ttft_p99_ms=ttft_s[d],
+                tpot_p99_ms=tpot_s[d],
+                ttft_count=arr_s[d],
+                arrival_rate_rps=arr_s[d] / span_s,
+                arrivals=int(arr_s[d]),
+                serving_queue=int(q_now[d]),
+                serving_running_peak=int(bs_short[d]),
+                rollout_tokens_per_s_peak=tps_peak[d],
+                kv_utilisation=kv_util[d],
+                compute_utilisation=util[d],
+            )
+            recent = WindowStats(
+                span_s=span_r,
+                snapshots=1,
+                ttft_p99_ms=0.0,
+                tpot_p99_ms=0.0,
+                ttft_count=arr_r[d],
+                arrival_rate_rps=arr_r[d] / span_r,
+                arrivals=int(arr_r[d]),
+                serving_queue=int(q_now[d]),
+                serving_running_peak=0,
+                rollout_tokens_per_s_peak=0.0,
+                kv_utilisation=0.0,
+                compute_utilisation=0.0,
+            )
+            base = WindowStats(
+                span_s=span_b,
+                snapshots=len(base_idx),
+                ttft_p99_ms=0.0,
+                tpot_p99_ms=0.0,
+                ttft_count=arr_b[d],
+                arrival_rate_rps=arr_b[d] / span_b if span_b else 0.0,
+                arrivals=int(arr_b[d]),
+                serving_queue=0,
+                serving_running_peak=0,
+                rollout_tokens_per_s_peak=0.0,
+                kv_utilisation=0.0,
+                compute_utilisation=0.0,
+            )
             found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), self.burst_cfg, self.head_cfg)
             decided = pol.next_alert(self.burst_state[d], found, now, self.burst_cfg)
             if decided is not None:
-                alert = SloAlert(executor_id=eid, at=now, severity=decided[0], reason=decided[1], arrival_rate_rps=arr_r[d] / span_r, serving_queue=int(q_now[d]),
-                                 ttft_p99_ms=ttft_s[d], tpot_p99_ms=tpot_s[d])
+                alert = SloAlert(
+                    executor_id=eid,
+                    at=now,
+                    severity=decided[0],
+                    reason=decided[1],
+                    arrival_rate_rps=arr_r[d] / span_r,
+                    serving_queue=int(q_now[d]),
+                    ttft_p99_ms=ttft_s[d],
+                    tpot_p99_ms=tpot_s[d],
+                )
                 if alert.severity != "recovered":
                     self.acc["alerts"] += 1
                 pol.on_alert(self, d, alert, now)
             if refit:
                 obs = list(zip(r["bs"][d, long_idx].tolist(), r["br"][d, long_idx].tolist(), r["tpot_mean"][d, long_idx].tolist()))
                 self.step_models[d] = pol.fit_step_model(obs, tpot_s[d] or c.slo_tpot_ms / 4)
-            long = WindowStats(span_l, filled, ttft_l[d], tpot_l[d], arr_l[d], arr_l[d] / span_l, int(arr_l[d]), int(q_now[d]), int(bs_peak[d]), tps_peak[d], kv_util[d], 0.0)
+            long = WindowStats(
+                span_s=span_l,
+                snapshots=filled,
+                ttft_p99_ms=ttft_l[d],
+                tpot_p99_ms=tpot_l[d],
+                ttft_count=arr_l[d],
+                arrival_rate_rps=arr_l[d] / span_l,
+                arrivals=int(arr_l[d]),
+                serving_queue=int(q_now[d]),
+                serving_running_peak=int(bs_peak[d]),
+                rollout_tokens_per_s_peak=tps_peak[d],
+                kv_utilisation=kv_util[d],
+                compute_utilisation=0.0,
+            )
             v = pol.assess(short, long, self.step_models[d], self.latest, self.head_cfg, self.burst_state[d].alerting)
             if not v.lendable:
                 self.unlendable[re.sub(r"\d+(\.\d+)? ms", "N ms", v.reason.split(";")[0])] += 1
             slots = v.slots if "kv_slots" not in c.what_if else min(v.slots, self._kv_slots(v.kv_bytes))
-            self.fleet.on_headroom(Headroom(
-                executor_id=eid, at=now, kv_bytes=v.kv_bytes, compute_share=v.compute_share, rollout_batch_slots=slots,
-                ttft_p99_ms=ttft_s[d], tpot_p99_ms=tpot_s[d], slo_ttft_ms=c.slo_ttft_ms, slo_tpot_ms=c.slo_tpot_ms,
-                arrival_rate_rps=arr_s[d] / span_s, serving_queue=int(q_now[d]), role="serving", lendable=v.lendable, reason=v.reason,
-                ttft_p99_long_ms=ttft_l[d], tpot_p99_long_ms=tpot_l[d], arrival_rate_long_rps=arr_l[d] / span_l,
-                kv_utilisation=kv_util[d], rollout_running=int(br_now[d]), rollout_queue=queued[d] * bundle, rollout_tokens_per_s=self._reported_tps(d, tps_peak[d]),
-                device_kind="cuda", device_name=self.device.name, device_memory_bytes=int(self.total_s),
-            ))
+            self.fleet.on_headroom(
+                Headroom(
+                    executor_id=eid,
+                    at=now,
+                    kv_bytes=v.kv_bytes,
+                    compute_share=v.compute_share,
+                    rollout_batch_slots=slots,
+                    ttft_p99_ms=ttft_s[d],
+                    tpot_p99_ms=tpot_s[d],
+                    slo_ttft_ms=c.slo_ttft_ms,
+                    slo_tpot_ms=c.slo_tpot_ms,
+                    arrival_rate_rps=arr_s[d] / span_s,
+                    serving_queue=int(q_now[d]),
+                    role="serving",
+                    lendable=v.lendable,
+                    reason=v.reason,
+                    ttft_p99_long_ms=ttft_l[d],
+                    tpot_p99_long_ms=tpot_l[d],
+                    arrival_rate_long_rps=arr_l[d] / span_l,
+                    kv_utilisation=kv_util[d],
+                    rollout_running=int(br_now[d]),
+                    rollout_queue=queued[d] * bundle,
+                    rollout_tokens_per_s=self._reported_tps(d, tps_peak[d]),
+                    device_kind="cuda",
+                    device_name=self.device.name,
+                    device_memory_bytes=int(self.total_s),
+                )
+            )
 
     # ------------------------------------------------------------------ rollout workers and trainer
     def _route(self, tid: str, gid: str, k: int, prompt_tokens: int, prev: str, exclude: list[str], batch: tuple[str, int] = ("", 0)):
@@ -611,12 +761,30 @@ class Simulation:
         then place_turn over the fleet's candidates (with the batch's unfinished trajectories for the
         tail rule); the fleet records the route. Returns (device, hedge hint s) or None."""
         now = self.env.now
-        req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=prev, group_id=gid,
-                               group_size=self.cfg.rollout.group_size, exclude=exclude, batch_id=batch[0], batch_size=batch[1])
+        req = TurnRouteRequest(
+            trajectory_id=tid,
+            turn_index=k,
+            prompt_tokens=int(prompt_tokens),
+            previous_executor=prev,
+            group_id=gid,
+            group_size=self.cfg.rollout.group_size,
+            exclude=exclude,
+            batch_id=batch[0],
+            batch_size=batch[1],
+        )
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
         cands = self._candidates(now)
-        placement = self.policy.place_turn(req, cands, affinity, self.placement_settings, self.route_rng, self._unfinished(req.batch_id, req.batch_size),
-                                           self.fleet.turn_tokens, self._revoke_rate, self.fleet.model_error)
+        placement = self.policy.place_turn(
+            req,
+            cands,
+            affinity,
+            self.placement_settings,
+            self.route_rng,
+            self._unfinished(req.batch_id, req.batch_size),
+            self.fleet.turn_tokens,
+            self._revoke_rate,
+            self.fleet.model_error,
+        )
         if placement is None:
             return None
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
@@ -637,9 +805,14 @@ class Simulation:
             self._cand_tick = self.tick_no
             self._revoke_rate = self.fleet.revoke_rate(now)
             # the fleet counts simulated trajectories in flight; each stands for ``bundle`` sequences (as headroom counts them)
-            self._cand = [dataclasses.replace(c, load=max(c.running + c.queued, len(self.fleet.info(c.executor_id).inflight) * self.bundle),
-                                              recent=c.recent * self.bundle if c.recent > 0 else c.recent)
-                          for c in self.fleet.candidates(now)]
+            self._cand = [
+                dataclasses.replace(
+                    c,
+                    load=max(c.running + c.queued, len(self.fleet.info(c.executor_id).inflight) * self.bundle),
+                    recent=c.recent * self.bundle if c.recent > 0 else c.recent,
+                )
+                for c in self.fleet.candidates(now)
+            ]
             self._cand_pos = {c.executor_id: j for j, c in enumerate(self._cand)}
         return self._cand
 
@@ -786,14 +959,28 @@ class Simulation:
             exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
             prev = ""
 
-    def _hedge_route(self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float,
-                     bid: tuple[str, int] = ("", 0)) -> int | None:
+    def _hedge_route(
+        self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float, bid: tuple[str, int] = ("", 0)
+    ) -> int | None:
         """The scheduler's hedge path: should_hedge, then place_turn with hedge=True (prefers dedicated)."""
         now = self.env.now
-        req = TurnRouteRequest(trajectory_id=tid, turn_index=k, prompt_tokens=int(prompt_tokens), previous_executor=primary, group_id=gid,
-                               group_size=self.cfg.rollout.group_size, exclude=[primary], hedge=True, elapsed_s=elapsed, typical_turn_s=typical,
-                               batch_id=bid[0], batch_size=bid[1])
-        worth, _why = self.policy.should_hedge(req, self.fleet.group_done.get(gid, 0), self.placement_settings, self._candidates(now), self._unfinished(bid[0], bid[1]))
+        req = TurnRouteRequest(
+            trajectory_id=tid,
+            turn_index=k,
+            prompt_tokens=int(prompt_tokens),
+            previous_executor=primary,
+            group_id=gid,
+            group_size=self.cfg.rollout.group_size,
+            exclude=[primary],
+            hedge=True,
+            elapsed_s=elapsed,
+            typical_turn_s=typical,
+            batch_id=bid[0],
+            batch_size=bid[1],
+        )
+        worth, _why = self.policy.should_hedge(
+            req, self.fleet.group_done.get(gid, 0), self.placement_settings, self._candidates(now), self._unfinished(bid[0], bid[1])
+        )
         if not worth:
             return None
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
@@ -883,8 +1070,22 @@ class Simulation:
             tokens = batch.tokens()
             train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
-            self.steps.append(dict(step=step, start=t0, rollout_s=rollout_s, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
-                                   step_s=env.now - t0, tail_s=tail_s, trajectories=batch.trajectories, bundle=batch.bundle, tokens=tokens, generated=batch.generated()))
+            self.steps.append(
+                dict(
+                    step=step,
+                    start=t0,
+                    rollout_s=rollout_s,
+                    train_s=train_s,
+                    sync_dedicated_s=sync_ded,
+                    sync_serving_s=sync_srv,
+                    step_s=env.now - t0,
+                    tail_s=tail_s,
+                    trajectories=batch.trajectories,
+                    bundle=batch.bundle,
+                    tokens=tokens,
+                    generated=batch.generated(),
+                )
+            )
         self.done.succeed()
 
     def _make_worker(self, bundle: int) -> None:
@@ -952,9 +1153,26 @@ class Simulation:
             batches = sorted({b for b, _, _ in taken})
             # versions between the one a group's batch was handed out at (batch b: max(0, b - p)) and the one trained on
             staleness = float(np.mean([step - max(0, b - p) for b, _, _ in taken])) if taken else 0.0
-            self.steps.append(dict(step=step, start=t0, done=env.now, wait_s=waited, train_s=train_s, sync_dedicated_s=sync_ded, sync_serving_s=sync_srv,
-                                   step_s=env.now - last_done, groups=len(taken), batches=batches, tokens=tokens, staleness=staleness,
-                                   trajectories=trajectories, bundle=bundle, rollout_s=float("nan"), generated=0))
+            self.steps.append(
+                dict(
+                    step=step,
+                    start=t0,
+                    done=env.now,
+                    wait_s=waited,
+                    train_s=train_s,
+                    sync_dedicated_s=sync_ded,
+                    sync_serving_s=sync_srv,
+                    step_s=env.now - last_done,
+                    groups=len(taken),
+                    batches=batches,
+                    tokens=tokens,
+                    staleness=staleness,
+                    trajectories=trajectories,
+                    bundle=bundle,
+                    rollout_s=float("nan"),
+                    generated=0,
+                )
+            )
             last_done = env.now
             yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
             handed += 1
@@ -970,12 +1188,28 @@ class Simulation:
         groups = math.ceil(batch.n / group_rows)
         left = [min(group_rows, batch.n - g * group_rows) for g in range(groups)]
         per_traj = [
-            (int(batch.prompt[i]) + int(batch.gen[i, : int(batch.turns[i])].sum()) + int(batch.tool_tokens[i, : max(0, int(batch.turns[i]) - 1)].sum())) * batch.bundle
+            (
+                int(batch.prompt[i])
+                + int(batch.gen[i, : int(batch.turns[i])].sum())
+                + int(batch.tool_tokens[i, : max(0, int(batch.turns[i]) - 1)].sum())
+            )
+            * batch.bundle
             for i in range(batch.n)
         ]
-        group_tokens = [float(sum(per_traj[g * group_rows:(g + 1) * group_rows])) for g in range(groups)]
-        info = dict(batch=b, handed=env.now, first=None, last=env.now, finished=[], left=left, group_rows=group_rows, group_tokens=group_tokens,
-                    generated=batch.generated(), trajectories=batch.trajectories, procs=[])
+        group_tokens = [float(sum(per_traj[g * group_rows : (g + 1) * group_rows])) for g in range(groups)]
+        info = dict(
+            batch=b,
+            handed=env.now,
+            first=None,
+            last=env.now,
+            finished=[],
+            left=left,
+            group_rows=group_rows,
+            group_tokens=group_tokens,
+            generated=batch.generated(),
+            trajectories=batch.trajectories,
+            procs=[],
+        )
         self.batch_info[b] = info
         base = (b % slots) * n
         info["procs"] = [env.process(self._trajectory(b, i, batch, base + i, info)) for i in range(batch.n)]
@@ -1020,30 +1254,49 @@ class Simulation:
         sim_s = max(1e-9, self.env.now)
         hits, misses = a["prefix_hits"], a["prefix_misses"]
         return dict(
-            model=c.model, device=c.device, gpus=c.gpus, policy=c.policy, complete=complete, steps=len(steps),
-            serving_instances=self.n_serv, serving_tp=self.tp_s, dedicated_instances=self.n_ded, rollout_tp=self.tp_r,
-            rollout_gpus=self.n_ded * self.tp_r, trainer_gpus=self.trainer_gpus, cohosting=self.cohosting,
-            serving_capacity_rps_per_instance=self.cap_rps, cohost_free_gb=self.cohost_free_bytes / 1e9,
+            model=c.model,
+            device=c.device,
+            gpus=c.gpus,
+            policy=c.policy,
+            complete=complete,
+            steps=len(steps),
+            serving_instances=self.n_serv,
+            serving_tp=self.tp_s,
+            dedicated_instances=self.n_ded,
+            rollout_tp=self.tp_r,
+            rollout_gpus=self.n_ded * self.tp_r,
+            trainer_gpus=self.trainer_gpus,
+            cohosting=self.cohosting,
+            serving_capacity_rps_per_instance=self.cap_rps,
+            cohost_free_gb=self.cohost_free_bytes / 1e9,
             rl_steps_per_hour=rate,
-            step_s=step_s, rollout_s_per_step=rollout_s, prefetch_steps=self.effective_prefetch,
+            step_s=step_s,
+            rollout_s_per_step=rollout_s,
+            prefetch_steps=self.effective_prefetch,
             trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if self.pipelined and len(steps) > 1 else None,
             groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if self.pipelined and steps else None,
             staleness_mean=float(np.mean([s["staleness"] for s in steps])) if self.pipelined and steps else 0.0,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
-            trajectories_per_step=steps[0]["trajectories"] if steps else 0, bundle=steps[0]["bundle"] if steps else 0,
+            trajectories_per_step=steps[0]["trajectories"] if steps else 0,
+            bundle=steps[0]["bundle"] if steps else 0,
             rollout_tokens_per_s=gen / roll_total if roll_total else 0.0,
             turn_s_p50=float(np.median(self.turn_durations)) if self.turn_durations else float("nan"),
             dedicated_rollout_tokens_per_s=float(np.mean(self.ded_snapshots_tps)) if self.ded_snapshots_tps else 0.0,
             tail_fraction=sum(s["tail_s"] for s in rollouts) / roll_total if roll_total else 0.0,
             rollout_tokens_on_serving_fraction=a["serving_tokens"] / max(1.0, a["rollout_tokens"]),
             unlendable_reasons=dict(self.unlendable.most_common(3)),
-            slo_violations=a["violations"], slo_violations_serving_alone=a["violations_alone"],
+            slo_violations=a["violations"],
+            slo_violations_serving_alone=a["violations_alone"],
             serving_slo_attainment=1.0 - a["bad_requests"] / max(1.0, a["requests"]),
             lent_instance_fraction=a["lent_instance_s"] / max(1e-9, sim_s * self.n_serv),
             leases=dict(granted=a["granted"], renewed=a["renewed"], revoked=a["revoked"], expired=a["expired"]),
-            alerts=a["alerts"], interrupted_turns=a["interrupted"], aborted_turns=a["aborted"], bounced_turns=a["bounced"],
-            hedges=a["hedges"], hedge_wins=a["hedge_wins"],
+            alerts=a["alerts"],
+            interrupted_turns=a["interrupted"],
+            aborted_turns=a["aborted"],
+            bounced_turns=a["bounced"],
+            hedges=a["hedges"],
+            hedge_wins=a["hedge_wins"],
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             simulated_s=sim_s,
         )

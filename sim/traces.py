@@ -78,7 +78,7 @@ class Trace:
     def duration_s(self) -> int:
         return len(self.rate)
 
-    def scaled(self, factor: float) -> "Trace":
+    def scaled(self, factor: float) -> Trace:
         return Trace(self.rate * factor, self.prompt_mean, self.output_mean, self.prompt_p99, self.start_s, self.source)
 
     def at(self, t: float) -> int:
@@ -125,7 +125,7 @@ def diurnal_bursty(duration_s: int, start_hour: float, spec: DiurnalBursty, seed
         at = rng.exponential(spec.burst_every_s)
         while at < duration_s:
             length = float(np.clip(rng.lognormal(math.log(spec.burst_len_s), 0.5), 5.0, 600.0))
-            burst[int(at): int(at + length)] = spec.burst_factor
+            burst[int(at) : int(at + length)] = spec.burst_factor
             at += length + rng.exponential(spec.burst_every_s)
     p, o, p99 = spec.sizes.means()
     return Trace(shape * burst, np.full(duration_s, p), np.full(duration_s, o), p99, start_hour * 3600.0, "synthetic diurnal + bursts")
@@ -182,7 +182,9 @@ def load_azure_csv(path: str | Path) -> Requests:
             try:
                 t, of_day = _parse_time(row[ti])
             except ValueError:
-                raise TraceError(f"{path}, line {line}: TIMESTAMP {row[ti]!r} is neither seconds nor a date-time like 2023-11-16 18:15:46.6805900") from None
+                raise TraceError(
+                    f"{path}, line {line}: TIMESTAMP {row[ti]!r} is neither seconds nor a date-time like 2023-11-16 18:15:46.6805900"
+                ) from None
             try:
                 c, g = int(row[ci]), int(row[gi])
             except ValueError:

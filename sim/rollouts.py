@@ -130,7 +130,9 @@ def sample_batch(spec: RolloutSpec, trajectories: int, rng: np.random.Generator,
     prompt = np.round(np.clip(_lognormal(rng, spec.prompt_median, spec.prompt_sigma, n), 64, spec.max_context // 2)).astype(np.int64)
     turns = np.clip(np.round(_lognormal(rng, spec.turns_median, spec.turns_sigma, n)), 1, t).astype(np.int64)
     gen = np.round(np.clip(_lognormal(rng, spec.gen_median, spec.gen_sigma, (n, t)), min(spec.gen_min, spec.gen_max), spec.gen_max)).astype(np.int64)
-    tool_tokens = np.round(np.clip(_lognormal(rng, spec.tool_tokens_median, spec.tool_tokens_sigma, (n, t)), 0, spec.tool_tokens_max)).astype(np.int64)
+    tool_tokens = np.round(np.clip(_lognormal(rng, spec.tool_tokens_median, spec.tool_tokens_sigma, (n, t)), 0, spec.tool_tokens_max)).astype(
+        np.int64
+    )
     tool_s = np.clip(_lognormal(rng, spec.tool_latency_median_s, spec.tool_latency_sigma, (n, t)), 0.0, spec.tool_latency_max_s)
     # stop a trajectory before its context would pass max_context
     for i in range(n):

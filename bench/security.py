@@ -20,7 +20,7 @@ exception alone:
   weights did not change (full run: through the executor's real HTTP server);
 * **http**: request heads at 1 byte/s and a silent connection (closed by the server within the
   head deadline + 3 s), admin key missing or wrong (401 and the weights unchanged);
-* **sandbox**: the code sandbox's escapes (cli/security_sandbox_attacks.py), as root and as nobody.
+* **sandbox**: the code sandbox's escapes (bench/sandbox_attacks.py), as root and as nobody.
 
 `--quick` (the test suite's): fewer bus combinations, the unpickler without the HTTP engine, a
 short head deadline, a few sandbox escapes.
@@ -89,7 +89,7 @@ class Listener:
         while not self._stop:
             try:
                 conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -148,7 +148,7 @@ def _dupfd(address: Any) -> Any:
     from multiprocessing.resource_sharer import DupFd
 
     dup = DupFd.__new__(DupFd)
-    dup._id = (address, 1)
+    dup.__dict__["_id"] = (address, 1)  # the private field its unpickling dials
     return dup
 
 
@@ -202,7 +202,13 @@ async def unpickler_attacks(rows: Rows, target: UnpicklerTarget, scratch: Path, 
         refused, answer = await target.push(payload)
         await asyncio.sleep(LISTEN_WAIT_S if listener is not None else 0)
         after, grown = await target.digest(), _peak_rss_bytes() - rss
-        ok, notes = refused and before == after, [f"{'refused' if refused else 'ACCEPTED'} via {target.via}: {answer[:160]!r}", f"weights {'unchanged' if before == after else 'CHANGED'}"]
+        ok, notes = (
+            refused and before == after,
+            [
+                f"{'refused' if refused else 'ACCEPTED'} via {target.via}: {answer[:160]!r}",
+                f"weights {'unchanged' if before == after else 'CHANGED'}",
+            ],
+        )
         if listener is not None:
             ok &= listener.connections == 0
             notes.append(f"listener connections: {listener.connections}")
@@ -223,7 +229,8 @@ async def unpickler_attacks(rows: Rows, target: UnpicklerTarget, scratch: Path, 
         pid = os.getpid()
         await attempt(
             "shm storage naming a manager socket of the payload's choice (rebuild_storage_filename)",
-            payload_filename(sock_path.encode(), f"/torch_{pid}_1_0".encode(), live.numel() * 4, name, shape), listener=unix,
+            payload_filename(sock_path.encode(), f"/torch_{pid}_1_0".encode(), live.numel() * 4, name, shape),
+            listener=unix,
         )
         secret = f"ROSE-SECRET-{secrets.token_hex(16)}"
         secret_file = Path("/dev/shm") / f"rose-secret-{secrets.token_hex(6)}"
@@ -233,15 +240,23 @@ async def unpickler_attacks(rows: Rows, target: UnpicklerTarget, scratch: Path, 
         no_secret = lambda answer: (secret not in answer, "secret not in the answer" if secret not in answer else "SECRET LEAKED")  # noqa: E731
         try:
             n = len(secret) * 64 // 4 * 4
-            await attempt("file name outside torch's segments (/dev/shm/<secret>)", payload_filename(b"", f"/{secret_file.name}".encode(), n, small[0], (n // 4,)), no_secret)
-            await attempt("path traversal in the segment name", payload_filename(b"", f"/../../{secret_file}".encode(), n, small[0], (n // 4,)), no_secret)
-            await attempt("torch-named segment that is a link to a secret", payload_filename(b"", f"/{link.name}".encode(), n, small[0], (n // 4,)), no_secret)
+            await attempt(
+                "file name outside torch's segments (/dev/shm/<secret>)",
+                payload_filename(b"", f"/{secret_file.name}".encode(), n, small[0], (n // 4,)),
+                no_secret,
+            )
+            await attempt(
+                "path traversal in the segment name", payload_filename(b"", f"/../../{secret_file}".encode(), n, small[0], (n // 4,)), no_secret
+            )
+            await attempt(
+                "torch-named segment that is a link to a secret", payload_filename(b"", f"/{link.name}".encode(), n, small[0], (n // 4,)), no_secret
+            )
         finally:
             link.unlink(missing_ok=True)
             secret_file.unlink(missing_ok=True)
         huge = 16 << 30
-        no_alloc = lambda answer: (_peak_rss_bytes() - rss0 < huge // 4, "no allocation of the claimed size")  # noqa: E731
         rss0 = _peak_rss_bytes()
+        no_alloc = lambda answer: (_peak_rss_bytes() - rss0 < huge // 4, "no allocation of the claimed size")  # noqa: E731
         await attempt("oversized storage (16 GiB claimed)", payload_filename(b"", f"/torch_{pid}_2_0".encode(), huge, name, shape), no_alloc)
         rss0 = _peak_rss_bytes()
         await attempt("direct allocation torch.UntypedStorage(16 GiB) in the pickle", payload_call(torch.UntypedStorage, huge), no_alloc)
@@ -307,7 +322,7 @@ async def slow_head_attacks(rows: Rows, host: str, port: int, deadline_s: float,
                         break
                 try:
                     data = await asyncio.wait_for(reader.read(1024), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 except (ConnectionError, OSError):
                     closed_at = time.monotonic()
@@ -319,7 +334,11 @@ async def slow_head_attacks(rows: Rows, host: str, port: int, deadline_s: float,
             writer.close()
         held = (closed_at or time.monotonic()) - started
         blocked = closed_at is not None and held <= deadline_s + HEAD_GRACE_S
-        evidence = f"connection closed by the server after {held:.1f} s (head deadline {deadline_s:g} s, {sent} bytes sent)" if closed_at else f"STILL OPEN after {held:.1f} s"
+        evidence = (
+            f"connection closed by the server after {held:.1f} s (head deadline {deadline_s:g} s, {sent} bytes sent)"
+            if closed_at
+            else f"STILL OPEN after {held:.1f} s"
+        )
         rows.add(attack, "http", as_user, blocked, evidence)
 
     await asyncio.gather(hold("request head at 1 byte/s (slowloris)", True), hold("connection that never sends a head", False))
@@ -343,7 +362,13 @@ async def admin_key_attacks(rows: Rows, base: str, digest: Callable[[], Awaitabl
                 status, text = r.status, await r.text()
             after = await digest()
             blocked = status in (401, 403) and before == after
-            rows.add(attack, "http", as_user, blocked, f"HTTP {status}; weights {'unchanged' if before == after else 'CHANGED'}; key not echoed: {good_key not in text}")
+            rows.add(
+                attack,
+                "http",
+                as_user,
+                blocked,
+                f"HTTP {status}; weights {'unchanged' if before == after else 'CHANGED'}; key not echoed: {good_key not in text}",
+            )
 
 
 async def http_engine_attacks(rows: Rows, scratch: Path, as_user: str) -> None:
@@ -351,10 +376,10 @@ async def http_engine_attacks(rows: Rows, scratch: Path, as_user: str) -> None:
     import aiohttp
     from aiohttp import web
 
+    from rose.services.executor.config import SGLangApiSettings
     from rose.services.executor.engine import Engine
     from rose.services.executor.http_api import OpenAIApi
     from rose.services.executor.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
-    from rose.services.executor.config import SGLangApiSettings
     from rose.services.executor.sglang_api import SGLangApi
     from rose.services.executor.telemetry import Telemetry
     from rose.shared.models import init_models
@@ -365,7 +390,9 @@ async def http_engine_attacks(rows: Rows, scratch: Path, as_user: str) -> None:
     engine.start()
     key = secrets.token_urlsafe(24)
     openai = OpenAIApi(engine, Telemetry(engine, "ex-bench-security", "dedicated", 1.0), "rose-serving", 64 << 20)
-    SGLangApi(engine, SGLangApiSettings(admin_api_key=key), model_dir=str(paths.policy), served_name="policy", follows_bus_weights=False).mount(openai.app)
+    SGLangApi(engine, SGLangApiSettings(admin_api_key=key), model_dir=str(paths.policy), served_name="policy", follows_bus_weights=False).mount(
+        openai.app
+    )
     runner = HardenedAppRunner(openai.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -404,8 +431,11 @@ async def quick_http_attacks(rows: Rows, as_user: str) -> None:
 
     from rose.services.executor.http_server import HardenedAppRunner
 
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
     app = web.Application()
-    app.router.add_get("/health", lambda _r: web.json_response({"ok": True}))
+    app.router.add_get("/health", health)
     runner = HardenedAppRunner(app, head_timeout_s=QUICK_HEAD_TIMEOUT_S, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -457,6 +487,8 @@ def request_channels() -> list[Any]:
     from rose.contracts.registry import CHANNELS, Kind
 
     return [c for c in CHANNELS if c.kind is Kind.REQUEST]
+
+
 REPLY_TARGETS = ("js-delete", "js-purge", "kv-forged-key", "service-subject", "service-stream-subject", "outsider-inbox")
 
 
@@ -470,7 +502,10 @@ def reply_target(channel: Any, target: str, tag: str) -> tuple[str, str]:
         "js-purge": ("$JS.API purge of ROSE_EVENTS", "$JS.API.STREAM.PURGE.ROSE_EVENTS"),
         "kv-forged-key": ("$KV forged lease key", f"$KV.rose_leases.forged-{tag}"),
         "service-subject": ("another service's event subject (headroom)", HEADROOM.subject(executor_id=f"victim-{tag}")),
-        "service-stream-subject": ("another service's stream subject (lease event)", LEASE_EVENT.subject(kind="granted", executor_id=f"victim-{tag}")),
+        "service-stream-subject": (
+            "another service's stream subject (lease event)",
+            LEASE_EVENT.subject(kind="granted", executor_id=f"victim-{tag}"),
+        ),
         "outsider-inbox": (f"the inbox of {outsider} (not a requester)", f"_INBOX_{outsider}.victim.{tag}"),
     }[target]
 
@@ -516,9 +551,24 @@ async def bus_world(url: str, creds: Any, *, secured: bool, executor_user: str =
     op = Bus(cfg(OPERATOR), service=OPERATOR, instance="bench-ops")
     await op.connect()
     await provision(op.js)
-    await op.publish(SLO_ALERT, SloAlert(executor_id="bench-marker", at=time.time(), severity="burst", reason="bench marker"), executor_id="bench-marker")
-    await op.kv_put(LEASE, Lease(lease_id="l-bench", executor_id="ex-bench", epoch=1, state="active", granted_at=1.0, expires_at=2.0, kv_bytes=1,
-                                 compute_share=0.5, max_rollout_batch=1), executor_id="ex-bench")  # a purge or delete would show
+    await op.publish(
+        SLO_ALERT, SloAlert(executor_id="bench-marker", at=time.time(), severity="burst", reason="bench marker"), executor_id="bench-marker"
+    )
+    await op.kv_put(
+        LEASE,
+        Lease(
+            lease_id="l-bench",
+            executor_id="ex-bench",
+            epoch=1,
+            state="active",
+            granted_at=1.0,
+            expires_at=2.0,
+            kv_bytes=1,
+            compute_share=0.5,
+            max_rollout_batch=1,
+        ),
+        executor_id="ex-bench",
+    )  # a purge or delete would show
 
     async def generate(req: Any, _d: Any) -> Any:
         return GenerateReply(request_id=req.request_id, executor_id="ex-bench", status="failed", error="bench")
@@ -560,7 +610,7 @@ async def attack_once(world: BusWorld, channel: Any, cred: str, target: str, bod
     tag = f"{'s' if world.secured else 'u'}{world.attacks}"
     _, reply = reply_target(channel, target, tag)
     responder, attacker, op = world.responders[channel.name], world.attackers[cred], world.operator
-    data = b"\x00garbage{" if body == "garbage" else encode(valid_request(channel.name), channel.encoding)  # type: ignore[arg-type]
+    data = b"\x00garbage{" if body == "garbage" else encode(valid_request(channel.name), channel.encoding)
     events_before = (await op.js.stream_info("ROSE_EVENTS")).state.messages
     refused_before = responder.replies_refused
     await attacker.nc.publish(channel.subject(**request_tokens(channel)), data, reply=reply)
@@ -603,10 +653,22 @@ async def bus_attacks(rows: Rows, world: BusWorld, quick: bool) -> None:
                 for body in bodies:
                     blocked, _refused, evidence = await attack_once(world, channel, cred, target, body)
                     what, _ = reply_target(channel, target, "x")
-                    rows.add(f"{channel.name} {body} request, reply into {what}{layer}", "bus", cred if world.secured else f"{cred} (anonymous)", blocked, evidence)
+                    rows.add(
+                        f"{channel.name} {body} request, reply into {what}{layer}",
+                        "bus",
+                        cred if world.secured else f"{cred} (anonymous)",
+                        blocked,
+                        evidence,
+                    )
     for verb in ("PING",) if quick else ("PING", "INFO", "STATS"):
         blocked, evidence = await srv_attack(world, "rollout_worker", verb)
-        rows.add(f"$SRV.{verb} with reply into $JS.API stream delete{layer}", "bus", "rollout_worker" if world.secured else "rollout_worker (anonymous)", blocked, evidence)
+        rows.add(
+            f"$SRV.{verb} with reply into $JS.API stream delete{layer}",
+            "bus",
+            "rollout_worker" if world.secured else "rollout_worker (anonymous)",
+            blocked,
+            evidence,
+        )
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -635,7 +697,7 @@ def _sandbox_part(rows: Rows, quick: bool) -> list[str]:
     """The sandbox escapes as root and as nobody; notes say what could not run (never a made-up row)."""
     notes: list[str] = []
     try:
-        from rose.cli import security_sandbox_attacks as sandbox_attacks
+        from rose.bench import sandbox_attacks as sandbox_attacks
     except ImportError as exc:
         return [f"sandbox attacks not run: {exc}"]
     names = [a.__name__.removeprefix("attack_") for a in getattr(sandbox_attacks, "ATTACKS", ())]

@@ -162,9 +162,14 @@ class StandInFleet:
             return
         previous = x.lease
         was_active = previous is not None and previous.state == "active"
-        if lease.state == "active" and previous is not None and lease.lease_id != previous.lease_id:
-            if was_active and previous.expires_at > lease.granted_at:
-                self.m.double_grants += 1
+        if (
+            lease.state == "active"
+            and previous is not None
+            and lease.lease_id != previous.lease_id
+            and was_active
+            and previous.expires_at > lease.granted_at
+        ):
+            self.m.double_grants += 1
         x.lease = lease
         if lease.state == "active" and not was_active:
             self.m.grants_seen += 1
@@ -188,10 +193,20 @@ class StandInFleet:
         k = (i + int(now)) % SKETCH_TEMPLATES
         leased = self.leased(x, now)
         return MetricsSnapshot(
-            executor_id=x.executor_id, at=now, interval_s=s.interval_s, ttft_ms=ttft[k], tpot_ms=tpot[k],
-            serving_arrivals=arrivals, serving_completed=arrivals, serving_queue=x.queue, serving_running=min(8, arrivals),
-            rollout_running=4 if leased else 0, rollout_tokens_per_s=400.0 if leased else 0.0,
-            serving_pool=self.pool, rollout_pool=self.pool, lease_id=x.lease.lease_id if leased and x.lease else "",
+            executor_id=x.executor_id,
+            at=now,
+            interval_s=s.interval_s,
+            ttft_ms=ttft[k],
+            tpot_ms=tpot[k],
+            serving_arrivals=arrivals,
+            serving_completed=arrivals,
+            serving_queue=x.queue,
+            serving_running=min(8, arrivals),
+            rollout_running=4 if leased else 0,
+            rollout_tokens_per_s=400.0 if leased else 0.0,
+            serving_pool=self.pool,
+            rollout_pool=self.pool,
+            lease_id=x.lease.lease_id if leased and x.lease else "",
         )
 
     async def snapshots_loop(self, until: float) -> None:
@@ -264,8 +279,15 @@ class StandInFleet:
                     await asyncio.sleep(delay)
                 now = time.time()
                 beat = Heartbeat(
-                    service="executor", instance=x.executor_id, version="bench", host="standin", pid=os.getpid(),
-                    started_at=self.started_at, sent_at=now, interval_s=HEARTBEAT_S, labels={"role": "serving"},
+                    service="executor",
+                    instance=x.executor_id,
+                    version="bench",
+                    host="standin",
+                    pid=os.getpid(),
+                    started_at=self.started_at,
+                    sent_at=now,
+                    interval_s=HEARTBEAT_S,
+                    labels={"role": "serving"},
                 )
                 self._spawn(self._send(self.bus_of(i).publish(HEARTBEAT, beat, service="executor", instance=x.executor_id), "heartbeats_sent"))
             tick += 1
@@ -284,7 +306,9 @@ class StandInFleet:
                 continue
             x = self.rng.choice(leased)
             seq += 1
-            req = TurnRouteRequest(trajectory_id=f"t{seq}", turn_index=1, prompt_tokens=64, previous_executor=x.executor_id, group_id=f"g{seq // 8}", group_size=8)
+            req = TurnRouteRequest(
+                trajectory_id=f"t{seq}", turn_index=1, prompt_tokens=64, previous_executor=x.executor_id, group_id=f"g{seq // 8}", group_size=8
+            )
             task = asyncio.ensure_future(self._route(req, seq, time.time() >= measure_from))
             pending.add(task)
             task.add_done_callback(pending.discard)
@@ -341,16 +365,17 @@ def pct(values: list[float], q: float) -> float | None:
 async def run_level(n: int, s: Settings, root: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     monitor_ports: list[int] = []
+    server: NatsCluster | NatsServer
     if s.cluster:
         server = NatsCluster(root / "nats", size=3)
         server.start()
         monitor_ports = [node.monitor_port for node in server.nodes if node.monitor_port]
-        url, pids = server.url, [node.pid for node in server.nodes]
+        url, pids = server.url, server.pids
     else:
         port = free_port()
         server = NatsServer(root / "nats", monitor_port=port)
         server.start()
-        monitor_ports, url, pids = [port], server.url, [server.pid]
+        monitor_ports, url, pids = [port], server.url, [pid for pid in [server.pid] if pid is not None]
     procs: list[ServiceProcess] = []
     try:
         async with Bus(BusConfig(url=url, replicas=3 if s.cluster else 1), service="cli", instance="cp-bench") as bus:
@@ -362,7 +387,9 @@ async def run_level(n: int, s: Settings, root: Path) -> dict:
                 for svc, short in (("slo_monitor", "monitor"), ("scheduler", "scheduler")):
                     port = free_port()
                     extra = {"ROSE_HEADROOM_INTERVAL_S": str(s.interval_s)} if svc == "slo_monitor" else {}
-                    procs.append(ServiceProcess(svc, f"cp-{short}-{k}", {**env, **extra, "ROSE_RUNTIME__METRICS_PORT": str(port)}, root / f"{short}-{k}.log"))
+                    procs.append(
+                        ServiceProcess(svc, f"cp-{short}-{k}", {**env, **extra, "ROSE_RUNTIME__METRICS_PORT": str(port)}, root / f"{short}-{k}.log")
+                    )
                     metrics_url[procs[-1].instance] = f"http://127.0.0.1:{port}/metrics"
             await start_all(bus, procs, timeout=60.0)
         monitors = [p for p in procs if p.service == "slo_monitor"]
@@ -474,7 +501,11 @@ async def run_control_plane_bench(json_path: str | Path, s: Settings, *, plot: b
     levels = []
     with tempfile.TemporaryDirectory(prefix="rose-cp-") as tmp:
         for n in s.executors:
-            print(f"control plane: {n} executor stand-ins, {'3-node cluster' if s.cluster else 'one NATS node'}, {s.warmup_s:.0f}+{s.duration_s:.0f} s ...", flush=True)
+            print(
+                f"control plane: {n} executor stand-ins, {'3-node cluster' if s.cluster else 'one NATS node'}, {s.warmup_s:.0f}+{s.duration_s:.0f} "
+                "s ...",
+                flush=True,
+            )
             level = await run_level(n, s, Path(tmp) / f"n{n}")
             level["targets"] = meets_targets(level, s.interval_s)
             levels.append(level)

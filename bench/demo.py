@@ -33,6 +33,9 @@ from rich.live import Live
 from rich.table import Table
 
 from rose.contracts.registry import EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAINING_STEP, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_MANIFEST
+from rose.contracts.rollout import Trajectory
+from rose.contracts.training import TrainingStep
+from rose.contracts.weights import WeightManifest
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
@@ -42,7 +45,19 @@ from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract
 
-from .fleet import DEDICATED_NICE, FleetSpec, ServingLog, assign_credentials, cpu_list, drive_serving, executor_instances, fleet_processes, p99, serving_trace, tree_cpus
+from .fleet import (
+    DEDICATED_NICE,
+    FleetSpec,
+    ServingLog,
+    assign_credentials,
+    cpu_list,
+    drive_serving,
+    executor_instances,
+    fleet_processes,
+    p99,
+    serving_trace,
+    tree_cpus,
+)
 
 DEFAULT_DURATION_S = 140.0  # the GRPO window, after the warm start; with start-up, warm start and drain about 5 minutes
 DEFAULT_OUT = "report"
@@ -93,10 +108,10 @@ class Observed:
     lease_events: list[tuple[float, str, str]] = field(default_factory=list)  # (at, executor, kind)
     alerts: list[tuple[float, str, str]] = field(default_factory=list)  # (t, executor, severity)
     published: set[str] = field(default_factory=set)  # task ids handed out
-    trajectories: dict[str, object] = field(default_factory=dict)  # task id -> Trajectory
-    manifests: dict[int, object] = field(default_factory=dict)  # version -> WeightManifest
+    trajectories: dict[str, Trajectory] = field(default_factory=dict)  # task id -> Trajectory
+    manifests: dict[int, WeightManifest] = field(default_factory=dict)  # version -> WeightManifest
     applied: dict[str, int] = field(default_factory=dict)  # executor -> live policy version
-    steps: list[object] = field(default_factory=list)  # TrainingStep, in order
+    steps: list[TrainingStep] = field(default_factory=list)  # in order
 
 
 async def observe(bus: Bus, obs: Observed) -> None:
@@ -142,8 +157,7 @@ async def observe(bus: Bus, obs: Observed) -> None:
 
 def _turns(obs: Observed):
     for t in list(obs.trajectories.values()):
-        for turn in t.turns:  # type: ignore[attr-defined]
-            yield turn
+        yield from t.turns
 
 
 def lease_holders(obs: Observed) -> dict[str, bool]:
@@ -159,7 +173,10 @@ def spark(values: list[float]) -> str:
 
 def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration: float, phase: str, label: str = "ROSE demo") -> Group:
     now = time.time()
-    table = Table(title=f"{label} · {phase} · {elapsed:.0f}/{duration:.0f} s · serving latency and rollout tokens/s over the last {RECENT_S:.0f} s", expand=False)
+    table = Table(
+        title=f"{label} · {phase} · {elapsed:.0f}/{duration:.0f} s · serving latency and rollout tokens/s over the last {RECENT_S:.0f} s",
+        expand=False,
+    )
     for col in ("executor", "role", "TTFT p99", "SLO met", "lease", "tok/s", "policy"):
         table.add_column(col, justify="left" if col in ("executor", "role") else "right", no_wrap=True)
     held = lease_holders(obs)
@@ -174,17 +191,28 @@ def live_view(obs: Observed, executors: dict[str, str], elapsed: float, duration
         slo = f"{sum(met) / len(met):.1%}" if met else "-"
         colour = "green" if q is not None and q <= SPEC.slo_ttft_ms else "red" if q is not None else "white"
         table.add_row(
-            ex, role, f"[{colour}]{q:.0f} ms[/{colour}]" if q is not None else "-", slo,
+            ex,
+            role,
+            f"[{colour}]{q:.0f} ms[/{colour}]" if q is not None else "-",
+            slo,
             "[green]held[/green]" if held.get(ex) else "-",
-            f"{recent_tokens.get(ex, 0) / RECENT_S:.0f}", f"v{obs.applied.get(ex, 0)}",
+            f"{recent_tokens.get(ex, 0) / RECENT_S:.0f}",
+            f"v{obs.applied.get(ex, 0)}",
         )
-    rewards = [s.reward_mean for s in obs.steps]  # type: ignore[attr-defined]
+    rewards = [s.reward_mean for s in obs.steps]
     last = obs.steps[-1] if obs.steps else None
     done = len(obs.published & set(obs.trajectories))
-    failed = sum(1 for t in obs.trajectories.values() if t.status != "completed")  # type: ignore[attr-defined]
+    failed = sum(1 for t in obs.trajectories.values() if t.status != "completed")
     lines = Table.grid(padding=(0, 2))
-    lines.add_row("serving SLO", f"TTFT ≤ {SPEC.slo_ttft_ms:.0f} ms, TPOT ≤ {SPEC.slo_tpot_ms:.0f} ms; attainment so far {obs.serving.attainment(SPEC) or 0:.2%} of {len(obs.serving.requests)} requests")
-    lines.add_row("training", f"step {last.step if last else 0}, policy v{last.version if last else 0}, reward {rewards[-1] if rewards else 0:.2f}  {spark(rewards)}")  # type: ignore[attr-defined]
+    lines.add_row(
+        "serving SLO",
+        f"TTFT ≤ {SPEC.slo_ttft_ms:.0f} ms, TPOT ≤ {SPEC.slo_tpot_ms:.0f} ms; attainment so far {obs.serving.attainment(SPEC) or 0:.2%} of "
+        f"{len(obs.serving.requests)} requests",
+    )
+    lines.add_row(
+        "training",
+        f"step {last.step if last else 0}, policy v{last.version if last else 0}, reward {rewards[-1] if rewards else 0:.2f}  {spark(rewards)}",
+    )
     lines.add_row("trajectories", f"{done}/{len(obs.published)} back, {failed} failed; weight versions {len(obs.manifests)}")
     return Group(table, lines)
 
@@ -200,9 +228,22 @@ def trainer_settings(seed: int, warm_start_steps: int | None = None) -> dict[str
 
 
 async def run_job(
-    out: Path, duration: float, seed: int, models_dir: Path | None, serving_n: int, dedicated_n: int, console: Console, *, label: str = "ROSE demo",
-    env: dict[str, dict[str, str]] | None = None, drained: set[str] | None = None, on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
-    obs: Observed | None = None, warm_start_steps: int | None = None, job: dict[str, str] | None = None, devices: dict[str, frozenset[int]] | None = None,
+    out: Path,
+    duration: float,
+    seed: int,
+    models_dir: Path | None,
+    serving_n: int,
+    dedicated_n: int,
+    console: Console,
+    *,
+    label: str = "ROSE demo",
+    env: dict[str, dict[str, str]] | None = None,
+    drained: set[str] | None = None,
+    on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
+    obs: Observed | None = None,
+    warm_start_steps: int | None = None,
+    job: dict[str, str] | None = None,
+    devices: dict[str, frozenset[int]] | None = None,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -224,7 +265,11 @@ async def run_job(
     # auth on, as in production: each process gets its own NKey, each executor one of its own instance
     creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, serving_n, dedicated_n)})
     server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
-    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance=f"demo-{seed}")
+    bus = Bus(
+        BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))),
+        service="cli",
+        instance=f"demo-{seed}",
+    )
     await bus.connect()
     await provision(bus.js)
     obs = obs if obs is not None else Observed()
@@ -233,8 +278,23 @@ async def run_job(
         await on_bus(bus, obs)
     logs = state / "logs"
     trainer = {**trainer_settings(seed, warm_start_steps), **(job or {})}
-    procs = job_processes(state, server.url, models, creds, SPEC, serving_n, dedicated_n, trainer, devices=devices, **{f"{part}_env": e for part, e in (env or {}).items()})
-    executors = {name: ("serving" if "-serving-" in name else "dedicated") for name in procs if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"}
+    procs = job_processes(
+        state,
+        server.url,
+        models,
+        creds,
+        SPEC,
+        serving_n,
+        dedicated_n,
+        trainer,
+        devices=devices,
+        **{f"{part}_env": e for part, e in (env or {}).items()},
+    )
+    executors = {
+        name: ("serving" if "-serving-" in name else "dedicated")
+        for name in procs
+        if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"
+    }
     serving = [n for n, role in executors.items() if role == "serving"]
     try:
         console.print(f"starting {len(procs)} services on {server.url} (logs in {logs}) ...")
@@ -263,8 +323,14 @@ async def run_job(
                 await asyncio.sleep(0.5)
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
         await asyncio.sleep(1.0)  # the last events in flight
-        params = dict(seed=seed, duration_s=duration, warm_start_s=warm_start_s, serving_executors=serving_n, dedicated_executors=dedicated_n,
-                      job=job_description(trainer, job, devices_seen, pinned=bool(devices)))
+        params = dict(
+            seed=seed,
+            duration_s=duration,
+            warm_start_s=warm_start_s,
+            serving_executors=serving_n,
+            dedicated_executors=dedicated_n,
+            job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
+        )
         return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
         await asyncio.to_thread(stop_all, list(procs.values()))
@@ -277,13 +343,29 @@ def job_description(trainer: dict[str, str], overrides: dict[str, str] | None, d
     (TRAINER), what `rose bench e2e` changes (its job is rollout-dominated), and each executor's CPU set
     as observed at the end of the window (its process tree's affinity; pinned: one core per executor)."""
     return {
-        "trainer": trainer, "differs_from_demo": dict(overrides or {}), "bench_e2e_differs_from_demo": ROLLOUT_DOMINATED_JOB,
-        "bench_e2e_fleet": "executors pinned one core each (--pin auto); serving executors: the demo's 2, at most the cores left after the dedicated ones",
-        "pinned": pinned, "devices": devices,
+        "trainer": trainer,
+        "differs_from_demo": dict(overrides or {}),
+        "bench_e2e_differs_from_demo": ROLLOUT_DOMINATED_JOB,
+        "bench_e2e_fleet": "executors pinned one core each (--pin auto); serving executors: the demo's 2, at most the cores left after the "
+        "dedicated ones",
+        "pinned": pinned,
+        "devices": devices,
     }
 
 
-def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, serving: int, dedicated: int, trainer: dict[str, str], **fleet_env: dict[str, str]) -> dict[str, ServiceProcess]:
+def job_processes(
+    state: Path,
+    url: str,
+    models: Path,
+    creds,
+    spec: FleetSpec,
+    serving: int,
+    dedicated: int,
+    trainer: dict[str, str],
+    *,
+    devices: dict[str, frozenset[int]] | None = None,
+    **fleet_env: dict[str, str],
+) -> dict[str, ServiceProcess]:
     """The RL job's processes (not started): the fleet, the weight publisher and the trainer, each with
     its own credentials (an executor: its instance's, which `creds` must hold, see fleet.executor_instances)
     and this run's state dir (its weight-signing keys; never ./.rose).
@@ -291,12 +373,17 @@ def job_processes(state: Path, url: str, models: Path, creds, spec: FleetSpec, s
     `trainer` is the trainer's settings (TRAINER plus the run's own); `fleet_env` goes to `fleet_processes`.
     """
     logs = state / "logs"
-    procs = fleet_processes(logs, url, models, spec, serving, dedicated, **fleet_env)
+    procs = fleet_processes(logs, url, models, spec, serving, dedicated, devices=devices, **fleet_env)
     base = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "INFO"}
     # The trainer and the publisher stand in for the training cluster: like the dedicated executor,
     # they run at a lower OS priority so that they do not take the serving executors' cores.
     procs["publisher"] = ServiceProcess("weight_publisher", f"{spec.prefix}-publisher", base, logs / "weight_publisher.log", nice=DEDICATED_NICE)
-    trainer_env = {**base, "ROSE_RUN_ID": f"{spec.prefix}-{trainer.get('ROSE_TASKS__SEED', '0')}", "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"), **trainer}
+    trainer_env = {
+        **base,
+        "ROSE_RUN_ID": f"{spec.prefix}-{trainer.get('ROSE_TASKS__SEED', '0')}",
+        "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"),
+        **trainer,
+    }
     procs["trainer"] = ServiceProcess("trainer", f"{spec.prefix}-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
     assign_credentials(procs, creds)
     for proc in procs.values():
@@ -325,9 +412,9 @@ def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: f
     tokens_in_window = sum(len(t.token_ids) for t in turns if t0 <= t.finished_at <= window_end)
     total = sum(len(t.token_ids) for t in turns)
     harvested = sum(len(t.token_ids) for t in turns if executors.get(t.executor_id) == "serving")
-    rewards = [s.reward_mean for s in obs.steps]  # type: ignore[attr-defined]
+    rewards = [s.reward_mean for s in obs.steps]
     first, last = reward_ends(rewards)
-    deltas = [m for v, m in sorted(obs.manifests.items()) if not m.keyframe]  # type: ignore[attr-defined]
+    deltas = [m for v, m in sorted(obs.manifests.items()) if not m.keyframe]
     lost = sorted(obs.published - set(obs.trajectories))
     requests = obs.serving.requests
     return {
@@ -354,8 +441,10 @@ def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: f
         },
         "weights": {
             "versions": len(obs.manifests),
-            "wire_ratio": (sum(m.wire_bytes for m in deltas) / sum(m.full_bytes for m in deltas)) if deltas else None,  # type: ignore[attr-defined]
-            "bytes_by_version": {str(v): {"wire": m.wire_bytes, "full": m.full_bytes, "keyframe": m.keyframe} for v, m in sorted(obs.manifests.items())},  # type: ignore[attr-defined]
+            "wire_ratio": (sum(m.wire_bytes for m in deltas) / sum(m.full_bytes for m in deltas)) if deltas else None,
+            "bytes_by_version": {
+                str(v): {"wire": m.wire_bytes, "full": m.full_bytes, "keyframe": m.keyframe} for v, m in sorted(obs.manifests.items())
+            },
             "applied": dict(obs.applied),
         },
         "training": {
@@ -364,12 +453,12 @@ def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: f
             "reward_last": last,
             "reward_margin": (last - first) if first is not None and last is not None else None,
             "rewards": [round(r, 4) for r in rewards],
-            "stale_dropped": obs.steps[-1].stale_dropped if obs.steps else 0,  # type: ignore[attr-defined]
+            "stale_dropped": obs.steps[-1].stale_dropped if obs.steps else 0,
         },
         "trajectories": {
             "published": len(obs.published),
             "returned": len(obs.published & set(obs.trajectories)),
-            "failed": sum(1 for t in obs.trajectories.values() if t.status != "completed"),  # type: ignore[attr-defined]
+            "failed": sum(1 for t in obs.trajectories.values() if t.status != "completed"),
             "lost": len(lost),
             "lost_ids": lost[:20],
         },
@@ -401,11 +490,16 @@ def write_report(out: Path, obs: Observed, executors: dict[str, str], t0: float,
     table.add_column("value", justify="right")
     s = summary
     for name, value in (
-        ("serving.slo_attainment", s["serving"]["slo_attainment"]), ("serving.requests", s["serving"]["requests"]),
-        ("rollout.tokens_per_s", s["rollout"]["tokens_per_s"]), ("rollout.harvested_fraction", s["rollout"]["harvested_fraction"]),
-        ("weights.versions", s["weights"]["versions"]), ("weights.wire_ratio", s["weights"]["wire_ratio"]),
-        ("training.steps", s["training"]["steps"]), ("training.reward_first", s["training"]["reward_first"]),
-        ("training.reward_last", s["training"]["reward_last"]), ("trajectories.lost", s["trajectories"]["lost"]),
+        ("serving.slo_attainment", s["serving"]["slo_attainment"]),
+        ("serving.requests", s["serving"]["requests"]),
+        ("rollout.tokens_per_s", s["rollout"]["tokens_per_s"]),
+        ("rollout.harvested_fraction", s["rollout"]["harvested_fraction"]),
+        ("weights.versions", s["weights"]["versions"]),
+        ("weights.wire_ratio", s["weights"]["wire_ratio"]),
+        ("training.steps", s["training"]["steps"]),
+        ("training.reward_first", s["training"]["reward_first"]),
+        ("training.reward_last", s["training"]["reward_last"]),
+        ("trajectories.lost", s["trajectories"]["lost"]),
     ):
         table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
@@ -415,10 +509,13 @@ def write_report(out: Path, obs: Observed, executors: dict[str, str], t0: float,
 
 def write_samples(path: Path, obs: Observed, n: int = 10) -> None:
     """The first and last `n` trajectories, readable: what the policy wrote, where, on which version."""
-    done = sorted((t for t in obs.trajectories.values() if t.status == "completed"), key=lambda t: t.finished_at)  # type: ignore[attr-defined]
+    done = sorted((t for t in obs.trajectories.values() if t.status == "completed"), key=lambda t: t.finished_at)
     with path.open("w") as f:
         for t in done[:n] + done[-n:]:
-            turns = [{"text": u.text, "observation": u.observation, "finish": u.finish_reason, "version": u.policy_version, "executor": u.executor_id} for u in t.turns]
+            turns = [
+                {"text": u.text, "observation": u.observation, "finish": u.finish_reason, "version": u.policy_version, "executor": u.executor_id}
+                for u in t.turns
+            ]
             f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "turns": turns}) + "\n")
 
 
@@ -440,7 +537,12 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
     fig, axes = plt.subplots(len(serving), 1, figsize=(11, 3 * len(serving)), sharex=True, squeeze=False)
     for ax, ex in zip(axes[:, 0], serving):
         reqs = [r for r in obs.serving.requests if r["executor"] == ex]
-        ax.scatter([r["t"] - t0 for r in reqs], [min(max(r["ttft_ms"], 1.0), 5 * SPEC.slo_ttft_ms) for r in reqs], s=4, label="TTFT per request (failed at top)")
+        ax.scatter(
+            [r["t"] - t0 for r in reqs],
+            [min(max(r["ttft_ms"], 1.0), 5 * SPEC.slo_ttft_ms) for r in reqs],
+            s=4,
+            label="TTFT per request (failed at top)",
+        )
         ax.axhline(SPEC.slo_ttft_ms, color="red", ls="--", lw=1, label="TTFT SLO")
         for a, b, e in obs.serving.bursts:
             if e == ex:
@@ -489,7 +591,7 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
     save(fig, "rollout_throughput.png")
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot([s.step for s in obs.steps], [s.reward_mean for s in obs.steps], marker=".")  # type: ignore[attr-defined]
+    ax.plot([s.step for s in obs.steps], [s.reward_mean for s in obs.steps], marker=".")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward of the step's groups")
     ax.set_ylim(-0.02, 1.02)
@@ -498,8 +600,11 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     versions = sorted(obs.manifests)
-    ax.bar(versions, [obs.manifests[v].wire_bytes / 1e6 for v in versions],  # type: ignore[attr-defined]
-           color=["tab:red" if obs.manifests[v].keyframe else "tab:blue" for v in versions])  # type: ignore[attr-defined]
+    ax.bar(
+        versions,
+        [obs.manifests[v].wire_bytes / 1e6 for v in versions],
+        color=["tab:red" if obs.manifests[v].keyframe else "tab:blue" for v in versions],
+    )
     ax.set_xlabel("policy version (red: keyframe, blue: delta)")
     ax.set_ylabel("MB on the wire")
     ax.set_title("bytes per weight version")
@@ -507,8 +612,27 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
     return written
 
 
-def run_demo(*, out: str, duration: float | None, seed: int, models: str | None, serving: int, dedicated: int, console: Console | None = None,
-             warm_start_steps: int | None = None) -> dict:
+def run_demo(
+    *,
+    out: str,
+    duration: float | None,
+    seed: int,
+    models: str | None,
+    serving: int,
+    dedicated: int,
+    console: Console | None = None,
+    warm_start_steps: int | None = None,
+) -> dict:
     console = console or Console()
-    return asyncio.run(run_job(Path(out).resolve(), duration or DEFAULT_DURATION_S, seed, Path(models).resolve() if models else None, serving, dedicated, console,
-                               warm_start_steps=warm_start_steps))
+    return asyncio.run(
+        run_job(
+            Path(out).resolve(),
+            duration or DEFAULT_DURATION_S,
+            seed,
+            Path(models).resolve() if models else None,
+            serving,
+            dedicated,
+            console,
+            warm_start_steps=warm_start_steps,
+        )
+    )

@@ -32,12 +32,13 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from rose.services.executor.engine import Engine, EngineConfig
-from rose.services.executor.protocol import GenerationRequest, SamplingParams, WorkClass
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, GenerationResult, WorkClass
 
 MIB = 1 << 20
 SLO_MULTIPLIER = 2.0  # SLO = 2 x serving_only's p99 TTFT / TPOT
@@ -70,7 +71,10 @@ def bench_config(device: str = "auto", dtype: str = "auto") -> EngineConfig:
     kind = select_device(device).kind  # resolves auto, and refuses cuda where there is none
     if dtype == "auto":
         dtype = "bfloat16" if kind == "cuda" else "float32"
-    return replace(BENCH_CONFIG, device=device, dtype=getattr(torch, dtype), **(CUDA_KV_BYTES if kind == "cuda" else {}))
+    config = replace(BENCH_CONFIG, device=device, dtype=getattr(torch, dtype))
+    if kind == "cuda":
+        config = replace(config, serving_kv_bytes=CUDA_KV_BYTES["serving_kv_bytes"], rollout_kv_bytes=CUDA_KV_BYTES["rollout_kv_bytes"])
+    return config
 
 
 def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = "tiny"):
@@ -85,7 +89,8 @@ def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = 
 def _trace(rate: float, duration_s: float, seed: int) -> list[float]:
     """Arrival times: Poisson at ``rate``, at BURST_FACTOR x rate during periodic bursts."""
     rng = np.random.default_rng(seed)
-    t, out = 0.0, []
+    t = 0.0
+    out: list[float] = []
     while True:
         in_burst = (t % BURST_EVERY_S) > BURST_EVERY_S - BURST_LEN_S
         t += rng.exponential(1.0 / (rate * (BURST_FACTOR if in_burst else 1.0)))
@@ -99,17 +104,25 @@ def _prompt(rng: np.random.Generator, vocab: int, n: int) -> tuple[int, ...]:
 
 
 def _serving_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
-    return GenerationRequest(f"{tag}-s{i}", WorkClass.SERVING, _prompt(rng, vocab, SERVING_PROMPT_TOKENS), SamplingParams(temperature=0, max_tokens=SERVING_MAX_TOKENS, ignore_eos=True))
+    return GenerationRequest(
+        request_id=f"{tag}-s{i}",
+        work_class=WorkClass.SERVING,
+        prompt_token_ids=_prompt(rng, vocab, SERVING_PROMPT_TOKENS),
+        sampling=EngineSampling(temperature=0, max_tokens=SERVING_MAX_TOKENS, ignore_eos=True),
+    )
 
 
 def _rollout_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
     return GenerationRequest(
-        f"{tag}-r{i}", WorkClass.ROLLOUT, _prompt(rng, vocab, ROLLOUT_PROMPT_TOKENS),
-        SamplingParams(temperature=1.0, max_tokens=ROLLOUT_MAX_TOKENS, seed=i, ignore_eos=True), stream=False,
+        request_id=f"{tag}-r{i}",
+        work_class=WorkClass.ROLLOUT,
+        prompt_token_ids=_prompt(rng, vocab, ROLLOUT_PROMPT_TOKENS),
+        sampling=EngineSampling(temperature=1.0, max_tokens=ROLLOUT_MAX_TOKENS, seed=i, ignore_eos=True),
+        stream=False,
     )
 
 
-async def _consume(handle) -> object:
+async def _consume(handle) -> GenerationResult:
     async for _ in handle:  # stream like an SSE client would
         pass
     return await handle.result()
@@ -135,11 +148,13 @@ class _Backlog:
 
     def _done(self, task) -> None:
         self.tasks.discard(task)
-        if not self.engine._stopping:
+        if not self.engine.stopping:
             self.fill()
 
 
-async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[float], seed: int, slo, with_rollout: bool = True, progress=None) -> dict:
+async def _run_policy(
+    policy: str, models, config: EngineConfig, arrivals: list[float], seed: int, slo, with_rollout: bool = True, progress=None
+) -> dict:
     (s_model, s_tok), (p_model, p_tok) = models
     engine = Engine(s_model, s_tok, p_model, p_tok, config, policy)
     if slo:
@@ -179,11 +194,10 @@ async def _run_policy(policy: str, models, config: EngineConfig, arrivals: list[
     results = await asyncio.gather(*tasks)
     if backlog and engine.policy.yields_on_arrival:
         await _reclaim_probes(engine, rng, vocab, policy)
-    engine._stopping = True  # stop the backlog refilling before stop()
-    await engine.stop()
+    await engine.stop()  # stopping at once: the backlog stops refilling
     if backlog:
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
-    graphs = {rt.work_class.value: _graph_stats(rt.runner) for rt in (engine._serving, engine._rollout)}
+    graphs = engine.cuda_graph_stats()
     # An aborted request (unanswered after the grace period) counts as an SLO miss; its latency is
     # reported as a lower bound: the time it had waited when it was aborted.
     aborted = [r.finish_reason == "abort" for r in results]
@@ -216,7 +230,7 @@ class Noise:
         self.fraction = fraction
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Noise":
+    def __enter__(self) -> Noise:
         if self.fraction > 0:
             code = (
                 "import time\n"
@@ -233,14 +247,6 @@ class Noise:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-
-
-def _graph_stats(runner) -> dict | None:
-    """A lane's CUDA graph counts (None off CUDA): captures, replays, and refusals (after which it ran eagerly)."""
-    graphs, failures = getattr(runner, "graphs", None), getattr(runner, "graph_failures", 0)
-    if graphs is None and not failures:
-        return None
-    return {"captures": graphs.captures if graphs else None, "replays": graphs.replays if graphs else None, "failures": failures}
 
 
 async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str) -> None:
@@ -293,7 +299,6 @@ async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) ->
         engine.stats()
         await asyncio.sleep(seconds)
         by_threads[n] = engine.stats().rollout_tokens_per_s
-        engine._stopping = True
         await engine.stop()
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
     return by_threads
@@ -309,8 +314,12 @@ def _device_name(device: str) -> str:
 def _model_summary(model) -> dict:
     cfg = model.config
     return {
-        "parameters": sum(p.numel() for p in model.parameters()), "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-        "attention_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "vocab_size": cfg.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "attention_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "vocab_size": cfg.vocab_size,
     }
 
 
@@ -386,7 +395,15 @@ def _plot_guard(path: Path, run: dict, slo: tuple[float, float]) -> None:
 
 def _cell(runs: dict, slo: tuple[float, float], dedicated: float, load: float, seed: int, noise: float, rate: float, n: int) -> dict:
     """One grid cell's figures per policy: SLO attainment, TTFT/TPOT p99, rollout tokens/s, harvest."""
-    out = {"load": load, "seed": seed, "noise": noise, "rate_rps": rate, "serving_requests": n, "slo": {"ttft_ms": slo[0], "tpot_ms": slo[1]}, "policies": {}}
+    out: dict[str, Any] = {
+        "load": load,
+        "seed": seed,
+        "noise": noise,
+        "rate_rps": rate,
+        "serving_requests": n,
+        "slo": {"ttft_ms": slo[0], "tpot_ms": slo[1]},
+        "policies": {},
+    }
     for name, run in runs.items():
         p = _policy_figures(run, slo)
         out["policies"][name] = {k: p[k] for k in ("slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "rollout_tokens_per_s", "aborted_requests")}
@@ -428,9 +445,19 @@ def _run_cell(models, config: EngineConfig, arrivals: list[float], seed: int, no
 
 
 def run_coserve_bench(
-    *, out_json: str, seed: int, serving_load: float, duration_s: float, model_dir: str | None, console,
-    device: str = "auto", dtype: str = "auto", preset: str = "tiny",
-    loads: list[float] | None = None, seeds: list[int] | None = None, noises: list[float] | None = None,
+    *,
+    out_json: str,
+    seed: int,
+    serving_load: float,
+    duration_s: float,
+    model_dir: str | None,
+    console,
+    device: str = "auto",
+    dtype: str = "auto",
+    preset: str = "tiny",
+    loads: list[float] | None = None,
+    seeds: list[int] | None = None,
+    noises: list[float] | None = None,
 ) -> dict:
     from rich.progress import Progress
     from rich.table import Table
@@ -452,8 +479,9 @@ def run_coserve_bench(
         cell_runs = []
         for noise, load, cell_seed in grid:
             cell_arrivals = _trace(load * capacity, duration_s, cell_seed)
+            n_arrivals = len(cell_arrivals)
 
-            def on_policy(name, noise=noise, load=load, cell_seed=cell_seed, n=len(cell_arrivals)):
+            def on_policy(name, noise=noise, load=load, cell_seed=cell_seed, n=n_arrivals):
                 progress.update(task, description=f"load {load:g} seed {cell_seed} noise {noise:g}: policy {name} ({n} serving requests)")
                 progress.advance(task)
 
@@ -469,7 +497,10 @@ def run_coserve_bench(
 
     slo_ttft, slo_tpot = slo
     policies = {name: _policy_figures(run, slo) for name, run in runs.items()}
-    cells = [_cell(c_runs, c_slo, dedicated, load, c_seed, noise, load * capacity, len(c_arrivals)) for noise, load, c_seed, c_arrivals, c_runs, c_slo in cell_runs]
+    cells = [
+        _cell(c_runs, c_slo, dedicated, load, c_seed, noise, load * capacity, len(c_arrivals))
+        for noise, load, c_seed, c_arrivals, c_runs, c_slo in cell_runs
+    ]
     rose_reclaim = runs["rose"]["reclaim_ms"]
     report = {
         "policies": policies,
@@ -495,7 +526,11 @@ def run_coserve_bench(
         "reclaim_samples": len(rose_reclaim),
         "noise": first_noise,
         "cells": cells,
-        "grid": {"loads": sorted({c["load"] for c in cells}), "seeds": sorted({c["seed"] for c in cells}), "noise": sorted({c["noise"] for c in cells})},
+        "grid": {
+            "loads": sorted({c["load"] for c in cells}),
+            "seeds": sorted({c["seed"] for c in cells}),
+            "noise": sorted({c["noise"] for c in cells}),
+        },
         "rose_slo_guard": {"setpoint": _setpoint(), "guard_png": str(Path(out_json).with_name(Path(out_json).stem + "-guard.png"))},
     }
     out = Path(out_json)
@@ -516,8 +551,16 @@ def run_coserve_bench(
     for col in ("policy", "SLO attain", "TTFT p99 ms", "TPOT p99 ms", "aborted", "serving tok/s", "rollout tok/s", "vs dedicated"):
         table.add_column(col, justify="right")
     for name, p in policies.items():
-        table.add_row(name, f"{p['slo_attainment']:.4f}", f"{p['ttft_p99_ms']:.1f}", f"{p['tpot_p99_ms']:.2f}", str(p["aborted_requests"]),
-                      f"{p['serving_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s']:.0f}", f"{p['rollout_tokens_per_s'] / max(1e-9, dedicated):.2f}")
+        table.add_row(
+            name,
+            f"{p['slo_attainment']:.4f}",
+            f"{p['ttft_p99_ms']:.1f}",
+            f"{p['tpot_p99_ms']:.2f}",
+            str(p["aborted_requests"]),
+            f"{p['serving_tokens_per_s']:.0f}",
+            f"{p['rollout_tokens_per_s']:.0f}",
+            f"{p['rollout_tokens_per_s'] / max(1e-9, dedicated):.2f}",
+        )
     console.print(table)
     if len(cells) > 1:
         grid_table = Table(title="rose bench coserve: cells (rose vs serving_only)")
@@ -525,25 +568,57 @@ def run_coserve_bench(
             grid_table.add_column(col, justify="right")
         for c in cells:
             r, b = c["policies"]["rose"], c["policies"]["serving_only"]
-            grid_table.add_row(f"{c['noise']:g}", f"{c['load']:g}", str(c["seed"]), f"{r['slo_attainment']:.4f}", f"{b['slo_attainment']:.4f}", f"{r['ttft_p99_ms']:.1f}",
-                               f"{r['tpot_p99_ms']:.2f}", f"{r['rollout_tokens_per_s']:.0f}", f"{r['harvest']:.2f}", "ok" if c["rose_meets_slo_target"] else "MISS")
+            grid_table.add_row(
+                f"{c['noise']:g}",
+                f"{c['load']:g}",
+                str(c["seed"]),
+                f"{r['slo_attainment']:.4f}",
+                f"{b['slo_attainment']:.4f}",
+                f"{r['ttft_p99_ms']:.1f}",
+                f"{r['tpot_p99_ms']:.2f}",
+                f"{r['rollout_tokens_per_s']:.0f}",
+                f"{r['harvest']:.2f}",
+                "ok" if c["rose_meets_slo_target"] else "MISS",
+            )
         console.print(grid_table)
     console.print(
-        f"dedicated rollout {dedicated:.0f} tok/s (one thread {dedicated_by_threads.get(1, dedicated):.0f}), harvest ratio {report['harvest_ratio']:.2f} (vs one thread {report['harvest_ratio_vs_one_thread']:.2f}), "
+        f"dedicated rollout {dedicated:.0f} tok/s (one thread {dedicated_by_threads.get(1, dedicated):.0f}), harvest ratio "
+        f"{report['harvest_ratio']:.2f} (vs one thread {report['harvest_ratio_vs_one_thread']:.2f}), "
         f"reclaim p99 {report['reclaim_latency_ms_p99']:.1f} ms, RSS {report['executor_rss_mb']:.0f} MiB; "
         f"wrote {out} and {out.with_suffix('.png')}"
     )
     return report
 
 
+def command(args: argparse.Namespace) -> int:
+    """`rose bench coserve` with parsed options (see options.add_coserve_arguments)."""
+    from rich.console import Console
+
+    run_coserve_bench(
+        out_json=args.json,
+        seed=args.seed,
+        serving_load=args.serving_load,
+        duration_s=args.duration,
+        model_dir=args.models,
+        console=Console(),
+        device=args.device,
+        dtype=args.dtype,
+        preset=args.preset,
+        loads=args.loads,
+        seeds=args.seeds,
+        noises=args.noise,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rose.cli.bench_coserve``: ``rose bench coserve`` without building the whole CLI, whose
+    """``python -m rose.bench.coserve``: ``rose bench coserve`` without building the whole CLI, whose
     other commands import the bus's packages (NATS, OpenTelemetry), which a bare GPU image lacks."""
-    from .main import _cmd_bench_coserve, add_coserve_arguments
+    from rose.cli.options import add_coserve_arguments
 
     parser = argparse.ArgumentParser(prog="rose bench coserve", description=__doc__.split("\n\n")[0])
     add_coserve_arguments(parser)
-    return _cmd_bench_coserve(parser.parse_args(argv))
+    return command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from rose.services.slo_monitor.windows import WindowStats
 
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
-from .engine import SERVING_POOL_MARGIN, MAX_ROLLOUT_BATCH
+from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
 from .policies import executor_signals, monitor_settings
 from .rollouts import RolloutSpec, mean_context
 from .traces import Trace, load_azure_csv, requests_to_trace
@@ -55,11 +55,33 @@ PAYS_FROM = 1.05  # rose at least this x static: lending pays (below: within the
 
 
 def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: float) -> WindowStats:
-    return WindowStats(60.0, 60, ttft_ms, tpot_ms, rate * 60, rate, int(rate * 60), 0, int(math.ceil(batch)), 0.0, kv_util, 0.0)
+    return WindowStats(
+        span_s=60.0,
+        snapshots=60,
+        ttft_p99_ms=ttft_ms,
+        tpot_p99_ms=tpot_ms,
+        ttft_count=rate * 60,
+        arrival_rate_rps=rate,
+        arrivals=int(rate * 60),
+        serving_queue=0,
+        serving_running_peak=int(math.ceil(batch)),
+        rollout_tokens_per_s_peak=0.0,
+        kv_utilisation=kv_util,
+        compute_utilisation=0.0,
+    )
 
 
-def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0, scale: str | float = "auto",
-         quantum_ms: float = 10.0, demands=DEMANDS, dedicated_ratio: float = 0.25) -> dict:
+def plan(
+    trace_path: str,
+    fleet: str,
+    model: str,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 100.0,
+    scale: str | float = "auto",
+    quantum_ms: float = 10.0,
+    demands=DEMANDS,
+    dedicated_ratio: float = 0.25,
+) -> dict:
     n_gpus, device = parse_fleet(fleet)
     m = model_spec(model)
     req = load_azure_csv(trace_path)
@@ -80,7 +102,7 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
     window = int(np.clip(20.0 / max(1e-9, float(trace.rate.mean())), 60, 3600))
     smooth = np.convolve(trace.rate, np.ones(window) / window, mode="same") if window > 60 else trace.rate
     per_min = smooth[: minutes * 60].reshape(minutes, 60)
-    hourly_mean = [float(per_min[i: i + 60].mean()) for i in range(0, minutes, 60)]
+    hourly_mean = [float(per_min[i : i + 60].mean()) for i in range(0, minutes, 60)]
     if scale == "auto":
         factor = TARGET_PEAK_LOAD * n * cap / max(1e-9, max(hourly_mean))
     else:
@@ -101,8 +123,12 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
     from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot
 
     total = tp_s * device.hbm_bytes
-    latest = MetricsSnapshot(executor_id="plan", at=0.0, interval_s=60.0, device=DeviceTelemetry(kind="cuda", name=device.name, memory_total_bytes=int(total),
-                                                                                                   memory_used_bytes=int(total - max(0.0, free))))
+    latest = MetricsSnapshot(
+        executor_id="plan",
+        at=0.0,
+        interval_s=60.0,
+        device=DeviceTelemetry(kind="cuda", name=device.name, memory_total_bytes=int(total), memory_used_bytes=int(total - max(0.0, free))),
+    )
     ctx = mean_context(RolloutSpec())
     ep = make_policy("rose", quantum_ms=quantum_ms)
     # the step model the monitor would fit: serving iteration (+ the rollout quantum) over batch compositions
@@ -120,7 +146,13 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
     reasons: dict[str, int] = {}
     for i in range(minutes):
         ap = alone_peak
-        win = _stats(float(ap.ttft_p99_s[i]) * 1e3, float(ap.tpot_p99_s[i]) * 1e3, float(rate_mean[i]), float(ap.batch[i]), float(alone_mean.batch[i]) * (prompt + output) / max(1.0, pool_tokens))
+        win = _stats(
+            float(ap.ttft_p99_s[i]) * 1e3,
+            float(ap.tpot_p99_s[i]) * 1e3,
+            float(rate_mean[i]),
+            float(ap.batch[i]),
+            float(alone_mean.batch[i]) * (prompt + output) / max(1.0, pool_tokens),
+        )
         v = assess(win, win, step_model, latest, hcfg, alerting=False)
         if not v.lendable:
             key = v.reason.split(";")[0].split(" ")[0]
@@ -133,10 +165,10 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
         tau_r = float(pperf_s.decode_s(batch, ctx))
         q = min(quantum_ms / 1e3, tau_r)
         may = ep.may_run_rollout(executor_signals(0.0, float(alone_mean.batch[i]), float(alone_mean.iteration_s[i]) * 1e3, slo_tpot_ms))
-        sm = serving_tick(sperf, rate_mean[i: i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 60.0, pool_tokens)
+        sm = serving_tick(sperf, rate_mean[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 60.0, pool_tokens)
         share = float(rollout_share(ep, sm, np.array([q if may else 0.0]), np.array([may]))[0])
         lend_tps[i] = n * share * batch / tau_r
-        sp = serving_tick(sperf, rate_peak[i: i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
+        sp = serving_tick(sperf, rate_peak[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
         risk_with[i] = bool(sp.ttft_p99_s[0] > slo_ttft_ms / 1e3 or sp.tpot_p99_s[0] > slo_tpot_ms / 1e3 or sp.queue[0] > 0)
     risk_alone = (alone_peak.ttft_p99_s > slo_ttft_ms / 1e3) | (alone_peak.tpot_p99_s > slo_tpot_ms / 1e3) | (alone_peak.queue > 0)
     ded_kv = usable_bytes(device, tp_r) - m.weight_bytes
@@ -147,14 +179,20 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
     for h, lo in enumerate(range(0, minutes, 60)):
         sl = slice(lo, min(minutes, lo + 60))
         tps = float(lend_tps[sl].mean())
-        hours.append({
-            "hour": (start_hour + h) % 24, "minutes": sl.stop - sl.start,
-            "requests_per_s": float(rate_mean[sl].mean() * n), "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
-            "lendable_fraction": float(lendable[sl].mean()), "rollout_tokens_per_s": tps,
-            "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
-            "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
-            "slo_risk_alone": float(risk_alone[sl].mean()), "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
-        })
+        hours.append(
+            {
+                "hour": (start_hour + h) % 24,
+                "minutes": sl.stop - sl.start,
+                "requests_per_s": float(rate_mean[sl].mean() * n),
+                "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
+                "lendable_fraction": float(lendable[sl].mean()),
+                "rollout_tokens_per_s": tps,
+                "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
+                "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
+                "slo_risk_alone": float(risk_alone[sl].mean()),
+                "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
+            }
+        )
     demand = []
     if demands:
         busiest = int(np.argmax(hourly_mean)) * 3600
@@ -163,18 +201,41 @@ def plan(trace_path: str, fleet: str, model: str, slo_ttft_ms: float = 1000.0, s
         demand = speedup_by_demand(sim_trace, fleet, model, slo_ttft_ms, slo_tpot_ms, demands, dedicated_ratio)
     no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
     return {
-        "speedup_by_demand": demand, "dedicated_ratio": dedicated_ratio,
+        "speedup_by_demand": demand,
+        "dedicated_ratio": dedicated_ratio,
         "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if not d["pays"]], "hours": no_lend_hours},
-        "trace": str(trace_path), "trace_requests": int(len(req.times_s)), "scale": factor, "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
-        "fleet": fleet, "model": m.name, "serving_instances": n, "serving_tp": tp_s, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-        "slo_capacity_rps_per_instance": cap, "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
-        "smoothing_window_s": window, "dedicated_instance_tokens_per_s": ded_tps, "dedicated_tp": tp_r, "not_lendable_minutes": reasons, "hours": hours,
-        "note": "a model, not a measurement: roofline step times (cli/sim/devices.py) and the monitor's own headroom rules",
+        "trace": str(trace_path),
+        "trace_requests": int(len(req.times_s)),
+        "scale": factor,
+        "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
+        "fleet": fleet,
+        "model": m.name,
+        "serving_instances": n,
+        "serving_tp": tp_s,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "slo_capacity_rps_per_instance": cap,
+        "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
+        "smoothing_window_s": window,
+        "dedicated_instance_tokens_per_s": ded_tps,
+        "dedicated_tp": tp_r,
+        "not_lendable_minutes": reasons,
+        "hours": hours,
+        "note": "a model, not a measurement: roofline step times (sim/devices.py) and the monitor's own headroom rules",
     }
 
 
-def speedup_by_demand(trace: Trace, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, demands=DEMANDS,
-                      dedicated_ratio: float = 0.25, steps: int = 2, seed: int = 0) -> list[dict]:
+def speedup_by_demand(
+    trace: Trace,
+    fleet: str,
+    model: str,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    demands=DEMANDS,
+    dedicated_ratio: float = 0.25,
+    steps: int = 2,
+    seed: int = 0,
+) -> list[dict]:
     """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s."""
     from dataclasses import replace
 
@@ -188,8 +249,19 @@ def speedup_by_demand(trace: Trace, fleet: str, model: str, slo_ttft_ms: float, 
         runs = {}
         try:
             for policy in ("static", "rose"):
-                cfg = SimConfig(model=model, device=kind, gpus=n_gpus, policy=policy, trace=trace, rollout=replace(RolloutSpec(), oversubscription=demand),
-                                rollout_gpu_ratio=dedicated_ratio, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, steps=steps, seed=seed)
+                cfg = SimConfig(
+                    model=model,
+                    device=kind,
+                    gpus=n_gpus,
+                    policy=policy,
+                    trace=trace,
+                    rollout=replace(RolloutSpec(), oversubscription=demand),
+                    rollout_gpu_ratio=dedicated_ratio,
+                    slo_ttft_ms=slo_ttft_ms,
+                    slo_tpot_ms=slo_tpot_ms,
+                    steps=steps,
+                    seed=seed,
+                )
                 runs[policy] = simulate(cfg)
         except Infeasible as exc:
             out.append({"rollout_demand": demand, "speedup": None, "pays": False, "why": str(exc)})
@@ -206,12 +278,24 @@ def speedup_by_demand(trace: Trace, fleet: str, model: str, slo_ttft_ms: float, 
         elif ro["rollout_tokens_on_serving_fraction"] < 0.05:
             why = "the batch fits the dedicated pool: placement kept turns there (a leased turn would have been slower)"
         else:
-            why = (f"leases made {ro['rollout_tokens_on_serving_fraction']:.0%} of the tokens, but the step is bound by its tail "
-                   f"({ro['tail_fraction']:.0%} after 90 % of trajectories) and {ro['interrupted_turns']} turns interrupted by bursts")
-        out.append({"rollout_demand": demand, "dedicated_ratio": dedicated_ratio, "trajectories_per_step": st["trajectories_per_step"],
-                    "static_rl_steps_per_hour": st["rl_steps_per_hour"], "rose_rl_steps_per_hour": ro["rl_steps_per_hour"], "speedup": speedup,
-                    "rose_slo_violations": ro["slo_violations"], "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
-                    "pays": pays, "why": why})
+            why = (
+                f"leases made {ro['rollout_tokens_on_serving_fraction']:.0%} of the tokens, but the step is bound by its tail "
+                f"({ro['tail_fraction']:.0%} after 90 % of trajectories) and {ro['interrupted_turns']} turns interrupted by bursts"
+            )
+        out.append(
+            {
+                "rollout_demand": demand,
+                "dedicated_ratio": dedicated_ratio,
+                "trajectories_per_step": st["trajectories_per_step"],
+                "static_rl_steps_per_hour": st["rl_steps_per_hour"],
+                "rose_rl_steps_per_hour": ro["rl_steps_per_hour"],
+                "speedup": speedup,
+                "rose_slo_violations": ro["slo_violations"],
+                "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
+                "pays": pays,
+                "why": why,
+            }
+        )
     return out
 
 
@@ -244,35 +328,82 @@ def _plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
-def run_plan(*, trace: str, fleet: str, model: str, slo_ttft_ms: float, slo_tpot_ms: float, scale: str, out_json: str | None, console,
-             demands=DEMANDS, dedicated_ratio: float = 0.25) -> dict:
+def run_plan(
+    *,
+    trace: str,
+    fleet: str,
+    model: str,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    scale: str,
+    out_json: str | None,
+    console,
+    demands=DEMANDS,
+    dedicated_ratio: float = 0.25,
+) -> dict:
     from rich.table import Table
 
-    result = plan(trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale), demands=demands, dedicated_ratio=dedicated_ratio)
-    table = Table(title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms (trace x{result['scale']:.3g})")
-    for col in ("hour", "req/s", "load", "lendable", "rollout tok/s", "≈ dedicated GPUs", "p99 TTFT ms (peak)", "SLO risk alone", "SLO risk w/ rollout"):
+    result = plan(
+        trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale), demands=demands, dedicated_ratio=dedicated_ratio
+    )
+    table = Table(
+        title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms (trace x{result['scale']:.3g})"
+    )
+    for col in (
+        "hour",
+        "req/s",
+        "load",
+        "lendable",
+        "rollout tok/s",
+        "≈ dedicated GPUs",
+        "p99 TTFT ms (peak)",
+        "SLO risk alone",
+        "SLO risk w/ rollout",
+    ):
         table.add_column(col, justify="right")
     for h in result["hours"]:
-        table.add_row(f"{h['hour']:02d}:00", f"{h['requests_per_s']:.1f}", f"{h['load_of_slo_capacity']:.0%}", f"{h['lendable_fraction']:.0%}",
-                      f"{h['rollout_tokens_per_s']:.0f}", f"{h['dedicated_gpu_equivalent']:.1f}", f"{h['ttft_p99_ms_peak']:.0f}" if h["ttft_p99_ms_peak"] < 60_000 else "overload",
-                      f"{_risk(h['slo_risk_alone'])} ({h['slo_risk_alone']:.0%})", f"{_risk(h['slo_risk_with_rollout'])} ({h['slo_risk_with_rollout']:.0%})")
+        table.add_row(
+            f"{h['hour']:02d}:00",
+            f"{h['requests_per_s']:.1f}",
+            f"{h['load_of_slo_capacity']:.0%}",
+            f"{h['lendable_fraction']:.0%}",
+            f"{h['rollout_tokens_per_s']:.0f}",
+            f"{h['dedicated_gpu_equivalent']:.1f}",
+            f"{h['ttft_p99_ms_peak']:.0f}" if h["ttft_p99_ms_peak"] < 60_000 else "overload",
+            f"{_risk(h['slo_risk_alone'])} ({h['slo_risk_alone']:.0%})",
+            f"{_risk(h['slo_risk_with_rollout'])} ({h['slo_risk_with_rollout']:.0%})",
+        )
     console.print(table)
-    console.print(f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
-                  f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}")
+    console.print(
+        f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
+        f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; "
+        f"not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}"
+    )
     if result["speedup_by_demand"]:
-        dt = Table(title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)")
+        dt = Table(
+            title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)"
+        )
         for col in ("rollout demand", "trajectories/step", "static steps/h", "rose steps/h", "speedup", "lending pays", "why"):
             dt.add_column(col, justify="right")
         for d in result["speedup_by_demand"]:
             if d["speedup"] is None:
                 dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "no", d["why"])
                 continue
-            dt.add_row(f"{d['rollout_demand']:g}x", str(d["trajectories_per_step"]), f"{d['static_rl_steps_per_hour']:.2f}", f"{d['rose_rl_steps_per_hour']:.2f}",
-                       f"{d['speedup']:.2f}x", "yes" if d["pays"] else "no", d["why"])
+            dt.add_row(
+                f"{d['rollout_demand']:g}x",
+                str(d["trajectories_per_step"]),
+                f"{d['static_rl_steps_per_hour']:.2f}",
+                f"{d['rose_rl_steps_per_hour']:.2f}",
+                f"{d['speedup']:.2f}x",
+                "yes" if d["pays"] else "no",
+                d["why"],
+            )
         console.print(dt)
     nope = result["lending_does_not_pay"]
-    console.print(f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
-                  f"in hours {', '.join(f'{h:02d}' for h in nope['hours']) or '-'} (no minute lendable)")
+    console.print(
+        f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
+        f"in hours {', '.join(f'{h:02d}' for h in nope['hours']) or '-'} (no minute lendable)"
+    )
     out = Path(out_json or "bench-out/plan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

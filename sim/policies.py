@@ -108,14 +108,29 @@ def make_fleet_policy(name: str, quantum_ms: float = 10.0, whole_batch: int = 25
     return FleetPolicy(name, quantum_ms, whole_batch, whole_kv_bytes)
 
 
-def monitor_settings(slo_ttft_ms: float, slo_tpot_ms: float, max_rollout_slots: int, max_lend_kv_bytes: int) -> tuple[WindowSettings, BurstSettings, HeadroomSettings]:
+def monitor_settings(
+    slo_ttft_ms: float, slo_tpot_ms: float, max_rollout_slots: int, max_lend_kv_bytes: int
+) -> tuple[WindowSettings, BurstSettings, HeadroomSettings]:
     """The monitor's settings as shipped, with the SLO and the two GPU-scale caps (module doc)."""
-    return WindowSettings(), BurstSettings(), HeadroomSettings(
-        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, max_rollout_slots=max_rollout_slots, max_lend_kv_bytes=max(0, max_lend_kv_bytes)
+    return (
+        WindowSettings(),
+        BurstSettings(),
+        HeadroomSettings(
+            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, max_rollout_slots=max_rollout_slots, max_lend_kv_bytes=max(0, max_lend_kv_bytes)
+        ),
     )
 
 
-def executor_signals(now: float, serving_running: float, serving_iteration_ms: float, slo_tpot_ms: float, serving_max_batch: int = MAX_SERVING_BATCH) -> Signals:
+def executor_signals(
+    now: float, serving_running: float, serving_iteration_ms: float, slo_tpot_ms: float, serving_max_batch: int = MAX_SERVING_BATCH
+) -> Signals:
     """The engine's Signals at a quantum boundary, in the steady state of one simulated second
     (no prefill pending: yields to pending prefills are accounted for by the caller)."""
-    return Signals(now, 0, int(round(serving_running)), serving_iteration_ms, slo_tpot_ms, serving_max_batch=serving_max_batch)
+    return Signals(
+        now=now,
+        serving_prefill_pending=0,
+        serving_running=int(round(serving_running)),
+        serving_iteration_ms=serving_iteration_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        serving_max_batch=serving_max_batch,
+    )

@@ -59,7 +59,19 @@ class ServingTick:
     queue: np.ndarray  # requests waiting at the end of the second
 
 
-def serving_tick(perf, rate, prompt: float, output: float, prompt_p99: float, extra_s, arrival_wait_s, queue, dt: float, kv_tokens_cap, max_batch: int = MAX_SERVING_BATCH) -> ServingTick:
+def serving_tick(
+    perf,
+    rate,
+    prompt: float,
+    output: float,
+    prompt_p99: float,
+    extra_s,
+    arrival_wait_s,
+    queue,
+    dt: float,
+    kv_tokens_cap,
+    max_batch: int = MAX_SERVING_BATCH,
+) -> ServingTick:
     rate = np.asarray(rate, dtype=float)
     extra = np.asarray(extra_s, dtype=float) + np.zeros_like(rate)
     queue = np.asarray(queue, dtype=float) + np.zeros_like(rate)

@@ -1,6 +1,6 @@
 """`rose bench e2e`: the demo's RL job on fresh fleets under four policies, one after another.
 
-Every policy runs `rose demo`'s job (cli/demo.py `run_job`: serving executors taking the
+Every policy runs `rose demo`'s job (bench/demo.py `run_job`: serving executors taking the
 replayed bursty trace over HTTP, one dedicated rollout executor, the SLO monitor, the scheduler,
 the weight publisher, a rollout worker and the GRPO trainer, each its own process) for the same
 duration and seed, with two differences from the demo, both written in the JSON's `job`:
@@ -12,7 +12,7 @@ duration and seed, with two differences from the demo, both written in the JSON'
   core leaves idle, as on separate GPUs; the trainer and the light services float. On two cores
   that is one serving executor (the demo has two). `--pin none` runs unpinned. `devices` holds
   each executor's CPU set as observed at the end of each run (its process tree's affinity).
-- the job is rollout-dominated as agentic RL is (cli/demo.py ROLLOUT_DOMINATED_JOB: one epoch per
+- the job is rollout-dominated as agentic RL is (bench/demo.py ROLLOUT_DOMINATED_JOB: one epoch per
   batch, longer multi-turn episodes): `rollout_share_of_step` per policy, and the static one in `job`.
 
 Only these settings differ between the policies:
@@ -21,8 +21,11 @@ Only these settings differ between the policies:
 | --- | --- | --- | --- | --- |
 | `static` | (no rollout) | `none` | | |
 | `naive_share` | `engine.policy = naive_share` (same lane, no SLO guard, alerts ignored) | `always` | | |
-| `elastic_baseline` | | `elastic_baseline` (whole executors, idle window, revoke all on any alert, cooldown) | interrupted turns start over | a lent executor leaves the serving rotation |
+| `elastic_baseline` | | `elastic_baseline` (below) | interrupted turns start over | a lent executor leaves the serving rotation |
 | `rose` | | `rose` | | |
+
+The scheduler's `elastic_baseline` mode lends whole executors after an idle window, revokes every
+loan on any alert, then cools down.
 
 Figures per policy (under `policies`): `rl_steps_per_hour` (GRPO steps from the first to the
 last TrainingStep event, per hour: the warm start is left out), `rollout_s_per_step` (median
@@ -73,7 +76,11 @@ POLICY_ENV: dict[str, dict[str, dict[str, str]]] = {
     "static": {"scheduler": {"ROSE_LENDING__MODE": "none"}},
     "naive_share": {"serving": {"ROSE_ENGINE__POLICY": "naive_share"}, "scheduler": {"ROSE_LENDING__MODE": "always"}},
     "elastic_baseline": {
-        "scheduler": {"ROSE_LENDING__MODE": "elastic_baseline", "ROSE_LENDING__IDLE_S": str(ELASTIC_IDLE_S), "ROSE_LENDING__COOLDOWN_S": str(ELASTIC_COOLDOWN_S)},
+        "scheduler": {
+            "ROSE_LENDING__MODE": "elastic_baseline",
+            "ROSE_LENDING__IDLE_S": str(ELASTIC_IDLE_S),
+            "ROSE_LENDING__COOLDOWN_S": str(ELASTIC_COOLDOWN_S),
+        },
         "worker": {"ROSE_TURNS__RESUME_INTERRUPTED": "false"},
     },
     "rose": {},
@@ -100,11 +107,19 @@ class Extra:
                 self.drained.discard(e.lease.executor_id)
 
         async def on_metrics(s, _d):
-            self.snapshots.append({
-                "at": s.at, "executor": s.executor_id, "role": s.role, "serving_running": s.serving_running, "rollout_running": s.rollout_running,
-                "tpot_ms": s.tpot_ms.sum / s.tpot_ms.count if s.tpot_ms.count else None, "rollout_tokens_per_s": s.rollout_tokens_per_s,
-                "serving_arrivals": s.serving_arrivals, "interval_s": s.interval_s,
-            })
+            self.snapshots.append(
+                {
+                    "at": s.at,
+                    "executor": s.executor_id,
+                    "role": s.role,
+                    "serving_running": s.serving_running,
+                    "rollout_running": s.rollout_running,
+                    "tpot_ms": s.tpot_ms.sum / s.tpot_ms.count if s.tpot_ms.count else None,
+                    "rollout_tokens_per_s": s.rollout_tokens_per_s,
+                    "serving_arrivals": s.serving_arrivals,
+                    "interval_s": s.interval_s,
+                }
+            )
 
         async def on_heartbeat(b, _d):
             self.worker_load = dict(b.load)
@@ -133,7 +148,11 @@ def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
         match = re.search(r"-s(\d+)-g\d+$", t.group_id)
         if match and t.turns:
             batches.setdefault(match.group(1), []).append(t)
-    return [max(t.finished_at for t in ts) - min(t.turns[0].started_at for t in ts) for _, ts in sorted(batches.items(), key=lambda kv: int(kv[0])) if len(ts) >= per_step]
+    return [
+        max(t.finished_at for t in ts) - min(t.turns[0].started_at for t in ts)
+        for _, ts in sorted(batches.items(), key=lambda kv: int(kv[0]))
+        if len(ts) >= per_step
+    ]
 
 
 def step_figures(steps: list) -> dict:
@@ -188,14 +207,18 @@ def serving_step_model(snapshots: list[dict]) -> dict:
     """The serving executors' decode step model fitted from their metrics, as the SLO monitor fits it."""
     from rose.services.slo_monitor.headroom import fit_step_model
 
-    obs = [(float(s["serving_running"]), float(s["rollout_running"]), float(s["tpot_ms"])) for s in snapshots if s["role"] == "serving" and s["tpot_ms"] is not None]
+    obs = [
+        (float(s["serving_running"]), float(s["rollout_running"]), float(s["tpot_ms"]))
+        for s in snapshots
+        if s["role"] == "serving" and s["tpot_ms"] is not None
+    ]
     m = fit_step_model(obs, SPEC.slo_tpot_ms)
     return {"base_ms": m.base_ms, "per_serving_ms": m.per_serving_ms, "per_rollout_ms": m.per_rollout_ms, "observations": m.observations}
 
 
 def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
-    turns = [u for t in obs.trajectories.values() for u in t.turns]  # type: ignore[attr-defined]
-    trajectories = [t for t in obs.trajectories.values() if t.status == "completed"]  # type: ignore[attr-defined]
+    turns = [u for t in obs.trajectories.values() for u in t.turns]
+    trajectories = [t for t in obs.trajectories.values() if t.status == "completed"]
     serving = sorted({r["executor"] for r in obs.serving.requests} | {ex for ex in summary["rollout"]["tokens_by_executor"] if "-serving-" in ex})
     times = [r["t"] for r in obs.serving.requests]
     by_ex = summary["rollout"]["tokens_by_executor"]
@@ -257,8 +280,9 @@ def measure_step_times(models: Path, reps: int = 5) -> dict:
     executor's own forward pass over a paged KV pool; least-squares fits in `MeasuredSteps` form."""
     import torch
 
+    from rose.services.executor.forward_item import ForwardItem
     from rose.services.executor.kv_pool import KVPool
-    from rose.services.executor.model_runner import ForwardItem, PagedModelRunner, kv_shape_of
+    from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
     from rose.shared.models import load_model
 
     threads = torch.get_num_threads()
@@ -270,7 +294,7 @@ def measure_step_times(models: Path, reps: int = 5) -> dict:
             pool = KVPool(name, kv_shape_of(model), 64 << 20, 16, torch.device("cpu"))
             runner = PagedModelRunner(model, pool)
 
-            def timed(items) -> float:
+            def timed(items, runner: PagedModelRunner = runner) -> float:
                 runner.forward(items)  # warm
                 samples = []
                 for _ in range(reps):
@@ -296,8 +320,12 @@ def measure_step_times(models: Path, reps: int = 5) -> dict:
                 "kv_bytes_per_token": kv_shape_of(model).bytes_per_token(),
                 "decode_s": [[b, s] for b, s in decode],
                 "prefill_s": [[p, s] for p, s in prefill],
-                "measured_steps": {"decode_base_s": max(0.0, float(d[1])), "decode_per_seq_s": max(0.0, float(d[0])),
-                                   "prefill_base_s": max(0.0, float(f[1])), "prefill_per_token_s": max(0.0, float(f[0]))},
+                "measured_steps": {
+                    "decode_base_s": max(0.0, float(d[1])),
+                    "decode_per_seq_s": max(0.0, float(d[0])),
+                    "prefill_base_s": max(0.0, float(f[1])),
+                    "prefill_per_token_s": max(0.0, float(f[0])),
+                },
             }
     finally:
         torch.set_num_threads(threads)
@@ -316,8 +344,19 @@ def default_serving(pin: str, dedicated: int) -> int:
     return 2 if pin == "none" else max(1, min(2, len(usable_cpus()) - dedicated))
 
 
-def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = None, policies: list[str] | None = None, model_dir: str | None = None,
-                  serving: int | None = None, dedicated: int = 1, console: Console | None = None, warm_start_steps: int | None = None, pin: str = "auto") -> dict:
+def run_e2e_bench(
+    *,
+    out_json: str,
+    seed: int = 0,
+    duration_s: float | None = None,
+    policies: list[str] | None = None,
+    model_dir: str | None = None,
+    serving: int | None = None,
+    dedicated: int = 1,
+    console: Console | None = None,
+    warm_start_steps: int | None = None,
+    pin: str = "auto",
+) -> dict:
     console = console or Console()
     duration = duration_s or DEFAULT_DURATION_S
     if pin not in PIN_MODES:
@@ -345,20 +384,42 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
     tokenizer = load_tokenizer(models / "serving")
     serving_prompt_tokens = statistics.fmean(len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
     result: dict = {
-        "seed": seed, "duration_s": duration, "serving_executors": serving, "dedicated_executors": dedicated,
-        "fleet": {"slo_ttft_ms": SPEC.slo_ttft_ms, "slo_tpot_ms": SPEC.slo_tpot_ms, "base_rps": SPEC.base_rps, "burst_factor": SPEC.burst_factor,
-                  "burst_every_s": SPEC.burst_every_s, "burst_len_s": SPEC.burst_len_s, "serving_max_tokens": SPEC.serving_max_tokens,
-                  "rollout_max_tokens": SPEC.rollout_max_tokens, "worker_concurrency": SPEC.worker_concurrency},
-        "trainer": {**trainer_settings(seed, warm_start_steps), **ROLLOUT_DOMINATED_JOB}, "policy_settings": POLICY_ENV, "elastic_drains_lent_executors": True,
-        # the job: the demo's (cli/demo.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
-        "job": {"differs_from_demo": ROLLOUT_DOMINATED_JOB, "rollout_dominated": True, "rollout_share_target": ROLLOUT_SHARE_TARGET,
-                "serving_executors_demo": 2, "serving_executors": serving},
-        "pin": pin, "devices": {},
-        # what the simulator's calibration (cli/sim/calibration.py e2e_setup) would otherwise assume
+        "seed": seed,
+        "duration_s": duration,
+        "serving_executors": serving,
+        "dedicated_executors": dedicated,
+        "fleet": {
+            "slo_ttft_ms": SPEC.slo_ttft_ms,
+            "slo_tpot_ms": SPEC.slo_tpot_ms,
+            "base_rps": SPEC.base_rps,
+            "burst_factor": SPEC.burst_factor,
+            "burst_every_s": SPEC.burst_every_s,
+            "burst_len_s": SPEC.burst_len_s,
+            "serving_max_tokens": SPEC.serving_max_tokens,
+            "rollout_max_tokens": SPEC.rollout_max_tokens,
+            "worker_concurrency": SPEC.worker_concurrency,
+        },
+        "trainer": {**trainer_settings(seed, warm_start_steps), **ROLLOUT_DOMINATED_JOB},
+        "policy_settings": POLICY_ENV,
+        "elastic_drains_lent_executors": True,
+        # the job: the demo's (bench/demo.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
+        "job": {
+            "differs_from_demo": ROLLOUT_DOMINATED_JOB,
+            "rollout_dominated": True,
+            "rollout_share_target": ROLLOUT_SHARE_TARGET,
+            "serving_executors_demo": 2,
+            "serving_executors": serving,
+        },
+        "pin": pin,
+        "devices": {},
+        # what the simulator's calibration (sim/calibration.py e2e_setup) would otherwise assume
         "setup": {
-            "serving_prompt_tokens": serving_prompt_tokens, "serving_output_tokens": SPEC.serving_max_tokens,
-            "serving_kv_bytes": SPEC.serving_kv_mib << 20, "rollout_kv_bytes": SPEC.rollout_kv_mib << 20,
-            "serving_kv_bytes_per_token": step_times["serving"]["kv_bytes_per_token"], "policy_kv_bytes_per_token": step_times["policy"]["kv_bytes_per_token"],
+            "serving_prompt_tokens": serving_prompt_tokens,
+            "serving_output_tokens": SPEC.serving_max_tokens,
+            "serving_kv_bytes": SPEC.serving_kv_mib << 20,
+            "rollout_kv_bytes": SPEC.rollout_kv_mib << 20,
+            "serving_kv_bytes_per_token": step_times["serving"]["kv_bytes_per_token"],
+            "policy_kv_bytes_per_token": step_times["policy"]["kv_bytes_per_token"],
         },
         "policies": {},
     }
@@ -366,12 +427,31 @@ def run_e2e_bench(*, out_json: str, seed: int = 0, duration_s: float | None = No
         console.rule(f"[bold]{policy}[/bold]: {duration:.0f} s of the demo's RL job")
         obs, extra = Observed(), Extra(policy in DRAINS_LENT)
         started = time.monotonic()
-        summary = asyncio.run(run_job(
-            root / policy, duration, seed, models, serving, dedicated, console, label=f"rose bench e2e · {policy}", env=POLICY_ENV[policy],
-            drained=extra.drained, on_bus=extra.subscribe, obs=obs, warm_start_steps=warm_start_steps, job=ROLLOUT_DOMINATED_JOB, devices=devices,
-        ))
-        result["policies"][policy] = {**policy_figures(summary, obs, extra), "devices": summary["job"]["devices"], "wall_s": time.monotonic() - started,
-                                      "report": str(root / policy)}
+        summary = asyncio.run(
+            run_job(
+                root / policy,
+                duration,
+                seed,
+                models,
+                serving,
+                dedicated,
+                console,
+                label=f"rose bench e2e · {policy}",
+                env=POLICY_ENV[policy],
+                drained=extra.drained,
+                on_bus=extra.subscribe,
+                obs=obs,
+                warm_start_steps=warm_start_steps,
+                job=ROLLOUT_DOMINATED_JOB,
+                devices=devices,
+            )
+        )
+        result["policies"][policy] = {
+            **policy_figures(summary, obs, extra),
+            "devices": summary["job"]["devices"],
+            "wall_s": time.monotonic() - started,
+            "report": str(root / policy),
+        }
         result["devices"] = summary["job"]["devices"]  # observed: each executor's process tree's CPU set (the same plan for every policy)
     p = result["policies"]
     rose, static, elastic = p.get("rose", {}), p.get("static", {}), p.get("elastic_baseline", {})
@@ -397,22 +477,49 @@ def print_table(result: dict, console: Console) -> None:
     p = result["policies"]
     static, elastic = p.get("static", {}), p.get("elastic_baseline", {})
     table = Table(title=f"rose bench e2e: the demo's RL job, {result['duration_s']:.0f} s per policy (seed {result['seed']})")
-    for col in ("policy", "RL steps/h", "× static", "rollout s/step", "× elastic", "rollout share", "SLO attainment", "rollout tok/s", "on serving", "lent", "leases +/-",
-                "reward first→last", "lost"):
+    for col in (
+        "policy",
+        "RL steps/h",
+        "× static",
+        "rollout s/step",
+        "× elastic",
+        "rollout share",
+        "SLO attainment",
+        "rollout tok/s",
+        "on serving",
+        "lent",
+        "leases +/-",
+        "reward first→last",
+        "lost",
+    ):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for name, f in p.items():
         table.add_row(
-            name, _fmt(f["rl_steps_per_hour"], ".0f"), _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
-            _fmt(f["rollout_s_per_step"]), _fmt(_ratio(f["rollout_s_per_step"], elastic.get("rollout_s_per_step"))), _fmt(f["rollout_share_of_step"], ".0%"),
-            _fmt(f["serving_slo_attainment"], ".3f"), _fmt(f["rollout_tokens_per_s"], ".0f"), _fmt(f["harvested_fraction"], ".0%"), _fmt(f["lent_fraction"], ".0%"),
-            f"{f['leases_granted']}/{f['leases_revoked']}", f"{_fmt(f['reward_first'])}→{_fmt(f['reward_last'])}", str(f["trajectories_lost"]),
+            name,
+            _fmt(f["rl_steps_per_hour"], ".0f"),
+            _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
+            _fmt(f["rollout_s_per_step"]),
+            _fmt(_ratio(f["rollout_s_per_step"], elastic.get("rollout_s_per_step"))),
+            _fmt(f["rollout_share_of_step"], ".0%"),
+            _fmt(f["serving_slo_attainment"], ".3f"),
+            _fmt(f["rollout_tokens_per_s"], ".0f"),
+            _fmt(f["harvested_fraction"], ".0%"),
+            _fmt(f["lent_fraction"], ".0%"),
+            f"{f['leases_granted']}/{f['leases_revoked']}",
+            f"{_fmt(f['reward_first'])}→{_fmt(f['reward_last'])}",
+            str(f["trajectories_lost"]),
         )
     console.print(table)
     devices = ", ".join(f"{ex}: CPU {cpus}" for ex, cpus in sorted(result["devices"].items()))
-    console.print(f"executors {'pinned, one core each' if result['pin'] == 'auto' else 'unpinned'} ({devices}); the trainer and the light services float. "
-                  f"Static rollout share of a step: {_fmt(result['job']['static_rollout_share_of_step'], '.0%')} (rollout-dominated job: >= {ROLLOUT_SHARE_TARGET:.0%})")
-    console.print(f"rose vs static: {_fmt(result['speedup_vs_static'])}× RL steps/h (paper: 1.3-3.3×); rose vs elastic_baseline: "
-                  f"{_fmt(result['rollout_time_ratio_vs_elastic'])}× rollout time per step (paper: 1/1.5-1/1.2 = 0.67-0.83)")
+    console.print(
+        f"executors {'pinned, one core each' if result['pin'] == 'auto' else 'unpinned'} ({devices}); the trainer and the light services float. "
+        f"Static rollout share of a step: {_fmt(result['job']['static_rollout_share_of_step'], '.0%')} (rollout-dominated job: >= "
+        f"{ROLLOUT_SHARE_TARGET:.0%})"
+    )
+    console.print(
+        f"rose vs static: {_fmt(result['speedup_vs_static'])}× RL steps/h (paper: 1.3-3.3×); rose vs elastic_baseline: "
+        f"{_fmt(result['rollout_time_ratio_vs_elastic'])}× rollout time per step (paper: 1/1.5-1/1.2 = 0.67-0.83)"
+    )
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -426,21 +533,32 @@ def plot(result: dict, path: Path) -> Path:
     colours = {"static": "tab:gray", "naive_share": "tab:red", "elastic_baseline": "tab:orange", "rose": "tab:green"}
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = (
-        ("rl_steps_per_hour", "RL steps per hour"), ("rollout_s_per_step", "rollout time of a step's batch, s"),
-        ("serving_slo_attainment", "serving SLO attainment"), ("rollout_tokens_per_s", "rollout tokens/s"),
+        ("rl_steps_per_hour", "RL steps per hour"),
+        ("rollout_s_per_step", "rollout time of a step's batch, s"),
+        ("serving_slo_attainment", "serving SLO attainment"),
+        ("rollout_tokens_per_s", "rollout tokens/s"),
     )
     for ax, (key, title) in zip(axes, panels):
         values = [p[n][key] or 0.0 for n in names]
         ax.bar(names, values, color=[colours.get(n, "tab:blue") for n in names])
         if key == "rollout_tokens_per_s":  # the part harvested from serving executors
-            ax.bar(names, [p[n][key] * p[n]["harvested_fraction"] for n in names], color="none", edgecolor="black", hatch="//", label="on serving executors")
+            ax.bar(
+                names,
+                [p[n][key] * p[n]["harvested_fraction"] for n in names],
+                color="none",
+                edgecolor="black",
+                hatch="//",
+                label="on serving executors",
+            )
             ax.legend(fontsize=7)
         if key == "serving_slo_attainment":
             ax.set_ylim(0, 1.05)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelrotation=25, labelsize=8)
-    fig.suptitle(f"rose bench e2e ({result['duration_s']:.0f} s per policy): speedup vs static {_fmt(result['speedup_vs_static'])}×, "
-                 f"rollout time vs elastic {_fmt(result['rollout_time_ratio_vs_elastic'])}×")
+    fig.suptitle(
+        f"rose bench e2e ({result['duration_s']:.0f} s per policy): speedup vs static {_fmt(result['speedup_vs_static'])}×, "
+        f"rollout time vs elastic {_fmt(result['rollout_time_ratio_vs_elastic'])}×"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -35,7 +35,7 @@ from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.shared.security import OPERATOR, Credentials, init_credentials, inbox_prefix
+from rose.shared.security import OPERATOR, Credentials, inbox_prefix, init_credentials
 from rose.shared.tracing import setup_tracing
 
 TARGET_P50_RATIO = 1.5
@@ -134,7 +134,9 @@ async def run_bus_bench(*, out_json: str, requests: int = 2000, rounds: int = 3,
     return result
 
 
-async def _measure(url: str, creds: Credentials, requests: int, rounds: int, console: Console) -> tuple[dict[str, list[list[float]]], tuple[float, float, float, float]]:
+async def _measure(
+    url: str, creds: Credentials, requests: int, rounds: int, console: Console
+) -> tuple[dict[str, list[list[float]]], tuple[float, float, float, float]]:
     """Request/reply samples per contender, then (raw publish, helpers publish, raw JetStream publish, helpers JetStream publish) rates."""
 
     def config(service: str) -> BusConfig:

@@ -88,8 +88,10 @@ def device_plan(spec: FleetSpec, serving: int, dedicated: int, cpus: list[int] |
     names = executor_instances(spec, serving, dedicated)
     ordered = names[serving:] + names[:serving]  # dedicated first: they are the static pool
     if len(cpus) < len(ordered):
-        raise ValueError(f"pinning {len(ordered)} executors (one core each) needs {len(ordered)} cores, this process may use {len(cpus)} ({cpus}): "
-                         f"run fewer executors (--serving/--dedicated) or unpinned (--pin none)")
+        raise ValueError(
+            f"pinning {len(ordered)} executors (one core each) needs {len(ordered)} cores, this process may use {len(cpus)} ({cpus}): "
+            f"run fewer executors (--serving/--dedicated) or unpinned (--pin none)"
+        )
     return {name: frozenset({cpu}) for name, cpu in zip(ordered, cpus)}
 
 
@@ -148,8 +150,17 @@ def assign_credentials(procs: dict[str, ServiceProcess], creds: Credentials) -> 
 
 
 def fleet_processes(
-    root: Path, url: str, models: Path, spec: FleetSpec, serving: int, dedicated: int, *, worker_env: dict[str, str] | None = None,
-    serving_env: dict[str, str] | None = None, scheduler_env: dict[str, str] | None = None, devices: dict[str, frozenset[int]] | None = None,
+    root: Path,
+    url: str,
+    models: Path,
+    spec: FleetSpec,
+    serving: int,
+    dedicated: int,
+    *,
+    worker_env: dict[str, str] | None = None,
+    serving_env: dict[str, str] | None = None,
+    scheduler_env: dict[str, str] | None = None,
+    devices: dict[str, frozenset[int]] | None = None,
 ) -> dict[str, ServiceProcess]:
     """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started).
 
@@ -161,30 +172,72 @@ def fleet_processes(
     names = executor_instances(spec, serving, dedicated)
     env = {"NATS_URL": url, "ROSE_MODELS__DIR": str(models), "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5", "ROSE_RUNTIME__LOG_LEVEL": "WARNING"}
     executor = {
-        **env, "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s), "ROSE_ENGINE__DEVICE": "cpu", "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
-        "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib), "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
+        **env,
+        "ROSE_METRICS_INTERVAL_S": str(spec.metrics_interval_s),
+        "ROSE_ENGINE__DEVICE": "cpu",
+        "ROSE_ENGINE__SERVING_KV_MIB": str(spec.serving_kv_mib),
+        "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib),
+        "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms),
+        "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
     }
     procs = {
-        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log", cpus=devices.get(name))
+        name: ServiceProcess(
+            "executor", name, {**executor, "ROSE_ROLE": "serving", **(serving_env or {})}, root / f"serving-{i}.log", cpus=devices.get(name)
+        )
         for i, name in enumerate(names[:serving])
     }
-    procs.update({
-        name: ServiceProcess("executor", name, {**executor, "ROSE_ROLE": "dedicated"}, root / f"dedicated-{i}.log", nice=0 if name in devices else DEDICATED_NICE,
-                             cpus=devices.get(name))
-        for i, name in enumerate(names[serving:])
-    })
-    procs["monitor"] = ServiceProcess("slo_monitor", f"{p}-monitor", {
-        **env, "ROSE_HEADROOM_INTERVAL_S": "0.5", "ROSE_HEADROOM__SLO_TTFT_MS": str(spec.slo_ttft_ms), "ROSE_HEADROOM__SLO_TPOT_MS": str(spec.slo_tpot_ms),
-        "ROSE_BURSTS__WINDOW_S": "0.25", "ROSE_WINDOWS__LONG_S": "10",
-    }, root / "monitor.log")
-    procs["scheduler"] = ServiceProcess("scheduler", f"{p}-scheduler", {
-        **env, "ROSE_TICK_S": "0.25", "ROSE_LEASES__TTL_S": "6", "ROSE_LEASES__RENEW_BEFORE_S": "3", "ROSE_LEASES__COOLDOWN_S": "4",
-        **(scheduler_env or {}),
-    }, root / "scheduler.log")
-    procs["worker"] = ServiceProcess("rollout_worker", f"{p}-worker", {
-        **env, "ROSE_CONCURRENCY": str(spec.worker_concurrency), "ROSE_ACK_WAIT_S": "20", "ROSE_TURNS__MAX_TOKENS": str(spec.rollout_max_tokens),
-        "ROSE_TURNS__GENERATE_TIMEOUT_S": "20", **(worker_env or {}),
-    }, root / "worker.log")
+    procs.update(
+        {
+            name: ServiceProcess(
+                "executor",
+                name,
+                {**executor, "ROSE_ROLE": "dedicated"},
+                root / f"dedicated-{i}.log",
+                nice=0 if name in devices else DEDICATED_NICE,
+                cpus=devices.get(name),
+            )
+            for i, name in enumerate(names[serving:])
+        }
+    )
+    procs["monitor"] = ServiceProcess(
+        "slo_monitor",
+        f"{p}-monitor",
+        {
+            **env,
+            "ROSE_HEADROOM_INTERVAL_S": "0.5",
+            "ROSE_HEADROOM__SLO_TTFT_MS": str(spec.slo_ttft_ms),
+            "ROSE_HEADROOM__SLO_TPOT_MS": str(spec.slo_tpot_ms),
+            "ROSE_BURSTS__WINDOW_S": "0.25",
+            "ROSE_WINDOWS__LONG_S": "10",
+        },
+        root / "monitor.log",
+    )
+    procs["scheduler"] = ServiceProcess(
+        "scheduler",
+        f"{p}-scheduler",
+        {
+            **env,
+            "ROSE_TICK_S": "0.25",
+            "ROSE_LEASES__TTL_S": "6",
+            "ROSE_LEASES__RENEW_BEFORE_S": "3",
+            "ROSE_LEASES__COOLDOWN_S": "4",
+            **(scheduler_env or {}),
+        },
+        root / "scheduler.log",
+    )
+    procs["worker"] = ServiceProcess(
+        "rollout_worker",
+        f"{p}-worker",
+        {
+            **env,
+            "ROSE_CONCURRENCY": str(spec.worker_concurrency),
+            "ROSE_ACK_WAIT_S": "20",
+            "ROSE_TURNS__MAX_TOKENS": str(spec.rollout_max_tokens),
+            "ROSE_TURNS__GENERATE_TIMEOUT_S": "20",
+            **(worker_env or {}),
+        },
+        root / "worker.log",
+    )
     return procs
 
 
@@ -220,14 +273,16 @@ async def serve_one(session: aiohttp.ClientSession, url: str, ex: str, prompt: s
                 if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                     times.append(time.monotonic())
             ok = resp.status == 200 and bool(times)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         ok = False
     ttft = (times[0] - sent) * 1e3 if times else float("inf")
     tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
     log.requests.append({"executor": ex, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok})
 
 
-async def drive_serving(trace: list[tuple[float, str]], urls: dict[str, str], down: set[str], spec: FleetSpec, log: ServingLog, t0_mono: float, seed: int) -> None:
+async def drive_serving(
+    trace: list[tuple[float, str]], urls: dict[str, str], down: set[str], spec: FleetSpec, log: ServingLog, t0_mono: float, seed: int
+) -> None:
     """Replay the trace; a request for an executor that is down goes to another (the load balancer's job)."""
     rng = random.Random(seed)
     pending: set[asyncio.Task] = set()

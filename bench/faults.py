@@ -1,6 +1,6 @@
 """``rose bench faults``: fault injection on the whole system, as real processes on the real bus.
 
-The demo's fleet (cli/demo.py: two serving executors taking a replayed serving trace over
+The demo's fleet (bench/demo.py: two serving executors taking a replayed serving trace over
 HTTP, a dedicated executor, the SLO monitor, the scheduler, the weight publisher, a rollout
 worker and the reference GRPO trainer, with auth on) runs an RL job while faults are injected
 one after another, each followed by a wait until the affected part is healthy again:
@@ -78,8 +78,19 @@ PROBE_STREAM = "ROSE_FAULTS_PROBE"
 PROBE_SUBJECT = "faults.probe.bytes"
 PROBE_MAX_BYTES = 64 * 1024
 
-FULL = ("nats_restart", "kill_executor", "partition_executor", "kill_slo_monitor", "kill_scheduler", "slow_consumer",
-        "kill_rollout_worker", "stream_byte_limit", "kill_weight_publisher", "corrupt_weights", "kill_trainer")
+FULL = (
+    "nats_restart",
+    "kill_executor",
+    "partition_executor",
+    "kill_slo_monitor",
+    "kill_scheduler",
+    "slow_consumer",
+    "kill_rollout_worker",
+    "stream_byte_limit",
+    "kill_weight_publisher",
+    "corrupt_weights",
+    "kill_trainer",
+)
 QUICK = ("nats_restart", "kill_executor", "partition_executor", "slow_consumer", "stream_byte_limit")
 
 
@@ -117,8 +128,19 @@ async def extra_observers(bus: Bus, f: Faults, tag: str) -> None:
 class Injector:
     """Injects the faults one at a time and waits for each recovery."""
 
-    def __init__(self, bus: Bus, server: NatsServer, procs: dict[str, ServiceProcess], obs: demo.Observed, f: Faults, urls: dict[str, str],
-                 down: set[str], seed: int, recovery_timeout_s: float, console: Console) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        server: NatsServer,
+        procs: dict[str, ServiceProcess],
+        obs: demo.Observed,
+        f: Faults,
+        urls: dict[str, str],
+        down: set[str],
+        seed: int,
+        recovery_timeout_s: float,
+        console: Console,
+    ) -> None:
         self.bus, self.server, self.procs, self.obs, self.f, self.urls, self.down = bus, server, procs, obs, f, urls, down
         self.seed, self.timeout, self.console = seed, recovery_timeout_s, console
         self.restarts = 0
@@ -186,11 +208,11 @@ class Injector:
 
     def trainer_before(self) -> tuple[float, int, str]:
         """(now, the last step the trainer reported, its run id), just before it is killed."""
-        last = max(self.obs.steps, key=lambda s: s.step, default=None)  # type: ignore[attr-defined]
-        return time.time(), (last.step if last else 0), (last.run_id if last else "")  # type: ignore[attr-defined]
+        last = max(self.obs.steps, key=lambda s: s.step, default=None)
+        return time.time(), (last.step if last else 0), (last.run_id if last else "")
 
     def first_step_after(self, killed_at: float):
-        return next((s for s in self.obs.steps if s.at > killed_at), None)  # type: ignore[attr-defined]
+        return next((s for s in self.obs.steps if s.at > killed_at), None)
 
     async def trainer_resume(self, killed_at: float, step_before: int, run_before: str, wait_s: float) -> dict:
         """How the restarted trainer resumed: its run id, the step it resumed from, steps redone, a warm start repeated."""
@@ -204,14 +226,17 @@ class Injector:
         load = beat.load if beat is not None and beat.pid == proc.pid else {}
         resumed = first.resumed_from_step if first is not None else None
         out = {
-            "trainer_step_before": step_before, "trainer_run_id_before": run_before,
-            "trainer_first_step_after": first.step if first else None, "trainer_run_id_after": first.run_id if first else None,
+            "trainer_step_before": step_before,
+            "trainer_run_id_before": run_before,
+            "trainer_first_step_after": first.step if first else None,
+            "trainer_run_id_after": first.run_id if first else None,
             "trainer_resumed_from_step": resumed,
             "trainer_steps_lost": (max(0, step_before - resumed) if resumed is not None else step_before) if first else None,
             "trainer_warm_start_repeated": bool(load.get("warm_started")) if load else None,
         }
-        out["trainer_resumed"] = bool(first and resumed is not None and first.run_id == run_before and first.step == resumed + 1
-                                      and out["trainer_warm_start_repeated"] is False)
+        out["trainer_resumed"] = bool(
+            first and resumed is not None and first.run_id == run_before and first.step == resumed + 1 and out["trainer_warm_start_repeated"] is False
+        )
         return out
 
     async def _nats(self, name: str, rec: dict) -> dict:
@@ -229,9 +254,13 @@ class Injector:
         kept = before is not None and after is not None and after >= before
         stale = [k for k in self.procs if not await self.fresh(k, healed)]
         return {
-            "target": "nats-server", "recovered_at": time.time() if recovered else None, "trajectory_stream_msgs_before": before,
-            "trajectory_stream_msgs_after": after, "survived": recovered and kept,
-            "outcome": "every service ready again, trajectories flowing, stream kept" if recovered and kept
+            "target": "nats-server",
+            "recovered_at": time.time() if recovered else None,
+            "trajectory_stream_msgs_before": before,
+            "trajectory_stream_msgs_after": after,
+            "survived": recovered and kept,
+            "outcome": "every service ready again, trajectories flowing, stream kept"
+            if recovered and kept
             else f"not recovered in {self.timeout:.0f} s (stale heartbeats: {stale}, stream kept: {kept})",
         }
 
@@ -245,8 +274,14 @@ class Injector:
 
     async def _kill(self, name: str, rec: dict) -> dict:
         kind = name.split("_", 1)[1]
-        key = {"executor": self.serving[0] if self.serving else self.dedicated[0], "slo_monitor": "monitor", "scheduler": "scheduler",
-               "weight_publisher": "publisher", "rollout_worker": "worker", "trainer": "trainer"}[kind]
+        key = {
+            "executor": self.serving[0] if self.serving else self.dedicated[0],
+            "slo_monitor": "monitor",
+            "scheduler": "scheduler",
+            "weight_publisher": "publisher",
+            "rollout_worker": "worker",
+            "trainer": "trainer",
+        }[kind]
         proc = self.procs[key]
         rec["target"] = proc.instance
         serving = key in self.serving
@@ -274,6 +309,8 @@ class Injector:
                 ready_at.append(time.time())
                 if serving:
                     beat = await self.bus.kv_get(SERVICE_REGISTRY, service=proc.service, instance=proc.instance)
+                    if beat is None:  # `fresh` has just read it
+                        raise RuntimeError(f"{key}: heartbeat gone right after a fresh one")
                     self.urls[key] = beat.endpoints["http"]  # a new process, a new port
                     self.down.discard(key)
             if serving and not self.served(key, ready_at[0]):
@@ -287,13 +324,19 @@ class Injector:
         if proc.service == "trainer":
             resume = await self.trainer_resume(killed_at, step_before, run_before, 1.0)
             survived = recovered and resume["trainer_resumed"]
-            outcome = (f"resumed run {resume['trainer_run_id_after']} at step {resume['trainer_first_step_after']} (checkpoint of step "
-                       f"{resume['trainer_resumed_from_step']}; {resume['trainer_steps_lost']} steps redone), no warm start, publishing again"
-                       if survived else f"{'recovered' if recovered else f'not recovered in {self.timeout:.0f} s'} but not resumed: {resume}")
+            outcome = (
+                f"resumed run {resume['trainer_run_id_after']} at step {resume['trainer_first_step_after']} (checkpoint of step "
+                f"{resume['trainer_resumed_from_step']}; {resume['trainer_steps_lost']} steps redone), no warm start, publishing again"
+                if survived
+                else f"{'recovered' if recovered else f'not recovered in {self.timeout:.0f} s'} but not resumed: {resume}"
+            )
             return {"recovered_at": time.time() if recovered else None, "survived": survived, "outcome": outcome, **resume}
         what = {"executor": "ready, serving and rollouts flowing"}.get(proc.service, "ready, trajectories flowing")
-        return {"recovered_at": time.time() if recovered else None, "survived": recovered,
-                "outcome": f"restarted: {what}" if recovered else f"not recovered in {self.timeout:.0f} s (ready: {bool(ready_at)})"}
+        return {
+            "recovered_at": time.time() if recovered else None,
+            "survived": recovered,
+            "outcome": f"restarted: {what}" if recovered else f"not recovered in {self.timeout:.0f} s (ready: {bool(ready_at)})",
+        }
 
     async def _pause(self, key: str, hold_s: float, rec: dict) -> tuple[bool, float]:
         proc = self.procs[key]
@@ -315,14 +358,21 @@ class Injector:
     async def _partition(self, name: str, rec: dict) -> dict:
         key = self.dedicated[0] if self.dedicated else self.serving[-1]
         recovered, _ = await self._pause(key, 3.0 if self.quick else PARTITION_S, rec)
-        return {"recovered_at": time.time() if recovered else None, "survived": recovered,
-                "outcome": "SIGCONT: heartbeats and trajectories back" if recovered else f"not recovered in {self.timeout:.0f} s"}
+        return {
+            "recovered_at": time.time() if recovered else None,
+            "survived": recovered,
+            "outcome": "SIGCONT: heartbeats and trajectories back" if recovered else f"not recovered in {self.timeout:.0f} s",
+        }
 
     async def _slow(self, name: str, rec: dict) -> dict:
         dup_before = self.f.duplicates
         recovered, _ = await self._pause("worker", 5.0 if self.quick else SLOW_CONSUMER_S, rec)
-        return {"recovered_at": time.time() if recovered else None, "survived": recovered, "duplicates_during": self.f.duplicates - dup_before,
-                "outcome": "backlog consumed after SIGCONT" if recovered else f"not recovered in {self.timeout:.0f} s"}
+        return {
+            "recovered_at": time.time() if recovered else None,
+            "survived": recovered,
+            "duplicates_during": self.f.duplicates - dup_before,
+            "outcome": "backlog consumed after SIGCONT" if recovered else f"not recovered in {self.timeout:.0f} s",
+        }
 
     async def _corrupt(self, name: str, rec: dict) -> dict:
         """A signed new version with a garbage shard: refused everywhere, the old version kept, the next one applied."""
@@ -363,7 +413,7 @@ class Injector:
             shard = max((sh for sh in staged.manifest.shards if sh.object_name), key=lambda sh: sh.wire_bytes)
             data = bytearray(await store.get(shard.object_name))
             mid = len(data) // 2
-            data[mid:mid + 256] = os.urandom(len(data[mid:mid + 256]))  # garbage in the stored object
+            data[mid : mid + 256] = os.urandom(len(data[mid : mid + 256]))  # garbage in the stored object
             await store.put(shard.object_name, data)
             rec["injected_at"] = time.time()
             m = staged.manifest
@@ -391,9 +441,16 @@ class Injector:
         survived = all_refused and not took and serving_ok and recovered
         resume = await self.trainer_resume(killed_at, step_before, run_before, self.timeout)  # reported, not part of the recovery
         return {
-            **resume, "recovered_at": recovered_at, "survived": survived, "refusal_kinds": kinds, "applied_by": took,
-            "outcome": (f"refused by every executor ({', '.join(kinds)}), old versions kept, serving on; next version applied everywhere" if survived
-                        else f"refused by all: {all_refused}, applied by: {took}, serving meanwhile: {serving_ok}, next version applied: {recovered}"),
+            **resume,
+            "recovered_at": recovered_at,
+            "survived": survived,
+            "refusal_kinds": kinds,
+            "applied_by": took,
+            "outcome": (
+                f"refused by every executor ({', '.join(kinds)}), old versions kept, serving on; next version applied everywhere"
+                if survived
+                else f"refused by all: {all_refused}, applied by: {took}, serving meanwhile: {serving_ok}, next version applied: {recovered}"
+            ),
         }
 
     async def _stream(self, name: str, rec: dict) -> dict:
@@ -403,7 +460,9 @@ class Injector:
 
         js = self.bus.js
         rec["target"] = PROBE_STREAM
-        await js.add_stream(StreamConfig(name=PROBE_STREAM, subjects=[PROBE_SUBJECT], max_bytes=PROBE_MAX_BYTES, discard=DiscardPolicy.NEW, storage=StorageType.FILE))
+        await js.add_stream(
+            StreamConfig(name=PROBE_STREAM, subjects=[PROBE_SUBJECT], max_bytes=PROBE_MAX_BYTES, discard=DiscardPolicy.NEW, storage=StorageType.FILE)
+        )
         acked: list[bytes] = []
         error = ""
         read: list[bytes] = []
@@ -423,7 +482,7 @@ class Injector:
             while len(read) < len(acked):
                 try:
                     msgs = await sub.fetch(100, timeout=2.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 read += [m.data for m in msgs]
             await sub.unsubscribe()
@@ -445,11 +504,23 @@ class Injector:
         fleet_ok = await self.until(ok, time.time() + self.timeout)
         survived = bool(error) and intact and fleet_ok
         return {
-            "healed_at": accepted_at, "recovered_at": accepted_at, "refused_at": refused_at, "survived": survived,
-            "max_bytes": PROBE_MAX_BYTES, "acked_before_limit": len(acked), "stored_when_refused": info.state.messages, "read_back_intact": intact,
-            "error": error, "error_is_clear": clear, "fleet_trajectories_flowing": fleet_ok,
-            "outcome": (f"publish past the limit refused ({error or 'no error!'}); {len(acked)} stored messages intact; accepted again once the limit was raised"
-                        if intact else f"stored messages lost or altered (acked {len(acked)}, stored {info.state.messages}, read back {len(read)})")
+            "healed_at": accepted_at,
+            "recovered_at": accepted_at,
+            "refused_at": refused_at,
+            "survived": survived,
+            "max_bytes": PROBE_MAX_BYTES,
+            "acked_before_limit": len(acked),
+            "stored_when_refused": info.state.messages,
+            "read_back_intact": intact,
+            "error": error,
+            "error_is_clear": clear,
+            "fleet_trajectories_flowing": fleet_ok,
+            "outcome": (
+                f"publish past the limit refused ({error or 'no error!'}); {len(acked)} stored messages intact; accepted again once the limit was "
+                "raised"
+                if intact
+                else f"stored messages lost or altered (acked {len(acked)}, stored {info.state.messages}, read back {len(read)})"
+            )
             + ("" if fleet_ok else f"; no trajectory in {self.timeout:.0f} s afterwards"),
         }
 
@@ -471,13 +542,26 @@ async def _run(out: Path, seed: int, quick: bool, models_dir: Path | None, conso
     creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, SERVING, DEDICATED)})  # each executor its own NKey
     logs = state / "logs"
     server = NatsServer(state / "nats", log_file=logs / "nats-server.log", extra_config=creds.server_config()).start()
-    bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance=f"faults-{seed}")
+    bus = Bus(
+        BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))),
+        service="cli",
+        instance=f"faults-{seed}",
+    )
     await bus.connect()
     await provision(bus.js)
     obs, f = demo.Observed(), Faults()
     await demo.observe(bus, obs)
     await extra_observers(bus, f, f"{seed}_{int(time.time())}")
-    procs = demo.job_processes(state, server.url, models, creds, SPEC, SERVING, DEDICATED, {**TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed)})
+    procs = demo.job_processes(
+        state,
+        server.url,
+        models,
+        creds,
+        SPEC,
+        SERVING,
+        DEDICATED,
+        {**TRAINER, **({"ROSE_SFT__STEPS": QUICK_SFT_STEPS} if quick else {}), "ROSE_TASKS__SEED": str(seed)},
+    )
     serving = sorted(n for n in procs if n.startswith(f"{SPEC.prefix}-serving-"))
     executors = {n: ("serving" if n in serving else "dedicated") for n in procs if procs[n].service == "executor"}
     down: set[str] = set()
@@ -538,8 +622,19 @@ def weight_versions_lost(obs: demo.Observed, f: Faults, corrupted: set[int]) -> 
     return sorted(v for v in obs.manifests if v not in covered and v not in corrupted)
 
 
-def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], serving: list[str], t0: float, faults_end: float, end: float,
-           corrupted: set[int], params: dict, console: Console) -> dict:
+def report(
+    out: Path,
+    obs: demo.Observed,
+    f: Faults,
+    executors: dict[str, str],
+    serving: list[str],
+    t0: float,
+    faults_end: float,
+    end: float,
+    corrupted: set[int],
+    params: dict,
+    console: Console,
+) -> dict:
     records = f.records
     reqs = obs.serving.requests
     failed = [r for r in reqs if not r["ok"]]
@@ -579,7 +674,7 @@ def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], 
         "weight_versions_corrupted": sorted(corrupted),
         "trajectories_published": len(obs.published),
         "trajectories_received": len(obs.trajectories),
-        "trajectories_failed": sum(1 for t in obs.trajectories.values() if t.status != "completed"),  # type: ignore[attr-defined]
+        "trajectories_failed": sum(1 for t in obs.trajectories.values() if t.status != "completed"),
         "trajectories_redelivered": f.duplicates,
         "lost_task_ids": lost[:50],
         "weight_versions_published": len(obs.manifests),
@@ -596,13 +691,32 @@ def report(out: Path, obs: demo.Observed, f: Faults, executors: dict[str, str], 
         table.add_column(col, no_wrap=col != "outcome")
     for r in records:
         colour = "green" if r.get("survived") else "red"
-        table.add_row(r["fault"], str(r.get("target", "")), f"[{colour}]{r.get('outcome', '')}[/{colour}]", f"{r['recovery_s']:.1f}" if r.get("recovery_s") is not None else "-")
+        table.add_row(
+            r["fault"],
+            str(r.get("target", "")),
+            f"[{colour}]{r.get('outcome', '')}[/{colour}]",
+            f"{r['recovery_s']:.1f}" if r.get("recovery_s") is not None else "-",
+        )
     console.print(table)
     summary = Table(title="summary")
     summary.add_column("figure")
     summary.add_column("value", justify="right")
-    for key in ("faults_injected", "faults_survived", "trajectories_lost", "weight_versions_lost", "serving_requests_failed", "serving_requests_failed_outside_faulted_executor",
-                "recovery_s_p99", "trainer_steps_lost", "trainer_restarts_resumed", "serving_slo_attainment", "serving_slo_attainment_outside_faulted_executor", "trajectories_published", "weight_versions_published", "training_steps"):
+    for key in (
+        "faults_injected",
+        "faults_survived",
+        "trajectories_lost",
+        "weight_versions_lost",
+        "serving_requests_failed",
+        "serving_requests_failed_outside_faulted_executor",
+        "recovery_s_p99",
+        "trainer_steps_lost",
+        "trainer_restarts_resumed",
+        "serving_slo_attainment",
+        "serving_slo_attainment_outside_faulted_executor",
+        "trajectories_published",
+        "weight_versions_published",
+        "training_steps",
+    ):
         v = result[key]
         summary.add_row(key, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(summary)
@@ -620,9 +734,23 @@ def plot(path: Path, obs: demo.Observed, f: Faults, records: list[dict], serving
     for ex, colour in zip(serving, ("tab:blue", "tab:purple", "tab:cyan", "tab:olive")):
         rs = [r for r in obs.serving.requests if r["executor"] == ex]
         ok = [r for r in rs if r["ok"]]
-        ax1.scatter([r["t"] - t0 for r in ok], [min(max(1.0, r["ttft_ms"]), TTFT_CLIP * SPEC.slo_ttft_ms) for r in ok], s=3, c=colour, label=f"{ex} TTFT (clipped at top)")
+        ax1.scatter(
+            [r["t"] - t0 for r in ok],
+            [min(max(1.0, r["ttft_ms"]), TTFT_CLIP * SPEC.slo_ttft_ms) for r in ok],
+            s=3,
+            c=colour,
+            label=f"{ex} TTFT (clipped at top)",
+        )
         bad = [r for r in rs if not r["ok"]]
-        ax1.scatter([r["t"] - t0 for r in bad], [TTFT_CLIP * SPEC.slo_ttft_ms] * len(bad), s=24, marker="x", c="red", zorder=5, label=f"{ex} failed" if bad else None)
+        ax1.scatter(
+            [r["t"] - t0 for r in bad],
+            [TTFT_CLIP * SPEC.slo_ttft_ms] * len(bad),
+            s=24,
+            marker="x",
+            c="red",
+            zorder=5,
+            label=f"{ex} failed" if bad else None,
+        )
     ax1.axhline(SPEC.slo_ttft_ms, c="red", ls="--", lw=1, label="TTFT SLO")
     ax1.set_yscale("log")
     ax1.set_ylim(1.0, 2 * TTFT_CLIP * SPEC.slo_ttft_ms)

@@ -34,7 +34,9 @@ from rose.shared.agentic.sandbox import Sandbox, SandboxLimits, SandboxResult, S
 
 NOBODY = 65534
 PR_SET_DUMPABLE = 4
-ATTACK_LIMITS = SandboxLimits(wall_s=8.0, cpu_s=1, memory_bytes=256 << 20, max_output_bytes=32 << 10, file_bytes=1 << 20, disk_bytes=4 << 20, max_processes=16)
+ATTACK_LIMITS = SandboxLimits(
+    wall_s=8.0, cpu_s=1, memory_bytes=256 << 20, max_output_bytes=32 << 10, file_bytes=1 << 20, disk_bytes=4 << 20, max_processes=16
+)
 CPU_LOOP_WALL_S = 30.0  # the CPU limit must fire long before this, even on a busy machine
 SURVIVOR_WAIT_S = 1.0  # after a run returned: how long a left-behind process has to show itself
 CHILD_TIMEOUT_S = 300.0
@@ -118,36 +120,51 @@ def _marker_attack(h: Harness, attack: str, where: Path, program: Callable[[Path
 
 
 def attack_audit_hook_disabled(h: Harness) -> None:
-    _marker_attack(h, "audit_hook_disabled_then_subprocess", h.scratch, lambda m: (
-        "import sys, subprocess\n"
-        "main = sys.modules['__main__']\n"
-        "main._block = lambda what: None\n"  # the old sandbox's hook called this global
-        f"subprocess.run(['/bin/sh', '-c', 'echo escaped > {m}'])\n"
-    ))
+    _marker_attack(
+        h,
+        "audit_hook_disabled_then_subprocess",
+        h.scratch,
+        lambda m: (
+            "import sys, subprocess\n"
+            "main = sys.modules['__main__']\n"
+            "main._block = lambda what: None\n"  # the old sandbox's hook called this global
+            f"subprocess.run(['/bin/sh', '-c', 'echo escaped > {m}'])\n"
+        ),
+    )
 
 
 def attack_fork_exec(h: Harness) -> None:
-    _marker_attack(h, "fork_exec_without_audit_event", h.scratch, lambda m: (
-        "import _posixsubprocess, os\n"
-        "r, w = os.pipe()\n"
-        f"args = [b'/bin/sh', b'-c', b'echo escaped > {m}']\n"
-        "common = (args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None)\n"
-        "try:\n"
-        "    pid = _posixsubprocess.fork_exec(*common, False)\n"
-        "except TypeError:\n"
-        "    pid = _posixsubprocess.fork_exec(*common)\n"
-        "os.waitpid(pid, 0)\n"
-    ))
+    _marker_attack(
+        h,
+        "fork_exec_without_audit_event",
+        h.scratch,
+        lambda m: (
+            "import _posixsubprocess, os\n"
+            "r, w = os.pipe()\n"
+            f"args = [b'/bin/sh', b'-c', b'echo escaped > {m}']\n"
+            "common = (args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None)\n"
+            "try:\n"
+            "    pid = _posixsubprocess.fork_exec(*common, False)\n"
+            "except TypeError:\n"
+            "    pid = _posixsubprocess.fork_exec(*common)\n"
+            "os.waitpid(pid, 0)\n"
+        ),
+    )
 
 
 def attack_dir_fd(h: Harness) -> None:
-    _marker_attack(h, "dir_fd_write_after_chdir", h.scratch, lambda m: (
-        "import os\n"
-        f"d = os.open({str(m.parent)!r}, os.O_RDONLY)\n"
-        "os.chdir('/')\n"
-        f"fd = os.open({m.name!r}, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d)\n"
-        "os.write(fd, b'escaped')\n"
-    ))
+    _marker_attack(
+        h,
+        "dir_fd_write_after_chdir",
+        h.scratch,
+        lambda m: (
+            "import os\n"
+            f"d = os.open({str(m.parent)!r}, os.O_RDONLY)\n"
+            "os.chdir('/')\n"
+            f"fd = os.open({m.name!r}, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d)\n"
+            "os.write(fd, b'escaped')\n"
+        ),
+    )
 
 
 def attack_write_tmp(h: Harness) -> None:
@@ -159,18 +176,26 @@ def attack_write_home(h: Harness) -> None:
 
 
 def attack_symlink(h: Harness) -> None:
-    _marker_attack(h, "symlink_out_of_workdir", h.scratch, lambda m: (
-        f"import os\nos.symlink({str(m.parent)!r}, 'out')\nopen(os.path.join('out', {m.name!r}), 'w').write('escaped')\n"
-    ))
+    _marker_attack(
+        h,
+        "symlink_out_of_workdir",
+        h.scratch,
+        lambda m: f"import os\nos.symlink({str(m.parent)!r}, 'out')\nopen(os.path.join('out', {m.name!r}), 'w').write('escaped')\n",
+    )
 
 
 def attack_ctypes(h: Harness) -> None:
-    _marker_attack(h, "native_code_write_via_ctypes", h.scratch, lambda m: (
-        "import ctypes, os\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        f"fd = libc.open({str(m).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644)\n"
-        "libc.write(fd, b'escaped', 7)\n"
-    ))
+    _marker_attack(
+        h,
+        "native_code_write_via_ctypes",
+        h.scratch,
+        lambda m: (
+            "import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"fd = libc.open({str(m).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+            "libc.write(fd, b'escaped', 7)\n"
+        ),
+    )
 
 
 def _daemon_program(h: Harness, marker: Path, port: int, then: str) -> str:
@@ -219,8 +244,12 @@ def _daemon_attack(h: Harness, attack: str, then: str, limits: SandboxLimits) ->
     if appeared:
         marker.unlink()
     blocked = not survivors and not appeared and accepted == 0
-    h.record(attack, blocked, f"{len(survivors)} process(es) alive {SURVIVOR_WAIT_S:.1f}s after the call returned "
-             f"({time.monotonic() - returned:.1f}s); marker {'APPEARED' if appeared else 'absent'}; listener accepted {accepted}; program: {_summary(r)}")
+    h.record(
+        attack,
+        blocked,
+        f"{len(survivors)} process(es) alive {SURVIVOR_WAIT_S:.1f}s after the call returned "
+        f"({time.monotonic() - returned:.1f}s); marker {'APPEARED' if appeared else 'absent'}; listener accepted {accepted}; program: {_summary(r)}",
+    )
 
 
 def attack_double_fork_setsid(h: Harness) -> None:
@@ -257,13 +286,19 @@ def attack_fork_bomb(h: Harness) -> None:
             pass
     forked = next((int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("forked ")), None)
     capped = forked is not None and forked < limit or forked is None and r.exit_code != 0
-    h.record("fork_bomb", capped and not survivors, f"forked {forked} processes (limit {limit}); {len(survivors)} alive afterwards; program: {_summary(r)}")
+    h.record(
+        "fork_bomb", capped and not survivors, f"forked {forked} processes (limit {limit}); {len(survivors)} alive afterwards; program: {_summary(r)}"
+    )
 
 
 def attack_memory_bomb(h: Harness) -> None:
     r = h.sandbox.run("x = bytearray(2 << 30)\nx[::4096] = b'x' * len(x[::4096])\nprint('allocated', len(x))\n")
     allocated = "allocated" in r.stdout
-    h.record("memory_bomb", not allocated, f"2 GiB allocation {'SUCCEEDED' if allocated else 'refused'} (limit {h.sandbox.limits.memory_bytes >> 20} MiB); program: {_summary(r)}")
+    h.record(
+        "memory_bomb",
+        not allocated,
+        f"2 GiB allocation {'SUCCEEDED' if allocated else 'refused'} (limit {h.sandbox.limits.memory_bytes >> 20} MiB); program: {_summary(r)}",
+    )
 
 
 def attack_huge_file(h: Harness) -> None:
@@ -308,22 +343,32 @@ def attack_disk_fill(h: Harness) -> None:
 
 def attack_cpu_loop(h: Harness) -> None:
     r = h.sandbox.run("while True:\n    pass\n", dataclasses.replace(h.sandbox.limits, wall_s=CPU_LOOP_WALL_S))
-    h.record("cpu_loop", r.killed == "cpu_time", f"killed: {r.killed or 'no'} after {r.duration_s:.1f}s wall (CPU limit {h.sandbox.limits.cpu_s}s, exit {r.exit_code})")
+    h.record(
+        "cpu_loop",
+        r.killed == "cpu_time",
+        f"killed: {r.killed or 'no'} after {r.duration_s:.1f}s wall (CPU limit {h.sandbox.limits.cpu_s}s, exit {r.exit_code})",
+    )
 
 
 def attack_other_run(h: Harness) -> None:
     other_secret = f"OTHER-RUN-{secrets.token_hex(8)}"
     holder: dict[str, SandboxResult] = {}
-    victim = threading.Thread(target=lambda: holder.update(r=h.sandbox.run(
-        f"import os, time\nopen('secret.txt', 'w').write({other_secret!r})\nprint('written in', os.getcwd(), flush=True)\ntime.sleep(4)\n",
-        dataclasses.replace(h.sandbox.limits, wall_s=15.0))))
+    victim = threading.Thread(
+        target=lambda: holder.update(
+            r=h.sandbox.run(
+                f"import os, time\nopen('secret.txt', 'w').write({other_secret!r})\nprint('written in', os.getcwd(), flush=True)\ntime.sleep(4)\n",
+                dataclasses.replace(h.sandbox.limits, wall_s=15.0),
+            )
+        )
+    )
     victim.start()
     time.sleep(1.0)
     r = h.sandbox.run(
         "import glob, os, time\n"
         "end = time.time() + 2\n"
         "while time.time() < end:\n"
-        "    paths = glob.glob('/tmp/**/secret.txt', recursive=True) + glob.glob('/proc/*/cwd/secret.txt') + glob.glob('/proc/*/root/sandbox/secret.txt')\n"
+        "    paths = glob.glob('/tmp/**/secret.txt', recursive=True) + glob.glob('/proc/*/cwd/secret.txt') + "
+        "glob.glob('/proc/*/root/sandbox/secret.txt')\n"
         "    paths += glob.glob('/sandbox/**/secret.txt', recursive=True) + glob.glob('/var/tmp/**/secret.txt', recursive=True)\n"
         "    for p in paths:\n"
         "        try:\n"
@@ -334,10 +379,14 @@ def attack_other_run(h: Harness) -> None:
         dataclasses.replace(h.sandbox.limits, wall_s=15.0),
     )
     victim.join(30)
-    wrote = "written" in holder.get("r", SandboxResult("unsafe", None, "", "", 0.0)).stdout
+    wrote = "written" in holder.get("r", SandboxResult(backend="unsafe", exit_code=None, stdout="", stderr="", duration_s=0.0)).stdout
     leaked = other_secret in r.stdout + r.stderr
-    h.record("read_other_run_files", not leaked, f"the concurrent run {'wrote' if wrote else 'did NOT confirm writing'} its secret file; "
-             f"the other run {'READ IT' if leaked else 'did not see it'}; program: {_summary(r)}")
+    h.record(
+        "read_other_run_files",
+        not leaked,
+        f"the concurrent run {'wrote' if wrote else 'did NOT confirm writing'} its secret file; "
+        f"the other run {'READ IT' if leaked else 'did not see it'}; program: {_summary(r)}",
+    )
 
 
 def attack_nkey_seeds(h: Harness) -> None:
@@ -383,11 +432,16 @@ def _connect_attack(h: Harness, attack: str, listener: Listener, program: str) -
 def attack_tcp_loopback(h: Harness) -> None:
     listener = Listener(socket.create_server(("127.0.0.1", 0)))
     port = listener.sock.getsockname()[1]
-    _connect_attack(h, "tcp_to_host_loopback", listener, (
-        "import socket, sys\n"
-        "sys.modules['__main__']._block = lambda what: None\n"  # what disabled the old sandbox's audit hook
-        f"socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\nprint('connected')\n"
-    ))
+    _connect_attack(
+        h,
+        "tcp_to_host_loopback",
+        listener,
+        (
+            "import socket, sys\n"
+            "sys.modules['__main__']._block = lambda what: None\n"  # what disabled the old sandbox's audit hook
+            f"socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\nprint('connected')\n"
+        ),
+    )
 
 
 def _host_address() -> str:
@@ -405,7 +459,9 @@ def attack_tcp_host_address(h: Harness) -> None:
     listener = Listener(socket.create_server(("0.0.0.0", 0)))
     port = listener.sock.getsockname()[1]
     addr = _host_address()
-    _connect_attack(h, "tcp_to_host_address", listener, f"import socket\nsocket.create_connection(({addr!r}, {port}), timeout=2).close()\nprint('connected')\n")
+    _connect_attack(
+        h, "tcp_to_host_address", listener, f"import socket\nsocket.create_connection(({addr!r}, {port}), timeout=2).close()\nprint('connected')\n"
+    )
 
 
 def attack_unix_socket(h: Harness) -> None:
@@ -414,7 +470,9 @@ def attack_unix_socket(h: Harness) -> None:
     sock.bind(str(path))
     os.chmod(path, 0o777)
     sock.listen(8)
-    _connect_attack(h, "unix_socket_of_host", Listener(sock), f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\nprint('connected')\n")
+    _connect_attack(
+        h, "unix_socket_of_host", Listener(sock), f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\nprint('connected')\n"
+    )
 
 
 def attack_abstract_socket(h: Harness) -> None:
@@ -422,7 +480,12 @@ def attack_abstract_socket(h: Harness) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(name)
     sock.listen(8)
-    _connect_attack(h, "abstract_unix_socket_of_host", Listener(sock), f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({name!r})\nprint('connected')\n")
+    _connect_attack(
+        h,
+        "abstract_unix_socket_of_host",
+        Listener(sock),
+        f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({name!r})\nprint('connected')\n",
+    )
 
 
 def attack_signal_host_process(h: Harness) -> None:
@@ -447,15 +510,37 @@ def attack_nested_userns(h: Harness) -> None:
         "    print('refused', os.strerror(ctypes.get_errno()))\n"
     )
     regained = "nested root" in r.stdout
-    h.record("nested_user_namespace_regains_capabilities", not regained and "refused" in r.stdout,
-             f"a nested user namespace was {'CREATED' if regained else 'refused'}: {r.stdout.strip()[:120]}; program: {_summary(r)}")
+    h.record(
+        "nested_user_namespace_regains_capabilities",
+        not regained and "refused" in r.stdout,
+        f"a nested user namespace was {'CREATED' if regained else 'refused'}: {r.stdout.strip()[:120]}; program: {_summary(r)}",
+    )
 
 
 ATTACKS: tuple[Callable[[Harness], None], ...] = (
-    attack_audit_hook_disabled, attack_fork_exec, attack_dir_fd, attack_write_tmp, attack_write_home, attack_symlink, attack_ctypes,
-    attack_double_fork_setsid, attack_double_fork_wall, attack_fork_bomb, attack_memory_bomb, attack_huge_file, attack_disk_fill, attack_cpu_loop,
-    attack_other_run, attack_nkey_seeds, attack_parent_environ, attack_tcp_loopback, attack_tcp_host_address, attack_unix_socket,
-    attack_abstract_socket, attack_signal_host_process, attack_nested_userns,
+    attack_audit_hook_disabled,
+    attack_fork_exec,
+    attack_dir_fd,
+    attack_write_tmp,
+    attack_write_home,
+    attack_symlink,
+    attack_ctypes,
+    attack_double_fork_setsid,
+    attack_double_fork_wall,
+    attack_fork_bomb,
+    attack_memory_bomb,
+    attack_huge_file,
+    attack_disk_fill,
+    attack_cpu_loop,
+    attack_other_run,
+    attack_nkey_seeds,
+    attack_parent_environ,
+    attack_tcp_loopback,
+    attack_tcp_host_address,
+    attack_unix_socket,
+    attack_abstract_socket,
+    attack_signal_host_process,
+    attack_nested_userns,
 )
 
 
@@ -512,7 +597,7 @@ def run_sandbox_attacks(as_user: str, *, backend: str = "auto", only: list[str] 
     if unknown:
         raise ValueError(f"unknown sandbox attacks {sorted(unknown)}; known: {[a.__name__.removeprefix('attack_') for a in ATTACKS]}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), ROSE_ATTACK_SECRET=f"WORKER-SECRET-{secrets.token_hex(12)}")
-    cmd = [sys.executable, "-m", "rose.cli.security_sandbox_attacks", "--as-user", as_user, "--backend", backend]
+    cmd = [sys.executable, "-m", "rose.bench.sandbox_attacks", "--as-user", as_user, "--backend", backend]
     for name in only or []:
         cmd += ["--only", name]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S, cwd=tempfile.gettempdir())

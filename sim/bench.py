@@ -62,7 +62,12 @@ def _run(cfg: SimConfig) -> dict:
 
 def _cost(cfg: SimConfig) -> float:
     """Rough relative cost, to start the slow configurations first."""
-    return cfg.gpus * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.model, 1.0) * (1.0 + cfg.rollout.oversubscription) * (1.5 if cfg.prefetch_steps else 1.0)
+    return (
+        cfg.gpus
+        * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.model, 1.0)
+        * (1.0 + cfg.rollout.oversubscription)
+        * (1.5 if cfg.prefetch_steps else 1.0)
+    )
 
 
 def mode_of(cfg: SimConfig) -> str:
@@ -106,10 +111,18 @@ def rows_of(results: list[dict]) -> list[dict]:
     for r in results:
         key = config_key(r)
         static, elastic = by.get((*key, "static")), by.get((*key, "elastic_baseline"))
-        row = {"model": r["model"], "gpus": r["gpus"], "policy": r["policy"],
-               "rollout_demand": r.get("rollout_demand"), "dedicated_ratio": r.get("dedicated_ratio"), "mode": r.get("mode")}
+        row = {
+            "model": r["model"],
+            "gpus": r["gpus"],
+            "policy": r["policy"],
+            "rollout_demand": r.get("rollout_demand"),
+            "dedicated_ratio": r.get("dedicated_ratio"),
+            "mode": r.get("mode"),
+        }
         if "infeasible" in r:
-            row.update(infeasible=r["infeasible"], rl_steps_per_hour=None, speedup_vs_static=None, rollout_time_ratio_vs_elastic=None, slo_violations=None)
+            row.update(
+                infeasible=r["infeasible"], rl_steps_per_hour=None, speedup_vs_static=None, rollout_time_ratio_vs_elastic=None, slo_violations=None
+            )
             rows.append(row)
             continue
         ok_static = static is not None and "infeasible" not in static and static["rl_steps_per_hour"] > 0
@@ -117,7 +130,9 @@ def rows_of(results: list[dict]) -> list[dict]:
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
             speedup_vs_static=r["rl_steps_per_hour"] / static["rl_steps_per_hour"] if ok_static else None,
-            rollout_time_ratio_vs_elastic=elastic["rollout_s_per_step"] / r["rollout_s_per_step"] if ok_elastic and r["rollout_s_per_step"] > 0 else None,
+            rollout_time_ratio_vs_elastic=elastic["rollout_s_per_step"] / r["rollout_s_per_step"]
+            if ok_elastic and r["rollout_s_per_step"] > 0
+            else None,
             slo_violations=r["slo_violations"],
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
@@ -125,13 +140,39 @@ def rows_of(results: list[dict]) -> list[dict]:
             train_s_per_step=r["train_s_per_step"],
             rollout_tokens_per_s=r["rollout_tokens_per_s"],
             complete=r["complete"],
-            detail={k: r[k] for k in (
-                "serving_instances", "serving_tp", "dedicated_instances", "rollout_tp", "trainer_gpus", "trajectories_per_step", "bundle",
-                "cohost_free_gb", "lent_instance_fraction", "rollout_tokens_on_serving_fraction", "tail_fraction", "leases", "alerts",
-                "interrupted_turns", "aborted_turns", "hedges", "hedge_wins", "prefix_hit_rate", "elastic_lends", "elastic_reclaims",
-                "unlendable_reasons", "sync_serving_s", "serving_capacity_rps_per_instance", "simulated_s", "staleness_mean",
-                "trainer_wait_s_per_step", "placements",
-            ) if k in r},
+            detail={
+                k: r[k]
+                for k in (
+                    "serving_instances",
+                    "serving_tp",
+                    "dedicated_instances",
+                    "rollout_tp",
+                    "trainer_gpus",
+                    "trajectories_per_step",
+                    "bundle",
+                    "cohost_free_gb",
+                    "lent_instance_fraction",
+                    "rollout_tokens_on_serving_fraction",
+                    "tail_fraction",
+                    "leases",
+                    "alerts",
+                    "interrupted_turns",
+                    "aborted_turns",
+                    "hedges",
+                    "hedge_wins",
+                    "prefix_hit_rate",
+                    "elastic_lends",
+                    "elastic_reclaims",
+                    "unlendable_reasons",
+                    "sync_serving_s",
+                    "serving_capacity_rps_per_instance",
+                    "simulated_s",
+                    "staleness_mean",
+                    "trainer_wait_s_per_step",
+                    "placements",
+                )
+                if k in r
+            },
         )
         rows.append(row)
     return rows
@@ -155,18 +196,27 @@ def notes_of(rows: list[dict]) -> list[str]:
         why = []
         if d["lent_instance_fraction"] < 0.05:
             reasons = ", ".join(d.get("unlendable_reasons", {})) or "no lease granted"
-            why.append(f"serving instances held a lease {d['lent_instance_fraction']:.0%} of the time (the monitor's verdict: {reasons}; "
-                       f"a lease needs p99 latency under its grant fraction of the SLO)")
+            why.append(
+                f"serving instances held a lease {d['lent_instance_fraction']:.0%} of the time (the monitor's verdict: {reasons}; "
+                f"a lease needs p99 latency under its grant fraction of the SLO)"
+            )
         else:
-            why.append(f"serving instances held leases {d['lent_instance_fraction']:.0%} of the time but produced only "
-                       f"{d['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens: a busy serving instance gives its rollout lane "
-                       f"(1 - prefill share) x quantum / (iteration + quantum) of its time, and a lease lends half of the {d['cohost_free_gb']:.0f} GB left "
-                       f"after both models and the serving pool")
+            why.append(
+                f"serving instances held leases {d['lent_instance_fraction']:.0%} of the time but produced only "
+                f"{d['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens: a busy serving instance gives its rollout lane "
+                f"(1 - prefill share) x quantum / (iteration + quantum) of its time, and a lease lends half of the {d['cohost_free_gb']:.0f} GB left "
+                f"after both models and the serving pool"
+            )
         if d["tail_fraction"] > 0.25:
-            why.append(f"{d['tail_fraction']:.0%} of the rollout phase is the tail after 90 % of trajectories finished, which more capacity does not shorten")
+            why.append(
+                f"{d['tail_fraction']:.0%} of the rollout phase is the tail after 90 % of trajectories finished, which more capacity does not shorten"
+            )
         if d["interrupted_turns"]:
-            why.append(f"{d['leases']['revoked']} lease revocations (burst alerts) interrupted {d['interrupted_turns']} turns, resumed elsewhere by recompute; "
-                       "turn affinity then keeps those trajectories where they resumed")
+            why.append(
+                f"{d['leases']['revoked']} lease revocations (burst alerts) interrupted {d['interrupted_turns']} turns, "
+                "resumed elsewhere by recompute; "
+                "turn affinity then keeps those trajectories where they resumed"
+            )
         notes.append(f"{where}: rose {s:.2f}x static, {'below' if s < lo else 'above'} the paper's {lo}-{hi}x: " + "; ".join(why))
     return notes
 
@@ -197,15 +247,20 @@ def targets_of(rows: list[dict]) -> dict:
         rollout = [r["rollout_time_ratio_vs_elastic"] for r in rs if r.get("rollout_time_ratio_vs_elastic") is not None]
         worst = min(rs, key=lambda r: r["speedup_vs_static"])
         fig = dict(
-            configurations=len(rs), min_speedup=worst["speedup_vs_static"], min_at=f"{worst['model']}/{worst['gpus']} {_axes_label(worst)}",
-            median_speedup_demand_ge_2=_median(demanding), best_speedup_demand_ge_2=max(demanding) if demanding else None,
-            median_rollout_time_ratio_vs_elastic=_median(rollout), rose_slo_violation_instance_s=sum(r["slo_violations"] or 0.0 for r in rs),
+            configurations=len(rs),
+            min_speedup=worst["speedup_vs_static"],
+            min_at=f"{worst['model']}/{worst['gpus']} {_axes_label(worst)}",
+            median_speedup_demand_ge_2=_median(demanding),
+            best_speedup_demand_ge_2=max(demanding) if demanding else None,
+            median_rollout_time_ratio_vs_elastic=_median(rollout),
+            rose_slo_violation_instance_s=sum(r["slo_violations"] or 0.0 for r in rs),
         )
         fig["meets"] = dict(
             never_below_static=fig["min_speedup"] >= 1.0 - 1e-9,
             median_demand_ge_2_at_least_1_3=fig["median_speedup_demand_ge_2"] is not None and fig["median_speedup_demand_ge_2"] >= 1.3,
             best_demand_ge_2_at_least_2=fig["best_speedup_demand_ge_2"] is not None and fig["best_speedup_demand_ge_2"] >= 2.0,
-            rollout_vs_elastic_at_least_1_2=fig["median_rollout_time_ratio_vs_elastic"] is not None and fig["median_rollout_time_ratio_vs_elastic"] >= 1.2,
+            rollout_vs_elastic_at_least_1_2=fig["median_rollout_time_ratio_vs_elastic"] is not None
+            and fig["median_rollout_time_ratio_vs_elastic"] >= 1.2,
             zero_slo_violations=fig["rose_slo_violation_instance_s"] == 0,
         )
         out[mode] = fig
@@ -230,8 +285,12 @@ def _plot(path: Path, rows: list[dict]) -> None:
         if r["policy"] not in ("rose", "elastic_baseline"):
             continue
         x = (r.get("rollout_demand") or 2.0) * (1.0 + offset[r["policy"]] if r["policy"] in offset else 1.0)
-        style = dict(marker=markers.get(r.get("mode"), "o"), color=colours.get(r.get("dedicated_ratio"), "C0"),
-                     alpha=1.0 if r["policy"] == "rose" else 0.25, s=25 if r["policy"] == "rose" else 12)
+        style = dict(
+            marker=markers.get(r.get("mode"), "o"),
+            color=colours.get(r.get("dedicated_ratio"), "C0"),
+            alpha=1.0 if r["policy"] == "rose" else 0.25,
+            s=25 if r["policy"] == "rose" else 12,
+        )
         if r.get("speedup_vs_static") is not None:
             axes[0].scatter(x, r["speedup_vs_static"], **style)
         if r["policy"] == "rose" and r.get("rollout_time_ratio_vs_elastic") is not None:
@@ -270,16 +329,45 @@ def grid_configs(*, models, fleets, demands, ratios, modes, policies, steps: int
                 for q in ratios:
                     for mode in modes:
                         for p in policies:
-                            out.append(SimConfig(model=m, gpus=g, policy=p, rollout=replace(RolloutSpec(), oversubscription=d), rollout_gpu_ratio=q,
-                                                 prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0, steps=steps + (1 if mode == "async" else 0),
-                                                 **common))
+                            out.append(
+                                SimConfig(
+                                    model=m,
+                                    gpus=g,
+                                    policy=p,
+                                    rollout=replace(RolloutSpec(), oversubscription=d),
+                                    rollout_gpu_ratio=q,
+                                    prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0,
+                                    steps=steps + (1 if mode == "async" else 0),
+                                    **common,
+                                )
+                            )
     return out
 
 
-def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS, demands=DEMANDS, ratios=RATIOS, modes=MODES, policies=POLICIES,
-                  steps: int = 2, jobs: int | None = None, device: str = "H100", load: float = 0.35, slo_ttft_ms: float = 1000.0,
-                  slo_tpot_ms: float = 100.0, quantum_ms: float = 10.0, what_if: tuple[str, ...] = (), e2e: str | None = None,
-                  coserve: str | None = None, calibrate: bool = False, measure_steps: bool = True, console=None) -> dict:
+def run_sim_bench(
+    *,
+    out_json: str,
+    seed: int = 0,
+    models=MODELS,
+    fleets=FLEETS,
+    demands=DEMANDS,
+    ratios=RATIOS,
+    modes=MODES,
+    policies=POLICIES,
+    steps: int = 2,
+    jobs: int | None = None,
+    device: str = "H100",
+    load: float = 0.35,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 100.0,
+    quantum_ms: float = 10.0,
+    what_if: tuple[str, ...] = (),
+    e2e: str | None = None,
+    coserve: str | None = None,
+    calibrate: bool = False,
+    measure_steps: bool = True,
+    console=None,
+) -> dict:
     from rich.progress import Progress
     from rich.table import Table
 
@@ -287,8 +375,21 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
 
     started = time.perf_counter()
     jobs = jobs if jobs is not None else min(2, os.cpu_count() or 1)
-    configs = grid_configs(models=models, fleets=fleets, demands=demands, ratios=ratios, modes=modes, policies=policies, steps=steps,
-                           device=device, seed=seed, load=load, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, quantum_ms=quantum_ms)
+    configs = grid_configs(
+        models=models,
+        fleets=fleets,
+        demands=demands,
+        ratios=ratios,
+        modes=modes,
+        policies=policies,
+        steps=steps,
+        device=device,
+        seed=seed,
+        load=load,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        quantum_ms=quantum_ms,
+    )
     if what_if:  # rose again with the what-if inputs (engine.SimConfig.what_if), as extra rows
         configs += [replace(c, what_if=frozenset(what_if)) for c in configs if c.policy == "rose"]
     per_config = collections.defaultdict(dict)
@@ -307,9 +408,15 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
             console.print(f"{label}: infeasible" if rose is not None and "infeasible" in rose else f"{label}: done")
             return
         sp = rose["rl_steps_per_hour"] / static["rl_steps_per_hour"] if static["rl_steps_per_hour"] > 0 else float("nan")
-        el = f", rollout {elastic['rollout_s_per_step'] / rose['rollout_s_per_step']:.2f}x faster than elastic" if elastic and "infeasible" not in elastic else ""
-        console.print(f"{label}: rose {sp:.2f}x static{el}, {rose['rollout_tokens_on_serving_fraction']:.0%} of rollout tokens on leases, "
-                      f"{rose['slo_violations']:.0f} SLO-violating s")
+        el = (
+            f", rollout {elastic['rollout_s_per_step'] / rose['rollout_s_per_step']:.2f}x faster than elastic"
+            if elastic and "infeasible" not in elastic
+            else ""
+        )
+        console.print(
+            f"{label}: rose {sp:.2f}x static{el}, {rose['rollout_tokens_on_serving_fraction']:.0%} of rollout tokens on leases, "
+            f"{rose['slo_violations']:.0f} SLO-violating s"
+        )
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {len(configs)} runs ({jobs} processes)", total=len(configs))
@@ -329,7 +436,11 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
     notes = notes_of(rows)
     targets = targets_of(rows)
     rose = [r["speedup_vs_static"] for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static")]
-    summary = (f"rose vs static: {min(rose):.2f}-{max(rose):.2f}x over {len(rose)} configurations (paper: {PAPER_RANGE[0]}-{PAPER_RANGE[1]}x)" if rose else "no rose result")
+    summary = (
+        f"rose vs static: {min(rose):.2f}-{max(rose):.2f}x over {len(rose)} configurations (paper: {PAPER_RANGE[0]}-{PAPER_RANGE[1]}x)"
+        if rose
+        else "no rose result"
+    )
     report = {
         "rows": rows,
         "targets": targets,
@@ -339,12 +450,28 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
         "calibration_detail": cal["calibration_detail"],
         "notes": notes,
         "summary": summary,
-        "settings": {"seed": seed, "steps": steps, "device": device, "load": load, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-                     "quantum_ms": quantum_ms, "models": list(models), "fleets": list(fleets), "rollout_demands": list(demands),
-                     "dedicated_ratios": list(ratios), "modes": list(modes), "async_prefetch_steps": ASYNC_PREFETCH,
-                     "what_if": list(what_if), "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None, "jobs": jobs},
+        "settings": {
+            "seed": seed,
+            "steps": steps,
+            "device": device,
+            "load": load,
+            "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms,
+            "quantum_ms": quantum_ms,
+            "models": list(models),
+            "fleets": list(fleets),
+            "rollout_demands": list(demands),
+            "dedicated_ratios": list(ratios),
+            "modes": list(modes),
+            "async_prefetch_steps": ASYNC_PREFETCH,
+            "what_if": list(what_if),
+            "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None,
+            "jobs": jobs,
+        },
         "grid_seconds": grid_s,
-        "note": "simulated, not measured: step times from a roofline of public spec sheets (cli/sim/devices.py); decisions by the services' own functions",
+        "note": (
+            "simulated, not measured: step times from a roofline of public spec sheets (sim/devices.py); decisions by the services' own functions"
+        ),
     }
     out = Path(out_json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -353,7 +480,21 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
 
     if console is not None:
         table = Table(title=f"rose bench sim ({device}, load {load:g} of SLO capacity, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms)")
-        for col in ("model", "GPUs", "demand", "ded.", "mode", "policy", "RL steps/h", "vs static", "rollout vs elastic", "SLO-viol inst-s", "SLO attain", "lent", "notes"):
+        for col in (
+            "model",
+            "GPUs",
+            "demand",
+            "ded.",
+            "mode",
+            "policy",
+            "RL steps/h",
+            "vs static",
+            "rollout vs elastic",
+            "SLO-viol inst-s",
+            "SLO attain",
+            "lent",
+            "notes",
+        ):
             table.add_column(col, justify="right")
         for r in rows:
             axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
@@ -361,25 +502,41 @@ def run_sim_bench(*, out_json: str, seed: int = 0, models=MODELS, fleets=FLEETS,
                 table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
                 continue
             f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], f(r["rl_steps_per_hour"], ".2f"), f(r["speedup_vs_static"], ".2f") + "x",
-                          f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x", f(r["slo_violations"], ".0f"), f(r["serving_slo_attainment"], ".4f"),
-                          f"{r['detail']['lent_instance_fraction']:.0%}", "" if r["complete"] else "incomplete")
+            table.add_row(
+                r["model"],
+                str(r["gpus"]),
+                *axes,
+                r["policy"],
+                f(r["rl_steps_per_hour"], ".2f"),
+                f(r["speedup_vs_static"], ".2f") + "x",
+                f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
+                f(r["slo_violations"], ".0f"),
+                f(r["serving_slo_attainment"], ".4f"),
+                f"{r['detail']['lent_instance_fraction']:.0%}",
+                "" if r["complete"] else "incomplete",
+            )
         console.print(table)
         console.print(summary)
         for mode, t in targets.items():
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-            console.print(f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
-                          f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])}, rollout vs elastic median "
-                          f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
-                          + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items()))
+            console.print(
+                f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
+                f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])}, rollout vs elastic median "
+                f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
+                + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
+            )
         for n in notes:
             console.print(f"- {n}")
         if cal["calibration"]:
             pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
             slo = cal.get("calibration_slo_attainment", {})
-            console.print("calibration (relative error, " + cal["calibration_detail"]["against"] + "; RL steps/h, SLO attainment): " +
-                          ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items()) +
-                          f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}")
+            console.print(
+                "calibration (relative error, "
+                + cal["calibration_detail"]["against"]
+                + "; RL steps/h, SLO attainment): "
+                + ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items())
+                + f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}"
+            )
         else:
             console.print("calibration: " + cal["calibration_detail"]["source"] + "; " + cal["calibration_detail"]["next"])
         console.print(f"grid {grid_s:.1f} s; wrote {out} and {out.with_suffix('.png')}")
@@ -395,7 +552,7 @@ def within_tolerance(cal: dict) -> bool | None:
 
 def _fresh_coserve(out_json: str, seed: int, console) -> str:
     """Run a short real `rose bench coserve` (the executor under its policies) for calibration."""
-    from .. import bench_coserve
+    from rose.bench import coserve as bench_coserve
 
     path = str(Path(out_json).with_name(Path(out_json).stem + "-coserve.json"))
     bench_coserve.run_coserve_bench(out_json=path, seed=seed, serving_load=0.3, duration_s=5.0, model_dir=None, console=console)

@@ -17,8 +17,8 @@ adds the first metrics snapshot showing no rollout running there, so its resolut
 metrics interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
 its first observable evidence, which no detector can beat, ``reclaim_floor_ms_p99_poisson`` the
 same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
-``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival), lease counts, ``prefix_hit_rate.{affinity,random}`` (later turns whose
-prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
+``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival), lease counts,
+``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
 
 Bursts: each serving executor detects its own (``executor.burst``, services/executor/burst_alerts.py)
 and publishes the alert at once; the monitor's alerts come later from the metrics. Both count as
@@ -45,20 +45,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-
 from rose.contracts.registry import EXECUTOR_BURST, EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAJECTORY
-from rose.contracts.rollout import RolloutTask
+from rose.contracts.rollout import RolloutTask, Trajectory
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
-
-from .fleet import PROMPTS, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, Credentials, init_credentials
 from rose.shared.sketch import from_contract
 
-from .bench_bus import refuses_anonymous
+from .bus import refuses_anonymous
+from .fleet import PROMPTS, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
 
 SPEC = FleetSpec()
 SLO_TTFT_MS, SLO_TPOT_MS = SPEC.slo_ttft_ms, SPEC.slo_tpot_ms
@@ -83,7 +81,7 @@ class Record:
     alerts: list[tuple[float, str, str, float]] = field(default_factory=list)  # (t, executor, severity, the monitor's `at`)
     lease_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # (at, executor, kind, lease id)
     snapshots: list[tuple[float, str, float, int, str]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id)
-    trajectories: dict[str, object] = field(default_factory=dict)
+    trajectories: dict[str, Trajectory] = field(default_factory=dict)
     duplicates: int = 0
     published: dict[str, str] = field(default_factory=dict)  # task id -> routing
     chaos: list[tuple[float, str]] = field(default_factory=list)
@@ -97,8 +95,14 @@ async def feed_tasks(bus: Bus, rec: Record, stop: asyncio.Event, seed: int) -> N
         while unfinished < BACKLOG:
             routing = "affinity" if n % 2 == 0 else "random"
             task = RolloutTask(
-                task_id=f"bench-{seed}-{n}", env="conversation", prompt=PROMPTS[n % len(PROMPTS)], max_turns=ROLLOUT_TURNS,
-                group_id=f"bench-{seed}-g{n // 8}", group_size=8, routing=routing, created_at=time.time(),  # type: ignore[arg-type]
+                task_id=f"bench-{seed}-{n}",
+                env="conversation",
+                prompt=PROMPTS[n % len(PROMPTS)],
+                max_turns=ROLLOUT_TURNS,
+                group_id=f"bench-{seed}-g{n // 8}",
+                group_size=8,
+                routing=routing,  # type: ignore[arg-type]
+                created_at=time.time(),
                 env_args={"max_tokens": str(SPEC.rollout_max_tokens)},
             )
             try:
@@ -110,11 +114,21 @@ async def feed_tasks(bus: Bus, rec: Record, stop: asyncio.Event, seed: int) -> N
             unfinished += 1
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
-async def chaos(procs: dict[str, ServiceProcess], victim: str, server: NatsServer, down: set[str], urls: dict[str, str], rec: Record, duration_s: float, t0: float, bus: Bus) -> None:
+async def chaos(
+    procs: dict[str, ServiceProcess],
+    victim: str,
+    server: NatsServer,
+    down: set[str],
+    urls: dict[str, str],
+    rec: Record,
+    duration_s: float,
+    t0: float,
+    bus: Bus,
+) -> None:
     await asyncio.sleep(max(0.0, t0 + CHAOS_KILL_AT * duration_s - time.time()))
     for _ in range(100):  # wait until the victim holds a lease and runs rollout
         last = [s for s in rec.snapshots if s[1] == victim]
@@ -199,8 +213,15 @@ def reclaim(rec: Record, leases: dict[str, list[tuple[float, float]]], arrivals:
         idle = [t for t, e, _, running, lease in rec.snapshots if e == ex and t >= first and running == 0 and not lease]
         if idle:
             confirmed_ms.append((min(idle) - start) * 1e3)
-    return {"p99": p99(signal_ms), "confirmed_p99": p99(confirmed_ms), "samples": len(signal_ms), "missed": missed, "all_ms": [round(v, 1) for v in signal_ms],
-            "floor_p99": p99(floor_ms), "after_first_arrival_p99": p99(after_ms)}
+    return {
+        "p99": p99(signal_ms),
+        "confirmed_p99": p99(confirmed_ms),
+        "samples": len(signal_ms),
+        "missed": missed,
+        "all_ms": [round(v, 1) for v in signal_ms],
+        "floor_p99": p99(floor_ms),
+        "after_first_arrival_p99": p99(after_ms),
+    }
 
 
 def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
@@ -211,8 +232,8 @@ def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
 def hit_rates(rec: Record) -> dict[str, float | None]:
     hits: dict[str, list[int]] = defaultdict(list)
     for t in rec.trajectories.values():
-        for turn in t.turns[1:]:  # type: ignore[attr-defined]
-            hits[t.routing].append(int(turn.prefix_cached_tokens > 0))  # type: ignore[attr-defined]
+        for turn in t.turns[1:]:
+            hits[t.routing].append(int(turn.prefix_cached_tokens > 0))
     return {k: (sum(hits[k]) / len(hits[k]) if hits[k] else None) for k in ("affinity", "random")}
 
 
@@ -225,7 +246,13 @@ def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: fl
     fig, axes = plt.subplots(len(serving), 1, figsize=(12, 3.2 * len(serving)), sharex=True, squeeze=False)
     for ax, ex in zip(axes[:, 0], serving):
         reqs = [r for r in rec.serving.requests if r["executor"] == ex]
-        ax.scatter([r["t"] - t0 for r in reqs], [min(max(r["ttft_ms"], 1.0), 5 * SLO_TTFT_MS) for r in reqs], s=4, c="tab:blue", label="serving TTFT (client; failed at top)")
+        ax.scatter(
+            [r["t"] - t0 for r in reqs],
+            [min(max(r["ttft_ms"], 1.0), 5 * SLO_TTFT_MS) for r in reqs],
+            s=4,
+            c="tab:blue",
+            label="serving TTFT (client; failed at top)",
+        )
         snaps = [s for s in rec.snapshots if s[1] == ex and s[2] == s[2]]
         ax.plot([s[0] - t0 for s in snaps], [s[2] for s in snaps], lw=0.8, c="tab:cyan", label="TTFT p99 per interval")
         ax.axhline(SLO_TTFT_MS, c="red", ls="--", lw=1, label="TTFT SLO")
@@ -263,8 +290,17 @@ def connect_as(creds: Credentials, url: str, service: str, instance: str) -> Bus
     return Bus(BusConfig(url=url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(service))), service=service, instance=instance)
 
 
-async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console,
-               spec: FleetSpec = SPEC) -> dict:
+async def _run(
+    out: Path,
+    seed: int,
+    executors: int,
+    dedicated: int,
+    burst_factor: float,
+    duration_s: float,
+    model_dir: str | None,
+    console,
+    spec: FleetSpec = SPEC,
+) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from rose.shared.models import init_models
@@ -273,7 +309,9 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
     models = Path(model_dir) if model_dir else root / "models"
     if not (models / "policy" / "config.json").exists():
         init_models(models, seed=0)
-    creds, server = start_nats(root, executor_instances(SPEC, executors, dedicated))  # auth on, as in production: each process (executor) its own NKey
+    creds, server = start_nats(
+        root, executor_instances(SPEC, executors, dedicated)
+    )  # auth on, as in production: each process (executor) its own NKey
     auth = await refuses_anonymous(server.url)
     bus = connect_as(creds, server.url, OPERATOR, f"bench-{seed}")  # observes and provisions
     await bus.connect()
@@ -298,14 +336,21 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         feeder = asyncio.ensure_future(feed_tasks(feeder_bus, rec, stop, seed))
         chaos_task = asyncio.ensure_future(chaos(procs, serving[0], server, down, urls, rec, duration_s, t0, bus)) if serving else None
         driver = asyncio.ensure_future(drive_serving(trace, urls, down, SPEC, rec.serving, t0_mono, seed))
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=True) as progress:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=True
+        ) as progress:
             bar = progress.add_task("trace", total=duration_s, status="")
             while time.monotonic() - t0_mono < duration_s:
                 await asyncio.sleep(0.5)
                 granted = sum(1 for e in rec.lease_events if e[2] == "granted")
-                progress.update(bar, completed=time.monotonic() - t0_mono, status=(
-                    f"serving {len(rec.serving.requests)} req | leases {granted} | alerts {len(rec.alerts)} | trajectories {len(rec.trajectories)}/{len(rec.published)}"
-                ))
+                progress.update(
+                    bar,
+                    completed=time.monotonic() - t0_mono,
+                    status=(
+                        f"serving {len(rec.serving.requests)} req | leases {granted} | alerts {len(rec.alerts)} | trajectories "
+                        f"{len(rec.trajectories)}/{len(rec.published)}"
+                    ),
+                )
             stop.set()
             await feeder
             if chaos_task:
@@ -331,8 +376,19 @@ async def _run(out: Path, seed: int, executors: int, dedicated: int, burst_facto
         server.stop()
 
 
-def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: float, end: float, duration_s: float, params: dict, auth: bool,
-            arrivals: dict[str, list[float]], console) -> dict:
+def _report(
+    out: Path,
+    rec: Record,
+    serving: list[str],
+    t0: float,
+    window_end: float,
+    end: float,
+    duration_s: float,
+    params: dict,
+    auth: bool,
+    arrivals: dict[str, list[float]],
+    console,
+) -> dict:
     met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving.requests]
     misses = {
         "failed": sum(not r["ok"] for r in rec.serving.requests),
@@ -341,11 +397,11 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
     }
     leases = lease_intervals(rec, end)
     rl = reclaim(rec, leases, arrivals)
-    tokens = [(turn.finished_at, len(turn.token_ids), turn.executor_id) for t in rec.trajectories.values() for turn in t.turns]  # type: ignore[attr-defined]
+    tokens = [(turn.finished_at, len(turn.token_ids), turn.executor_id) for t in rec.trajectories.values() for turn in t.turns]
     in_window = [n for at, n, _ in tokens if t0 <= at <= window_end]
     on_serving = sum(n for _, n, ex in tokens if ex.startswith("bench-serving-"))
     lost = sorted(set(rec.published) - set(rec.trajectories))
-    failed = sum(1 for t in rec.trajectories.values() if t.status != "completed")  # type: ignore[attr-defined]
+    failed = sum(1 for t in rec.trajectories.values() if t.status != "completed")
     png = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(png, rec, serving, leases, t0, end)
@@ -389,9 +445,25 @@ def _report(out: Path, rec: Record, serving: list[str], t0: float, window_end: f
     table = Table(title="rose bench elastic")
     table.add_column("figure")
     table.add_column("value")
-    for key in ("slo_attainment", "slo_misses", "rollout_tokens_per_s", "harvested_fraction", "reclaim_latency_ms_p99", "reclaim_floor_ms_p99", "reclaim_floor_ms_p99_poisson",
-                "reclaim_after_first_arrival_ms_p99", "reclaim_confirmed_ms_p99", "alert_bus_latency_ms_p99", "bursts_missed",
-                "leases_granted", "leases_revoked", "prefix_hit_rate", "tasks_published", "tasks_lost", "timeline_png"):
+    for key in (
+        "slo_attainment",
+        "slo_misses",
+        "rollout_tokens_per_s",
+        "harvested_fraction",
+        "reclaim_latency_ms_p99",
+        "reclaim_floor_ms_p99",
+        "reclaim_floor_ms_p99_poisson",
+        "reclaim_after_first_arrival_ms_p99",
+        "reclaim_confirmed_ms_p99",
+        "alert_bus_latency_ms_p99",
+        "bursts_missed",
+        "leases_granted",
+        "leases_revoked",
+        "prefix_hit_rate",
+        "tasks_published",
+        "tasks_lost",
+        "timeline_png",
+    ):
         value = result[key]
         table.add_row(key, json.dumps(value) if not isinstance(value, float) else f"{value:.4g}")
     console.print(table)
@@ -406,8 +478,17 @@ def duration_for(min_bursts: int, executors: int) -> float:
 
 
 def run_elastic_bench(
-    *, out_json: str, seed: int, executors: int, dedicated: int, burst_factor: float, duration_s: float, model_dir: str | None, console,
-    burst_factors: list[float] | None = None, min_bursts: int = 0,
+    *,
+    out_json: str,
+    seed: int,
+    executors: int,
+    dedicated: int,
+    burst_factor: float,
+    duration_s: float,
+    model_dir: str | None,
+    console,
+    burst_factors: list[float] | None = None,
+    min_bursts: int = 0,
 ) -> dict:
     """One fleet run per burst factor (``burst_factors``, else ``burst_factor``); with ``min_bursts`` the
     bursts come every BURST_EVERY_S and the trace is long enough for that many to find a lease held."""
@@ -422,10 +503,24 @@ def run_elastic_bench(
         results[factor] = asyncio.run(_run(path, seed, executors, dedicated, factor, duration_s, model_dir, console, spec))
     if len(factors) == 1:
         return results[factors[0]]
-    keys = ("slo_attainment", "reclaim_after_first_arrival_ms_p99", "reclaim_latency_ms_p99", "reclaim_samples", "bursts_missed", "tasks_lost",
-            "rollout_tokens_per_s", "alert_bus_latency_ms_p99", "serving_ttft_p99_ms")
-    combined = {**results[factors[0]], "min_bursts": min_bursts,
-                "by_burst_factor": {f"{f:g}": {**{k: r[k] for k in keys}, "json": str(out.with_name(f"{out.stem}-x{f:g}{out.suffix}"))} for f, r in results.items()}}
+    keys = (
+        "slo_attainment",
+        "reclaim_after_first_arrival_ms_p99",
+        "reclaim_latency_ms_p99",
+        "reclaim_samples",
+        "bursts_missed",
+        "tasks_lost",
+        "rollout_tokens_per_s",
+        "alert_bus_latency_ms_p99",
+        "serving_ttft_p99_ms",
+    )
+    combined = {
+        **results[factors[0]],
+        "min_bursts": min_bursts,
+        "by_burst_factor": {
+            f"{f:g}": {**{k: r[k] for k in keys}, "json": str(out.with_name(f"{out.stem}-x{f:g}{out.suffix}"))} for f, r in results.items()
+        },
+    }
     combined["tasks_lost"] = sum(r["tasks_lost"] for r in results.values())
     out.write_text(json.dumps(combined, indent=2))
     from rich.table import Table

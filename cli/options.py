@@ -1,0 +1,47 @@
+"""Argument vocabulary shared by `rose` (main.py) and the stand-alone bench entry points.
+
+Kept free of heavy imports (torch, the bus): `rose --help` builds every parser, and
+``python -m rose.bench.coserve`` must run on a bare GPU image.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+MODEL_PRESET_NAMES = ("tiny", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
+
+
+def number_list(kind):
+    """An argparse type: a comma-separated list of ``kind`` (`0.2,0.35,0.5`)."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+    return parse
+
+
+def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
+    """`rose bench coserve`'s options (also `python -m rose.bench.coserve`'s)."""
+    b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
+    b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
+    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: models of --preset built on the spot)")
+    b.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny", help="sizes of the models built on the spot (see `rose models init`)")
+    b.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    b.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="of both models (auto: bfloat16 on CUDA, float32 on CPU)"
+    )
+    b.add_argument(
+        "--loads", type=number_list(float), default=None, help="a grid: comma-separated serving loads (instead of --serving-load), e.g. 0.2,0.35,0.5"
+    )
+    b.add_argument("--seeds", type=number_list(int), default=None, help="a grid: comma-separated seeds (instead of --seed), e.g. 3,4,5")
+    b.add_argument(
+        "--noise",
+        type=number_list(float),
+        default=None,
+        help="a co-runner burning this fraction of one core through every policy; comma-separated for a grid, e.g. 0,0.3 (default: none)",
+    )

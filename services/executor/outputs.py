@@ -1,0 +1,83 @@
+"""What any co-serving engine hands back: a ``RequestHandle`` per submitted request, an ``EngineStats`` per
+metrics interval.
+
+A module of its own because both engines produce them (``engine.Engine`` and ``sglang_backend.SGLangBackend``)
+and the services consume them through ``backend.CoServingEngine``: neither engine imports the other for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .kv_pool import PoolUsage
+from .protocol import GenerationResult, StreamDelta
+from .slo_guard import GuardState
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """One snapshot; latency sketches and rates cover the interval since the previous call."""
+
+    interval_s: float
+    ttft_ms: dict  # contracts.executor.LatencySketch fields
+    tpot_ms: dict
+    serving_arrivals: int
+    serving_completed: int
+    serving_queue: int
+    serving_running: int
+    rollout_queue: int
+    rollout_running: int
+    serving_tokens_per_s: float
+    rollout_tokens_per_s: float
+    serving_pool: PoolUsage
+    rollout_pool: PoolUsage
+    prefix_hits: int
+    prefix_misses: int
+    preemptions: int
+    compute_yields: int
+    reclaim_latency_ms: list[float]  # samples of this interval
+    max_swap_pause_ms: float
+    policy_version: int
+    lease_id: str
+    lease_budget_bytes: int
+    device: dict = field(default_factory=dict)
+    lane_failures: int = 0  # all-time: iterations that raised (logged; their running requests aborted)
+    slo_guard: GuardState | None = None  # the closed loop's state at the snapshot (slo_guard.py)
+
+
+class RequestHandle:
+    """Async iterator of ``StreamDelta``; ``await result()`` gives the ``GenerationResult``."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._deltas: asyncio.Queue = asyncio.Queue()
+        self._result: asyncio.Future = loop.create_future()
+        self._cancel: Callable[[str], object] | None = None  # set by the engine that accepted the request
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        item = await self._deltas.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> GenerationResult:
+        return await asyncio.shield(self._result)
+
+    def cancel(self) -> None:
+        """Abort the generation; it finishes with finish_reason "abort"."""
+        if self._cancel:
+            self._cancel(self.request_id)
+
+    # called on the loop thread
+    def _deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
+        if delta is not None:
+            self._deltas.put_nowait(delta)
+        if result is not None and not self._result.done():
+            self._result.set_result(result)
+            self._deltas.put_nowait(None)
