@@ -10,6 +10,8 @@ from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSec
 
 MAX_STOP_STRINGS = 16
 
+ExecutorRole = Literal["serving", "dedicated"]  # a serving instance (rollout under a lease) or a dedicated rollout one
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample one generation; validated on decode so a bad value never reaches the engine."""
@@ -108,7 +110,7 @@ class MetricsSnapshot(Message):
     executor_id: Identifier
     at: UnixSeconds
     interval_s: NonNegFloat
-    role: Literal["serving", "dedicated"] = "serving"
+    role: ExecutorRole = "serving"
     ttft_ms: LatencySketch = msgspec.field(default_factory=LatencySketch)
     tpot_ms: LatencySketch = msgspec.field(default_factory=LatencySketch)
     serving_arrivals: NonNegInt = 0

@@ -7,6 +7,9 @@ from typing import Literal
 import msgspec
 
 from .base import Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
+from .executor import ExecutorRole
+
+TrajectoryStatus = Literal["completed", "failed"]
 
 
 class RolloutTask(Message):
@@ -62,7 +65,7 @@ class TurnRoute(Message):
     executor_id: str = ""
     lease_id: str = ""
     lease_epoch: NonNegInt = 0
-    role: Literal["serving", "dedicated", ""] = ""
+    role: Literal[ExecutorRole, ""] = ""  # empty: no executor can take the turn now
     reason: str = ""
     retry_after_s: NonNegFloat = 0.0
     # Straggler hedging decided at placement: the turn is predicted to finish late where it is placed, so the
@@ -138,7 +141,7 @@ class Trajectory(Message):
     task_id: Identifier
     trajectory_id: Identifier
     env: Identifier
-    status: Literal["completed", "failed"]
+    status: TrajectoryStatus
     worker_id: str = ""
     group_id: str = ""
     reason: str = ""

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
+from .executor import ExecutorRole
+
+AlertSeverity = Literal["burst", "violation", "recovered"]
 
 
 class Headroom(Message):
@@ -27,7 +30,7 @@ class Headroom(Message):
     slo_tpot_ms: NonNegFloat
     arrival_rate_rps: NonNegFloat
     serving_queue: NonNegInt
-    role: Literal["serving", "dedicated"] = "serving"
+    role: ExecutorRole = "serving"
     lendable: bool = False
     reason: str = ""
     ttft_p99_long_ms: NonNegFloat = 0.0
@@ -48,7 +51,7 @@ class SloAlert(Message):
 
     executor_id: Identifier
     at: UnixSeconds
-    severity: Literal["burst", "violation", "recovered"]
+    severity: AlertSeverity
     reason: str
     arrival_rate_rps: NonNegFloat = 0.0
     serving_queue: NonNegInt = 0

@@ -125,13 +125,13 @@ def rows_of(results: list[dict]) -> list[dict]:
             )
             rows.append(row)
             continue
-        ok_static = static is not None and "infeasible" not in static and static["rl_steps_per_hour"] > 0
-        ok_elastic = elastic is not None and "infeasible" not in elastic and elastic["rollout_s_per_step"] > 0
+        static_rate = static["rl_steps_per_hour"] if static is not None and "infeasible" not in static else 0.0
+        elastic_rollout_s = elastic["rollout_s_per_step"] if elastic is not None and "infeasible" not in elastic else 0.0
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
-            speedup_vs_static=r["rl_steps_per_hour"] / static["rl_steps_per_hour"] if ok_static else None,
-            rollout_time_ratio_vs_elastic=elastic["rollout_s_per_step"] / r["rollout_s_per_step"]
-            if ok_elastic and r["rollout_s_per_step"] > 0
+            speedup_vs_static=r["rl_steps_per_hour"] / static_rate if static_rate > 0 else None,
+            rollout_time_ratio_vs_elastic=elastic_rollout_s / r["rollout_s_per_step"]
+            if elastic_rollout_s > 0 and r["rollout_s_per_step"] > 0
             else None,
             slo_violations=r["slo_violations"],
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
@@ -278,7 +278,7 @@ def _plot(path: Path, rows: list[dict]) -> None:
     ok = [r for r in rows if not r.get("infeasible")]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     markers = {"sync": "o", "async": "s", None: "o"}
-    ratios = sorted({r.get("dedicated_ratio") for r in ok if r.get("dedicated_ratio") is not None}) or [None]
+    ratios = sorted({r["dedicated_ratio"] for r in ok if r.get("dedicated_ratio") is not None}) or [None]
     colours = {q: f"C{i}" for i, q in enumerate(ratios)}
     offset = {p: (k - 1.5) * 0.08 for k, p in enumerate(POLICIES)}
     for r in ok:
@@ -392,7 +392,7 @@ def run_sim_bench(
     )
     if what_if:  # rose again with the what-if inputs (engine.SimConfig.what_if), as extra rows
         configs += [replace(c, what_if=frozenset(what_if)) for c in configs if c.policy == "rose"]
-    per_config = collections.defaultdict(dict)
+    per_config: collections.defaultdict[tuple, dict[str, dict]] = collections.defaultdict(dict)  # config_key -> policy -> result
     wanted = len(set(policies))
 
     def progress_line(result: dict) -> None:

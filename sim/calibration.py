@@ -42,6 +42,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -147,9 +148,9 @@ def _rel(pred: float, meas: float) -> float | None:
 def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
     """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
     from rose.bench import coserve as bc
-    from rose.services.executor.policies import make_policy
+    from rose.services.executor.policies import Signals, make_policy
 
-    from .coserve import rollout_interference, rollout_share, serving_tick
+    from .coserve import ServingTick, rollout_interference, rollout_share, serving_tick
     from .policies import executor_signals
 
     sperf, pperf = step_models(step_times)
@@ -189,15 +190,13 @@ def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True)
             # a CPU executor runs a policy's own rollout lane on its own thread and core, beside serving
             st, share = st0, np.ones(len(t))
         else:
-            extra, wait, may = rollout_interference(
-                ep,
-                active,
-                np.full(len(t), tau_r),
-                per_req,
-                lambda d, st0=st0: executor_signals(  # st0 of this tick (bound now, not when called)
+
+            def signals(d: int, st0: ServingTick = st0) -> Signals:  # st0 of this tick (bound now, not when called)
+                return executor_signals(
                     float(t[d]), st0.batch[d], float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3, serving_max_batch=bc.BENCH_CONFIG.serving_max_batch
-                ),
-            )
+                )
+
+            extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req, signals)
             st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
             share = rollout_share(ep, st, extra, may)
         tps = float(np.mean(share)) * alone_tps
@@ -243,13 +242,23 @@ def calibrate_coserve(report: dict, step_times: dict, source: str) -> dict:
 
 
 # ---- against a real `rose bench e2e` run ------------------------------------------------------
+def _measured_steps(fit: dict, name: str) -> MeasuredSteps:
+    """A step model from the e2e file's ``measured_steps`` (bench/e2e.py's linear fits of the engine's steps)."""
+    return MeasuredSteps(
+        decode_base_s=float(fit["decode_base_s"]),
+        decode_per_seq_s=float(fit["decode_per_seq_s"]),
+        prefill_base_s=float(fit["prefill_base_s"]),
+        prefill_per_token_s=float(fit["prefill_per_token_s"]),
+        name=name,
+    )
+
+
 def _e2e_step_models(report: dict, step_times: dict | None, seed: int) -> tuple[MeasuredSteps, MeasuredSteps, dict]:
     """The e2e file's own measured step models (``calibration.step_times.<model>.measured_steps``),
     else a ``step_times`` table, else measured now."""
     st = (report.get("calibration") or {}).get("step_times") or report.get("step_times")
     if st and all("measured_steps" in st.get(k, {}) for k in ("serving", "policy")):
-        fields = ("decode_base_s", "decode_per_seq_s", "prefill_base_s", "prefill_per_token_s")
-        models = [MeasuredSteps(*(float(st[k]["measured_steps"][f]) for f in fields), name=f"measured {k}") for k in ("serving", "policy")]
+        models = [_measured_steps(st[k]["measured_steps"], f"measured {k}") for k in ("serving", "policy")]
         return models[0], models[1], st
     if st and all("decode_ms" in st.get(k, {}) for k in ("serving", "policy")):
         sp, pp = step_models(st)
@@ -484,7 +493,9 @@ def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int 
     from .engine import simulate
 
     sperf, pperf, used_steps = _e2e_step_models(report, step_times, seed)
-    fit = fit_contention(report, sperf, pperf, seed) if contention is None else {"factor": float(contention), "fitted_on": None, "reason": "given"}
+    fit: dict[str, Any] = (
+        fit_contention(report, sperf, pperf, seed) if contention is None else {"factor": float(contention), "fitted_on": None, "reason": "given"}
+    )
     pperf_in_situ = slowed(pperf, fit["factor"]) if fit["factor"] != 1.0 else pperf
     errors: dict[str, float | None] = {}
     slo_errors: dict[str, float | None] = {}
@@ -544,10 +555,10 @@ def calibrate(*, e2e: str | None, coserve: str | None, measure: bool, seed: int,
     """The bench's calibration block: from an e2e file, else a coserve file, else step times only."""
     if e2e:  # its own measured step times, else measured now
         return calibrate_e2e(json.loads(Path(e2e).read_text()), None, source=str(e2e), seed=seed)
-    step_times = measure_step_times(seed) if measure or coserve else None
     if coserve:
-        return calibrate_coserve(json.loads(Path(coserve).read_text()), step_times, source=str(coserve))
-    detail = {
+        return calibrate_coserve(json.loads(Path(coserve).read_text()), measure_step_times(seed), source=str(coserve))
+    step_times = measure_step_times(seed) if measure else None
+    detail: dict[str, Any] = {
         "source": ("step times measured now; " if step_times is not None else "")
         + "no real per-policy run to compare against (no bench-out/e2e.json)",
         "next": "pass --e2e FILE (rose bench e2e) or --coserve FILE / --calibrate (runs rose bench coserve briefly)",

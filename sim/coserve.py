@@ -39,9 +39,14 @@ policy objects are asked, not re-implemented):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rose.services.executor.policies import Signals
 
 CHUNK_TOKENS = 512
 MAX_SERVING_BATCH = 256
@@ -122,7 +127,9 @@ def slo_capacity_rps(perf, prompt: float, output: float, prompt_p99: float, slo_
     return lo
 
 
-def rollout_interference(ep, active: np.ndarray, tau_r: np.ndarray, turn_p90: float, signals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rollout_interference(
+    ep, active: np.ndarray, tau_r: np.ndarray, turn_p90: float, signals: Callable[[int], Signals]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(extra seconds per serving iteration, extra wait of an arrival, may run) per instance.
 
     ``ep``: the executor's policy object (or None: no rollout on serving instances);

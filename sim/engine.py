@@ -50,16 +50,18 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
 
-from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot
+from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapshot
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import Headroom, SloAlert
 from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
+from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.bursts import BurstState
 from rose.services.slo_monitor.headroom import StepModel
 from rose.services.slo_monitor.windows import WindowStats
@@ -268,7 +270,9 @@ class Simulation:
         self.ring_fleet_rate = np.zeros(max(2, int(600 / c.dt)))
         self.tick_no = 0
         self.monitor_from = 0.0
-        self._cand_tick, self._cand, self._cand_pos, self._revoke_rate = -1, [], {}, 0.0
+        self._cand_tick, self._revoke_rate = -1, 0.0
+        self._cand: list[Candidate] = []
+        self._cand_pos: dict[str, int] = {}  # executor id -> its index in _cand
         self.burst_state = [BurstState() for _ in range(n)]
         self.step_models: list[StepModel] = [
             StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)
@@ -320,8 +324,13 @@ class Simulation:
         )
         self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
         self.steps: list[dict] = []
-        self.worker = None  # the rollout worker's episode slots (``worker_concurrency``)
+        self.worker: simpy.Resource | None = None  # the rollout worker's episode slots (``worker_concurrency``)
         self.pipelined = False  # ``prefetch_steps`` >= 1: the asynchronous trainer
+        # the asynchronous trainer's state (set up by ``_trainer_pipelined``)
+        self.ready_groups: list[tuple[int, int, float]] = []  # (batch, group, tokens) of complete groups not trained on yet
+        self.batch_info: dict[int, dict[str, Any]] = {}  # batch -> its record (handed out, first / last finish, groups left)
+        self.arrived: list[tuple[dict[str, Any], int]] = []  # finished trajectories the trainer has not received yet
+        self.arrival_evt: simpy.Event | None = None  # the consumer's wait for the next arrival
         self.effective_prefetch = 0
         self.batch_spans: list[dict] = []  # pipelined: finished batches' rollout spans
         self.ded_window_tokens = np.zeros(self.n_ded)  # rollout tokens per dedicated executor since its last metrics snapshot
@@ -395,7 +404,7 @@ class Simulation:
             return float(self.best_tps[d])
         return float(peak)
 
-    def _headroom_role(self, d: int, role: str, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
+    def _headroom_role(self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
         slots = int(self.slots[d]) if role == "dedicated" else 0
         if role == "dedicated" and "kv_slots" in self.cfg.what_if:
             slots = min(slots, self._kv_slots(self.kvcap[d]))
@@ -536,7 +545,7 @@ class Simulation:
         return np.where(self.is_ded[d], a, b)
 
     def _rollout_tick(self, now: float, dt: float, share: np.ndarray) -> np.ndarray:
-        tokens = np.zeros(self.D)
+        tokens: np.ndarray = np.zeros(self.D)
         if self.N == 0 or not self.state.any():
             return tokens
         bundle, kvb = self.bundle, self.kvb_p
@@ -756,7 +765,7 @@ class Simulation:
             )
 
     # ------------------------------------------------------------------ rollout workers and trainer
-    def _route(self, tid: str, gid: str, k: int, prompt_tokens: int, prev: str, exclude: list[str], batch: tuple[str, int] = ("", 0)):
+    def _route(self, tid: str, gid: str, k: int, prompt_tokens: float, prev: str, exclude: list[str], batch: tuple[str, int] = ("", 0)):
         """The scheduler's route handler without its I/O: affinity from the request or the fleet,
         then place_turn over the fleet's candidates (with the batch's unfinished trajectories for the
         tail rule); the fleet records the route. Returns (device, hedge hint s) or None."""
@@ -797,7 +806,7 @@ class Simulation:
         n = self.fleet.unfinished(batch_id, batch_size)
         return None if n is None else n * self.bundle
 
-    def _candidates(self, now: float) -> list:
+    def _candidates(self, now: float) -> list[Candidate]:
         """The scheduler's ``Fleet.candidates``, refreshed once per tick (it walks every in-flight
         trajectory, which makes a call per route quadratic in the batch); between refreshes a
         placement adds one to the chosen executor's load, as its in-flight count would."""
@@ -827,9 +836,9 @@ class Simulation:
         the pipelined trainer's record of the batch (first turn start, group completions)."""
         env = self.env
         slot = i if slot is None else slot
-        req = None
-        if self.worker is not None:  # the rollout worker runs a bounded number of episodes, first handed out first
-            req = self.worker.request()
+        worker, req = self.worker, None
+        if worker is not None:  # the rollout worker runs a bounded number of episodes, first handed out first
+            req = worker.request()
             yield req
         tid, gid = f"t{step}-{i}", f"g{step}-{i // max(1, self.cfg.rollout.group_size)}"
         ctx = int(batch.prompt[i])
@@ -859,8 +868,8 @@ class Simulation:
         self.fleet.on_trajectory(tid, gid, [int(x) for x in batch.gen[i, :turns]])
         for k, tokens, seconds in done_turns:  # the scheduler reads the turn records of a finished trajectory
             self.fleet.on_turn_result(tid, k, tokens, seconds)
-        if req is not None:
-            self.worker.release(req)
+        if worker is not None and req is not None:
+            worker.release(req)
         if info is not None:
             info["last"] = max(info["last"], finish)
             info["finished"].append(finish)
@@ -1127,9 +1136,9 @@ class Simulation:
         wp = self.policy_weight_bytes
         sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
         sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
-        self.ready_groups: list[tuple[int, int, float]] = []
-        self.batch_info: dict[int, dict] = {}
-        self.arrived: list[tuple[dict, int]] = []  # finished trajectories the trainer has not received yet
+        self.ready_groups = []
+        self.batch_info = {}
+        self.arrived = []
         self.arrival_evt = None
         if c.trajectory_fetch_s > 0:
             env.process(self._consumer())
@@ -1197,7 +1206,7 @@ class Simulation:
             for i in range(batch.n)
         ]
         group_tokens = [float(sum(per_traj[g * group_rows : (g + 1) * group_rows])) for g in range(groups)]
-        info = dict(
+        info: dict[str, Any] = dict(
             batch=b,
             handed=env.now,
             first=None,

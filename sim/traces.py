@@ -161,7 +161,9 @@ def load_azure_csv(path: str | Path) -> Requests:
         handle = path.open(newline="")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open: {exc.strerror or exc}") from None
-    times, ctx, gen = [], [], []
+    times: list[float] = []
+    ctx: list[int] = []
+    gen: list[int] = []
     day_offset: float | None = None
     with handle:
         reader = csv.reader(handle)

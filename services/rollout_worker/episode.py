@@ -15,7 +15,7 @@ import logging
 import time
 
 from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
-from rose.contracts.rollout import RolloutTask, Trajectory, TurnCheckpoint, TurnRecord
+from rose.contracts.rollout import RolloutTask, Trajectory, TrajectoryStatus, TurnCheckpoint, TurnRecord
 from rose.shared.agentic.envs import ENVIRONMENTS, Environment
 from rose.shared.agentic.tools import EnvironmentFailure
 from rose.shared.bus import Bus, Delivery
@@ -96,7 +96,7 @@ class EpisodeRunner:
         self.stats["episodes"] += 1
         return turns, reward
 
-    async def _publish(self, task: RolloutTask, turns: list[TurnRecord], status: str, reward: float, reason: str) -> None:
+    async def _publish(self, task: RolloutTask, turns: list[TurnRecord], status: TrajectoryStatus, reward: float, reason: str) -> None:
         tid = trajectory_id_of(task)
         trajectory = Trajectory(
             task_id=task.task_id,
@@ -104,7 +104,7 @@ class EpisodeRunner:
             env=task.env,
             status=status,
             worker_id=self.worker_id,
-            group_id=task.group_id,  # type: ignore[arg-type]
+            group_id=task.group_id,
             reason=reason,
             reward=reward,
             routing=task.routing,

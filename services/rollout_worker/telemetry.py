@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
-from rose.contracts.rollout import RolloutTask, TurnRecord
+from rose.contracts.rollout import RolloutTask, TrajectoryStatus, TurnRecord
 from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.bus import Delivery
@@ -72,7 +73,7 @@ class InstrumentedEpisodes(EpisodeRunner):
         self.metrics = metrics or RolloutMetrics()
 
     async def handle(self, task: RolloutTask, delivery: Delivery) -> None:
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "rose.task_id": task.task_id,
             "rose.env": task.env,
             "rose.worker_id": self.worker_id,
@@ -84,7 +85,7 @@ class InstrumentedEpisodes(EpisodeRunner):
             await super().handle(task, delivery)
             self.metrics.duration.record(time.monotonic() - started, {"env": task.env})
 
-    async def _publish(self, task: RolloutTask, turns: list[TurnRecord], status: str, reward: float, reason: str) -> None:
+    async def _publish(self, task: RolloutTask, turns: list[TurnRecord], status: TrajectoryStatus, reward: float, reason: str) -> None:
         await super()._publish(task, turns, status, reward, reason)
         self.metrics.trajectory(task.env, status, turns)
         trace.get_current_span().set_attributes(

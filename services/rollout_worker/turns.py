@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingParams
 from rose.contracts.registry import GENERATE, ROUTE_TURN
@@ -226,7 +227,7 @@ class TurnRunner:
 
     async def run(self, spec: TurnSpec) -> TurnRecord:
         """Complete the turn somewhere, or raise TurnFailed at the deadline (in a `rollout.turn` span)."""
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "rose.task_id": spec.task.task_id,
             "rose.trajectory_id": spec.trajectory_id,
             "rose.turn_index": spec.turn_index,
@@ -248,7 +249,8 @@ class TurnRunner:
 
     async def _run(self, spec: TurnSpec) -> TurnRecord:
         started_at, t0 = time.time(), time.monotonic()
-        progress, exclude = Progress(), []
+        progress = Progress()
+        exclude: list[str] = []
         while True:
             if time.monotonic() - t0 > self.s.turn_deadline_s:
                 raise TurnFailed(f"turn {spec.turn_index} of {spec.trajectory_id} found no executor in {self.s.turn_deadline_s:.0f}s")

@@ -5,7 +5,6 @@ The decisions themselves live in leases.py and placement.py; this only keeps the
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -21,7 +20,7 @@ from .placement import Candidate
 
 MAX_TRACKED = 100_000  # trajectories remembered for affinity and group progress
 REVOKE_WINDOW_S = 300.0  # revocations counted over this long for the leased-turn hazard
-TURN_EMA = 0.02  # weight of one finished turn in a role's model error (once 1 / TURN_EMA turns are seen; before, all weigh alike)
+TURN_EMA = 0.02  # weight of one finished turn in a role's model error
 MAX_MODEL_ERROR = 20.0  # a single turn moves the error estimate by at most this factor
 PRUNE_EVERY_S = 1.0  # `candidates` runs on every route request: prune stale in-flight turns at most this often
 
@@ -56,8 +55,7 @@ class Fleet:
         self.turn_tokens = 0.0  # generated tokens per turn, a moving mean over finished trajectories (0: none yet)
         self.revocations: deque[float] = deque(maxlen=10_000)  # when active leases ended early or expired
         self.predictions: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()  # (trajectory, turn) -> (role, model s)
-        self.model_error: dict[str, float] = {"serving": MAX_MODEL_ERROR}  # role -> the correction placement applies (``trusted_error``)
-        self.error_stats: dict[str, tuple[int, float]] = {}  # role -> (turns seen, mean log(observed / predicted))
+        self.model_error: dict[str, float] = {}  # role -> observed / predicted turn time (placement's correction)
 
     def info(self, executor_id: str) -> ExecutorInfo:
         return self.executors.setdefault(executor_id, ExecutorInfo(executor_id))
@@ -106,33 +104,14 @@ class Fleet:
 
     def on_turn_result(self, trajectory_id: str, turn_index: int, tokens: int, seconds: float) -> None:
         """A finished turn (from a trajectory's turn records) against the time placement predicted for a typical
-        turn where it was placed, scaled to its tokens: the model's error per role (``trusted_error``)."""
+        turn where it was placed, scaled to its tokens: the model's error per role, a moving mean."""
         key = (trajectory_id, turn_index)
         role, predicted = self.predictions.pop(key, ("", 0.0))
         if not role or predicted <= 0 or seconds <= 0 or tokens <= 0 or self.turn_tokens <= 0:
             return
         ratio = min(MAX_MODEL_ERROR, max(1.0 / MAX_MODEL_ERROR, seconds / (predicted * tokens / self.turn_tokens)))
-        n, mean = self.error_stats.get(role, (0, 0.0))
-        # a moving mean of the log error: exact over the first turns, then weighing a turn TURN_EMA
-        n += 1
-        mean += max(TURN_EMA, 1.0 / n) * (math.log(ratio) - mean)
-        self.error_stats[role] = (n, mean)
-        self.model_error = self.trusted_error()
-
-    def trusted_error(self) -> dict[str, float]:
-        """The correction placement applies per role: exp(mean log error) of the turns observed there.
-
-        A role with no observed turn yet (no leased turn has finished: the first of them come back with their
-        trajectories, minutes after the first leases) is not trusted at the model's word: it gets the largest
-        correction of an observed role (the dedicated pool's, learned from most turns; a leased lane, sharing a
-        device with serving, is mispredicted at least as much), and before anything is observed the largest
-        error the fleet would believe (MAX_MODEL_ERROR). A lease is then taken only where it is sooner even so,
-        and the leased turns it takes teach the role its own figure (a closed loop, no tuned prior).
-        """
-        out = {role: math.exp(mean) for role, (_n, mean) in self.error_stats.items()}
-        prior = max(out.values(), default=MAX_MODEL_ERROR)
-        out.setdefault("serving", prior)
-        return out
+        old = self.model_error.get(role, 0.0)
+        self.model_error[role] = ratio if old <= 0 else (1 - TURN_EMA) * old + TURN_EMA * ratio
 
     def on_prediction(self, trajectory_id: str, turn_index: int, role: str, model_s: float) -> None:
         if model_s > 0:

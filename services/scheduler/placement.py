@@ -7,9 +7,7 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    a batch slot (turns queued ahead / the turns it runs at once x one turn there) plus the turn
    at the per-sequence rate measured there (its rollout tokens/s over the sequences running),
    times the model's observed error for its role (observed / predicted turn times, kept by the
-   scheduler's Fleet from the trajectories' turn records; a role with no turn observed yet gets the
-   largest observed role's figure, so the raw model's optimism about a leased lane wins no turn before
-   leased turns have come back: ``Fleet.trusted_error``); a leased turn adds the chance of a
+   scheduler's Fleet from the trajectories' turn records); a leased turn adds the chance of a
    revocation while it runs times the time to finish it on the dedicated pool instead;
 3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
    slots (the request names its batch and size), the turn goes to a dedicated executor:
@@ -32,6 +30,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from rose.contracts.executor import ExecutorRole
 from rose.contracts.rollout import TurnRouteRequest
 
 from .config import PlacementSettings
@@ -40,7 +39,7 @@ from .config import PlacementSettings
 @dataclass(frozen=True)
 class Candidate:
     executor_id: str
-    role: str  # "serving" | "dedicated"
+    role: ExecutorRole
     lease_id: str
     lease_epoch: int
     throughput: float  # measured rollout tokens/s (0: not measured yet)
@@ -57,7 +56,7 @@ class Placement:
     executor_id: str
     lease_id: str
     lease_epoch: int
-    role: str
+    role: ExecutorRole
     reason: str
     predicted_s: float = 0.0  # a typical turn's predicted seconds there, the model's error corrected (0: no prediction)
     hedge_after_s: float = 0.0  # ask for a hedge if the turn still runs after this long (0: no hint)

@@ -151,13 +151,17 @@ class Scheduler:
 
     async def route(self, req: TurnRouteRequest, _d: Delivery) -> TurnRoute:
         now, p = time.time(), self.config.placement
-        nothing = dict(trajectory_id=req.trajectory_id, turn_index=req.turn_index, retry_after_s=p.no_route_retry_s)
+
+        def nothing(reason: str) -> TurnRoute:
+            """No executor for the turn now: the worker asks again after `no_route_retry_s`."""
+            return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, reason=reason, retry_after_s=p.no_route_retry_s)
+
         if req.hedge:
             worth, why = should_hedge(
                 req, self.fleet.group_done.get(req.group_id, 0), p, self.fleet.candidates(now), self.fleet.unfinished(req.batch_id, req.batch_size)
             )
             if not worth:
-                return TurnRoute(reason=why, **nothing)
+                return nothing(why)
         affinity = req.previous_executor or self.fleet.affinity.get(req.trajectory_id, "")
         with tracer().start_as_current_span(
             "scheduler.place", attributes={"rose.trajectory_id": req.trajectory_id, "rose.turn_index": req.turn_index}
@@ -188,7 +192,7 @@ class Scheduler:
                 self.counts["unroutable"] += 1
                 self.metrics.unroutable_turn()
                 span.set_attribute("rose.reason", "no executor")
-                return TurnRoute(reason="no dedicated executor and no serving executor under a lease", **nothing)
+                return nothing("no dedicated executor and no serving executor under a lease")
             span.set_attribute("rose.executor_id", placement.executor_id)
             span.set_attribute("rose.reason", placement.reason)
             self.fleet.on_route(req.trajectory_id, placement.executor_id, now, hedge=req.hedge, batch_id=req.batch_id, batch_size=req.batch_size)
@@ -218,7 +222,7 @@ class Scheduler:
             lease_epoch=placement.lease_epoch,
             role=placement.role,
             reason=placement.reason,
-            hedge_after_s=placement.hedge_after_s,  # type: ignore[arg-type]
+            hedge_after_s=placement.hedge_after_s,
         )
 
     def _spawn(self, coro) -> None:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rose.contracts.slo import SloAlert
+from rose.contracts.slo import AlertSeverity, SloAlert
 
 from .config import BurstSettings, HeadroomSettings
 from .windows import ExecutorWindow, WindowStats, stats_of
@@ -40,7 +40,7 @@ class BurstState:
     last_queue: int = 0
 
 
-def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short: WindowStats) -> tuple[str, str] | None:
+def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short: WindowStats) -> tuple[AlertSeverity, str] | None:
     """(severity, reason) of the strongest signal in the window now (``short``: its short-window stats), or None when calm."""
     latest = window.latest
     if latest is None:
@@ -66,7 +66,7 @@ def classify(
     previous_queue: int,
     cfg: BurstSettings,
     slo: HeadroomSettings,
-) -> tuple[str, str] | None:
+) -> tuple[AlertSeverity, str] | None:
     """The signals as a pure function of window figures (the simulator calls this too).
 
     ``short``: the short window (latency); ``recent`` / ``baseline``: the last ``cfg.window_s``
@@ -93,7 +93,7 @@ def burst_threshold(expected: float, cfg: BurstSettings) -> float:
     return max(cfg.rate_ratio * expected, expected + cfg.noise_z * math.sqrt(expected), cfg.min_arrivals)
 
 
-def next_alert(st: BurstState, found: tuple[str, str] | None, now: float, cfg: BurstSettings) -> tuple[str, str] | None:
+def next_alert(st: BurstState, found: tuple[AlertSeverity, str] | None, now: float, cfg: BurstSettings) -> tuple[AlertSeverity, str] | None:
     """The alert's (severity, reason) to send now, if any, given this snapshot's signal; updates ``st``."""
     if found is not None:
         st.calm_since = now

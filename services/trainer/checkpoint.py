@@ -135,7 +135,7 @@ class Loaded:
 
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     out: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
@@ -332,7 +332,7 @@ class CheckpointStore:
 
     def others(self) -> list[tuple[Path, dict[str, Any]]]:
         """Complete checkpoints of *other* job configurations under the same root (newest last), to say why none resumes."""
-        out = []
+        out: list[tuple[Path, dict[str, Any]]] = []
         if not self.root.is_dir():
             return out
         for sub in self.root.iterdir():

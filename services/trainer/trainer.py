@@ -161,13 +161,14 @@ class Trainer:
                 await self.weights.publish(state, self.version)
                 break
             except Exception as exc:
-                taken = exc.data.get("latest") if isinstance(exc, RemoteError) and exc.reason == VERSION_NOT_NEWER else None
-                if isinstance(taken, int) and taken >= self.version:
-                    # the publisher already took this number: the process before a restart asked for it just before
-                    # it died (or another publisher of this model): these weights go out under the next free one
-                    log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, taken + 1)
-                    self.version = taken + 1
-                    continue
+                if isinstance(exc, RemoteError) and exc.reason == VERSION_NOT_NEWER:
+                    taken = exc.data.get("latest")
+                    if isinstance(taken, int) and taken >= self.version:
+                        # the publisher already took this number: the process before a restart asked for it just before
+                        # it died (or another publisher of this model): these weights go out under the next free one
+                        log.warning("v%d is taken at the publisher (%s): publishing as v%d", self.version, exc.description, taken + 1)
+                        self.version = taken + 1
+                        continue
                 if attempt == 49:
                     raise
                 log.info("publish of v%d not accepted yet (%r); retrying", self.version, exc)

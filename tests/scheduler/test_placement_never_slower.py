@@ -157,32 +157,6 @@ def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
     assert len(fleet.revocations) == 1 and fleet.revoke_rate(106.0) > 0 and fleet.revoke_rate(106.0 + 1000.0) == 0.0
 
 
-def test_a_lease_is_not_taken_on_an_untrusted_prediction():
-    """No leased turn observed yet: the leased role's correction is the largest observed (none: the largest the fleet
-    believes), so the raw model's optimism about a leased lane cannot win a turn; observed leased turns then count."""
-    from rose.services.scheduler.fleet import MAX_MODEL_ERROR
-
-    fleet = Fleet(SchedulerConfig())
-    pool = [ded(running=32, queued=64), lease()]
-    assert place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0).role == "serving"  # the raw model: the lease is sooner
-    assert fleet.model_error["serving"] == MAX_MODEL_ERROR
-    untrusted = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, model_error=fleet.model_error)
-    assert untrusted is not None and untrusted.role == "dedicated"
-    fleet.on_trajectory("a", "g", [300])
-    # dedicated turns took 4x their prediction: an unobserved leased lane is taken to be at least as far off
-    for k in range(3):
-        fleet.on_prediction("b", k, "dedicated", 10.0)
-        fleet.on_turn_result("b", k, int(fleet.turn_tokens), 40.0)
-    assert abs(fleet.model_error["dedicated"] - 4.0) < 1e-6 and abs(fleet.model_error["serving"] - 4.0) < 1e-6
-    # leased turns observed at 2x their prediction: the role's own figure replaces the prior
-    for k in range(3):
-        fleet.on_prediction("c", k, "serving", 10.0)
-        fleet.on_turn_result("c", k, int(fleet.turn_tokens), 20.0)
-    assert abs(fleet.model_error["serving"] - 2.0) < 1e-6 and abs(fleet.model_error["dedicated"] - 4.0) < 1e-6
-    trusted = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0, model_error=fleet.model_error)
-    assert trusted is not None and trusted.role == "serving"
-
-
 def test_route_messages_evolve_with_defaults():
     """A worker built before the batch fields and a reader of the hedge hint both still work (msgspec schema evolution)."""
     old = msgspec.json.encode({"trajectory_id": "t-1", "turn_index": 0, "prompt_tokens": 5})

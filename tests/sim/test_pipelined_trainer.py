@@ -32,7 +32,7 @@ def test_the_models_constants_are_the_services_own():
 
     assert engine.GROUP_POLL_S == trainer.GROUP_POLL_S
     assert engine.FETCH_WINDOW_S == bus.CONSUME_FETCH_TIMEOUT_S
-    consume = re.search(r"consume\(TRAJECTORY.*?batch=(\d+)", inspect.getsource(trainer.Trainer.start), re.S)
+    consume = re.search(r"consume\(\s*TRAJECTORY.*?batch=(\d+)", inspect.getsource(trainer.Trainer.start), re.S)
     assert consume and int(consume.group(1)) == engine.TRAINER_FETCH_BATCH
 
 
