@@ -6,6 +6,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from rose.contracts.registry import ROLLOUT_TASK
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer
@@ -49,26 +50,28 @@ async def bus(bus_config: BusConfig):
         yield b
 
 
+@pytest.fixture
+async def task_queue(bus: Bus):
+    """The shared server's task stream with no consumer on it, before and after the test: it is a work
+    queue (one consumer per subject), and the tests of one xdist worker share one server."""
+
+    assert ROLLOUT_TASK.stream is not None
+    stream = ROLLOUT_TASK.stream.name
+
+    async def clear() -> None:
+        for info in await bus.js.consumers_info(stream):
+            await bus.js.delete_consumer(stream, info.name)
+
+    await clear()
+    yield bus
+    await clear()
+
+
 # Whole fleets (every service as a process, a trainer, a serving trace) measure throughput inside a
 # fixed window: two of them at once on a 2-core machine starve each other (a demo made no GRPO step
 # in 30 s beside another fleet). Under pytest-xdist (`--dist loadgroup`, ./scripts/test) they run
 # one after another on one worker, while the other worker takes the lighter tests.
 FLEET_MODULES = ("test_demo.py", "test_bench_e2e.py", "test_bench_faults.py", "test_rollout_e2e.py", "test_up_auth.py", "test_trainer_resume.py")
-# Modules that take a minute or more on two cores: handed out right after the fleet, so that the
-# suite does not end with one worker still running a long module while the other waits (longest
-# first; ./scripts/test keeps this order with --no-loadscope-reorder). Only the order depends on it.
-LONG_MODULES = (
-    "test_benches.py",
-    "test_up.py",
-    "test_calibration_and_cli.py",
-    "test_sim_engine.py",
-    "test_warm_start_and_grpo.py",
-    "test_sglang_backend.py",
-    "test_fleet_observability.py",
-    "test_compose.py",
-    "test_never_slower.py",
-    "test_pipelined_trainer.py",
-)
 
 
 def _in_fleet(item: pytest.Item) -> bool:
@@ -78,14 +81,6 @@ def _in_fleet(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Fleet tests share one worker; every other module stays on one worker as well, so that its
     module-scoped fixtures (stand-in servers, trained models) are built once, and tests that share
-    them see each other's effects in file order, as they do without xdist. The fleet goes first,
-    then the long modules, then the rest in file order."""
+    them see each other's effects in file order, as they do without xdist."""
     for item in items:
         item.add_marker(pytest.mark.xdist_group("fleet" if _in_fleet(item) else str(item.path.relative_to(config.rootpath))))
-
-    def rank(item: pytest.Item) -> int:
-        if _in_fleet(item):
-            return 0
-        return 1 + LONG_MODULES.index(item.path.name) if item.path.name in LONG_MODULES else 1 + len(LONG_MODULES)
-
-    items.sort(key=rank)  # stable: file order within each rank

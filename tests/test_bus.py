@@ -87,7 +87,7 @@ async def test_event_subscribe_with_wildcard_tokens(bus):
     assert msg == beat and tokens == {"service": "executor", "instance": "ex-9"}
 
 
-async def test_jetstream_consume_acks_and_retries(bus_config, bus):
+async def test_jetstream_consume_acks_and_retries(bus_config, bus, task_queue):
     attempts: dict[str, int] = {}
     done = asyncio.Event()
 

@@ -81,7 +81,7 @@ FRAMEWORK = textwrap.dedent(
 )
 
 
-async def test_a_framework_with_a_plain_bus_starts_the_trace_of_its_work(nats_server, bus, spans):
+async def test_a_framework_with_a_plain_bus_starts_the_trace_of_its_work(nats_server, bus, task_queue, spans):
     """No tracer set up in the framework's process: its Bus starts a producer span there (exported), and the
     worker side continues that trace instead of starting its own root."""
     import asyncio

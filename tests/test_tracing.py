@@ -31,17 +31,13 @@ async def test_request_reply_spans_share_one_trace(bus_config, spans):
     assert server_span.attributes["messaging.operation.type"] == "process"
 
 
-async def test_jetstream_publish_consume_spans_share_one_trace(bus_config, bus, spans):
+async def test_jetstream_publish_consume_spans_share_one_trace(bus_config, bus, task_queue, spans):
     spans.clear()
     done = asyncio.Event()
 
     async def handle(task: RolloutTask, d: Delivery) -> None:
         done.set()
 
-    # the task stream is a work queue (one consumer per subject) on this worker's shared server: a
-    # consumer an earlier test left behind would refuse ours
-    for info in await bus.js.consumers_info("ROSE_TASKS"):
-        await bus.js.delete_consumer("ROSE_TASKS", info.name)
     async with Bus(bus_config, service="trainer", instance="tr") as pub, Bus(bus_config, service="rollout_worker", instance="w-tr") as sub:
         await sub.consume(ROLLOUT_TASK, handle, durable="trace_test")
         await pub.publish(ROLLOUT_TASK, RolloutTask(task_id="trace-1", env="arith", prompt="1+1"))
