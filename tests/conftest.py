@@ -67,20 +67,8 @@ async def task_queue(bus: Bus):
     await clear()
 
 
-# Whole fleets (every service as a process, a trainer, a serving trace) measure throughput inside a
-# fixed window: two of them at once on a 2-core machine starve each other (a demo made no GRPO step
-# in 30 s beside another fleet). Under pytest-xdist (`--dist loadgroup`, ./scripts/test) they run
-# one after another on one worker, while the other worker takes the lighter tests.
-FLEET_MODULES = ("test_demo.py", "test_bench_e2e.py", "test_bench_faults.py", "test_rollout_e2e.py", "test_up_auth.py", "test_trainer_resume.py")
-
-
-def _in_fleet(item: pytest.Item) -> bool:
-    return item.path.name in FLEET_MODULES or item.name == "test_bench_coserve_fields"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fleet tests share one worker; every other module stays on one worker as well, so that its
-    module-scoped fixtures (stand-in servers, trained models) are built once, and tests that share
-    them see each other's effects in file order, as they do without xdist."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("fleet" if _in_fleet(item) else str(item.path.relative_to(config.rootpath))))
+# Fleet tests (every service as a process, measured inside a fixed window) starve each other when two
+# run at once on two cores. Keeping them on one xdist worker needs `xdist_group` markers applied
+# before xdist's own collection hook reads them (`@pytest.hookimpl(tryfirst=True)`); a marker added
+# by a plain hook here is read too late and ignored. One worker for all of them is ~1,300 s of
+# serial fleet time on this machine, over the suite's budget: the fleets must get shorter first.
