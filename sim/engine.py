@@ -43,12 +43,8 @@ lease shrinks.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 import re
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,25 +58,25 @@ from rose.contracts.slo import Headroom, SloAlert
 from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate
-from rose.services.slo_monitor.bursts import BurstState
-from rose.services.slo_monitor.headroom import StepModel
 from rose.services.slo_monitor.windows import WindowStats
 
+from .candidates import CandidateCache
 from .coserve import rollout_interference, rollout_share, serving_tick, slo_capacity_rps
+from .counters import Counters
 from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
+from .instances import Instances
+from .monitor import MonitorState
 from .policies import executor_signals, make_fleet_policy, monitor_settings
 from .rollouts import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 from .traces import DiurnalBursty, Trace, diurnal_bursty
+from .trainer_state import TrainerState
+from .turns import TurnTable
 from .weights import SyncSpec, sync_seconds
+from .worker import RolloutWorker
 
 MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
 SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate, rollout running
 TRAIN_FLOPS_PER_PARAM_TOKEN = 8.0
-HEDGE_MIN_S = 2.0  # rollout worker defaults (services/rollout_worker/config.py)
-HEDGE_FACTOR = 1.5
-TYPICAL_WINDOW = 64
-REFIT_TICKS = 30  # the simulated monitor refits each executor's step model every 30 snapshots (its long window)
-METRICS_INTERVAL_S = 1.0  # executors' metrics snapshots (services/executor/config.py metrics_interval_s)
 SCHEDULER_TICK_S = 0.5  # the scheduler's lease planning (services/scheduler/config.py tick_s)
 PREWARM_S = 35.0  # rose's per-executor monitor runs from this long before a rollout phase (its windows are 30 s)
 GROUP_POLL_S = 0.1  # the trainer looks for complete groups this often (services/trainer/trainer.py GROUP_POLL_S)
@@ -141,6 +137,14 @@ class SimConfig:
 
 
 class Simulation:
+    """One run. ``_size_fleet`` sets the fixed figures (instance counts, models, memory, the
+    serving trace); the state that changes, by concern: ``inst`` (Instances: per-instance rollout
+    caps, weight readiness, serving queues), ``turns`` (TurnTable: the turns in flight and their
+    prefix caches), ``mon`` (MonitorState: the SLO monitor's windows and detectors), ``fleet``
+    and ``cands`` (the scheduler's Fleet, where leases live, and its per-tick candidates),
+    ``worker`` (RolloutWorker), ``trainer`` (TrainerState) and ``counts`` (Counters: the
+    result's tallies); this class runs the processes over them."""
+
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = np.random.default_rng(cfg.seed)  # serving arrivals
@@ -215,32 +219,22 @@ class Simulation:
         self.cohost_free_bytes = usable_s - ws - wp - self.pool_tokens * self.kvb_s
         self.can_cohost = self.cohost_free_bytes > 0
         self.dedicated_kv = usable_r - wp
-        self.lent_kv = usable_s - wp
         self.max_rollout_batch = c.max_rollout_batch
         self.turn_p90 = turn_length_quantile(c.rollout, 0.9)
         self.mean_rollout_ctx = mean_context(c.rollout)
 
     def _init_state(self) -> None:
         c = self.cfg
-        self.D = self.n_serv + self.n_ded
-        self.ids = [f"s{i}" for i in range(self.n_serv)] + [f"d{j}" for j in range(self.n_ded)]
-        self.index = {e: i for i, e in enumerate(self.ids)}
-        self.is_ded = np.zeros(self.D, dtype=bool)
-        self.is_ded[self.n_serv :] = True
-        self.slots = np.zeros(self.D)  # rollout sequences allowed now
-        self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
-        self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
-        self.queue = np.zeros(self.n_serv)
-        self.prev_iter_ms = np.zeros(self.n_serv)
+        self.inst = Instances(self.n_serv, self.n_ded)
         cohosting = self.policy.hosts_policy_on_serving and self.can_cohost
         self.serving_kv_tokens = self.pool_tokens if cohosting else self.alone_kv_tokens
         self.cohosting = cohosting
-        for d in range(self.n_serv, self.D):
-            self.set_caps(d, self.max_rollout_batch, self.dedicated_kv)
-        # the scheduler's own fleet view
+        for d in range(self.n_serv, self.inst.D):
+            self.inst.set_caps(d, self.max_rollout_batch, self.dedicated_kv)
+        # the scheduler's own fleet view (leases live there), and its placement candidates as of a tick
         self.fleet = Fleet(SchedulerConfig())
-        for d, eid in enumerate(self.ids):
-            role = "dedicated" if self.is_ded[d] else "serving"
+        for d, eid in enumerate(self.inst.ids):
+            role = "dedicated" if self.inst.is_ded[d] else "serving"
             self.fleet.on_heartbeat(
                 Heartbeat(
                     service="executor",
@@ -256,162 +250,86 @@ class Simulation:
                 now=0.0,
             )
         self.placement_settings = self.fleet.config.placement
-        # monitor
-        self.win_cfg, self.burst_cfg, self.head_cfg = monitor_settings(
-            c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes))
-        )
-        self.W = max(2, int(round(self.win_cfg.long_s / c.dt)))
-        self.S = max(1, int(round(self.win_cfg.short_s / c.dt)))
-        self.k_snap = max(1, int(round(METRICS_INTERVAL_S / c.dt)))  # ticks per metrics snapshot (the monitor's cadence)
-        self.k_sched = max(1, int(round(SCHEDULER_TICK_S / c.dt)))  # ticks per scheduler tick
-        n = self.n_serv
-        self.ring = {k: np.zeros((n, self.W)) for k in ("ttft", "tpot", "tpot_mean", "arrivals", "queue", "bs", "br")}
-        self.ring_tps = np.zeros((self.D, self.W))
-        self.ring_fleet_rate = np.zeros(max(2, int(600 / c.dt)))
+        self.cands = CandidateCache(self.fleet)
+        # the clock
         self.tick_no = 0
-        self.monitor_from = 0.0
-        self._cand_tick, self._revoke_rate = -1, 0.0
-        self._cand: list[Candidate] = []
-        self._cand_pos: dict[str, int] = {}  # executor id -> its index in _cand
-        self.burst_state = [BurstState() for _ in range(n)]
-        self.step_models: list[StepModel] = [
-            StepModel(max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3), 0.5, 0.5, 0) for _ in range(n)
-        ]
+        self.k_sched = max(1, int(round(SCHEDULER_TICK_S / c.dt)))  # ticks per scheduler tick
+        # the monitor
         used = self.total_s - max(0.0, self.cohost_free_bytes)
-        self.latest = MetricsSnapshot(
-            executor_id="s0",
-            at=0.0,
-            interval_s=c.dt,
-            device=DeviceTelemetry(kind="cuda", name=self.device.name, memory_total_bytes=int(self.total_s), memory_used_bytes=int(max(0.0, used))),
+        self.mon = MonitorState(
+            monitor_settings(c.slo_ttft_ms, c.slo_tpot_ms, self.max_rollout_batch, int(max(0.0, self.cohost_free_bytes))),
+            c.dt,
+            self.n_serv,
+            self.n_ded,
+            max(0.0, float(self.sperf.decode_s(1.0, self.prompt_mean)) * 1e3),
+            MetricsSnapshot(
+                executor_id="s0",
+                at=0.0,
+                interval_s=c.dt,
+                device=DeviceTelemetry(
+                    kind="cuda", name=self.device.name, memory_total_bytes=int(self.total_s), memory_used_bytes=int(max(0.0, used))
+                ),
+            ),
+            "sticky_throughput" in c.what_if,
         )
         # the whole fleet serving alone, second by second (what static sees), for attribution
         alone = serving_tick(
             self.sperf, self.fleet_rate / self.n_serv, self.prompt_mean, self.output_mean, self.prompt_p99, 0.0, 0.0, 0.0, c.dt, self.alone_kv_tokens
         )
         self.alone_bad = (alone.ttft_p99_s > c.slo_ttft_ms / 1e3) | (alone.tpot_p99_s > c.slo_tpot_ms / 1e3) | (alone.queue > 0)
-        # turn table (one active turn per simulated trajectory), sized per step
-        self.bundle = 1
-        self._alloc_turns(0)
-        self.best_tps = np.zeros(self.D)
-        self.unlendable: collections.Counter = collections.Counter()  # the monitor's first reason, per executor-second
-        self.durations: deque[float] = deque(maxlen=TYPICAL_WINDOW)
-        self.turn_durations: list[float] = []  # every turn, route to result (rose bench e2e's turn_s_p50)
-        self.retained = np.zeros(self.D)  # prefix-cache bytes retained by idle trajectories per device
-        self.seq_counter = 0
-        # accounting
-        self.acc = dict(
-            violations=0.0,
-            bad_requests=0.0,
-            requests=0.0,
-            violations_alone=0.0,
-            bad_alone=0.0,
-            lent_instance_s=0.0,
-            serving_instance_s=0.0,
-            rollout_tokens=0.0,
-            serving_tokens=0.0,
-            granted=0,
-            renewed=0,
-            revoked=0,
-            expired=0,
-            alerts=0,
-            interrupted=0,
-            aborted=0,
-            bounced=0,
-            prefix_hits=0,
-            prefix_misses=0,
-            hedges=0,
-            hedge_wins=0,
-        )
-        self.timeline: dict[str, list] = {k: [] for k in ("t", "fleet_rps", "rollout_tps", "lent", "violating")}
-        self.steps: list[dict] = []
-        self.worker: simpy.Resource | None = None  # the rollout worker's episode slots (``worker_concurrency``)
-        self.pipelined = False  # ``prefetch_steps`` >= 1: the asynchronous trainer
-        # the asynchronous trainer's state (set up by ``_trainer_pipelined``)
-        self.ready_groups: list[tuple[int, int, float]] = []  # (batch, group, tokens) of complete groups not trained on yet
-        self.batch_info: dict[int, dict[str, Any]] = {}  # batch -> its record (handed out, first / last finish, groups left)
-        self.arrived: list[tuple[dict[str, Any], int]] = []  # finished trajectories the trainer has not received yet
-        self.arrival_evt: simpy.Event | None = None  # the consumer's wait for the next arrival
-        self.effective_prefetch = 0
-        self.batch_spans: list[dict] = []  # pipelined: finished batches' rollout spans
-        self.ded_window_tokens = np.zeros(self.n_ded)  # rollout tokens per dedicated executor since its last metrics snapshot
-        self.ded_snapshots_tps: list[float] = []
+        self.turns = TurnTable(self.inst.D)  # sized per step by the trainer
+        self.worker = RolloutWorker()
+        self.trainer = TrainerState()
+        self.counts = Counters()
 
-    def _alloc_turns(self, n: int) -> None:
-        self.N = n  # slots i < n: a trajectory's turn; n + i: its hedge
-        n = 2 * n
-        self.state = np.zeros(n, dtype=np.int8)  # 0 none, 1 queued, 2 running
-        self.dev = np.full(n, -1, dtype=np.int64)
-        self.pf_left = np.zeros(n)
-        self.pf_tokens = np.zeros(n)
-        self.pf_cached = np.zeros(n)
-        self.dec_left = np.zeros(n)
-        self.gen_turn = np.zeros(n)
-        self.ctx = np.zeros(n)
-        self.seq = np.zeros(n, dtype=np.int64)
-        self.cache_dev = np.full(n, -1, dtype=np.int64)
-        self.cache_bytes = np.zeros(n)
-        self.events: list = [None] * n
-        self.finished_at = np.zeros(n)
+    # ------------------------------------------------------------------ hooks for policies (policies.py)
+    @property
+    def ids(self) -> list[str]:
+        """Executor ids, by instance index (``Instances.ids``)."""
+        return self.inst.ids
 
-    # ------------------------------------------------------------------ hooks for policies
-    def set_caps(self, d: int, slots: float, kv_bytes: float) -> None:
-        self.slots[d], self.kvcap[d] = slots, max(0.0, kv_bytes)
+    @property
+    def slots(self) -> np.ndarray:
+        """Rollout sequences each instance may run now (``Instances.slots``)."""
+        return self.inst.slots
 
     def apply_lease(self, kind: str, lease, reason: str) -> None:
-        d = self.index[lease.executor_id]
+        d = self.inst.index[lease.executor_id]
         self.fleet.on_lease(lease, self.env.now)
         if kind in ("revoked", "expired"):
             self.revoke_device(d, reason, keep_tokens=self.policy.keep_tokens)
         elif self.cohosting:  # the executor clamps a lease to its rollout pool
-            self.set_caps(d, lease.max_rollout_batch, min(float(lease.kv_bytes), max(0.0, self.cohost_free_bytes)))
-        self.acc[kind] += 1
+            self.inst.set_caps(d, lease.max_rollout_batch, min(float(lease.kv_bytes), max(0.0, self.cohost_free_bytes)))
+        self.counts.lease(kind)
 
     def revoke_device(self, d: int, reason: str, keep_tokens: bool) -> None:
         """Rollout taken back from device d: in-flight turns are interrupted (keep_tokens: resumed
         elsewhere by recompute, else lost: whole-job preemption) and its prefix cache dropped."""
-        self.set_caps(d, 0, 0)
-        on = np.flatnonzero((self.dev == d) & (self.state > 0))
+        self.inst.set_caps(d, 0, 0)
+        t = self.turns
+        on = np.flatnonzero((t.dev == d) & (t.state > 0))
         for i in on:
-            done = float(self.gen_turn[i] - self.dec_left[i]) if self.state[i] == 2 else 0.0
-            self.state[i], self.dev[i] = 0, -1
+            done = float(t.gen_turn[i] - t.dec_left[i]) if t.state[i] == 2 else 0.0
+            t.state[i], t.dev[i] = 0, -1
             if keep_tokens:
-                self.acc["interrupted"] += 1
-                self.events[i].succeed(("interrupted", max(0.0, math.floor(done))))
+                self.counts.interrupted += 1
+                t.events[i].succeed(("interrupted", max(0.0, math.floor(done))))
             else:
-                self.acc["aborted"] += 1
-                self.events[i].succeed(("aborted", 0.0))
-        lost = self.cache_dev == d
-        self.retained[d] = 0.0
-        self.cache_dev[lost] = -1
-        self.cache_bytes[lost] = 0.0
-
-    def recent_fleet_rate_peak(self, seconds: float) -> float:
-        k = min(len(self.ring_fleet_rate), max(1, int(seconds / self.cfg.dt)), self.tick_no)
-        if k <= 0:
-            return float(self.fleet_rate[0])
-        idx = (self.tick_no - 1 - np.arange(k)) % len(self.ring_fleet_rate)
-        return float(self.ring_fleet_rate[idx].max())
-
-    def current_fleet_rate(self) -> float:
-        return float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(self.env.now))])
+                self.counts.aborted += 1
+                t.events[i].succeed(("aborted", 0.0))
+        t.drop_instance_cache(d)
 
     def _kv_slots(self, kv_bytes: float) -> int:
         return int(kv_bytes // (self.mean_rollout_ctx * self.kvb_p))
 
-    def _reported_tps(self, d: int, peak: float) -> float:
-        if "sticky_throughput" in self.cfg.what_if:
-            self.best_tps[d] = max(self.best_tps[d], peak)
-            return float(self.best_tps[d])
-        return float(peak)
-
     def _headroom_role(self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
-        slots = int(self.slots[d]) if role == "dedicated" else 0
+        slots = int(self.inst.slots[d]) if role == "dedicated" else 0
         if role == "dedicated" and "kv_slots" in self.cfg.what_if:
-            slots = min(slots, self._kv_slots(self.kvcap[d]))
-        tps = self._reported_tps(d, tps)
+            slots = min(slots, self._kv_slots(self.inst.kvcap[d]))
+        tps = self.mon.reported_tps(d, tps)
         self.fleet.on_headroom(
             Headroom(
-                executor_id=self.ids[d],
+                executor_id=self.inst.ids[d],
                 at=now,
                 kv_bytes=0,
                 compute_share=1.0 if role == "dedicated" else 0.0,
@@ -444,133 +362,111 @@ class Simulation:
     def _tick(self, now: float, dt: float, serving_idx: np.ndarray) -> None:
         c = self.cfg
         pol = self.policy
+        inst, turns, mon, acc = self.inst, self.turns, self.mon, self.counts
+        n = self.n_serv
         fleet_rps = float(self.fleet_rate[min(len(self.fleet_rate) - 1, int(now))])
-        self.ring_fleet_rate[self.tick_no % len(self.ring_fleet_rate)] = fleet_rps
-        lent = self.slots[: self.n_serv] > 0
-        serving_mode = ~lent if pol.drains_lent else np.ones(self.n_serv, dtype=bool)
+        lent = inst.lent()
+        serving_mode = ~lent if pol.drains_lent else np.ones(n, dtype=bool)
         n_active = int(serving_mode.sum())
         per_inst = fleet_rps / max(1, n_active)
-        arrivals = np.where(serving_mode, self.rng.poisson(per_inst * dt, self.n_serv), 0).astype(float)
+        arrivals = np.where(serving_mode, self.rng.poisson(per_inst * dt, n), 0).astype(float)
         # latency from the expected rate (the p99 formulas already hold the Poisson variation);
         # the sampled arrivals feed burst detection and request accounting
         rate = np.where(serving_mode, per_inst, 0.0)
         # rollout running on serving instances, at the start of the tick
-        running = self.state == 2
-        br = np.bincount(self.dev[running], minlength=self.D)[: self.n_serv] * self.bundle if running.any() else np.zeros(self.n_serv)
-        ctx_r = self._mean_ctx(running)[: self.n_serv]
+        running = turns.state == 2
+        br = np.bincount(turns.dev[running], minlength=inst.D)[:n] * turns.bundle if running.any() else np.zeros(n)
+        ctx_r = turns.mean_ctx(running)[:n]
         tau_r = self.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
         ep = pol.executor_policy
-        ready = self.ready_at[: self.n_serv] <= now
-        active = (br > 0) & (self.slots[: self.n_serv] > 0) & ready if (ep is not None and self.cohosting) else np.zeros(self.n_serv, dtype=bool)
-        last_bs = self.ring["bs"][:, (self.tick_no - 1) % self.W]
+        ready = inst.ready_at[:n] <= now
+        active = (br > 0) & (inst.slots[:n] > 0) & ready if (ep is not None and self.cohosting) else np.zeros(n, dtype=bool)
+        last_bs = mon.ring["bs"][:, (self.tick_no - 1) % mon.W]
         extra, wait, may = rollout_interference(
-            ep, active, tau_r, self.turn_p90, lambda d: executor_signals(now, last_bs[d], self.prev_iter_ms[d], c.slo_tpot_ms)
+            ep, active, tau_r, self.turn_p90, lambda d: executor_signals(now, last_bs[d], inst.prev_iter_ms[d], c.slo_tpot_ms)
         )
-        st = serving_tick(self.sperf, rate, self.prompt_mean, self.output_mean, self.prompt_p99, extra, wait, self.queue, dt, self.serving_kv_tokens)
-        self.queue = np.where(serving_mode, st.queue, 0.0)
-        self.prev_iter_ms = st.iteration_s * 1e3
+        st = serving_tick(self.sperf, rate, self.prompt_mean, self.output_mean, self.prompt_p99, extra, wait, inst.queue, dt, self.serving_kv_tokens)
+        inst.queue = np.where(serving_mode, st.queue, 0.0)
+        inst.prev_iter_ms = st.iteration_s * 1e3
         slo_ttft, slo_tpot = c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3
         violating = serving_mode & (arrivals > 0) & ((st.ttft_p99_s > slo_ttft) | (st.tpot_p99_s > slo_tpot))
-        self.acc["violations"] += float(violating.sum()) * dt
-        self.acc["bad_requests"] += float(arrivals[violating].sum())
-        self.acc["requests"] += float(arrivals.sum())
-        self.acc["serving_instance_s"] += float(n_active) * dt
+        acc.violations += float(violating.sum()) * dt
+        acc.bad_requests += float(arrivals[violating].sum())
+        acc.requests += float(arrivals.sum())
+        acc.serving_instance_s += float(n_active) * dt
         # the same trace on the whole fleet serving alone (what static sees), for attribution
-        self.acc["violations_alone"] += float(self.alone_bad[min(len(self.alone_bad) - 1, int(now))]) * self.n_serv * dt
+        acc.violations_alone += float(self.alone_bad[min(len(self.alone_bad) - 1, int(now))]) * n * dt
         # what each instance's rollout lane gets this second
-        share = np.zeros(self.D)
-        share[self.n_serv :] = (self.ready_at[self.n_serv :] <= now).astype(float)
+        share = np.zeros(inst.D)
+        share[n:] = (inst.ready_at[n:] <= now).astype(float)
         if ep is not None and self.cohosting:
-            share[: self.n_serv] = np.where(ready & (self.slots[: self.n_serv] > 0), rollout_share(ep, st, extra, may), 0.0)
+            share[:n] = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0)
         if self.cohosting:
-            self.acc["lent_instance_s"] += float(lent.sum()) * dt
+            acc.lent_instance_s += float(lent.sum()) * dt
         tokens = self._rollout_tick(now, dt, share)
-        self.ring_tps[:, self.tick_no % self.W] = tokens / dt
-        self.ded_window_tokens += tokens[self.n_serv :]
-        # monitor ring buffers (serving instances)
-        col = self.tick_no % self.W
-        r = self.ring
-        r["ttft"][:, col] = np.where(serving_mode, st.ttft_p99_s * 1e3, 0.0)
-        r["tpot"][:, col] = np.where(serving_mode, st.tpot_p99_s * 1e3, 0.0)
-        r["tpot_mean"][:, col] = (st.iteration_s + extra) * 1e3
-        r["arrivals"][:, col] = arrivals
-        r["queue"][:, col] = self.queue
-        r["bs"][:, col] = st.batch
-        r["br"][:, col] = br
+        mon.record_rollout(self.tick_no, tokens)
+        mon.record_serving(self.tick_no, serving_mode, st, extra, arrivals, inst.queue, br)
         self.tick_no += 1
-        if pol.uses_monitor and self.tick_no % self.k_snap == 0 and (not pol.monitor_idle_skippable or now >= self.monitor_from):
+        if pol.uses_monitor and self.tick_no % mon.k_snap == 0 and (not pol.monitor_idle_skippable or now >= mon.active_from):
             self._monitor(now, serving_mode, st)
-        if self.tick_no % self.k_snap == 0:
+        if self.tick_no % mon.k_snap == 0:
             self._dedicated_headroom(now)
         if self.tick_no % self.k_sched == 0:
             pol.control(self, now)
-        for d in np.flatnonzero(self.slots[: self.n_serv] > 0).tolist():  # each executor enforces its lease's expiry itself
-            if not pol.is_active(self.fleet.info(self.ids[d]).lease, now):
+        for d in np.flatnonzero(inst.lent()).tolist():  # each executor enforces its lease's expiry itself
+            if not pol.is_active(self.fleet.info(inst.ids[d]).lease, now):
                 self.revoke_device(d, "lease expired", keep_tokens=pol.keep_tokens)
         if c.record_timeline:
-            tl = self.timeline
+            tl = acc.timeline
             tl["t"].append(now)
             tl["fleet_rps"].append(fleet_rps)
             tl["rollout_tps"].append(float(tokens.sum()) / dt)
-            tl["lent"].append(int((self.slots[: self.n_serv] > 0).sum()))
+            tl["lent"].append(int(inst.lent().sum()))
             tl["violating"].append(int(violating.sum()))
 
-    def _mean_ctx(self, mask: np.ndarray) -> np.ndarray:
-        if not mask.any():
-            return np.zeros(self.D)
-        cnt = np.bincount(self.dev[mask], minlength=self.D)
-        s = np.bincount(self.dev[mask], weights=self.ctx[mask], minlength=self.D)
-        return s / np.maximum(cnt, 1)
-
     def _dedicated_headroom(self, now: float) -> None:
-        running = self.state == 2
-        queued = self.state == 1
-        nr = np.bincount(self.dev[running], minlength=self.D) if running.any() else np.zeros(self.D, dtype=np.int64)
-        nq = np.bincount(self.dev[queued], minlength=self.D) if queued.any() else np.zeros(self.D, dtype=np.int64)
+        t, D = self.turns, self.inst.D
+        running = t.state == 2
+        queued = t.state == 1
+        nr = np.bincount(t.dev[running], minlength=D) if running.any() else np.zeros(D, dtype=np.int64)
+        nq = np.bincount(t.dev[queued], minlength=D) if queued.any() else np.zeros(D, dtype=np.int64)
         # each dedicated executor's metrics snapshot: rollout tokens/s over the interval, kept when rollout is running
         # (what rose bench e2e averages into calibration.dedicated_rollout_tokens_per_s)
-        span = self.k_snap * self.cfg.dt
-        for j, d in enumerate(range(self.n_serv, self.D)):
-            if nr[d] > 0:
-                self.ded_snapshots_tps.append(float(self.ded_window_tokens[j]) / span)
-        self.ded_window_tokens[:] = 0.0
-        peak_tps = self.ring_tps.max(axis=1)
-        for d in range(self.n_serv, self.D):
-            self._headroom_role(d, "dedicated", now, nr[d] * self.bundle, nq[d] * self.bundle, peak_tps[d])
+        self.counts.ded_snapshots_tps.extend(self.mon.close_dedicated_interval(nr[self.n_serv :]))
+        peak_tps = self.mon.ring_tps.max(axis=1)
+        for d in range(self.n_serv, D):
+            self._headroom_role(d, "dedicated", now, nr[d] * t.bundle, nq[d] * t.bundle, peak_tps[d])
 
     # ------------------------------------------------------------------ rollout progress
     def _pol_perf(self, d: np.ndarray, fn: str, *args):
         a = getattr(self.pperf_d, fn)(*args)
         b = getattr(self.pperf_s, fn)(*args)
-        return np.where(self.is_ded[d], a, b)
+        return np.where(self.inst.is_ded[d], a, b)
 
     def _rollout_tick(self, now: float, dt: float, share: np.ndarray) -> np.ndarray:
-        tokens: np.ndarray = np.zeros(self.D)
-        if self.N == 0 or not self.state.any():
+        inst, t, acc, D = self.inst, self.turns, self.counts, self.inst.D
+        tokens: np.ndarray = np.zeros(D)
+        if t.N == 0 or not t.state.any():
             return tokens
-        bundle, kvb = self.bundle, self.kvb_p
+        bundle, kvb = t.bundle, self.kvb_p
         # --- admission, FIFO per device under the slot and KV caps
-        q = np.flatnonzero(self.state == 1)
+        q = np.flatnonzero(t.state == 1)
         if q.size:
-            dq = self.dev[q]
-            need = bundle * (self.ctx[q] + self.dec_left[q]) * kvb
-            never = need > self.kvcap[dq]
+            dq = t.dev[q]
+            need = bundle * (t.ctx[q] + t.dec_left[q]) * kvb
+            never = need > inst.kvcap[dq]
             for i in q[never]:  # can never fit there (or no rollout pool at all): the executor refuses, the worker goes elsewhere
-                self.state[i], self.dev[i] = 0, -1
-                self.acc["bounced"] += 1
-                self.events[i].succeed(("bounced", 0.0))
+                t.state[i], t.dev[i] = 0, -1
+                acc.bounced += 1
+                t.events[i].succeed(("bounced", 0.0))
             keep = ~never
             q, dq, need = q[keep], dq[keep], need[keep]
         if q.size:
-            order = np.lexsort((self.seq[q], dq))
+            order = np.lexsort((t.seq[q], dq))
             q, dq, need = q[order], dq[order], need[order]
-            run = self.state == 2
-            used_slots = (np.bincount(self.dev[run], minlength=self.D) * bundle) if run.any() else np.zeros(self.D)
-            used_kv = (
-                np.bincount(self.dev[run], weights=bundle * (self.ctx[run] + self.dec_left[run]) * kvb, minlength=self.D)
-                if run.any()
-                else np.zeros(self.D)
-            )
+            run = t.state == 2
+            used_slots = (np.bincount(t.dev[run], minlength=D) * bundle) if run.any() else np.zeros(D)
+            used_kv = np.bincount(t.dev[run], weights=bundle * (t.ctx[run] + t.dec_left[run]) * kvb, minlength=D) if run.any() else np.zeros(D)
             pos = np.arange(q.size)
             first = np.r_[True, dq[1:] != dq[:-1]]
             start = np.maximum.accumulate(np.where(first, pos, 0))
@@ -578,25 +474,25 @@ class Simulation:
             ck = np.cumsum(need)
             cs_g = cs - cs[start] + bundle
             ck_g = ck - ck[start] + need[start]
-            ok = (used_slots[dq] + cs_g <= self.slots[dq]) & (used_kv[dq] + ck_g <= self.kvcap[dq]) & (self.ready_at[dq] <= now)
+            ok = (used_slots[dq] + cs_g <= inst.slots[dq]) & (used_kv[dq] + ck_g <= inst.kvcap[dq]) & (inst.ready_at[dq] <= now)
             adm, da = q[ok], dq[ok]
             if adm.size:
-                self.state[adm] = 2
-                self.pf_left[adm] = self._pol_perf(da, "prefill_s", bundle * self.pf_tokens[adm], self.pf_cached[adm])
+                t.state[adm] = 2
+                t.pf_left[adm] = self._pol_perf(da, "prefill_s", bundle * t.pf_tokens[adm], t.pf_cached[adm])
         # --- progress: prefill first (at most half the lane while others decode), then decode
-        run = np.flatnonzero(self.state == 2)
+        run = np.flatnonzero(t.state == 2)
         if run.size == 0:
             return tokens
-        dr = self.dev[run]
-        pf = self.pf_left[run]
+        dr = t.dev[run]
+        pf = t.pf_left[run]
         pre = pf > 1e-12
         dec = ~pre
-        PF = np.bincount(dr[pre], weights=pf[pre], minlength=self.D)
-        ndec = np.bincount(dr[dec], minlength=self.D)
+        PF = np.bincount(dr[pre], weights=pf[pre], minlength=D)
+        ndec = np.bincount(dr[dec], minlength=D)
         nb = ndec * bundle
-        ctx_d = np.bincount(dr[dec], weights=self.ctx[run][dec], minlength=self.D) / np.maximum(ndec, 1)
+        ctx_d = np.bincount(dr[dec], weights=t.ctx[run][dec], minlength=D) / np.maximum(ndec, 1)
         tau = np.where(
-            self.is_ded,
+            inst.is_ded,
             self.pperf_d.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
             self.pperf_s.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
         )
@@ -606,37 +502,33 @@ class Simulation:
         frac = np.where(PF > 0, t_pf / np.maximum(PF, 1e-30), 0.0)
         f = frac[dr]
         new_pf = np.where(pre, np.where(f >= 1.0 - 1e-9, 0.0, pf * (1.0 - f)), 0.0)
-        self.pf_left[run] = new_pf
+        t.pf_left[run] = new_pf
         adv = np.where(dec, n_it[dr], 0.0)
-        left = self.dec_left[run]
+        left = t.dec_left[run]
         step_tokens = np.minimum(left, adv)
-        self.dec_left[run] = left - step_tokens
-        self.ctx[run] += step_tokens
-        tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=self.D)
-        self.acc["rollout_tokens"] += float(tokens.sum())
-        self.acc["serving_tokens"] += float(tokens[: self.n_serv].sum())
+        t.dec_left[run] = left - step_tokens
+        t.ctx[run] += step_tokens
+        tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=D)
+        acc.rollout_tokens += float(tokens.sum())
+        acc.serving_tokens += float(tokens[: self.n_serv].sum())
         fin_mask = dec & (left - adv <= 1e-9) & (adv > 0)
         if fin_mask.any():
             fins = run[fin_mask]
             frac_t = np.clip(left[fin_mask] / np.maximum(adv[fin_mask], 1e-12), 0.0, 1.0)
             at = now + dt * frac_t
             for i, t_fin in zip(fins, at):
-                d = int(self.dev[i])
-                self.state[i], self.dev[i] = 0, -1
-                self.cache_dev[i] = d
-                self.cache_bytes[i] = bundle * self.ctx[i] * kvb
-                self.retained[d] += self.cache_bytes[i]
-                self.events[i].succeed(("done", float(t_fin)))
+                t.finish(i, kvb)
+                t.events[i].succeed(("done", float(t_fin)))
         return tokens
 
     # ------------------------------------------------------------------ monitor (real detector + headroom)
     def _monitor(self, now: float, serving_mode: np.ndarray, st) -> None:
-        pol = self.policy
-        r, W, S, dt = self.ring, self.W, self.S, self.cfg.dt
+        pol, m = self.policy, self.mon
+        r, W, S, dt = m.ring, m.W, m.S, self.cfg.dt
         filled = min(self.tick_no, W)
         last = (self.tick_no - 1 - np.arange(filled)) % W  # newest first
         short_idx, long_idx = last[: min(S, filled)], last
-        recent_idx, base_idx = last[: self.k_snap], last[self.k_snap :]  # the latest snapshot, the history before it
+        recent_idx, base_idx = last[: m.k_snap], last[m.k_snap :]  # the latest snapshot, the history before it
         L = lambda a: a.tolist()  # noqa: E731  (plain floats: numpy scalars are slow in the loop)
         ttft_s, tpot_s = L(r["ttft"][:, short_idx].max(axis=1)), L(r["tpot"][:, short_idx].max(axis=1))
         ttft_l, tpot_l = L(r["ttft"][:, long_idx].max(axis=1)), L(r["tpot"][:, long_idx].max(axis=1))
@@ -646,16 +538,17 @@ class Simulation:
         q_now = L(r["queue"][:, last[0]])
         q_prev = L(r["queue"][:, last[1]]) if filled > 1 else [0.0] * self.n_serv
         br_now = L(r["br"][:, last[0]])
-        tps_peak = L(self.ring_tps[: self.n_serv, long_idx].max(axis=1))
+        tps_peak = L(m.ring_tps[: self.n_serv, long_idx].max(axis=1))
         kv_util = L(np.minimum(1.0, st.batch * (self.prompt_mean + self.output_mean) / max(1.0, self.serving_kv_tokens)))
         util = L(1.0 - np.exp(-st.batch))
         span_s, span_l, span_b, span_r = len(short_idx) * dt, filled * dt, len(base_idx) * dt, len(recent_idx) * dt
-        refit = self.tick_no % (REFIT_TICKS * self.k_snap) == 0
-        qmask = self.state == 1
-        queued = L(np.bincount(self.dev[qmask], minlength=self.D)) if qmask.any() else [0] * self.D
-        c, bundle = self.cfg, self.bundle
+        refit = m.refit_due(self.tick_no)
+        t, D = self.turns, self.inst.D
+        qmask = t.state == 1
+        queued = L(np.bincount(t.dev[qmask], minlength=D)) if qmask.any() else [0] * D
+        c, bundle = self.cfg, t.bundle
         for d in range(self.n_serv):
-            eid = self.ids[d]
+            eid = self.inst.ids[d]
             short = WindowStats(
                 span_s=span_s,
                 snapshots=len(short_idx),
@@ -698,8 +591,8 @@ class Simulation:
                 kv_utilisation=0.0,
                 compute_utilisation=0.0,
             )
-            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), self.burst_cfg, self.head_cfg)
-            decided = pol.next_alert(self.burst_state[d], found, now, self.burst_cfg)
+            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), m.burst_cfg, m.head_cfg)
+            decided = pol.next_alert(m.burst_state[d], found, now, m.burst_cfg)
             if decided is not None:
                 alert = SloAlert(
                     executor_id=eid,
@@ -712,11 +605,11 @@ class Simulation:
                     tpot_p99_ms=tpot_s[d],
                 )
                 if alert.severity != "recovered":
-                    self.acc["alerts"] += 1
+                    self.counts.alerts += 1
                 pol.on_alert(self, d, alert, now)
             if refit:
                 obs = list(zip(r["bs"][d, long_idx].tolist(), r["br"][d, long_idx].tolist(), r["tpot_mean"][d, long_idx].tolist()))
-                self.step_models[d] = pol.fit_step_model(obs, tpot_s[d] or c.slo_tpot_ms / 4)
+                m.step_models[d] = pol.fit_step_model(obs, tpot_s[d] or c.slo_tpot_ms / 4)
             long = WindowStats(
                 span_s=span_l,
                 snapshots=filled,
@@ -731,9 +624,9 @@ class Simulation:
                 kv_utilisation=kv_util[d],
                 compute_utilisation=0.0,
             )
-            v = pol.assess(short, long, self.step_models[d], self.latest, self.head_cfg, self.burst_state[d].alerting)
+            v = pol.assess(short, long, m.step_models[d], m.latest, m.head_cfg, m.burst_state[d].alerting)
             if not v.lendable:
-                self.unlendable[re.sub(r"\d+(\.\d+)? ms", "N ms", v.reason.split(";")[0])] += 1
+                self.counts.unlendable[re.sub(r"\d+(\.\d+)? ms", "N ms", v.reason.split(";")[0])] += 1
             slots = v.slots if "kv_slots" not in c.what_if else min(v.slots, self._kv_slots(v.kv_bytes))
             self.fleet.on_headroom(
                 Headroom(
@@ -757,7 +650,7 @@ class Simulation:
                     kv_utilisation=kv_util[d],
                     rollout_running=int(br_now[d]),
                     rollout_queue=queued[d] * bundle,
-                    rollout_tokens_per_s=self._reported_tps(d, tps_peak[d]),
+                    rollout_tokens_per_s=m.reported_tps(d, tps_peak[d]),
                     device_kind="cuda",
                     device_name=self.device.name,
                     device_memory_bytes=int(self.total_s),
@@ -791,7 +684,7 @@ class Simulation:
             self.route_rng,
             self._unfinished(req.batch_id, req.batch_size),
             self.fleet.turn_tokens,
-            self._revoke_rate,
+            self.cands.revoke_rate,
             self.fleet.model_error,
         )
         if placement is None:
@@ -799,44 +692,26 @@ class Simulation:
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
         self.fleet.on_prediction(tid, k, placement.role, placement.model_s)
         self._placed(placement.executor_id)
-        return self.index[placement.executor_id], placement.hedge_after_s
+        return self.inst.index[placement.executor_id], placement.hedge_after_s
 
     def _unfinished(self, batch_id: str, batch_size: int = 0) -> int | None:
         """The fleet's count is of simulated trajectories; each stands for ``bundle`` (as slots and load do)."""
         n = self.fleet.unfinished(batch_id, batch_size)
-        return None if n is None else n * self.bundle
+        return None if n is None else n * self.turns.bundle
 
     def _candidates(self, now: float) -> list[Candidate]:
-        """The scheduler's ``Fleet.candidates``, refreshed once per tick (it walks every in-flight
-        trajectory, which makes a call per route quadratic in the batch); between refreshes a
-        placement adds one to the chosen executor's load, as its in-flight count would."""
-        if self._cand_tick != self.tick_no:
-            self._cand_tick = self.tick_no
-            self._revoke_rate = self.fleet.revoke_rate(now)
-            # the fleet counts simulated trajectories in flight; each stands for ``bundle`` sequences (as headroom counts them)
-            self._cand = [
-                dataclasses.replace(
-                    c,
-                    load=max(c.running + c.queued, len(self.fleet.info(c.executor_id).inflight) * self.bundle),
-                    recent=c.recent * self.bundle if c.recent > 0 else c.recent,
-                )
-                for c in self.fleet.candidates(now)
-            ]
-            self._cand_pos = {c.executor_id: j for j, c in enumerate(self._cand)}
-        return self._cand
+        """The scheduler's ``Fleet.candidates``, refreshed once per tick (``CandidateCache``)."""
+        return self.cands.get(now, self.tick_no, self.turns.bundle)
 
     def _placed(self, executor_id: str) -> None:
-        j = self._cand_pos.get(executor_id)
-        if j is not None:
-            c = self._cand[j]
-            self._cand[j] = dataclasses.replace(c, load=c.load + self.bundle, recent=max(0, c.recent) + self.bundle)
+        self.cands.placed(executor_id, self.turns.bundle)
 
     def _trajectory(self, step: int, i: int, batch, slot: int | None = None, info: dict | None = None):
         """One trajectory of ``batch`` (its row ``i``) in turn-table ``slot`` (default ``i``); ``info``:
         the pipelined trainer's record of the batch (first turn start, group completions)."""
         env = self.env
         slot = i if slot is None else slot
-        worker, req = self.worker, None
+        worker, req = self.worker.episodes, None
         if worker is not None:  # the rollout worker runs a bounded number of episodes, first handed out first
             req = worker.request()
             yield req
@@ -852,19 +727,19 @@ class Simulation:
             if info is not None and info["first"] is None:
                 info["first"] = started
             finish, d = yield from self._turn(slot, tid, gid, k, ctx, new_tokens, float(batch.gen[i, k]), prev, (f"b{step}", batch.n))
-            self.durations.append(finish - started)
-            self.turn_durations.append(finish - started)
+            self.worker.durations.append(finish - started)
+            self.counts.turn_durations.append(finish - started)
             done_turns.append((k, int(batch.gen[i, k]), finish - started))
             ctx += int(batch.gen[i, k])
-            prev = self.ids[d]
+            prev = self.inst.ids[d]
             if k + 1 < turns:
                 ctx += int(batch.tool_tokens[i, k])
                 wait = float(batch.tool_s[i, k]) - (env.now - finish)
                 if wait > 0:
                     yield env.timeout(wait)
             else:
-                self.finished_at[slot] = finish
-        self._drop_cache(slot)
+                self.turns.finished_at[slot] = finish
+        self.turns.drop_cache(slot)
         self.fleet.on_trajectory(tid, gid, [int(x) for x in batch.gen[i, :turns]])
         for k, tokens, seconds in done_turns:  # the scheduler reads the turn records of a finished trajectory
             self.fleet.on_turn_result(tid, k, tokens, seconds)
@@ -873,44 +748,32 @@ class Simulation:
         if info is not None:
             info["last"] = max(info["last"], finish)
             info["finished"].append(finish)
-            self.arrived.append((info, i))
+            tr = self.trainer
+            tr.arrived.append((info, i))
             if self.cfg.trajectory_fetch_s <= 0:
-                self._deliver(len(self.arrived))
-            elif self.arrival_evt is not None and not self.arrival_evt.triggered:
-                self.arrival_evt.succeed()
-
-    def _deliver(self, k: int) -> None:
-        """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""
-        take, self.arrived = self.arrived[:k], self.arrived[k:]
-        for info, i in take:
-            g = i // info["group_rows"]
-            info["left"][g] -= 1
-            if info["left"][g] == 0:
-                self.ready_groups.append((info["batch"], g, info["group_tokens"][g]))
+                tr.deliver(len(tr.arrived))
+            elif tr.arrival_evt is not None and not tr.arrival_evt.triggered:
+                tr.arrival_evt.succeed()
 
     def _consumer(self):
         """The trainer's trajectory consumer: fetch windows of ``trajectory_fetch_s`` back to back; a
         window closes early once a fetch's worth (64 trajectories) has arrived."""
-        env, window = self.env, self.cfg.trajectory_fetch_s
-        per_fetch = max(1, TRAINER_FETCH_BATCH // max(1, self.bundle))
+        env, window, tr = self.env, self.cfg.trajectory_fetch_s, self.trainer
+        per_fetch = max(1, TRAINER_FETCH_BATCH // max(1, self.turns.bundle))
         while True:
             end = env.now + window
-            while len(self.arrived) < per_fetch and env.now < end - 1e-12:
-                self.arrival_evt = env.event()
-                yield simpy.AnyOf(env, [self.arrival_evt, env.timeout(end - env.now)])
-            self.arrival_evt = None
-            self._deliver(min(per_fetch, len(self.arrived)))
-
-    def typical(self) -> float:
-        """The rollout worker's typical turn time: the median of its last 64 turns (4 at least)."""
-        return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
+            while len(tr.arrived) < per_fetch and env.now < end - 1e-12:
+                tr.arrival_evt = env.event()
+                yield simpy.AnyOf(env, [tr.arrival_evt, env.timeout(end - env.now)])
+            tr.arrival_evt = None
+            tr.deliver(min(per_fetch, len(tr.arrived)))
 
     def _turn(self, i: int, tid: str, gid: str, k: int, ctx: int, new_tokens: int, gen: float, prev: str, bid: tuple[str, int] = ("", 0)):
         """One turn as the rollout worker runs it (services/rollout_worker/turns.py): route, generate;
         an interrupted attempt resumes elsewhere with its tokens; a bounced one goes elsewhere; a
         straggler gets a hedge when the scheduler's ``should_hedge`` agrees; the first result wins.
         Returns (finish time, device)."""
-        env = self.env
+        env, t, ids = self.env, self.turns, self.inst.ids
         done_tokens = 0.0
         exclude: list[str] = []
         retry = self.placement_settings.no_route_retry_s
@@ -922,17 +785,20 @@ class Simulation:
                 continue
             d, hint = routed
             cached = 0.0
-            if k > 0 and done_tokens == 0 and self.ids[d] == prev:
-                if self.cache_dev[i] == d:
-                    free = max(0.0, self.kvcap[d] - self._kv_in_use(d))
-                    p_hit = 1.0 if self.retained[d] <= free else free / max(self.retained[d], 1.0)
+            if k > 0 and done_tokens == 0 and ids[d] == prev:
+                if t.cache_dev[i] == d:
+                    free = max(0.0, self.inst.kvcap[d] - t.kv_in_use(d, self.kvb_p))
+                    p_hit = 1.0 if t.retained[d] <= free else free / max(t.retained[d], 1.0)
                     if self.cache_rng.random() < p_hit:
                         cached = float(ctx - new_tokens)
-                self.acc["prefix_hits" if cached else "prefix_misses"] += 1
-            self._drop_cache(i)
+                if cached:
+                    self.counts.prefix_hits += 1
+                else:
+                    self.counts.prefix_misses += 1
+            t.drop_cache(i)
             pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
-            typical = self.typical()
-            hedge_at = env.now + max(HEDGE_MIN_S, HEDGE_FACTOR * typical) if typical > 0 else None
+            typical = self.worker.typical()
+            hedge_at = self.worker.hedge_at(env.now, typical)
             if hint > 0:  # the scheduler's hint for a turn on leased capacity: past its predicted time there, it is late
                 hedge_at = min(hedge_at if hedge_at is not None else math.inf, env.now + hint)
             attempt_start = env.now
@@ -949,21 +815,20 @@ class Simulation:
                     del pending[slot]
                     if kind == "done":
                         for other in pending:
-                            self._cancel(other)
+                            t.cancel(other)  # the slower copy of a hedged turn: the worker ignores it; the executor drops it
                         if slot != i:
-                            self.acc["hedge_wins"] += 1
-                            self.cache_dev[i], self.cache_bytes[i] = self.cache_dev[slot], self.cache_bytes[slot]
-                            self.cache_dev[slot], self.cache_bytes[slot] = -1, 0.0
+                            self.counts.hedge_wins += 1
+                            t.move_cache(slot, i)
                         return value, dd
                     if kind == "interrupted" and slot == i:
                         done_tokens += value
-                    failed.append(self.ids[dd])
+                    failed.append(ids[dd])
                 if hedge_at is not None and env.now >= hedge_at and i in pending and len(pending) == 1:
                     hedge_at = None
-                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, self.ids[pending[i][1]], env.now - attempt_start, typical, bid)
+                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, ids[pending[i][1]], env.now - attempt_start, typical, bid)
                     if h is not None:
-                        self.acc["hedges"] += 1
-                        slot = self.N + i
+                        self.counts.hedges += 1
+                        slot = t.N + i
                         pending[slot] = (self._submit(slot, h, ctx + done_tokens, 0.0, gen - done_tokens, ctx + done_tokens), h)
             exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
             prev = ""
@@ -998,31 +863,12 @@ class Simulation:
             return None
         self.fleet.on_route(tid, placement.executor_id, now, hedge=True)
         self._placed(placement.executor_id)
-        return self.index[placement.executor_id]
-
-    def _cancel(self, slot: int) -> None:
-        """The slower copy of a hedged turn: the worker ignores it; the executor drops it."""
-        self.state[slot], self.dev[slot] = 0, -1
-
-    def _kv_in_use(self, d: int) -> float:
-        on = (self.dev == d) & (self.state == 2)
-        return float((self.bundle * (self.ctx[on] + self.dec_left[on]) * self.kvb_p).sum())
-
-    def _drop_cache(self, i: int) -> None:
-        d = self.cache_dev[i]
-        if d >= 0:
-            self.retained[d] = max(0.0, self.retained[d] - self.cache_bytes[i])
-        self.cache_dev[i], self.cache_bytes[i] = -1, 0.0
+        return self.inst.index[placement.executor_id]
 
     def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
+        """Turn-table row ``i`` goes to instance ``d``; the event its worker waits on."""
         ev = self.env.event()
-        self.state[i], self.dev[i] = 1, d
-        self.pf_tokens[i], self.pf_cached[i] = max(1.0, pf_tokens), cached
-        self.dec_left[i] = self.gen_turn[i] = max(1.0, gen_left)
-        self.ctx[i] = ctx_now
-        self.seq[i] = self.seq_counter
-        self.seq_counter += 1
-        self.events[i] = ev
+        self.turns.submit(i, d, ev, pf_tokens, cached, gen_left, ctx_now)
         return ev
 
     def _next_idle_s(self, batch) -> float:
@@ -1048,11 +894,11 @@ class Simulation:
         if self.cfg.prefetch_steps > 0:
             yield from self._trainer_pipelined()
             return
-        c, env = self.cfg, self.env
-        self.monitor_from = c.warmup_s - PREWARM_S
+        c, env, t = self.cfg, self.env, self.turns
+        self.mon.active_from = c.warmup_s - PREWARM_S
         yield env.timeout(c.warmup_s)
         trajectories, bundle = self._batch_shape()
-        self._make_worker(bundle)
+        self.worker.size(env, c.worker_concurrency, bundle)
         wp = self.policy_weight_bytes
         for step in range(c.steps):
             t0 = env.now
@@ -1060,26 +906,25 @@ class Simulation:
             sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
             yield env.timeout(sync_ded)  # the batch starts once the dedicated pool has the version
             t_roll = env.now
-            self.ready_at[: self.n_serv] = t0 + sync_srv
+            self.inst.ready_at[: self.n_serv] = t0 + sync_srv
             batch = sample_batch(c.rollout, trajectories, self.batch_rng, bundle)
-            self.bundle = batch.bundle
-            self._alloc_turns(batch.n)
-            self.retained[:] = 0.0
+            t.bundle = batch.bundle
+            t.alloc(batch.n)
             procs = [env.process(self._trajectory(step, i, batch)) for i in range(batch.n)]
             yield simpy.AllOf(env, procs)
-            end = float(self.finished_at.max()) if batch.n else env.now
+            end = float(t.finished_at.max()) if batch.n else env.now
             if end > env.now:
                 yield env.timeout(end - env.now)
             rollout_s = env.now - t_roll
             # no rollout until the next batch: rose's monitor can rest until its windows must refill
-            self.monitor_from = env.now + self._next_idle_s(batch) - PREWARM_S
-            fin = np.sort(self.finished_at[: batch.n])
+            self.mon.active_from = env.now + self._next_idle_s(batch) - PREWARM_S
+            fin = np.sort(t.finished_at[: batch.n])
             p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else env.now
             tail_s = max(0.0, env.now - p90)
             tokens = batch.tokens()
             train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
-            self.steps.append(
+            self.trainer.steps.append(
                 dict(
                     step=step,
                     start=t0,
@@ -1096,10 +941,6 @@ class Simulation:
                 )
             )
         self.done.succeed()
-
-    def _make_worker(self, bundle: int) -> None:
-        wc = self.cfg.worker_concurrency
-        self.worker = simpy.Resource(self.env, capacity=max(1, wc // max(1, bundle))) if wc else None
 
     def _trainer_pipelined(self):
         """Asynchronous RL as services/trainer/trainer.py runs it with ``grpo.prefetch_steps`` = p >= 1.
@@ -1119,27 +960,27 @@ class Simulation:
         - A step's period is the time between training completions, so a step completes when both
           its training and the groups it needs allow.
         """
-        c, env = self.cfg, self.env
-        self.pipelined = True
+        c, env, tr = self.cfg, self.env, self.trainer
+        tr.pipelined = True
         p = max(1, min(c.prefetch_steps, max(1, c.max_staleness)))
-        self.effective_prefetch = p
-        self.monitor_from = c.warmup_s - PREWARM_S  # a batch is rolling out nearly always: rose's monitor never rests
+        tr.effective_prefetch = p
+        self.mon.active_from = c.warmup_s - PREWARM_S  # a batch is rolling out nearly always: rose's monitor never rests
         yield env.timeout(c.warmup_s)
         trajectories, bundle = self._batch_shape()
-        self._make_worker(bundle)
+        self.worker.size(env, c.worker_concurrency, bundle)
         n = math.ceil(trajectories / bundle)
         slots = p + 2  # turn-table slot groups: batches in flight at once, and one spare
-        self.bundle = bundle
-        self._alloc_turns(slots * n)
+        self.turns.bundle = bundle
+        self.turns.alloc(slots * n)
         group_rows = max(1, int(round(c.rollout.group_size / bundle)))
         per_step = math.ceil(n / group_rows)
         wp = self.policy_weight_bytes
         sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
         sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
-        self.ready_groups = []
-        self.batch_info = {}
-        self.arrived = []
-        self.arrival_evt = None
+        tr.ready_groups = []
+        tr.batch_info = {}
+        tr.arrived = []
+        tr.arrival_evt = None
         if c.trajectory_fetch_s > 0:
             env.process(self._consumer())
         yield env.timeout(sync_ded)  # the first version reaches the dedicated pool
@@ -1149,11 +990,11 @@ class Simulation:
         last_done = env.now
         for step in range(c.steps):
             t0 = env.now
-            while len(self.ready_groups) < per_step:
+            while len(tr.ready_groups) < per_step:
                 yield env.timeout(GROUP_POLL_S)
             # as Trainer.next_groups: exactly one step's worth, oldest first, the rest kept for the next step
-            self.ready_groups.sort(key=lambda g: (g[0], g[1]))
-            taken, self.ready_groups = self.ready_groups[:per_step], self.ready_groups[per_step:]
+            tr.ready_groups.sort(key=lambda g: (g[0], g[1]))
+            taken, tr.ready_groups = tr.ready_groups[:per_step], tr.ready_groups[per_step:]
             waited = env.now - t0
             tokens = sum(t for _, _, t in taken)
             train_s = self._train_seconds(tokens)
@@ -1162,7 +1003,7 @@ class Simulation:
             batches = sorted({b for b, _, _ in taken})
             # versions between the one a group's batch was handed out at (batch b: max(0, b - p)) and the one trained on
             staleness = float(np.mean([step - max(0, b - p) for b, _, _ in taken])) if taken else 0.0
-            self.steps.append(
+            tr.steps.append(
                 dict(
                     step=step,
                     start=t0,
@@ -1189,8 +1030,8 @@ class Simulation:
 
     def _hand_out(self, b: int, trajectories: int, bundle: int, n: int, slots: int, group_rows: int):
         """Hand out batch ``b``: its trajectories start (the worker's slots permitting) in turn-table slot group b mod ``slots``."""
-        env = self.env
-        old = self.batch_info.get(b - slots)
+        env, tr = self.env, self.trainer
+        old = tr.batch_info.get(b - slots)
         if old is not None and old["procs"]:  # its slot group is reused: the batch before must be out (it nearly always is)
             yield simpy.AllOf(env, old["procs"])
         batch = sample_batch(self.cfg.rollout, trajectories, self.batch_rng, bundle)
@@ -1219,21 +1060,11 @@ class Simulation:
             trajectories=batch.trajectories,
             procs=[],
         )
-        self.batch_info[b] = info
+        tr.batch_info[b] = info
         base = (b % slots) * n
         info["procs"] = [env.process(self._trajectory(b, i, batch, base + i, info)) for i in range(batch.n)]
-        self._batches_done_stats()
-        self.batch_info.pop(b - slots - 1, None)
-
-    def _batches_done_stats(self) -> None:
-        """Rollout span (first turn start to last trajectory end, as ``rose bench e2e`` measures it) of every finished batch."""
-        for b, info in self.batch_info.items():
-            if info.get("span") is None and info["procs"] and all(pr.triggered for pr in info["procs"]) and info["first"] is not None:
-                fin = np.sort(np.asarray(info["finished"]))
-                info["span"] = info["last"] - info["first"]
-                p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else info["last"]
-                info["tail"] = max(0.0, info["last"] - p90)
-                self.batch_spans.append(dict(batch=b, rollout_s=info["span"], tail_s=info["tail"], generated=info["generated"]))
+        tr.batches_done_stats()
+        tr.batch_info.pop(b - slots - 1, None)
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
@@ -1245,15 +1076,15 @@ class Simulation:
         return self.result()
 
     def result(self) -> dict:
-        c, a = self.cfg, self.acc
-        steps = self.steps
+        c, a, tr = self.cfg, self.counts, self.trainer
+        steps = tr.steps
         complete = len(steps) == c.steps
         step_s = float(np.mean([s["step_s"] for s in steps])) if steps else float("nan")
         rate = 3600.0 / step_s if steps else 0.0
         rollouts = steps
-        if self.pipelined:
-            self._batches_done_stats()
-            rollouts = self.batch_spans
+        if tr.pipelined:
+            tr.batches_done_stats()
+            rollouts = tr.batch_spans
             if len(steps) >= 2:  # steady state, as rose bench e2e measures it: first to last training step
                 step_s = (steps[-1]["done"] - steps[0]["done"]) / (len(steps) - 1)
                 rate = 3600.0 / step_s
@@ -1261,7 +1092,7 @@ class Simulation:
         gen = sum(s["generated"] for s in rollouts)
         roll_total = sum(s["rollout_s"] for s in rollouts)
         sim_s = max(1e-9, self.env.now)
-        hits, misses = a["prefix_hits"], a["prefix_misses"]
+        hits, misses = a.prefix_hits, a.prefix_misses
         return dict(
             model=c.model,
             device=c.device,
@@ -1281,31 +1112,31 @@ class Simulation:
             rl_steps_per_hour=rate,
             step_s=step_s,
             rollout_s_per_step=rollout_s,
-            prefetch_steps=self.effective_prefetch,
-            trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if self.pipelined and len(steps) > 1 else None,
-            groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if self.pipelined and steps else None,
-            staleness_mean=float(np.mean([s["staleness"] for s in steps])) if self.pipelined and steps else 0.0,
+            prefetch_steps=tr.effective_prefetch,
+            trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if tr.pipelined and len(steps) > 1 else None,
+            groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if tr.pipelined and steps else None,
+            staleness_mean=float(np.mean([s["staleness"] for s in steps])) if tr.pipelined and steps else 0.0,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
             trajectories_per_step=steps[0]["trajectories"] if steps else 0,
             bundle=steps[0]["bundle"] if steps else 0,
             rollout_tokens_per_s=gen / roll_total if roll_total else 0.0,
-            turn_s_p50=float(np.median(self.turn_durations)) if self.turn_durations else float("nan"),
-            dedicated_rollout_tokens_per_s=float(np.mean(self.ded_snapshots_tps)) if self.ded_snapshots_tps else 0.0,
+            turn_s_p50=float(np.median(a.turn_durations)) if a.turn_durations else float("nan"),
+            dedicated_rollout_tokens_per_s=float(np.mean(a.ded_snapshots_tps)) if a.ded_snapshots_tps else 0.0,
             tail_fraction=sum(s["tail_s"] for s in rollouts) / roll_total if roll_total else 0.0,
-            rollout_tokens_on_serving_fraction=a["serving_tokens"] / max(1.0, a["rollout_tokens"]),
-            unlendable_reasons=dict(self.unlendable.most_common(3)),
-            slo_violations=a["violations"],
-            slo_violations_serving_alone=a["violations_alone"],
-            serving_slo_attainment=1.0 - a["bad_requests"] / max(1.0, a["requests"]),
-            lent_instance_fraction=a["lent_instance_s"] / max(1e-9, sim_s * self.n_serv),
-            leases=dict(granted=a["granted"], renewed=a["renewed"], revoked=a["revoked"], expired=a["expired"]),
-            alerts=a["alerts"],
-            interrupted_turns=a["interrupted"],
-            aborted_turns=a["aborted"],
-            bounced_turns=a["bounced"],
-            hedges=a["hedges"],
-            hedge_wins=a["hedge_wins"],
+            rollout_tokens_on_serving_fraction=a.serving_tokens / max(1.0, a.rollout_tokens),
+            unlendable_reasons=dict(a.unlendable.most_common(3)),
+            slo_violations=a.violations,
+            slo_violations_serving_alone=a.violations_alone,
+            serving_slo_attainment=1.0 - a.bad_requests / max(1.0, a.requests),
+            lent_instance_fraction=a.lent_instance_s / max(1e-9, sim_s * self.n_serv),
+            leases=dict(granted=a.granted, renewed=a.renewed, revoked=a.revoked, expired=a.expired),
+            alerts=a.alerts,
+            interrupted_turns=a.interrupted,
+            aborted_turns=a.aborted,
+            bounced_turns=a.bounced,
+            hedges=a.hedges,
+            hedge_wins=a.hedge_wins,
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             simulated_s=sim_s,
         )
@@ -1316,5 +1147,5 @@ def simulate(cfg: SimConfig) -> dict:
     sim = Simulation(cfg)
     out = sim.run()
     if cfg.record_timeline:
-        out["timeline"] = sim.timeline
+        out["timeline"] = sim.counts.timeline
     return out

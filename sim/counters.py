@@ -1,0 +1,48 @@
+"""The simulator's tallies for its result (engine.py)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+TIMELINE_FIELDS = ("t", "fleet_rps", "rollout_tps", "lent", "violating")
+
+
+@dataclass
+class Counters:
+    """Everything the simulation counts for its result: serving SLO accounting, rollout tokens,
+    lease actions, alerts, turn outcomes, prefix-cache hits, hedges, turn times, the dedicated
+    executors' throughput snapshots, the monitor's reasons not to lend, and the timeline.
+
+    It exists to keep the run's output apart from its state: nothing in the simulation reads
+    these back, so they can change nothing but the result.
+    """
+
+    violations: float = 0.0  # serving instance-seconds over the SLO
+    bad_requests: float = 0.0
+    requests: float = 0.0
+    violations_alone: float = 0.0  # the same trace on the whole fleet serving alone (what static sees)
+    lent_instance_s: float = 0.0
+    serving_instance_s: float = 0.0  # serving instances taking traffic (counted, not in the result)
+    rollout_tokens: float = 0.0
+    serving_tokens: float = 0.0  # rollout tokens generated on serving instances
+    granted: int = 0
+    renewed: int = 0
+    revoked: int = 0
+    expired: int = 0
+    alerts: int = 0
+    interrupted: int = 0
+    aborted: int = 0
+    bounced: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    hedges: int = 0
+    hedge_wins: int = 0
+    turn_durations: list[float] = field(default_factory=list)  # every turn, route to result (rose bench e2e's turn_s_p50)
+    ded_snapshots_tps: list[float] = field(default_factory=list)  # dedicated executors' snapshots while running rollout
+    unlendable: collections.Counter = field(default_factory=collections.Counter)  # the monitor's first reason, per executor-second
+    timeline: dict[str, list] = field(default_factory=lambda: {k: [] for k in TIMELINE_FIELDS})
+
+    def lease(self, kind: str) -> None:
+        """One lease action of ``kind`` (granted, renewed, revoked, expired)."""
+        setattr(self, kind, getattr(self, kind) + 1)

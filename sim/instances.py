@@ -1,0 +1,35 @@
+"""The fleet's instances as the simulator tracks them (engine.py): who is who, and what each may run now."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Instances:
+    """Per-instance arrays over the whole fleet, serving instances first (``s0``, ``s1``, ...), then the
+    dedicated rollout pool (``d0``, ...); ``d`` indexes them everywhere in the simulator.
+
+    It exists so the clock, the rollout model and the lease hooks share one record of what each
+    instance's rollout lane may hold now (its lease, or the dedicated pool's whole engine), when
+    it has the current weights, and each serving instance's queue.
+    """
+
+    def __init__(self, n_serv: int, n_ded: int) -> None:
+        self.n_serv = n_serv
+        self.D = n_serv + n_ded
+        self.ids = [f"s{i}" for i in range(n_serv)] + [f"d{j}" for j in range(n_ded)]
+        self.index = {e: i for i, e in enumerate(self.ids)}
+        self.is_ded = np.zeros(self.D, dtype=bool)
+        self.is_ded[n_serv:] = True
+        self.slots = np.zeros(self.D)  # rollout sequences allowed now
+        self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
+        self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
+        self.queue = np.zeros(n_serv)  # serving requests waiting, per serving instance
+        self.prev_iter_ms = np.zeros(n_serv)  # each serving instance's last iteration time (its executor's signals)
+
+    def set_caps(self, d: int, slots: float, kv_bytes: float) -> None:
+        self.slots[d], self.kvcap[d] = slots, max(0.0, kv_bytes)
+
+    def lent(self) -> np.ndarray:
+        """Which serving instances hold a lease now (their rollout lane is open)."""
+        return self.slots[: self.n_serv] > 0

@@ -1,0 +1,49 @@
+"""The simulated RL job's bookkeeping: steps trained, batches handed out, groups waiting (engine.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import simpy
+
+
+class TrainerState:
+    """What the trainer has done and holds: the record of every trained step (the result's
+    source), and, for the asynchronous trainer (``prefetch_steps`` >= 1), the batches handed out,
+    the finished trajectories its consumer has not delivered yet, the complete groups it has not
+    trained on, and the rollout span of every finished batch.
+
+    It exists so the trainer processes, the trajectories (which report to their batch's record)
+    and the trajectory consumer share one record, which the result then reads.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.pipelined = False  # ``prefetch_steps`` >= 1: the asynchronous trainer
+        self.effective_prefetch = 0
+        # the asynchronous trainer's state (set up by ``Simulation._trainer_pipelined``)
+        self.ready_groups: list[tuple[int, int, float]] = []  # (batch, group, tokens) of complete groups not trained on yet
+        self.batch_info: dict[int, dict[str, Any]] = {}  # batch -> its record (handed out, first / last finish, groups left)
+        self.arrived: list[tuple[dict[str, Any], int]] = []  # finished trajectories the trainer has not received yet
+        self.arrival_evt: simpy.Event | None = None  # the consumer's wait for the next arrival
+        self.batch_spans: list[dict] = []  # pipelined: finished batches' rollout spans
+
+    def deliver(self, k: int) -> None:
+        """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""
+        take, self.arrived = self.arrived[:k], self.arrived[k:]
+        for info, i in take:
+            g = i // info["group_rows"]
+            info["left"][g] -= 1
+            if info["left"][g] == 0:
+                self.ready_groups.append((info["batch"], g, info["group_tokens"][g]))
+
+    def batches_done_stats(self) -> None:
+        """Rollout span (first turn start to last trajectory end, as ``rose bench e2e`` measures it) of every finished batch."""
+        for b, info in self.batch_info.items():
+            if info.get("span") is None and info["procs"] and all(pr.triggered for pr in info["procs"]) and info["first"] is not None:
+                fin = np.sort(np.asarray(info["finished"]))
+                info["span"] = info["last"] - info["first"]
+                p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else info["last"]
+                info["tail"] = max(0.0, info["last"] - p90)
+                self.batch_spans.append(dict(batch=b, rollout_s=info["span"], tail_s=info["tail"], generated=info["generated"]))
