@@ -26,6 +26,7 @@ async def otlp_receiver(path: str, message_type: type) -> AsyncIterator[tuple[st
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", received
+        port = runner.addresses[0][1]  # the port the OS chose (public read-out; no private state)
+        yield f"http://127.0.0.1:{port}", received
     finally:
         await runner.cleanup()

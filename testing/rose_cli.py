@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from polling import until_sync
+from rose.testing.polling import until_sync
 
 
 def rose(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

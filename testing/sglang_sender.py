@@ -30,7 +30,7 @@ def flattened_tensor_metadata(monkeypatch) -> type:
 
     module = types.ModuleType(MODULE)
     FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = MODULE, "FlattenedTensorMetadata"
-    module.FlattenedTensorMetadata = FlattenedTensorMetadata
+    setattr(module, "FlattenedTensorMetadata", FlattenedTensorMetadata)  # noqa: B010 - a module built at run time
     for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", MODULE):
         monkeypatch.setitem(sys.modules, name, module if name == MODULE else types.ModuleType(name))
     return FlattenedTensorMetadata

@@ -1,10 +1,18 @@
-"""Helpers for the weight-sync tests: small mixed-dtype models, RL-like steps, a recording executor."""
+"""Helpers for the weight-sync tests: small mixed-dtype models, RL-like steps, a recording executor,
+and objects written by hand into the weights object store."""
 
 from __future__ import annotations
 
-import torch
-from polling import until  # noqa: F401 - re-exported for the weights tests
+import base64
+import hashlib
+import json
 
+import torch
+from nats.js import api
+from nats.js.kv import MSG_ROLLUP_SUBJECT
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE
+
+from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.shared.bus import Delivery
 
 
@@ -70,3 +78,17 @@ class Events:
 
     async def on_failed(self, msg, d: Delivery) -> None:
         self.failed.append(msg)
+
+
+async def craft(js, name: str, chunks: list[bytes], *, size: int, digest_of: bytes) -> None:
+    """Write an object of the weights bucket by hand in the standard layout, with whatever size and digest we like."""
+    bucket = WEIGHTS_OBJECTS.bucket
+    nuid = js._nc._nuid.next().decode()
+    for chunk in chunks:
+        await js.publish(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid), chunk)
+    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(digest_of).digest()).decode()
+    info = api.ObjectInfo(
+        name=name, bucket=bucket, nuid=nuid, size=size, chunks=len(chunks), digest=digest, options=api.ObjectMetaOptions(max_chunk_size=1 << 20)
+    )
+    meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+    await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})

@@ -11,57 +11,14 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from rose.contracts import SCHEMA_VERSION
 from rose.contracts.export import asyncapi_document, export, json_schemas
 from rose.contracts.registry import CHANNELS, GENERATE, Encoding, Kind, message_types
 from rose.shared.codec import PayloadError, decode, encode
+from rose.testing.strategies import strategy_for
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def strategy_for(info: mi.Type) -> st.SearchStrategy:
-    """A hypothesis strategy that honours msgspec's constraints (ranges, patterns, lengths)."""
-    if isinstance(info, mi.Metadata):
-        return strategy_for(info.type)
-    if isinstance(info, mi.StructType):
-        fields = {f.encode_name: strategy_for(f.type) for f in info.fields if f.name != "schema_version"}
-        return st.fixed_dictionaries(fields).map(lambda kw, cls=info.cls: cls(**kw))
-    if isinstance(info, mi.IntType):
-        lo = info.ge if info.ge is not None else (info.gt + 1 if info.gt is not None else -(2**53))
-        hi = info.le if info.le is not None else (info.lt - 1 if info.lt is not None else 2**53)
-        return st.integers(lo, hi)
-    if isinstance(info, mi.FloatType):
-        lo = info.ge if info.ge is not None else info.gt
-        hi = info.le if info.le is not None else info.lt
-        return st.floats(
-            min_value=lo if lo is not None else -1e12,
-            max_value=hi if hi is not None else 1e12,
-            exclude_min=info.gt is not None,
-            exclude_max=info.lt is not None,
-            allow_nan=False,
-            allow_infinity=False,
-        )
-    if isinstance(info, mi.StrType):
-        if info.pattern:
-            return st.from_regex(info.pattern, fullmatch=True)
-        return st.text(min_size=info.min_length or 0, max_size=min(info.max_length or 40, 40))
-    if isinstance(info, mi.BoolType):
-        return st.booleans()
-    if isinstance(info, mi.BytesType):
-        return st.binary(max_size=64)
-    if isinstance(info, mi.NoneType):
-        return st.none()
-    if isinstance(info, mi.LiteralType):
-        return st.sampled_from(info.values)
-    if isinstance(info, mi.UnionType):
-        return st.one_of([strategy_for(t) for t in info.types])
-    if isinstance(info, mi.ListType):
-        return st.lists(strategy_for(info.item_type), min_size=info.min_length or 0, max_size=min(info.max_length or 5, 5))
-    if isinstance(info, mi.DictType):
-        return st.dictionaries(strategy_for(info.key_type), strategy_for(info.value_type), max_size=4)
-    raise TypeError(f"no strategy for {info!r}")
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import msgspec.inspect as mi
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_contracts import strategy_for
 
 from rose.contracts import SCHEMA_VERSION
 from rose.contracts.registry import CHANNELS, Encoding, message_types
 from rose.shared.codec import PayloadError, decode, encode
+from rose.testing.strategies import strategy_for
 
 TYPES = message_types()
 KINDS = {"oversized", "decode", "schema_version", "validation"}

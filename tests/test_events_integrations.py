@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from polling import until
 
 from rose.cli.events_forward import Forwarder, ForwardSettings, plan_consumers, public_event_subjects
 from rose.cli.main import main as rose_main
@@ -23,6 +22,7 @@ from rose.contracts.lease import Lease, LeaseEvent
 from rose.contracts.registry import LEASE_EVENT, TRAJECTORY
 from rose.contracts.rollout import Trajectory
 from rose.shared.nats_server import free_port
+from rose.testing.polling import until
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 30.0

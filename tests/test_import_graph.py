@@ -155,6 +155,21 @@ def test_the_package_has_no_import_cycle():
     assert not found, "\n\n".join(describe(modules, graph, c) for c in found)
 
 
+def test_only_tests_import_the_test_helpers():
+    """`rose.testing` (nats-server, CLI and OTLP helpers) is for test suites: a service, bench or
+    CLI module that imported it would ship test scaffolding into production paths."""
+    modules, graph = import_graph(ROOT, "rose")
+    assert "rose.testing.polling" in modules
+    users = [
+        f"{m} ({modules[m]}:{line})"
+        for m, edges in graph.items()
+        if not m.startswith("rose.testing")
+        for target, line in edges.items()
+        if target == "rose.testing" or target.startswith("rose.testing.")
+    ]
+    assert not users, users
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel

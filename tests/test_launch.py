@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from rose_cli import alive
+from rose.testing.rose_cli import alive
 
 PARENT = textwrap.dedent(
     """

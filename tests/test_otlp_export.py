@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from otlp_receiver import otlp_receiver
+
+from rose.testing.otlp_receiver import otlp_receiver
 
 SCRIPT = textwrap.dedent(
     """

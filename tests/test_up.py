@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from rose_cli import alive, children, rose, wait_until_up
+from rose.testing.rose_cli import alive, children, rose, wait_until_up
 
 UP_TIMEOUT_S = 180.0
 

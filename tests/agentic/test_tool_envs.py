@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from agentic_helpers import BrokenEnv
 
 from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv, calculate
@@ -14,6 +13,7 @@ from rose.shared.agentic.env_search_qa import CORPUS_PATH, SearchQAEnv, build_co
 from rose.shared.agentic.envs import ENVIRONMENTS, IM_END, IM_START
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.agentic.tools import EnvironmentFailure, ToolError, format_answer, format_call
+from rose.testing.agentic import BrokenEnv
 
 
 def test_the_worker_knows_the_tool_envs():

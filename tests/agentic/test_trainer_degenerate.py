@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agentic_helpers import save_tiny_policy
 
 from rose.contracts.registry import CHANNELS, ROLLOUT_TASK, TRAJECTORY, Kind
 from rose.contracts.rollout import RolloutTask
@@ -23,6 +22,7 @@ from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.models import PolicyModelRef, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.testing.agentic import save_tiny_policy
 
 TIMEOUT_S = 90.0
 GROUP_SIZE, GROUPS = 2, 1

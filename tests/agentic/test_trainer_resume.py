@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agentic_helpers import save_tiny_policy
-from polling import until
 
 from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORIES_STREAM, TRAJECTORY, WEIGHT_MANIFEST
 from rose.contracts.rollout import RolloutTask
@@ -27,6 +25,8 @@ from rose.shared.launch import ServiceProcess
 from rose.shared.models import load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.testing.agentic import save_tiny_policy
+from rose.testing.polling import until
 
 TIMEOUT_S = 120.0
 GROUP_SIZE, GROUPS = 2, 2

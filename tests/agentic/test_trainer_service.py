@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agentic_helpers import TINY_POLICY, save_tiny_policy
-from polling import until
 
 from rose.client import WeightsClient
 from rose.contracts.registry import ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORY
@@ -26,6 +24,8 @@ from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.models import PolicyModelRef, build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.testing.agentic import TINY_POLICY, save_tiny_policy
+from rose.testing.polling import until
 
 TIMEOUT_S = 90.0
 GROUP_SIZE, GROUPS = 4, 2

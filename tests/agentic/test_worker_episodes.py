@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agentic_helpers import BrokenEnv
 
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN, TRAJECTORY
@@ -20,6 +19,7 @@ from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.shared.agentic.envs import ENVIRONMENTS, register
 from rose.shared.bus import Delivery
 from rose.shared.models import load_tokenizer
+from rose.testing.agentic import BrokenEnv
 
 EXECUTOR = "ex-agentic-standin"
 MAX_DELIVER = 3

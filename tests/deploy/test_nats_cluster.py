@@ -39,7 +39,6 @@ import nkeys
 import pytest
 import yaml
 from nats.js.errors import APIError, NoStreamResponseError
-from polling import until
 
 from rose.contracts import RolloutTask
 from rose.contracts.registry import ALL_SERVICES, KV_BUCKETS, OBJECT_STORES, ROLLOUT_TASK, SERVICE_EVENT, SERVICE_REGISTRY, STREAMS
@@ -60,6 +59,7 @@ from rose.shared.nats_server import (
     free_ports,
 )
 from rose.shared.security import CLUSTER_INCLUDE, OPERATOR, ROUTE_SECRET, ROUTE_USER, SEED_SUFFIX, SERVER_INCLUDE, init_credentials
+from rose.testing.polling import until
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "compose" / "nats"

@@ -17,13 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-from polling import until_sync
-from rose_cli import alive, children, rose, wait_until_up
-
 from rose.contracts.registry import STREAMS
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.security import CLUSTER_INCLUDE
+from rose.testing.polling import until_sync
+from rose.testing.rose_cli import alive, children, rose, wait_until_up
 
 UP_TIMEOUT_S = 120.0
 

@@ -8,24 +8,12 @@ import torch
 
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.policies import POLICY_NAMES
-from rose.services.executor.protocol import EngineSampling, GenerationRequest, InvalidRequest, RolloutRejected, WorkClass
+from rose.services.executor.protocol import InvalidRequest, RolloutRejected, WorkClass
 from rose.services.executor.weights import WeightUpdateError
+from rose.testing.engine import generate, req
 
 MIB = 1 << 20
 TEST_CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)  # as in conftest
-
-PROMPT = "Question: what is 12+7? <tool>calc: 12+7</tool>"
-
-
-def req(engine, rid, cls=WorkClass.ROLLOUT, prompt=PROMPT, **kw):
-    stream = kw.pop("stream", True)
-    traj = kw.pop("trajectory_id", None)
-    ids = prompt if isinstance(prompt, tuple) else tuple(engine.tokenizer_for(cls).encode(prompt))
-    return GenerationRequest(request_id=rid, work_class=cls, prompt_token_ids=ids, sampling=EngineSampling(**kw), trajectory_id=traj, stream=stream)
-
-
-async def generate(engine, request):
-    return await engine.submit(request).result()
 
 
 async def test_preempted_rollout_resumes_to_the_uninterrupted_tokens(make_engine):

@@ -4,9 +4,9 @@ modes, continue, abort, prefix-cache flush, releasing and resuming the rollout m
 import asyncio
 
 import pytest
-from test_engine import generate, req
 
 from rose.services.executor.protocol import InvalidRequest, WorkClass
+from rose.testing.engine import generate, req
 
 PARAMS = dict(temperature=0, max_tokens=40, ignore_eos=True)
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from safetensors.torch import save_file
-from sglang_sender import flattened_tensor_metadata
 
 from rose.services.executor.config import SGLangApiSettings
 from rose.services.executor.http_api import OpenAIApi
 from rose.services.executor.sglang_api import SGLangApi
 from rose.services.executor.sglang_tensors import serialize_named_tensors
 from rose.services.executor.telemetry import Telemetry
+from rose.testing.sglang_sender import flattened_tensor_metadata
 
 OPEN = SGLangApiSettings(allow_unauthenticated_admin=True)
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}

@@ -10,21 +10,7 @@ import msgspec
 from rose.contracts import GenerateRequest, Lease, MetricsSnapshot, SamplingParams
 from rose.contracts.registry import EXECUTOR_METRICS, GENERATE, LEASE
 from rose.shared.codec import decode
-
-
-def _lease(executor_id: str, *, epoch: int = 1, state: str = "active", ttl: float = 60.0) -> Lease:
-    now = time.time()
-    return Lease(
-        lease_id=f"lease-{epoch}",
-        executor_id=executor_id,
-        epoch=epoch,
-        state=state,
-        granted_at=now,
-        expires_at=now + ttl,  # type: ignore[arg-type]
-        kv_bytes=8 << 20,
-        compute_share=0.5,
-        max_rollout_batch=8,
-    )
+from rose.testing.messages import lease_for
 
 
 def _turn(lease: Lease | None, i: int = 0, **kw) -> GenerateRequest:
@@ -54,7 +40,7 @@ async def test_lease_lifecycle_admission(bus, executor):
     reply = await bus.request(GENERATE, _turn(None), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason in ("no_lease", "lease_revoked")
 
-    lease = _lease(ex, epoch=1)
+    lease = lease_for(ex, epoch=1)
     await _set_lease(bus, ex, lease)
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex, timeout=30)
     assert reply.status == "ok", reply.error
@@ -65,11 +51,11 @@ async def test_lease_lifecycle_admission(bus, executor):
     reply = await bus.request(GENERATE, stale, executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "stale_lease_epoch"
 
-    await _set_lease(bus, ex, _lease(ex, epoch=1, state="revoked"))
+    await _set_lease(bus, ex, lease_for(ex, epoch=1, state="revoked"))
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "lease_revoked"
 
-    short = _lease(ex, epoch=2, ttl=0.5)
+    short = lease_for(ex, epoch=2, ttl=0.5)
     await _set_lease(bus, ex, short)
     await asyncio.sleep(0.6)
     reply = await bus.request(GENERATE, _turn(short), executor_id=ex)
@@ -78,7 +64,7 @@ async def test_lease_lifecycle_admission(bus, executor):
 
 async def test_second_turn_hits_the_retained_prefix(bus, executor):
     ex, _ = executor
-    lease = _lease(ex, epoch=3)
+    lease = lease_for(ex, epoch=3)
     await _set_lease(bus, ex, lease)
     first = await bus.request(GENERATE, _turn(lease, 0), executor_id=ex, timeout=30)
     assert first.status == "ok", first.error
@@ -98,7 +84,7 @@ async def test_second_turn_hits_the_retained_prefix(bus, executor):
 
 async def test_invalid_turn_is_rejected_with_reason(bus, executor):
     ex, _ = executor
-    lease = _lease(ex, epoch=4)
+    lease = lease_for(ex, epoch=4)
     await _set_lease(bus, ex, lease)
     too_long = GenerateRequest(
         request_id="too-long",

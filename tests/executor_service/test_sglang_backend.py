@@ -20,7 +20,6 @@ import aiohttp
 import pytest
 import torch
 from ddsketch import DDSketch
-from polling import until
 
 from rose.contracts import GenerateRequest, Lease, MetricsSnapshot
 from rose.contracts import SamplingParams as WireSampling
@@ -45,6 +44,8 @@ from rose.shared.bus import Bus
 from rose.shared.codec import decode
 from rose.shared.launch import ServiceProcess, start_all
 from rose.shared.provisioning import provision
+from rose.testing.messages import lease_for
+from rose.testing.polling import until
 
 START_TIMEOUT_S = 120.0
 FAR = 3600.0  # a lease that outlives the test
@@ -497,21 +498,6 @@ async def backend_executor(servers, nats_server, bus_config, models_dir, tmp_pat
         proc.stop()
 
 
-def _lease(executor_id: str, epoch: int, *, state: str = "active", ttl: float = 60.0) -> Lease:
-    now = time.time()
-    return Lease(
-        lease_id=f"sg-lease-{epoch}",
-        executor_id=executor_id,
-        epoch=epoch,
-        state=state,
-        granted_at=now,
-        expires_at=now + ttl,  # type: ignore[arg-type]
-        kv_bytes=8 << 20,
-        compute_share=0.5,
-        max_rollout_batch=8,
-    )
-
-
 def _turn(lease: Lease, max_tokens: int = 6, **kw) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"sg-turn-{time.monotonic_ns()}",
@@ -563,7 +549,7 @@ async def test_executor_lends_the_rollout_server_under_bus_leases(backend_execut
     url = servers["rollout"]
     await bus.kv_delete(LEASE, executor_id=ex)
     await until(lambda: _paused_and_released(url), 10, "no lease: the rollout server paused and released")
-    lease = _lease(ex, 1)
+    lease = lease_for(ex, 1)
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason in ("no_lease", "lease_revoked")
 
@@ -575,13 +561,13 @@ async def test_executor_lends_the_rollout_server_under_bus_leases(backend_execut
     served = int((await _get(url, "/get_weight_version"))["weight_version"] or 0)
     assert reply.policy_version == served  # the version the rollout server reports, whatever earlier tests loaded
 
-    await bus.kv_put(LEASE, _lease(ex, 1, state="revoked"), executor_id=ex)
+    await bus.kv_put(LEASE, lease_for(ex, 1, state="revoked"), executor_id=ex)
     state = await until(lambda: _paused_and_released(url), 10, "the revoke pauses the rollout server")
     assert state["paused"] == "retract"
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "lease_revoked"
 
-    lease = _lease(ex, 2)
+    lease = lease_for(ex, 2)
     await bus.kv_put(LEASE, lease, executor_id=ex)
     await until(lambda: _lent(url), 10, "a new lease resumes it")
     reply = await bus.request(GENERATE, _turn(lease, 4), executor_id=ex, timeout=30)
@@ -590,7 +576,7 @@ async def test_executor_lends_the_rollout_server_under_bus_leases(backend_execut
 
 async def test_a_killed_rollout_server_aborts_the_turn_and_the_executor_carries_on(backend_executor, bus, servers):
     ex, http, proc = backend_executor
-    lease = _lease(ex, 3)
+    lease = lease_for(ex, 3)
     await bus.kv_put(LEASE, lease, executor_id=ex)
     await until(lambda: _lent(servers["rollout"]), 10, "lent")
     long_turn = asyncio.ensure_future(bus.request(GENERATE, _turn(lease, 1500), executor_id=ex, timeout=60))

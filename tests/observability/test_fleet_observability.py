@@ -24,7 +24,6 @@ import torch
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
-from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.client import PublishFailedError, WeightsClient
@@ -64,6 +63,7 @@ from rose.shared.provisioning import provision
 from rose.shared.tracing import tracer
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import until
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "grafana" / "dashboards"
 START_TIMEOUT_S = 120.0

@@ -12,13 +12,13 @@ import textwrap
 import aiohttp
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from otlp_receiver import otlp_receiver
 
 from rose.contracts.registry import SERVICE_REGISTRY
 from rose.services.scheduler.config import SchedulerConfig
 from rose.shared.config import ConfigError, RuntimeConfig, load_config
 from rose.shared.metrics import MetricsServer, meter, metric_name
 from rose.shared.service import ServiceRuntime
+from rose.testing.otlp_receiver import otlp_receiver
 
 
 async def test_runtime_serves_and_advertises_its_metrics_endpoint(bus_config, bus):

@@ -25,8 +25,7 @@ from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from otlp_receiver import otlp_receiver  # noqa: E402
+from rose.testing.otlp_receiver import otlp_receiver
 
 PERIODIC = ("rose.svc.heartbeat.", "rose.telemetry.", "rose.slo.headroom.")
 TASK_PATH = ("rose-trainer", "rose-rollout-worker", "rose-scheduler", "rose-executor")

@@ -15,9 +15,9 @@ from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
+from rose.testing.fleet import DEDICATED, SERVING, WORKER
 
 START_TIMEOUT_S = 120.0
-from fleet_ids import DEDICATED, SERVING, WORKER  # noqa: E402
 
 COMMON = {"ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5"}
 EXECUTOR = {

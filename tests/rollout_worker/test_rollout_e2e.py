@@ -10,11 +10,11 @@ import time
 import uuid
 
 import msgspec
-from fleet_ids import DEDICATED, SERVING
 
 from rose.contracts.executor import GenerateRequest, SamplingParams
 from rose.contracts.registry import GENERATE, LEASE, ROLLOUT_TASK
 from rose.contracts.rollout import RolloutTask
+from rose.testing.fleet import DEDICATED, SERVING
 
 TRAJECTORY_TIMEOUT_S = 150.0
 

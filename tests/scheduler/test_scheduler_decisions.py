@@ -12,27 +12,10 @@ from rose.contracts.slo import Headroom, SloAlert
 from rose.services.scheduler.config import LeaseSettings, PlacementSettings
 from rose.services.scheduler.leases import ExecutorView, plan_leases, plan_one, revoke_for_alert
 from rose.services.scheduler.placement import Candidate, place_turn, should_hedge, weights
+from rose.testing.messages import headroom
 
 S = LeaseSettings(ttl_s=10.0, renew_before_s=4.0, keep_fraction=0.8, cooldown_s=5.0, headroom_max_age_s=3.0)
 P = PlacementSettings()
-
-
-def headroom(at: float, *, ttft: float = 50.0, tpot: float = 10.0, lendable: bool = True, slots: int = 8, ex: str = "ex-1") -> Headroom:
-    return Headroom(
-        executor_id=ex,
-        at=at,
-        kv_bytes=64 << 20,
-        compute_share=0.25,
-        rollout_batch_slots=slots,
-        ttft_p99_ms=ttft,
-        tpot_p99_ms=tpot,
-        slo_ttft_ms=500.0,
-        slo_tpot_ms=100.0,
-        arrival_rate_rps=5.0,
-        serving_queue=0,
-        lendable=lendable,
-        reason="test",
-    )
 
 
 def view(

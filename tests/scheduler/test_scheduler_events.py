@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from test_scheduler_decisions import headroom
-from test_scheduler_service import beat
-
 from rose.contracts.registry import EVENTS_STREAM, LEASE, LEASE_EVENT, PLACEMENT
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.slo import SloAlert
@@ -15,6 +12,7 @@ from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.scheduler import Scheduler
 from rose.shared.bus import Delivery
 from rose.shared.codec import decode
+from rose.testing.messages import beat, headroom
 
 
 async def test_grant_place_revoke_are_events_and_spans(bus, spans):

@@ -14,15 +14,14 @@ import os
 import socket
 import time
 
-from polling import until
-from test_scheduler_decisions import headroom
-from test_scheduler_service import ENV, START_TIMEOUT_S
-
 from rose.contracts.lease import Lease
 from rose.contracts.registry import HEADROOM, HEARTBEAT, LEASE, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
 from rose.shared.launch import ServiceProcess
 from rose.shared.partition import Partition, weight
+from rose.testing.messages import headroom
+from rose.testing.polling import until
+from rose.testing.scheduler import ENV, START_TIMEOUT_S
 
 EXECUTORS = [f"ex-p{i}" for i in range(10)]
 TTL_S = float(ENV["ROSE_LEASES__TTL_S"])

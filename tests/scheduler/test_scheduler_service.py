@@ -4,43 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import time
-
-from polling import until
-from test_scheduler_decisions import headroom
 
 from rose.contracts.registry import EVENTS_STREAM, EXECUTOR_BURST, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
 from rose.contracts.rollout import TurnRouteRequest
-from rose.contracts.service import Heartbeat
 from rose.contracts.slo import SloAlert
 from rose.shared.launch import ServiceProcess
-
-START_TIMEOUT_S = 60.0
-ENV = {
-    "ROSE_TICK_S": "0.2",
-    "ROSE_LEASES__TTL_S": "3",
-    "ROSE_LEASES__RENEW_BEFORE_S": "1.5",
-    "ROSE_LEASES__COOLDOWN_S": "1.5",
-    "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "0.5",
-}
-
-
-def beat(instance: str, role: str) -> Heartbeat:
-    now = time.time()
-    return Heartbeat(
-        service="executor",
-        instance=instance,
-        version="test",
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        started_at=now,
-        sent_at=now,
-        interval_s=0.5,
-        state="ready",
-        labels={"role": role},
-    )
+from rose.testing.messages import beat, headroom
+from rose.testing.polling import until
+from rose.testing.scheduler import ENV, START_TIMEOUT_S
 
 
 @contextlib.asynccontextmanager

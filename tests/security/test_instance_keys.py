@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from nats.js.errors import NotFoundError
-from polling import until
 
 from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, SloAlert
 from rose.contracts.registry import (
@@ -36,6 +35,7 @@ from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, SEED_SUFFIX, USERS, Credentials, init_credentials, parse_instances, permissions, public_key
+from rose.testing.polling import until
 
 NOW = time.time()
 A, B = "ex-a", "ex-b"

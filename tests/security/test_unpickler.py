@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_sender import flattened_tensor_metadata
 
 from rose.bench.security import (
     Listener,
@@ -32,6 +31,7 @@ from rose.bench.security import (
     payload_tensors,
 )
 from rose.services.executor.sglang_tensors import UnsafePayload, deserialize_named_tensors, serialize_named_tensors
+from rose.testing.sglang_sender import flattened_tensor_metadata
 
 HUGE = 16 << 30
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import nats
 import pytest
-from rose_cli import rose, wait_until_up
 
 from rose.cli.service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
 from rose.shared.security import USERS
+from rose.testing.rose_cli import rose, wait_until_up
 
 UP_TIMEOUT_S = 180.0
 

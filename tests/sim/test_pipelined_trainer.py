@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_calibration_and_cli import SYNTHETIC_E2E  # tests/sim is on sys.path (pytest rootdir imports)
 
 from rose.services.executor import policies as executor_policies
 from rose.sim import calibration as cal
@@ -16,6 +15,7 @@ from rose.sim.coserve import rollout_interference, serving_tick
 from rose.sim.devices import MeasuredSteps
 from rose.sim.engine import simulate
 from rose.sim.policies import make_fleet_policy
+from rose.testing.sim import SYNTHETIC_E2E
 
 SERVING, POLICY = cal._e2e_step_models(SYNTHETIC_E2E, None, 0)[:2]
 

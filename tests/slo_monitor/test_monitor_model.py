@@ -4,51 +4,13 @@ from __future__ import annotations
 
 from ddsketch import DDSketch
 
-from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage
 from rose.services.slo_monitor.bursts import BurstDetector
 from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, SloMonitorConfig
 from rose.services.slo_monitor.headroom import assess, fit_step_model, observations, rollout_slots
 from rose.services.slo_monitor.monitor import Monitor
 from rose.services.slo_monitor.windows import ExecutorWindow, fleet_stats
-from rose.shared.sketch import new_sketch, to_contract
-
-INTERVAL = 0.1
-
-
-def snap(
-    at: float,
-    *,
-    ex: str = "ex-1",
-    ttft: list[float] = (),
-    tpot: list[float] = (),
-    arrivals: int = 1,
-    queue: int = 0,
-    serving: int = 2,
-    rollout: int = 0,
-    role: str = "serving",
-    rollout_tps: float = 0.0,
-) -> MetricsSnapshot:
-    t, p = new_sketch(), new_sketch()
-    for v in ttft:
-        t.add(v)
-    for v in tpot:
-        p.add(v)
-    return MetricsSnapshot(
-        executor_id=ex,
-        at=at,
-        interval_s=INTERVAL,
-        role=role,
-        ttft_ms=to_contract(t),
-        tpot_ms=to_contract(p),  # type: ignore[arg-type]
-        serving_arrivals=arrivals,
-        serving_queue=queue,
-        serving_running=serving,
-        rollout_running=rollout,
-        rollout_tokens_per_s=rollout_tps,
-        serving_pool=PoolUsage(block_bytes=1024, total_blocks=100, used_blocks=10),
-        rollout_pool=PoolUsage(block_bytes=1024, total_blocks=0, used_blocks=0),
-        device=DeviceTelemetry(kind="cpu", name="test-cpu", memory_total_bytes=8 << 30, memory_used_bytes=2 << 30, utilization=0.3),
-    )
+from rose.testing.messages import SNAPSHOT_INTERVAL_S as INTERVAL
+from rose.testing.messages import snap
 
 
 def test_windows_merge_sketches_exactly_per_executor_and_fleet():

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
-from test_monitor_model import snap
 
 from rose.contracts.registry import EXECUTOR_METRICS, HEADROOM, SLO_ALERT
 from rose.shared.launch import ServiceProcess
+from rose.testing.messages import snap
 
 START_TIMEOUT_S = 60.0
 

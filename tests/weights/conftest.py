@@ -6,10 +6,10 @@ import itertools
 import os
 
 import pytest
-from weights_helpers import Events
 
 from rose.contracts.registry import WEIGHT_APPLIED, WEIGHT_FAILED
 from rose.shared.bus import Bus
+from rose.testing.weights import Events
 
 _models = itertools.count()
 

@@ -7,14 +7,14 @@ import os
 
 import msgspec
 import pytest
-from test_store import craft
-from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 from rose.contracts.registry import WEIGHT_MANIFEST, WEIGHTS_OBJECTS
 from rose.services.weight_publisher.config import PublisherSettings
 from rose.services.weight_publisher.versions import ModelVersions
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import until
+from rose.testing.weights import Executor, as_sources, craft, make_state, rl_step, same
 
 SETTINGS = PublisherSettings(shard_bytes=1 << 20, keyframe_interval=100)
 TIMEOUT = 10.0

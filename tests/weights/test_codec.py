@@ -8,10 +8,10 @@ import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from weights_helpers import make_state, rl_step
 
 from rose.shared.weight_codec import CodecError, ShardDecoder, decode_shard, encode_shard, topk_sparsify
 from rose.shared.weight_layout import ALIGN, layout_of, pack_shards, parse_safetensors, plan_layout, safetensors_blob, state_bytes
+from rose.testing.weights import make_state, rl_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from weights_helpers import Executor, make_state, rl_step, same
 
 from rose.client import PublishFailedError, WeightsClient
 from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
@@ -17,6 +16,7 @@ from rose.shared.config import RuntimeConfig
 from rose.shared.weight_layout import save_safetensors
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.weights import Executor, make_state, rl_step, same
 
 TIMEOUT = 15.0
 

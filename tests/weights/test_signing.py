@@ -11,7 +11,6 @@ import os
 
 import msgspec
 import pytest
-from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
 
 from rose.contracts import DeadLetter
 from rose.contracts.registry import DEAD_LETTER, WEIGHT_MANIFEST, WEIGHTS_OBJECTS
@@ -31,6 +30,8 @@ from rose.shared.weight_signing import (
 )
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import until
+from rose.testing.weights import Executor, as_sources, make_state, rl_step, same
 
 SETTINGS = PublisherSettings(shard_bytes=1 << 20, keyframe_interval=100)
 TIMEOUT = 10.0
@@ -222,7 +223,8 @@ def test_any_manifest_is_verified_or_refused_never_a_crash(tmp_path):
     import msgspec.inspect as mi
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from test_contracts import strategy_for
+
+    from rose.testing.strategies import strategy_for
 
     signer = ManifestSigner.from_file(generate_keypair(tmp_path).private)
     verifier = ManifestVerifier([tmp_path])

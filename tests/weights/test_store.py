@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import os
 
 import pytest
-from nats.js import api
-from nats.js.kv import MSG_ROLLUP_SUBJECT
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.shared.weight_store import StoreError, WeightStore
+from rose.testing.weights import craft
 
 BUCKET = WEIGHTS_OBJECTS.bucket
-
-
-async def craft(js, name: str, chunks: list[bytes], *, size: int, digest_of: bytes) -> None:
-    """Write an object by hand in the standard layout, with whatever size and digest we like."""
-    nuid = js._nc._nuid.next().decode()
-    for chunk in chunks:
-        await js.publish(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=nuid), chunk)
-    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(digest_of).digest()).decode()
-    info = api.ObjectInfo(
-        name=name, bucket=BUCKET, nuid=nuid, size=size, chunks=len(chunks), digest=digest, options=api.ObjectMetaOptions(max_chunk_size=1 << 20)
-    )
-    meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=BUCKET, obj=base64.urlsafe_b64encode(name.encode()).decode())
-    await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
 
 
 @pytest.mark.parametrize("size", [0, 1, 65_536, 1_000_003])

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from weights_helpers import Executor, as_sources, make_state, rl_step, same, until
-
 from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.services.weight_publisher.config import PublisherSettings
 from rose.services.weight_publisher.versions import ModelVersions
 from rose.shared.weight_layout import layout_of
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import until
+from rose.testing.weights import Executor, as_sources, make_state, rl_step, same
 
 SMALL_SHARDS = PublisherSettings(shard_bytes=8192, keyframe_interval=100)
 TIMEOUT = 10.0

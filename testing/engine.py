@@ -1,0 +1,21 @@
+"""Requests to a real executor engine (`rose.services.executor.engine`), as the engine tests make them."""
+
+from __future__ import annotations
+
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
+
+PROMPT = "Question: what is 12+7? <tool>calc: 12+7</tool>"
+
+
+def req(engine, rid, cls=WorkClass.ROLLOUT, prompt=PROMPT, **kw):
+    """A request `rid` of work class `cls`: `prompt` is text (encoded with the engine's tokenizer for
+    that class) or a tuple of token ids; `stream` and `trajectory_id` from `kw`, the rest is sampling."""
+    stream = kw.pop("stream", True)
+    traj = kw.pop("trajectory_id", None)
+    ids = prompt if isinstance(prompt, tuple) else tuple(engine.tokenizer_for(cls).encode(prompt))
+    return GenerationRequest(request_id=rid, work_class=cls, prompt_token_ids=ids, sampling=EngineSampling(**kw), trajectory_id=traj, stream=stream)
+
+
+async def generate(engine, request):
+    """Submit `request` and wait for its whole result."""
+    return await engine.submit(request).result()
