@@ -42,6 +42,7 @@ class ArrivalBurstDetector:
         self._first: float | None = None
         self._last_alert: float | None = None
         self._last_queue = 0
+        self.bursting = False  # the last arrival met the burst test (alerts repeat only every realert_s)
         self._lock = threading.Lock()  # arrivals come on the event loop, the rollout lane asks the rate
 
     def rate(self, now: float) -> float:
@@ -58,7 +59,8 @@ class ArrivalBurstDetector:
         return n
 
     def arrival(self, now: float, queue: int) -> BurstTrip | None:
-        """One serving arrival at ``now`` (monotonic s) with ``queue`` requests awaiting their first token."""
+        """One serving arrival at ``now`` (monotonic s) with ``queue`` requests awaiting their first token;
+        a BurstTrip when an alert is due. ``bursting`` says whether this arrival met the test at all."""
         cfg = self.cfg
         if self._first is None:
             self._first = now
@@ -76,6 +78,7 @@ class ArrivalBurstDetector:
         if trip is None and queue >= cfg.queue_threshold and queue > self._last_queue:
             trip = BurstTrip(f"serving queue growing: {self._last_queue} -> {queue} (executor)", recent / cfg.window_s, queue)
         self._last_queue = queue
+        self.bursting = trip is not None
         if trip is None or (self._last_alert is not None and now - self._last_alert < cfg.realert_s):
             return None
         self._last_alert = now

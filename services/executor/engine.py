@@ -358,9 +358,12 @@ class Engine:
         rt.inbox.append(seq)
         if rt is self._serving:
             self.metrics.serving_arrival()
-            trip = self.bursts.arrival(time.monotonic(), len(rt.inbox) + len(rt.waiting) + rt.unprefilled)
+            now = time.monotonic()
+            trip = self.bursts.arrival(now, len(rt.inbox) + len(rt.waiting) + rt.unprefilled)
+            if self.bursts.bursting and self.policy.admits_rollout:
+                self.slo_guard.hold(now, self.bursts.cfg.window_s)  # yield at once and while it lasts, lease or not
             if trip is not None and self.policy.admits_rollout:
-                for listener in self.on_burst:
+                for listener in self.on_burst:  # the alert that tells the scheduler (every realert_s)
                     listener(trip)
             self._cores.recall()
             if self.policy.yields_on_arrival and self._in_quantum and self._rollout_overlaps_serving and self._yield_at is None:

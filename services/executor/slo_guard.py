@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SETPOINT = 0.8  # the target of the window's p99, as a share of the SLO (the margin below it absorbs one window's reaction time)
 TAIL_QUANTILE = 0.99
@@ -57,6 +57,7 @@ class SloGuard:
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, float, float | None]] = deque()  # (finished at, ttft ms, tpot ms)
         self._share = 1.0
+        self._hold_until = 0.0  # rollout's share is 0 until then (a burst the executor detected: ``hold``)
         self._last_update: float | None = None
         self._fresh_max = 0.0  # the worst ratio among samples since the last control step
         self._state = GuardState(share=1.0, setpoint=setpoint, tail_ratio=0.0, ttft_p99_ms=0.0, tpot_p99_ms=0.0, samples=0)
@@ -77,6 +78,7 @@ class SloGuard:
 
     @property
     def share(self) -> float:
+        """The loop's own share, set by the tails (a burst's hold is on top of it: ``held``)."""
         return self._share
 
     @property
@@ -99,6 +101,21 @@ class SloGuard:
             self._samples.append((now, ttft_ms, tpot_ms))
             self._fresh_max = max(self._fresh_max, self._ratio(ttft_ms, tpot_ms))
 
+    def hold(self, now: float, hold_s: float) -> None:
+        """A measured disturbance: the executor's burst detector tripped (arrivals beyond what the
+        baseline explains, or the serving queue growing). The tails it will raise are still a window
+        away, so rollout's share is 0 from now until ``hold_s`` after the last trip (feed-forward;
+        the detector trips on every arrival while the burst lasts). The loop's own share is left as
+        the tails set it: once the hold ends, only tails the burst really raised keep rollout back."""
+        if not self.active:
+            return
+        with self._lock:
+            self._hold_until = max(self._hold_until, now + hold_s)
+            self._state = replace(self._state, share=0.0)
+
+    def held(self, now: float) -> bool:
+        return now < self._hold_until
+
     def update(self, now: float, oldest_wait_ms: float = 0.0, serving_step_ms: float = 0.0) -> float:
         """Run the control step if a period has passed; returns the share. ``oldest_wait_ms``: the
         longest wait of a serving request still before its first token; ``serving_step_ms``: the
@@ -107,7 +124,7 @@ class SloGuard:
             return 1.0
         last = self._last_update
         if last is not None and now - last < self.period_s:
-            return self._share
+            return 0.0 if self.held(now) else self._share
         with self._lock:
             self._last_update = now
             while self._samples and now - self._samples[0][0] > self.window_s:
@@ -126,6 +143,8 @@ class SloGuard:
                 elapsed = now - last if last is not None else self.period_s
                 share = min(1.0, share + elapsed / (RELAX_WINDOWS * self.window_s))
             self._share = share
+            if self.held(now):
+                share = 0.0
             self._state = GuardState(
                 share=share, setpoint=self.setpoint, tail_ratio=ratio, ttft_p99_ms=ttft_p99, tpot_p99_ms=tpot_p99, samples=len(ttfts)
             )

@@ -60,18 +60,38 @@ def test_live_evidence_tightens_before_any_slow_request_finishes():
     assert SloGuard(None, None).update(0.0, oldest_wait_ms=1e6) == 1.0  # no SLO: nothing to steer by
 
 
+def test_a_burst_holds_rollout_at_nothing_while_it_lasts_and_leaves_the_loop_as_the_tails_set_it():
+    guard = SloGuard(SLO_TTFT, SLO_TPOT)
+    t, calm = _run(guard, 0.0, 1.0, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert min(calm) == 1.0
+    for i in range(10):  # the burst detector trips on every arrival for 0.1 s; no slow request has finished yet
+        guard.hold(t + i * 0.01, 0.5)
+    assert guard.held(t + 0.5) and guard.state.share == 0.0
+    last_trip = t + 0.09
+    t, during = _run(guard, t, 0.58, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert max(during) == 0.0  # until 0.5 s after the last trip
+    t, after = _run(guard, last_trip + 0.51, 0.2, 0.3 * SLO_TTFT, 0.3 * SLO_TPOT)
+    assert not guard.held(t) and min(after) == 1.0  # the tails stayed calm: the loop's share was never lowered
+    t, _ = _run(guard, t, 0.2, 0.95 * SLO_TTFT, 0.5 * SLO_TPOT)  # tails the burst did raise: the loop tightens as usual
+    assert guard.share < 0.5
+    untouched = SloGuard(None, None)
+    untouched.hold(0.0, 1.0)
+    assert not untouched.held(0.5) and untouched.update(0.5) == 1.0  # no SLO: nothing to steer by
+
+
 def test_the_executor_detects_a_burst_of_arrivals_against_its_own_baseline():
     cfg = BurstSettings()
     det = ArrivalBurstDetector(cfg)
     trips = [det.arrival(i * 0.1, 0) for i in range(40)]  # 10/s for 4 s: the baseline
-    assert not any(trips)
+    assert not any(trips) and not det.bursting
     t, found = 4.0, None
     for _ in range(30):  # then 50/s
         t += 0.02
         trip = det.arrival(t, 0)
         found = found or trip
     assert found is not None and "arrival rate" in found.reason and found.arrival_rate_rps > 20
-    assert det.arrival(t + 0.01, 0) is None  # not again within realert_s
+    assert det.arrival(t + 0.01, 0) is None  # not again within realert_s ...
+    assert det.bursting  # ... though the burst goes on (the engine's guard holds rollout at 0 meanwhile)
     assert det.rate(t + 0.01) > 20
     queue = ArrivalBurstDetector(cfg)
     assert queue.arrival(0.0, cfg.queue_threshold - 1) is None
@@ -95,6 +115,25 @@ def _rollout(i: int) -> GenerationRequest:
         sampling=EngineSampling(temperature=1.0, max_tokens=200, seed=i, ignore_eos=True),
         stream=False,
     )
+
+
+async def test_on_a_real_engine_a_burst_of_arrivals_takes_the_share_before_any_tail_is_seen(make_engine):
+    engine = make_engine("rose", EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0))
+    engine.set_slo(1000.0, 100.0)
+    rollouts = [engine.submit(_rollout(i)) for i in range(2)]
+    await asyncio.sleep(0.1)
+    trips: list = []
+    engine.on_burst.append(trips.append)
+    cfg = BurstSettings()
+    burst = [engine.submit(_serving(i)) for i in range(cfg.queue_threshold)]  # in one go: the queue test trips
+    assert trips and "queue" in trips[0].reason  # the alert the executor service publishes
+    assert engine.slo_guard.held(time.monotonic())  # and the guard yielded here, before any of them finished
+    assert engine.slo_guard.update(time.monotonic()) == 0.0  # the share the rollout lane reads
+    assert not any(h._result.done() for h in burst)
+    for h in burst:
+        await h.result()
+    for h in rollouts:
+        h.cancel()
 
 
 async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serving_load_and_gives_it_back_after(make_engine):
