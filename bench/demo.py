@@ -244,6 +244,7 @@ async def run_job(
     warm_start_steps: int | None = None,
     job: dict[str, str] | None = None,
     devices: dict[str, frozenset[int]] | None = None,
+    until_steps: int | None = None,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -254,6 +255,8 @@ async def run_job(
     `warm_start_steps` replaces the trainer's SFT steps (TRAINER's ROSE_SFT__STEPS) when given.
     `job` overrides TRAINER settings (`rose bench e2e` runs ROLLOUT_DOMINATED_JOB); `devices` pins
     executors to CPU sets (fleet.device_plan). Both are written in the summary's `job`.
+    `until_steps` ends the window early once the trainer has taken that many GRPO steps (the
+    run is then as long as the job needs, at most `duration`).
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
@@ -308,7 +311,7 @@ async def run_job(
         trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
         driver = asyncio.ensure_future(drive_serving(trace, urls, drained if drained is not None else set(), SPEC, obs.serving, t0_mono, seed))
         with Live(live_view(obs, executors, 0, duration, "training", label), console=console, refresh_per_second=2, transient=False) as live:
-            while time.monotonic() - t0_mono < duration:
+            while time.monotonic() - t0_mono < duration and not (until_steps and len(obs.steps) >= until_steps):
                 await asyncio.sleep(0.5)
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
                 if not procs["trainer"].alive():
@@ -317,6 +320,9 @@ async def run_job(
             devices_seen = {n: cpu_list(tree_cpus(procs[n].pid)) for n in executors if procs[n].alive()}
             await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
             window_end = time.time()
+            cut = next((i for i, (at, _) in enumerate(trace) if at > time.monotonic() - t0_mono), len(trace))
+            del trace[cut:]  # ended early (until_steps): the driver iterates this list, sends what is due and returns
+            obs.serving.bursts[:] = [b for b in obs.serving.bursts if b[0] <= window_end]  # only the bursts the window saw
             await driver
             deadline = time.monotonic() + DRAIN_TIMEOUT_S
             while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
@@ -327,6 +333,7 @@ async def run_job(
             seed=seed,
             duration_s=duration,
             warm_start_s=warm_start_s,
+            until_steps=until_steps,
             serving_executors=serving_n,
             dedicated_executors=dedicated_n,
             job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
@@ -622,6 +629,7 @@ def run_demo(
     dedicated: int,
     console: Console | None = None,
     warm_start_steps: int | None = None,
+    until_steps: int | None = None,
 ) -> dict:
     console = console or Console()
     return asyncio.run(
@@ -634,5 +642,6 @@ def run_demo(
             dedicated,
             console,
             warm_start_steps=warm_start_steps,
+            until_steps=until_steps,
         )
     )

@@ -339,6 +339,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def run_ratios(policies: dict[str, dict]) -> tuple[float | None, float | None]:
+    """(rose's RL steps/h over static's, rose's rollout time per step over elastic_baseline's); None where
+    either side did not run or measured no rate."""
+    rose, static, elastic = policies.get("rose", {}), policies.get("static", {}), policies.get("elastic_baseline", {})
+    return (
+        _ratio(rose.get("rl_steps_per_hour"), static.get("rl_steps_per_hour")),
+        _ratio(rose.get("rollout_s_per_step"), elastic.get("rollout_s_per_step")),
+    )
+
+
 def default_serving(pin: str, dedicated: int) -> int:
     """The demo's two serving executors, or, pinned, as many as the cores left after the dedicated ones allow (at least one)."""
     return 2 if pin == "none" else max(1, min(2, len(usable_cpus()) - dedicated))
@@ -454,10 +464,8 @@ def run_e2e_bench(
         }
         result["devices"] = summary["job"]["devices"]  # observed: each executor's process tree's CPU set (the same plan for every policy)
     p = result["policies"]
-    rose, static, elastic = p.get("rose", {}), p.get("static", {}), p.get("elastic_baseline", {})
-    result["speedup_vs_static"] = _ratio(rose.get("rl_steps_per_hour"), static.get("rl_steps_per_hour"))
-    result["rollout_time_ratio_vs_elastic"] = _ratio(rose.get("rollout_s_per_step"), elastic.get("rollout_s_per_step"))
-    share = static.get("rollout_share_of_step")
+    result["speedup_vs_static"], result["rollout_time_ratio_vs_elastic"] = run_ratios(p)
+    share = p.get("static", {}).get("rollout_share_of_step")
     result["job"]["static_rollout_share_of_step"] = share
     result["job"]["rollout_dominated_measured"] = None if share is None else share >= ROLLOUT_SHARE_TARGET
     result["calibration"] = {"step_times": step_times}

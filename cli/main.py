@@ -155,6 +155,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         serving=args.serving,
         dedicated=args.dedicated,
         warm_start_steps=args.warm_start_steps,
+        until_steps=args.until_steps,
     )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     p.add_argument(
         "--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)"
+    )
+    p.add_argument(
+        "--until-steps", type=int, default=None, metavar="N", help="end the run once the trainer has taken N GRPO steps (at most --duration)"
     )
     p.set_defaults(func=_cmd_demo)
 

@@ -67,8 +67,12 @@ async def task_queue(bus: Bus):
     await clear()
 
 
-# Fleet tests (every service as a process, measured inside a fixed window) starve each other when two
-# run at once on two cores. Keeping them on one xdist worker needs `xdist_group` markers applied
-# before xdist's own collection hook reads them (`@pytest.hookimpl(tryfirst=True)`); a marker added
-# by a plain hook here is read too late and ignored. One worker for all of them is ~1,300 s of
-# serial fleet time on this machine, over the suite's budget: the fleets must get shorter first.
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests (a whole fleet as processes, minutes each) first, the rest in collection order.
+
+    ./scripts/test hands xdist whole modules (`--dist loadscope`: a module's fixtures, often real
+    processes, start once, on one worker) in this order (`--no-loadscope-reorder`), so the longest
+    units start first and the short ones fill in around them instead of a fleet test starting last.
+    (`--dist loadgroup` with `xdist_group` markers does not group on pytest 9: xdist 3.8 tags the
+    group onto `item._nodeid`, which pytest 9's `Item.nodeid` no longer reads.)"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
