@@ -181,6 +181,8 @@ class Engine:
             )
             in_child = False
         r_runner = ProcessRunner(policy_model, r_pool, narrow) if in_child else None
+        if r_runner is not None:
+            r_runner.held_poll_s = self._pause_poll_s  # a held forward asks again once per serving iteration
         self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth
         self._serving = _ClassRuntime(
             WorkClass.SERVING,
@@ -622,7 +624,7 @@ class Engine:
             self._fit_width()
             if not self.policy.may_run_rollout(self._signals()):
                 self._rollout_idle(keep_priority=True)
-                time.sleep(PAUSE_POLL_S)
+                time.sleep(self._pause_poll_s())
                 continue
             with self._lane_survives(rt):
                 self._run_quantum(rt)
@@ -659,6 +661,13 @@ class Engine:
         if yielded_at is not None and not self._rollout_overlaps_serving:
             self._yield_at = None
             self.metrics.reclaim((time.monotonic() - yielded_at) * 1000.0)
+
+    def _pause_poll_s(self) -> float:
+        """How long a paused rollout lane waits before asking again: one serving iteration. What
+        paused it (first tokens waiting, the step time, the tails, a burst) changes at serving's
+        iteration boundaries; asking more often only takes the interpreter lock from the serving
+        lane, which a held rollout should not cost (at least PAUSE_POLL_S, for an idle lane)."""
+        return max(PAUSE_POLL_S, self._serving.iteration_ms / 1000.0)
 
     def _prioritise_serving(self, on: bool) -> None:
         """While serving and rollout both have work, hand the interpreter lock over sooner.

@@ -252,6 +252,8 @@ class ProcessRunner(PagedModelRunner):
         self._sent_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._banks: _WeightBanks | None = None  # made at the first start (the parameters then in shared memory)
         self.restarts = 0
+        # while a forward is held, how often to ask again (the engine: one serving iteration); None: POLL_S
+        self.held_poll_s: Callable[[], float] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -386,14 +388,18 @@ class ProcessRunner(PagedModelRunner):
         ctl[ABANDON] = ctl[HOLD] = 0
         conn = self._pipe()
         conn.send((kind, items, arg))
-        fd = conn.fileno()
-        polls = 0
+        reply = select.poll()  # not select.select: that fails on a descriptor >= 1024, which a busy executor reaches
+        reply.register(conn.fileno(), select.POLLIN)  # (Connection.poll builds a selector per call)
+        polls, wait_s = 0, POLL_S
         try:
-            while not select.select([fd], [], [], POLL_S)[0]:  # (Connection.poll builds a selector per call)
+            while not reply.poll(wait_s * 1000.0):
                 if should_stop is not None and not ctl[ABANDON] and should_stop():
                     ctl[ABANDON] = 1
                 if should_hold is not None:
-                    ctl[HOLD] = int(should_hold())
+                    ctl[HOLD] = held = int(should_hold())
+                    # held: what holds it changes at serving's pace; asking every POLL_S only takes this
+                    # interpreter's lock from the serving lane. Running: POLL_S, to hold at once on a backlog.
+                    wait_s = max(POLL_S, self.held_poll_s()) if held and self.held_poll_s is not None else POLL_S
                 polls += 1
                 if polls % ALIVE_EVERY_POLLS == 0 and (self._process is None or not self._process.is_alive()) and not conn.poll():
                     raise EOFError("rollout forward process exited")

@@ -180,6 +180,48 @@ def test_a_held_forward_waits_at_a_safepoint_and_goes_on_where_it_was(loaded, ma
     assert stopped is None  # a stop while held still abandons
 
 
+def test_a_held_forward_is_asked_again_at_the_serving_pace_not_every_poll(loaded, make_engine):
+    """While held, the engine's rollout thread asks again once per `held_poll_s` (the engine: one
+    serving iteration) instead of every POLL_S: each ask takes the serving process's interpreter lock."""
+    runner, items = _long_prefill(make_engine)
+    params = EngineSampling(temperature=1.0)
+    free = runner.forward_sample(items, [(0, SamplerState(params, 3))])
+    runner.held_poll_s = lambda: 0.02
+    asked: list[float] = []
+    start = time.monotonic()
+
+    def burst() -> bool:  # held for the first 0.3 s
+        asked.append(time.monotonic())
+        return asked[-1] - start < 0.3
+
+    before = runner._ctl[HELD]
+    held = runner.forward_sample(items, [(0, SamplerState(params, 3))], should_hold=burst)
+    assert runner._ctl[HELD] > before and held == free
+    during = [t for t in asked if t - start < 0.3]
+    assert len(during) <= 0.3 / 0.02 + 3, len(during)  # ~15 asks, not ~300 at POLL_S
+
+
+def test_the_child_answers_through_a_descriptor_above_1024(loaded, make_engine):
+    """A busy executor (HTTP clients, NATS, model files) holds over a thousand descriptors; the wait for
+    the child's reply must not use select(), which refuses a descriptor >= FD_SETSIZE (1024)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    filler = []
+    try:
+        while len(filler) < 1100 and (not filler or filler[-1] < 1100):
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        runner, items = _long_prefill(make_engine)  # its child (and pipe) start at the first forward, above the filler
+        state = SamplerState(EngineSampling(temperature=1.0), 3)
+        ids, _ = runner.forward_sample(items[:1], [(0, state)], should_hold=lambda: False)
+        assert runner._pipe().fileno() >= 1024 and len(ids) == 1
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_holding_in_process_waits_and_stop_still_wins():
     from rose.services.executor.model_runner import holding
 
