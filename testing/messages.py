@@ -18,7 +18,7 @@ from rose.shared.sketch import new_sketch, to_contract
 SNAPSHOT_INTERVAL_S = 0.1  # the interval `snap`'s snapshots say they cover
 
 
-def beat(instance: str, role: str) -> Heartbeat:
+def beat(instance: str, role: str, *, interval_s: float = 0.5) -> Heartbeat:
     """A 'ready' heartbeat of executor `instance` in `role` (serving or dedicated), sent now."""
     now = time.time()
     return Heartbeat(
@@ -29,7 +29,7 @@ def beat(instance: str, role: str) -> Heartbeat:
         pid=os.getpid(),
         started_at=now,
         sent_at=now,
-        interval_s=0.5,
+        interval_s=interval_s,
         state="ready",
         labels={"role": role},
     )

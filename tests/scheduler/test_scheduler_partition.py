@@ -10,8 +10,6 @@ dead) the survivor holds every executor's lease.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 
 from rose.contracts.lease import Lease
@@ -19,7 +17,7 @@ from rose.contracts.registry import HEADROOM, HEARTBEAT, LEASE, SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
 from rose.shared.launch import ServiceProcess
 from rose.shared.partition import Partition, weight
-from rose.testing.messages import headroom
+from rose.testing.messages import beat, headroom
 from rose.testing.polling import until
 from rose.testing.scheduler import ENV, START_TIMEOUT_S
 
@@ -52,22 +50,6 @@ def test_rendezvous_owner_is_the_same_everywhere_and_moves_only_the_dead_instanc
     assert weight("a", "ex") == weight("a", "ex") and weight("a", "ex") != weight("b", "ex")
 
 
-def beat(instance: str) -> Heartbeat:
-    now = time.time()
-    return Heartbeat(
-        service="executor",
-        instance=instance,
-        version="test",
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        started_at=now,
-        sent_at=now,
-        interval_s=HEARTBEAT_S,
-        state="ready",
-        labels={"role": "serving"},
-    )
-
-
 async def test_two_instances_never_grant_an_executor_twice_and_a_survivor_takes_over(bus, nats_server, tmp_path):
     for ex in EXECUTORS:
         await bus.kv_delete(LEASE, executor_id=ex)
@@ -83,7 +65,7 @@ async def test_two_instances_never_grant_an_executor_twice_and_a_survivor_takes_
         while True:
             now = time.time()
             for ex in EXECUTORS:
-                await bus.publish(HEARTBEAT, beat(ex), service="executor", instance=ex)
+                await bus.publish(HEARTBEAT, beat(ex, "serving", interval_s=HEARTBEAT_S), service="executor", instance=ex)
                 await bus.publish(HEADROOM, headroom(now, ex=ex), executor_id=ex)
             await asyncio.sleep(0.25)
 
