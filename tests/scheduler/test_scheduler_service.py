@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import time
 
+from nats.js.errors import NotFoundError
+
 from rose.contracts.registry import EVENTS_STREAM, EXECUTOR_BURST, HEADROOM, HEARTBEAT, LEASE, LEASE_EVENT, ROUTE_TURN, SLO_ALERT
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.slo import SloAlert
@@ -46,7 +48,8 @@ async def test_lease_lifecycle_routing_and_restart(bus, nats_server, tmp_path):
             lease = await until(lambda: _active(bus))
             assert lease.executor_id == "ex-s1" and lease.max_rollout_batch == 8 and lease.kv_bytes == 64 << 20
             first_epoch = lease.epoch
-            event = await bus.js.get_last_msg(EVENTS_STREAM.name, LEASE_EVENT.subject(kind="granted", executor_id="ex-s1"))
+            # the event follows the bucket write (scheduler.py commits the lease, then publishes), so wait for it
+            event = await until(lambda: _last_event(bus, "granted", "ex-s1"), timeout=5.0, what="the granted event")
             assert b"ex-s1" in event.data
             # renewed while healthy: same id, later expiry
             renewed = await until(lambda: _active(bus, newer_than=lease.expires_at))
@@ -98,3 +101,11 @@ async def _active(bus, newer_than: float = 0.0):
 async def _state(bus, state: str):
     lease = await bus.kv_get(LEASE, executor_id="ex-s1")
     return lease if lease is not None and lease.state == state else None
+
+
+async def _last_event(bus, kind: str, executor_id: str):
+    """The last lease event of `kind` for `executor_id` on the events stream, or None while there is none yet."""
+    try:
+        return await bus.js.get_last_msg(EVENTS_STREAM.name, LEASE_EVENT.subject(kind=kind, executor_id=executor_id))
+    except NotFoundError:
+        return None
