@@ -196,6 +196,7 @@ def _cmd_bench_sim(args: argparse.Namespace) -> int:
     sim.run_sim_bench(
         out_json=args.json,
         seed=args.seed,
+        seeds=tuple(args.seeds or ()),
         models=models,
         fleets=fleets,
         demands=demands,
@@ -472,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", default="bench-out/sim.json", help="where to write the JSON result (the PNG goes beside it)")
     b.add_argument("--seed", type=int, default=0, help="seed of traces, batches and routing (the same for every policy)")
+    b.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="run every configuration at each of these seeds; ratios are medians over seeds of paired per-seed ratios (instead of --seed)",
+    )
     b.add_argument(
         "--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)"
     )

@@ -56,11 +56,17 @@ def test_bench_sim_end_to_end(tmp_path):
                 "0.5",
                 "--modes",
                 "sync",
+                "--seeds",
+                "0",
+                "1",
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
+    assert report["settings"]["seeds"] == [0, 1] and len(report["rows"]) == 4  # one row per policy over both seeds
+    for r in report["rows"]:
+        assert r["seeds"] == [0, 1] and len(r["speedup_vs_static_by_seed"]) == 2
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert {r["policy"] for r in report["rows"]} == {"static", "naive_share", "elastic_baseline", "rose"}
     for r in report["rows"]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from rose.services.scheduler import placement
-from rose.sim.bench import config_key, grid_configs, rows_of, run_grid, targets_of
+from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.sim.engine import SimConfig, Simulation
 from rose.sim.rollouts import RolloutSpec
 
@@ -73,3 +73,28 @@ def test_rose_never_below_static_and_gains_where_rollout_is_the_bottleneck(grid)
     t = targets_of(grid)["sync"]
     assert t["meets"]["never_below_static"] and t["meets"]["zero_slo_violations"]
     assert t["min_speedup"] == min(r["speedup_vs_static"] for r in rose.values())
+
+
+def test_seeds_combine_into_medians_of_paired_ratios():
+    """--seeds: each seed's policy is compared with that seed's static run, then the median is taken;
+    every seed's ratio stays in the row, SLO-violating seconds add up."""
+
+    def row(policy, seed, rate, violations=0.0):
+        return {
+            "model": "7B", "gpus": 8, "policy": policy, "rollout_demand": 1.0, "dedicated_ratio": 0.25, "mode": "async", "seed": seed,
+            "rl_steps_per_hour": rate, "rollout_s_per_step": 100.0, "slo_violations": violations, "slo_violations_serving_alone": 0.0,
+            "serving_slo_attainment": 1.0, "train_s_per_step": 1.0, "rollout_tokens_per_s": 1.0, "complete": True,
+            "serving_instances": 1, "serving_tp": 1, "dedicated_instances": 1, "rollout_tp": 1, "trainer_gpus": 1,
+        }  # fmt: skip
+
+    results = [row("static", 0, 20.0), row("rose", 0, 18.0), row("static", 1, 10.0), row("rose", 1, 12.0, 3.0)]
+    results += [row("static", 2, 30.0), row("rose", 2, 33.0)]
+    combined = {r["policy"]: r for r in combine_seeds(rows_of(results))}
+    rose = combined["rose"]
+    assert rose["seeds"] == [0, 1, 2] and "seed" not in rose
+    assert rose["speedup_vs_static_by_seed"] == pytest.approx([0.9, 1.2, 1.1])  # paired within each seed, not medians of rates
+    assert rose["speedup_vs_static"] == pytest.approx(1.1)
+    assert rose["rl_steps_per_hour"] == pytest.approx(18.0) and rose["slo_violations"] == 3.0
+    assert combined["static"]["speedup_vs_static"] == 1.0
+    one_seed = combine_seeds(rows_of(results[:2]))
+    assert {r["policy"]: r["speedup_vs_static"] for r in one_seed} == {"static": 1.0, "rose": pytest.approx(0.9)}
