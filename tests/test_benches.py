@@ -8,6 +8,7 @@ own credentials, and `auth` in their JSON says a client without credentials was 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -114,3 +115,42 @@ def test_bench_elastic_reclaim_splits_at_the_bursts_first_arrival():
     assert r["floor_p99"] == pytest.approx(150.0, abs=1.0)  # p99 of {150, 50}
     assert r["after_first_arrival_p99"] == pytest.approx(250.0, abs=1.0)  # p99 of {250, 250}
     assert poisson_first_arrival_p99_ms(24.0) == pytest.approx(191.9, abs=0.1)  # a x3 burst of 8 req/s
+
+
+def test_bench_elastic_counts_own_burst_alerts_outside_bursts_as_false_alarms():
+    from rose.bench.elastic import RECLAIM_GRACE_S, Record, false_alarms_per_hour
+
+    rec = Record()
+    rec.serving.bursts += [(100.0, 102.0, "ex-a"), (106.0, 108.0, "ex-b")]
+    rec.own_bursts += [(100.3, "ex-a"), (102.0 + RECLAIM_GRACE_S - 0.1, "ex-a")]  # in the burst and in its grace
+    rec.own_bursts += [(101.0, "ex-b"), (150.0, "ex-a")]  # ex-b had no burst then; ex-a none at 150
+    assert false_alarms_per_hour(rec, ["ex-a", "ex-b"], window_s=1800.0) == pytest.approx(2.0)  # 2 in 1 executor-hour
+
+
+def test_bench_elastic_detection_bound_follows_the_information_in_the_burst():
+    """Lorden's bound for a Poisson rate step: 8 -> 24 req/s carries 24 ln 3 - 16 = 10.37 nats/s; one false
+    alarm an hour needs ln(3600 x 10.37) = 10.5 nats: about a second. A larger step is found sooner,
+    a stricter false-alarm budget later."""
+    from rose.bench.elastic import detection_delay_bound_ms
+
+    info = 24 * math.log(3) - 16
+    assert detection_delay_bound_ms(8.0, 3.0) == pytest.approx(math.log(3600 * info) / info * 1e3, rel=1e-9)
+    assert 950 < detection_delay_bound_ms(8.0, 3.0) < 1100
+    assert detection_delay_bound_ms(8.0, 5.0) < detection_delay_bound_ms(8.0, 3.0) / 2
+    assert detection_delay_bound_ms(8.0, 3.0, false_alarm_every_s=86400) > detection_delay_bound_ms(8.0, 3.0)
+
+
+def test_bench_elastic_counts_reclaim_samples_as_the_run_goes():
+    """With --min-bursts the run goes on until enough bursts that found a lease are over: a burst counts
+    once it ended (and its grace for a late signal passed), and only if a lease was held at its onset."""
+    from rose.bench.elastic import RECLAIM_GRACE_S, Record, samples_so_far
+
+    rec = Record()
+    rec.serving.bursts += [(100.0, 102.0, "ex-a"), (112.0, 114.0, "ex-a"), (124.0, 126.0, "ex-a")]
+    rec.lease_events += [(90.0, "ex-a", "granted", "l-1"), (100.2, "ex-a", "revoked", "l-1")]  # held at the first onset only
+    rec.lease_events += [(120.0, "ex-a", "granted", "l-2"), (124.3, "ex-a", "revoked", "l-2")]  # and at the third
+    arrivals = {"ex-a": [100.1, 124.1]}
+    assert samples_so_far(rec, arrivals, now=101.0) == 0  # the first burst is still on
+    assert samples_so_far(rec, arrivals, now=102.0 + RECLAIM_GRACE_S + 0.1) == 1
+    assert samples_so_far(rec, arrivals, now=120.0) == 1  # the second found nothing lent
+    assert samples_so_far(rec, arrivals, now=126.0 + RECLAIM_GRACE_S + 0.1) == 2
