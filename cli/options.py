@@ -40,6 +40,12 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--seeds", type=number_list(int), default=None, help="a grid: comma-separated seeds (instead of --seed), e.g. 3,4,5")
     b.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="lengthen each cell's trace (beyond --duration) to at least this many serving requests: 200 makes the 0.005 SLO tolerance one request",
+    )
+    b.add_argument(
         "--noise",
         type=number_list(float),
         default=None,

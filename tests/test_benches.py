@@ -154,3 +154,33 @@ def test_bench_elastic_counts_reclaim_samples_as_the_run_goes():
     assert samples_so_far(rec, arrivals, now=102.0 + RECLAIM_GRACE_S + 0.1) == 1
     assert samples_so_far(rec, arrivals, now=120.0) == 1  # the second found nothing lent
     assert samples_so_far(rec, arrivals, now=126.0 + RECLAIM_GRACE_S + 0.1) == 2
+
+
+def test_bench_coserve_cell_says_when_one_request_decides_it():
+    """A cell's target tolerates 0.005 of its requests more missed by rose than by serving_only; with fewer
+    than 200 requests that is less than one request, and the cell says so (+k of n) instead of a bare MISS."""
+    from rose.bench.coserve import _cell, _resolution_note
+
+    def run(n: int, missed: int) -> dict:
+        ttft = [10.0] * (n - missed) + [500.0] * missed
+        return {
+            "ttft_ms": ttft, "tpot_ms": [5.0] * n, "aborted": [False] * n, "serving_tokens_per_s": 1.0,
+            "rollout_tokens_per_s": 50.0, "lane_failures": 0, "cuda_graphs": None, "reclaim_ms": [5.0],
+        }  # fmt: skip
+
+    def cell(n: int, rose_missed: int) -> dict:
+        runs = {"serving_only": run(n, 0), "static_partition": run(n, 0), "rose": run(n, rose_missed)}
+        return _cell(runs, (100.0, 50.0), 100.0, 0.2, 3, 0.3, 15.0, n)
+
+    small = cell(187, 1)
+    assert not small["rose_meets_slo_target"] and small["rose_extra_misses"] == 1
+    assert small["tolerated_extra_misses"] < 1 and _resolution_note(small) == " (+1 of 187)"
+    large = cell(1000, 5)
+    assert large["rose_meets_slo_target"] and large["tolerated_extra_misses"] == 5.0 and _resolution_note(large) == ""
+    assert not cell(1000, 6)["rose_meets_slo_target"]
+    assert large["policies"]["rose"]["harvest"] == 0.5 and large["policies"]["rose"]["slo_misses"] == 5
+    from rose.bench.coserve import cell_duration_s
+
+    assert cell_duration_s(12.0, 0, 15.6) == 12.0
+    assert cell_duration_s(12.0, 1000, 15.6) == pytest.approx(64.1, abs=0.1)  # load 0.2 of 78 req/s: 64 s for 1,000 requests
+    assert cell_duration_s(12.0, 100, 50.0) == 12.0
