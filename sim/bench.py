@@ -195,14 +195,12 @@ def combine_seeds(rows: list[dict]) -> list[dict]:
     out = []
     for group in groups.values():
         group = sorted(group, key=lambda r: r.get("seed") or 0)
-        base = dict(group[0])
-        base["seeds"] = [r.get("seed") for r in group]
-        base.pop("seed", None)
         ok = [r for r in group if not r.get("infeasible")]
+        ranked = sorted(ok, key=lambda r: r["speedup_vs_static"] if r["speedup_vs_static"] is not None else 0.0)
+        median_seed = ranked[len(ranked) // 2] if ok else group[0]
+        base = {k: v for k, v in median_seed.items() if k != "seed"}  # the median seed's figures and detail ...
+        base["seeds"] = [r.get("seed") for r in group]
         if ok:
-            ranked = sorted(ok, key=lambda r: r["speedup_vs_static"] if r["speedup_vs_static"] is not None else 0.0)
-            base.update(ranked[len(ranked) // 2])  # the median seed's figures and detail ...
-            base.pop("seed", None)
             for key in ("speedup_vs_static", "rollout_time_ratio_vs_elastic"):
                 values = [r[key] for r in ok]
                 base[f"{key}_by_seed"] = values

@@ -20,6 +20,7 @@ from rose.bench.security import REPLY_TARGETS, BusWorld, attack_once, bus_world,
 from rose.contracts.registry import CHANNELS, GENERATE, ROUTE_TURN, Kind
 from rose.shared.nats_server import NatsServer
 from rose.shared.security import INTEGRATIONS, USERS, inbox_prefix, permissions, render_authorization
+from rose.testing.polling import until
 
 REQUEST_CHANNELS = [c for c in CHANNELS if c.kind is Kind.REQUEST]
 CASES = [(c.name, cred, target) for c in REQUEST_CHANNELS for cred in c.publishers for target in REPLY_TARGETS]
@@ -115,12 +116,14 @@ async def test_without_permissions_the_bus_check_alone_blocks_and_the_attack_is_
                 await raw.flush()
                 await w.attackers["rollout_worker"].nc.publish("rose.control.raw", b"x", reply="$KV.rose_leases.forged-control")
                 await w.attackers["rollout_worker"].nc.flush()
-                for _ in range(100):  # until the forged key lands (a loaded machine takes longer than a fixed sleep)
-                    await asyncio.sleep(0.1)
+
+                async def forged() -> str | None:
                     blocked, evidence = await observe(w, "control", 0)
-                    if not blocked:
-                        break
-                assert not blocked and "forged keys: 1" in evidence, evidence  # what the check prevents
+                    return None if blocked else evidence
+
+                # until the forged key lands (a loaded machine takes longer than a fixed sleep)
+                evidence = await until(forged, timeout=10.0, step=0.1, what="the forged key (the attack without the check)")
+                assert "forged keys: 1" in evidence, evidence  # what the check prevents
             finally:
                 await raw.close()
         finally:
