@@ -4,7 +4,9 @@ One engine configuration; a replayed serving trace (Poisson arrivals at ``servin
 x the serving model's measured capacity, plus short bursts at BURST_FACTOR x the rate,
 seeded) and a saturating rollout backlog, run under serving_only, naive_share,
 static_partition and rose. The SLO is set from serving_only's own measured latency:
-``SLO_MULTIPLIER`` x its p99 TTFT and p99 TPOT (printed and stored in the JSON).
+``SLO_MULTIPLIER`` x its p99 TTFT and p99 TPOT (printed and stored in the JSON), once per run
+(at the grid's highest load, without noise: one contract for every cell, as a service has) unless
+``--slo-ms`` gives it or ``--slo-basis cell`` sets each cell's from its own serving_only.
 ``dedicated_rollout_tokens_per_s`` is the policy model alone on the device (best of one
 and all CPU threads for its lane; measured before and after the policies, averaged);
 ``harvest_ratio`` = rose rollout tokens/s / dedicated. ``reclaim_latency_ms_p99``: serving
@@ -425,6 +427,16 @@ def _cell(runs: dict, slo: tuple[float, float], dedicated: float, load: float, s
     return out
 
 
+def _slo_words(slo: dict) -> str:
+    """How the run's SLO was set, for the console."""
+    if slo["basis"] == "given":
+        return "given"
+    if slo["basis"] == "cell":
+        return f"each cell: {SLO_MULTIPLIER:g} x its serving_only p99; the first cell's"
+    c = slo["calibration"]
+    return f"every cell: {SLO_MULTIPLIER:g} x serving_only p99 at load {c['load']:g}, seed {c['seed']}, no noise"
+
+
 def _resolution_note(cell: dict) -> str:
     """`` (+k of n)`` where the cell holds too few requests for its tolerance to be finer than one request."""
     if cell["tolerated_extra_misses"] >= 1.0:
@@ -447,19 +459,30 @@ def _policy_figures(run: dict, slo: tuple[float, float]) -> dict:
     }
 
 
-def _run_cell(models, config: EngineConfig, arrivals: list[float], seed: int, noise: float, on_policy) -> tuple[dict, tuple[float, float]]:
-    """The four policies on one trace, under the noise co-runner; the SLO from serving_only's p99."""
-    runs: dict[str, dict] = {}
-    slo = None
+def _slo_from(serving_only: dict) -> tuple[float, float]:
+    """SLO_MULTIPLIER x serving_only's p99 TTFT and TPOT."""
+    return SLO_MULTIPLIER * _p(serving_only["ttft_ms"], 99), SLO_MULTIPLIER * _p(serving_only["tpot_ms"], 99)
+
+
+def _run_cell(
+    models, config: EngineConfig, arrivals: list[float], seed: int, noise: float, on_policy, slo=None, done=None
+) -> tuple[dict, tuple[float, float]]:
+    """The four policies on one trace, under the noise co-runner. ``slo``: the run's SLO; None: this
+    cell's own (from its serving_only run, the ``cell`` basis). ``done``: policies already run on
+    this very trace and noise (the run-wide calibration's serving_only), reused, not run again."""
+    runs: dict[str, dict] = dict(done or {})
     with Noise(noise):
         for name in POLICIES:
             on_policy(name)
-            runs[name] = asyncio.run(_run_policy(name, models, config, arrivals, seed, slo))
-            if name == "serving_only":
-                base = runs[name]
-                slo = (SLO_MULTIPLIER * _p(base["ttft_ms"], 99), SLO_MULTIPLIER * _p(base["tpot_ms"], 99))
+            if name not in runs:
+                runs[name] = asyncio.run(_run_policy(name, models, config, arrivals, seed, slo))
+            if name == "serving_only" and slo is None:
+                slo = _slo_from(runs[name])
     assert slo is not None
-    return runs, slo
+    return {name: runs[name] for name in POLICIES}, slo
+
+
+SLO_BASES = ("run", "cell")
 
 
 def run_coserve_bench(
@@ -477,10 +500,19 @@ def run_coserve_bench(
     seeds: list[int] | None = None,
     noises: list[float] | None = None,
     min_requests: int = 0,
+    slo_basis: str = "run",
+    slo_ms: tuple[float, float] | None = None,
 ) -> dict:
     """The policies on one trace, or on each cell of loads x seeds x noises. ``min_requests``: each cell's trace
     is long enough for that many serving requests (at least ``duration_s``), so that the SLO target's
-    tolerance (SLO_TOLERANCE of the requests) is finer than one request: 200 for 0.005, 1,000 to resolve it."""
+    tolerance (SLO_TOLERANCE of the requests) is finer than one request: 200 for 0.005, 1,000 to resolve it.
+
+    The SLO, as a service has one contract whatever its load or neighbours: ``slo_ms`` (TTFT, TPOT)
+    when given; else, basis ``run``, SLO_MULTIPLIER x the p99s of serving_only at the grid's highest
+    load, first seed, without noise (run once, first; reused as that cell's serving_only); basis
+    ``cell``: each cell's own serving_only p99s (a cell under noise then gets a looser SLO)."""
+    if slo_basis not in SLO_BASES:
+        raise ValueError(f"slo_basis must be one of {SLO_BASES}, got {slo_basis!r}")
     from rich.progress import Progress
     from rich.table import Table
 
@@ -489,7 +521,8 @@ def run_coserve_bench(
     grid = [(noise, load, s) for noise in (noises or [0.0]) for load in (loads or [serving_load]) for s in (seeds or [seed])]
     seed, serving_load, first_noise = grid[0][2], grid[0][1], grid[0][0]
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("loading models", total=len(POLICIES) * len(grid) + 3)
+        calibrate = slo_ms is None and slo_basis == "run"
+        task = progress.add_task("loading models", total=len(POLICIES) * len(grid) + 3 + calibrate)
         models = _models(model_dir, seed, config.dtype, preset)
         progress.update(task, description="measuring serving capacity")
         capacity_rounds = asyncio.run(_capacity(models, config, seed))
@@ -498,16 +531,26 @@ def run_coserve_bench(
         dedicated_s = max(5.0, duration_s * DEDICATED_FRACTION)
         progress.update(task, description="dedicated rollout (before)")
         dedicated_before = asyncio.run(_dedicated(models, config, dedicated_s, seed))
+        run_slo, calibration, calibration_cell = slo_ms, None, (0.0, max(load for _, load, _ in grid), seed)
+        if calibrate:
+            _, c_load, c_seed = calibration_cell
+            progress.update(task, description=f"SLO: serving_only at load {c_load:g} seed {c_seed} without noise")
+            c_trace = _trace(c_load * capacity, cell_duration_s(duration_s, min_requests, c_load * capacity), c_seed)
+            calibration = asyncio.run(_run_policy("serving_only", models, config, c_trace, c_seed, None))
+            run_slo = _slo_from(calibration)
+            progress.advance(task)
         cell_runs = []
         for noise, load, cell_seed in grid:
             cell_arrivals = _trace(load * capacity, cell_duration_s(duration_s, min_requests, load * capacity), cell_seed)
             n_arrivals = len(cell_arrivals)
+            done = {"serving_only": calibration} if calibration is not None and (noise, load, cell_seed) == calibration_cell else None
 
             def on_policy(name, noise=noise, load=load, cell_seed=cell_seed, n=n_arrivals):
                 progress.update(task, description=f"load {load:g} seed {cell_seed} noise {noise:g}: policy {name} ({n} serving requests)")
                 progress.advance(task)
 
-            cell_runs.append((noise, load, cell_seed, cell_arrivals, *_run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy)))
+            runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done)
+            cell_runs.append((noise, load, cell_seed, cell_arrivals, *runs_and_slo))
         _, _, _, arrivals, runs, slo = cell_runs[0]
         rate = serving_load * capacity
         progress.update(task, description="dedicated rollout (after)")
@@ -534,7 +577,13 @@ def run_coserve_bench(
         "reclaim_latency_ms_p99": _p(rose_reclaim, 99),
         "executor_rss_mb": max(r["rss_bytes"] for r in runs.values()) / MIB,
         "device_memory_peak_mb": torch.cuda.max_memory_allocated() / MIB if torch.cuda.is_available() and config.device != "cpu" else None,
-        "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot, "multiplier": SLO_MULTIPLIER, "basis": "serving_only p99"},
+        "slo": {
+            "ttft_ms": slo_ttft,
+            "tpot_ms": slo_tpot,
+            "multiplier": SLO_MULTIPLIER,
+            "basis": "given" if slo_ms is not None else slo_basis,  # run: one SLO for every cell; cell: each its own
+            **({"calibration": dict(zip(("noise", "load", "seed"), calibration_cell))} if calibrate else {}),
+        },
         "serving_load": serving_load,
         "serving_capacity_rps": capacity,
         "serving_capacity_rounds_rps": capacity_rounds,
@@ -567,7 +616,7 @@ def run_coserve_bench(
         f"policy {report['models']['policy']['parameters'] / 1e6:.0f}M"
     )
     console.print(
-        f"SLO = {SLO_MULTIPLIER:g} x serving_only p99: TTFT {slo_ttft:.1f} ms, TPOT {slo_tpot:.2f} ms  "
+        f"SLO ({_slo_words(report['slo'])}): TTFT {slo_ttft:.1f} ms, TPOT {slo_tpot:.2f} ms  "
         f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {len(arrivals)} requests)"
     )
     table = Table(title="rose bench coserve")
@@ -613,6 +662,14 @@ def run_coserve_bench(
     return report
 
 
+def _slo_pair(values: list[float] | None) -> tuple[float, float] | None:
+    if values is None:
+        return None
+    if len(values) != 2 or min(values) <= 0:
+        raise SystemExit(f"--slo-ms takes two positive numbers, TTFT,TPOT in ms (e.g. 60,8), got {values}")
+    return values[0], values[1]
+
+
 def command(args: argparse.Namespace) -> int:
     """`rose bench coserve` with parsed options (see options.add_coserve_arguments)."""
     from rich.console import Console
@@ -631,6 +688,8 @@ def command(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         noises=args.noise,
         min_requests=args.min_requests,
+        slo_basis=args.slo_basis,
+        slo_ms=_slo_pair(args.slo_ms),
     )
     return 0
 

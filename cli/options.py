@@ -46,6 +46,13 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
         help="lengthen each cell's trace (beyond --duration) to at least this many serving requests: 200 makes the 0.005 SLO tolerance one request",
     )
     b.add_argument(
+        "--slo-basis",
+        choices=("run", "cell"),
+        default="run",
+        help="run: one SLO for every cell, 2 x serving_only's p99 at the highest load without noise; cell: each cell's own",
+    )
+    b.add_argument("--slo-ms", type=number_list(float), default=None, help="the SLO given as TTFT,TPOT in ms (instead of calibrating it)")
+    b.add_argument(
         "--noise",
         type=number_list(float),
         default=None,

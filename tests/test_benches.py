@@ -85,7 +85,14 @@ async def test_bench_elastic_nats_keeps_auth_across_its_restart(tmp_path):
 
 
 def test_bench_coserve_fields(tmp_path, models_dir):
-    r = _bench("coserve", "--duration", "3", "--models", str(models_dir), out=tmp_path / "coserve.json", timeout=600)
+    """Two cells, one SLO: serving_only at the highest load sets it once and is that cell's serving_only."""
+    r = _bench("coserve", "--duration", "3", "--loads", "0.2,0.3", "--models", str(models_dir), out=tmp_path / "coserve.json", timeout=600)
+    assert r["slo"]["basis"] == "run" and r["slo"]["calibration"] == {"noise": 0.0, "load": 0.3, "seed": 0}
+    assert [c["load"] for c in r["cells"]] == [0.2, 0.3] and r["serving_load"] == 0.2  # the top level is the first cell
+    for c in r["cells"]:
+        assert c["slo"] == {"ttft_ms": r["slo"]["ttft_ms"], "tpot_ms": r["slo"]["tpot_ms"]}
+    # serving_only at the calibration cell ran once: its own p99 is the SLO's half (the multiplier is 2)
+    assert r["cells"][1]["policies"]["serving_only"]["ttft_p99_ms"] * 2 == pytest.approx(r["slo"]["ttft_ms"])
     assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose"}
     for p in r["policies"].values():
         assert set(p) >= {"slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "serving_tokens_per_s", "rollout_tokens_per_s"}
