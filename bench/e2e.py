@@ -33,8 +33,10 @@ rollout time of a step's batch of trajectories: its first turn's start to its la
 end; the trainer's own wait, step interval - train_s - publish_s, is `calibration.trainer_wait_s_per_step`:
 with one step prefetched it hides rollout behind training),
 `serving_slo_attainment` (every request the serving clients sent), `rollout_tokens_per_s`
-(tokens of turns finished in the training window / window), reward figures, trajectories lost,
-and `calibration` (measured step, train, publish and turn times, and the serving executors' step
+(tokens of turns finished in the training window / window), `dedicated_device_busy` (the dedicated
+executor's device utilization, its pinned core counting the forward child, while it had rollout work:
+well under 1, rollout is bound elsewhere and more devices cannot shorten it), reward figures,
+trajectories lost, and `calibration` (measured step, train, publish and turn times, and the serving executors' step
 model fitted from their metrics as the SLO monitor does). Top level: `speedup_vs_static` (rose /
 static steps per hour), `rollout_time_ratio_vs_elastic` (rose / elastic_baseline rollout s per
 step; below 1: rose is faster) and `calibration.step_times` (decode and prefill steps of both
@@ -118,6 +120,7 @@ class Extra:
                     "rollout_tokens_per_s": s.rollout_tokens_per_s,
                     "serving_arrivals": s.serving_arrivals,
                     "interval_s": s.interval_s,
+                    "device_utilization": s.device.utilization if s.device else None,
                 }
             )
 
@@ -224,6 +227,10 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     by_ex = summary["rollout"]["tokens_by_executor"]
     dedicated = [s["rollout_tokens_per_s"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
+    # how busy the dedicated device (its pinned core: the executor and its forward child) was while it had rollout
+    # work: well under 1, the rollout is bound elsewhere (the worker, the bus, tools), and lending more devices
+    # cannot shorten it much
+    busy = [s["device_utilization"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     steps = step_figures(obs.steps)
     job = {**TRAINER, **ROLLOUT_DOMINATED_JOB}
     per_step = int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(job["ROSE_GRPO__GROUP_SIZE"])
@@ -246,6 +253,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "tpot_p99_ms": summary["serving"]["tpot_p99_ms"],
         "slo_alerts": summary["serving"]["slo_alerts"],
         "harvested_fraction": summary["rollout"]["harvested_fraction"],
+        "dedicated_device_busy": _mean([b for b in busy if b is not None]),
         "rollout_tokens_on_serving": sum(v for ex, v in by_ex.items() if "-serving-" in ex),
         "rollout_tokens_by_executor": by_ex,
         "leases_granted": summary["rollout"]["leases_granted"],
@@ -481,6 +489,19 @@ def _fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+SATURATED = 0.9  # a dedicated device busier than this while it has rollout work is the rollout's bottleneck
+
+
+def _busy_words(busy: float | None) -> str:
+    """What the static run's dedicated device utilization says about lending."""
+    if busy is None:
+        return "the dedicated device's utilization was not reported"
+    head = f"the dedicated device was busy {busy:.0%} of the time it had rollout work under static"
+    if busy < SATURATED:
+        return head + " (it keeps up: rollout is bound elsewhere, and lent devices add little)"
+    return head + " (saturated: lent devices add capacity where rollout waits for it)"
+
+
 def print_table(result: dict, console: Console) -> None:
     p = result["policies"]
     static, elastic = p.get("static", {}), p.get("elastic_baseline", {})
@@ -522,7 +543,7 @@ def print_table(result: dict, console: Console) -> None:
     console.print(
         f"executors {'pinned, one core each' if result['pin'] == 'auto' else 'unpinned'} ({devices}); the trainer and the light services float. "
         f"Static rollout share of a step: {_fmt(result['job']['static_rollout_share_of_step'], '.0%')} (rollout-dominated job: >= "
-        f"{ROLLOUT_SHARE_TARGET:.0%})"
+        f"{ROLLOUT_SHARE_TARGET:.0%}); {_busy_words(static.get('dedicated_device_busy'))}"
     )
     console.print(
         f"rose vs static: {_fmt(result['speedup_vs_static'])}× RL steps/h (paper: 1.3-3.3×); rose vs elastic_baseline: "

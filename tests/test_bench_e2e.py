@@ -221,6 +221,7 @@ def test_bench_e2e_static_on_a_pinned_fleet(tmp_path):
     # static: the dedicated executor only; no serving executor is ever lent
     assert static["rollout_tokens_on_serving"] == 0 and static["leases_granted"] == 0 and static["max_lent_at_once"] == 0
     assert static["rollout_tokens_per_s"] > 0
+    assert 0.0 < static["dedicated_device_busy"] <= 1.0  # its pinned core (executor and forward child) did the rollout
     assert r["speedup_vs_static"] is None and r["rollout_time_ratio_vs_elastic"] is None  # rose and elastic_baseline did not run
 
 
@@ -232,3 +233,9 @@ def test_the_ratios_divide_rose_by_its_baselines():
     policies["elastic_baseline"] = {"rollout_s_per_step": 10.0}
     assert run_ratios(policies) == (pytest.approx(1.3), pytest.approx(0.8))
     assert run_ratios({"static": {"rl_steps_per_hour": 0.0}, "rose": {"rl_steps_per_hour": 5.0}}) == (None, None)  # no static step: no ratio
+
+
+def test_the_console_reads_the_dedicated_devices_utilization():
+    from rose.bench.e2e import _busy_words
+
+    assert "keeps up" in _busy_words(0.63) and "saturated" in _busy_words(0.97) and "not reported" in _busy_words(None)

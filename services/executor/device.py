@@ -94,6 +94,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def process_rss_bytes(pid: int | None = None) -> int:
     """Resident memory of this process, or of process ``pid`` (0 once it is gone)."""
     try:
@@ -109,7 +119,7 @@ class CpuDevice:
     def __init__(self, threads_per_lane: int = CPU_THREADS_PER_LANE) -> None:
         self.torch_device = torch.device("cpu")
         self.threads_per_lane = threads_per_lane
-        self._last_cpu = (time.monotonic(), time.process_time())
+        self._last_cpu = (time.monotonic(), time.process_time(), 0.0)
 
     def lane(self, name: str, priority: int) -> Lane:
         return Lane(name)
@@ -136,12 +146,17 @@ class CpuDevice:
     def reload(self, model: torch.nn.Module) -> int:
         return 0
 
-    def telemetry(self) -> Telemetry:
-        now, cpu = time.monotonic(), time.process_time()
-        last_now, last_cpu = self._last_cpu
-        self._last_cpu = (now, cpu)
-        cores = os.cpu_count() or 1
-        util = min(1.0, (cpu - last_cpu) / max(1e-9, (now - last_now) * cores))
+    def telemetry(self, child_pid: int | None = None) -> Telemetry:
+        """``utilization``: CPU time of this process and its forward child ``child_pid`` (the rollout
+        lane's process is part of the device) over the cores it may run on (its affinity: pinned to
+        one core, one core is the whole device), since the previous call."""
+        now, own = time.monotonic(), time.process_time()
+        child = process_cpu_s(child_pid) if child_pid else 0.0
+        last_now, last_own, last_child = self._last_cpu
+        self._last_cpu = (now, own, child)
+        cores = usable_cores()
+        used = (own - last_own) + max(0.0, child - last_child)  # a restarted child starts again from 0
+        util = min(1.0, used / max(1e-9, (now - last_now) * cores))
         total = used = 0
         try:
             with open("/proc/meminfo") as f:
@@ -194,7 +209,8 @@ class CudaDevice:
     def reload(self, model: torch.nn.Module) -> int:
         return _move(model, lambda t: t.to(self.torch_device, non_blocking=True), self.torch_device)
 
-    def telemetry(self) -> Telemetry:
+    def telemetry(self, child_pid: int | None = None) -> Telemetry:
+        """NVML's view of the whole GPU (``child_pid``: unused, every process on the device counts)."""
         if self._nvml is None:
             import pynvml  # nvidia-ml-py, imported only on GPU nodes
 

@@ -56,7 +56,7 @@ from .protocol import (
     timings_since,
     validate_request,
 )
-from .rollout_process import ProcessRunner, child_rss_bytes, shared_memory_shortfall
+from .rollout_process import ProcessRunner, child_pid, child_rss_bytes, shared_memory_shortfall
 from .sampling import SamplerState, find_stop
 from .scheduling import Limits, plan_iteration, plan_shrink
 from .sequence import Sequence
@@ -527,7 +527,7 @@ class Engine:
         interval = self.metrics.take_interval()
         span = max(1e-9, now - interval.started)
         lease = self._lease
-        device = dict(vars(self.device.telemetry()))
+        device = dict(vars(self.device.telemetry(child_pid(self._rollout.runner))))
         device["process_rss_bytes"] += child_rss_bytes(self._rollout.runner)  # the rollout forward process is part of the executor
         return EngineStats(
             interval_s=span,
