@@ -48,8 +48,9 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--slo-basis",
         choices=("run", "cell"),
-        default="run",
-        help="run: one SLO for every cell, 2 x serving_only's p99 at the highest load without noise; cell: each cell's own",
+        default="cell",
+        help="cell: each cell's SLO from its own serving_only (2 x its p99); run: one for every cell, from serving_only at the "
+        "highest load, first seed, without noise",
     )
     b.add_argument("--slo-ms", type=number_list(float), default=None, help="the SLO given as TTFT,TPOT in ms (instead of calibrating it)")
     b.add_argument(

@@ -86,7 +86,19 @@ async def test_bench_elastic_nats_keeps_auth_across_its_restart(tmp_path):
 
 def test_bench_coserve_fields(tmp_path, models_dir):
     """Two cells, one SLO: serving_only at the highest load sets it once and is that cell's serving_only."""
-    r = _bench("coserve", "--duration", "3", "--loads", "0.2,0.3", "--models", str(models_dir), out=tmp_path / "coserve.json", timeout=600)
+    r = _bench(
+        "coserve",
+        "--duration",
+        "3",
+        "--loads",
+        "0.2,0.3",
+        "--slo-basis",
+        "run",
+        "--models",
+        str(models_dir),
+        out=tmp_path / "coserve.json",
+        timeout=600,
+    )
     assert r["slo"]["basis"] == "run" and r["slo"]["calibration"] == {"noise": 0.0, "load": 0.3, "seed": 0}
     assert [c["load"] for c in r["cells"]] == [0.2, 0.3] and r["serving_load"] == 0.2  # the top level is the first cell
     for c in r["cells"]:
@@ -191,3 +203,12 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
     assert cell_duration_s(12.0, 0, 15.6) == 12.0
     assert cell_duration_s(12.0, 1000, 15.6) == pytest.approx(64.1, abs=0.1)  # load 0.2 of 78 req/s: 64 s for 1,000 requests
     assert cell_duration_s(12.0, 100, 50.0) == 12.0
+
+
+def test_bench_coserve_takes_the_slo_as_two_positive_numbers():
+    from rose.bench.coserve import _slo_pair
+
+    assert _slo_pair(None) is None and _slo_pair([60.0, 8.0]) == (60.0, 8.0)
+    for bad in ([60.0], [60.0, 8.0, 1.0], [60.0, 0.0]):
+        with pytest.raises(SystemExit, match="TTFT,TPOT in ms"):
+            _slo_pair(bad)
