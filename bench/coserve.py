@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rose.cli.options import SLO_BASES
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, GenerationResult, WorkClass
 
@@ -481,9 +482,6 @@ def _run_cell(
                 slo = _slo_from(runs[name])
     assert slo is not None
     return {name: runs[name] for name in POLICIES}, slo
-
-
-SLO_BASES = ("run", "cell")
 
 
 def run_coserve_bench(

@@ -225,12 +225,10 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     serving = sorted({r["executor"] for r in obs.serving.requests} | {ex for ex in summary["rollout"]["tokens_by_executor"] if "-serving-" in ex})
     times = [r["t"] for r in obs.serving.requests]
     by_ex = summary["rollout"]["tokens_by_executor"]
-    dedicated = [s["rollout_tokens_per_s"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
+    # the dedicated executor's snapshots while it had rollout work: its throughput, and how busy its device (the
+    # pinned core: executor and forward child) was; well under 1, rollout is bound elsewhere and more devices add little
+    rolling_out = [s for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
-    # how busy the dedicated device (its pinned core: the executor and its forward child) was while it had rollout
-    # work: well under 1, the rollout is bound elsewhere (the worker, the bus, tools), and lending more devices
-    # cannot shorten it much
-    busy = [s["device_utilization"] for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     steps = step_figures(obs.steps)
     job = {**TRAINER, **ROLLOUT_DOMINATED_JOB}
     per_step = int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(job["ROSE_GRPO__GROUP_SIZE"])
@@ -253,7 +251,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "tpot_p99_ms": summary["serving"]["tpot_p99_ms"],
         "slo_alerts": summary["serving"]["slo_alerts"],
         "harvested_fraction": summary["rollout"]["harvested_fraction"],
-        "dedicated_device_busy": _mean([b for b in busy if b is not None]),
+        "dedicated_device_busy": _mean([s["device_utilization"] for s in rolling_out if s["device_utilization"] is not None]),
         "rollout_tokens_on_serving": sum(v for ex, v in by_ex.items() if "-serving-" in ex),
         "rollout_tokens_by_executor": by_ex,
         "leases_granted": summary["rollout"]["leases_granted"],
@@ -274,7 +272,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
             "turn_s_p50": _median([u.finished_at - u.started_at for u in turns]),
             "turn_s_p90": float(np.percentile([u.finished_at - u.started_at for u in turns], 90)) if turns else None,
             "serving_arrival_rps_per_executor": _mean(arrivals),
-            "dedicated_rollout_tokens_per_s": _mean(dedicated),
+            "dedicated_rollout_tokens_per_s": _mean([s["rollout_tokens_per_s"] for s in rolling_out]),
             "serving_step_model": serving_step_model(extra.snapshots),
         },
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+SLO_BASES = ("cell", "run")  # how `rose bench coserve` sets its SLO (bench/coserve.py run_coserve_bench)
 MODEL_PRESET_NAMES = ("tiny", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
 
 
@@ -47,7 +48,7 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--slo-basis",
-        choices=("run", "cell"),
+        choices=SLO_BASES,
         default="cell",
         help="cell: each cell's SLO from its own serving_only (2 x its p99); run: one for every cell, from serving_only at the "
         "highest load, first seed, without noise",
