@@ -17,7 +17,9 @@ arrival -> rollout off serving's compute, over the trace and over lull probes (s
 A grid (``--loads``, ``--seeds``, ``--noise``) runs every (noise, load, seed) cell with the same
 capacity and dedicated baseline (measured once, without noise): ``--noise F`` starts a co-runner
 process that burns F of one core (a duty cycle over NOISE_PERIOD_S) through every policy of the
-cell. The JSON's ``cells`` lists each cell's per-policy SLO attainment, TTFT/TPOT p99, rollout
+cell. Each cell, as it finishes, is appended to ``<json>.cells.jsonl`` (harvest against the
+dedicated baseline measured before the cells), so that a grid stopped midway keeps them. The
+JSON's ``cells`` lists each cell's per-policy SLO attainment, TTFT/TPOT p99, rollout
 tokens/s and harvest; the top-level fields are the first cell's, as for a single run. The rose run
 of the first cell also records the SLO guard (slo_guard.py) every GUARD_SAMPLE_S: its share, the
 measured tail ratio and the setpoint, plotted beside the JSON as ``<name>-guard.png``.
@@ -541,6 +543,9 @@ def run_coserve_bench(
             run_slo = _slo_from(calibration)
             progress.advance(task)
         cell_runs = []
+        partial = Path(out_json).with_suffix(".cells.jsonl")  # a killed grid keeps the cells it finished
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
         for noise, load, cell_seed in grid:
             cell_arrivals = _trace(load * capacity, cell_duration_s(duration_s, min_requests, load * capacity), cell_seed)
             n_arrivals = len(cell_arrivals)
@@ -552,6 +557,10 @@ def run_coserve_bench(
 
             runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done)
             cell_runs.append((noise, load, cell_seed, cell_arrivals, *runs_and_slo))
+            # harvest against the dedicated baseline measured so far (the final JSON's: before and after, averaged)
+            row = _cell(*runs_and_slo, max(dedicated_before.values()), load, cell_seed, noise, load * capacity, n_arrivals)
+            with partial.open("a") as f:
+                f.write(json.dumps({**row, "harvest_baseline": "dedicated_before"}) + "\n")
         _, _, _, arrivals, runs, slo = cell_runs[0]
         rate = serving_load * capacity
         progress.update(task, description="dedicated rollout (after)")

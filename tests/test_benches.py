@@ -105,6 +105,12 @@ def test_bench_coserve_fields(tmp_path, models_dir):
         assert c["slo"] == {"ttft_ms": r["slo"]["ttft_ms"], "tpot_ms": r["slo"]["tpot_ms"]}
     # serving_only at the calibration cell ran once: its own p99 is the SLO's half (the multiplier is 2)
     assert r["cells"][1]["policies"]["serving_only"]["ttft_p99_ms"] * 2 == pytest.approx(r["slo"]["ttft_ms"])
+    # each cell was also written as it finished (a grid stopped midway keeps them): same cells, same SLO figures
+    partial = [json.loads(line) for line in (tmp_path / "coserve.cells.jsonl").read_text().splitlines()]
+    assert [(c["load"], c["seed"], c["noise"]) for c in partial] == [(c["load"], c["seed"], c["noise"]) for c in r["cells"]]
+    for early, final in zip(partial, r["cells"]):
+        assert early["policies"]["rose"]["slo_attainment"] == final["policies"]["rose"]["slo_attainment"]
+        assert early["harvest_baseline"] == "dedicated_before" and early["policies"]["rose"]["harvest"] > 0
     assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose"}
     for p in r["policies"].values():
         assert set(p) >= {"slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "serving_tokens_per_s", "rollout_tokens_per_s"}
