@@ -14,6 +14,8 @@ duration and seed, with two differences from the demo, both written in the JSON'
   each executor's CPU set as observed at the end of each run (its process tree's affinity).
 - the job is rollout-dominated as agentic RL is (bench/demo.py ROLLOUT_DOMINATED_JOB: one epoch per
   batch, longer multi-turn episodes): `rollout_share_of_step` per policy, and the static one in `job`.
+  `--rollout-demand K` (`demand_settings`) keeps K x the dedicated executors' batch in flight (1: the
+  demo's worker concurrency; `job.rollout_demand`, `calibration.trajectories_in_flight_max`).
 
 Only these settings differ between the policies:
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import statistics
@@ -58,6 +61,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
+from rose.services.executor.config import EngineSettings
 from rose.shared.bus import Bus
 from rose.shared.models import init_models
 
@@ -68,6 +72,7 @@ PIN_MODES = ("auto", "none")  # auto: one core per executor (fleet.device_plan);
 ROLLOUT_SHARE_TARGET = 0.70  # agentic RL is rollout-bound: rollout is at least this share of a static (synchronous) step
 
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
+DEDICATED_ROLLOUT_SLOTS = EngineSettings().rollout_max_batch  # turns one dedicated executor runs at once (its batch)
 DEFAULT_DURATION_S = 120.0  # per policy: with start-up and drain the four runs take about 12 minutes on 2 cores
 # The elastic baseline's reaction times, scaled to this trace (bursts every 15 s per executor) as
 # existing elastic systems' minutes are to hour-scale traffic: lend an executor after 10 s lendable,
@@ -158,6 +163,20 @@ def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
     ]
 
 
+def max_in_flight(trajectories: list) -> int:
+    """The most trajectories between their first turn's start and their end at one time (the demand the
+    fleet saw: the worker's concurrency caps it)."""
+    edges = sorted(
+        [(t.turns[0].started_at, 1) for t in trajectories if t.turns and t.finished_at]
+        + [(t.finished_at, -1) for t in trajectories if t.turns and t.finished_at]
+    )
+    level = peak = 0
+    for _, step in edges:  # at a tie an end (-1) sorts first: back to back is not at once
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
 def step_figures(steps: list) -> dict:
     """Steady-state step rate and the trainer's wait for rollouts, from TrainingStep events (in step order)."""
     steps = sorted(steps, key=lambda s: s.step)
@@ -230,7 +249,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     rolling_out = [s for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
     steps = step_figures(obs.steps)
-    job = {**TRAINER, **ROLLOUT_DOMINATED_JOB}
+    job = summary["job"]["trainer"]  # the settings the trainer ran with
     per_step = int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(job["ROSE_GRPO__GROUP_SIZE"])
     spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
     return {
@@ -266,6 +285,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
             **{k: steps[k] for k in ("step_s", "step_s_all", "trainer_wait_s_per_step", "train_s_per_step", "publish_s_per_step")},
             "rollout_s_per_batch_all": [round(x, 3) for x in spans],
             "trajectories_per_step": per_step,
+            "trajectories_in_flight_max": max_in_flight(list(obs.trajectories.values())),
             "turns_per_trajectory": _mean([len(t.turns) for t in trajectories]),
             "tokens_per_turn": _mean([len(u.token_ids) for u in turns]),
             "prompt_tokens_per_turn": _mean([len(u.prompt_token_ids) for u in turns]),
@@ -355,6 +375,23 @@ def run_ratios(policies: dict[str, dict]) -> tuple[float | None, float | None]:
     )
 
 
+def demand_settings(demand: int, dedicated: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(the worker's settings, the trainer's) for a rollout demand: the worker keeps ``demand`` x the
+    trajectories the dedicated executors run at once in flight (the simulator's ``rollout_demand``),
+    and a step asks for at least that many. Demand 1 is the default job exactly (worker 32, a step
+    of 8 groups of 8); at demand 2 the dedicated executor has a second batch queued behind the one it
+    runs, the case where lending can shorten a step (a dedicated pool that keeps up gains nothing)."""
+    if demand < 1:
+        raise ValueError(f"rollout demand is a multiple of the dedicated executors' batch, at least 1; got {demand}")
+    in_flight = demand * dedicated * DEDICATED_ROLLOUT_SLOTS
+    group_size, groups = int(TRAINER["ROSE_GRPO__GROUP_SIZE"]), int(TRAINER["ROSE_GRPO__GROUPS_PER_STEP"])
+    return {"ROSE_CONCURRENCY": str(in_flight)}, {"ROSE_GRPO__GROUPS_PER_STEP": str(max(groups, math.ceil(in_flight / group_size)))}
+
+
+def _with_worker(env: dict[str, dict[str, str]], worker: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {**env, "worker": {**env.get("worker", {}), **worker}}
+
+
 def default_serving(pin: str, dedicated: int) -> int:
     """The demo's two serving executors, or, pinned, as many as the cores left after the dedicated ones allow (at least one)."""
     return 2 if pin == "none" else max(1, min(2, len(usable_cpus()) - dedicated))
@@ -372,8 +409,11 @@ def run_e2e_bench(
     console: Console | None = None,
     warm_start_steps: int | None = None,
     pin: str = "auto",
+    rollout_demand: int = 1,
 ) -> dict:
     console = console or Console()
+    worker_env, demand_job = demand_settings(rollout_demand, dedicated)
+    job = {**ROLLOUT_DOMINATED_JOB, **demand_job}
     duration = duration_s or DEFAULT_DURATION_S
     if pin not in PIN_MODES:
         raise ValueError(f"unknown pin mode {pin!r}; choose from {', '.join(PIN_MODES)}")
@@ -413,15 +453,18 @@ def run_e2e_bench(
             "burst_len_s": SPEC.burst_len_s,
             "serving_max_tokens": SPEC.serving_max_tokens,
             "rollout_max_tokens": SPEC.rollout_max_tokens,
-            "worker_concurrency": SPEC.worker_concurrency,
+            "worker_concurrency": int(worker_env["ROSE_CONCURRENCY"]),
         },
-        "trainer": {**trainer_settings(seed, warm_start_steps), **ROLLOUT_DOMINATED_JOB},
+        "trainer": {**trainer_settings(seed, warm_start_steps), **job},
         "policy_settings": POLICY_ENV,
         "elastic_drains_lent_executors": True,
         # the job: the demo's (bench/demo.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
         "job": {
-            "differs_from_demo": ROLLOUT_DOMINATED_JOB,
+            "differs_from_demo": job,
             "rollout_dominated": True,
+            # in-flight trajectories over what the dedicated executors run at once (1: they keep up)
+            "rollout_demand": rollout_demand,
+            "trajectories_per_step": int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(TRAINER["ROSE_GRPO__GROUP_SIZE"]),
             "rollout_share_target": ROLLOUT_SHARE_TARGET,
             "serving_executors_demo": 2,
             "serving_executors": serving,
@@ -453,12 +496,12 @@ def run_e2e_bench(
                 dedicated,
                 console,
                 label=f"rose bench e2e · {policy}",
-                env=POLICY_ENV[policy],
+                env=_with_worker(POLICY_ENV[policy], worker_env),
                 drained=extra.drained,
                 on_bus=extra.subscribe,
                 obs=obs,
                 warm_start_steps=warm_start_steps,
-                job=ROLLOUT_DOMINATED_JOB,
+                job=job,
                 devices=devices,
             )
         )

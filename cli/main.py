@@ -132,6 +132,7 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
         console=Console(),
         warm_start_steps=args.warm_start_steps,
         pin="none" if args.unpinned else args.pin,
+        rollout_demand=args.rollout_demand,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
@@ -466,6 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned",
     )
     b.add_argument("--unpinned", action="store_true", help="the same as --pin none")
+    b.add_argument(
+        "--rollout-demand",
+        type=int,
+        default=1,
+        metavar="K",
+        help="trajectories in flight as a multiple of what the dedicated executors run at once (default 1: they keep up; 2: a batch queued)",
+    )
     b.set_defaults(func=_cmd_bench_e2e)
     b = bsub.add_parser(
         "sim",

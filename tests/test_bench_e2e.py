@@ -21,7 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rose.bench.e2e import batch_rollout_spans, lent_fraction, max_lent_at_once, step_figures
+from rose.bench.demo import SPEC, TRAINER
+from rose.bench.e2e import DEDICATED_ROLLOUT_SLOTS, batch_rollout_spans, demand_settings, lent_fraction, max_in_flight, max_lent_at_once, step_figures
 
 DURATION_S = 30  # GRPO seconds after the warm start (not part of the window): rates need two steps
 WARM_START_STEPS = 80  # the demo's is 200: the warm start is outside the measured window either way
@@ -54,6 +55,27 @@ def test_batch_rollout_spans_from_first_turn_to_last_trajectory():
 
     trajectories = [traj(0, 10.0, 12.0), traj(0, 11.0, 15.0), traj(1, 14.0, 20.0), traj(1, 16.0, 18.0), traj(2, 30.0, 31.0)]
     assert batch_rollout_spans(trajectories, per_step=2) == [5.0, 6.0]  # step 2 is incomplete
+
+
+def test_max_in_flight_counts_overlapping_trajectories():
+    def traj(start: float, end: float):
+        return SimpleNamespace(turns=[SimpleNamespace(started_at=start)], finished_at=end)
+
+    # three overlap in 2-3; the last starts as one ends (back to back, not at once); unfinished ones are left out
+    trajectories = [traj(0.0, 3.0), traj(1.0, 4.0), traj(2.0, 5.0), traj(5.0, 6.0), traj(1.0, 0.0), SimpleNamespace(turns=[], finished_at=2.0)]
+    assert max_in_flight(trajectories) == 3 and max_in_flight([]) == 0
+
+
+def test_rollout_demand_is_in_flight_over_the_dedicated_batch():
+    worker, job = demand_settings(1, dedicated=1)  # the default job, unchanged
+    assert int(worker["ROSE_CONCURRENCY"]) == SPEC.worker_concurrency == DEDICATED_ROLLOUT_SLOTS
+    assert job["ROSE_GRPO__GROUPS_PER_STEP"] == TRAINER["ROSE_GRPO__GROUPS_PER_STEP"]
+    worker, job = demand_settings(4, dedicated=1)  # a step asks at least as many as are in flight
+    group_size = int(TRAINER["ROSE_GRPO__GROUP_SIZE"])
+    assert int(worker["ROSE_CONCURRENCY"]) == 4 * DEDICATED_ROLLOUT_SLOTS <= int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * group_size
+    assert int(demand_settings(2, dedicated=2)[0]["ROSE_CONCURRENCY"]) == 4 * DEDICATED_ROLLOUT_SLOTS
+    with pytest.raises(ValueError, match="at least 1"):
+        demand_settings(0, dedicated=1)
 
 
 def test_lent_fraction_and_max_lent_at_once():
@@ -127,7 +149,7 @@ def watch_executor_cpus(bench_pid: int, stop: threading.Event, seen: dict[str, s
             seen.setdefault(f"{name}#processes", set()).add(str(len(tree)))
 
 
-def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]]:
+def _bench_e2e(tmp_path, *policies: str, extra: tuple[str, ...] = ()) -> tuple[dict, str, dict[str, set[str]]]:
     """Run the bench as a command; on a timeout it gets SIGTERM first, so it stops its fleet. Also returns the
     CPU sets its executors' process trees were seen with (`watch_executor_cpus`)."""
     out = tmp_path / "e2e.json"
@@ -149,6 +171,7 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]
         "auto" if PINNED else "none",
         "--policies",
         *policies,
+        *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop, seen = threading.Event(), {}
@@ -201,11 +224,12 @@ def _bench_e2e(tmp_path, *policies: str) -> tuple[dict, str, dict[str, set[str]]
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_bench_e2e_static_on_a_pinned_fleet(tmp_path):
     """One of the four policies, to keep the suite short: static, the baseline every ratio divides by,
+    at rollout demand 2 (the default job, demand 1, only differs in the worker's concurrency),
     whose knob (no serving executor ever lent) only a real fleet shows. The rose policy's fleet is the
     demo's (tests/test_demo.py runs it end to end); the naive_share and elastic_baseline knobs are tested
     in the services (tests/scheduler/test_lending_modes.py, tests/executor/test_alert_policy.py,
     tests/rollout_worker/test_turn_preemption.py); `rose bench e2e` runs all four in full."""
-    r, _, seen = _bench_e2e(tmp_path, "static")
+    r, _, seen = _bench_e2e(tmp_path, "static", extra=("--rollout-demand", "2"))
     static = r["policies"]["static"]
     executors = sorted(n for n in seen if "#" not in n)
     assert executors == sorted(r["devices"]) and any("-serving-" in n for n in executors) and any("-dedicated-" in n for n in executors), seen
@@ -223,6 +247,9 @@ def test_bench_e2e_static_on_a_pinned_fleet(tmp_path):
     assert static["rollout_tokens_per_s"] > 0
     assert 0.0 < static["dedicated_device_busy"] <= 1.0  # its pinned core (executor and forward child) did the rollout
     assert r["speedup_vs_static"] is None and r["rollout_time_ratio_vs_elastic"] is None  # rose and elastic_baseline did not run
+    # demand 2: the worker kept twice the dedicated executor's batch in flight, and the fleet saw more than one batch at once
+    assert r["job"]["rollout_demand"] == 2 and r["fleet"]["worker_concurrency"] == 2 * DEDICATED_ROLLOUT_SLOTS
+    assert static["calibration"]["trajectories_in_flight_max"] > DEDICATED_ROLLOUT_SLOTS, static["calibration"]
 
 
 def test_the_ratios_divide_rose_by_its_baselines():
