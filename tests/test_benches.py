@@ -111,6 +111,9 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     for early, final in zip(partial, r["cells"]):
         assert early["policies"]["rose"]["slo_attainment"] == final["policies"]["rose"]["slo_attainment"]
         assert early["harvest_baseline"] == "dedicated_before" and early["policies"]["rose"]["harvest"] > 0
+    for c in r["cells"]:  # two harvests: over the best dedicated baseline, and over its one-thread run
+        rose, by_threads = c["policies"]["rose"], r["dedicated_by_threads"]
+        assert rose["harvest_vs_one_thread"] * by_threads["1"] == pytest.approx(rose["harvest"] * max(by_threads.values()))
     assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose"}
     for p in r["policies"].values():
         assert set(p) >= {"slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "serving_tokens_per_s", "rollout_tokens_per_s"}
@@ -195,7 +198,7 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
 
     def cell(n: int, rose_missed: int) -> dict:
         runs = {"serving_only": run(n, 0), "static_partition": run(n, 0), "rose": run(n, rose_missed)}
-        return _cell(runs, (100.0, 50.0), 100.0, 0.2, 3, 0.3, 15.0, n)
+        return _cell(runs, (100.0, 50.0), {1: 80.0, 2: 100.0}, 0.2, 3, 0.3, 15.0, n)
 
     small = cell(187, 1)
     assert not small["rose_meets_slo_target"] and small["rose_extra_misses"] == 1
@@ -204,6 +207,7 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
     assert large["rose_meets_slo_target"] and large["tolerated_extra_misses"] == 5.0 and _resolution_note(large) == ""
     assert not cell(1000, 6)["rose_meets_slo_target"]
     assert large["policies"]["rose"]["harvest"] == 0.5 and large["policies"]["rose"]["slo_misses"] == 5
+    assert large["policies"]["rose"]["harvest_vs_one_thread"] == 50.0 / 80.0  # over what the rollout lane has of its own
     from rose.bench.coserve import cell_duration_s
 
     assert cell_duration_s(12.0, 0, 15.6) == 12.0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from rose.services.executor.engine import Engine, EngineConfig
-from rose.services.executor.rollout_process import ProcessRunner
 from rose.shared.models import init_models, load_model, load_tokenizer
 
 MIB = 1 << 20
@@ -46,11 +46,5 @@ def make_engine(loaded, model_paths):
         return engine
 
     yield build
-    for engine in engines:
-        engine._stopping = True
-        for rt in (engine._serving, engine._rollout):
-            rt.wakeup.set()
-        for t in engine._threads:
-            t.join()
-        if isinstance(engine._rollout.runner, ProcessRunner):
-            engine._rollout.runner.close()
+    for engine in engines:  # stopped as a service stops it (a test may have stopped it already: stop is idempotent)
+        asyncio.run(engine.stop())
