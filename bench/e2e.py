@@ -166,15 +166,17 @@ def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
 def max_in_flight(trajectories: list) -> int:
     """The most trajectories between their first turn's start and their end at one time (the demand the
     fleet saw: the worker's concurrency caps it)."""
-    edges = sorted(
-        [(t.turns[0].started_at, 1) for t in trajectories if t.turns and t.finished_at]
-        + [(t.finished_at, -1) for t in trajectories if t.turns and t.finished_at]
-    )
+    edges = sorted(edge for t in trajectories if t.turns and t.finished_at for edge in ((t.turns[0].started_at, 1), (t.finished_at, -1)))
     level = peak = 0
     for _, step in edges:  # at a tie an end (-1) sorts first: back to back is not at once
         level += step
         peak = max(peak, level)
     return peak
+
+
+def trajectories_per_step(trainer: dict[str, str]) -> int:
+    """A GRPO step's batch, from the trainer's settings (groups per step x group size)."""
+    return int(trainer["ROSE_GRPO__GROUPS_PER_STEP"]) * int(trainer["ROSE_GRPO__GROUP_SIZE"])
 
 
 def step_figures(steps: list) -> dict:
@@ -249,8 +251,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     rolling_out = [s for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
     steps = step_figures(obs.steps)
-    job = summary["job"]["trainer"]  # the settings the trainer ran with
-    per_step = int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(job["ROSE_GRPO__GROUP_SIZE"])
+    per_step = trajectories_per_step(summary["job"]["trainer"])  # the settings the trainer ran with
     spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
     return {
         "rl_steps_per_hour": steps["rl_steps_per_hour"],
@@ -464,7 +465,7 @@ def run_e2e_bench(
             "rollout_dominated": True,
             # in-flight trajectories over what the dedicated executors run at once (1: they keep up)
             "rollout_demand": rollout_demand,
-            "trajectories_per_step": int(job["ROSE_GRPO__GROUPS_PER_STEP"]) * int(TRAINER["ROSE_GRPO__GROUP_SIZE"]),
+            "trajectories_per_step": trajectories_per_step({**TRAINER, **job}),
             "rollout_share_target": ROLLOUT_SHARE_TARGET,
             "serving_executors_demo": 2,
             "serving_executors": serving,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 PROBE = r"""
-import asyncio, dataclasses, gc, json, sys, tempfile, weakref
+import asyncio, gc, json, tempfile, weakref
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.shared.models import init_models, load_model, load_tokenizer
 
