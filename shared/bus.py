@@ -213,11 +213,13 @@ class Bus:
         self._js: JetStreamContext | None = None
         self._micro: MicroService | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._pull_subs: list[Any] = []  # JetStream pull subscriptions (consume): unsubscribed before the drain (close)
         self._requests: set[asyncio.Task[None]] = set()
         self._kv: dict[str, KeyValue] = {}
         self._closing = False
         self.dead_letters = 0
         self.replies_refused = 0  # requests left unanswered: their reply subject was not a requester's inbox
+        self.drain_timeouts = 0  # closes whose drain ran out its timeout (each one is a stop that waited drain_timeout_s)
         # Operations in flight that a permissions violation on a matching subject should fail (see permission_errors).
         self._guards: dict[asyncio.Task[Any], tuple[str | None, Callable[[str], bool]]] = {}
         self._refused: dict[asyncio.Task[Any], tuple[str, str]] = {}
@@ -304,6 +306,16 @@ class Bus:
         if self._tasks:  # bounded: a fetch in flight across a reconnect may swallow the cancel
             await asyncio.wait(self._tasks, timeout=self.config.drain_timeout_s)
         self._tasks.clear()
+        # A pull subscription that has fetched never drains: nats.py's drain waits for its pending queue's
+        # join(), and the messages fetch reads (next_msg, the server's 404/408 replies included) are never
+        # marked done, so each close waited out drain_timeout_s (10 s per service stop). Its consume loop
+        # has stopped; a message it fetched and did not ack is redelivered after ack_wait, nothing is lost.
+        for sub in self._pull_subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # already gone with the connection
+                log.debug("unsubscribing a pull subscription: %r", exc)
+        self._pull_subs.clear()
         if self._micro is not None:
             try:
                 await self._micro.stop()
@@ -329,6 +341,8 @@ class Bus:
                 log.error("NATS refused %s to %r for service %s: not allowed by its credentials", operation, subject, self.service)
             return
         # While closing, a drain that runs past its timeout is reported here; the connection closes anyway.
+        if isinstance(exc, nats.errors.DrainTimeoutError):
+            self.drain_timeouts += 1
         log.log(logging.DEBUG if self._closing else logging.WARNING, "NATS error: %r", exc)
 
     def _refuse(self, operation: str, reported: str) -> bool:
@@ -609,6 +623,7 @@ class Bus:
         )
         with self.permission_errors(stream=channel.stream.name):
             sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
+        self._pull_subs.append(sub)
         self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch, manual_ack), name=f"consume:{durable}"))
 
     async def _consume_loop(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
+import msgspec
 import pytest
 
-from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTask, SloAlert
+from rose.contracts import GenerateReply, GenerateRequest, Heartbeat, RolloutTask, SloAlert, Trajectory
 from rose.contracts.lease import Lease
-from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT
+from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 from rose.shared.config import BusConfig
 
@@ -103,6 +105,49 @@ async def test_jetstream_consume_acks_and_retries(bus_config, bus, task_queue):
         await asyncio.wait_for(done.wait(), 15)
     await bus.js.delete_consumer("ROSE_TASKS", "test_flaky")  # a work queue allows one consumer per subject
     assert attempts["task-1"] == 2
+
+
+async def test_consumers_that_have_fetched_close_without_waiting_out_the_drain(bus_config, bus):
+    """nats.py's drain waits for a pull subscription's pending queue to join(), and a fetch that reads a
+    reply left over from the previous fetch (the server's 408 arriving just after the client's own
+    timeout) takes it with get_nowait and never marks it done: such a subscription never drains, and
+    each service's stop waited out drain_timeout_s (10 s a trainer, on every run). The bus unsubscribes
+    its pull subscriptions first. Which fetch leaves a reply behind is a race, so several consumers
+    close at staggered times (before this fix about half of these 8 timed out, in each of five runs).
+    The durable consumers outlive the connections: what is published next still reaches them."""
+    config = msgspec.structs.replace(bus_config, drain_timeout_s=3.0)
+    durables = [f"drain-{uuid.uuid4().hex[:8]}" for _ in range(8)]
+    marker = f"after-close-{uuid.uuid4().hex[:8]}"
+    seen: dict[str, list[str]] = {d: [] for d in durables}
+
+    def recorder(durable: str):
+        async def handle(t: Trajectory, d: Delivery) -> None:
+            if t.task_id == marker:
+                seen[durable].append(t.task_id)
+
+        return handle
+
+    async def consume_then_close(i: int, durable: str) -> int:
+        worker = Bus(config, service="trainer", instance=f"t-{durable}")
+        await worker.connect()
+        await worker.consume(TRAJECTORY, recorder(durable), durable=durable, deliver_new=True, batch=64)
+        await asyncio.sleep(2.0 + 0.25 * i)  # past two idle fetches (one per CONSUME_FETCH_TIMEOUT_S), then across the third
+        await worker.close()
+        return worker.drain_timeouts
+
+    assert await asyncio.gather(*(consume_then_close(i, d) for i, d in enumerate(durables))) == [0] * len(durables)
+    t = Trajectory(task_id=marker, trajectory_id=marker, env="arith", status="completed")
+    await bus.publish(TRAJECTORY, t, msg_id=t.trajectory_id, status=t.status)
+    async with Bus(bus_config, service="trainer", instance="t-drain-again") as again:
+        for d in durables:
+            await again.consume(TRAJECTORY, recorder(d), durable=d, deliver_new=True, batch=64)
+        for _ in range(100):
+            if all(seen[d] for d in durables):
+                break
+            await asyncio.sleep(0.1)
+    for d in durables:
+        await bus.js.delete_consumer("ROSE_TRAJECTORIES", d)
+    assert all(seen[d] == [marker] for d in durables), seen
 
 
 async def test_stream_event_is_persisted(bus):
