@@ -128,6 +128,9 @@ class EngineConfig:
     rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
     lend_serving_core: bool = _SERVICE.lend_serving_core  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     rollout_process: bool = False  # CPU: rollout forwards run in a child process, off this interpreter's lock (rollout_process.py)
+    # rollout borrows a serving executor's host: where the policy says so (rose), its forward process runs at the OS's
+    # idle priority. False on a dedicated executor, whose device is rollout's own (normal priority).
+    rollout_is_guest: bool = True
     cuda_graphs: bool = _SERVICE.cuda_graphs  # CUDA: decode steps replay captured graphs (cuda_graphs.py)
     seed: int = _SERVICE.seed
     device: str = _SERVICE.device
@@ -210,7 +213,8 @@ class Engine:
                 short >> 20,
             )
             in_child = False
-        r_runner = ProcessRunner(policy_model, r_pool, narrow) if in_child else None
+        idle = self.policy.rollout_cpu_idle and config.rollout_is_guest
+        r_runner = ProcessRunner(policy_model, r_pool, narrow, idle_priority=idle) if in_child else None
         if r_runner is not None:
             r_runner.held_poll_s = self._pause_poll_s  # a held forward asks again once per serving iteration
         self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import fcntl
 import logging
 import time
@@ -73,7 +74,8 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
             slo_ttft_ms=e.slo_ttft_ms,
             slo_tpot_ms=e.slo_tpot_ms,
         )
-    return Engine.from_dirs(str(serving_dir), str(policy_dir), EngineConfig.from_settings(e), policy=e.policy)
+    engine_config = dataclasses.replace(EngineConfig.from_settings(e), rollout_is_guest=config.role != "dedicated")
+    return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
 
 
 async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:

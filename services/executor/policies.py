@@ -14,6 +14,9 @@ and ``yields_on_arrival``: does a serving arrival ask the rollout lane to yield?
 ``widens_when_serving_idle``: may rollout use the whole device while serving has no work?
 and ``yields_to_alerts``: does the executor's lease guard take rollout back at once on an
 SLO alert for this executor (naive_share ignores the SLO, alerts included)?
+and ``rollout_cpu_idle``: on CPU, does rollout's forward process run at the OS's idle priority,
+on CPU time nothing else wants (``rollout_process.py``; only where rollout is a guest of a
+serving executor: ``EngineConfig.rollout_is_guest``)?
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ServingOnly(_PrefillsFreely):
     yields_on_arrival = False
     widens_when_serving_idle = False
     yields_to_alerts = True
+    rollout_cpu_idle = False
 
     def may_run_rollout(self, s: Signals) -> bool:
         return False
@@ -97,6 +101,7 @@ class NaiveShare(_PrefillsFreely):
     yields_on_arrival = False
     widens_when_serving_idle = False
     yields_to_alerts = False
+    rollout_cpu_idle = False  # equal priority is what naive sharing means
 
     def may_run_rollout(self, s: Signals) -> bool:
         return True
@@ -113,6 +118,7 @@ class StaticPartition(_PrefillsFreely):
     yields_on_arrival = False
     widens_when_serving_idle = False
     yields_to_alerts = True
+    rollout_cpu_idle = False  # a fixed partition: its share of the device whatever else runs
 
     def __init__(
         self, share: float = DEFAULT_STATIC_SHARE, period_ms: float = DEFAULT_STATIC_PERIOD_MS, quantum_ms: float = DEFAULT_QUANTUM_MS
@@ -150,6 +156,7 @@ class Rose:
     yields_on_arrival = True
     widens_when_serving_idle = True  # CPU: spans the serving core while serving has no work; narrows at a layer safepoint (core_lending.py)
     yields_to_alerts = True
+    rollout_cpu_idle = True  # CPU: the OS preempts rollout for serving and anything else on the host (rollout_process.py)
 
     def __init__(
         self,

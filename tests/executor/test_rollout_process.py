@@ -246,6 +246,27 @@ def test_the_child_takes_the_width_core_lending_asks_for(loaded, make_engine):
     assert runner._ctl[WIDTH] == 1
 
 
+def test_a_guest_rollout_child_runs_at_idle_priority_with_every_thread_it_starts(loaded, make_engine):
+    """Read from the kernel, per thread of the child, after a forward at width 2 (torch starts its
+    second thread then): rose on a serving executor runs it at SCHED_IDLE, so serving and any other
+    process preempt it; on a dedicated executor (rollout is the device's own work) and under
+    static_partition (a fixed share whatever else runs) it keeps the normal policy. The engine's own
+    process (serving's lane) is never lowered."""
+    cases = [("rose", True, os.SCHED_IDLE), ("rose", False, os.SCHED_OTHER), ("static_partition", True, os.SCHED_OTHER)]
+    for policy, guest, expected in cases:
+        engine = make_engine(policy, config=dataclasses.replace(IN_CHILD, rollout_is_guest=guest), fresh_policy=True)
+        runner = _runner(engine)
+        pool = engine._rollout.pool
+        pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
+        runner.set_width(2)
+        runner.forward_sample([ForwardItem(pool.allocate(1), 0, [11, 12, 13])], [])
+        threads = [int(t) for t in os.listdir(f"/proc/{runner.child_pid}/task")]
+        assert len(threads) >= 2, threads  # the torch thread the wide forward started
+        assert {os.sched_getscheduler(t) for t in threads} == {expected}, (policy, guest)
+        assert runner.idle_priority == (expected == os.SCHED_IDLE)
+    assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{os.getpid()}/task")} == {os.SCHED_OTHER}
+
+
 def test_process_runner_refuses_a_model_off_the_cpu(model_paths):
     model = load_model(model_paths.policy)
     model.to("meta")
