@@ -47,6 +47,13 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
         help="lengthen each cell's trace (beyond --duration) to at least this many serving requests: 200 makes the 0.005 SLO tolerance one request",
     )
     b.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each cell's policies this many rounds in turn on the same trace and pool each policy's requests: "
+        "one run of a cell moves by more than the 0.005 SLO tolerance between runs on a noisy host",
+    )
+    b.add_argument(
         "--slo-basis",
         choices=SLO_BASES,
         default="cell",

@@ -114,6 +114,9 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     for c in r["cells"]:  # two harvests: over the best dedicated baseline, and over its one-thread run
         rose, by_threads = c["policies"]["rose"], r["dedicated_by_threads"]
         assert rose["harvest_vs_one_thread"] * by_threads["1"] == pytest.approx(rose["harvest"] * max(by_threads.values()))
+    assert r["repeats"] == 1 and all(c["repeats"] == 1 for c in r["cells"])  # one round per cell unless --repeats
+    for c in r["cells"]:
+        assert all(p["slo_attainment_runs"] == [p["slo_attainment"]] for p in c["policies"].values())
     assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose"}
     for p in r["policies"].values():
         assert set(p) >= {"slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "serving_tokens_per_s", "rollout_tokens_per_s"}
@@ -213,6 +216,28 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
     assert cell_duration_s(12.0, 0, 15.6) == 12.0
     assert cell_duration_s(12.0, 1000, 15.6) == pytest.approx(64.1, abs=0.1)  # load 0.2 of 78 req/s: 64 s for 1,000 requests
     assert cell_duration_s(12.0, 100, 50.0) == 12.0
+
+
+def test_bench_coserve_pools_a_cells_rounds():
+    """--repeats: each policy's rounds on one trace pooled: attainment over all their requests, each round's
+    own too, the tolerance over the pooled count, throughputs averaged, reclaim samples together."""
+    from rose.bench.coserve import _cell, _pooled
+
+    def run(n: int, missed: int, rollout: float) -> dict:
+        return {
+            "ttft_ms": [10.0] * (n - missed) + [500.0] * missed, "tpot_ms": [5.0] * n, "aborted": [False] * n,
+            "serving_tokens_per_s": 1.0, "rollout_tokens_per_s": rollout, "lane_failures": 0, "cuda_graphs": None,
+            "reclaim_ms": [5.0], "rss_bytes": 100, "guard_trace": [(0.0, 1.0, 0.1)], "arrivals_s": [0.0],
+        }  # fmt: skip
+
+    rose = _pooled([run(400, 0, 40.0), run(400, 8, 60.0), run(400, 1, 50.0)])  # one bad round of three
+    runs = {name: _pooled([run(400, 1, 0.0)] * 3) for name in ("serving_only", "static_partition")} | {"rose": rose}
+    cell = _cell(runs, (100.0, 50.0), {1: 50.0}, 0.35, 3, 0.3, 27.0, 400)
+    r = cell["policies"]["rose"]
+    assert cell["repeats"] == 3 and cell["serving_requests"] == 1200 and cell["tolerated_extra_misses"] == pytest.approx(6.0)
+    assert r["slo_attainment_runs"] == [1.0, 0.98, 0.9975] and r["slo_attainment"] == pytest.approx(1 - 9 / 1200)
+    assert cell["rose_extra_misses"] == 6 and cell["rose_meets_slo_target"]  # 9 vs 3 misses of 1,200: within 0.005
+    assert r["rollout_tokens_per_s"] == 50.0 and len(rose["reclaim_ms"]) == 3 and rose["run_sizes"] == [400] * 3
 
 
 def test_bench_coserve_takes_the_slo_as_two_positive_numbers():
