@@ -382,7 +382,8 @@ def _plot_guard(path: Path, run: dict, slo: tuple[float, float]) -> None:
     ax.set_ylim(-0.05, 1.05)
     ax2.plot(t, [x[2] for x in trace], lw=0.8, c="tab:purple", label="tail ratio: window p99 (and live) / SLO")
     ax2.axhline(SETPOINT, c="tab:red", ls="--", lw=1, label=f"setpoint {SETPOINT:g} x SLO")
-    ttft_ratio = [min(3.0, r / slo[0]) for r in run["ttft_ms"]]
+    first_round = run.get("run_sizes", [len(run["ttft_ms"])])[0]  # the guard trace and arrivals are the first round's (``_pooled``)
+    ttft_ratio = [min(3.0, r / slo[0]) for r in run["ttft_ms"][:first_round]]
     ax2.scatter(run["arrivals_s"][: len(ttft_ratio)], ttft_ratio, s=4, c="tab:blue", label="request TTFT / SLO (at its arrival)")
     ax2.set_ylabel("x SLO")
     ax2.set_ylim(0, 3.05)

@@ -218,7 +218,7 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
     assert cell_duration_s(12.0, 100, 50.0) == 12.0
 
 
-def test_bench_coserve_pools_a_cells_rounds():
+def test_bench_coserve_pools_a_cells_rounds(tmp_path):
     """--repeats: each policy's rounds on one trace pooled: attainment over all their requests, each round's
     own too, the tolerance over the pooled count, throughputs averaged, reclaim samples together."""
     from rose.bench.coserve import _cell, _pooled
@@ -227,7 +227,8 @@ def test_bench_coserve_pools_a_cells_rounds():
         return {
             "ttft_ms": [10.0] * (n - missed) + [500.0] * missed, "tpot_ms": [5.0] * n, "aborted": [False] * n,
             "serving_tokens_per_s": 1.0, "rollout_tokens_per_s": rollout, "lane_failures": 0, "cuda_graphs": None,
-            "reclaim_ms": [5.0], "rss_bytes": 100, "guard_trace": [(0.0, 1.0, 0.1)], "arrivals_s": [0.0],
+            "reclaim_ms": [5.0], "rss_bytes": 100, "guard_trace": [(0.0, 1.0, 0.1), (4.0, 0.5, 0.9)],
+            "arrivals_s": [0.01 * i for i in range(n)],
         }  # fmt: skip
 
     rose = _pooled([run(400, 0, 40.0), run(400, 8, 60.0), run(400, 1, 50.0)])  # one bad round of three
@@ -238,6 +239,10 @@ def test_bench_coserve_pools_a_cells_rounds():
     assert r["slo_attainment_runs"] == [1.0, 0.98, 0.9975] and r["slo_attainment"] == pytest.approx(1 - 9 / 1200)
     assert cell["rose_extra_misses"] == 6 and cell["rose_meets_slo_target"]  # 9 vs 3 misses of 1,200: within 0.005
     assert r["rollout_tokens_per_s"] == 50.0 and len(rose["reclaim_ms"]) == 3 and rose["run_sizes"] == [400] * 3
+    from rose.bench.coserve import _plot_guard
+
+    _plot_guard(tmp_path / "guard.png", rose, (100.0, 50.0))  # the first round's requests against its own trace
+    assert (tmp_path / "guard.png").stat().st_size > 1000
 
 
 def test_bench_coserve_takes_the_slo_as_two_positive_numbers():
