@@ -511,7 +511,7 @@ def _run_cell(
 
 def _pooled(runs: list[dict]) -> dict:
     """Several runs of one policy on one trace as one: their requests together (``run_sizes`` keeps
-    where each run's begin), throughputs averaged, the first run's traces (guard, arrivals).
+    where each run begins), throughputs averaged, the first run's traces (guard, arrivals).
     Why pool: on the 2-vCPU VM one run of a cell moved by more than the SLO target's tolerance from
     the next run of the same policy (serving_only 0.918, then 0.717: docs/benchmarks.md)."""
     first = runs[0]
