@@ -408,23 +408,22 @@ def cell_duration_s(duration_s: float, min_requests: int, rate_rps: float) -> fl
 SLO_TOLERANCE = 0.005  # issue 24's target: rose's attainment within this of serving_only's in the same cell
 
 
-def _cell(
-    runs: dict, slo: tuple[float, float], dedicated_by_threads: dict[int, float], load: float, seed: int, noise: float, rate: float, n: int
-) -> dict:
+def _cell(runs: dict, slo: tuple[float, float], dedicated_by_threads: dict[int, float], load: float, seed: int, noise: float, rate: float) -> dict:
     """One grid cell's figures per policy: SLO attainment, TTFT/TPOT p99, rollout tokens/s, harvest
     (over the dedicated baseline, the best of its thread counts) and harvest over the one-thread
     baseline (what the rollout lane has of its own; two threads' gain over one moved 1.22-1.38x
     between runs on the 2-vCPU VM, docs/benchmarks.md 2026-12-02 evening)."""
     dedicated = max(dedicated_by_threads.values())
     one_thread = dedicated_by_threads.get(1, dedicated)
-    repeats = len(runs["serving_only"].get("run_sizes", [n]))
+    requests = len(runs["serving_only"]["ttft_ms"])  # over all its rounds (``_pooled``)
+    repeats = len(runs["serving_only"].get("run_sizes", [requests]))  # each policy ran this many times on the cell's trace
     out: dict[str, Any] = {
         "load": load,
         "seed": seed,
         "noise": noise,
         "rate_rps": rate,
-        "repeats": repeats,  # each policy ran this many times on the cell's trace; its figures pool them
-        "serving_requests": n * repeats,
+        "repeats": repeats,
+        "serving_requests": requests,
         "slo": {"ttft_ms": slo[0], "tpot_ms": slo[1]},
         "policies": {},
     }
@@ -439,7 +438,7 @@ def _cell(
     rose, base = out["policies"]["rose"], out["policies"]["serving_only"]
     out["rose_meets_slo_target"] = rose["slo_attainment"] >= 0.99 and rose["slo_attainment"] >= base["slo_attainment"] - SLO_TOLERANCE
     out["rose_extra_misses"] = rose["slo_misses"] - base["slo_misses"]
-    out["tolerated_extra_misses"] = SLO_TOLERANCE * n * repeats  # below 1, one request decides the cell: too few to resolve the tolerance
+    out["tolerated_extra_misses"] = SLO_TOLERANCE * requests  # below 1, one request decides the cell: too few to resolve the tolerance
     out["rose_reclaim_ms_p99"] = _p(runs["rose"]["reclaim_ms"], 99)
     return out
 
@@ -605,7 +604,7 @@ def run_coserve_bench(
             runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done, repeats)
             cell_runs.append((noise, load, cell_seed, cell_arrivals, *runs_and_slo))
             # harvest against the dedicated baseline measured so far (the final JSON's: before and after, averaged)
-            row = _cell(*runs_and_slo, dedicated_before, load, cell_seed, noise, load * capacity, n_arrivals)
+            row = _cell(*runs_and_slo, dedicated_before, load, cell_seed, noise, load * capacity)
             with partial.open("a") as f:
                 f.write(json.dumps({**row, "harvest_baseline": "dedicated_before"}) + "\n")
         _, _, _, arrivals, runs, slo = cell_runs[0]
@@ -619,10 +618,7 @@ def run_coserve_bench(
 
     slo_ttft, slo_tpot = slo
     policies = {name: _policy_figures(run, slo) for name, run in runs.items()}
-    cells = [
-        _cell(c_runs, c_slo, dedicated_by_threads, load, c_seed, noise, load * capacity, len(c_arrivals))
-        for noise, load, c_seed, c_arrivals, c_runs, c_slo in cell_runs
-    ]
+    cells = [_cell(c_runs, c_slo, dedicated_by_threads, load, c_seed, noise, load * capacity) for noise, load, c_seed, _, c_runs, c_slo in cell_runs]
     rose_reclaim = runs["rose"]["reclaim_ms"]
     report = {
         "policies": policies,

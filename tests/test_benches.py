@@ -201,7 +201,7 @@ def test_bench_coserve_cell_says_when_one_request_decides_it():
 
     def cell(n: int, rose_missed: int) -> dict:
         runs = {"serving_only": run(n, 0), "static_partition": run(n, 0), "rose": run(n, rose_missed)}
-        return _cell(runs, (100.0, 50.0), {1: 80.0, 2: 100.0}, 0.2, 3, 0.3, 15.0, n)
+        return _cell(runs, (100.0, 50.0), {1: 80.0, 2: 100.0}, 0.2, 3, 0.3, 15.0)
 
     small = cell(187, 1)
     assert not small["rose_meets_slo_target"] and small["rose_extra_misses"] == 1
@@ -233,7 +233,7 @@ def test_bench_coserve_pools_a_cells_rounds(tmp_path):
 
     rose = _pooled([run(400, 0, 40.0), run(400, 8, 60.0), run(400, 1, 50.0)])  # one bad round of three
     runs = {name: _pooled([run(400, 1, 0.0)] * 3) for name in ("serving_only", "static_partition")} | {"rose": rose}
-    cell = _cell(runs, (100.0, 50.0), {1: 50.0}, 0.35, 3, 0.3, 27.0, 400)
+    cell = _cell(runs, (100.0, 50.0), {1: 50.0}, 0.35, 3, 0.3, 27.0)
     r = cell["policies"]["rose"]
     assert cell["repeats"] == 3 and cell["serving_requests"] == 1200 and cell["tolerated_extra_misses"] == pytest.approx(6.0)
     assert r["slo_attainment_runs"] == [1.0, 0.98, 0.9975] and r["slo_attainment"] == pytest.approx(1 - 9 / 1200)

@@ -210,20 +210,19 @@ def _child_main(
                 return
 
 
-def lower_to_idle_priority() -> str:
+def lower_to_idle_priority() -> None:
     """Put every thread of this process (those started while it was unpickling its arguments too)
-    and the threads they start from now on at the OS's idle priority; returns which one it got.
-    Lowering one's own priority needs no privilege."""
+    and the threads they start from now on at the OS's idle priority. Lowering one's own priority
+    needs no privilege."""
     if hasattr(os, "SCHED_IDLE"):
         try:
             threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
             for tid in threads:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return "idle"
+            return
         except OSError:  # a kernel or sandbox without it: the lowest nice is the next best
             pass
     os.nice(19 - os.nice(0))
-    return "nice 19"
 
 
 class _Samplers:
