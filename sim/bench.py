@@ -33,6 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 
+from .ceiling import speedup_ceiling, tail_s
 from .engine import Infeasible, SimConfig, simulate
 from .policies import POLICIES
 from .rollouts import RolloutSpec
@@ -133,6 +134,10 @@ def rows_of(results: list[dict]) -> list[dict]:
             rows.append(row)
             continue
         static_rate = static["rl_steps_per_hour"] if static is not None and "infeasible" not in static else 0.0
+        capacity = r.get("rollout_capacity_ceiling")
+        ceiling = None
+        if capacity is not None and static is not None and static_rate > 0:
+            ceiling = speedup_ceiling(capacity, 3600.0 / static_rate, static["train_s_per_step"], tail_s(static), r.get("mode") == "async")
         elastic_rollout_s = elastic["rollout_s_per_step"] if elastic is not None and "infeasible" not in elastic else 0.0
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
@@ -141,6 +146,8 @@ def rows_of(results: list[dict]) -> list[dict]:
             if elastic_rollout_s > 0 and r["rollout_s_per_step"] > 0
             else None,
             slo_violations=r["slo_violations"],
+            rollout_capacity_ceiling=capacity,
+            speedup_ceiling=ceiling,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -160,6 +167,7 @@ def rows_of(results: list[dict]) -> list[dict]:
                     "cohost_free_gb",
                     "lent_instance_fraction",
                     "rollout_tokens_on_serving_fraction",
+                    "lane_share_ceiling",
                     "tail_fraction",
                     "leases",
                     "alerts",
@@ -242,6 +250,12 @@ def notes_of(rows: list[dict]) -> list[str]:
                 f"(1 - prefill share) x quantum / (iteration + quantum) of its time, and a lease lends half of the {d['cohost_free_gb']:.0f} GB left "
                 f"after both models and the serving pool"
             )
+        if row.get("speedup_ceiling") is not None:
+            why.append(
+                f"the fleet's rollout capacity (the dedicated pool plus every lane at full quanta, "
+                f"{d['lane_share_ceiling']:.0%} of a serving GPU) allows at most {row['speedup_ceiling']:.2f}x, "
+                f"with leases making at most {1.0 - 1.0 / row['rollout_capacity_ceiling']:.0%} of the tokens"
+            )
         if d["tail_fraction"] > 0.25:
             why.append(
                 f"{d['tail_fraction']:.0%} of the rollout phase is the tail after 90 % of trajectories finished, which more capacity does not shorten"
@@ -285,6 +299,7 @@ def targets_of(rows: list[dict]) -> dict:
         if not rs:
             continue
         demanding = [r["speedup_vs_static"] for r in rs if (r.get("rollout_demand") or 0) >= 2]
+        ceilings = [r for r in rs if (r.get("rollout_demand") or 0) >= 2 and r.get("speedup_ceiling") is not None]
         rollout = [r["rollout_time_ratio_vs_elastic"] for r in rs if r.get("rollout_time_ratio_vs_elastic") is not None]
         worst = min(rs, key=lambda r: r["speedup_vs_static"])
         fig = dict(
@@ -293,6 +308,11 @@ def targets_of(rows: list[dict]) -> dict:
             min_at=f"{worst['model']}/{worst['gpus']} {_axes_label(worst)}",
             median_speedup_demand_ge_2=_median(demanding),
             best_speedup_demand_ge_2=max(demanding) if demanding else None,
+            # what the fleet's rollout capacity allows (speedup_ceiling), and the share of that gain rose took
+            best_speedup_ceiling_demand_ge_2=max(r["speedup_ceiling"] for r in ceilings) if ceilings else None,
+            median_gain_of_ceiling_demand_ge_2=_median(
+                [(r["speedup_vs_static"] - 1.0) / (r["speedup_ceiling"] - 1.0) for r in ceilings if r["speedup_ceiling"] > 1.0]
+            ),
             median_rollout_time_ratio_vs_elastic=_median(rollout),
             rose_slo_violation_instance_s=sum(r["slo_violations"] or 0.0 for r in rs),
         )
@@ -462,8 +482,14 @@ def run_sim_bench(
             if elastic and "infeasible" not in elastic
             else ""
         )
+        capacity = rose.get("rollout_capacity_ceiling")
+        ceiling = ""
+        if capacity is not None and static["rl_steps_per_hour"] > 0:
+            most = speedup_ceiling(capacity, 3600.0 / static["rl_steps_per_hour"], static["train_s_per_step"], tail_s(static), key[4] == "async")
+            ceiling = f" (ceiling {most:.2f}x)"
+        on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
         console.print(
-            f"{label}: rose {sp:.2f}x static{el}, {rose['rollout_tokens_on_serving_fraction']:.0%} of rollout tokens on leases, "
+            f"{label}: rose {sp:.2f}x static{ceiling}{el}, {rose['rollout_tokens_on_serving_fraction']:.0%}{on_leases} of rollout tokens on leases, "
             f"{rose['slo_violations']:.0f} SLO-violating s"
         )
 
@@ -571,7 +597,9 @@ def run_sim_bench(
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             console.print(
                 f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
-                f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])}, rollout vs elastic median "
+                f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])} "
+                f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
+                "rollout vs elastic median "
                 f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
                 + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
             )

@@ -161,3 +161,22 @@ def rollout_share(ep, st: ServingTick, extra: np.ndarray, may: np.ndarray) -> np
     busy_share = yield_factor * q / np.maximum(st.iteration_s + q, 1e-12)
     idle_share = idle if ep.widens_when_serving_idle else idle * busy_share
     return idle_share + st.busy * busy_share
+
+
+def lane_share_ceiling(ep, perf, rate, prompt: float, output: float, prompt_p99: float, kv_tokens_cap) -> np.ndarray | None:
+    """The most of each second a serving instance's rollout lane can have beside serving at ``rate``
+    (req/s per instance, any shape): ``rollout_share`` with rollout always allowed and every quantum
+    run to its full length (a rollout step shorter than the quantum, or the guard pausing it, gives
+    the lane less while serving is busy, which at these loads it nearly always is). None where the
+    policy has no bounded quantum (no rollout on serving instances, or naive_share's
+    batch-to-completion, whose share depends on the batch).
+
+    It exists to bound what leases can add, whatever the placement: a lane's device-second is worth
+    at most a dedicated instance's, so a serving fleet's leases add at most the sum of these shares
+    in instances (``ceiling.rollout_capacity_ceiling``)."""
+    if ep is None or ep.quantum_ms is None:
+        return None
+    rate = np.asarray(rate, dtype=float)
+    q = np.full(rate.shape, ep.quantum_ms / 1e3)
+    st = serving_tick(perf, rate, prompt, output, prompt_p99, q, q, np.zeros(rate.shape), 1.0, kv_tokens_cap)
+    return rollout_share(ep, st, q, np.ones(rate.shape, dtype=bool))

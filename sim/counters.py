@@ -26,6 +26,8 @@ class Counters:
     serving_instance_s: float = 0.0  # serving instances taking traffic (counted, not in the result)
     rollout_tokens: float = 0.0
     serving_tokens: float = 0.0  # rollout tokens generated on serving instances
+    rollout_work_s: float = 0.0  # seconds with a rollout turn queued or running somewhere
+    lane_ceiling_s: float = 0.0  # over those seconds, the serving instances' lane shares at full quanta, summed (instance-seconds)
     granted: int = 0
     renewed: int = 0
     revoked: int = 0

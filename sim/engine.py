@@ -61,7 +61,8 @@ from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 
 from .candidates import CandidateCache
-from .coserve import rollout_interference, rollout_share, serving_tick, slo_capacity_rps
+from .ceiling import rollout_capacity_ceiling
+from .coserve import lane_share_ceiling, rollout_interference, rollout_share, serving_tick, slo_capacity_rps
 from .counters import Counters
 from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
 from .instances import Instances
@@ -229,6 +230,20 @@ class Simulation:
         cohosting = self.policy.hosts_policy_on_serving and self.can_cohost
         self.serving_kv_tokens = self.pool_tokens if cohosting else self.alone_kv_tokens
         self.cohosting = cohosting
+        # per second of the trace, the most a serving instance's rollout lane can have (None: no bounded lane there)
+        self.lane_ceiling = (
+            lane_share_ceiling(
+                self.policy.executor_policy,
+                self.sperf,
+                self.fleet_rate / self.n_serv,
+                self.prompt_mean,
+                self.output_mean,
+                self.prompt_p99,
+                self.serving_kv_tokens,
+            )
+            if cohosting and not self.policy.drains_lent
+            else None
+        )
         for d in range(self.n_serv, self.inst.D):
             self.inst.set_caps(d, self.max_rollout_batch, self.dedicated_kv)
         # the scheduler's own fleet view (leases live there), and its placement candidates as of a tick
@@ -403,6 +418,10 @@ class Simulation:
             share[:n] = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0)
         if self.cohosting:
             acc.lent_instance_s += float(lent.sum()) * dt
+        if self.turns.N and bool(((self.turns.state == 1) | (self.turns.state == 2)).any()):
+            acc.rollout_work_s += dt
+            if self.lane_ceiling is not None:
+                acc.lane_ceiling_s += float(self.lane_ceiling[min(len(self.lane_ceiling) - 1, int(now))]) * n * dt
         tokens = self._rollout_tick(now, dt, share)
         mon.record_rollout(self.tick_no, tokens)
         mon.record_serving(self.tick_no, serving_mode, st, extra, arrivals, inst.queue, br)
@@ -1093,6 +1112,7 @@ class Simulation:
         roll_total = sum(s["rollout_s"] for s in rollouts)
         sim_s = max(1e-9, self.env.now)
         hits, misses = a.prefix_hits, a.prefix_misses
+        lane = a.lane_ceiling_s / (a.rollout_work_s * self.n_serv) if self.lane_ceiling is not None and a.rollout_work_s > 0 else None
         return dict(
             model=c.model,
             device=c.device,
@@ -1125,6 +1145,8 @@ class Simulation:
             dedicated_rollout_tokens_per_s=float(np.mean(a.ded_snapshots_tps)) if a.ded_snapshots_tps else 0.0,
             tail_fraction=sum(s["tail_s"] for s in rollouts) / roll_total if roll_total else 0.0,
             rollout_tokens_on_serving_fraction=a.serving_tokens / max(1.0, a.rollout_tokens),
+            lane_share_ceiling=lane,
+            rollout_capacity_ceiling=rollout_capacity_ceiling(lane, self.n_serv * self.tp_s, self.n_ded * self.tp_r),
             unlendable_reasons=dict(a.unlendable.most_common(3)),
             slo_violations=a.violations,
             slo_violations_serving_alone=a.violations_alone,

@@ -27,7 +27,9 @@ its busiest hour: the hour lending has least to give), for each demand level (tr
 step as a multiple of what the dedicated pool runs at once), static against rose, synchronous
 RL. Lending does not pay where rose is under ``PAYS_FROM`` x static (the reason is the
 simulator's: the batch fits the dedicated pool, no lease was granted, or leased turns were
-interrupted by bursts), and in the hours where no minute is lendable.
+interrupted by bursts), and in the hours where no minute is lendable. Each level also gives
+``speedup_ceiling``, what the fleet's rollout capacity allows at most (ceiling.py): a speedup far
+under it means the placement leaves capacity unused, one near it that more needs more lanes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
 
+from .ceiling import speedup_ceiling, tail_s
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
@@ -268,6 +271,12 @@ def speedup_by_demand(
             continue
         st, ro = runs["static"], runs["rose"]
         speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
+        capacity = ro["rollout_capacity_ceiling"]
+        ceiling = (
+            speedup_ceiling(capacity, 3600.0 / st["rl_steps_per_hour"], st["train_s_per_step"], tail_s(st), pipelined=False)
+            if capacity is not None and st["rl_steps_per_hour"] > 0
+            else None
+        )
         pays = speedup is not None and speedup >= PAYS_FROM
         if pays:
             why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran on leases"
@@ -290,6 +299,7 @@ def speedup_by_demand(
                 "static_rl_steps_per_hour": st["rl_steps_per_hour"],
                 "rose_rl_steps_per_hour": ro["rl_steps_per_hour"],
                 "speedup": speedup,
+                "speedup_ceiling": ceiling,  # what the fleet's rollout capacity allows at most (ceiling.py)
                 "rose_slo_violations": ro["slo_violations"],
                 "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
                 "pays": pays,
@@ -383,11 +393,11 @@ def run_plan(
         dt = Table(
             title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)"
         )
-        for col in ("rollout demand", "trajectories/step", "static steps/h", "rose steps/h", "speedup", "lending pays", "why"):
+        for col in ("rollout demand", "trajectories/step", "static steps/h", "rose steps/h", "speedup", "ceiling", "lending pays", "why"):
             dt.add_column(col, justify="right")
         for d in result["speedup_by_demand"]:
             if d["speedup"] is None:
-                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "no", d["why"])
+                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "-", "no", d["why"])
                 continue
             dt.add_row(
                 f"{d['rollout_demand']:g}x",
@@ -395,6 +405,7 @@ def run_plan(
                 f"{d['static_rl_steps_per_hour']:.2f}",
                 f"{d['rose_rl_steps_per_hour']:.2f}",
                 f"{d['speedup']:.2f}x",
+                "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x",
                 "yes" if d["pays"] else "no",
                 d["why"],
             )

@@ -90,6 +90,7 @@ def test_plan_end_to_end(tmp_path, capsys):
     result = json.loads(out.read_text())
     (level,) = result["speedup_by_demand"]
     assert level["rollout_demand"] == 4.0 and level["speedup"] == level["rose_rl_steps_per_hour"] / level["static_rl_steps_per_hour"]
+    assert level["speedup_ceiling"] > 1.0 and level["speedup"] <= level["speedup_ceiling"]  # 7B co-hosts: lanes add capacity
     assert level["pays"] == (level["speedup"] >= 1.05) and level["why"]
     assert result["lending_does_not_pay"]["demand_levels"] == ([] if level["pays"] else [4.0])
     assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()

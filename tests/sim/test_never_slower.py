@@ -12,6 +12,7 @@ import pytest
 
 from rose.services.scheduler import placement
 from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
+from rose.sim.ceiling import speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
 from rose.sim.rollouts import RolloutSpec
 
@@ -73,6 +74,33 @@ def test_rose_never_below_static_and_gains_where_rollout_is_the_bottleneck(grid)
     t = targets_of(grid)["sync"]
     assert t["meets"]["never_below_static"] and t["meets"]["zero_slo_violations"]
     assert t["min_speedup"] == min(r["speedup_vs_static"] for r in rose.values())
+
+
+def test_rose_stays_under_the_ceiling_of_the_fleets_rollout_capacity(grid):
+    """The ceiling is the dedicated pool plus every serving GPU's rollout lane at full quanta: leases
+    cannot make a larger share of the tokens than that capacity gives them, and rose's speedup where
+    rollout is throughput-bound (demand 4x) stays under what that capacity buys."""
+    by = {(r["policy"], r["rollout_demand"]): r for r in grid}
+    for demand in (1.0, 4.0):
+        rose, static = by[("rose", demand)], by[("static", demand)]
+        lane = rose["detail"]["lane_share_ceiling"]
+        assert 0.0 < lane < 1.0
+        capacity = rose["rollout_capacity_ceiling"]
+        assert capacity == pytest.approx(1.0 + 8 * lane / 2)  # 8 serving GPUs, 2 dedicated (TP1 both)
+        assert rose["detail"]["rollout_tokens_on_serving_fraction"] <= 1.0 - 1.0 / capacity
+        assert static["rollout_capacity_ceiling"] is None and static["speedup_ceiling"] is None  # no lanes
+        assert by[("elastic_baseline", demand)]["rollout_capacity_ceiling"] is None  # whole instances, not lanes
+    four = by[("rose", 4.0)]
+    assert 1.0 < four["speedup_vs_static"] <= four["speedup_ceiling"] < four["rollout_capacity_ceiling"]
+
+
+def test_the_speedup_ceiling_is_amdahls_at_the_rollout_capacity():
+    # synchronous: 100 s of training and a 50 s tail stay, the other 250 s shrink by the capacity
+    assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=False) == pytest.approx(400.0 / 275.0)
+    assert speedup_ceiling(1.0, 400.0, 100.0, 50.0, pipelined=False) == pytest.approx(1.0)
+    # asynchronous: rollout overlaps training; a step takes at least its training
+    assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=True) == pytest.approx(2.0)
+    assert speedup_ceiling(8.0, 400.0, 100.0, 50.0, pipelined=True) == pytest.approx(4.0)
 
 
 def test_seeds_combine_into_medians_of_paired_ratios():

@@ -1,0 +1,37 @@
+"""Ceilings: the most that lending can add to rollout and to RL throughput, whatever the placement.
+
+A serving instance's rollout lane gets at most its share at full quanta (``coserve.lane_share_ceiling``);
+a lane GPU-second is worth at most a dedicated one. So the fleet offers rollout at most
+``rollout_capacity_ceiling`` x the dedicated pool's throughput, and an RL step can shrink at most as
+Amdahl allows at that capacity (``speedup_ceiling``). ``rose bench sim`` reports both beside rose's
+speedup, so a figure under a target says whether the target is out of the fleet's reach or the
+placement leaves capacity unused; ``rose plan`` does the same per demand level.
+"""
+
+from __future__ import annotations
+
+
+def rollout_capacity_ceiling(lane_share: float | None, serving_gpus: int, dedicated_gpus: int) -> float | None:
+    """The most rollout throughput the fleet offers over the dedicated pool's alone: the pool plus every
+    serving GPU's lane share at full quanta, each lane GPU-second worth at most a dedicated one (a lease
+    holds fewer sequences and runs at a lower batch, so it is worth less). None without lanes."""
+    if lane_share is None:
+        return None
+    return 1.0 + serving_gpus * lane_share / max(1, dedicated_gpus)
+
+
+def speedup_ceiling(capacity: float, static_step_s: float, train_s: float, tail_s: float, pipelined: bool) -> float:
+    """The most RL steps/h over static that a rollout capacity ``capacity`` x the dedicated pool's can buy
+    (Amdahl): synchronous, training and the rollout's tail (``tail_s``: after 90 % of the trajectories
+    finished, the longest ones' turns in sequence) stay, the rest of static's step shrinks by
+    ``capacity``; asynchronous, rollout overlaps training and the next batch fills the tail, so a step
+    takes at least its training or static's step shrunk by ``capacity``."""
+    if pipelined:
+        return static_step_s / max(train_s, static_step_s / capacity)
+    fixed = min(static_step_s, train_s + tail_s)
+    return static_step_s / (fixed + (static_step_s - fixed) / capacity)
+
+
+def tail_s(result: dict) -> float:
+    """Seconds per step of a run's rollout tail (after 90 % of its trajectories finished)."""
+    return result["tail_fraction"] * result["rollout_s_per_step"]
