@@ -33,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 
-from .ceiling import speedup_ceiling, tail_s
+from .ceiling import speedup_ceiling_over
 from .engine import Infeasible, SimConfig, simulate
 from .policies import POLICIES
 from .rollouts import RolloutSpec
@@ -135,9 +135,6 @@ def rows_of(results: list[dict]) -> list[dict]:
             continue
         static_rate = static["rl_steps_per_hour"] if static is not None and "infeasible" not in static else 0.0
         capacity = r.get("rollout_capacity_ceiling")
-        ceiling = None
-        if capacity is not None and static is not None and static_rate > 0:
-            ceiling = speedup_ceiling(capacity, 3600.0 / static_rate, static["train_s_per_step"], tail_s(static), r.get("mode") == "async")
         elastic_rollout_s = elastic["rollout_s_per_step"] if elastic is not None and "infeasible" not in elastic else 0.0
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
@@ -147,7 +144,7 @@ def rows_of(results: list[dict]) -> list[dict]:
             else None,
             slo_violations=r["slo_violations"],
             rollout_capacity_ceiling=capacity,
-            speedup_ceiling=ceiling,
+            speedup_ceiling=speedup_ceiling_over(static, capacity, r.get("mode") == "async") if static is not None else None,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -483,10 +480,8 @@ def run_sim_bench(
             else ""
         )
         capacity = rose.get("rollout_capacity_ceiling")
-        ceiling = ""
-        if capacity is not None and static["rl_steps_per_hour"] > 0:
-            most = speedup_ceiling(capacity, 3600.0 / static["rl_steps_per_hour"], static["train_s_per_step"], tail_s(static), key[4] == "async")
-            ceiling = f" (ceiling {most:.2f}x)"
+        most = speedup_ceiling_over(static, capacity, key[4] == "async")
+        ceiling = f" (ceiling {most:.2f}x)" if most is not None else ""
         on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
         console.print(
             f"{label}: rose {sp:.2f}x static{ceiling}{el}, {rose['rollout_tokens_on_serving_fraction']:.0%}{on_leases} of rollout tokens on leases, "

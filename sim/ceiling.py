@@ -32,6 +32,10 @@ def speedup_ceiling(capacity: float, static_step_s: float, train_s: float, tail_
     return static_step_s / (fixed + (static_step_s - fixed) / capacity)
 
 
-def tail_s(result: dict) -> float:
-    """Seconds per step of a run's rollout tail (after 90 % of its trajectories finished)."""
-    return result["tail_fraction"] * result["rollout_s_per_step"]
+def speedup_ceiling_over(static: dict, capacity: float | None, pipelined: bool) -> float | None:
+    """``speedup_ceiling`` at rollout capacity ``capacity`` over ``static``'s run (an engine result: its
+    step, training and rollout tail); None without lanes or a static rate to compare with."""
+    if capacity is None or static.get("infeasible") or not static.get("rl_steps_per_hour"):
+        return None
+    tail_s = static["tail_fraction"] * static["rollout_s_per_step"]  # after 90 % of its trajectories finished
+    return speedup_ceiling(capacity, 3600.0 / static["rl_steps_per_hour"], static["train_s_per_step"], tail_s, pipelined)

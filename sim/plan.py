@@ -44,7 +44,7 @@ from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
 
-from .ceiling import speedup_ceiling, tail_s
+from .ceiling import speedup_ceiling_over
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
@@ -271,12 +271,7 @@ def speedup_by_demand(
             continue
         st, ro = runs["static"], runs["rose"]
         speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
-        capacity = ro["rollout_capacity_ceiling"]
-        ceiling = (
-            speedup_ceiling(capacity, 3600.0 / st["rl_steps_per_hour"], st["train_s_per_step"], tail_s(st), pipelined=False)
-            if capacity is not None and st["rl_steps_per_hour"] > 0
-            else None
-        )
+        ceiling = speedup_ceiling_over(st, ro["rollout_capacity_ceiling"], pipelined=False)
         pays = speedup is not None and speedup >= PAYS_FROM
         if pays:
             why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran on leases"
