@@ -13,6 +13,13 @@ class Lease(Message):
     The executor enforces `expires_at` and `state` on its own, so safety never depends on
     the scheduler being reachable; `epoch` grows with every grant, so a stale lease id is
     told apart from the current one.
+
+    A lease revoked on a burst alert carries `park_until` > 0: the executor takes no new turn
+    and runs none, but the turns it holds keep their place and their KV (parked) until a new
+    lease resumes them there or that moment comes, when they are interrupted and continue
+    elsewhere as after any revocation. Serving gets the device exactly as with a plain
+    revocation; what is saved is the recompute of every turn's prefix on the dedicated pool
+    when the burst passes before the lease would have expired. 0: interrupt at once.
     """
 
     lease_id: Identifier
@@ -25,6 +32,7 @@ class Lease(Message):
     compute_share: Fraction
     max_rollout_batch: NonNegInt
     reason: str = ""
+    park_until: UnixSeconds = 0.0
 
 
 class LeaseEvent(Message):

@@ -169,6 +169,7 @@ def rows_of(results: list[dict]) -> list[dict]:
                     "leases",
                     "alerts",
                     "interrupted_turns",
+                    "parked_leases",
                     "aborted_turns",
                     "hedges",
                     "hedge_wins",

@@ -35,6 +35,7 @@ class Counters:
     alerts: int = 0
     interrupted: int = 0
     aborted: int = 0
+    parks: int = 0  # leases revoked on a burst, their turns parked rather than interrupted (Lease.park_until)
     bounced: int = 0
     prefix_hits: int = 0
     prefix_misses: int = 0

@@ -311,11 +311,21 @@ class Simulation:
     def apply_lease(self, kind: str, lease, reason: str) -> None:
         d = self.inst.index[lease.executor_id]
         self.fleet.on_lease(lease, self.env.now)
-        if kind in ("revoked", "expired"):
+        if kind == "revoked" and lease.park_until > self.env.now:
+            self.park_device(d, lease.park_until)
+        elif kind in ("revoked", "expired"):
             self.revoke_device(d, reason, keep_tokens=self.policy.keep_tokens)
         elif self.cohosting:  # the executor clamps a lease to its rollout pool
             self.inst.set_caps(d, lease.max_rollout_batch, min(float(lease.kv_bytes), max(0.0, self.cohost_free_bytes)))
         self.counts.lease(kind)
+
+    def park_device(self, d: int, until: float) -> None:
+        """A burst's revocation (``Lease.park_until``): device d runs and admits nothing, its turns keep
+        their place and KV until a new lease (``apply_lease``) resumes them or ``until`` interrupts
+        them (``revoke_device``, checked each tick in ``_tick``)."""
+        self.inst.set_caps(d, 0, self.inst.kvcap[d])
+        self.inst.park_until[d] = until
+        self.counts.parks += 1
 
     def revoke_device(self, d: int, reason: str, keep_tokens: bool) -> None:
         """Rollout taken back from device d: in-flight turns are interrupted (keep_tokens: resumed
@@ -435,6 +445,12 @@ class Simulation:
         for d in np.flatnonzero(inst.lent()).tolist():  # each executor enforces its lease's expiry itself
             if not pol.is_active(self.fleet.info(inst.ids[d]).lease, now):
                 self.revoke_device(d, "lease expired", keep_tokens=pol.keep_tokens)
+        parked = np.flatnonzero(inst.parked())
+        if parked.size:  # a park ends at its deadline (what is left is interrupted), or once nothing is left there
+            held = np.bincount(turns.dev[turns.state > 0], minlength=inst.D) if (turns.state > 0).any() else np.zeros(inst.D)
+            for d in parked.tolist():
+                if now >= inst.park_until[d] or held[d] == 0:
+                    self.revoke_device(d, "park ended", keep_tokens=pol.keep_tokens)
         if c.record_timeline:
             tl = acc.timeline
             tl["t"].append(now)
@@ -1155,6 +1171,7 @@ class Simulation:
             leases=dict(granted=a.granted, renewed=a.renewed, revoked=a.revoked, expired=a.expired),
             alerts=a.alerts,
             interrupted_turns=a.interrupted,
+            parked_leases=a.parks,
             aborted_turns=a.aborted,
             bounced_turns=a.bounced,
             hedges=a.hedges,

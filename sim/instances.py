@@ -23,12 +23,18 @@ class Instances:
         self.is_ded[n_serv:] = True
         self.slots = np.zeros(self.D)  # rollout sequences allowed now
         self.kvcap = np.zeros(self.D)  # rollout KV bytes allowed now
+        self.park_until = np.zeros(self.D)  # a lease revoked on a burst: its turns are parked (KV kept) until then
         self.ready_at = np.zeros(self.D)  # rollout may run from this time (weights of the current version)
         self.queue = np.zeros(n_serv)  # serving requests waiting, per serving instance
         self.prev_iter_ms = np.zeros(n_serv)  # each serving instance's last iteration time (its executor's signals)
 
     def set_caps(self, d: int, slots: float, kv_bytes: float) -> None:
         self.slots[d], self.kvcap[d] = slots, max(0.0, kv_bytes)
+        self.park_until[d] = 0.0
+
+    def parked(self) -> np.ndarray:
+        """Which instances hold turns parked by a burst's revocation (running and admitting nothing)."""
+        return (self.slots <= 0) & (self.park_until > 0)
 
     def lent(self) -> np.ndarray:
         """Which serving instances hold a lease now (their rollout lane is open)."""

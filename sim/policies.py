@@ -87,6 +87,7 @@ class FleetPolicy:
         self.keep_tokens = name != "elastic_baseline"  # elastic: interrupted turns start over
         self.drains_lent = name == "elastic_baseline"  # a lent executor leaves the serving rotation
         # the executor's lease guard takes rollout back at once on its own alert, unless its policy ignores alerts
+        self.parks_on_burst = name == "rose"  # a burst parks the turns (Lease.park_until); elastic preempts
         self.guard_acts_on_alerts = self.executor_policy is not None and getattr(self.executor_policy, "yields_to_alerts", name != "naive_share")
 
     def control(self, sim, now: float) -> None:
@@ -101,7 +102,11 @@ class FleetPolicy:
         for action in self.revoke_on_alert(sim.fleet.views(now), alert, now, self.lending):
             sim.apply_lease(action.kind, action.lease, action.reason)
         if self.guard_acts_on_alerts and alert.severity != "recovered" and sim.slots[d] > 0:
-            sim.revoke_device(d, f"{alert.severity}: guard", keep_tokens=self.keep_tokens)
+            lease = sim.fleet.info(alert.executor_id).lease
+            if alert.severity == "burst" and self.parks_on_burst and lease is not None and lease.expires_at > now:
+                sim.park_device(d, lease.expires_at)  # the executor's guard: as the scheduler's burst revocation will
+            else:
+                sim.revoke_device(d, f"{alert.severity}: guard", keep_tokens=self.keep_tokens)
 
 
 def make_fleet_policy(name: str, quantum_ms: float = 10.0, whole_batch: int = 256, whole_kv_bytes: float = 0.0) -> FleetPolicy:

@@ -71,6 +71,9 @@ class CoServingEngine(Protocol):
 
     def set_rollout_budget(self, budget_bytes: int) -> None: ...
 
+    def park_rollout(self, until_monotonic: float) -> None:
+        """Revoked on a burst: no rollout runs or is taken; those accepted keep their KV until then."""
+
     def revoke_rollout(self) -> None: ...
 
     def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None: ...

@@ -424,10 +424,21 @@ class Engine:
         self._lease_ended = "lease_revoked"
         self._rollout.wakeup.set()
 
+    def park_rollout(self, until_monotonic: float) -> None:
+        """The lease was revoked on a burst: rollout runs nothing and takes nothing new; the requests
+        it holds keep their KV (parked) until a new lease resumes them or ``until_monotonic`` ends
+        the lease as an expiry does."""
+        if self._lease is not None:
+            if self._lease.admits:
+                self._revoked_at = time.monotonic()  # its compute is reclaimed at the next quantum boundary: a reclaim sample
+            self._lease = self._lease.parked(until_monotonic)
+            self._lease_ended = "lease_revoked"
+            self._rollout.wakeup.set()
+
     @property
     def holds_rollout_lease(self) -> bool:
         lease = self._lease
-        return self.policy.admits_rollout and lease is not None and time.monotonic() < lease.expires_at
+        return self.policy.admits_rollout and lease is not None and lease.admits_now()
 
     def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
         self.slo_ttft_ms, self.slo_tpot_ms = ttft_ms, tpot_ms
@@ -647,7 +658,7 @@ class Engine:
         while not self._stopping:
             self._between_quanta(rt)
             self._receive(rt)
-            if not rt.has_work() or self._lease is None or self._paused or self._released:
+            if not rt.has_work() or self._lease is None or not self._lease.admits or self._paused or self._released:
                 self._rollout_idle()
                 rt.wakeup.wait(IDLE_WAIT_S)
                 rt.wakeup.clear()
@@ -768,13 +779,14 @@ class Engine:
             _settle(done, action)
         lease = self._lease
         if lease is not None and time.monotonic() >= lease.expires_at:
-            self._lease, self._lease_ended = None, "lease_expired"
-            self._revoked_at = self._revoked_at or time.monotonic()
+            self._lease, self._lease_ended = None, "lease_expired" if lease.admits else "lease_revoked"
+            if lease.admits:  # a parked lease's compute was reclaimed (and sampled) when it was parked
+                self._revoked_at = self._revoked_at or time.monotonic()
             lease = None
         rt.pool.set_budget_bytes(lease.budget_bytes if lease else 0)
         if rt.pool.over_budget_blocks:
             self._shrink(rt)
-        if lease is None and self._revoked_at is not None:
+        if (lease is None or not lease.admits) and self._revoked_at is not None:
             self.metrics.reclaim((time.monotonic() - self._revoked_at) * 1000.0)
             self._revoked_at = None
 

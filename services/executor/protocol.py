@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rose.contracts.executor import MAX_STOP_STRINGS, SamplingParams
@@ -164,11 +164,23 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class Lease:
-    """What the engine holds of the executor's rollout lease: a KV budget until a monotonic expiry."""
+    """What the engine holds of the executor's rollout lease: a KV budget until a monotonic expiry.
+
+    ``admits`` False: the lease was revoked on a burst (``contracts.lease.Lease.park_until``):
+    no rollout request is taken or run; those accepted keep their KV until ``expires_at``.
+    """
 
     budget_bytes: int
     expires_at: float  # monotonic seconds
     lease_id: str = ""
+    admits: bool = True
+
+    def parked(self, until_monotonic: float) -> Lease:
+        """This lease parked: running and taking nothing, ending at ``until_monotonic`` at the latest."""
+        return replace(self, expires_at=min(self.expires_at, until_monotonic), admits=False)
+
+    def admits_now(self) -> bool:
+        return self.admits and time.monotonic() < self.expires_at
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_positions: int) -> None:
@@ -199,6 +211,8 @@ def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | No
         raise RolloutRejected("no_lease", f"policy {policy_name} runs no rollout")
     if lease is None:
         raise RolloutRejected(ended_reason, "no valid rollout lease on this executor")
+    if not lease.admits:
+        raise RolloutRejected("lease_revoked", "the rollout lease was revoked on a burst: the turns here are parked, no new one is taken")
     if time.monotonic() >= lease.expires_at:
         raise RolloutRejected("lease_expired", "the rollout lease has expired")
 

@@ -360,6 +360,7 @@ class SGLangBackend:
         self._pending_ops: list[tuple[str, float | None]] = []
         self._kv_tokens: dict[WorkClass, int] = {}  # each server's KV capacity in tokens (/get_server_info)
         self._server_lent: bool | None = None  # what the rollout server was last told successfully (None: unknown)
+        self._server_parked = False  # paused in place by a burst's revocation (KV kept), not yet continued
         self._lent = asyncio.Event()  # rollout requests go out only while set (lease held, server lent)
         self._weights_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -475,6 +476,16 @@ class SGLangBackend:
     def set_rollout_budget(self, budget_bytes: int) -> None:
         if self._lease is not None:
             self.set_rollout_lease(budget_bytes, self._lease.expires_at, self._lease.lease_id)
+
+    def park_rollout(self, until_monotonic: float) -> None:
+        """The lease was revoked on a burst: refuse new rollout and pause the rollout server in place
+        (its requests keep their KV) until a new lease continues it or ``until_monotonic`` ends the
+        lease as an expiry does (pause with retract, KV released)."""
+        if self._lease is not None:
+            lease = self._lease = self._lease.parked(until_monotonic)
+            self._lease_ended = "lease_revoked"
+            self._on_loop(lambda: self._arm_expiry(lease))
+            self._enqueue(("park", time.monotonic()))
 
     def revoke_rollout(self) -> None:
         """Take the lease back now: the rollout server pauses (retract) and releases its KV cache."""
@@ -644,8 +655,15 @@ class SGLangBackend:
             kind, revoked_at = await self._ops.get()
             if kind == "grant" and self._lease is None:
                 continue  # revoked or expired before its turn: nothing to lend
+            if kind == "park" and (self._lease is None or self._lease.admits):
+                continue  # ended, or granted again, before its turn
             try:
-                await (self._lend() if kind == "grant" else self._reclaim(revoked_at))
+                if kind == "grant":
+                    await self._lend()
+                elif kind == "park":
+                    await self._park(revoked_at)
+                else:
+                    await self._reclaim(revoked_at)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -658,23 +676,41 @@ class SGLangBackend:
         if self._server_lent is not True:
             await self._call(self.rollout_url, "/resume_memory_occupation", {"tags": KV_TAGS})
             await self._call(self.rollout_url, "/continue_generation", {})
-            self._server_lent = True
+            self._server_lent, self._server_parked = True, False
             log.info("rollout server %s lent: KV cache resumed, generation continued", self.rollout_url)
+        elif self._server_parked:
+            await self._call(self.rollout_url, "/continue_generation", {})
+            self._server_parked = False
+            log.info("rollout server %s lent again: its parked requests continue where they were", self.rollout_url)
         if self._lease is not None:
             self._lent.set()
+
+    async def _park(self, parked_at: float | None) -> None:
+        """Pause generation in place: the requests keep their KV for a new lease to continue."""
+        self._lent.clear()
+        if self._server_lent is False:
+            return
+        await self._call(self.rollout_url, "/pause_generation", {"mode": "in_place"})
+        self._server_parked = True
+        self._reclaimed(parked_at)
+        log.info("rollout server %s parked: generation paused in place, KV kept", self.rollout_url)
+
+    def _reclaimed(self, since: float | None) -> None:
+        """A reclaim sample: the rollout server stopped generating ``since`` the lease ended (or was parked)."""
+        if since is not None:
+            with self._lock:
+                self._interval.reclaim_ms.append((time.monotonic() - since) * 1000.0)
+                self._compute_yields += 1
 
     async def _reclaim(self, revoked_at: float | None) -> None:
         self._lent.clear()
         if self._server_lent is False:
             return
         await self._call(self.rollout_url, "/pause_generation", {"mode": "retract"})
-        if revoked_at is not None:
-            ms = (time.monotonic() - revoked_at) * 1000.0
-            with self._lock:
-                self._interval.reclaim_ms.append(ms)
-                self._compute_yields += 1
+        if not self._server_parked:  # a park already counted this reclaim
+            self._reclaimed(revoked_at)
         await self._call(self.rollout_url, "/release_memory_occupation", {"tags": KV_TAGS})
-        self._server_lent = False
+        self._server_lent, self._server_parked = False, False
         log.info("rollout server %s reclaimed: generation paused (retract), KV cache released", self.rollout_url)
 
     # ------------------------------------------------------------------ requests

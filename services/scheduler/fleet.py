@@ -79,7 +79,7 @@ class Fleet:
         info = self.info(lease.executor_id)
         old = info.lease
         if lease.state == "revoked" and old is not None and old.state == "active" and old.lease_id == lease.lease_id:
-            self.revocations.append(time.time() if now is None else now)  # turns running under it were interrupted
+            self.revocations.append(time.time() if now is None else now)  # turns under it were interrupted (or parked)
         info.lease = lease
 
     def on_alert(self, executor_id: str, at: float) -> None:

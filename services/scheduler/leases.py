@@ -8,7 +8,8 @@ immediate revocation an SLO alert calls for. Rules:
 - renew (same id and epoch, new expiry, lent amounts refreshed) while p99 TTFT and TPOT stay
   under `keep_fraction` x SLO (> the grant fraction: hysteresis) and the model leaves a slot;
 - revoke when latency creeps past `keep_fraction`, when the executor is gone, or at once on
-  an alert; let a lease expire when headroom goes stale (the executor enforces expiry itself).
+  an alert (on a burst, the turns there are parked until the lease's expiry); let a lease
+  expire when headroom goes stale (the executor enforces expiry itself).
 
 The baselines (`LendingSettings.mode`, for `rose bench e2e` and the simulator):
 `plan_lending(now, views, leases, lending)` and `revoke_on_alert(views, alert, now, lending)`
@@ -129,12 +130,21 @@ def plan_leases(now: float, views: list[ExecutorView], s: LeaseSettings) -> list
 
 
 def revoke_for_alert(view: ExecutorView, alert: SloAlert, now: float) -> LeaseAction | None:
-    """An SLO alert (burst or violation) takes an active lease back at once."""
+    """An SLO alert takes an active lease back at once: no turn is routed there any more.
+
+    A violation interrupts the turns there now. A burst parks them until the lease's own expiry
+    (`Lease.park_until`): they run no more than under a plain revocation, but keep their KV, so
+    a new lease after the burst resumes them where they are instead of each recomputing its
+    prefix elsewhere.
+    """
     if alert.severity == "recovered" or not is_active(view.lease, now):
         return None
     assert view.lease is not None
     why = f"{alert.severity}: {alert.reason}"
-    return LeaseAction("revoked", _revoked(view.lease, why), why)
+    revoked = _revoked(view.lease, why)
+    if alert.severity == "burst":
+        revoked = msgspec.structs.replace(revoked, park_until=view.lease.expires_at)
+    return LeaseAction("revoked", revoked, why)
 
 
 # ---- the baselines (LendingSettings.mode) -------------------------------------------------

@@ -89,7 +89,8 @@ class Scheduler:
         now = time.time()
         if current is not None and current.lease_id != lease.lease_id:
             if action.kind in ("revoked", "expired") and is_active(current, now):
-                lease = msgspec.structs.replace(current, state="revoked", reason=action.reason)
+                park_until = min(lease.park_until, current.expires_at) if lease.park_until else 0.0
+                lease = msgspec.structs.replace(current, state="revoked", reason=action.reason, park_until=park_until)
             elif action.kind != "granted" or is_active(current, now) or current.epoch >= lease.epoch:
                 self.fleet.on_lease(current)
                 self.counts["conflicts"] += 1

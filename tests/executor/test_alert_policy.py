@@ -19,10 +19,14 @@ class StubEngine:
     def __init__(self, policy: str) -> None:
         self.policy = make_policy(policy)
         self.revoked = 0
+        self.parked_until_engine: float | None = None
         self.lease_id = ""
 
     def revoke_rollout(self) -> None:
         self.revoked += 1
+
+    def park_rollout(self, until: float) -> None:
+        self.parked_until_engine = until
 
     def set_rollout_lease(self, budget: int, until: float, lease_id: str) -> None:
         self.lease_id = lease_id
@@ -59,9 +63,12 @@ async def test_guard_yields_on_alert_unless_the_policy_ignores_the_slo(policy):
     assert engine.lease_id == "ex-a-e1" and guard.current is lease
     await guard._on_alert(SloAlert(executor_id="ex-a", at=now, severity="burst", reason="test"), None)  # type: ignore[arg-type]
     if policy == "naive_share":
-        assert guard.current is lease and engine.revoked == 0
-    else:
-        assert guard.current is None and engine.revoked == 1 and guard.revoked_reason == "lease_revoked"
+        assert guard.current is lease and engine.revoked == 0 and engine.parked_until_engine is None
+    else:  # a burst: rollout parked until the lease's expiry (a minute here)
+        assert guard.current is None and guard.revoked_reason == "lease_revoked" and engine.revoked == 0
+        assert guard.parked_until == lease.expires_at and engine.parked_until_engine == pytest.approx(time.monotonic() + 60, abs=1.0)
+        await guard._on_alert(SloAlert(executor_id="ex-a", at=now, severity="violation", reason="test"), None)  # type: ignore[arg-type]
+        assert engine.revoked == 1 and guard.parked_until is None  # a violation while parked interrupts at once
     await guard._on_lease("ex-a", None)  # a revocation from the scheduler is obeyed by every policy
     assert guard.current is None and engine.revoked >= 1
 

@@ -136,6 +136,7 @@ def test_both_engines_satisfy_the_protocol():
                 "set_rollout_lease",
                 "set_rollout_budget",
                 "revoke_rollout",
+                "park_rollout",
                 "set_slo",
                 "apply_policy_weights",
                 "policy_state_dict",
@@ -311,6 +312,26 @@ async def test_rollout_only_under_a_lease_and_lending_drives_the_server(servers,
             backend.submit(_request(WorkClass.ROLLOUT))
         assert refused.value.reason == "lease_expired"
         await until(lambda: _paused_and_released(url), 10, "the rollout server paused after the expiry")
+
+        # revoked on a burst (parked): nothing new is taken, the server pauses in place (KV kept);
+        # a new lease continues the parked request where it was, to its full length
+        backend.set_rollout_lease(8 << 20, time.monotonic() + FAR, "lease-3")
+        await until(lambda: _lent(url), 10, "lent again")
+        parked = backend.submit(_request(WorkClass.ROLLOUT, 400, stream=False, ignore_eos=True))
+        await asyncio.sleep(0.2)
+        backend.park_rollout(time.monotonic() + FAR)
+        with pytest.raises(RolloutRejected) as refused:
+            backend.submit(_request(WorkClass.ROLLOUT))
+        assert refused.value.reason == "lease_revoked" and "parked" in str(refused.value)
+        await until(lambda: _parked(url), 10, "the rollout server paused in place")
+        assert not parked._result.done()
+        backend.set_rollout_lease(8 << 20, time.monotonic() + FAR, "lease-4")
+        done = await asyncio.wait_for(parked.result(), 60)
+        assert done.finish_reason == "length" and len(done.token_ids) == 400
+
+        # a park that runs out ends the lease as an expiry does: paused with retract, KV released
+        backend.park_rollout(time.monotonic() + 0.5)
+        await until(lambda: _paused_and_released(url), 10, "the rollout server released at the park's end")
     finally:
         await backend.stop()
 
@@ -318,6 +339,11 @@ async def test_rollout_only_under_a_lease_and_lending_drives_the_server(servers,
 async def _paused_and_released(url: str) -> dict | None:
     state = await _state(url)
     return state if state["paused"] and state["kv_cache_released"] else None
+
+
+async def _parked(url: str) -> dict | None:
+    state = await _state(url)
+    return state if state["paused"] == "in_place" and not state["kv_cache_released"] else None
 
 
 async def _lent(url: str) -> dict | None:

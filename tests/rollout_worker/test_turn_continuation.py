@@ -9,6 +9,8 @@ a lease from the leases KV bucket, one dedicated; the scheduler is a stand-in th
   prompt plus those tokens and generates only the rest. Greedy sampling makes the check exact: the
   continued turn is the turn the dedicated executor generates uninterrupted, logprobs aligned, and
   each token keeps the version that produced it.
+- Revoked on a burst (`Lease.park_until`): the turn is parked (no compute, KV kept) and a new one is
+  refused; the next lease resumes it in place; a park that runs out interrupts it, as above.
 - A route that carries a hedge (`TurnRoute.hedge_executor`): the copy on the dedicated executor wins
   while the serving executor's rollout is held, and the other copy is aborted there: the held engine
   no longer has the turn (its queue and batch are empty while still paused).
@@ -187,6 +189,88 @@ async def test_revoked_turn_continues_elsewhere_from_its_tokens(bus, executors):
     assert record.logprobs == pytest.approx(reference.logprobs, abs=1e-3)
     assert record.token_policy_versions == [0] * k + [DEDICATED_VERSION] * (TURN_TOKENS - k) and record.policy_version == 0
     assert record.executor_id == DEDICATED and record.attempts == 2 and runner.stats["resumed"] == 1
+
+
+def _parked(until: float) -> Lease:
+    """The lease as the scheduler writes it on a burst alert (scheduler/leases.py revoke_for_alert)."""
+    return msgspec.structs.replace(_lease("revoked"), reason="burst: test", park_until=until)
+
+
+async def _tokens_on(ex: Executor, at_least: float, turn: asyncio.Future) -> None:
+    produced = 0.0
+    while produced < at_least and not turn.done():
+        await asyncio.sleep(0.005)
+        s = ex.engine.stats()
+        produced += s.rollout_tokens_per_s * s.interval_s
+
+
+async def _parked_turn(bus, executors, trajectory: str, until: float):
+    """A turn on the serving executor; a few tokens in, the scheduler revokes the lease on a burst
+    (parked until `until`). Rollout is held while the revocation lands, so the turn is surely mid-way
+    when it does. Returns the turn's task, its runner, its prompt and the uninterrupted reference."""
+    serving, dedicated = executors
+    prompt, reference = await _full_length_reference(bus, dedicated)
+    await _scheduler(bus)
+    await _grant(bus, serving)
+    runner = TurnRunner(bus, SETTINGS)
+    serving.engine.stats()
+    turn = asyncio.ensure_future(runner.run(_spec(trajectory, prompt)))
+    await _tokens_on(serving, 3, turn)
+    await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))
+    try:
+        await bus.kv_put(LEASE, _parked(until), executor_id=SERVING)
+        for _ in range(200):
+            if serving.guard.parked_until is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert serving.guard.parked_until == until and not turn.done()
+    finally:
+        serving.engine.continue_rollout()  # the hold ends; the park alone keeps rollout from running now
+    return turn, runner, prompt, reference
+
+
+async def test_a_burst_revocation_parks_the_turn_and_a_new_lease_resumes_it_in_place(bus, executors):
+    """Revoked on a burst (`park_until` ahead): the turn keeps its place and KV but runs no further, a
+    new turn naming the lease is refused; the next lease resumes it there: one attempt, nothing recomputed."""
+    serving, dedicated = executors
+    turn, runner, prompt, reference = await _parked_turn(bus, executors, "tc-park", time.time() + 60.0)
+    serving.engine.stats()
+    await asyncio.sleep(0.3)
+    parked = serving.engine.stats()
+    assert parked.rollout_tokens_per_s * parked.interval_s == 0 and parked.rollout_running == 1 and not turn.done()
+    refused = await bus.request(GENERATE, _late(prompt), timeout=30.0, executor_id=SERVING)
+    assert refused.status == "rejected" and refused.reject_reason == "lease_revoked" and not refused.token_ids
+    regrant = msgspec.structs.replace(_lease("active"), lease_id="tc-lease-e2", epoch=2)
+    await bus.kv_put(LEASE, regrant, executor_id=SERVING)
+    record = await asyncio.wait_for(turn, timeout=60.0)
+    assert record.executor_id == SERVING and record.attempts == 1 and runner.stats["resumed"] == 0
+    assert record.token_ids == reference.token_ids and not any(r.trajectory_id == "tc-park" for r in dedicated.requests)
+    assert [r.status for r in serving.replies if r.request_id != "tc-late"] == ["ok"]
+
+
+def _late(prompt: list[int]) -> GenerateRequest:
+    """A new turn naming the revoked lease."""
+    return GenerateRequest(
+        request_id="tc-late",
+        trajectory_id="tc-late",
+        turn_index=0,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(temperature=0.0, max_tokens=4),
+        lease_id="tc-lease",
+        lease_epoch=1,
+    )
+
+
+async def test_a_park_that_runs_out_interrupts_and_the_turn_continues_elsewhere(bus, executors):
+    """No new lease before `park_until`: the parked turn is cut there with its tokens and continues on
+    the dedicated executor, as after any revocation."""
+    serving, _dedicated = executors
+    turn, _runner, _prompt, reference = await _parked_turn(bus, executors, "tc-park-out", time.time() + 0.5)
+    record = await asyncio.wait_for(turn, timeout=60.0)
+    cut = next(r for r in serving.replies if r.request_id == serving.requests[0].request_id)
+    k = len(cut.token_ids)
+    assert cut.status == "rejected" and cut.reject_reason == "lease_revoked" and 3 <= k < TURN_TOKENS, (cut.status, k)
+    assert record.executor_id == DEDICATED and record.attempts == 2 and record.token_ids == reference.token_ids
 
 
 @pytest.mark.parametrize("hedge", ["placed", "after"])

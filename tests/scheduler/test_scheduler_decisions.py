@@ -70,6 +70,10 @@ def test_alert_revokes_at_once_and_recovered_does_not():
     alert = SloAlert(executor_id="ex-1", at=now, severity="burst", reason="arrival rate")
     action = revoke_for_alert(view(now, lease=lease), alert, now)
     assert action is not None and action.kind == "revoked" and "burst" in action.lease.reason
+    # a burst parks the turns until the lease's own expiry; a violation interrupts them now
+    assert action.lease.park_until == lease.expires_at > now
+    stop = revoke_for_alert(view(now, lease=lease), msgspec.structs.replace(alert, severity="violation"), now)
+    assert stop is not None and stop.lease.state == "revoked" and stop.lease.park_until == 0
     assert revoke_for_alert(view(now, lease=lease), msgspec.structs.replace(alert, severity="recovered"), now) is None
     assert revoke_for_alert(view(now, lease=None), alert, now) is None
 

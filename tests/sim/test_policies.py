@@ -89,3 +89,44 @@ def test_classify_matches_the_monitors_detector_on_window_figures():
         )
         assert found == direct
     assert found is not None and found[0] == "burst"
+
+
+def test_a_burst_parks_the_turns_of_the_lease_until_a_new_lease_or_its_expiry():
+    """rose's burst revocation in the simulator (Lease.park_until): the instance runs nothing while its
+    turns are parked (serving gets it as under a plain revocation), nothing new goes there, and the
+    parked turns are interrupted only at the park's end; a new lease resumes them in place."""
+    sim = Simulation(SimConfig(model="7B", gpus=8, policy="rose", steps=2, seed=0, rollout_gpu_ratio=0.25))
+    t = sim.turns
+    parks: list[dict] = []
+    real_park, real_revoke, real_tick = sim.park_device, sim.revoke_device, sim._rollout_tick
+
+    def park(d, until):
+        held = np.flatnonzero((t.dev == d) & (t.state > 0))
+        real_park(d, until)
+        parks.append(dict(d=d, until=until, held=set(held.tolist()), ended=None, tokens=0.0))
+
+    def revoke(d, reason, keep_tokens):
+        for x in parks:
+            if x["d"] == d and x["ended"] is None:
+                x["ended"], x["left"], x["reason"] = sim.env.now, set(np.flatnonzero((t.dev == d) & (t.state > 0)).tolist()), reason
+        real_revoke(d, reason, keep_tokens)
+
+    def tick(now, dt, share):
+        out = real_tick(now, dt, share)
+        for x in parks:
+            if x["ended"] is None and sim.inst.park_until[x["d"]] == 0:  # a new lease resumed the parked turns
+                x["ended"], x["left"], x["reason"] = now, set(), "granted"
+            if x["ended"] is None:
+                on = set(np.flatnonzero((t.dev == x["d"]) & (t.state > 0)).tolist())
+                assert on <= x["held"], ("a turn went to a parked instance", x["d"], on - x["held"])
+                assert share[x["d"]] == 0.0 and out[x["d"]] == 0.0, "a parked instance ran rollout"
+        return out
+
+    sim.park_device, sim.revoke_device, sim._rollout_tick = park, revoke, tick
+    out = sim.run()
+    busy = [x for x in parks if x["held"]]
+    assert out["parked_leases"] == len(parks) and busy, "no burst found a lease with turns on it"
+    assert any(x["reason"] == "granted" for x in busy), "no parked turn was resumed by a new lease"
+    for x in busy:
+        if x["ended"] is not None and x["left"]:  # interrupted with turns left: only at the park's end
+            assert x["ended"] >= x["until"] - 1e-6 and x["reason"] == "park ended", x
