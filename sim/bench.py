@@ -134,7 +134,7 @@ def rows_of(results: list[dict]) -> list[dict]:
             rows.append(row)
             continue
         static_rate = static["rl_steps_per_hour"] if static is not None and "infeasible" not in static else 0.0
-        capacity = r.get("rollout_capacity_ceiling")
+        capacity, capacity_kv = r.get("rollout_capacity_ceiling"), r.get("rollout_capacity_ceiling_kv")
         elastic_rollout_s = elastic["rollout_s_per_step"] if elastic is not None and "infeasible" not in elastic else 0.0
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
@@ -144,7 +144,9 @@ def rows_of(results: list[dict]) -> list[dict]:
             else None,
             slo_violations=r["slo_violations"],
             rollout_capacity_ceiling=capacity,
+            rollout_capacity_ceiling_kv=capacity_kv,
             speedup_ceiling=speedup_ceiling_over(static, capacity, r.get("mode") == "async") if static is not None else None,
+            speedup_ceiling_kv=speedup_ceiling_over(static, capacity_kv, r.get("mode") == "async") if static is not None else None,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -165,6 +167,7 @@ def rows_of(results: list[dict]) -> list[dict]:
                     "lent_instance_fraction",
                     "rollout_tokens_on_serving_fraction",
                     "lane_share_ceiling",
+                    "lane_value",
                     "tail_fraction",
                     "leases",
                     "alerts",
@@ -253,6 +256,12 @@ def notes_of(rows: list[dict]) -> list[str]:
                 f"the fleet's rollout capacity (the dedicated pool plus every lane at full quanta, "
                 f"{d['lane_share_ceiling']:.0%} of a serving GPU) allows at most {row['speedup_ceiling']:.2f}x, "
                 f"with leases making at most {1.0 - 1.0 / row['rollout_capacity_ceiling']:.0%} of the tokens"
+                + (
+                    f"; priced at the lent KV's batch (a lane GPU-second worth {d['lane_value']:.2f} of a dedicated one) "
+                    f"{row['speedup_ceiling_kv']:.2f}x"
+                    if row.get("speedup_ceiling_kv") is not None
+                    else ""
+                )
             )
         if d["tail_fraction"] > 0.25:
             why.append(
@@ -308,6 +317,7 @@ def targets_of(rows: list[dict]) -> dict:
             best_speedup_demand_ge_2=max(demanding) if demanding else None,
             # what the fleet's rollout capacity allows (speedup_ceiling), and the share of that gain rose took
             best_speedup_ceiling_demand_ge_2=max(r["speedup_ceiling"] for r in ceilings) if ceilings else None,
+            best_speedup_ceiling_kv_demand_ge_2=max((r["speedup_ceiling_kv"] for r in ceilings if r.get("speedup_ceiling_kv")), default=None),
             median_gain_of_ceiling_demand_ge_2=_median(
                 [(r["speedup_vs_static"] - 1.0) / (r["speedup_ceiling"] - 1.0) for r in ceilings if r["speedup_ceiling"] > 1.0]
             ),
@@ -482,7 +492,8 @@ def run_sim_bench(
         )
         capacity = rose.get("rollout_capacity_ceiling")
         most = speedup_ceiling_over(static, capacity, key[4] == "async")
-        ceiling = f" (ceiling {most:.2f}x)" if most is not None else ""
+        priced = speedup_ceiling_over(static, rose.get("rollout_capacity_ceiling_kv"), key[4] == "async")
+        ceiling = f" (ceiling {most:.2f}x; {priced:.2f}x at the lent KV's batch)" if most is not None and priced is not None else ""
         on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
         console.print(
             f"{label}: rose {sp:.2f}x static{ceiling}{el}, {rose['rollout_tokens_on_serving_fraction']:.0%}{on_leases} of rollout tokens on leases, "
@@ -594,7 +605,9 @@ def run_sim_bench(
             console.print(
                 f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
                 f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])} "
-                f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
+                f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, "
+                f"{fmt(t['best_speedup_ceiling_kv_demand_ge_2'])} at the lent KV's batch; "
+                f"median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
                 "rollout vs elastic median "
                 f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
                 + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())

@@ -6,18 +6,31 @@ a lane GPU-second is worth at most a dedicated one. So the fleet offers rollout 
 Amdahl allows at that capacity (``speedup_ceiling``). ``rose bench sim`` reports both beside rose's
 speedup, so a figure under a target says whether the target is out of the fleet's reach or the
 placement leaves capacity unused; ``rose plan`` does the same per demand level.
+
+The bound prices a lane GPU-second as a dedicated one. ``lane_value`` prices it at what each
+side runs at once at the mean rollout context (a lease holds the sequences its lent KV fits,
+a dedicated instance its batch), on the same roofline: the ``_kv`` ceilings are what the
+fleet offers at that price, an estimate rather than a bound (shorter contexts fit more).
 """
 
 from __future__ import annotations
 
 
-def rollout_capacity_ceiling(lane_share: float | None, serving_gpus: int, dedicated_gpus: int) -> float | None:
+def rollout_capacity_ceiling(lane_share: float | None, serving_gpus: int, dedicated_gpus: int, value: float = 1.0) -> float | None:
     """The most rollout throughput the fleet offers over the dedicated pool's alone: the pool plus every
-    serving GPU's lane share at full quanta, each lane GPU-second worth at most a dedicated one (a lease
-    holds fewer sequences and runs at a lower batch, so it is worth less). None without lanes."""
+    serving GPU's lane share at full quanta, each lane GPU-second worth ``value`` of a dedicated one (at
+    most 1: a lease holds fewer sequences and runs at a lower batch, so it is worth less). None without lanes."""
     if lane_share is None:
         return None
-    return 1.0 + serving_gpus * lane_share / max(1, dedicated_gpus)
+    return 1.0 + serving_gpus * lane_share * value / max(1, dedicated_gpus)
+
+
+def lane_value(lane_batch: float, lane_step_s: float, lane_tp: int, dedicated_batch: float, dedicated_step_s: float, dedicated_tp: int) -> float:
+    """Rollout tokens per GPU-second of a lane (its lease's batch, one decode step each ``lane_step_s``)
+    over a dedicated instance's (its batch and step), at most 1."""
+    lane = lane_batch / max(lane_step_s, 1e-12) / lane_tp
+    dedicated = dedicated_batch / max(dedicated_step_s, 1e-12) / dedicated_tp
+    return min(1.0, lane / dedicated) if dedicated > 0 else 1.0
 
 
 def speedup_ceiling(capacity: float, static_step_s: float, train_s: float, tail_s: float, pipelined: bool) -> float:

@@ -61,7 +61,7 @@ from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 
 from .candidates import CandidateCache
-from .ceiling import rollout_capacity_ceiling
+from .ceiling import lane_value, rollout_capacity_ceiling
 from .coserve import lane_share_ceiling, rollout_interference, rollout_share, serving_tick, slo_capacity_rps
 from .counters import Counters
 from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
@@ -223,6 +223,22 @@ class Simulation:
         self.max_rollout_batch = c.max_rollout_batch
         self.turn_p90 = turn_length_quantile(c.rollout, 0.9)
         self.mean_rollout_ctx = mean_context(c.rollout)
+        # what a lane GPU-second is worth beside a dedicated one, each at the batch its KV holds at the mean context
+        seq = self.mean_rollout_ctx * self.kvb_p
+        lane_b = min(float(self.max_rollout_batch), max(0.0, self.cohost_free_bytes) / seq)
+        ded_b = max(1.0, min(float(self.max_rollout_batch), self.dedicated_kv / seq))
+        self.lane_value = (
+            lane_value(
+                lane_b,
+                float(self.pperf_s.decode_s(max(lane_b, 1.0), self.mean_rollout_ctx)),
+                self.tp_s,
+                ded_b,
+                float(self.pperf_d.decode_s(ded_b, self.mean_rollout_ctx)),
+                self.tp_r,
+            )
+            if lane_b >= 1.0
+            else 0.0
+        )
 
     def _init_state(self) -> None:
         c = self.cfg
@@ -1163,6 +1179,8 @@ class Simulation:
             rollout_tokens_on_serving_fraction=a.serving_tokens / max(1.0, a.rollout_tokens),
             lane_share_ceiling=lane,
             rollout_capacity_ceiling=rollout_capacity_ceiling(lane, self.n_serv * self.tp_s, self.n_ded * self.tp_r),
+            lane_value=self.lane_value,
+            rollout_capacity_ceiling_kv=rollout_capacity_ceiling(lane, self.n_serv * self.tp_s, self.n_ded * self.tp_r, self.lane_value),
             unlendable_reasons=dict(a.unlendable.most_common(3)),
             slo_violations=a.violations,
             slo_violations_serving_alone=a.violations_alone,

@@ -272,6 +272,7 @@ def speedup_by_demand(
         st, ro = runs["static"], runs["rose"]
         speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
         ceiling = speedup_ceiling_over(st, ro["rollout_capacity_ceiling"], pipelined=False)
+        priced = speedup_ceiling_over(st, ro["rollout_capacity_ceiling_kv"], pipelined=False)
         pays = speedup is not None and speedup >= PAYS_FROM
         if pays:
             why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran on leases"
@@ -295,6 +296,7 @@ def speedup_by_demand(
                 "rose_rl_steps_per_hour": ro["rl_steps_per_hour"],
                 "speedup": speedup,
                 "speedup_ceiling": ceiling,  # what the fleet's rollout capacity allows at most (ceiling.py)
+                "speedup_ceiling_kv": priced,  # the same with a lane priced at the lent KV's batch (an estimate)
                 "rose_slo_violations": ro["slo_violations"],
                 "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
                 "pays": pays,
@@ -388,7 +390,17 @@ def run_plan(
         dt = Table(
             title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)"
         )
-        for col in ("rollout demand", "trajectories/step", "static steps/h", "rose steps/h", "speedup", "ceiling", "lending pays", "why"):
+        columns = (
+            "rollout demand",
+            "trajectories/step",
+            "static steps/h",
+            "rose steps/h",
+            "speedup",
+            "ceiling (at the lent KV)",
+            "lending pays",
+            "why",
+        )
+        for col in columns:
             dt.add_column(col, justify="right")
         for d in result["speedup_by_demand"]:
             if d["speedup"] is None:
@@ -400,7 +412,7 @@ def run_plan(
                 f"{d['static_rl_steps_per_hour']:.2f}",
                 f"{d['rose_rl_steps_per_hour']:.2f}",
                 f"{d['speedup']:.2f}x",
-                "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x",
+                "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x ({d['speedup_ceiling_kv']:.2f}x)",
                 "yes" if d["pays"] else "no",
                 d["why"],
             )

@@ -12,7 +12,7 @@ import pytest
 
 from rose.services.scheduler import placement
 from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
-from rose.sim.ceiling import speedup_ceiling
+from rose.sim.ceiling import lane_value, speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
 from rose.sim.rollouts import RolloutSpec
 
@@ -92,6 +92,18 @@ def test_rose_stays_under_the_ceiling_of_the_fleets_rollout_capacity(grid):
         assert by[("elastic_baseline", demand)]["rollout_capacity_ceiling"] is None  # whole instances, not lanes
     four = by[("rose", 4.0)]
     assert 1.0 < four["speedup_vs_static"] <= four["speedup_ceiling"] < four["rollout_capacity_ceiling"]
+    # priced at the lent KV's batch: a lane GPU-second is worth less than a dedicated one, so less is on offer
+    value = four["detail"]["lane_value"]
+    assert 0.0 < value < 1.0
+    assert four["rollout_capacity_ceiling_kv"] == pytest.approx(1.0 + 8 * four["detail"]["lane_share_ceiling"] * value / 2)
+    assert 1.0 < four["speedup_ceiling_kv"] < four["speedup_ceiling"]
+
+
+def test_a_lane_is_priced_by_the_tokens_per_gpu_second_its_batch_makes():
+    assert lane_value(64, 0.02, 1, 64, 0.02, 1) == pytest.approx(1.0)  # the same batch and step: worth a dedicated GPU
+    assert lane_value(16, 0.016, 1, 128, 0.064, 1) == pytest.approx(0.5)  # 1,000 vs 2,000 tokens/s
+    assert lane_value(32, 0.02, 2, 32, 0.02, 1) == pytest.approx(0.5)  # the same tokens from two GPUs
+    assert lane_value(256, 0.02, 1, 32, 0.02, 1) == 1.0  # never above a dedicated GPU-second
 
 
 def test_the_speedup_ceiling_is_amdahls_at_the_rollout_capacity():
