@@ -40,8 +40,8 @@ class LeaseGuard:
         # called with the reason when rollout is taken back (revoked, alert, expired), so
         # in-flight turns can be interrupted and resumed elsewhere at once
         self.on_revoke: list[Callable[[str], None]] = []
-        self._expiry: asyncio.TimerHandle | None = None  # the lease's expiry, or a drain's end
-        self.parked_until: float | None = None  # Unix s: revoked with a drain, the running turns go on until then
+        self._expiry: asyncio.TimerHandle | None = None  # the lease's expiry, or a park's end
+        self.parked_until: float | None = None  # Unix s: revoked on a burst, the turns are parked until then
 
     def _revoke(self, reason: str) -> None:
         self.current, self.parked_until = None, None
