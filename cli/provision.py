@@ -17,13 +17,14 @@ import time
 
 import msgspec
 import nats.errors
-from nats.js.errors import ServerError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, ServerError, ServiceUnavailableError
 
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig, ConfigError, load_config
 from rose.shared.provisioning import Provisioned, ProvisioningConflict, provision
 
 RETRY_FOR_S = 60.0
+NO_SUITABLE_PEERS = 10005  # JetStream's 400 while a forming cluster has not yet seen enough peers for R3: retried
 _TRANSIENT = (ServiceUnavailableError, ServerError, nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError)
 
 
@@ -70,7 +71,9 @@ async def provision_storage(config: BusConfig, *, retry_for_s: float = RETRY_FOR
         while True:
             try:
                 return await provision(bus.js, replicas=config.replicas)
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, BadRequestError) as exc:
+                if isinstance(exc, BadRequestError) and exc.err_code != NO_SUITABLE_PEERS:
+                    raise
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"JetStream at {config.url} still not ready for R{config.replicas} storage after {retry_for_s:.0f}s: {exc!r}"
