@@ -264,7 +264,7 @@ HEADROOM = Channel(
     Headroom,
     "How much rollout an executor can take now, below its SLO with a margin.",
     publishers=("slo_monitor",),
-    consumers=("scheduler",),
+    consumers=("scheduler", "trainer"),  # the trainer: its rollout queues, for grpo.early_hand_out
 )
 SLO_ALERT = Channel(
     "slo.alert",

@@ -184,6 +184,7 @@ def rows_of(results: list[dict]) -> list[dict]:
                     "serving_capacity_rps_per_instance",
                     "simulated_s",
                     "staleness_mean",
+                    "early_hand_outs",
                     "trainer_wait_s_per_step",
                     "placements",
                 )

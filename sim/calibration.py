@@ -322,6 +322,7 @@ def trainer_settings(report: dict) -> dict:
     out = {
         "prefetch_steps": get("ROSE_GRPO__PREFETCH_STEPS"),
         "max_staleness": get("ROSE_GRPO__MAX_STALENESS"),
+        "early_hand_out": str(env.get("ROSE_GRPO__EARLY_HAND_OUT", "true")).lower() in ("1", "true", "yes"),
         "group_size": get("ROSE_GRPO__GROUP_SIZE"),
         "trainer_settings_from": source,
     }
@@ -396,6 +397,7 @@ def _e2e_config(report: dict, name: str, sperf, pperf, seed: int, steps: int | N
         dt=E2E_DT,
         prefetch_steps=int(s["prefetch_steps"]),
         max_staleness=int(s["max_staleness"]),
+        early_hand_out=bool(s.get("early_hand_out", True)),
         worker_concurrency=int(s["worker_concurrency"]) if s.get("worker_concurrency") else None,
     )
 
@@ -536,7 +538,11 @@ def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int 
             "the rollout engine's in-situ slowdown is fitted to this run's median turn time: static's error is "
             "partly fitted by construction (its steps/h and SLO attainment are not fitted)"
         )
-    trainer = {k: s0[k] for k in ("prefetch_steps", "max_staleness", "group_size", "worker_concurrency", "trainer_settings_from")} if s0 else None
+    trainer = (
+        {k: s0[k] for k in ("prefetch_steps", "max_staleness", "early_hand_out", "group_size", "worker_concurrency", "trainer_settings_from")}
+        if s0
+        else None
+    )
     return {
         "calibration": errors,
         "calibration_slo_attainment": slo_errors,

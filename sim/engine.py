@@ -59,6 +59,7 @@ from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
+from rose.services.trainer.capacity import RolloutCapacity
 
 from .candidates import CandidateCache
 from .ceiling import lane_value, rollout_capacity_ceiling
@@ -133,6 +134,7 @@ class SimConfig:
     # (at most max_staleness: a batch rolled out further ahead would be dropped as stale), see ``_trainer_pipelined``
     prefetch_steps: int = 0
     max_staleness: int = 2
+    early_hand_out: bool = True  # grpo.early_hand_out: one more batch out while a step waits and no executor has a rollout queue
     worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
     trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)
 
@@ -264,6 +266,7 @@ class Simulation:
             self.inst.set_caps(d, self.max_rollout_batch, self.dedicated_kv)
         # the scheduler's own fleet view (leases live there), and its placement candidates as of a tick
         self.fleet = Fleet(SchedulerConfig())
+        self.capacity = RolloutCapacity()  # the trainer's view of the same headroom (grpo.early_hand_out)
         for d, eid in enumerate(self.inst.ids):
             role = "dedicated" if self.inst.is_ded[d] else "serving"
             self.fleet.on_heartbeat(
@@ -368,7 +371,7 @@ class Simulation:
         if role == "dedicated" and "kv_slots" in self.cfg.what_if:
             slots = min(slots, self._kv_slots(self.inst.kvcap[d]))
         tps = self.mon.reported_tps(d, tps)
-        self.fleet.on_headroom(
+        self._headroom(
             Headroom(
                 executor_id=self.inst.ids[d],
                 at=now,
@@ -389,6 +392,11 @@ class Simulation:
                 rollout_tokens_per_s=float(tps),
             )
         )
+
+    def _headroom(self, headroom: Headroom) -> None:
+        """The monitor's headroom goes to the scheduler's fleet and to the trainer's capacity view."""
+        self.fleet.on_headroom(headroom)
+        self.capacity.observe(headroom, self.env.now)
 
     # ------------------------------------------------------------------ the clock
     def _clock(self):
@@ -679,7 +687,7 @@ class Simulation:
             if not v.lendable:
                 self.counts.unlendable[re.sub(r"\d+(\.\d+)? ms", "N ms", v.reason.split(";")[0])] += 1
             slots = v.slots if "kv_slots" not in c.what_if else min(v.slots, self._kv_slots(v.kv_bytes))
-            self.fleet.on_headroom(
+            self._headroom(
                 Headroom(
                     executor_id=eid,
                     at=now,
@@ -1004,6 +1012,11 @@ class Simulation:
         - The trainer (``Trainer.next_groups``) polls every ``GROUP_POLL_S`` until a step's worth
           of groups (``groups_per_step``) is complete and takes exactly that many, oldest first;
           groups of a later batch that completed early wait for the next step.
+        - ``early_hand_out`` (``Trainer.hand_out_early``): while it waits, the trainer hands the next
+          batch out when the monitor's latest headroom reports no rollout queue on any executor
+          (``RolloutCapacity``, the trainer's own class), as long as that batch is at most
+          ``max_staleness`` ahead of the steps taken; after training it hands out only while the
+          lead is below p + 1.
         - Weights: after training the trainer publishes (the dedicated pool has the version after
           the full sync), then hands out; serving instances get it over the inter-cluster link
           meanwhile. Rollout never stops for a sync: an executor swaps weights between iterations
@@ -1020,7 +1033,8 @@ class Simulation:
         trajectories, bundle = self._batch_shape()
         self.worker.size(env, c.worker_concurrency, bundle)
         n = math.ceil(trajectories / bundle)
-        slots = p + 2  # turn-table slot groups: batches in flight at once, and one spare
+        early = c.early_hand_out and p < c.max_staleness  # as Trainer.hands_out_early
+        slots = (c.max_staleness if early else p) + 2  # turn-table slot groups: batches in flight at once, and one spare
         self.turns.bundle = bundle
         self.turns.alloc(slots * n)
         group_rows = max(1, int(round(c.rollout.group_size / bundle)))
@@ -1042,6 +1056,10 @@ class Simulation:
         for step in range(c.steps):
             t0 = env.now
             while len(tr.ready_groups) < per_step:
+                if early and handed - step <= c.max_staleness and handed < c.steps and self.capacity.idle(env.now, since=tr.handed_out_at):
+                    yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
+                    handed += 1
+                    tr.early_hand_outs += 1
                 yield env.timeout(GROUP_POLL_S)
             # as Trainer.next_groups: exactly one step's worth, oldest first, the rest kept for the next step
             tr.ready_groups.sort(key=lambda g: (g[0], g[1]))
@@ -1052,8 +1070,8 @@ class Simulation:
             yield env.timeout(train_s)
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})
-            # versions between the one a group's batch was handed out at (batch b: max(0, b - p)) and the one trained on
-            staleness = float(np.mean([step - max(0, b - p) for b, _, _ in taken])) if taken else 0.0
+            # versions between the one a group's batch was handed out at and the one trained on
+            staleness = float(np.mean([step - tr.batch_version.get(b, max(0, b - p)) for b, _, _ in taken])) if taken else 0.0
             tr.steps.append(
                 dict(
                     step=step,
@@ -1075,8 +1093,9 @@ class Simulation:
                 )
             )
             last_done = env.now
-            yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
-            handed += 1
+            if handed < step + 1 + p + 1:  # the lead back to p (not when a batch went out early meanwhile)
+                yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
+                handed += 1
         self.done.succeed()
 
     def _hand_out(self, b: int, trajectories: int, bundle: int, n: int, slots: int, group_rows: int):
@@ -1112,6 +1131,8 @@ class Simulation:
             procs=[],
         )
         tr.batch_info[b] = info
+        tr.batch_version[b] = len(tr.steps)  # the version its trajectories start on (the steps trained so far)
+        tr.handed_out_at = env.now
         base = (b % slots) * n
         info["procs"] = [env.process(self._trajectory(b, i, batch, base + i, info)) for i in range(batch.n)]
         tr.batches_done_stats()
@@ -1168,6 +1189,7 @@ class Simulation:
             trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if tr.pipelined and len(steps) > 1 else None,
             groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if tr.pipelined and steps else None,
             staleness_mean=float(np.mean([s["staleness"] for s in steps])) if tr.pipelined and steps else 0.0,
+            early_hand_outs=tr.early_hand_outs,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
             trajectories_per_step=steps[0]["trajectories"] if steps else 0,

@@ -28,6 +28,9 @@ class TrainerState:
         self.arrived: list[tuple[dict[str, Any], int]] = []  # finished trajectories the trainer has not received yet
         self.arrival_evt: simpy.Event | None = None  # the consumer's wait for the next arrival
         self.batch_spans: list[dict] = []  # pipelined: finished batches' rollout spans
+        self.batch_version: dict[int, int] = {}  # batch -> the steps trained when it was handed out (its trajectories' version)
+        self.handed_out_at = float("-inf")  # the last hand-out (capacity reports before it do not count)
+        self.early_hand_outs = 0  # batches handed out while a step waited, capacity idle (grpo.early_hand_out)
 
     def deliver(self, k: int) -> None:
         """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""

@@ -26,6 +26,9 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     micro_batch: PositiveInt = 16  # sequences per forward/backward
     epochs: PositiveInt = 1  # optimizer steps over each step's batch (later ones clipped against the behaviour policy)
     prefetch_steps: NonNegInt = 1  # steps of tasks queued ahead of the one being trained (asynchronous RL, docs/async-rl.md)
+    # with prefetch_steps >= 1: hand one more step out while a step waits, when no executor has a rollout queue
+    # (capacity idles), up to max_staleness ahead (docs/async-rl.md); the usual lead returns after training
+    early_hand_out: bool = True
 
     def __post_init__(self) -> None:
         if self.max_staleness < self.prefetch_steps:

@@ -29,7 +29,10 @@ GRPO (grpo.py), a staleness bound (groups.py) and an expert warm start (sft.py).
 Training runs in a worker thread (`asyncio.to_thread`) so the bus keeps heartbeating and
 collecting the next step's trajectories meanwhile (asynchronous RL: with `prefetch_steps` >= 1
 the next step's tasks are already rolling out on the previous version, which the staleness
-bound accounts for).
+bound accounts for). With `early_hand_out`, a step waiting for its groups also hands the next
+step out when the fleet's rollout capacity idles (capacity.py: no executor has a rollout queue),
+as far ahead as `max_staleness` allows; the hand-out after training then waits until the lead
+is back to `prefetch_steps`.
 
 No fault loses work: every `checkpoint.every_steps` steps, and after the warm start, the
 trainer writes a checkpoint (checkpoint.py: weights, optimizer, RNGs, step, run id, version, the
@@ -64,13 +67,15 @@ import time
 import torch
 
 from rose.client.weights import WeightsClient
-from rose.contracts.registry import ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
+from rose.contracts.registry import HEADROOM, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
+from rose.contracts.slo import Headroom
 from rose.contracts.training import TrainingStep
 from rose.contracts.weights import VERSION_NOT_NEWER
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.bus import Bus, RemoteError
 
 from .batch import pad
+from .capacity import RolloutCapacity
 from .checkpoint import CheckpointStore, TrainerState, default_dir, job_identity
 from .config import TrainerConfig
 from .groups import GroupCollector
@@ -108,12 +113,16 @@ class Trainer:
         self.last: dict[str, float] = {}  # the last GRPO step's loss statistics
         self.warm_started = False  # this process ran the warm start
         self.emit_target = 0  # on resume: hand out the tasks of steps [emitted_steps, emit_target) again
+        self.capacity = RolloutCapacity()  # the fleet's rollout queues (slo.headroom), for `early_hand_out`
+        self.handed_out_at = time.monotonic()  # the last emit: capacity reports before it do not count
 
     # ---- the three SDK calls -----------------------------------------------------------
 
     async def start(self) -> None:
         """Listen for weight outcomes and consume trajectories (after `restore`, so resumed groups are known)."""
         await self.weights.start()
+        if self.hands_out_early:
+            await self.bus.subscribe(HEADROOM, self._on_headroom)
         c = self.config.checkpoint
         await self.bus.consume(
             TRAJECTORY,
@@ -128,6 +137,40 @@ class Trainer:
 
     async def stop(self) -> None:
         self.ledger.stop()
+
+    async def _on_headroom(self, headroom: Headroom, _delivery) -> None:
+        self.capacity.observe(headroom, time.monotonic())
+
+    @property
+    def hands_out_early(self) -> bool:
+        g = self.config.grpo
+        return g.early_hand_out and g.prefetch_steps >= 1 and g.max_staleness > g.prefetch_steps
+
+    def rounds(self) -> int:
+        """Steps taken, trained or skipped: each hands one step out (the job's task cursor moves with it)."""
+        return self.steps + int(self.stats.get("skipped_steps", 0))
+
+    def hand_out_due(self) -> bool:
+        """After a step: is the lead of steps handed out over steps taken below `prefetch_steps` + 1?
+        (Not when a step went out early while this one waited.)"""
+        return self.emitted_steps < self.rounds() + self.config.grpo.prefetch_steps + 1
+
+    async def hand_out_early(self) -> bool:
+        """While a step waits for its groups: hand the next step out if the fleet's rollout capacity idles
+        (capacity.py) and its trajectories stay within `max_staleness` when trained. A step handed out
+        k rounds ahead of the last one taken is trained about k versions later than it started."""
+        g = self.config.grpo
+        step = self.emitted_steps
+        if not self.hands_out_early or step - self.rounds() > g.max_staleness:
+            return False
+        if self.config.max_steps and step >= self.config.max_steps:
+            return False  # a step the job will not train on
+        if not self.capacity.idle(time.monotonic(), since=self.handed_out_at):
+            return False
+        log.info("rollout capacity idles (no executor has a rollout queue): handing step %d out early, %d ahead", step, step - self.rounds())
+        self.stats["early_hand_outs"] = self.stats.get("early_hand_outs", 0) + 1
+        await self.emit(step)
+        return True
 
     async def emit(self, step: int) -> None:
         """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task.
@@ -152,6 +195,7 @@ class Trainer:
                 task.batch_id, task.batch_size = f"{self.run_id}-s{step}", g.groups_per_step * g.group_size
                 await self.bus.publish(ROLLOUT_TASK, task, msg_id=task.task_id)
         self.emitted_steps = max(self.emitted_steps, step + 1)
+        self.handed_out_at = time.monotonic()
 
     async def publish(self) -> None:
         dtype = getattr(torch, self.config.publish.dtype)
@@ -297,6 +341,7 @@ class Trainer:
             ready += usable
             self.ledger.use([g.group_id for g in expired])  # never trained on: acked with the next checkpoint, redeliveries ignored
             if len(ready) < want:
+                await self.hand_out_early()
                 await asyncio.sleep(GROUP_POLL_S)
         taken, back = self.collector.take(ready, want) if not stop.is_set() else ([], ready)
         for g in back:  # not trained on now: open again (a final checkpoint lists them, their trajectories stay unacked)
@@ -335,7 +380,7 @@ class Trainer:
             if every == 0:  # no checkpoints: acked once trained on
                 await self.ledger.settle()
             elif self.steps % every == 0:
-                await self.checkpoint(emit_owed=1)
+                await self.checkpoint(emit_owed=int(self.hand_out_due()))
             await self.publish()
             if every and self.checkpoints.last_step == self.steps:
                 self.checkpoints.mark_published(self.version)
@@ -350,7 +395,8 @@ class Trainer:
                 return False  # no more tasks handed out: the job ends here (main: final checkpoint, exit)
         if seqs and self.config.max_steps and self.steps + int(self.stats.get("skipped_steps", 0)) >= self.config.max_steps:
             return False  # the job's rounds are done (skipped steps count: `_degenerate_job_ends`)
-        await self.emit(self.emitted_steps)
+        if self.hand_out_due():
+            await self.emit(self.emitted_steps)
         log.info("step %d: reward %.3f, version %d, %s", self.steps, self.rewards[-1], self.version, self.last)
         return True
 

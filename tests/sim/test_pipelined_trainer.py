@@ -129,3 +129,24 @@ def test_naive_lane_makes_serving_wait_behind_a_whole_rollout_batch():
     # in the fleet: with the rollout engine's in-situ speed, naive_share's serving misses its SLO where rose's does not
     runs = {p: simulate(e2e_config(p, slowdown=4.0, steps=4)) for p in ("naive_share", "rose")}
     assert runs["naive_share"]["serving_slo_attainment"] < runs["rose"]["serving_slo_attainment"]
+
+
+def test_early_hand_out_fills_idle_capacity_within_the_staleness_bound():
+    """grpo.early_hand_out as Trainer.hand_out_early does it, on the trainer's own RolloutCapacity fed by
+    the simulated monitor's headroom: off, a batch goes out only after a step trains (the lead stays
+    prefetch_steps + 1); on, batches also go out while a step waits and no executor has a rollout
+    queue, never more than max_staleness ahead of the steps taken, so no step trains on a trajectory
+    more than max_staleness versions old."""
+    off = engine.Simulation(e2e_config(policy="rose", early_hand_out=False))
+    off_run = off.run()
+    assert off_run["early_hand_outs"] == 0
+    assert all(b - v <= 1 for b, v in off.trainer.batch_version.items())  # handed out prefetch_steps ahead at most
+    on = engine.Simulation(e2e_config(policy="rose"))
+    on_run = on.run()
+    assert on.cfg.early_hand_out and on.cfg.max_staleness == 2 and on_run["complete"]
+    assert on_run["early_hand_outs"] > 0
+    assert max(b - v for b, v in on.trainer.batch_version.items()) == 2  # some batch went out two steps ahead
+    assert all(s["staleness"] <= on.cfg.max_staleness for s in on.trainer.steps)
+    assert on_run["staleness_mean"] > off_run["staleness_mean"]
+    src = inspect.getsource(engine.Simulation._trainer_pipelined)
+    assert "self.capacity.idle(" in src and "Trainer.hand_out_early" in src
