@@ -121,8 +121,7 @@ class Trainer:
     async def start(self) -> None:
         """Listen for weight outcomes and consume trajectories (after `restore`, so resumed groups are known)."""
         await self.weights.start()
-        if self.hands_out_early:
-            await self.bus.subscribe(HEADROOM, self._on_headroom)
+        await self.bus.subscribe(HEADROOM, self._on_headroom)  # always: the registry names what a service reads, whatever its settings
         c = self.config.checkpoint
         await self.bus.consume(
             TRAJECTORY,
