@@ -58,10 +58,11 @@ BURST_EVERY_S = 5.0
 BURST_LEN_S = 0.5
 BURST_FACTOR = 3.0
 WARMUP_REQUESTS = 8
-RECLAIM_PROBES = 20  # serving requests sent into lulls after the trace (rose only): reclaim samples
+RECLAIM_PROBES = 20  # serving requests sent into lulls after the trace (rose only): reclaim samples (--reclaim-probes)
 RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout lane has widened over its core
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
-DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration
+DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration (at least DEDICATED_MIN_S; --dedicated-s overrides)
+DEDICATED_MIN_S = 5.0
 POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
 NOISE_PERIOD_S = 0.01  # the co-runner's duty-cycle period: busy F of it, asleep the rest
 GUARD_SAMPLE_S = 0.01  # how often the rose run records the SLO guard's state
@@ -159,7 +160,15 @@ class _Backlog:
 
 
 async def _run_policy(
-    policy: str, models, config: EngineConfig, arrivals: list[float], seed: int, slo, with_rollout: bool = True, progress=None
+    policy: str,
+    models,
+    config: EngineConfig,
+    arrivals: list[float],
+    seed: int,
+    slo,
+    with_rollout: bool = True,
+    progress=None,
+    reclaim_probes: int = RECLAIM_PROBES,
 ) -> dict:
     (s_model, s_tok), (p_model, p_tok) = models
     engine = Engine(s_model, s_tok, p_model, p_tok, config, policy)
@@ -199,7 +208,7 @@ async def _run_policy(
         handle.cancel()
     results = await asyncio.gather(*tasks)
     if backlog and engine.policy.yields_on_arrival:
-        await _reclaim_probes(engine, rng, vocab, policy)
+        await _reclaim_probes(engine, rng, vocab, policy, reclaim_probes)
     await engine.stop()  # stopping at once: the backlog stops refilling
     if backlog:
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
@@ -255,11 +264,11 @@ class Noise:
             self.proc.wait()
 
 
-async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str) -> None:
+async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str, probes: int = RECLAIM_PROBES) -> None:
     """Serving requests that each arrive into a lull, when the rollout lane has widened over the
     serving lane's idle core: each one's arrival -> rollout narrowed off it is a reclaim sample
     (in the trace above, serving at load 0.3 is rarely idle, so arrivals rarely find it lent)."""
-    for i in range(RECLAIM_PROBES):
+    for i in range(probes):
         await asyncio.sleep(RECLAIM_PROBE_SETTLE_S)
         await _consume(engine.submit(_serving_request(i, rng, vocab, f"{tag}-probe")))
 
@@ -486,7 +495,16 @@ def _slo_from(serving_only: dict) -> tuple[float, float]:
 
 
 def _run_cell(
-    models, config: EngineConfig, arrivals: list[float], seed: int, noise: float, on_policy, slo=None, done=None, repeats: int = 1
+    models,
+    config: EngineConfig,
+    arrivals: list[float],
+    seed: int,
+    noise: float,
+    on_policy,
+    slo=None,
+    done=None,
+    repeats: int = 1,
+    reclaim_probes: int = RECLAIM_PROBES,
 ) -> tuple[dict, tuple[float, float]]:
     """The four policies on one trace, under the noise co-runner, ``repeats`` times in turn (each round
     runs every policy once, so a policy's runs and its comparison's sit minutes apart at most); each
@@ -501,7 +519,7 @@ def _run_cell(
                 if round_ == 0 and done and name in done:
                     runs[name].append(done[name])
                 else:
-                    runs[name].append(asyncio.run(_run_policy(name, models, config, arrivals, seed, slo)))
+                    runs[name].append(asyncio.run(_run_policy(name, models, config, arrivals, seed, slo, reclaim_probes=reclaim_probes)))
                 if name == "serving_only" and slo is None:
                     slo = _slo_from(runs[name][0])
     assert slo is not None
@@ -546,6 +564,8 @@ def run_coserve_bench(
     slo_basis: str = "cell",
     slo_ms: tuple[float, float] | None = None,
     repeats: int = 1,
+    reclaim_probes: int = RECLAIM_PROBES,
+    dedicated_s: float | None = None,
 ) -> dict:
     """The policies on one trace, or on each cell of loads x seeds x noises, ``repeats`` rounds per cell
     (``_run_cell``: figures pooled over the rounds). ``min_requests``: each cell's trace
@@ -562,6 +582,8 @@ def run_coserve_bench(
         raise ValueError(f"slo_basis must be one of {SLO_BASES}, got {slo_basis!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if reclaim_probes < 0 or (dedicated_s is not None and dedicated_s <= 0):
+        raise ValueError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {reclaim_probes} and {dedicated_s}")
     from rich.progress import Progress
     from rich.table import Table
 
@@ -577,7 +599,7 @@ def run_coserve_bench(
         capacity_rounds = asyncio.run(_capacity(models, config, seed))
         capacity = float(np.median(capacity_rounds))
         progress.advance(task)
-        dedicated_s = max(5.0, duration_s * DEDICATED_FRACTION)
+        dedicated_s = dedicated_s or max(DEDICATED_MIN_S, duration_s * DEDICATED_FRACTION)
         progress.update(task, description="dedicated rollout (before)")
         dedicated_before = asyncio.run(_dedicated(models, config, dedicated_s, seed))
         run_slo, calibration, calibration_cell = slo_ms, None, (0.0, max(load for _, load, _ in grid), seed)
@@ -601,7 +623,7 @@ def run_coserve_bench(
                 progress.update(task, description=f"load {load:g} seed {cell_seed} noise {noise:g}: policy {name} ({n} serving requests)")
                 progress.advance(task)
 
-            runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done, repeats)
+            runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done, repeats, reclaim_probes)
             cell_runs.append((noise, load, cell_seed, cell_arrivals, *runs_and_slo))
             # harvest against the dedicated baseline measured so far (the final JSON's: before and after, averaged)
             row = _cell(*runs_and_slo, dedicated_before, load, cell_seed, noise, load * capacity)
@@ -758,6 +780,8 @@ def command(args: argparse.Namespace) -> int:
         slo_basis=args.slo_basis,
         slo_ms=_slo_pair(args.slo_ms),
         repeats=args.repeats,
+        reclaim_probes=RECLAIM_PROBES if args.reclaim_probes is None else args.reclaim_probes,
+        dedicated_s=args.dedicated_s,
     )
     return 0
 

@@ -60,6 +60,18 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
         help="cell: each cell's SLO from its own serving_only (2 x its p99); run: one for every cell, from serving_only at the "
         "highest load, first seed, without noise",
     )
+    b.add_argument(
+        "--reclaim-probes",
+        type=int,
+        default=None,
+        help="serving requests sent into lulls after each rose run: the reclaim samples (default: 20; a smoke run needs few)",
+    )
+    b.add_argument(
+        "--dedicated-s",
+        type=float,
+        default=None,
+        help="seconds of each dedicated-baseline run (before and after the policies; default: half of --duration, at least 5)",
+    )
     b.add_argument("--slo-ms", type=number_list(float), default=None, help="the SLO given as TTFT,TPOT in ms (instead of calibrating it)")
     b.add_argument(
         "--noise",

@@ -94,6 +94,10 @@ def test_bench_coserve_fields(tmp_path, models_dir):
         "0.2,0.3",
         "--slo-basis",
         "run",
+        "--reclaim-probes",
+        "6",
+        "--dedicated-s",
+        "2",
         "--models",
         str(models_dir),
         out=tmp_path / "coserve.json",
@@ -125,7 +129,7 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     assert r["policies"]["serving_only"]["rollout_tokens_per_s"] == 0
     rounds = r["serving_capacity_rounds_rps"]  # the trace's rate is set by their median
     assert len(rounds) == 3 and r["serving_capacity_rps"] == sorted(rounds)[1]
-    assert r["reclaim_samples"] >= 10  # the lull probes: serving arrivals that found rollout on serving's cores and took them back
+    assert r["reclaim_samples"] >= 3  # half the 6 lull probes at least: serving arrivals that found rollout on serving's cores and took them back
     assert (tmp_path / "coserve.png").exists()
 
 
