@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 PROBE = r"""
-import asyncio, gc, json, tempfile, weakref
+import asyncio, gc, json, sys, weakref
+from pathlib import Path
 from rose.services.executor.engine import Engine, EngineConfig
-from rose.shared.models import init_models, load_model, load_tokenizer
+from rose.shared.models import load_model, load_tokenizer
 
 def shm_maps():
     return sum(1 for line in open("/proc/self/maps") if "/dev/shm" in line or "torch_" in line)
@@ -26,8 +27,8 @@ async def once(models, config):
     return ref
 
 if __name__ == "__main__":
-    paths = init_models(tempfile.mkdtemp(), seed=0)
-    models = [(load_model(d), load_tokenizer(d)) for d in (paths.serving, paths.policy)]
+    root = Path(sys.argv[1])  # the session's tiny models (tests/conftest.py models_dir), not built again
+    models = [(load_model(root / d), load_tokenizer(root / d)) for d in ("serving", "policy")]
     config = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0, rollout_process=True)
     counts, alive = [], []
     for _ in range(2):
@@ -39,8 +40,8 @@ if __name__ == "__main__":
 """
 
 
-def test_a_stopped_engine_is_collected_with_its_shared_memory():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
+def test_a_stopped_engine_is_collected_with_its_shared_memory(models_dir):
+    out = subprocess.run([sys.executable, "-c", PROBE, str(models_dir)], capture_output=True, text=True, timeout=120, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["alive"] == [False, False]  # nothing holds a stopped engine
     # the first engine shared the models' own parameters (they stay, as the models do); the second

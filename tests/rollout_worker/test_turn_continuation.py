@@ -204,10 +204,11 @@ async def _tokens_on(ex: Executor, at_least: float, turn: asyncio.Future) -> Non
         produced += s.rollout_tokens_per_s * s.interval_s
 
 
-async def _parked_turn(bus, executors, trajectory: str, until: float):
+async def _parked_turn(bus, executors, trajectory: str, park_s: float):
     """A turn on the serving executor; a few tokens in, the scheduler revokes the lease on a burst
-    (parked until `until`). Rollout is held while the revocation lands, so the turn is surely mid-way
-    when it does. Returns the turn's task, its runner, its prompt and the uninterrupted reference."""
+    (parked for `park_s` from when the revocation is written: on a slow host the turn takes a while
+    to get there). Rollout is held while the revocation lands, so the turn is surely mid-way when it
+    does. Returns the turn's task, its runner, its prompt and the uninterrupted reference."""
     serving, dedicated = executors
     prompt, reference = await _full_length_reference(bus, dedicated)
     await _scheduler(bus)
@@ -218,6 +219,7 @@ async def _parked_turn(bus, executors, trajectory: str, until: float):
     await _tokens_on(serving, 3, turn)
     await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))
     try:
+        until = time.time() + park_s
         await bus.kv_put(LEASE, _parked(until), executor_id=SERVING)
         for _ in range(200):
             if serving.guard.parked_until is not None:
@@ -233,7 +235,7 @@ async def test_a_burst_revocation_parks_the_turn_and_a_new_lease_resumes_it_in_p
     """Revoked on a burst (`park_until` ahead): the turn keeps its place and KV but runs no further, a
     new turn naming the lease is refused; the next lease resumes it there: one attempt, nothing recomputed."""
     serving, dedicated = executors
-    turn, runner, prompt, reference = await _parked_turn(bus, executors, "tc-park", time.time() + 60.0)
+    turn, runner, prompt, reference = await _parked_turn(bus, executors, "tc-park", 60.0)
     serving.engine.stats()
     await asyncio.sleep(0.3)
     parked = serving.engine.stats()
@@ -265,7 +267,7 @@ async def test_a_park_that_runs_out_interrupts_and_the_turn_continues_elsewhere(
     """No new lease before `park_until`: the parked turn is cut there with its tokens and continues on
     the dedicated executor, as after any revocation."""
     serving, _dedicated = executors
-    turn, _runner, _prompt, reference = await _parked_turn(bus, executors, "tc-park-out", time.time() + 0.5)
+    turn, _runner, _prompt, reference = await _parked_turn(bus, executors, "tc-park-out", 2.0)
     record = await asyncio.wait_for(turn, timeout=60.0)
     cut = next(r for r in serving.replies if r.request_id == serving.requests[0].request_id)
     k = len(cut.token_ids)
