@@ -1071,7 +1071,7 @@ class Simulation:
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})
             # versions between the one a group's batch was handed out at and the one trained on
-            staleness = float(np.mean([step - tr.batch_version.get(b, max(0, b - p)) for b, _, _ in taken])) if taken else 0.0
+            staleness = float(np.mean([step - tr.batch_version[b] for b, _, _ in taken])) if taken else 0.0
             tr.steps.append(
                 dict(
                     step=step,

@@ -154,22 +154,21 @@ class Trainer:
         (Not when a step went out early while this one waited.)"""
         return self.emitted_steps < self.rounds() + self.config.grpo.prefetch_steps + 1
 
-    async def hand_out_early(self) -> bool:
+    async def hand_out_early(self) -> None:
         """While a step waits for its groups: hand the next step out if the fleet's rollout capacity idles
         (capacity.py) and its trajectories stay within `max_staleness` when trained. A step handed out
         k rounds ahead of the last one taken is trained about k versions later than it started."""
         g = self.config.grpo
         step = self.emitted_steps
         if not self.hands_out_early or step - self.rounds() > g.max_staleness:
-            return False
+            return
         if self.config.max_steps and step >= self.config.max_steps:
-            return False  # a step the job will not train on
+            return  # a step the job will not train on
         if not self.capacity.idle(time.monotonic(), since=self.handed_out_at):
-            return False
+            return
         log.info("rollout capacity idles (no executor has a rollout queue): handing step %d out early, %d ahead", step, step - self.rounds())
         self.stats["early_hand_outs"] = self.stats.get("early_hand_outs", 0) + 1
         await self.emit(step)
-        return True
 
     async def emit(self, step: int) -> None:
         """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task.
@@ -392,7 +391,7 @@ class Trainer:
                 await self.ledger.settle()
             if self._degenerate_job_ends():
                 return False  # no more tasks handed out: the job ends here (main: final checkpoint, exit)
-        if seqs and self.config.max_steps and self.steps + int(self.stats.get("skipped_steps", 0)) >= self.config.max_steps:
+        if seqs and self.config.max_steps and self.rounds() >= self.config.max_steps:
             return False  # the job's rounds are done (skipped steps count: `_degenerate_job_ends`)
         if self.hand_out_due():
             await self.emit(self.emitted_steps)
