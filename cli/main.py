@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", default="bench-out/faults.json", help="where to write the JSON result (the timeline PNG beside it, logs in <name>-run/)")
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the RL job")
-    b.add_argument("--quick", action="store_true", help="a subset of the faults (NATS restart, executor kill, partition, slow consumer, byte limit)")
+    b.add_argument("--quick", action="store_true", help="a subset of the faults (NATS restart, scheduler kill, partition, slow consumer, byte limit)")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_cmd_bench_faults)
     b = bsub.add_parser(

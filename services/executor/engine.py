@@ -292,7 +292,7 @@ class Engine:
         _HEAP_FREEZE.hold()
         self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
         if isinstance(self._rollout.runner, ProcessRunner):
-            self._rollout.runner.start()  # waits until the child is ready (seconds: a fresh interpreter)
+            self._rollout.runner.start()  # waits until the child is ready (the first: seconds, see forward_context)
         if self.policy.admits_rollout:
             self._threads.append(threading.Thread(target=self._rollout_loop, name="rose-rollout", daemon=True))
         for t in self._threads:

@@ -73,7 +73,7 @@ from .sampling import SamplerState
 from .weights import StagedWeights
 
 POLL_S = 0.001  # how often the engine's rollout thread asks its safepoint while the child computes
-START_TIMEOUT_S = 120.0  # importing torch in a fresh interpreter (seconds on a busy machine)
+START_TIMEOUT_S = 120.0  # the first child waits for the fork server to import torch (seconds on a busy machine)
 ACK_POLL_S = 0.0002  # while waiting for the child to narrow
 SHM_DIR = "/dev/shm"  # where torch's shared tensors live (POSIX shared memory)
 SHM_HEADROOM_BYTES = 64 << 20  # staged weight versions, the resource tracker's own
@@ -127,6 +127,21 @@ class _WeightBanks:
 def _point_at(params: dict[str, torch.nn.Parameter], bank: dict[str, torch.Tensor]) -> None:
     for name, p in params.items():
         p.data = bank[name]
+
+
+def forward_context():
+    """Children fork from a fork server that has imported torch and this module once per process.
+
+    A spawned child is a fresh interpreter importing torch: 3-5 s of CPU on a busy 2-core box,
+    paid again for every replacement of a dead child and every engine the process builds (a bench's
+    runs, a test module's engines). Forked from the server, a child is ready in a fraction of a
+    second. The server is a clean process of its own (started by spawning), not a fork of this
+    threaded one, so nothing the engine's threads hold is copied; it starts no torch threads
+    (torch creates its pools on first use, in the child, after the child lowers its priority).
+    """
+    ctx = torch_mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", __name__])  # read when the server starts: the first child
+    return ctx
 
 
 def _child_main(
@@ -259,9 +274,9 @@ class ProcessRunner(PagedModelRunner):
     """A ``PagedModelRunner`` whose ``forward`` runs in a child process (CPU only).
 
     Everything else (shapes, vocabulary, positions) is answered locally from the same model.
-    ``start`` launches the child and waits until it is ready (a fresh interpreter importing
-    torch: about two seconds; it is sent the model's ``ModelWeights``, which need no
-    transformers); ``close`` at the end.
+    ``start`` launches the child and waits until it is ready (``forward_context``: the first
+    waits for the fork server to import torch, seconds, later ones a fraction of a second; it
+    is sent the model's ``ModelWeights``, which need no transformers); ``close`` at the end.
     """
 
     model: torch.nn.Module  # always built from a module (the base class also takes bare ModelWeights)
@@ -273,7 +288,7 @@ class ProcessRunner(PagedModelRunner):
         super().__init__(model, pool)
         self.threads = threads
         self.idle_priority = idle_priority  # the child runs only on CPU time nothing else wants (see the module docstring)
-        self._ctx = torch_mp.get_context("spawn")
+        self._ctx = forward_context()
         self._ctl = self._ctx.RawArray("i", 7)
         self._ctl[WANT_WIDTH] = self._ctl[WIDTH] = threads
         self._process: BaseProcess | None = None
