@@ -26,7 +26,7 @@ from rose.bench.e2e import DEDICATED_ROLLOUT_SLOTS, batch_rollout_spans, demand_
 
 DURATION_S = 20  # GRPO seconds after the warm start (not part of the window): rates need two steps (static: ~5 s each)
 WARM_START_STEPS = 20  # the demo's is 200: the warm start is outside the measured window, and learning is not checked here
-RUN_TIMEOUT_S = 300  # one policy: start-up, warm start, 30 s of job, drain and report
+RUN_TIMEOUT_S = 300  # one policy: start-up, warm start, DURATION_S of job, drain and report
 POLICY_FIELDS = (
     "rl_steps_per_hour",
     "rollout_s_per_step",
