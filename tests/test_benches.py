@@ -112,9 +112,14 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     # each cell was also written as it finished (a grid stopped midway keeps them): same cells, same SLO figures
     partial = [json.loads(line) for line in (tmp_path / "coserve.cells.jsonl").read_text().splitlines()]
     assert [(c["load"], c["seed"], c["noise"]) for c in partial] == [(c["load"], c["seed"], c["noise"]) for c in r["cells"]]
+    before = max(r["dedicated_runs"][0].values())  # the partial rows' baseline: the dedicated run before the policies
     for early, final in zip(partial, r["cells"]):
         assert early["policies"]["rose"]["slo_attainment"] == final["policies"]["rose"]["slo_attainment"]
-        assert early["harvest_baseline"] == "dedicated_before" and early["policies"]["rose"]["harvest"] > 0
+        assert early["harvest_baseline"] == "dedicated_before" and before > 0
+        # rose's own tokens may be 0 on a loaded host (its child runs at idle priority): check the ratio, not its size
+        for p in early["policies"].values():
+            assert p["harvest"] == pytest.approx(p["rollout_tokens_per_s"] / before)
+        assert early["policies"]["static_partition"]["rollout_tokens_per_s"] > 0  # the backlog fed the rollout lanes
     for c in r["cells"]:  # two harvests: over the best dedicated baseline, and over its one-thread run
         rose, by_threads = c["policies"]["rose"], r["dedicated_by_threads"]
         assert rose["harvest_vs_one_thread"] * by_threads["1"] == pytest.approx(rose["harvest"] * max(by_threads.values()))
