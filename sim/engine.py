@@ -55,6 +55,7 @@ from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapsh
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import Headroom, SloAlert
+from rose.services.rollout_worker.hedging import hedge_ask_again_after
 from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate
@@ -857,7 +858,8 @@ class Simulation:
             t.drop_cache(i)
             pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
             typical = self.worker.typical()
-            hedge_at = self.worker.hedge_at(env.now, typical)
+            leased = self.fleet.role_of(ids[d]) != "dedicated"
+            hedge_at = self.worker.hedge_at(env.now, typical, leased)
             if hint > 0:  # the scheduler's hint for a turn on leased capacity: past its predicted time there, it is late
                 hedge_at = min(hedge_at if hedge_at is not None else math.inf, env.now + hint)
             attempt_start = env.now
@@ -883,8 +885,10 @@ class Simulation:
                         done_tokens += value
                     failed.append(ids[dd])
                 if hedge_at is not None and env.now >= hedge_at and i in pending and len(pending) == 1:
-                    hedge_at = None
-                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, ids[pending[i][1]], env.now - attempt_start, typical, bid)
+                    primary = ids[pending[i][1]]
+                    h = self._hedge_route(tid, gid, k, ctx + done_tokens, primary, prev, env.now - attempt_start, typical, bid)
+                    # refused: a turn on leased capacity asks again once its age has doubled (hedging.hedge_ask_again_after)
+                    hedge_at = env.now + hedge_ask_again_after(env.now - attempt_start) if h is None and leased else None
                     if h is not None:
                         self.counts.hedges += 1
                         slot = t.N + i
@@ -893,15 +897,25 @@ class Simulation:
             prev = ""
 
     def _hedge_route(
-        self, tid: str, gid: str, k: int, prompt_tokens: float, primary: str, elapsed: float, typical: float, bid: tuple[str, int] = ("", 0)
+        self,
+        tid: str,
+        gid: str,
+        k: int,
+        prompt_tokens: float,
+        primary: str,
+        previous: str,
+        elapsed: float,
+        typical: float,
+        bid: tuple[str, int] = ("", 0),
     ) -> int | None:
-        """The scheduler's hedge path: should_hedge, then place_turn with hedge=True (prefers dedicated)."""
+        """The scheduler's hedge path: should_hedge, then place_turn with hedge=True (prefers dedicated). The request
+        is the worker's: the previous turn's executor (its prefix cache; "" for a first turn) and the primary excluded."""
         now = self.env.now
         req = TurnRouteRequest(
             trajectory_id=tid,
             turn_index=k,
             prompt_tokens=int(prompt_tokens),
-            previous_executor=primary,
+            previous_executor=previous,
             group_id=gid,
             group_size=self.cfg.rollout.group_size,
             exclude=[primary],
@@ -911,13 +925,14 @@ class Simulation:
             batch_id=bid[0],
             batch_size=bid[1],
         )
+        candidates, role = self._candidates(now), self.fleet.role_of(primary)
         worth, _why = self.policy.should_hedge(
-            req, self.fleet.group_done.get(gid, 0), self.placement_settings, self._candidates(now), self._unfinished(bid[0], bid[1])
+            req, self.fleet.group_done.get(gid, 0), self.placement_settings, candidates, self._unfinished(bid[0], bid[1]), role
         )
         if not worth:
             return None
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
-        placement = self.policy.place_turn(req, self._candidates(now), affinity, self.placement_settings, self.route_rng)
+        placement = self.policy.place_turn(req, candidates, affinity, self.placement_settings, self.route_rng)
         if placement is None:
             return None
         self.fleet.on_route(tid, placement.executor_id, now, hedge=True)

@@ -34,6 +34,9 @@ class RolloutWorker:
         """The rollout worker's typical turn time: the median of its last 64 turns (4 at least)."""
         return statistics.median(self.durations) if len(self.durations) >= 4 else 0.0
 
-    def hedge_at(self, now: float, typical: float) -> float | None:
-        """When a turn started ``now`` becomes a straggler: max(2 s, 1.5 x the typical turn); None before any is known."""
-        return now + max(HEDGE_MIN_S, HEDGE_FACTOR * typical) if typical > 0 else None
+    def hedge_at(self, now: float, typical: float, leased: bool = False) -> float | None:
+        """When a turn started ``now`` becomes a straggler: max(2 s, 1.5 x the typical turn); before any is known,
+        2 s for a turn on leased capacity (a burst may park it) and None for one on a dedicated executor."""
+        if typical > 0 or leased:
+            return now + max(HEDGE_MIN_S, HEDGE_FACTOR * typical)
+        return None

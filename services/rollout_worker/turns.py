@@ -9,7 +9,8 @@
 - a straggler gets a duplicate on another executor: at once when the scheduler's route says so
   (`TurnRoute.hedge_executor`: predicted late where it is placed), or when the worker sees it run
   past the time the route predicted (`TurnRoute.hedge_after_s`), else past the typical turn time,
-  and the scheduler agrees; the first complete result wins and the
+  and the scheduler agrees (refused, a turn on leased capacity asks again as its age doubles:
+  `hedge_ask_again_after`); the first complete result wins and the
   other copy is aborted on its executor (`GenerateRequest.abort_request_id`), freeing its slot;
 - every token keeps the policy version that produced it (`TurnRecord.token_policy_versions`):
   a turn continued elsewhere, or on a newer version, mixes versions.
@@ -38,6 +39,7 @@ from rose.shared.bus import Bus
 from rose.shared.tracing import tracer
 
 from .config import TurnSettings
+from .hedging import hedge_ask_again_after
 
 log = logging.getLogger(__name__)
 
@@ -188,17 +190,24 @@ class TurnRunner:
             self.stats["placed_hedges"] += 1
             return await self._first_of(spec, progress, primary, (route.executor_id, f"a{n}"), placed, n)
         typical = self.typical()
-        if not self.s.hedge or (typical <= 0 and route.hedge_after_s <= 0):
+        leased = route.role != "dedicated"
+        if not self.s.hedge or (typical <= 0 and route.hedge_after_s <= 0 and not leased):
             return await primary
         # late: past the time the scheduler predicted for this turn where it placed it, else past the typical turn time
+        # (a leased turn with neither, early in a run: at hedge_min_s, since a burst may park it for seconds)
         wait_s = route.hedge_after_s if route.hedge_after_s > 0 else max(self.s.hedge_min_s, self.s.hedge_factor * typical)
-        done, _ = await asyncio.wait({primary}, timeout=wait_s)
-        if done:
-            return primary.result()
-        hedge_route = await self._route(spec, progress, [route.executor_id], hedge=True, elapsed_s=time.monotonic() - started, typical_turn_s=typical)
-        if hedge_route is None or not hedge_route.executor_id:
-            return await primary
-        return await self._first_of(spec, progress, primary, (route.executor_id, f"a{n}"), hedge_route, n)
+        while True:
+            done, _ = await asyncio.wait({primary}, timeout=wait_s)
+            if done:
+                return primary.result()
+            elapsed = time.monotonic() - started
+            typical = self.typical()  # as of now: early in a run, other turns may have finished since this one began
+            hedge_route = await self._route(spec, progress, [route.executor_id], hedge=True, elapsed_s=elapsed, typical_turn_s=typical)
+            if hedge_route is not None and hedge_route.executor_id:
+                return await self._first_of(spec, progress, primary, (route.executor_id, f"a{n}"), hedge_route, n)
+            if not leased or hedge_route is None:  # on a dedicated executor nothing stops a turn but its length
+                return await primary
+            wait_s = hedge_ask_again_after(elapsed)
 
     async def _first_of(
         self, spec: TurnSpec, progress: Progress, primary: asyncio.Future, primary_at: tuple[str, str], hedge_route: TurnRoute, n: int

@@ -60,6 +60,11 @@ class Fleet:
     def info(self, executor_id: str) -> ExecutorInfo:
         return self.executors.setdefault(executor_id, ExecutorInfo(executor_id))
 
+    def role_of(self, executor_id: str) -> str:
+        """An executor's role as last heard, lease or not ("": never heard of)."""
+        known = self.executors.get(executor_id)
+        return known.role if known is not None else ""
+
     # ---- inputs ------------------------------------------------------------------------
     def on_heartbeat(self, beat: Heartbeat, now: float | None = None) -> None:
         info = self.info(beat.instance)

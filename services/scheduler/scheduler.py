@@ -158,8 +158,14 @@ class Scheduler:
             return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, reason=reason, retry_after_s=p.no_route_retry_s)
 
         if req.hedge:
+            primary_role = self.fleet.role_of(req.exclude[0] if req.exclude else req.previous_executor)
             worth, why = should_hedge(
-                req, self.fleet.group_done.get(req.group_id, 0), p, self.fleet.candidates(now), self.fleet.unfinished(req.batch_id, req.batch_size)
+                req,
+                self.fleet.group_done.get(req.group_id, 0),
+                p,
+                self.fleet.candidates(now),
+                self.fleet.unfinished(req.batch_id, req.batch_size),
+                primary_role,
             )
             if not worth:
                 return nothing(why)

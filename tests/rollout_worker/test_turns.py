@@ -144,3 +144,64 @@ async def test_redelivered_task_resumes_from_its_checkpoints(bus, models_dir):
     assert published[0].trajectory_id == published[1].trajectory_id
     # core subscribers see both publishes; the durable stream kept one (Nats-Msg-Id de-duplication)
     assert (await bus.js.stream_info(TRAJECTORY.stream.name)).state.messages == stored
+
+
+async def test_a_parked_leased_turn_asks_for_a_hedge_again_until_granted(bus):
+    """A turn on a lease hangs (a burst parked it). The scheduler refuses the first hedge (no dedicated slot free
+    yet) and grants the second: the worker asks again once the turn's age has doubled, and the duplicate wins.
+    A turn on a dedicated executor asks once."""
+    asks: list[TurnRouteRequest] = []
+    grant_from = {"traj-pk-1": 2, "traj-pk-2": 2, "traj-pk-3": 1}  # the ask (1-based) the stand-in scheduler first grants
+
+    async def route(req: TurnRouteRequest, _d):
+        if not req.hedge:
+            role = "dedicated" if req.trajectory_id == "traj-pk-2" else "serving"
+            return TurnRoute(
+                trajectory_id=req.trajectory_id,
+                turn_index=req.turn_index,
+                executor_id="pk-parked",
+                lease_id="pk-e1",
+                lease_epoch=1,
+                role=role,
+                hedge_after_s=0.0 if req.trajectory_id == "traj-pk-3" else 0.2,  # pk-3: a run's start, no turn size known
+            )
+        asks.append(req)
+        if sum(a.trajectory_id == req.trajectory_id for a in asks) >= grant_from[req.trajectory_id]:
+            return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id="pk-free", role="dedicated")
+        return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, reason="no dedicated slot free", retry_after_s=0.5)
+
+    await bus.serve(ROUTE_TURN, route)
+    released = asyncio.Event()
+
+    async def parked(req, _d):  # holds its turn until the test releases it (the park's end)
+        await released.wait()
+        return _ok(req, "pk-parked", [9] * req.sampling.max_tokens, finish_reason="length")
+
+    async def free(req, _d):
+        return _ok(req, "pk-free", list(range(300, 300 + req.sampling.max_tokens)), finish_reason="length")
+
+    await bus.serve(GENERATE, parked, executor_id="pk-parked")
+    await bus.serve(GENERATE, free, executor_id="pk-free")
+    runner = TurnRunner(bus, SETTINGS)
+    for _ in range(4):
+        runner.durations.append(0.1)
+    record = await asyncio.wait_for(runner.run(spec("traj-pk-1", max_tokens=3)), timeout=10.0)
+    assert record.executor_id == "pk-free" and record.token_ids == [300, 301, 302] and runner.stats["hedge_wins"] == 1
+    first, second = asks
+    assert first.elapsed_s >= 0.2 and second.elapsed_s >= 2 * first.elapsed_s * 0.95  # asked again at twice the age
+
+    # on a dedicated executor: one refused ask, then the turn waits for its primary
+    waiting = asyncio.ensure_future(runner.run(spec("traj-pk-2", max_tokens=3)))
+    await asyncio.sleep(1.5)  # past the 0.2 s hint, and past several doublings of it
+    assert [a.trajectory_id for a in asks].count("traj-pk-2") == 1 and not waiting.done()
+    released.set()
+    record = await asyncio.wait_for(waiting, timeout=10.0)
+    assert record.executor_id == "pk-parked" and record.token_ids == [9, 9, 9]
+
+    # early in a run: no hint from the scheduler and no typical turn yet; a leased turn still asks, at hedge_min_s
+    released.clear()  # pk-parked holds turns again
+    fresh = TurnRunner(bus, SETTINGS)
+    record = await asyncio.wait_for(fresh.run(spec("traj-pk-3", max_tokens=3)), timeout=10.0)
+    released.set()
+    assert record.executor_id == "pk-free" and fresh.stats["hedge_wins"] == 1
+    assert [a.elapsed_s for a in asks if a.trajectory_id == "traj-pk-3"][0] >= SETTINGS.hedge_min_s * 0.95

@@ -4,15 +4,21 @@ dedicated executors, revocation risk, hedging of late leased turns, and the flee
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 
 from rose.contracts.lease import Lease
+from rose.contracts.registry import LEASE
 from rose.contracts.rollout import TurnRoute, TurnRouteRequest
-from rose.contracts.slo import Headroom
+from rose.contracts.slo import Headroom, SloAlert
 from rose.services.scheduler.config import PlacementSettings, SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate, concurrency, in_tail, place_turn, should_hedge
+from rose.services.scheduler.scheduler import Scheduler
+from rose.shared.bus import Delivery
+from rose.testing.messages import beat
+from rose.testing.messages import headroom as headroom_of
 
 P = PlacementSettings()
 
@@ -164,3 +170,51 @@ def test_route_messages_evolve_with_defaults():
     assert r.batch_id == "" and r.batch_size == 0
     reply = msgspec.json.decode(msgspec.json.encode({"trajectory_id": "t-1", "turn_index": 0, "executor_id": "ser-1"}), type=TurnRoute)
     assert reply.hedge_after_s == 0.0
+
+
+def test_a_revoked_lease_s_turn_is_still_a_lease_s_turn():
+    """Its executor is no longer a candidate (a burst revoked the lease and parked the turn), but the turn is still a
+    lease's turn: past its typical time, or in its batch's tail, a free dedicated slot takes a duplicate."""
+    pool = [ded(running=10, capacity=64)]  # the serving executor's lease was revoked: only the dedicated one is a candidate
+    late = req(hedge=True, exclude=["ser-1"], elapsed_s=1.2, typical_turn_s=1.0, group_size=8)
+    assert should_hedge(late, 0, P, pool)[0] is False  # role unknown: the group and typical-time rules alone
+    assert should_hedge(late, 0, P, pool, primary_role="serving")[0] is True
+    assert should_hedge(late, 0, P, pool, primary_role="dedicated")[0] is False
+    assert should_hedge(late, 0, P, [ded(running=64, queued=3)], primary_role="serving")[0] is False  # no free slot
+    early = msgspec.structs.replace(late, elapsed_s=0.3)  # not late: a new lease may resume it in place
+    assert should_hedge(early, 0, P, pool, primary_role="serving")[0] is False
+    assert should_hedge(early, 0, P, pool, unfinished=5, primary_role="serving")[0] is True  # but the batch waits on it
+
+
+def test_a_hedge_may_go_to_the_previous_turn_s_executor():
+    """The worker names the previous turn's executor (its prefix cache) and excludes the primary: the hedge
+    goes to that dedicated executor, not nowhere (it was excluded as if it were the primary)."""
+    hedge = req(hedge=True, turn_index=2, previous_executor="ded-1", exclude=["ser-1"], elapsed_s=1.0, typical_turn_s=0.5)
+    h = place_turn(hedge, [ded(running=10, capacity=64)], "ded-1", P, random.Random(0))
+    assert h is not None and h.executor_id == "ded-1" and h.reason == "hedge on dedicated"
+
+
+async def test_a_turn_parked_by_a_burst_gets_a_dedicated_duplicate(bus):
+    """The scheduler's route, on the real bus: a burst revokes the lease (its turns park until a new lease or the
+    park's end); a second turn stuck there past its typical time, whose first turn ran on the dedicated executor, is
+    duplicated there, as the worker asks (services/rollout_worker/turns.py: previous turn's executor, primary excluded)."""
+    await bus.kv_delete(LEASE, executor_id="ex-pk-serving")
+    s = Scheduler(SchedulerConfig(), bus)
+    d = Delivery("test")
+    await s.on_heartbeat(beat("ex-pk-serving", "serving"), d)
+    await s.on_heartbeat(beat("ex-pk-dedicated", "dedicated"), d)
+    await s.on_headroom(headroom_of(time.time(), ex="ex-pk-serving"), d)
+    await s.tick()
+    assert s.counts["granted"] == 1
+    early = req(trajectory_id="tr-pk", previous_executor="ex-pk-dedicated", exclude=["ex-pk-serving"], hedge=True, elapsed_s=0.3, typical_turn_s=1.0)
+    early = msgspec.structs.replace(early, group_id="g-pk", group_size=8)
+    late = msgspec.structs.replace(early, elapsed_s=1.2)
+    await s.on_alert(SloAlert(executor_id="ex-pk-serving", at=time.time(), severity="burst", reason="test"), d)
+    revoked = await bus.kv_get(LEASE, executor_id="ex-pk-serving")
+    assert revoked is not None and revoked.state == "revoked" and revoked.park_until > time.time()  # parked, not interrupted
+    assert (await s.route(early, d)).executor_id == ""  # not late yet: a new lease may resume it in place
+    route = await s.route(late, d)
+    assert route.executor_id == "ex-pk-dedicated" and route.role == "dedicated"
+    # a primary the scheduler never heard of: judged by the group and typical-time rules alone (1.2x is not a straggler)
+    unknown = msgspec.structs.replace(late, trajectory_id="tr-pk-2", exclude=["ex-pk-unknown"])
+    assert (await s.route(unknown, d)).executor_id == ""
