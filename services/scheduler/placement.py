@@ -221,6 +221,11 @@ def place_turn(
     return put(ded, why)
 
 
+def hedge_primary(req: TurnRouteRequest) -> str:
+    """The executor running the turn a hedge request is for: the first it excludes, else the one it names."""
+    return req.exclude[0] if req.exclude else req.previous_executor
+
+
 def should_hedge(
     req: TurnRouteRequest,
     group_done: int,
@@ -245,8 +250,7 @@ def should_hedge(
     before the park's end resumes them in place, which a duplicate would only repeat.
     """
     if candidates is not None:
-        primary_id = req.exclude[0] if req.exclude else req.previous_executor
-        primary = next((c for c in candidates if c.executor_id == primary_id), None)
+        primary = next((c for c in candidates if c.executor_id == hedge_primary(req)), None)
         role = primary.role if primary is not None else primary_role
         dedicated = [c for c in candidates if c.role == "dedicated" and c.executor_id not in req.exclude]
         free = [c for c in dedicated if has_room(c)]

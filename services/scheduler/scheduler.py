@@ -26,7 +26,7 @@ from rose.shared.tracing import tracer
 from .config import SchedulerConfig
 from .fleet import Fleet
 from .leases import ExecutorView, LeaseAction, is_active, plan_lending, revoke_on_alert
-from .placement import place_turn, should_hedge
+from .placement import hedge_primary, place_turn, should_hedge
 from .telemetry import SchedulerMetrics
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Scheduler:
             return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, reason=reason, retry_after_s=p.no_route_retry_s)
 
         if req.hedge:
-            primary_role = self.fleet.role_of(req.exclude[0] if req.exclude else req.previous_executor)
+            primary_role = self.fleet.role_of(hedge_primary(req))
             worth, why = should_hedge(
                 req,
                 self.fleet.group_done.get(req.group_id, 0),
