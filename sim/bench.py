@@ -554,7 +554,7 @@ def run_sim_bench(
         },
         "grid_seconds": grid_s,
         "note": (
-            "simulated, not measured: step times from a roofline of public spec sheets (sim/devices.py); decisions by the services' own functions"
+            "simulated, not measured: step times from a roofline of public spec sheets (shared/devices.py); decisions by the services' own functions"
         ),
     }
     out = Path(out_json)

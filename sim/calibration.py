@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .devices import MeasuredSteps
+from rose.shared.devices import MeasuredSteps
 
 DECODE_BATCHES = (1, 4, 16, 32)
 E2E_DT = 0.02  # the e2e run's turns take ~0.2-0.4 s: a 20 ms clock (admission and prefill move on tick boundaries)

@@ -61,12 +61,12 @@ from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
+from rose.shared.devices import DEVICES, TRAIN_MFU, Roofline, SyncSpec, model_spec, rollout_tp, serving_tp, sync_seconds, train_seconds, usable_bytes
 
 from .candidates import CandidateCache
 from .ceiling import lane_value, rollout_capacity_ceiling
 from .coserve import lane_share_ceiling, rollout_interference, rollout_share, serving_tick, slo_capacity_rps
 from .counters import Counters
-from .devices import DEVICES, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
 from .instances import Instances
 from .monitor import MonitorState
 from .policies import executor_signals, make_fleet_policy, monitor_settings
@@ -74,12 +74,10 @@ from .rollouts import RolloutSpec, batch_trajectories, bundle_size, mean_context
 from .traces import DiurnalBursty, Trace, diurnal_bursty
 from .trainer_state import TrainerState
 from .turns import TurnTable
-from .weights import SyncSpec, sync_seconds
 from .worker import RolloutWorker
 
 MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
 SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate, rollout running
-TRAIN_FLOPS_PER_PARAM_TOKEN = 8.0
 SCHEDULER_TICK_S = 0.5  # the scheduler's lease planning (services/scheduler/config.py tick_s)
 PREWARM_S = 35.0  # rose's per-executor monitor runs from this long before a rollout phase (its windows are 30 s)
 GROUP_POLL_S = 0.1  # the trainer looks for complete groups this often (services/trainer/trainer.py GROUP_POLL_S)
@@ -102,7 +100,7 @@ class SimConfig:
     policy_model: str | None = None  # default: the serving model's size
     rollout_gpu_ratio: float = 0.5
     trainer_gpu_ratio: float = 1.0
-    train_mfu: float = 0.4
+    train_mfu: float = TRAIN_MFU
     train_s: float | None = None  # a measured training time per step (calibration), instead of the FLOPs model
     steps: int = 3
     dt: float = 1.0
@@ -962,7 +960,7 @@ class Simulation:
         c = self.cfg
         if c.train_s is not None:
             return c.train_s
-        return TRAIN_FLOPS_PER_PARAM_TOKEN * self.pmodel.params * tokens / (self.trainer_gpus * self.device.bf16_flops * c.train_mfu)
+        return train_seconds(self.pmodel, tokens, self.trainer_gpus, self.device, c.train_mfu)
 
     def _trainer(self):
         if self.cfg.prefetch_steps > 0:

@@ -43,10 +43,10 @@ import numpy as np
 from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
+from rose.shared.devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 
 from .ceiling import speedup_ceiling_over
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
-from .devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
 from .policies import executor_signals, monitor_settings
 from .rollouts import RolloutSpec, mean_context
@@ -224,7 +224,7 @@ def plan(
         "dedicated_tp": tp_r,
         "not_lendable_minutes": reasons,
         "hours": hours,
-        "note": "a model, not a measurement: roofline step times (sim/devices.py) and the monitor's own headroom rules",
+        "note": "a model, not a measurement: roofline step times (shared/devices.py) and the monitor's own headroom rules",
     }
 
 
@@ -242,7 +242,8 @@ def speedup_by_demand(
     """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s."""
     from dataclasses import replace
 
-    from .devices import DEVICES
+    from rose.shared.devices import DEVICES
+
     from .engine import Infeasible, SimConfig, simulate
 
     n_gpus, device = parse_fleet(fleet)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from rose.services.executor import policies as executor_policies
+from rose.shared.devices import MeasuredSteps
 from rose.sim import calibration as cal
 from rose.sim import engine
 from rose.sim.coserve import rollout_interference, serving_tick
-from rose.sim.devices import MeasuredSteps
 from rose.sim.engine import simulate
 from rose.sim.policies import make_fleet_policy
 from rose.testing.sim import SYNTHETIC_E2E

@@ -2,9 +2,9 @@
 
 import pytest
 
+from rose.shared.devices import SyncSpec, sync_seconds
 from rose.sim.engine import Infeasible, SimConfig, simulate
 from rose.sim.traces import DiurnalBursty
-from rose.sim.weights import SyncSpec, sync_seconds
 
 BURSTY = DiurnalBursty(amplitude=0.3, burst_every_s=120.0, burst_factor=1.8, burst_len_s=30.0)
 

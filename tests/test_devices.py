@@ -2,7 +2,7 @@
 
 import pytest
 
-from rose.sim.devices import DEVICES, MODELS, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp
+from rose.shared.devices import DEVICES, MODELS, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp
 
 
 def test_spec_sheet_figures():
