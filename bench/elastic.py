@@ -24,7 +24,7 @@ detector also sees its queue, which can beat it when a burst outruns capacity;
 ``burst_false_alarms_per_hour`` counts its alerts outside every burst), lease counts,
 ``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
 
-Bursts: each serving executor detects its own (``executor.burst``, services/executor/burst_alerts.py)
+Bursts: each serving executor detects its own (``executor.burst``, shared/bursts.py)
 and publishes the alert at once; the monitor's alerts come later from the metrics. Both count as
 the revocation signal. ``--burst-factors 3,5`` runs the fleet once per factor (``by_burst_factor``
 in the JSON; the top-level figures are the first factor's), and ``--min-bursts N`` makes each run

@@ -11,12 +11,14 @@ from pathlib import Path
 from rose import __version__
 
 from .options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
-from .service_table import ON_DEMAND_SERVICES, SERVICE_MODULES
+from .service_table import EMULATED_EXECUTORS_MODULE, ON_DEMAND_SERVICES, SERVICE_MODULES
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(SERVICE_MODULES[args.service])
-    return module.main(args.service_args)
+    name = SERVICE_MODULES[args.service]
+    if args.service == "executor" and any(a == "--emulate" or a.startswith("--emulate=") for a in args.service_args):
+        name = EMULATED_EXECUTORS_MODULE  # a group of emulated executors in this one process
+    return importlib.import_module(name).main(args.service_args)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -17,3 +17,5 @@ SERVICE_MODULES: dict[str, str] = {
 }
 # Started by `rose run NAME` only, not by a plain `rose up` (the trainer drives an RL job of its own).
 ON_DEMAND_SERVICES = ("trainer",)
+# `rose run executor --emulate COUNTxKIND:MODEL`: many emulated executors in one process (services/executor/group.py).
+EMULATED_EXECUTORS_MODULE = "rose.services.executor.group"

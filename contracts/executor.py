@@ -94,14 +94,18 @@ class PoolUsage(msgspec.Struct, kw_only=True):
 
 
 class DeviceTelemetry(msgspec.Struct, kw_only=True):
-    """What the device reports: NVML on a GPU, process and CPU figures otherwise."""
+    """What the device reports: NVML on a GPU, process and CPU figures on a CPU, the emulated device's
+    timeline on an emulated accelerator (services/executor/emulated.py)."""
 
-    kind: Literal["cuda", "cpu"]
+    kind: Literal["cuda", "cpu", "emulated"]
     name: str
     memory_total_bytes: NonNegInt = 0
     memory_used_bytes: NonNegInt = 0
     utilization: Fraction = 0.0
     process_rss_bytes: NonNegInt = 0
+    # emulated only: how late its forwards ended against their planned end, in percent of each forward's
+    # planned time, over the interval (a sketch of percentages, not milliseconds): the host keeping up
+    forward_lag: LatencySketch | None = None
 
 
 class MetricsSnapshot(Message):

@@ -17,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from .clock import is_duration, time_scale
+
 ENV_PREFIX = "ROSE_"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -130,9 +132,27 @@ def load_config(cls: type[T], *, path: str | Path | None = None, env: Mapping[st
     overrides, sources = _env_overrides(cls, env)
     data = _merge(data, overrides)
     try:
-        return msgspec.convert(data, cls, strict=False)
+        config = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(cls, exc, sources, path)) from exc
+    try:
+        scale = time_scale(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return config if scale == 1.0 else scaled_durations(config, scale)
+
+
+def scaled_durations(config: T, scale: float) -> T:
+    """``config`` with every duration field (``*_s``, ``*_ms``, nested tables included) times ``scale``:
+    one emulated second takes ``scale`` wall seconds (shared/clock.py)."""
+    changes: dict[str, Any] = {}
+    for f in msgspec.structs.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, msgspec.Struct):
+            changes[f.name] = scaled_durations(value, scale)
+        elif is_duration(f.name) and isinstance(value, int | float) and not isinstance(value, bool):
+            changes[f.name] = float(value) * scale
+    return msgspec.structs.replace(config, **changes)
 
 
 def _explain(cls: type, exc: msgspec.ValidationError, sources: dict[str, str], path: Any) -> str:

@@ -59,6 +59,7 @@ prefill is compute-bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,6 +172,24 @@ class Roofline:
         t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
         return np.where(p > 0, self._fixed_s + self._allreduce_payload_s(p) + t, 0.0)
 
+    def forward_s(self, decode_contexts: Sequence[float], prefill_chunks: Sequence[tuple[float, float]]) -> float:
+        """Seconds of one packed forward, as the executor runs it: one decode token for each of
+        ``decode_contexts`` (the sequence's context after it) and each ``(new tokens, cached)``
+        prefill chunk, in a single pass that reads the weights once. Decodes alone equal
+        ``decode_s(B, mean context)`` and one chunk alone ``prefill_s`` (tests/test_devices.py)."""
+        m, d = self.model, self.device
+        decodes = float(len(decode_contexts))
+        ctx = float(sum(decode_contexts))
+        new = float(sum(p for p, _ in prefill_chunks))
+        if decodes == 0 and new == 0:
+            return 0.0
+        attn = sum(p * c0 + p * p / 2.0 for p, c0 in prefill_chunks)
+        flops = 2.0 * m.params * (decodes + new) + m.attn_flops_per_token_ctx * (ctx + attn)
+        nbytes = m.weight_bytes + (ctx + sum(p + c0 for p, c0 in prefill_chunks)) * m.kv_bytes_per_token
+        compute = flops / (self.tp * d.bf16_flops * self.eff_flops)
+        memory = nbytes / (self.tp * d.hbm_bw * self.eff_bw)
+        return float(self._fixed_s + self._allreduce_payload_s(decodes + new) + max(compute, memory))
+
     def label(self) -> str:
         return self.name or f"{self.model.name} on {self.tp}x{self.device.name}"
 
@@ -198,6 +217,16 @@ class MeasuredSteps:
     def prefill_s(self, tokens, cached=0.0):
         p = np.asarray(tokens, dtype=float)
         return np.where(p > 0, self.prefill_base_s + self.prefill_per_token_s * p, 0.0)
+
+    def forward_s(self, decode_contexts: Sequence[float], prefill_chunks: Sequence[tuple[float, float]]) -> float:
+        """One packed forward (see ``Roofline.forward_s``): the decode step of the batch plus each chunk's
+        per-token prefill time (a forward with no decode pays the prefill base once)."""
+        b = len(decode_contexts)
+        new = sum(p for p, _ in prefill_chunks)
+        if b == 0 and new == 0:
+            return 0.0
+        base = float(self.decode_s(b, sum(decode_contexts) / b)) if b else self.prefill_base_s
+        return base + self.prefill_per_token_s * new
 
     def label(self) -> str:
         return self.name

@@ -74,8 +74,11 @@ def setup_logging(level: str, service: str, instance: str) -> None:
 
 
 class ServiceRuntime:
-    def __init__(self, service: str, *, bus: BusConfig, runtime: RuntimeConfig, load: LoadFn | None = None) -> None:
+    def __init__(self, service: str, *, bus: BusConfig, runtime: RuntimeConfig, load: LoadFn | None = None, handle_signals: bool = True) -> None:
         self.service = service
+        # False where several services share a process (services/executor/group.py): the process's owner
+        # stops each one (request_shutdown) on SIGTERM / SIGINT, since a loop has one handler per signal
+        self.handle_signals = handle_signals
         self.runtime = runtime
         self.instance = runtime.instance or default_instance(service)
         self.bus = Bus(bus, service=service, instance=self.instance)
@@ -111,7 +114,7 @@ class ServiceRuntime:
             raise RuntimeError(f"{exc}; JetStream storage is missing: create it first with operator credentials (`rose provision`)") from None
         await self.bus.services_api()  # every service answers $SRV.PING/INFO/STATS, endpoints or not
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.handle_signals else ():
             loop.add_signal_handler(sig, self.request_shutdown)
         await self._beat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -121,7 +124,7 @@ class ServiceRuntime:
     async def __aexit__(self, *exc: object) -> None:
         self.state = "draining"
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.handle_signals else ():
             loop.remove_signal_handler(sig)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()

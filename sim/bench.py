@@ -33,10 +33,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 
+from rose.shared.workload import RolloutSpec
+
 from .ceiling import speedup_ceiling_over
 from .engine import Infeasible, SimConfig, simulate
 from .policies import POLICIES
-from .rollouts import RolloutSpec
 
 MODELS = ("7B", "14B", "32B", "70B")
 FLEETS = (8, 16, 32, 64)

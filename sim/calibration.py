@@ -339,8 +339,9 @@ def _e2e_config(report: dict, name: str, sperf, pperf, seed: int, steps: int | N
     """The fleet simulator's configuration of one policy's real e2e run (its setup from ``e2e_setup``)."""
     from dataclasses import replace
 
+    from rose.shared.workload import RolloutSpec
+
     from .engine import SimConfig
-    from .rollouts import RolloutSpec
     from .traces import Trace
 
     s = e2e_setup(report, name)

@@ -62,6 +62,7 @@ from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
 from rose.shared.devices import DEVICES, TRAIN_MFU, Roofline, SyncSpec, model_spec, rollout_tp, serving_tp, sync_seconds, train_seconds, usable_bytes
+from rose.shared.workload import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 
 from .candidates import CandidateCache
 from .ceiling import lane_value, rollout_capacity_ceiling
@@ -70,7 +71,6 @@ from .counters import Counters
 from .instances import Instances
 from .monitor import MonitorState
 from .policies import executor_signals, make_fleet_policy, monitor_settings
-from .rollouts import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 from .traces import DiurnalBursty, Trace, diurnal_bursty
 from .trainer_state import TrainerState
 from .turns import TurnTable

@@ -6,8 +6,9 @@ import numpy as np
 
 from rose.contracts.executor import MetricsSnapshot
 from rose.services.slo_monitor.bursts import BurstState
-from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, WindowSettings
+from rose.services.slo_monitor.config import HeadroomSettings, WindowSettings
 from rose.services.slo_monitor.headroom import StepModel
+from rose.shared.bursts import BurstSettings
 
 from .coserve import ServingTick
 

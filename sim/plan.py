@@ -44,12 +44,12 @@ from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
 from rose.shared.devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
+from rose.shared.workload import RolloutSpec, mean_context
 
 from .ceiling import speedup_ceiling_over
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
 from .policies import executor_signals, monitor_settings
-from .rollouts import RolloutSpec, mean_context
 from .traces import Trace, load_azure_csv, requests_to_trace
 
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity

@@ -46,8 +46,9 @@ from rose.services.scheduler.config import LeaseSettings, LendingSettings
 from rose.services.scheduler.leases import is_active, plan_lending, revoke_on_alert
 from rose.services.scheduler.placement import place_turn, should_hedge
 from rose.services.slo_monitor.bursts import classify, next_alert
-from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, WindowSettings
+from rose.services.slo_monitor.config import HeadroomSettings, WindowSettings
 from rose.services.slo_monitor.headroom import assess, fit_step_model
+from rose.shared.bursts import BurstSettings
 
 from .coserve import MAX_SERVING_BATCH
 

@@ -58,3 +58,18 @@ def test_instance_sizing_and_fleet_parsing():
         parse_fleet("8xB200")
     with pytest.raises(ValueError, match="choose one of"):
         model_spec("405B")
+
+
+@pytest.mark.parametrize("size", ["7B", "70B"])
+def test_packed_forward_reduces_to_decode_and_prefill(size):
+    """The executor's emulated forward prices a packed batch with ``forward_s``: decodes alone are the
+    simulator's ``decode_s`` at their mean context, one chunk alone its ``prefill_s``, and a mixed batch
+    reads the weights once (less than the two steps apart, more than either)."""
+    roof = Roofline(DEVICES["H100"], MODELS[size], tp=1 if size == "7B" else 4)
+    contexts = [100.0, 900.0, 2000.0, 3000.0]
+    assert roof.forward_s(contexts, []) == pytest.approx(float(roof.decode_s(len(contexts), sum(contexts) / len(contexts))))
+    assert roof.forward_s([], [(512.0, 1024.0)]) == pytest.approx(float(roof.prefill_s(512.0, 1024.0)))
+    mixed = roof.forward_s(contexts, [(512.0, 1024.0)])
+    apart = float(roof.decode_s(4, 1500.0)) + float(roof.prefill_s(512.0, 1024.0))
+    assert max(float(roof.decode_s(4, 1500.0)), float(roof.prefill_s(512.0, 1024.0))) < mixed < apart
+    assert roof.forward_s([], []) == 0.0

@@ -27,6 +27,8 @@ class DeviceInfo(Protocol):
 
     def telemetry(self) -> Any: ...  # a dataclass with contracts.executor.DeviceTelemetry's fields
 
+    def weight_transfer_s(self) -> float: ...  # an emulated device's priced weight arrival (emulated.py); 0 elsewhere
+
 
 class CoServingPolicy(Protocol):
     """The bits of a co-serving policy (``policies.py``) the services read."""

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 
 from .policies import DEFAULT_QUANTUM_MS
@@ -31,7 +32,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # rose: our engine runs both models here; sglang: two SGLang servers do (see `sglang_backend`)
     backend: Literal["rose", "sglang"] = "rose"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | emulated:KIND (an emulated accelerator: [emulation])
     policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
     serving_kv_mib: Positive = 64.0
     rollout_kv_mib: Positive = 128.0
@@ -53,6 +54,21 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of both models on the device
 
 
+class EmulationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`engine.device = "emulated:KIND"` (A100, H100, H200): an emulated accelerator (emulated.py). The engine's
+    host side runs for real; forwards take the time the simulator's step model gives for these models on
+    `tp` such GPUs; KV pools are accounted in the emulated device's memory. The tiny local models stay
+    the tokenizer and the policy's stand-in weights."""
+
+    model: str = "7B"  # the serving model's shape: 7B, 14B, 32B, 70B (shared/devices.py MODELS)
+    policy_model: str = ""  # the RL policy's shape (default: the serving model's)
+    tp: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0  # GPUs per instance; 0: as the simulator sizes it (serving_tp / rollout_tp)
+    # KV pools on the emulated device, GiB; 0: what the engine may use less the weights, split evenly (emulated.default_memory).
+    # Launchers that know the serving trace size them as the simulator does (cli/emulate.py).
+    serving_kv_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    rollout_kv_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+
+
 class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Following the policy's published versions (weight manifests + shards on the bus)."""
 
@@ -71,6 +87,9 @@ class HttpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: a free port, announced in heartbeats
     max_body_bytes: PositiveInt = 4 * MIB
+    # tokens per streamed chunk after the first (SGLang's --stream-interval): 1 streams every token; a larger one
+    # costs the host less per token (an emulated fleet's many executors in one process) and keeps TTFT exact
+    stream_interval: PositiveInt = 1
     public_host: str = ""  # how others reach it, if not `host`
 
 
@@ -143,8 +162,13 @@ class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     sglang_api: SGLangApiSettings = msgspec.field(default_factory=SGLangApiSettings)
     sglang_backend: SGLangBackendSettings = msgspec.field(default_factory=SGLangBackendSettings)
+    emulation: EmulationSettings = msgspec.field(default_factory=EmulationSettings)
     # serving: takes production traffic, rollout only under a scheduler's lease.
     # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
     role: Literal["serving", "dedicated"] = "serving"
     metrics_interval_s: PositiveSeconds = 1.0
+    # the executor's own burst detector (shared/bursts.py): the SLO monitor's test on every arrival, against
+    # the arrivals of the last `burst_baseline_s` (the monitor's long window)
+    bursts: BurstSettings = msgspec.field(default_factory=BurstSettings)
+    burst_baseline_s: PositiveSeconds = BURST_BASELINE_S
     max_lease_skew_s: PositiveSeconds = 2.0  # clock skew tolerated when turning lease expiry into local time

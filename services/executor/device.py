@@ -28,6 +28,14 @@ from typing import Any
 
 import torch
 
+from rose.shared.devices import DEVICES, sync_seconds
+from rose.shared.sketch import sketch_to_dict
+
+from .emulated import EMULATED_PREFIX, EmulatedAccelerator, EmulatedRunner, EmulationSpec
+from .kv_pool import KVPool, KVShape
+from .model_runner import PagedModelRunner, kv_shape_of
+from .protocol import WorkClass
+
 SERVING_PRIORITY = -1  # CUDA: higher priority (more negative)
 ROLLOUT_PRIORITY = 0
 CPU_THREADS_PER_LANE = 1
@@ -84,6 +92,7 @@ class Telemetry:
     memory_used_bytes: int
     utilization: float
     process_rss_bytes: int
+    forward_lag: dict | None = None  # emulated only: a LatencySketch's fields, lateness in percent of a forward's planned time
 
 
 def usable_cores() -> int:
@@ -115,6 +124,24 @@ def process_rss_bytes(pid: int | None = None) -> int:
 
 class CpuDevice:
     kind = "cpu"
+    priority_streams = False  # serving and rollout threads are scheduled alike by the OS
+
+    # ---- what the engine builds on this device (the emulated one answers differently: emulated.py)
+    backs_kv = True  # KV pools hold real tensors
+    host_is_device = True  # forwards compute on host cores: the interpreter lock is part of the device
+
+    def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
+        return kv_shape_of(model)
+
+    def kv_bytes(self, work_class: WorkClass, configured: int) -> int:
+        return configured
+
+    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> PagedModelRunner:
+        return PagedModelRunner(model, pool)
+
+    def weight_transfer_s(self) -> float:
+        """A new policy version's transfer beyond what the weight follower really fetched: none."""
+        return 0.0
 
     def __init__(self, threads_per_lane: int = CPU_THREADS_PER_LANE) -> None:
         self.torch_device = torch.device("cpu")
@@ -179,6 +206,24 @@ class CudaDevice:
     ``rose bench coserve`` there); the development machines have no GPU."""
 
     kind = "cuda"
+    priority_streams = True  # serving's stream outranks rollout's
+
+    # ---- what the engine builds on this device (the emulated one answers differently: emulated.py)
+    backs_kv = True  # KV pools hold real tensors
+    host_is_device = True  # forwards compute on the GPU, launched from the interpreter: the interpreter lock is part of the device
+
+    def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
+        return kv_shape_of(model)
+
+    def kv_bytes(self, work_class: WorkClass, configured: int) -> int:
+        return configured
+
+    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> PagedModelRunner:
+        return PagedModelRunner(model, pool)
+
+    def weight_transfer_s(self) -> float:
+        """A new policy version's transfer beyond what the weight follower really fetched: none."""
+        return 0.0
 
     def __init__(self, index: int = 0) -> None:
         self.torch_device = torch.device("cuda", index)
@@ -234,6 +279,89 @@ class CudaDevice:
         )
 
 
+class EmulatedDevice:
+    """An emulated accelerator (emulated.py): the forwards hold an ``EmulatedAccelerator``'s timeline for
+    the time the step model gives; the models' shapes and memory are the emulated ones."""
+
+    kind = "emulated"
+    threads_per_lane = 1
+    priority_streams = True  # as a GPU: serving's work goes first (EmulatedAccelerator)
+    backs_kv = False  # pools are accounted, not allocated
+    host_is_device = False  # forwards do not run on the host: the interpreter lock is not the device
+
+    def __init__(self, spec: EmulationSpec) -> None:
+        self.spec = spec
+        self.torch_device = torch.device("cpu")  # the stand-in policy's weights live in host memory
+        self.accelerator = EmulatedAccelerator(max(spec.serving.layers, spec.policy.layers), spec.quantum_s)
+        self._offloaded = False
+        self._last = (time.monotonic(), 0.0)
+
+    def lane(self, name: str, priority: int) -> Lane:
+        return Lane(name)
+
+    def init_thread(self, threads: int | None = None) -> None:
+        pass
+
+    def max_lane_width(self, narrow: int) -> int:
+        return narrow
+
+    def set_thread_width(self, threads: int) -> None:
+        pass
+
+    def lanes_overlap(self, rollout_threads: int) -> bool:
+        return True  # one device: a rollout forward delays serving's
+
+    def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
+        m = self.spec.serving if work_class is WorkClass.SERVING else self.spec.policy
+        return KVShape(m.layers, m.kv_heads, m.head_dim, torch.bfloat16)  # the roofline's bf16 KV
+
+    def kv_bytes(self, work_class: WorkClass, configured: int) -> int:
+        """The pool a lane gets: the emulated device's split (``configured`` sizes are the host's, for real models)."""
+        return self.spec.serving_kv_bytes if work_class is WorkClass.SERVING else self.spec.rollout_kv_bytes
+
+    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> EmulatedRunner:
+        return EmulatedRunner(self.accelerator, self.spec.roofline(work_class), work_class, model, tokenizer, pool, self.spec.time_scale)
+
+    def offload(self, model: torch.nn.Module) -> int:
+        """The policy's weights leave the emulated device (the stand-in stays in host memory)."""
+        if self._offloaded:
+            return 0
+        self._offloaded = True
+        return int(self.spec.policy.weight_bytes)
+
+    def reload(self, model: torch.nn.Module) -> int:
+        if not self._offloaded:
+            return 0
+        self._offloaded = False
+        return int(self.spec.policy.weight_bytes)
+
+    def weight_transfer_s(self) -> float:
+        """How long a new policy version takes to reach this instance, priced as the simulator prices it:
+        the real model's bytes as a delta over the inter-cluster link (a serving instance) or the training
+        cluster's fabric (a dedicated one, beside the trainer): shared.devices.sync_seconds."""
+        priced = sync_seconds(self.spec.policy.weight_bytes, "delta", self.spec.sync, cross_cluster=not self.spec.dedicated)
+        return priced * self.spec.time_scale
+
+    def telemetry(self, child_pid: int | None = None) -> Telemetry:
+        """``utilization``: the device timeline's busy share since the previous call; memory: the
+        weights and both KV pools, preallocated as an engine does."""
+        now, busy = time.monotonic(), self.accelerator.busy_s
+        last_now, last_busy = self._last
+        self._last = (now, busy)
+        total = int(self.spec.tp * DEVICES[self.spec.device].hbm_bytes)
+        weights = self.spec.weight_bytes() - (self.spec.policy.weight_bytes if self._offloaded else 0.0)
+        used = int(weights + self.spec.serving_kv_bytes + self.spec.rollout_kv_bytes)
+        return Telemetry(
+            kind="emulated",
+            name=self.spec.label(),
+            memory_total_bytes=total,
+            memory_used_bytes=min(total, used),
+            utilization=min(1.0, (busy - last_busy) / max(1e-9, now - last_now)),
+            process_rss_bytes=process_rss_bytes(),
+            forward_lag=sketch_to_dict(self.accelerator.lag.take()),
+        )
+
+
 @torch.no_grad()
 def _move(model: torch.nn.Module, to, device: torch.device) -> int:
     moved = 0
@@ -245,8 +373,13 @@ def _move(model: torch.nn.Module, to, device: torch.device) -> int:
     return moved
 
 
-def select_device(name: str = "auto") -> CpuDevice | CudaDevice:
-    """``auto`` picks CUDA when available; ``cpu`` / ``cuda`` / ``cuda:N`` force one."""
+def select_device(name: str = "auto", emulation: EmulationSpec | None = None) -> CpuDevice | CudaDevice | EmulatedDevice:
+    """``auto`` picks CUDA when available; ``cpu`` / ``cuda`` / ``cuda:N`` force one; ``emulated:KIND``
+    (with its ``emulation``: the models' shapes and the memory split) is an emulated accelerator."""
+    if name.startswith(EMULATED_PREFIX):
+        if emulation is None:
+            raise ValueError(f"device {name!r} needs an emulation spec (the executor builds it from its [emulation] settings)")
+        return EmulatedDevice(emulation)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -255,4 +388,4 @@ def select_device(name: str = "auto") -> CpuDevice | CudaDevice:
         if not torch.cuda.is_available():
             raise ValueError(f"device {name!r} requested but CUDA is not available")
         return CudaDevice(int(name.split(":")[1]) if ":" in name else 0)
-    raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+    raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or emulated:KIND")

@@ -28,16 +28,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip
 from rose.shared.sketch import sketch_to_dict
 
-from .burst_alerts import ArrivalBurstDetector, BurstTrip
 from .config import MIB, EngineSettings
 from .core_lending import CoreLending
 from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
+from .emulated import EmulatedRunner, EmulationSpec
 from .forward_item import ForwardItem
 from .kv_pool import DEFAULT_BLOCK_SIZE, KVPool
 from .metrics import EngineMetrics
-from .model_runner import PagedModelRunner, kv_shape_of
+from .model_runner import PagedModelRunner
 from .outputs import EngineStats, RequestHandle
 from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_STATIC_SHARE, Signals, make_policy
 from .prefix_cache import PrefixCache
@@ -135,6 +136,9 @@ class EngineConfig:
     seed: int = _SERVICE.seed
     device: str = _SERVICE.device
     dtype: torch.dtype = getattr(torch, _SERVICE.dtype)
+    emulation: EmulationSpec | None = None  # device "emulated:KIND": the emulated models and memory (emulated.py)
+    bursts: BurstSettings = BurstSettings()  # the executor's own burst detector (shared/bursts.py)
+    burst_baseline_s: float = BURST_BASELINE_S
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:
@@ -159,12 +163,14 @@ class EngineConfig:
 class _ClassRuntime:
     """Everything one work class owns: its model, pool, queues, lane."""
 
-    def __init__(self, work_class: WorkClass, model, tokenizer, pool: KVPool, limits: Limits, lane, runner: PagedModelRunner | None = None) -> None:
+    def __init__(
+        self, work_class: WorkClass, model, tokenizer, pool: KVPool, limits: Limits, lane, runner: PagedModelRunner | ProcessRunner | EmulatedRunner
+    ) -> None:
         self.work_class = work_class
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.runner = runner or PagedModelRunner(model, pool)
+        self.runner = runner
         self.limits = limits
         self.lane = lane
         self.inbox: deque[Sequence] = deque()
@@ -173,6 +179,7 @@ class _ClassRuntime:
         self.running: list[Sequence] = []
         self.wakeup = threading.Event()
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.decode = text_decoder(tokenizer)
         self.iteration_ms = 0.0  # EMA
         self.unprefilled = 0  # running sequences not past prefill (read by the rollout lane)
         self.unprefilled_since: float | None = None  # the oldest one's arrival (monotonic), None when none
@@ -195,14 +202,26 @@ class Engine:
     ) -> None:
         self.config = config
         self.policy = make_policy(policy, config.quantum_ms, config.guard_fraction, config.static_share)
-        self.device = select_device(config.device)
+        self.device = select_device(config.device, config.emulation)
         dev = self.device.torch_device
         serving_model.to(dev)
         policy_model.to(dev)
         serving_lane = self.device.lane("serving", SERVING_PRIORITY)
         rollout_lane = serving_lane if self.policy.shares_serving_lane else self.device.lane("rollout", ROLLOUT_PRIORITY)
-        s_pool = KVPool("serving", kv_shape_of(serving_model), config.serving_kv_bytes, config.block_size, dev)
-        r_pool = KVPool("rollout", kv_shape_of(policy_model), config.rollout_kv_bytes, config.block_size, dev)
+        s_pool, r_pool = (
+            KVPool(
+                name,
+                self.device.kv_shape(model, wc),
+                self.device.kv_bytes(wc, configured),
+                config.block_size,
+                dev,
+                storage=self.device.backs_kv,
+            )
+            for name, wc, model, configured in (
+                ("serving", WorkClass.SERVING, serving_model, config.serving_kv_bytes),
+                ("rollout", WorkClass.ROLLOUT, policy_model, config.rollout_kv_bytes),
+            )
+        )
         r_pool.set_budget_bytes(0)  # no lease yet
         narrow = config.rollout_threads or self.device.threads_per_lane
         in_child = config.rollout_process and self.device.kind == "cpu" and self.policy.admits_rollout
@@ -214,8 +233,12 @@ class Engine:
             )
             in_child = False
         idle = self.policy.rollout_cpu_idle and config.rollout_is_guest
-        r_runner = ProcessRunner(policy_model, r_pool, narrow, idle_priority=idle) if in_child else None
-        if r_runner is not None:
+        r_runner = (
+            ProcessRunner(policy_model, r_pool, narrow, idle_priority=idle)
+            if in_child
+            else self.device.runner(policy_model, r_pool, WorkClass.ROLLOUT, policy_tokenizer)
+        )
+        if isinstance(r_runner, ProcessRunner):
             r_runner.held_poll_s = self._pause_poll_s  # a held forward asks again once per serving iteration
         self._rollout_in_child = in_child  # its forwards no longer hand the serving lane's interpreter lock back and forth
         self._serving = _ClassRuntime(
@@ -225,6 +248,7 @@ class Engine:
             s_pool,
             Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size),
             serving_lane,
+            self.device.runner(serving_model, s_pool, WorkClass.SERVING, serving_tokenizer),
         )
         self._rollout = _ClassRuntime(
             WorkClass.ROLLOUT,
@@ -244,7 +268,7 @@ class Engine:
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = config.slo_ttft_ms, config.slo_tpot_ms
         self.slo_guard = SloGuard(config.slo_ttft_ms, config.slo_tpot_ms)  # the closed loop on serving's tails (slo_guard.py)
-        self.bursts = ArrivalBurstDetector()  # this executor's own burst detector (burst_alerts.py)
+        self.bursts = ArrivalBurstDetector(config.bursts, config.burst_baseline_s)  # this executor's own burst detector (shared/bursts.py)
         self.on_burst: list[Callable[[BurstTrip], None]] = []  # called on the event loop when it trips (the executor publishes an alert)
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -262,7 +286,7 @@ class Engine:
         self._default_switch_interval = sys.getswitchinterval()
         self._in_quantum = False
         wide = self.device.max_lane_width(narrow) if self.policy.widens_when_serving_idle and config.lend_serving_core else narrow
-        set_width = r_runner.set_width if r_runner is not None else self.device.set_thread_width
+        set_width = r_runner.set_width if isinstance(r_runner, ProcessRunner) else self.device.set_thread_width
         self._cores = CoreLending(narrow, wide, set_width)  # CPU: the serving core lent while serving has no work
         # whether the rollout lane, narrow / wide, competes with serving for compute (asked at every safepoint)
         self._overlap_at = {w: self.policy.shares_serving_lane or self.device.lanes_overlap(w) for w in (narrow, wide)}
@@ -721,6 +745,8 @@ class Engine:
         short interval while serving is busy is the interpreter's share of "serving first"
         (the stream priority of the GIL); it costs a little throughput, so only then.
         """
+        if not self.device.host_is_device:
+            return  # an emulated device computes nothing on the host: the interpreter lock is not its stream
         if on != self._serving_prioritised:
             sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S if on else self._default_switch_interval)
             self._serving_prioritised = on
@@ -738,11 +764,12 @@ class Engine:
             slo_tpot_ms=self.slo_tpot_ms,
             lanes_overlap=self._rollout_overlaps_serving,
             serving_max_batch=s.limits.max_batch,
-            shares_interpreter=not self._rollout_in_child,
+            shares_interpreter=self.device.host_is_device and not self._rollout_in_child,
             slo_ttft_ms=self.slo_ttft_ms,
             serving_oldest_wait_ms=oldest_wait_ms,
-            priority_streams=self.device.kind == "cuda",
-            rollout_decode_graphs=getattr(self._rollout.runner, "graphs", None) is not None,
+            priority_streams=self.device.priority_streams,
+            # an emulated device is a GPU engine with CUDA graphs: the roofline's fixed cost per step assumes them
+            rollout_decode_graphs=getattr(self._rollout.runner, "graphs", None) is not None or not self.device.host_is_device,
             rollout_share=share,
             serving_arrival_rate_rps=self.bursts.rate(now),
         )
@@ -933,7 +960,7 @@ class Engine:
                 rt.running.remove(seq)
                 self._retire_kv(rt, seq)
                 outbox.append(self._finish(rt, seq, reason, deliver=False))
-            elif seq.request.stream:
+            elif seq.request.stream and _delta_due(seq):
                 delta = self._delta(seq, final=False)
                 if delta is not None:
                     outbox.append((seq.handle, delta, None))
@@ -948,14 +975,14 @@ class Engine:
         if token in p.stop_token_ids or (token == rt.eos_id and not p.ignore_eos):
             return "stop"
         if p.stop:
-            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+            seq.text = rt.decode(seq.output)
             longest = max(len(s) for s in p.stop)
             at = find_stop(seq.text, p.stop, seq.emitted_text - longest)
             if at != -1:
                 seq.text, seq.text_final = seq.text[:at], True
                 return "stop"
-        elif seq.request.stream:
-            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+        elif seq.request.stream and _delta_due(seq):
+            seq.text = rt.decode(seq.output)
         if len(seq.output) >= p.max_tokens or len(seq.tokens) >= rt.runner.max_positions:
             return "length"
         return None
@@ -991,7 +1018,7 @@ class Engine:
     def _finish(self, rt: _ClassRuntime, seq: Sequence, reason: FinishReason, deliver: bool = True):
         seq.finish_reason = reason
         if not seq.text_final:
-            seq.text = rt.tokenizer.decode(seq.output, skip_special_tokens=True)
+            seq.text = rt.decode(seq.output)
         delta = (
             self._delta(seq, final=True)
             if seq.request.stream
@@ -1031,6 +1058,22 @@ class Engine:
             timings=timings,
             top_logprobs=tuple(seq.sampler.top_logprobs),
         )
+
+
+def _delta_due(seq: Sequence) -> bool:
+    """A streamed request's deltas go out with its first token, then every ``stream_interval`` tokens."""
+    n = len(seq.output)
+    return n == 1 or n - seq.emitted_tokens >= seq.request.stream_interval
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight from the fast (Rust) tokenizer where that is
+    the same thing: transformers' wrapper converts every id in Python first, which cost a streamed serving token
+    more than the rest of its bookkeeping (tests/executor/test_engine.py checks the two agree)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
 def _oldest_wait_ms(rt: _ClassRuntime, now: float) -> float:

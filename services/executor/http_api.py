@@ -121,8 +121,9 @@ class StreamOptions:
 
 
 class OpenAIApi:
-    def __init__(self, engine: CoServingEngine, telemetry: Telemetry, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, engine: CoServingEngine, telemetry: Telemetry, model_name: str, max_body_bytes: int, stream_interval: int = 1) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval
         self.telemetry = telemetry
         self.model_name = model_name
         self.tokenizer = engine.tokenizer_for(WorkClass.SERVING)
@@ -310,6 +311,7 @@ class OpenAIApi:
                         prompt_token_ids=prompt_ids,
                         sampling=params,
                         stream=stream,
+                        stream_interval=self.stream_interval,
                     )
                     choices.append(Choice(p * n + i, prompt_ids, self.engine.submit(request)))
         except BaseException:

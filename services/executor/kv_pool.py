@@ -72,9 +72,12 @@ class PagedKV(Protocol):
 
 
 class KVPool:
-    """Block allocator plus the K/V tensors: ``k[layer]`` is ``[num_blocks * block_size, kv_heads, head_dim]``."""
+    """Block allocator plus the K/V tensors: ``k[layer]`` is ``[num_blocks * block_size, kv_heads, head_dim]``.
 
-    def __init__(self, name: str, shape: KVShape, capacity_bytes: int, block_size: int, device: torch.device) -> None:
+    ``storage=False``: the blocks are accounted, never backed (an emulated accelerator's pool, whose
+    gigabytes exist only on the emulated device: ``emulated.py``); ``k`` and ``v`` stay empty."""
+
+    def __init__(self, name: str, shape: KVShape, capacity_bytes: int, block_size: int, device: torch.device, storage: bool = True) -> None:
         self.name = name
         self.shape = shape
         self.block_size = block_size
@@ -84,9 +87,10 @@ class KVPool:
             raise ValueError(f"{name} KV pool of {capacity_bytes} bytes holds no {self.block_bytes}-byte block")
         slots = self.num_blocks * block_size
         dims = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
-        self._dims, self._device = dims, device
-        self.k = torch.zeros(dims, dtype=shape.dtype, device=device)
-        self.v = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self._dims, self._device, self._storage = dims, device, storage
+        self._released = False
+        self.k = torch.zeros(dims if storage else 0, dtype=shape.dtype, device=device)
+        self.v = torch.zeros(dims if storage else 0, dtype=shape.dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._budget_blocks = self.num_blocks
 
@@ -136,6 +140,8 @@ class KVPool:
 
     def scrub(self, blocks: list[int]) -> None:
         """Zero the K and V of `blocks` in every layer (one kernel per tensor, on the caller's stream)."""
+        if not self._storage:
+            return
         index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
         layers, _, heads, dim = self.k.shape
         for tensor in (self.k, self.v):
@@ -144,7 +150,12 @@ class KVPool:
     # -- lending the storage itself (SGLang's release/resume_memory_occupation)
     @property
     def released(self) -> bool:
-        return self.k.numel() == 0
+        return self._released
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the pool's K and V take on its device while not released."""
+        return self.num_blocks * self.block_bytes
 
     def release(self) -> int:
         """Free the K/V storage (every block must be free); returns the bytes given back."""
@@ -152,6 +163,9 @@ class KVPool:
             return 0
         if self.used_blocks:
             raise RuntimeError(f"{self.name} KV pool: {self.used_blocks} blocks still in use, cannot release its memory")
+        self._released = True
+        if not self._storage:
+            return self.capacity_bytes
         freed = (self.k.numel() + self.v.numel()) * self.k.element_size()
         self.k = self.v = torch.empty(0, dtype=self.shape.dtype, device=self._device)
         if self._device.type == "cuda":
@@ -162,6 +176,9 @@ class KVPool:
         """Allocate the K/V storage again (zeroed); returns the bytes taken."""
         if not self.released:
             return 0
+        self._released = False
+        if not self._storage:
+            return self.capacity_bytes
         self.k = torch.zeros(self._dims, dtype=self.shape.dtype, device=self._device)
         self.v = torch.zeros(self._dims, dtype=self.shape.dtype, device=self._device)
         return (self.k.numel() + self.v.numel()) * self.k.element_size()

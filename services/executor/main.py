@@ -11,6 +11,7 @@ import dataclasses
 import fcntl
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from rose.contracts.registry import EXECUTOR_BURST, GENERATE
 from rose.contracts.slo import SloAlert
+from rose.shared.bursts import BurstTrip
 from rose.shared.bus import Bus
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
@@ -25,13 +27,14 @@ from rose.shared.weight_signing import ManifestVerifier
 from rose.shared.weight_sync import WeightFollower
 
 from .backend import CoServingEngine
-from .burst_alerts import BurstTrip
 from .config import MIB, ExecutorConfig
+from .emulated import EMULATED_PREFIX, emulation_spec
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
 from .http_server import HardenedAppRunner
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
+from .protocol import WorkClass
 from .rollout_api import RolloutApi
 from .sglang_api import SGLangApi
 from .sglang_backend import SGLangBackend
@@ -74,7 +77,18 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
             slo_ttft_ms=e.slo_ttft_ms,
             slo_tpot_ms=e.slo_tpot_ms,
         )
-    engine_config = dataclasses.replace(EngineConfig.from_settings(e), rollout_is_guest=config.role != "dedicated")
+    emulation = (
+        emulation_spec(e.device, config.emulation, dedicated=config.role == "dedicated", quantum_ms=e.quantum_ms)
+        if e.device.startswith(EMULATED_PREFIX)
+        else None
+    )
+    engine_config = dataclasses.replace(
+        EngineConfig.from_settings(e),
+        rollout_is_guest=config.role != "dedicated",
+        emulation=emulation,
+        bursts=config.bursts,
+        burst_baseline_s=config.burst_baseline_s,
+    )
     return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
 
 
@@ -116,7 +130,7 @@ async def follow_weights(rt: ServiceRuntime, engine: CoServingEngine, config: Ex
 
 
 def publish_bursts(engine: Engine, bus: Bus, executor_id: str, telemetry: Telemetry) -> None:
-    """When the engine's own burst detector trips (burst_alerts.py), publish the alert for this executor
+    """When the engine's own burst detector trips (shared/bursts.py), publish the alert for this executor
     at once: the scheduler stops routing turns here and revokes the lease (the engine yields on its own)."""
     pending: set[asyncio.Task] = set()
 
@@ -144,22 +158,29 @@ def publish_bursts(engine: Engine, bus: Bus, executor_id: str, telemetry: Teleme
     engine.on_burst.append(on_burst)
 
 
-async def run(config: ExecutorConfig) -> None:
+async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], None] | None = None) -> None:
+    """One executor until it is told to stop. ``on_runtime``: several executors share this process (group.py),
+    whose owner handles the signals and stops each runtime it is handed here."""
     engine = await asyncio.to_thread(build_engine, config)
     telemetry = Telemetry(engine, "", config.role, config.metrics_interval_s)
-    async with ServiceRuntime("executor", bus=config.bus, runtime=config.runtime, load=telemetry.load) as rt:
+    runtime = ServiceRuntime("executor", bus=config.bus, runtime=config.runtime, load=telemetry.load, handle_signals=on_runtime is None)
+    if on_runtime is not None:
+        on_runtime(runtime)
+    async with runtime as rt:
         telemetry.executor_id = rt.instance
         if isinstance(engine, Engine):  # off the loop: it may wait seconds for its rollout forward process
             await asyncio.to_thread(engine.start)
         else:
             engine.start()
-        guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=int(config.engine.rollout_kv_mib * MIB))
+        # what a lease may grant: the rollout pool (an emulated device's is sized in its own memory)
+        lendable = engine.pool_for(WorkClass.ROLLOUT).capacity_bytes if isinstance(engine, Engine) else int(config.engine.rollout_kv_mib * MIB)
+        guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=lendable)
         await guard.start(rt.bus)
         if isinstance(engine, Engine) and config.role != "dedicated":
             publish_bursts(engine, rt.bus, rt.instance, telemetry)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
-        openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes)
+        openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes, config.http.stream_interval)
         # SGLang's RL admin API on the policy model, for frameworks written against SGLang (our engine only:
         # behind the sglang backend, the SGLang servers answer these calls themselves)
         if config.sglang_api.enabled and isinstance(engine, Engine):
@@ -174,6 +195,8 @@ async def run(config: ExecutorConfig) -> None:
         runner, base_url = await serve_http(openai_api, config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
         rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
+        if isinstance(engine, Engine) and engine.config.emulation is not None:
+            rt.labels["emulated"] = engine.config.emulation.label()
         rt.ready(endpoints={"http": base_url, "openai": f"{base_url}/v1", "metrics": f"{base_url}/metrics"})
         log.info("executor %s serving on %s (%s)", rt.instance, base_url, config.role)
         try:
@@ -187,4 +210,5 @@ async def run(config: ExecutorConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`rose run executor [--config F]`: one executor (with `--emulate 8xH100:7B`, cli runs group.py's main instead)."""
     return service_main(argv, service="executor", description="Run a co-serving executor.", config_cls=ExecutorConfig, run=run)

@@ -26,8 +26,13 @@ class PolicyUpdates:
         """Swap `state` in at the next iteration boundary; returns the pause in ms (raises to refuse).
 
         Validation and the staging copy run in a worker thread, off the event loop that
-        answers serving HTTP requests.
+        answers serving HTTP requests. An emulated device first waits the time the real model's
+        delta would take to arrive (``weight_transfer_s``; 0 on a real device, whose bytes came
+        over the bus for real).
         """
+        transfer_s = self.engine.device.weight_transfer_s()
+        if transfer_s > 0:
+            await asyncio.sleep(transfer_s)
         staged = await asyncio.to_thread(self._stage, state, version)
         return await asyncio.wrap_future(staged)
 

@@ -110,6 +110,8 @@ class GenerationRequest:
     sampling: EngineSampling = field(default_factory=EngineSampling)
     trajectory_id: str | None = None
     stream: bool = True
+    # tokens per streamed delta after the first (SGLang's --stream-interval): fewer, larger deltas cost the host less
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +203,8 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
         )
     if request.trajectory_id is not None and request.work_class is WorkClass.SERVING:
         raise InvalidRequest("trajectory_id is for rollout requests only")
+    if request.stream_interval < 1:
+        raise InvalidRequest(f"stream_interval must be at least 1, got {request.stream_interval}")
     if request.sampling.top_logprobs and request.work_class is WorkClass.ROLLOUT:
         raise InvalidRequest("top_logprobs is for serving requests only (rollout returns the sampled token's logprob)")
 

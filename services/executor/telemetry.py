@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from rose.contracts.executor import DeviceTelemetry, LatencySketch, MetricsSnapshot, PoolUsage
 from rose.contracts.registry import EXECUTOR_METRICS
 from rose.shared.bus import Bus
@@ -127,7 +129,7 @@ class Telemetry:
             preemptions=stats.preemptions,
             policy_version=stats.policy_version,
             lease_id=stats.lease_id,
-            device=DeviceTelemetry(**stats.device) if stats.device else None,
+            device=msgspec.convert(stats.device, DeviceTelemetry) if stats.device else None,
         )
 
     def _attrs(self, **extra: str) -> dict[str, str]:

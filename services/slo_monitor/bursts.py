@@ -22,13 +22,13 @@ arrival on its own; the alert takes back the lease (memory, routing) after detec
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from rose.contracts.slo import AlertSeverity, SloAlert
+from rose.shared.bursts import BurstSettings, burst_threshold
 
-from .config import BurstSettings, HeadroomSettings
+from .config import HeadroomSettings
 from .windows import ExecutorWindow, WindowStats, stats_of
 
 
@@ -86,11 +86,6 @@ def classify(
     if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:
         return "burst", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms near the SLO"
     return None
-
-
-def burst_threshold(expected: float, cfg: BurstSettings) -> float:
-    """Arrivals in the recent window that the baseline explains only as a burst."""
-    return max(cfg.rate_ratio * expected, expected + cfg.noise_z * math.sqrt(expected), cfg.min_arrivals)
 
 
 def next_alert(st: BurstState, found: tuple[AlertSeverity, str] | None, now: float, cfg: BurstSettings) -> tuple[AlertSeverity, str] | None:

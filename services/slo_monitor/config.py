@@ -6,6 +6,7 @@ from typing import Annotated
 
 import msgspec
 
+from rose.shared.bursts import BurstSettings
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -17,21 +18,6 @@ class WindowSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     short_s: PositiveSeconds = 3.0  # what "now" means for latency and load
     long_s: PositiveSeconds = 30.0  # the baseline bursts are told apart from, and the step-model fit
     stale_s: PositiveSeconds = 5.0  # an executor silent this long gets no headroom
-
-
-class BurstSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Early burst detection: arrival rate and queue growth, before latency suffers."""
-
-    window_s: PositiveSeconds = 0.5  # the recent arrivals compared with the long-window baseline
-    rate_ratio: Positive = 2.0  # recent arrivals >= this x the baseline's expectation is a burst ...
-    noise_z: Positive = 3.0  # ... and above expectation + z x sqrt(expectation) (Poisson noise) ...
-    min_arrivals: Annotated[int, msgspec.Meta(ge=1)] = 4  # ... and at least this many
-    min_baseline_s: PositiveSeconds = 2.0  # a shorter history is no baseline: rate test off
-    min_baseline_rps: Positive = 1.0  # the baseline never counts as lower than this
-    queue_threshold: Annotated[int, msgspec.Meta(ge=1)] = 4  # a serving queue this long and growing
-    risk_fraction: Share = 0.8  # short-window p99 above this x SLO: at risk
-    recover_s: PositiveSeconds = 3.0  # calm this long after an alert: "recovered"
-    realert_s: PositiveSeconds = 1.0  # while the burst lasts, repeat the alert this often
 
 
 class HeadroomSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

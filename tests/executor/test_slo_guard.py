@@ -1,4 +1,4 @@
-"""The closed-loop SLO guard (slo_guard.py) and the executor's own burst detector (burst_alerts.py).
+"""The closed-loop SLO guard (slo_guard.py) and the executor's own burst detector (shared/bursts.py).
 
 The guard is driven by measured latencies: first a replayed series (calm, then tails near the SLO,
 then calm again), then a real engine whose serving lane is flooded with requests while rollout runs.
@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rose.services.executor.burst_alerts import ArrivalBurstDetector
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.slo_guard import RELAX_WINDOWS, SETPOINT, SloGuard
-from rose.services.slo_monitor.config import BurstSettings
+from rose.shared.bursts import ArrivalBurstDetector, BurstSettings
 
 SLO_TTFT, SLO_TPOT = 100.0, 20.0
 

@@ -56,8 +56,9 @@ def test_the_simulation_uses_the_schedulers_fleet_and_its_decisions():
 def test_classify_matches_the_monitors_detector_on_window_figures():
     """bursts.classify (the pure function the simulator calls) decides what BurstDetector decides."""
     from rose.contracts.executor import LatencySketch, MetricsSnapshot
-    from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings
+    from rose.services.slo_monitor.config import HeadroomSettings
     from rose.services.slo_monitor.windows import ExecutorWindow, stats_of
+    from rose.shared.bursts import BurstSettings
 
     cfg, slo = BurstSettings(), HeadroomSettings()
     window = ExecutorWindow(30.0)

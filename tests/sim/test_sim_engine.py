@@ -43,7 +43,7 @@ def test_rose_at_least_static_where_the_pool_is_short():
     notes of `rose bench sim`)."""
     from dataclasses import replace
 
-    from rose.sim.rollouts import RolloutSpec
+    from rose.shared.workload import RolloutSpec
 
     spec = replace(RolloutSpec(), oversubscription=4.0)
     ratios = []

@@ -5,10 +5,11 @@ from __future__ import annotations
 from ddsketch import DDSketch
 
 from rose.services.slo_monitor.bursts import BurstDetector
-from rose.services.slo_monitor.config import BurstSettings, HeadroomSettings, SloMonitorConfig
+from rose.services.slo_monitor.config import HeadroomSettings, SloMonitorConfig
 from rose.services.slo_monitor.headroom import assess, fit_step_model, observations, rollout_slots
 from rose.services.slo_monitor.monitor import Monitor
 from rose.services.slo_monitor.windows import ExecutorWindow, fleet_stats
+from rose.shared.bursts import BurstSettings
 from rose.testing.messages import SNAPSHOT_INTERVAL_S as INTERVAL
 from rose.testing.messages import snap
 

@@ -1,4 +1,7 @@
-"""The executor's own burst detector: it sees every serving arrival first, so it alerts first.
+"""What a serving burst is, and the executor's own detector of one: it sees every serving arrival first.
+
+The SLO monitor (services/slo_monitor/bursts.py) and every executor call the same thing a burst:
+``BurstSettings`` and ``burst_threshold`` are that one definition, here because two services use it.
 
 The SLO monitor detects bursts from metrics snapshots (one interval late, then a bus hop); the
 executor has each arrival the moment it is submitted. On every serving arrival this detector
@@ -14,14 +17,41 @@ the alert repeats every ``realert_s``. The monitor keeps headroom, violations an
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Annotated
 
-from rose.services.slo_monitor.bursts import burst_threshold
-from rose.services.slo_monitor.config import BurstSettings
+import msgspec
 
-BASELINE_S = 30.0  # the history the recent arrivals are compared with (the monitor's long window)
+from rose.shared.config import PositiveSeconds
+
+Positive = Annotated[float, msgspec.Meta(gt=0.0)]
+Share = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class BurstSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Early burst detection: arrival rate and queue growth, before latency suffers."""
+
+    window_s: PositiveSeconds = 0.5  # the recent arrivals compared with the long-window baseline
+    rate_ratio: Positive = 2.0  # recent arrivals >= this x the baseline's expectation is a burst ...
+    noise_z: Positive = 3.0  # ... and above expectation + z x sqrt(expectation) (Poisson noise) ...
+    min_arrivals: Annotated[int, msgspec.Meta(ge=1)] = 4  # ... and at least this many
+    min_baseline_s: PositiveSeconds = 2.0  # a shorter history is no baseline: rate test off
+    min_baseline_rps: Positive = 1.0  # the baseline never counts as lower than this
+    queue_threshold: Annotated[int, msgspec.Meta(ge=1)] = 4  # a serving queue this long and growing
+    risk_fraction: Share = 0.8  # short-window p99 above this x SLO: at risk
+    recover_s: PositiveSeconds = 3.0  # calm this long after an alert: "recovered"
+    realert_s: PositiveSeconds = 1.0  # while the burst lasts, repeat the alert this often
+
+
+def burst_threshold(expected: float, cfg: BurstSettings) -> float:
+    """Arrivals in the recent window that the baseline explains only as a burst."""
+    return max(cfg.rate_ratio * expected, expected + cfg.noise_z * math.sqrt(expected), cfg.min_arrivals)
+
+
+BURST_BASELINE_S = 30.0  # the history the recent arrivals are compared with (the monitor's long window)
 
 
 @dataclass(frozen=True)
@@ -36,7 +66,7 @@ class BurstTrip:
 class ArrivalBurstDetector:
     """Fed every serving arrival (``arrival``); returns a BurstTrip when an alert is due."""
 
-    def __init__(self, settings: BurstSettings | None = None, baseline_s: float = BASELINE_S) -> None:
+    def __init__(self, settings: BurstSettings | None = None, baseline_s: float = BURST_BASELINE_S) -> None:
         self.cfg, self.baseline_s = settings if settings is not None else BurstSettings(), baseline_s
         self._arrivals: deque[float] = deque()
         self._first: float | None = None

@@ -1,4 +1,8 @@
-"""Agentic rollouts: multi-turn trajectories with long-tailed turn counts and lengths.
+"""The agentic RL workload: multi-turn trajectories with long-tailed turn counts and lengths.
+
+One definition for the two things that run it: the simulator samples whole batches of it
+(``sample_batch``), and the emulated agentic environment (shared/agentic/env_emulated.py) plays
+one trajectory of it per task against the real services, so both see the same job.
 
 One RL step rolls out ``prompts x group_size`` trajectories (GRPO-style groups). A
 trajectory is a system/task prompt, then turns: each turn the policy generates tokens (a
