@@ -413,7 +413,7 @@ def reward_ends(rewards: list[float]) -> tuple[float | None, float | None]:
     return _mean(rewards[:k]), _mean(rewards[-k:])
 
 
-def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: float, params: dict) -> dict:
+def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: float, params: dict, spec: FleetSpec = SPEC) -> dict:
     turns = list(_turns(obs))
     window = max(1e-9, window_end - t0)
     tokens_in_window = sum(len(t.token_ids) for t in turns if t0 <= t.finished_at <= window_end)
@@ -427,12 +427,12 @@ def summarize(obs: Observed, executors: dict[str, str], t0: float, window_end: f
     return {
         **params,
         "serving": {
-            "slo": {"ttft_ms": SPEC.slo_ttft_ms, "tpot_ms": SPEC.slo_tpot_ms},
+            "slo": {"ttft_ms": spec.slo_ttft_ms, "tpot_ms": spec.slo_tpot_ms},
             "requests": len(requests),
-            "slo_attainment": obs.serving.attainment(SPEC),
+            "slo_attainment": obs.serving.attainment(spec),
             "failed": sum(not r["ok"] for r in requests),
-            "ttft_misses": sum(r["ok"] and r["ttft_ms"] > SPEC.slo_ttft_ms for r in requests),
-            "tpot_misses": sum(r["ok"] and r["tpot_ms"] > SPEC.slo_tpot_ms for r in requests),
+            "ttft_misses": sum(r["ok"] and r["ttft_ms"] > spec.slo_ttft_ms for r in requests),
+            "tpot_misses": sum(r["ok"] and r["tpot_ms"] > spec.slo_tpot_ms for r in requests),
             "ttft_p99_ms": p99([r["ttft_ms"] for r in requests if r["ok"]]),
             "tpot_p99_ms": p99([r["tpot_ms"] for r in requests if r["ok"]]),
             "bursts": len(obs.serving.bursts),

@@ -126,6 +126,7 @@ class Extra:
                     "serving_arrivals": s.serving_arrivals,
                     "interval_s": s.interval_s,
                     "device_utilization": s.device.utilization if s.device else None,
+                    "forward_lag": s.device.forward_lag if s.device else None,  # emulated devices only: the host keeping up
                 }
             )
 

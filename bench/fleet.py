@@ -11,6 +11,7 @@ the client that measures TTFT/TPOT as a user would.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -261,22 +262,39 @@ def serving_trace(executors: list[str], duration_s: float, spec: FleetSpec, seed
     return sorted(out)
 
 
-async def serve_one(session: aiohttp.ClientSession, url: str, ex: str, prompt: str, max_tokens: int, log: ServingLog) -> None:
-    """One streamed completion; TTFT and TPOT as the client sees them."""
+async def serve_one(
+    session: aiohttp.ClientSession, url: str, ex: str, prompt: str | list[int], max_tokens: int, log: ServingLog, temperature: float = 0.0
+) -> None:
+    """One streamed completion; TTFT and TPOT as the client sees them. TPOT is the time from the first chunk
+    to the last over the tokens between them (the usage chunk counts them), so an executor that streams
+    several tokens per chunk (`http.stream_interval`) is measured the same."""
     sent = time.monotonic()
     times: list[float] = []
+    tokens = 0
     ok = False
     try:
-        body = {"model": "rose-serving", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        body = {
+            "model": "rose-serving",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             async for line in resp.content:
-                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                if b'"usage"' in line and b'"choices": []' in line:
+                    tokens = int(json.loads(line[6:])["usage"]["completion_tokens"])
+                else:
                     times.append(time.monotonic())
             ok = resp.status == 200 and bool(times)
     except (TimeoutError, aiohttp.ClientError):
         ok = False
     ttft = (times[0] - sent) * 1e3 if times else float("inf")
-    tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
+    gaps = (tokens or len(times)) - 1
+    tpot = (times[-1] - times[0]) * 1e3 / gaps if len(times) > 1 and gaps > 0 else 0.0
     log.requests.append({"executor": ex, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from rose import __version__
 
 from .options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
 from .service_table import EMULATED_EXECUTORS_MODULE, ON_DEMAND_SERVICES, SERVICE_MODULES
+
+E2E_JSON = "bench-out/e2e.json"
+EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -121,6 +125,8 @@ def _cmd_bench_elastic(args: argparse.Namespace) -> int:
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    if args.emulate:
+        return _bench_e2e_emulated(args)
     from rose.bench.e2e import run_e2e_bench
 
     result = run_e2e_bench(
@@ -135,6 +141,40 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
         warm_start_steps=args.warm_start_steps,
         pin="none" if args.unpinned else args.pin,
         rollout_demand=args.rollout_demand,
+    )
+    return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
+
+
+def _bench_e2e_emulated(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rose.bench.e2e_emulated import run_emulated_e2e
+    from rose.bench.emulated import EmulatedJob
+    from rose.shared.devices import parse_fleet
+
+    gpus, device = parse_fleet(args.emulate)
+    job = EmulatedJob(
+        gpus=gpus,
+        device=device.name,
+        model=args.model,
+        policy_model=args.policy_model or "",
+        dedicated_ratio=args.dedicated_ratio,
+        demand=args.demand,
+        mode=args.mode,
+        seed=args.seed,
+        load=args.load,
+        time_scale=args.time_scale,
+        rollout_max_batch=args.rollout_max_batch,
+        workload=dict(args.workload or {}),
+    )
+    result = run_emulated_e2e(
+        out_json=args.json if args.json != E2E_JSON else "bench-out/e2e-emulated.json",
+        job=job,
+        policies=args.policies,
+        duration_s=args.duration or EMULATED_DURATION_S,
+        until_steps=args.until_steps,
+        model_dir=args.models,
+        console=Console(),
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
@@ -446,12 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
         "e2e",
         help="the demo's RL job on fresh fleets under static / naive_share / elastic_baseline / rose: RL steps per hour, rollout time, serving SLO",
     )
-    b.add_argument(
-        "--json", default="bench-out/e2e.json", help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)"
-    )
+    b.add_argument("--json", default=E2E_JSON, help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)")
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the tasks (the same for every policy)")
     b.add_argument(
-        "--duration", type=float, default=None, help="seconds of trace and training per policy (default: 120; about 12 minutes for all four)"
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of trace and training per policy (default: 120, about 12 minutes for all four; emulated: 120 emulated seconds)",
     )
     b.add_argument("--policies", nargs="+", default=None, metavar="POLICY", help="run only these (default: static naive_share elastic_baseline rose)")
     b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
@@ -476,6 +517,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="trajectories in flight as a multiple of what the dedicated executors run at once (default 1: they keep up; 2: a batch queued)",
     )
+    g = b.add_argument_group("emulated accelerators (bench/e2e_emulated.py): the real services on 8-64 emulated GPUs, the simulator beside")
+    g.add_argument("--emulate", default=None, metavar="COUNTxKIND", help="serving GPUs to emulate, e.g. 16xH100 (the dedicated pool beside them)")
+    g.add_argument("--model", default="7B", help="the serving model's size: 7B, 14B, 32B, 70B")
+    g.add_argument("--policy-model", default=None, help="the RL policy's size (default: the serving model's)")
+    g.add_argument("--dedicated-ratio", type=float, default=0.25, help="dedicated rollout GPUs per serving GPU")
+    g.add_argument("--demand", type=float, default=2.0, help="trajectories in flight, in multiples of what the dedicated executors run at once")
+    g.add_argument("--mode", choices=("sync", "async"), default="async", help="sync: one step of tasks at a time; async: one step ahead")
+    g.add_argument("--load", type=float, default=0.35, help="mean serving load, a fraction of the fleet's SLO capacity")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=4.0,
+        help="wall seconds per emulated second (shared/clock.py): a fleet too large for real time runs slower",
+    )
+    g.add_argument("--rollout-max-batch", type=int, default=32, help="sequences a rollout lane runs at once (the simulator's max_rollout_batch)")
+    g.add_argument(
+        "--workload",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the agentic workload's changes, e.g. '{\"gen_median\": 150}' (shared/workload.py RolloutSpec)",
+    )
+    g.add_argument("--until-steps", type=int, default=None, metavar="N", help="end a policy's window after N trainer steps (at most --duration)")
     b.set_defaults(func=_cmd_bench_e2e)
     b = bsub.add_parser(
         "sim",

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 TIME_SCALE_ENV = "ROSE_TIME_SCALE"
 
 
-def time_scale(env: dict[str, str] | None = None) -> float:
+def time_scale(env: Mapping[str, str] | None = None) -> float:
     """The scale from ``ROSE_TIME_SCALE`` (1 when unset); a ValueError names a bad value."""
     raw = (os.environ if env is None else env).get(TIME_SCALE_ENV, "").strip()
     if not raw:

@@ -280,6 +280,14 @@ def parse_fleet(text: str) -> tuple[int, DeviceSpec]:
     return n, spec
 
 
+def device_spec(name: str) -> DeviceSpec:
+    """``H100`` (any case) -> its DeviceSpec; a ValueError names the kinds."""
+    spec = next((d for k, d in DEVICES.items() if k.lower() == name.strip().lower()), None)
+    if spec is None:
+        raise ValueError(f"device {name!r}: choose one of {', '.join(DEVICES)}")
+    return spec
+
+
 def model_spec(name: str) -> ModelSpec:
     key = name.upper()
     if key not in MODELS:

@@ -32,6 +32,9 @@ class ServiceProcess:
     log_path: Path
     nice: int = 0  # OS priority offset; benches use it to keep stand-in "other hardware" off the serving CPUs
     cpus: frozenset[int] | None = None  # CPU set it (and its children) may run on: one core stands in for one device; None floats
+    args: tuple[str, ...] = ()  # after `rose run SERVICE` (an emulated executor group: `--emulate 8xH100:7B ...`)
+    # the instances it runs when they are several (an emulated executor group, services/executor/group.py); empty: `instance`
+    members: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
@@ -39,7 +42,7 @@ class ServiceProcess:
         env = {**os.environ, **self.env, "ROSE_RUNTIME__INSTANCE": self.instance}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rose.cli.main", "run", self.service],
+                [sys.executable, "-m", "rose.cli.main", "run", self.service, *self.args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -112,23 +115,31 @@ class ServiceProcess:
 
     async def wait_ready(self, bus: Bus, timeout: float) -> dict[str, str]:
         """Until this instance's heartbeat says 'ready'; returns its endpoints."""
+        return (await self.wait_members_ready(bus, timeout, (self.instance,)))[self.instance]
+
+    async def wait_members_ready(self, bus: Bus, timeout: float, members: tuple[str, ...] | None = None) -> dict[str, dict[str, str]]:
+        """Until every instance this process runs (``members``, else its own) says 'ready'; their endpoints by instance."""
         deadline = time.monotonic() + timeout
-        while True:
-            beat = await bus.kv_get(SERVICE_REGISTRY, service=self.service, instance=self.instance)
+        waiting = list(members or self.members or (self.instance,))
+        ready: dict[str, dict[str, str]] = {}
+        while waiting:
+            beat = await bus.kv_get(SERVICE_REGISTRY, service=self.service, instance=waiting[0])
             if beat is not None and beat.state == "ready" and beat.pid == self.pid:
-                return dict(beat.endpoints)
+                ready[waiting.pop(0)] = dict(beat.endpoints)
+                continue
             if not self.alive():
                 raise RuntimeError(f"{self.service} {self.instance} exited:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.service} {self.instance} not ready in {timeout:.0f}s:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.service} {waiting[0]} not ready in {timeout:.0f}s:\n{self.log_tail()}")
             await asyncio.sleep(0.2)
+        return ready
 
 
 async def start_all(bus: Bus, procs: list[ServiceProcess], timeout: float) -> None:
     """Start every process at once and wait until all are ready."""
     for p in procs:
         p.start()
-    await asyncio.gather(*(p.wait_ready(bus, timeout) for p in procs))
+    await asyncio.gather(*(p.wait_members_ready(bus, timeout) for p in procs))
 
 
 def stop_all(procs: list[ServiceProcess]) -> None:

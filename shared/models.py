@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,7 +294,18 @@ def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: M
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Load any local HF-format Qwen2 or Llama causal LM, in eval mode, without downloading."""
+    """Load any local HF-format Qwen2 or Llama causal LM, in eval mode, without downloading.
+
+    One load at a time per process: transformers builds a model on the meta device through process-wide
+    patches of torch, so two threads loading at once (the executors of an emulated group) broke each other."""
+    with _LOAD_LOCK:
+        return _load_model(directory, device, dtype)
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def _load_model(directory: str | Path, device: str | torch.device, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet_transformers()

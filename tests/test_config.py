@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import msgspec
 import pytest
 
@@ -60,3 +62,34 @@ def test_a_service_with_a_bad_value_stops_at_start_naming_the_field():
     proc = subprocess.run([sys.executable, "-m", "rose.cli.main", "run", "executor"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "engine.quantum_ms" in proc.stderr and "ROSE_ENGINE__QUANTUM_MS" in proc.stderr and "> 0" in proc.stderr
+
+
+def test_a_time_scale_scales_every_duration_setting_of_every_service_and_nothing_else():
+    """Emulated time (shared/clock.py): with ROSE_TIME_SCALE=4 every *_s / *_ms setting of every service is 4x,
+    nested tables too, and no other setting moves; a bad scale is refused naming the variable."""
+    from rose.shared.clock import is_duration
+
+    def leaves(config, prefix=""):
+        for f in msgspec.structs.fields(config):
+            value = getattr(config, f.name)
+            if isinstance(value, msgspec.Struct):
+                yield from leaves(value, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+    services = ("executor", "slo_monitor", "scheduler", "rollout_worker", "weight_publisher", "trainer")
+    checked = 0
+    for name in services:
+        module = importlib.import_module(f"rose.services.{name}.config")
+        cls = next(v for k, v in vars(module).items() if k.endswith("Config") and getattr(v, "__module__", "") == module.__name__)
+        plain, scaled = dict(leaves(load_config(cls, env={}))), dict(leaves(load_config(cls, env={"ROSE_TIME_SCALE": "4"})))
+        for path, value in plain.items():
+            if is_duration(path.rsplit(".", 1)[-1]):
+                assert isinstance(value, float), f"{name}.{path}: a duration setting must be a float, got {type(value).__name__}"
+                assert scaled[path] == pytest.approx(4.0 * value), f"{name}.{path}"
+                checked += 1
+            else:
+                assert scaled[path] == value, f"{name}.{path} is not a duration but changed under a time scale"
+    assert checked > 60
+    with pytest.raises(ConfigError, match="ROSE_TIME_SCALE"):
+        load_config(RuntimeConfig, env={"ROSE_TIME_SCALE": "fast"})

@@ -186,6 +186,7 @@ class EmulatedAccelerator:
         self._held = False
         self._serving_waiting = 0
         self._busy_s = 0.0  # device-busy seconds so far (all forwards, abandoned ones included)
+        self.planned_s = 0.0  # what the step model asked for, all forwards so far (the time the host should have matched)
         self.lag = _Lag()
 
     @property
@@ -197,6 +198,8 @@ class EmulatedAccelerator:
         safepoint (rollout only: it then ends at the next layer boundary)."""
         if seconds <= 0.0:
             return True
+        with self._cv:
+            self.planned_s += seconds
         if lane is WorkClass.SERVING:
             self._acquire_serving()
             try:

@@ -662,7 +662,7 @@ class Engine:
     @staticmethod
     def _warm_graphs(rt: _ClassRuntime) -> None:
         """CUDA: capture the lane's common decode graphs before its first request (cuda_graphs.py)."""
-        if getattr(rt.runner, "graphs", None) is not None:
+        if isinstance(rt.runner, PagedModelRunner) and rt.runner.graphs is not None:
             with rt.lane.run():
                 log.info("%s lane: %d CUDA graphs captured", rt.work_class.value, rt.runner.warm_cuda_graphs())
 

@@ -101,12 +101,25 @@ def group_configs(base: ExecutorConfig, fleet: EmulatedFleet, names: list[str]) 
     return configs
 
 
+def import_model_code() -> None:
+    """Import transformers' model classes once, before the executors load their models in threads at once:
+    its lazily loaded module raised ImportError when several threads imported it for the first time together
+    (the loads themselves take turns: shared.models.load_model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 async def run_group(configs: list[ExecutorConfig]) -> None:
     """Run every executor on this loop until SIGTERM / SIGINT, which drains them all."""
+    import_model_code()
     runtimes: list[ServiceRuntime] = []
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for rt in runtimes:
+            rt.request_shutdown()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: [rt.request_shutdown() for rt in runtimes])
+        loop.add_signal_handler(sig, stop_all)
     await asyncio.gather(*(run(config, on_runtime=runtimes.append) for config in configs))
 
 

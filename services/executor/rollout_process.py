@@ -505,11 +505,11 @@ def shared_memory_shortfall(model: torch.nn.Module, pool: KVPool) -> int:
     return max(0, need + SHM_HEADROOM_BYTES - st.f_bavail * st.f_frsize)
 
 
-def child_pid(runner: PagedModelRunner) -> int | None:
+def child_pid(runner: object) -> int | None:
     """The pid of a runner's forward process (None for a runner in this process)."""
     return runner.child_pid if isinstance(runner, ProcessRunner) else None
 
 
-def child_rss_bytes(runner: PagedModelRunner) -> int:
+def child_rss_bytes(runner: object) -> int:
     """Resident memory of a runner's forward process (0 for a runner in this process)."""
     return runner.child_rss_bytes() if isinstance(runner, ProcessRunner) else 0

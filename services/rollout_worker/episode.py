@@ -16,6 +16,7 @@ import time
 
 from rose.contracts.registry import TRAJECTORY, TURN_CHECKPOINT
 from rose.contracts.rollout import RolloutTask, Trajectory, TrajectoryStatus, TurnCheckpoint, TurnRecord
+from rose.shared.agentic.env_emulated import TURN_BUDGETS_ARG
 from rose.shared.agentic.envs import ENVIRONMENTS, Environment
 from rose.shared.agentic.tools import EnvironmentFailure
 from rose.shared.bus import Bus, Delivery
@@ -28,6 +29,19 @@ log = logging.getLogger(__name__)
 def trajectory_id_of(task: RolloutTask) -> str:
     """One trajectory per task, with a stable id: the de-duplication key downstream."""
     return f"{task.task_id}-traj"[:128]
+
+
+def turn_budget(task: RolloutTask, turn_index: int, default: int) -> int:
+    """A turn's max_tokens: the task's own for this turn (``env_args["max_tokens_by_turn"]``, comma-separated:
+    the emulated job's workload), else the task's (``env_args["max_tokens"]``), else the worker's."""
+    by_turn = task.env_args.get(TURN_BUDGETS_ARG, "")
+    try:
+        budgets = [int(x) for x in by_turn.split(",") if x.strip()]
+        if turn_index < len(budgets) and budgets[turn_index] > 0:
+            return budgets[turn_index]
+        return int(task.env_args.get("max_tokens", default))
+    except ValueError as exc:
+        raise EnvironmentFailure(f"task {task.task_id}: env_args max_tokens / {TURN_BUDGETS_ARG} must be integers: {exc}") from exc
 
 
 def seed_of(task: RolloutTask, turn_index: int) -> int:
@@ -75,13 +89,15 @@ class EpisodeRunner:
                 record, done, reward = checkpoint.turn, checkpoint.done, checkpoint.reward
                 self.stats["resumed_turns"] += 1
             else:
-                max_tokens = int(task.env_args.get("max_tokens", self.max_tokens))
+                max_tokens = turn_budget(task, index, self.max_tokens)
                 spec = TurnSpec(task, tid, index, list(context), previous, max_tokens, self.stop_token_ids, seed_of(task, index))
                 record = await self.runner.run(spec)
                 record.text = self.tokenizer.decode(record.token_ids, skip_special_tokens=True)
                 # in a thread: a tool (the code sandbox) may block for seconds, the turns of other tasks go on
                 step = await asyncio.to_thread(env.step, task, index, record.text, record.finish_reason, [t.finish_reason for t in turns])
                 record.observation, record.tool_calls, done, reward = step.observation, step.tool_calls, step.done, step.reward
+                if step.latency_s > 0:
+                    await asyncio.sleep(step.latency_s)  # an external tool's latency (the emulated job's), no thread held
                 await self.bus.kv_put(
                     TURN_CHECKPOINT,
                     TurnCheckpoint(task_id=task.task_id, trajectory_id=tid, turn=record, done=done, reward=reward),

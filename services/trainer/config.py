@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+from rose.shared.devices import TRAIN_MFU, device_spec, model_spec
 from rose.shared.models import PolicyModelRef
+from rose.shared.workload import RolloutSpec
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -56,6 +59,8 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: Literal["affinity", "random"] = "affinity"
     max_operand: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 99  # arithmetic difficulty (operands 0..N)
     problems: NonNegInt = 0  # 0: a fresh problem for every group; N: cycle through a fixed set of N (a prompt dataset, in epochs)
+    # the emulated job's workload (env "emulated", shared/workload.py RolloutSpec fields that differ from its defaults)
+    workload: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from rose.shared.agentic.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs
@@ -63,6 +68,36 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         unknown = [name for name in self.envs if name not in tool_env_names()]
         if unknown or not self.envs:
             raise ValueError(f"tasks.envs must name tool environments ({', '.join(tool_env_names())}), not {unknown or 'nothing'}")
+        self.rollout_spec()  # raises, naming the field, on an unknown one
+
+    def rollout_spec(self) -> RolloutSpec:
+        """The emulated job's workload: the defaults with `workload`'s fields."""
+        fields = {f.name: f.type for f in dataclasses.fields(RolloutSpec)}
+        bad = sorted(set(self.workload) - set(fields))
+        if bad:
+            raise ValueError(f"tasks.workload: unknown fields {bad}; known: {sorted(fields)}")
+        changes: dict[str, Any] = {k: int(v) if fields[k] in (int, "int") else v for k, v in self.workload.items()}
+        return dataclasses.replace(RolloutSpec(), **changes)
+
+
+class EmulatedTraining(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An emulated training cluster, the trainer half of an emulated fleet (services/executor/emulated.py):
+    `device` set, each GRPO step's forward and backward are replaced by the time the step model gives for
+    the `model`'s FLOPs over the batch's tokens on `gpus` such GPUs (shared.devices.train_seconds, as the
+    simulator prices it, times the time scale), and a real sparse update of the stand-in policy, so every
+    version is a real delta on the wire. Groups, staleness, the ledger, early hand-out, checkpoints and
+    publishing stay the real ones. Empty `device`: real training."""
+
+    device: str = ""  # A100, H100, H200 (shared/devices.py); "": train the model for real
+    model: str = "7B"  # the policy's shape whose training is timed
+    gpus: Annotated[float, msgspec.Meta(gt=0.0)] = 8.0  # the trainer's GPUs (the simulator's trainer_gpu_ratio x its fleet)
+    mfu: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = TRAIN_MFU
+    changed_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.02  # of the stand-in's elements each step changes (anchors.md: 2-4 %)
+
+    def __post_init__(self) -> None:
+        if self.device:
+            device_spec(self.device)
+            model_spec(self.model)
 
 
 class PublishSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +127,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tasks: TasksSettings = msgspec.field(default_factory=TasksSettings)
     publish: PublishSettings = msgspec.field(default_factory=PublishSettings)
     checkpoint: CheckpointSettings = msgspec.field(default_factory=CheckpointSettings)
+    emulation: EmulatedTraining = msgspec.field(default_factory=EmulatedTraining)
     max_steps: NonNegInt = 0  # GRPO steps, then exit; 0: until stopped
     initial_version: NonNegInt = 0  # the version executors start with (the weights in models.dir)
     durable: str = "trainer"  # the trajectory stream consumer

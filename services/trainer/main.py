@@ -18,6 +18,7 @@ import torch
 
 from rose.shared.agentic import agentic_envs
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv
+from rose.shared.agentic.env_emulated import EmulatedAgentEnv
 from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.config import ConfigError
@@ -36,7 +37,12 @@ def tool_envs(tasks: TasksSettings) -> list[ToolEnv]:
     agentic_envs.register_agentic_envs()
     envs = []
     for name in tasks.envs:
-        env = ArithmeticEnv(tasks.max_operand) if name == ArithmeticEnv.name else ENVIRONMENTS.get(name)
+        if name == ArithmeticEnv.name:
+            env: object = ArithmeticEnv(tasks.max_operand)
+        elif name == EmulatedAgentEnv.name:
+            env = EmulatedAgentEnv(tasks.rollout_spec())
+        else:
+            env = ENVIRONMENTS.get(name)
         if not isinstance(env, ToolEnv):
             raise ConfigError(f"tasks.envs: {name!r} is not a tool environment; known: {agentic_envs.tool_env_names()}")
         envs.append(env)

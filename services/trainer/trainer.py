@@ -78,6 +78,7 @@ from .batch import pad
 from .capacity import RolloutCapacity
 from .checkpoint import CheckpointStore, TrainerState, default_dir, job_identity
 from .config import TrainerConfig
+from .emulated import EmulatedStep
 from .groups import GroupCollector
 from .grpo import grpo_step
 from .ledger import TRAJECTORY_MAX_DELIVER, AckLedger, group_id
@@ -114,6 +115,8 @@ class Trainer:
         self.warm_started = False  # this process ran the warm start
         self.emit_target = 0  # on resume: hand out the tasks of steps [emitted_steps, emit_target) again
         self.capacity = RolloutCapacity()  # the fleet's rollout queues (slo.headroom), for `early_hand_out`
+        # an emulated training cluster: the optimizer step is timed, not run (emulated.py)
+        self.emulated = EmulatedStep(model, config.emulation) if config.emulation.device else None
         self.handed_out_at = time.monotonic()  # the last emit: capacity reports before it do not count
 
     # ---- the three SDK calls -----------------------------------------------------------
@@ -347,6 +350,8 @@ class Trainer:
         return taken
 
     def _train(self, seqs) -> dict[str, float]:
+        if self.emulated is not None:
+            return self.emulated(seqs)
         mb = self.config.grpo.micro_batch
         batches = [pad(seqs[i : i + mb], self.tokens.pad_id) for i in range(0, len(seqs), mb)]
         g = self.config.grpo

@@ -1,4 +1,4 @@
-"""Register the tool-using environments (arithmetic, code, search QA) with the worker.
+"""Register the tool-using environments (arithmetic, code, search QA, the emulated job) with the worker.
 
 Importing this module adds them to `envs.ENVIRONMENTS`; the worker imports it at start.
 """
@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from .env_arithmetic import ArithmeticEnv
 from .env_code import CodeEnv
+from .env_emulated import EmulatedAgentEnv
 from .env_search_qa import SearchQAEnv
 from .envs import ENVIRONMENTS, register
 from .tool_env import ToolEnv
 
-TOOL_ENVS: tuple[type[ToolEnv], ...] = (ArithmeticEnv, CodeEnv, SearchQAEnv)
+TOOL_ENVS: tuple[type[ToolEnv], ...] = (ArithmeticEnv, CodeEnv, SearchQAEnv, EmulatedAgentEnv)
 
 
 def register_agentic_envs() -> None:

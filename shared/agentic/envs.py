@@ -40,6 +40,9 @@ class Step:
     done: bool
     reward: float = 0.0  # the episode's reward, meaningful when done
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # an external tool's latency the worker waits out before the next turn, holding no thread (the emulated job's
+    # tools, env_emulated.py; a tool that runs in `step` itself has already taken its time)
+    latency_s: float = 0.0
 
 
 class Environment(Protocol):

@@ -107,6 +107,35 @@ async def test_sampling_params(make_engine):
     assert eos is not None
 
 
+async def test_a_stream_interval_sends_fewer_deltas_with_the_same_tokens_and_text(make_engine):
+    """SGLang's --stream-interval: the first token goes out alone (TTFT is exact), then deltas of `stream_interval`
+    tokens; what they add up to is the unstreamed result, token for token and character for character."""
+    engine = make_engine("rose")
+    cls = WorkClass.SERVING
+    whole = await generate(engine, req(engine, "w", cls, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, stream=False))
+    h = engine.submit(req(engine, "i", cls, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, stream_interval=16))
+    deltas = [d async for d in h]
+    assert [len(d.token_ids) for d in deltas] == [1, 16, 16, 7]
+    assert sum((d.token_ids for d in deltas), ()) == whole.token_ids and "".join(d.text for d in deltas) == whole.text
+    with pytest.raises(InvalidRequest, match="stream_interval"):
+        engine.submit(req(engine, "z", cls, max_tokens=4, stream_interval=0))
+
+
+def test_the_fast_decoder_is_the_tokenizers_decode(loaded):
+    """The engine decodes with the Rust tokenizer directly (engine.text_decoder): the same text as transformers'
+    decode with skip_special_tokens, over random ids including special ones and partial UTF-8."""
+    import random
+
+    from rose.services.executor.engine import text_decoder
+
+    tokenizer = loaded["serving"][1]
+    decode = text_decoder(tokenizer)
+    rng = random.Random(0)
+    for n in (1, 2, 7, 50, 300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [

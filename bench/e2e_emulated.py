@@ -1,0 +1,380 @@
+"""`rose bench e2e --emulate 16xH100 --model 7B`: the policies through the real services on emulated GPUs,
+with the simulator on the same configuration beside them.
+
+Each policy runs the emulated fleet (bench/emulated.py) for the same emulated window and seed: serving
+traffic from the first second, the trainer from ``warmup_s`` on, until ``duration`` emulated seconds
+(or ``until_steps`` steps). The policies differ only as in `rose bench e2e` (bench/e2e.py POLICY_ENV).
+Then the simulator runs every policy on the same configuration, and the JSON holds both:
+
+- per policy, what `rose bench e2e` reports (RL steps per hour, rollout time per step, serving SLO
+  attainment, tokens on leases, trajectories lost, ...), all in emulated time;
+- ``emulation``: device, models, time scale, executors per process;
+- ``sim``: the simulator's figures per policy; ``sim_vs_real``: their ratios (real / sim);
+- ``fidelity`` per policy: ``forward_lag_p99`` (how late emulated forwards ended, in percent of their
+  planned time), the box's CPU utilization over the window, and ``starved``: whether the host kept up
+  (lag p99 <= 5 % and CPU <= 70 %), and by how much it did not.
+
+A live table shows each run as it goes; a PNG plots rollout tokens per second by executor role over time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from rose.contracts.executor import LatencySketch
+from rose.shared.bus import Bus
+from rose.shared.config import BusConfig
+from rose.shared.launch import start_all, stop_all
+from rose.shared.models import init_models, load_tokenizer
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
+from rose.shared.security import OPERATOR, init_credentials
+from rose.shared.sketch import from_contract, new_sketch
+from rose.sim.engine import simulate
+
+from .demo import DEMO_POLICY, Observed, observe, summarize
+from .e2e import DRAINS_LENT, POLICIES, POLICY_ENV, Extra, _fmt, _ratio, policy_figures, run_ratios
+from .emulated import DEDICATED_PREFIX, SERVING_PREFIX, EmulatedJob, drive_serving, fleet_processes, rescale, serving_requests, trainer_process
+from .fleet import FleetSpec
+
+START_TIMEOUT_S = 300.0  # wall: twenty executors load their models in one process
+LAG_P99_TARGET = 5.0  # percent of a forward: the emulation kept up (issue 44's fidelity bar)
+CPU_TARGET = 0.70  # the box's CPU over the window: headroom left for the host's own jitter
+SIM_FIGURES = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_on_serving_fraction", "staleness_mean")
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole box since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
+
+
+def lag_p99(snapshots: list[dict], start: float, end: float) -> float | None:
+    """p99 lateness of the emulated forwards between ``start`` and ``end`` (executors' own clocks), percent."""
+    merged = new_sketch()
+    for s in snapshots:
+        lag = s.get("forward_lag")
+        if isinstance(lag, LatencySketch) and lag.count and start <= s["at"] <= end:
+            merged.merge(from_contract(lag))
+    p99 = merged.get_quantile_value(0.99) if merged.count else None
+    return None if p99 is None else float(p99)
+
+
+def fidelity(snapshots: list[dict], start: float, end: float, cpu: float) -> dict:
+    lag = lag_p99(snapshots, start, end)
+    short = [f"forward lag p99 {lag:.1f} % > {LAG_P99_TARGET:g} %"] if lag is not None and lag > LAG_P99_TARGET else []
+    short += [f"CPU {cpu:.0%} > {CPU_TARGET:.0%}"] if cpu > CPU_TARGET else []
+    return {"forward_lag_p99_percent": lag, "cpu_utilization": cpu, "starved": bool(short), "starved_by": "; ".join(short)}
+
+
+def rescale_snapshots(snapshots: list[dict], t0: float, scale: float) -> list[dict]:
+    """Executor metrics in emulated time: instants and intervals over ``scale``, rates and TPOT accordingly."""
+    return [
+        {
+            **s,
+            "at": t0 + (s["at"] - t0) / scale,
+            "interval_s": s["interval_s"] / scale,
+            "tpot_ms": s["tpot_ms"] / scale if s["tpot_ms"] is not None else None,
+            "rollout_tokens_per_s": s["rollout_tokens_per_s"] * scale,
+        }
+        for s in snapshots
+    ]
+
+
+def live_view(policy: str, job: EmulatedJob, obs: Observed, elapsed_wall: float, phase: str, cpu: float | None) -> Group:
+    k = job.time_scale
+    now = time.time()
+    recent = [u for t in list(obs.trajectories.values()) for u in t.turns if u.finished_at >= now - 10.0 * k]
+    by_role = {"serving": 0, "dedicated": 0}
+    for u in recent:
+        by_role["serving" if SERVING_PREFIX in u.executor_id else "dedicated"] += len(u.token_ids)
+    held = {}
+    for _, ex, kind in sorted(obs.lease_events):
+        held[ex] = kind in ("granted", "renewed")
+    table = Table(title=f"rose bench e2e --emulate · {policy} · {phase} · {elapsed_wall / k:.0f} emulated s (x{k:g} slower than real time)")
+    for col in ("RL steps", "reward", "rollout tok/s serving | dedicated", "serving leases held", "SLO attainment", "trajectories back", "CPU"):
+        table.add_column(col, justify="right")
+    att = obs.serving.attainment(FleetSpec(slo_ttft_ms=job.slo_ttft_ms * k, slo_tpot_ms=job.slo_tpot_ms * k))
+    table.add_row(
+        str(len(obs.steps)),
+        _fmt(obs.steps[-1].reward_mean if obs.steps else None),
+        f"{by_role['serving'] / 10:.0f} | {by_role['dedicated'] / 10:.0f}",
+        str(sum(1 for ex, h in held.items() if h and SERVING_PREFIX in ex)),
+        _fmt(att, ".3f"),
+        f"{len(obs.published & set(obs.trajectories))}/{len(obs.published)}",
+        "-" if cpu is None else f"{cpu:.0%}",
+    )
+    return Group(table)
+
+
+async def run_policy(
+    job: EmulatedJob, policy: str, root: Path, models: Path, duration_s: float, console: Console, until_steps: int | None, drain_s: float
+) -> dict:
+    """One policy's run; its figures (emulated time), fidelity and where its logs are. After the window the trainer
+    stops and the run waits up to ``drain_s`` (wall) for every trajectory handed out: one still missing is lost."""
+    k = job.time_scale
+    state = root / policy / "state"
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sim = job.sizing()
+    serving = [f"{SERVING_PREFIX}-{i}" for i in range(sim.n_serv)]
+    dedicated = [f"{DEDICATED_PREFIX}-{i}" for i in range(sim.n_ded)]
+    creds = init_credentials(state / "security", instances={"executor": serving + dedicated})
+    server = NatsServer(state / "nats", log_file=logs / "nats-server.log", extra_config=creds.server_config()).start()
+    bus = Bus(
+        BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance="emu"
+    )
+    await bus.connect()
+    await provision(bus.js)
+    obs, extra = Observed(), Extra(policy in DRAINS_LENT)
+    await observe(bus, obs)
+    await extra.subscribe(bus, obs)
+    env = POLICY_ENV[policy]
+    in_flight = job.in_flight()
+    procs = fleet_processes(logs, server.url, models, creds, job, env, in_flight)
+    trainer = trainer_process(logs, server.url, models, creds, job, state)
+    everything = [*procs.values(), trainer]
+    tokenizer = load_tokenizer(models / "serving")
+    try:
+        console.print(f"{policy}: starting {len(serving)} serving and {len(dedicated)} dedicated emulated executors and the services ...")
+        started = time.monotonic()
+        await start_all(bus, list(procs.values()), START_TIMEOUT_S)
+        endpoints = await procs[SERVING_PREFIX].wait_members_ready(bus, 10.0)
+        urls = {name: e["http"] for name, e in endpoints.items()}
+        console.print(f"fleet ready in {time.monotonic() - started:.0f} s")
+        requests = serving_requests(job, job.warmup_s + duration_s + 600.0)
+        t0, t0_mono = time.time(), time.monotonic()
+        cpu0 = cpu_times()
+        driver = asyncio.ensure_future(drive_serving(requests, urls, extra.drained, obs.serving, t0_mono, k, tokenizer, job.seed))
+        cpu_now: float | None = None
+        last_cpu = cpu0
+        with Live(live_view(policy, job, obs, 0.0, "warm-up", None), console=console, refresh_per_second=1, transient=False) as live:
+
+            async def wait_until(wall_s: float, phase: str, stop_at_steps: int | None = None) -> None:
+                nonlocal cpu_now, last_cpu
+                while time.monotonic() - t0_mono < wall_s and not (stop_at_steps and len(obs.steps) >= stop_at_steps):
+                    await asyncio.sleep(1.0)
+                    busy, total = cpu_times()
+                    cpu_now = (busy - last_cpu[0]) / max(1.0, total - last_cpu[1])
+                    last_cpu = (busy, total)
+                    live.update(live_view(policy, job, obs, time.monotonic() - t0_mono, phase, cpu_now))
+                    if trainer.process is not None and not trainer.alive():
+                        return
+
+            await wait_until(job.warmup_s * k, "warm-up")
+            await start_all(bus, [trainer], START_TIMEOUT_S)
+            trained_from = time.monotonic() - t0_mono  # the window runs from the trainer's start, whatever it took to start
+            await wait_until(trained_from + duration_s * k, "training", until_steps)
+            window_end = time.time()
+            busy, total = cpu_times()
+            cpu = (busy - cpu0[0]) / max(1.0, total - cpu0[1])
+            ended_early = not trainer.alive()
+            await asyncio.to_thread(trainer.stop)  # no new tasks; those handed out must still come back
+            del requests[next((i for i, r in enumerate(requests) if r.at_s * k > time.monotonic() - t0_mono), len(requests)) :]
+            deadline = time.monotonic() + drain_s
+            while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                live.update(live_view(policy, job, obs, time.monotonic() - t0_mono, "draining", cpu_now))
+            await driver
+        await asyncio.sleep(2.0)  # the last events in flight
+        eobs = rescale(obs, t0, k)
+        extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
+        executors = {name: "serving" for name in serving} | {name: "dedicated" for name in dedicated}
+        end = t0 + (window_end - t0) / k
+        params = {
+            "seed": job.seed,
+            "duration_s": duration_s,
+            "job": {"trainer": {key: value for key, value in trainer.env.items() if key.startswith(("ROSE_GRPO", "ROSE_TASKS", "ROSE_EMULATION"))}},
+            "trainer_ended_early": ended_early,
+        }
+        summary = summarize(eobs, executors, t0 + job.warmup_s, end, params, FleetSpec(slo_ttft_ms=job.slo_ttft_ms, slo_tpot_ms=job.slo_tpot_ms))
+        figures = policy_figures(summary, eobs, extra)
+        figures["fidelity"] = fidelity(extra.snapshots, t0, end, cpu)
+        figures["trainer_ended_early"] = ended_early
+        if ended_early:
+            figures["trainer_log_tail"] = trainer.log_tail(1500)
+        figures["report"] = str(root / policy)
+        figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
+        return figures
+    finally:
+        await asyncio.to_thread(stop_all, everything)
+        await bus.close()
+        server.stop()
+
+
+def tokens_by_role(obs: Observed, t0: float, end: float, width: float = 5.0) -> dict:
+    """Rollout tokens per second by executor role, in ``width``-second bins of emulated time (the PNG's data)."""
+    bins = max(1, int((end - t0) / width) + 1)
+    series: dict[str, list[float]] = {"serving": [0.0] * bins, "dedicated": [0.0] * bins}
+    for t in obs.trajectories.values():
+        for u in t.turns:
+            i = int((u.finished_at - t0) / width)
+            if 0 <= i < bins:
+                series["serving" if SERVING_PREFIX in u.executor_id else "dedicated"][i] += len(u.token_ids) / width
+    return {"bin_s": width, **series}
+
+
+def sim_figures(job: EmulatedJob, policy: str, steps: int) -> dict:
+    r = simulate(job.sim_config(policy, steps=max(3, steps)))
+    return {key: r.get(key) for key in SIM_FIGURES} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
+
+
+def run_emulated_e2e(
+    *,
+    out_json: str,
+    job: EmulatedJob,
+    policies: list[str] | None = None,
+    duration_s: float = 120.0,
+    until_steps: int | None = None,
+    model_dir: str | None = None,
+    console: Console | None = None,
+    drain_s: float | None = None,
+) -> dict:
+    console = console or Console()
+    drain = drain_s if drain_s is not None else max(60.0, 30.0 * job.time_scale)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a timeout stops the fleet, not orphans it
+    chosen = [p for p in POLICIES if p in (policies or ("static", "rose"))]
+    unknown = sorted(set(policies or ()) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    path = Path(out_json).resolve()
+    root = path.parent / f"{path.stem}-runs"
+    models = Path(model_dir).resolve() if model_dir else root / "models"
+    if not (models / "policy" / "config.json").exists():
+        console.print(f"building the local models (tokenizer, stand-in weights) under {models} ...")
+        init_models(models, 0, DEMO_POLICY)
+    sim = job.sizing()
+    result: dict = {
+        "emulation": {
+            "device": job.device,
+            "model": job.model,
+            "policy_model": job.policy,
+            "gpus": job.gpus,
+            "dedicated_gpus": job.dedicated_gpus,
+            "serving_instances": sim.n_serv,
+            "serving_tp": sim.tp_s,
+            "dedicated_instances": sim.n_ded,
+            "dedicated_tp": sim.tp_r,
+            "time_scale": job.time_scale,
+            "executors_per_process": {"serving": sim.n_serv, "dedicated": sim.n_ded},
+            "cpus": len(os.sched_getaffinity(0)),
+        },
+        "job": {
+            "mode": job.mode,
+            "demand": job.demand,
+            "dedicated_ratio": job.dedicated_ratio,
+            "load": job.load,
+            "seed": job.seed,
+            "trajectories_per_step": job.trajectories_per_step(),
+            "trajectories_in_flight": job.in_flight(),
+            "rollout_max_batch": job.rollout_max_batch,
+            "workload": job.workload,
+            "slo_ttft_ms": job.slo_ttft_ms,
+            "slo_tpot_ms": job.slo_tpot_ms,
+            "duration_s": duration_s,
+            "warmup_s": job.warmup_s,
+        },
+        "policies": {},
+        "sim": {},
+        "sim_vs_real": {},
+    }
+    for policy in chosen:
+        console.rule(f"[bold]{policy}[/bold]: {duration_s:.0f} emulated s on {job.gpus}x{job.device} ({job.model}), x{job.time_scale:g} slower")
+        started = time.monotonic()
+        figures = asyncio.run(run_policy(job, policy, root, models, duration_s, console, until_steps, drain))
+        figures["wall_s"] = time.monotonic() - started
+        result["policies"][policy] = figures
+        result["sim"][policy] = sim_figures(job, policy, int(figures.get("steps") or 0))
+        real, simulated = figures, result["sim"][policy]
+        result["sim_vs_real"][policy] = {key: _ratio(real.get(key), simulated.get(key)) for key in ("rl_steps_per_hour", "rollout_s_per_step")}
+    p = result["policies"]
+    result["speedup_vs_static"], result["rollout_time_ratio_vs_elastic"] = run_ratios(p)
+    result["sim_speedup_vs_static"] = _ratio(
+        result["sim"].get("rose", {}).get("rl_steps_per_hour"), result["sim"].get("static", {}).get("rl_steps_per_hour")
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(result, path.with_suffix(".png")))
+    path.write_text(json.dumps(result, indent=2, default=float))
+    print_table(result, console)
+    console.print(f"JSON: {path}; plot: {result['plot']}; per-policy logs under {root}")
+    return result
+
+
+def print_table(result: dict, console: Console) -> None:
+    e = result["emulation"]
+    table = Table(
+        title=f"rose bench e2e --emulate {e['gpus']}x{e['device']} --model {e['model']}: {result['job']['mode']}, demand "
+        f"{result['job']['demand']:g}, dedicated {result['job']['dedicated_ratio']:g} (emulated time, x{e['time_scale']:g} slower than real)"
+    )
+    for col in (
+        "policy",
+        "RL steps/h",
+        "x static",
+        "sim steps/h",
+        "real/sim",
+        "rollout s/step",
+        "SLO attainment",
+        "on serving",
+        "lost",
+        "lag p99",
+        "CPU",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    static = result["policies"].get("static", {})
+    for name, f in result["policies"].items():
+        fid = f["fidelity"]
+        table.add_row(
+            name,
+            _fmt(f["rl_steps_per_hour"], ".0f"),
+            _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
+            _fmt(result["sim"][name].get("rl_steps_per_hour"), ".0f"),
+            _fmt(result["sim_vs_real"][name]["rl_steps_per_hour"]),
+            _fmt(f["rollout_s_per_step"], ".1f"),
+            _fmt(f["serving_slo_attainment"], ".3f"),
+            _fmt(f["harvested_fraction"], ".0%"),
+            str(f["trajectories_lost"]),
+            "-" if fid["forward_lag_p99_percent"] is None else f"{fid['forward_lag_p99_percent']:.1f} %",
+            f"{fid['cpu_utilization']:.0%}" + (" starved" if fid["starved"] else ""),
+        )
+    console.print(table)
+    console.print(
+        f"rose vs static: {_fmt(result['speedup_vs_static'])}x RL steps/h (simulator on the same configuration: "
+        f"{_fmt(result['sim_speedup_vs_static'])}x); rose vs elastic_baseline: {_fmt(result['rollout_time_ratio_vs_elastic'])}x rollout time"
+    )
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = result["policies"]
+    fig, axes = plt.subplots(len(p), 1, figsize=(11, 2.8 * len(p)), sharex=True, squeeze=False)
+    for ax, (name, f) in zip(axes[:, 0], p.items()):
+        data = f["tokens_by_role_over_time"]
+        x = np.arange(len(data["serving"])) * data["bin_s"]
+        ax.stackplot(x, data["dedicated"], data["serving"], labels=["dedicated executors", "serving executors (leases)"], alpha=0.8)
+        ax.set_ylabel(f"{name}\nrollout tok/s")
+        ax.legend(loc="upper left", fontsize=7)
+    axes[-1, 0].set_xlabel("emulated seconds since the serving trace began (the trainer starts after the warm-up)")
+    e = result["emulation"]
+    fig.suptitle(
+        f"rollout tokens by executor role, {e['gpus']}x{e['device']} emulated ({e['model']}); rose/static {_fmt(result['speedup_vs_static'])}x"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,320 @@
+"""An emulated fleet of real services: 8-64 GPUs on this box, what `rose bench e2e --emulate` measures.
+
+The executors are emulated accelerators (services/executor/emulated.py), many to a process
+(`rose run executor --emulate 16xH100:7B`); everything else is the real thing as its own process on a
+real nats-server with per-service credentials: the SLO monitor, the scheduler, the weight publisher, a
+rollout worker and the GRPO trainer (whose optimizer step is timed, not run: services/trainer/emulated.py).
+The job is the simulator's agentic workload (shared/workload.py, played by shared/agentic/env_emulated.py)
+and the serving traffic is the simulator's trace for the same configuration (sim/traces.py), sent over the
+executors' OpenAI HTTP API. So the simulator can run the very same configuration beside it
+(``EmulatedJob.sim_config``), and where the two disagree one of them is wrong.
+
+Time: the fleet runs ``time_scale`` times slower than real time, every process reading the one scale
+(shared/clock.py); what is measured here in wall seconds is turned back into the fleet's seconds
+(``rescale``) before any figure is computed, so every figure is in emulated time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from rose.contracts.rollout import TurnRecord
+from rose.shared.agentic.env_emulated import WORDS
+from rose.shared.clock import TIME_SCALE_ENV
+from rose.shared.devices import model_spec
+from rose.shared.launch import ServiceProcess
+from rose.shared.security import Credentials
+from rose.shared.workload import RolloutSpec
+from rose.sim.engine import SimConfig, Simulation
+
+from .demo import Observed
+from .fleet import ServingLog, serve_one
+
+STREAM_INTERVAL = 16  # tokens per streamed chunk: TTFT stays exact, the host pays per chunk (http.stream_interval)
+SERVING_PREFIX, DEDICATED_PREFIX = "emu-serving", "emu-dedicated"
+GIB = float(2**30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedJob:
+    """One configuration, as both the running system and the simulator take it."""
+
+    gpus: int = 16  # serving GPUs (the simulator's `gpus`; the dedicated pool is `dedicated_ratio` x this, beside them)
+    device: str = "H100"
+    model: str = "7B"  # the serving model
+    policy_model: str = ""  # the RL policy (default: the serving model's size)
+    dedicated_ratio: float = 0.25
+    demand: float = 2.0  # trajectories in flight, in multiples of what the dedicated executors run at once
+    mode: str = "async"  # sync: one step of tasks at a time; async: one step handed out ahead (grpo.prefetch_steps 1)
+    seed: int = 0
+    load: float = 0.35  # mean serving load, a fraction of the fleet's SLO capacity (the simulator's trace)
+    time_scale: float = 4.0  # wall seconds per emulated second (shared/clock.py)
+    rollout_max_batch: int = 32  # sequences a rollout lane runs at once (engine.rollout_max_batch; the simulator's max_rollout_batch)
+    workload: dict[str, float] = field(default_factory=dict)  # RolloutSpec fields that differ from the defaults
+    slo_ttft_ms: float = 1000.0  # the simulator's defaults
+    slo_tpot_ms: float = 100.0
+    warmup_s: float = 10.0  # serving only before the trainer starts (emulated seconds)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode {self.mode!r}: sync or async")
+        if self.demand <= 0 or not 0 < self.dedicated_ratio <= 4:
+            raise ValueError("demand must be positive and dedicated_ratio in (0, 4]")
+        model_spec(self.model)
+        model_spec(self.policy_model or self.model)
+
+    @property
+    def policy(self) -> str:
+        return self.policy_model or self.model
+
+    @property
+    def dedicated_gpus(self) -> int:
+        return int(round(self.gpus * self.dedicated_ratio))
+
+    def spec(self) -> RolloutSpec:
+        return dataclasses.replace(RolloutSpec(), **self.workload)  # type: ignore[arg-type]
+
+    def sim_config(self, policy: str, steps: int = 3) -> SimConfig:
+        """This configuration for the simulator (``policy``: static, naive_share, elastic_baseline, rose)."""
+        return dataclasses.replace(self._fleet_config(policy, steps), trajectories=self.trajectories_per_step(), worker_concurrency=self.in_flight())
+
+    def _fleet_config(self, policy: str, steps: int = 3) -> SimConfig:
+        """The fleet and its traffic as the simulator takes them, before the job's size (which depends on the fleet)."""
+        return SimConfig(
+            model=self.model,
+            policy_model=self.policy_model or None,
+            device=self.device,
+            gpus=self.gpus,
+            policy=policy,
+            rollout_gpu_ratio=self.dedicated_ratio,
+            steps=steps,
+            seed=self.seed,
+            load=self.load,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
+            rollout=self.spec(),
+            warmup_s=self.warmup_s,
+            max_rollout_batch=self.rollout_max_batch,
+            prefetch_steps=0 if self.mode == "sync" else 1,
+        )
+
+    def sizing(self) -> Simulation:
+        """The fleet as the simulator sizes it: instances, memory split, the serving trace (nothing runs)."""
+        return Simulation(self._fleet_config("rose"))
+
+    def dedicated_instances(self) -> int:
+        return self.sizing().n_ded
+
+    def in_flight(self) -> int:
+        """Trajectories in flight: ``demand`` x what the dedicated executors run at once (the worker's concurrency)."""
+        sim = self.sizing()
+        return max(1, int(round(self.demand * sim.n_ded * self.rollout_max_batch)))
+
+    def trajectories_per_step(self, group_size: int = 8) -> int:
+        return max(group_size, math.ceil(self.in_flight() / group_size) * group_size)
+
+
+def process_env(job: EmulatedJob, url: str, models: Path) -> dict[str, str]:
+    """What every process of the fleet gets: the bus, the models, the one clock."""
+    return {
+        "NATS_URL": url,
+        "ROSE_MODELS__DIR": str(models),
+        "ROSE_RUNTIME__LOG_LEVEL": "WARNING",
+        "ROSE_RUNTIME__HEARTBEAT_INTERVAL_S": "1",
+        TIME_SCALE_ENV: f"{job.time_scale:g}",
+    }
+
+
+def executor_names(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(count)]
+
+
+def fleet_processes(
+    logs: Path, url: str, models: Path, creds: Credentials, job: EmulatedJob, policy_env: dict[str, dict[str, str]], in_flight: int
+) -> dict[str, ServiceProcess]:
+    """The fleet's processes (not started): two executor groups (serving, dedicated), the SLO monitor, the
+    scheduler and a rollout worker. ``policy_env`` adds settings per part, as `rose bench e2e` does."""
+    sim = job.sizing()
+    base = process_env(job, url, models)
+    fleet = f"{job.model}+{job.policy}"
+    executor = {
+        **base,
+        "ROSE_METRICS_INTERVAL_S": "1",
+        "ROSE_ENGINE__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
+        "ROSE_ENGINE__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
+        "ROSE_ENGINE__SERVING_MAX_BATCH": "256",  # the simulator's serving engine (sim/coserve.py MAX_SERVING_BATCH)
+        "ROSE_ENGINE__ROLLOUT_MAX_BATCH": str(job.rollout_max_batch),
+        "ROSE_HTTP__STREAM_INTERVAL": str(STREAM_INTERVAL),
+        "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.pool_tokens * sim.kvb_s / GIB:.6f}",
+    }
+    serving = executor_names(SERVING_PREFIX, sim.n_serv)
+    dedicated = executor_names(DEDICATED_PREFIX, sim.n_ded)
+    procs = {
+        SERVING_PREFIX: ServiceProcess(
+            "executor",
+            SERVING_PREFIX,
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.cohost_free_bytes, 2**20) / GIB:.6f}", **policy_env.get("serving", {})},
+            logs / "serving-executors.log",
+            args=("--emulate", f"{job.gpus}x{job.device}:{fleet}", "--role", "serving", "--instance-prefix", SERVING_PREFIX),
+            members=tuple(serving),
+        ),
+        DEDICATED_PREFIX: ServiceProcess(
+            "executor",
+            DEDICATED_PREFIX,
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.dedicated_kv / GIB:.6f}"},
+            logs / "dedicated-executors.log",
+            args=("--emulate", f"{job.dedicated_gpus}x{job.device}:{fleet}", "--role", "dedicated", "--instance-prefix", DEDICATED_PREFIX),
+            members=tuple(dedicated),
+        ),
+        "monitor": ServiceProcess(
+            "slo_monitor",
+            "emu-monitor",
+            {
+                **base,
+                "ROSE_HEADROOM__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
+                "ROSE_HEADROOM__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
+                "ROSE_HEADROOM__MAX_ROLLOUT_SLOTS": str(job.rollout_max_batch),
+                "ROSE_HEADROOM__MAX_LEND_KV_BYTES": str(int(max(0.0, sim.cohost_free_bytes))),
+            },
+            logs / "monitor.log",
+        ),
+        "scheduler": ServiceProcess("scheduler", "emu-scheduler", {**base, **policy_env.get("scheduler", {})}, logs / "scheduler.log"),
+        "worker": ServiceProcess(
+            "rollout_worker", "emu-worker", {**base, "ROSE_CONCURRENCY": str(in_flight), **policy_env.get("worker", {})}, logs / "worker.log"
+        ),
+        "publisher": ServiceProcess("weight_publisher", "emu-publisher", base, logs / "weight_publisher.log"),
+    }
+    for proc in procs.values():
+        # an executor group authenticates as its first member; group.py takes each member's own seed beside it
+        proc.env.update(creds.env(proc.service, proc.members[0] if proc.members else proc.instance))
+    return procs
+
+
+def trainer_process(logs: Path, url: str, models: Path, creds: Credentials, job: EmulatedJob, state: Path) -> ServiceProcess:
+    """The GRPO trainer of the emulated job: the simulator's workload, its optimizer step timed for the policy
+    on the simulator's trainer GPUs, no warm start (an emulated job learns nothing; it measures the system)."""
+    sim = job.sizing()
+    spec = job.spec()
+    env = {
+        **process_env(job, url, models),
+        "ROSE_RUN_ID": f"emu-{job.seed}",
+        "ROSE_TASKS__ENVS": '["emulated"]',
+        "ROSE_TASKS__SEED": str(job.seed),
+        "ROSE_TASKS__MAX_TURNS": str(spec.max_turns),
+        "ROSE_TASKS__WORKLOAD": json.dumps(job.workload),
+        "ROSE_SFT__STEPS": "0",
+        "ROSE_GRPO__GROUP_SIZE": str(spec.group_size),
+        "ROSE_GRPO__GROUPS_PER_STEP": str(job.trajectories_per_step(spec.group_size) // spec.group_size),
+        "ROSE_GRPO__PREFETCH_STEPS": "0" if job.mode == "sync" else "1",
+        "ROSE_GRPO__MAX_STALENESS": "2",
+        "ROSE_EMULATION__DEVICE": job.device,
+        "ROSE_EMULATION__MODEL": job.policy,
+        "ROSE_EMULATION__GPUS": f"{sim.trainer_gpus:g}",
+        "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"),
+        "ROSE_STATE_DIR": str(state),
+        **creds.env("trainer"),
+    }
+    return ServiceProcess("trainer", "emu-trainer", env, logs / "trainer.log")
+
+
+# ---- serving traffic ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    at_s: float  # emulated seconds from the trace's start
+    prompt_tokens: int
+    output_tokens: int
+
+
+def serving_requests(job: EmulatedJob, duration_s: float) -> list[Request]:
+    """The simulator's serving trace for this configuration, as requests: Poisson arrivals at the trace's fleet
+    rate of each second, request sizes from its log-normal sizes (sim/traces.py RequestSizes)."""
+    sim = job.sizing()
+    rng = np.random.default_rng([job.seed, 3])
+    out: list[Request] = []
+    for second in range(int(math.ceil(duration_s))):
+        n = int(rng.poisson(float(sim.fleet_rate[second % len(sim.fleet_rate)])))
+        if not n:
+            continue
+        prompts, outputs = sim.cfg.trace_shape.sizes.sample(rng, n)
+        for at, p, o in zip(np.sort(rng.uniform(second, second + 1, n)), prompts, outputs):
+            out.append(Request(float(at), int(p), int(o)))
+    return out
+
+
+def prompt_ids(tokenizer, n: int, rng: random.Random) -> list[int]:
+    """``n`` token ids of ordinary words (the emulated engine only counts them)."""
+    ids = [tokenizer.convert_tokens_to_ids("Ġ" + w) for w in WORDS]
+    ids = [i for i in ids if isinstance(i, int) and i >= 0] or [5]
+    return [rng.choice(ids) for _ in range(n)]
+
+
+async def drive_serving(
+    requests: list[Request], urls: dict[str, str], drained: set[str], log: ServingLog, t0_mono: float, scale: float, tokenizer, seed: int
+) -> None:
+    """Send the trace at 1/``scale`` of its rate, each request to a serving executor picked at random (the
+    simulator's Poisson split), never to one a load balancer drains (an elastic baseline's lent executor)."""
+    rng = random.Random(seed)
+    pending: set[asyncio.Task] = set()
+    names = sorted(urls)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)) as session:
+        for r in requests:
+            delay = t0_mono + r.at_s * scale - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            choices = [n for n in names if n not in drained] or names
+            target = rng.choice(choices)
+            task = asyncio.ensure_future(
+                serve_one(session, urls[target], target, prompt_ids(tokenizer, r.prompt_tokens, rng), r.output_tokens, log, 1.0)
+            )
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.wait(pending, timeout=120.0 * scale)
+
+
+# ---- from wall time to the fleet's time --------------------------------------------------
+
+
+def rescale(obs: Observed, t0: float, scale: float) -> Observed:
+    """``obs`` with every instant moved to ``t0 + (t - t0) / scale`` and every duration divided by ``scale``:
+    what the fleet saw, in its own (emulated) seconds."""
+    if scale == 1.0:
+        return obs
+
+    def at(t: float) -> float:
+        return t0 + (t - t0) / scale
+
+    def turn(u: TurnRecord) -> TurnRecord:
+        return msgspec.structs.replace(u, started_at=at(u.started_at), finished_at=at(u.finished_at))
+
+    out = Observed()
+    out.serving.requests = [{**r, "t": at(r["t"]), "ttft_ms": r["ttft_ms"] / scale, "tpot_ms": r["tpot_ms"] / scale} for r in obs.serving.requests]
+    out.serving.bursts = [(at(a), at(b), e) for a, b, e in obs.serving.bursts]
+    out.snapshots = [(at(t), e, q / scale, r, lease) for t, e, q, r, lease in obs.snapshots]
+    out.lease_events = [(at(t), e, k) for t, e, k in obs.lease_events]
+    out.alerts = [(at(t), e, s) for t, e, s in obs.alerts]
+    out.published = set(obs.published)
+    out.trajectories = {
+        k: msgspec.structs.replace(
+            t, finished_at=at(t.finished_at), created_at=at(t.created_at) if t.created_at else 0.0, turns=[turn(u) for u in t.turns]
+        )
+        for k, t in obs.trajectories.items()
+    }
+    out.manifests = dict(obs.manifests)
+    out.applied = dict(obs.applied)
+    out.steps = [msgspec.structs.replace(s, at=at(s.at), train_s=s.train_s / scale, publish_s=s.publish_s / scale) for s in obs.steps]
+    return out

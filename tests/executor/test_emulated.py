@@ -1,0 +1,166 @@
+"""The emulated accelerator (services/executor/emulated.py): the real engine, device time from the step model.
+
+What is checked is what the emulation promises, never a speed: forwards are priced by the simulator's own
+step model (the device's planned seconds add up to exactly the roofline of the batches the engine ran),
+pools are sized in the emulated device's memory, the generator honours lengths and never ends a turn
+itself, a serving forward goes before a long rollout one, and a fleet's settings keep their proportions
+under a time scale. A duration is only ever bounded from below (the host can be late, never early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rose.services.executor.config import EmulationSettings
+from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, default_memory, emulation_spec, instance_tp, parse_device
+from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
+from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
+
+SPEC_7B = EmulationSpec(
+    device="H100",
+    serving_model="7B",
+    policy_model="7B",
+    tp=1,
+    dedicated=False,
+    serving_kv_bytes=4 << 30,
+    rollout_kv_bytes=8 << 30,
+    quantum_s=0.01,
+)
+
+
+@pytest.fixture
+def emulated(loaded):
+    """Started emulated engines (7B on an H100), stopped at teardown."""
+    engines: list[Engine] = []
+
+    def build(spec: EmulationSpec = SPEC_7B, **config) -> Engine:
+        s_model, s_tok = loaded["serving"]
+        p_model, p_tok = loaded["policy"]
+        engine = Engine(s_model, s_tok, p_model, p_tok, EngineConfig(device="emulated:H100", emulation=spec, **config))
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        asyncio.run(engine.stop())
+
+
+def _request(rid: str, work_class: WorkClass, prompt: list[int], max_tokens: int, **kw) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid, work_class=work_class, prompt_token_ids=tuple(prompt), sampling=EngineSampling(max_tokens=max_tokens), **kw
+    )
+
+
+def test_pools_are_sized_in_the_emulated_devices_memory(emulated):
+    engine = emulated()
+    pool = engine.pool_for(WorkClass.ROLLOUT)
+    kv_per_token = MODELS["7B"].kv_bytes_per_token  # 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes
+    assert pool.block_bytes == kv_per_token * pool.block_size
+    assert pool.num_blocks == SPEC_7B.rollout_kv_bytes // pool.block_bytes
+    assert pool.k.numel() == 0 and pool.capacity_bytes > 8e9 - pool.block_bytes  # accounted, never allocated
+    telemetry = engine.device.telemetry()
+    assert telemetry.kind == "emulated" and telemetry.memory_total_bytes == DEVICES["H100"].hbm_bytes
+    assert telemetry.memory_used_bytes == int(2 * MODELS["7B"].weight_bytes + SPEC_7B.serving_kv_bytes + SPEC_7B.rollout_kv_bytes)
+
+
+async def test_a_request_takes_the_step_models_time_and_its_own_length(emulated):
+    """One serving request alone: its prefill chunks and decodes hold the device for exactly the roofline's
+    time of those batches (the planned seconds add up), so it cannot finish sooner; it ends at max_tokens."""
+    engine = emulated(serving_prefill_tokens=512)
+    roof = Roofline(DEVICES["H100"], MODELS["7B"], 1)
+    prompt = list(range(10, 1210))  # 1,200 tokens: prefill chunks of 512, 512, 176
+    started = time.monotonic()
+    result = await engine.submit(_request("s", WorkClass.SERVING, prompt, 50)).result()
+    took = time.monotonic() - started
+    assert result.finish_reason == "length" and len(result.token_ids) == 50
+    chunks = roof.forward_s([], [(512.0, 0.0)]) + roof.forward_s([], [(512.0, 512.0)]) + roof.forward_s([], [(176.0, 1024.0)])
+    decodes = sum(roof.forward_s([float(1200 + i)], []) for i in range(1, 50))
+    assert engine.device.accelerator.planned_s == pytest.approx(chunks + decodes, rel=1e-9)
+    assert took >= chunks + decodes
+
+
+async def test_the_generator_never_ends_a_turn_and_is_seeded(emulated, loaded):
+    engine = emulated()
+    engine.set_rollout_lease(SPEC_7B.rollout_kv_bytes, time.monotonic() + 3600)
+    tokenizer = loaded["policy"][1]
+    eos = tokenizer.eos_token_id
+    prompt = [5, 6, 7, 8]
+
+    def rollout(rid: str, seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=rid,
+            work_class=WorkClass.ROLLOUT,
+            prompt_token_ids=tuple(prompt),
+            sampling=EngineSampling(max_tokens=300, seed=seed, stop_token_ids=(eos, 11)),
+            trajectory_id=rid,
+            stream=False,
+        )
+
+    a, b, c = [await engine.submit(rollout(rid, seed)).result() for rid, seed in (("a", 1), ("b", 1), ("c", 2))]
+    assert len(a.token_ids) == 300 and a.finish_reason == "length"
+    assert not {eos, 11} & set(a.token_ids) and not set(tokenizer.all_special_ids) & set(a.token_ids)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids  # the seed, not the time, picks the tokens
+    assert all(lp <= 0.0 for lp in a.logprobs) and len(a.logprobs) == 300
+
+
+def test_a_serving_forward_goes_before_a_long_rollout_one():
+    """The device runs one forward at a time, serving first: a rollout forward of a second yields within its
+    quantum to a serving forward that asks, which finishes long before the rollout one does."""
+    device = EmulatedAccelerator(layers=28, quantum_s=0.01)
+    done: dict[str, float] = {}
+
+    def run(lane: WorkClass, seconds: float) -> None:
+        device.run(lane, seconds)
+        done[lane.value] = time.monotonic()
+
+    rollout = threading.Thread(target=run, args=(WorkClass.ROLLOUT, 1.0))
+    rollout.start()
+    time.sleep(0.05)
+    serving = threading.Thread(target=run, args=(WorkClass.SERVING, 0.01))
+    serving.start()
+    serving.join()
+    rollout.join()
+    assert done["serving"] < done["rollout"]
+    assert device.planned_s == pytest.approx(1.01)
+
+
+def test_an_abandoned_rollout_forward_stops_at_a_layer_boundary():
+    device = EmulatedAccelerator(layers=4, quantum_s=0.01)
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    started = time.monotonic()
+    assert device.run(WorkClass.ROLLOUT, 2.0, should_stop=stop.is_set) is False
+    assert time.monotonic() - started < 1.0  # abandoned at the layer in progress (0.5 s each), not run to its end
+
+
+def test_emulation_settings_are_checked_and_sized_as_the_simulator_sizes():
+    assert parse_device("emulated:h100") == "H100"
+    with pytest.raises(ValueError, match="emulated:A100"):
+        parse_device("emulated:B200")
+    assert instance_tp("H100", "70B", "70B", dedicated=False) == 8 and instance_tp("H100", "70B", "70B", dedicated=True) == 4
+    spec = emulation_spec("emulated:H100", EmulationSettings(model="7B"), dedicated=False, quantum_ms=10.0)
+    assert (spec.serving_kv_bytes, spec.rollout_kv_bytes) == default_memory("H100", "7B", "7B", 1, False)
+    sized = emulation_spec("emulated:H100", EmulationSettings(model="7B", rollout_kv_gib=20.0), dedicated=True, quantum_ms=10.0)
+    assert sized.rollout_kv_bytes == 20 << 30 and sized.dedicated
+    with pytest.raises(ValueError, match="choose one of"):
+        emulation_spec("emulated:H100", EmulationSettings(model="9B"), dedicated=False, quantum_ms=10.0)
+    with pytest.raises(ValueError, match="cannot hold the weights"):
+        default_memory("A100", "70B", "70B", 1, False)
+
+
+def test_a_new_version_arrives_as_the_simulator_prices_it(loaded):
+    """An emulated executor waits out the real model's delta over the link before a version goes live: the
+    simulator's sync_seconds (cross-cluster for a serving instance, the trainer's fabric for a dedicated one)."""
+    from rose.services.executor.device import EmulatedDevice
+
+    serving = EmulatedDevice(SPEC_7B)
+    dedicated = EmulatedDevice(EmulationSpec(**{**SPEC_7B.__dict__, "dedicated": True, "time_scale": 3.0}))
+    weights = MODELS["7B"].weight_bytes
+    assert serving.weight_transfer_s() == pytest.approx(sync_seconds(weights, "delta", SyncSpec(), cross_cluster=True))
+    assert dedicated.weight_transfer_s() == pytest.approx(3.0 * sync_seconds(weights, "delta", SyncSpec(), cross_cluster=False))

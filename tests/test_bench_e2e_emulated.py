@@ -1,0 +1,103 @@
+"""`rose bench e2e --emulate`: the real services on emulated GPUs, the simulator on the same configuration beside.
+
+The end-to-end run is a small fleet (three serving executors in one process, one dedicated one in
+another, the monitor, the scheduler, a worker, the publisher and the trainer, each its own process)
+running a tiny agentic job under static and rose: every JSON field the issue names is there, the
+simulator ran the same configuration, nothing is lost, and each policy's knob shows from outside
+(static lends nothing). No speed is asserted: figures belong to the full-length bench.
+The rescaling of wall time into the fleet's time is checked on made-up events.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from rose.bench.demo import Observed
+from rose.bench.e2e_emulated import run_emulated_e2e
+from rose.bench.emulated import EmulatedJob, rescale, serving_requests
+from rose.contracts.rollout import Trajectory, TurnRecord
+from rose.contracts.training import TrainingStep
+
+TINY_WORKLOAD = {
+    "turns_median": 2,
+    "max_turns": 3,
+    "gen_median": 24,
+    "gen_min": 8,
+    "gen_max": 48,
+    "tool_tokens_median": 20,
+    "tool_tokens_max": 64,
+    "tool_latency_median_s": 0.05,
+    "tool_latency_max_s": 0.2,
+    "prompt_median": 200,
+    "prompt_sigma": 0.1,
+    "max_context": 4096,
+}
+POLICY_FIELDS = (
+    "rl_steps_per_hour",
+    "rollout_s_per_step",
+    "serving_slo_attainment",
+    "rollout_tokens_per_s",
+    "trajectories_lost",
+    "harvested_fraction",
+    "leases_granted",
+    "fidelity",
+    "tokens_by_role_over_time",
+)
+
+
+def test_wall_time_becomes_the_fleets_time():
+    obs = Observed()
+    turn = TurnRecord(
+        turn_index=0, prompt_token_ids=[1], token_ids=[2], logprobs=[-1.0], policy_version=0, executor_id="e", started_at=104.0, finished_at=108.0
+    )
+    obs.trajectories["t"] = Trajectory(
+        task_id="t", trajectory_id="t-traj", env="emulated", status="completed", worker_id="w", turns=[turn], finished_at=112.0
+    )
+    obs.steps.append(
+        TrainingStep(
+            run_id="r", step=1, version=1, reward_mean=0.5, groups=1, trajectories=8, trained_sequences=8, train_s=8.0, publish_s=4.0, at=120.0
+        )
+    )
+    obs.serving.requests.append({"executor": "e", "t": 140.0, "ttft_ms": 400.0, "tpot_ms": 40.0, "ok": True})
+    obs.lease_events.append((116.0, "e", "granted"))
+    e = rescale(obs, t0=100.0, scale=4.0)
+    u = e.trajectories["t"].turns[0]
+    assert (u.started_at, u.finished_at, e.trajectories["t"].finished_at) == (101.0, 102.0, 103.0)
+    assert (e.steps[0].at, e.steps[0].train_s, e.steps[0].publish_s) == (105.0, 2.0, 1.0)
+    assert e.serving.requests[0] == {"executor": "e", "t": 110.0, "ttft_ms": 100.0, "tpot_ms": 10.0, "ok": True}
+    assert e.lease_events == [(104.0, "e", "granted")] and obs.steps[0].at == 120.0  # the original is untouched
+
+
+def test_the_serving_trace_is_the_simulators():
+    job = EmulatedJob(gpus=4, load=0.35, seed=3)
+    sim = job.sizing()
+    requests = serving_requests(job, 60.0)
+    assert len(requests) == pytest.approx(float(sim.fleet_rate[:60].sum()), rel=0.15)  # Poisson counts at the trace's rate
+    assert all(0 <= r.at_s < 60 and r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
+    assert requests == serving_requests(job, 60.0)  # seeded: every policy gets the same requests
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(tmp_path, models_dir):
+    job = EmulatedJob(gpus=3, dedicated_ratio=0.34, demand=1, load=0.1, time_scale=1.0, rollout_max_batch=8, workload=TINY_WORKLOAD, warmup_s=2.0)
+    out = tmp_path / "e2e.json"
+    run_emulated_e2e(out_json=str(out), job=job, policies=["static", "rose"], duration_s=40.0, until_steps=2, model_dir=str(models_dir), drain_s=30.0)
+    result = json.loads(out.read_text())
+    e = result["emulation"]
+    assert (e["device"], e["model"], e["time_scale"]) == ("H100", "7B", 1.0)
+    assert e["executors_per_process"] == {"serving": 3, "dedicated": 1}
+    for policy in ("static", "rose"):
+        f = result["policies"][policy]
+        assert all(field in f for field in POLICY_FIELDS), sorted(set(POLICY_FIELDS) - set(f))
+        assert f["steps"] >= 2 and f["rl_steps_per_hour"] > 0 and f["trajectories_lost"] == 0
+        assert set(f["fidelity"]) == {"forward_lag_p99_percent", "cpu_utilization", "starved", "starved_by"}
+        assert f["fidelity"]["forward_lag_p99_percent"] is not None  # the devices reported their lateness
+        assert result["sim"][policy]["rl_steps_per_hour"] > 0 and "rl_steps_per_hour" in result["sim_vs_real"][policy]
+    assert result["policies"]["static"]["rollout_tokens_on_serving"] == 0  # static never lends a serving executor
+    assert result["policies"]["static"]["rollout_tokens_by_executor"]  # the dedicated executor did the rollout
+    assert "speedup_vs_static" in result and (tmp_path / "e2e.png").stat().st_size > 0
+    assert msgspec.json.decode(out.read_bytes())  # plain JSON throughout
