@@ -37,6 +37,7 @@ from rose.shared.launch import ServiceProcess
 from rose.shared.security import Credentials
 from rose.shared.workload import RolloutSpec
 from rose.sim.engine import SimConfig, Simulation
+from rose.sim.traces import Requests, load_azure_csv, requests_to_trace
 
 from .demo import Observed
 from .fleet import ServingLog, serve_one
@@ -44,6 +45,23 @@ from .fleet import ServingLog, serve_one
 STREAM_INTERVAL = 16  # tokens per streamed chunk: TTFT stays exact, the host pays per chunk (http.stream_interval)
 SERVING_PREFIX, DEDICATED_PREFIX = "emu-serving", "emu-dedicated"
 GIB = float(2**30)
+
+
+# The emulated runs' default job: the simulator's workload (shared/workload.py: log-normal turns, tokens per turn,
+# tool output and latency, one prompt per group) at the scale a run of minutes on this box can finish steps of: turns
+# median 3 (5), tokens per turn median 150 (300), tool latency median 0.5 s (1.5 s), everything else as the
+# simulator's. The simulator runs the same job beside it; `--workload` changes it.
+BENCH_WORKLOAD: dict[str, float] = {
+    "turns_median": 3.0,
+    "max_turns": 10,
+    "gen_median": 150.0,
+    "gen_max": 1024,
+    "tool_tokens_median": 200.0,
+    "tool_tokens_max": 2048,
+    "tool_latency_median_s": 0.5,
+    "tool_latency_max_s": 10.0,
+    "prompt_median": 1000.0,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +79,11 @@ class EmulatedJob:
     load: float = 0.35  # mean serving load, a fraction of the fleet's SLO capacity (the simulator's trace)
     time_scale: float = 4.0  # wall seconds per emulated second (shared/clock.py)
     rollout_max_batch: int = 32  # sequences a rollout lane runs at once (engine.rollout_max_batch; the simulator's max_rollout_batch)
-    workload: dict[str, float] = field(default_factory=dict)  # RolloutSpec fields that differ from the defaults
+    workload: dict[str, float] = field(default_factory=lambda: dict(BENCH_WORKLOAD))  # RolloutSpec fields that differ from its defaults
     slo_ttft_ms: float = 1000.0  # the simulator's defaults
     slo_tpot_ms: float = 100.0
     warmup_s: float = 10.0  # serving only before the trainer starts (emulated seconds)
+    trace: str = ""  # an Azure-format serving trace to replay (sim/traces.py), instead of the synthetic one at `load`
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -107,7 +126,12 @@ class EmulatedJob:
             warmup_s=self.warmup_s,
             max_rollout_batch=self.rollout_max_batch,
             prefetch_steps=0 if self.mode == "sync" else 1,
+            trace=requests_to_trace(self.trace_requests()) if self.trace else None,
         )
+
+    def trace_requests(self) -> Requests:
+        """The replayed trace's requests (an Azure-format CSV; a bad file raises TraceError naming the line)."""
+        return load_azure_csv(self.trace)
 
     def sizing(self) -> Simulation:
         """The fleet as the simulator sizes it: instances, memory split, the serving trace (nothing runs)."""
@@ -140,16 +164,23 @@ def executor_names(prefix: str, count: int) -> list[str]:
     return [f"{prefix}-{i}" for i in range(count)]
 
 
-def fleet_processes(
-    logs: Path, url: str, models: Path, creds: Credentials, job: EmulatedJob, policy_env: dict[str, dict[str, str]], in_flight: int
-) -> dict[str, ServiceProcess]:
-    """The fleet's processes (not started): two executor groups (serving, dedicated), the SLO monitor, the
-    scheduler and a rollout worker. ``policy_env`` adds settings per part, as `rose bench e2e` does."""
+@dataclass(frozen=True)
+class ExecutorGroup:
+    """One process of emulated executors (`rose run executor --emulate ...`): its arguments, settings and members."""
+
+    name: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    members: tuple[str, ...]
+
+
+def executor_groups(job: EmulatedJob, serving_env: dict[str, str] | None = None) -> list[ExecutorGroup]:
+    """The fleet's executors as two groups, serving and dedicated, sized and set up as the simulator sizes
+    them (instances, serving pool, lendable KV, a dedicated instance's KV; shared/devices.py). The settings
+    name no bus or clock: the caller adds its own (``process_env``)."""
     sim = job.sizing()
-    base = process_env(job, url, models)
     fleet = f"{job.model}+{job.policy}"
     executor = {
-        **base,
         "ROSE_METRICS_INTERVAL_S": "1",
         "ROSE_ENGINE__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
         "ROSE_ENGINE__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
@@ -158,43 +189,51 @@ def fleet_processes(
         "ROSE_HTTP__STREAM_INTERVAL": str(STREAM_INTERVAL),
         "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.pool_tokens * sim.kvb_s / GIB:.6f}",
     }
-    serving = executor_names(SERVING_PREFIX, sim.n_serv)
-    dedicated = executor_names(DEDICATED_PREFIX, sim.n_ded)
-    procs = {
-        SERVING_PREFIX: ServiceProcess(
-            "executor",
+    serving = tuple(executor_names(SERVING_PREFIX, sim.n_serv))
+    dedicated = tuple(executor_names(DEDICATED_PREFIX, sim.n_ded))
+    return [
+        ExecutorGroup(
             SERVING_PREFIX,
-            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.cohost_free_bytes, 2**20) / GIB:.6f}", **policy_env.get("serving", {})},
-            logs / "serving-executors.log",
-            args=("--emulate", f"{job.gpus}x{job.device}:{fleet}", "--role", "serving", "--instance-prefix", SERVING_PREFIX),
-            members=tuple(serving),
+            ("--emulate", f"{job.gpus}x{job.device}:{fleet}", "--role", "serving", "--instance-prefix", SERVING_PREFIX),
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.cohost_free_bytes, 2**20) / GIB:.6f}", **(serving_env or {})},
+            serving,
         ),
-        DEDICATED_PREFIX: ServiceProcess(
-            "executor",
+        ExecutorGroup(
             DEDICATED_PREFIX,
+            ("--emulate", f"{job.dedicated_gpus}x{job.device}:{fleet}", "--role", "dedicated", "--instance-prefix", DEDICATED_PREFIX),
             {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.dedicated_kv / GIB:.6f}"},
-            logs / "dedicated-executors.log",
-            args=("--emulate", f"{job.dedicated_gpus}x{job.device}:{fleet}", "--role", "dedicated", "--instance-prefix", DEDICATED_PREFIX),
-            members=tuple(dedicated),
+            dedicated,
         ),
-        "monitor": ServiceProcess(
-            "slo_monitor",
-            "emu-monitor",
-            {
-                **base,
-                "ROSE_HEADROOM__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
-                "ROSE_HEADROOM__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
-                "ROSE_HEADROOM__MAX_ROLLOUT_SLOTS": str(job.rollout_max_batch),
-                "ROSE_HEADROOM__MAX_LEND_KV_BYTES": str(int(max(0.0, sim.cohost_free_bytes))),
-            },
-            logs / "monitor.log",
-        ),
-        "scheduler": ServiceProcess("scheduler", "emu-scheduler", {**base, **policy_env.get("scheduler", {})}, logs / "scheduler.log"),
-        "worker": ServiceProcess(
-            "rollout_worker", "emu-worker", {**base, "ROSE_CONCURRENCY": str(in_flight), **policy_env.get("worker", {})}, logs / "worker.log"
-        ),
-        "publisher": ServiceProcess("weight_publisher", "emu-publisher", base, logs / "weight_publisher.log"),
+    ]
+
+
+def monitor_env(job: EmulatedJob) -> dict[str, str]:
+    """The SLO monitor's settings for this fleet: the SLO, and the caps the simulator gives it (sim/policies.py monitor_settings)."""
+    sim = job.sizing()
+    return {
+        "ROSE_HEADROOM__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
+        "ROSE_HEADROOM__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
+        "ROSE_HEADROOM__MAX_ROLLOUT_SLOTS": str(job.rollout_max_batch),
+        "ROSE_HEADROOM__MAX_LEND_KV_BYTES": str(int(max(0.0, sim.cohost_free_bytes))),
     }
+
+
+def fleet_processes(
+    logs: Path, url: str, models: Path, creds: Credentials, job: EmulatedJob, policy_env: dict[str, dict[str, str]], in_flight: int
+) -> dict[str, ServiceProcess]:
+    """The fleet's processes (not started): two executor groups (serving, dedicated), the SLO monitor, the
+    scheduler and a rollout worker. ``policy_env`` adds settings per part, as `rose bench e2e` does."""
+    base = process_env(job, url, models)
+    procs = {
+        g.name: ServiceProcess("executor", g.name, {**base, **g.env}, logs / f"{g.name}.log", args=g.args, members=g.members)
+        for g in executor_groups(job, policy_env.get("serving"))
+    }
+    procs["monitor"] = ServiceProcess("slo_monitor", "emu-monitor", {**base, **monitor_env(job)}, logs / "monitor.log")
+    procs["scheduler"] = ServiceProcess("scheduler", "emu-scheduler", {**base, **policy_env.get("scheduler", {})}, logs / "scheduler.log")
+    procs["worker"] = ServiceProcess(
+        "rollout_worker", "emu-worker", {**base, "ROSE_CONCURRENCY": str(in_flight), **policy_env.get("worker", {})}, logs / "worker.log"
+    )
+    procs["publisher"] = ServiceProcess("weight_publisher", "emu-publisher", base, logs / "weight_publisher.log")
     for proc in procs.values():
         # an executor group authenticates as its first member; group.py takes each member's own seed beside it
         proc.env.update(creds.env(proc.service, proc.members[0] if proc.members else proc.instance))
@@ -239,8 +278,13 @@ class Request:
 
 
 def serving_requests(job: EmulatedJob, duration_s: float) -> list[Request]:
-    """The simulator's serving trace for this configuration, as requests: Poisson arrivals at the trace's fleet
-    rate of each second, request sizes from its log-normal sizes (sim/traces.py RequestSizes)."""
+    """The serving traffic: a replayed trace's own requests (``job.trace``), or the simulator's synthetic trace
+    for this configuration as requests, Poisson arrivals at the trace's fleet rate of each second with sizes
+    from its log-normal sizes (sim/traces.py RequestSizes)."""
+    if job.trace:
+        r = job.trace_requests()
+        keep = r.times_s < duration_s
+        return [Request(float(t), max(1, int(c)), max(1, int(g))) for t, c, g in zip(r.times_s[keep], r.context[keep], r.generated[keep])]
     sim = job.sizing()
     rng = np.random.default_rng([job.seed, 3])
     out: list[Request] = []

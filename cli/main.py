@@ -16,6 +16,7 @@ from .service_table import EMULATED_EXECUTORS_MODULE, ON_DEMAND_SERVICES, SERVIC
 
 E2E_JSON = "bench-out/e2e.json"
 EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
+EMULATED_DEMO_S = 60.0  # emulated seconds of `rose demo --emulate`
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -149,7 +150,7 @@ def _bench_e2e_emulated(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rose.bench.e2e_emulated import run_emulated_e2e
-    from rose.bench.emulated import EmulatedJob
+    from rose.bench.emulated import BENCH_WORKLOAD, EmulatedJob
     from rose.shared.devices import parse_fleet
 
     gpus, device = parse_fleet(args.emulate)
@@ -165,7 +166,8 @@ def _bench_e2e_emulated(args: argparse.Namespace) -> int:
         load=args.load,
         time_scale=args.time_scale,
         rollout_max_batch=args.rollout_max_batch,
-        workload=dict(args.workload or {}),
+        workload={**BENCH_WORKLOAD, **(args.workload or {})},
+        trace=args.trace or "",
     )
     result = run_emulated_e2e(
         out_json=args.json if args.json != E2E_JSON else "bench-out/e2e-emulated.json",
@@ -188,6 +190,8 @@ def _cmd_bench_faults(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.emulate:
+        return _demo_emulated(args)
     from rose.bench.demo import run_demo
 
     summary = run_demo(
@@ -201,6 +205,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         until_steps=args.until_steps,
     )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
+
+
+def _demo_emulated(args: argparse.Namespace) -> int:
+    """`rose demo --emulate 8xH100:7B [--trace CSV]`: a dry run of ROSE on emulated GPUs, rose only, the simulator beside."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from rose.bench.e2e_emulated import run_emulated_e2e
+    from rose.bench.emulated import EmulatedJob
+    from rose.services.executor.group import EmulatedFleet
+
+    fleet = EmulatedFleet.parse(args.emulate)
+    job = EmulatedJob(
+        gpus=fleet.gpus,
+        device=fleet.device,
+        model=fleet.serving_model,
+        policy_model=fleet.policy_model,
+        dedicated_ratio=args.dedicated_ratio,
+        seed=args.seed,
+        time_scale=args.time_scale,
+        trace=args.trace or "",
+    )
+    result = run_emulated_e2e(
+        out_json=str(Path(args.out) / "summary.json"),
+        job=job,
+        policies=["rose"],
+        duration_s=args.duration or EMULATED_DEMO_S,
+        until_steps=args.until_steps,
+        model_dir=args.models,
+        console=Console(),
+    )
+    return 0 if result["policies"]["rose"]["trajectories_lost"] == 0 else 1
 
 
 def _cmd_bench_weights(args: argparse.Namespace) -> int:
@@ -311,6 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--until-steps", type=int, default=None, metavar="N", help="end the run once the trainer has taken N GRPO steps (at most --duration)"
     )
+    g = p.add_argument_group("a dry run on emulated GPUs (bench/emulated.py): the real services, the simulator beside")
+    g.add_argument("--emulate", default=None, metavar="COUNTxKIND:MODEL[+POLICY]", help="e.g. 8xH100:7B (the demo's window: 60 emulated seconds)")
+    g.add_argument("--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes)")
+    g.add_argument("--dedicated-ratio", type=float, default=0.25, help="dedicated rollout GPUs per serving GPU")
+    g.add_argument("--time-scale", type=float, default=2.0, help="wall seconds per emulated second (shared/clock.py)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("up", help="start NATS (unless NATS_URL is set) and every service, supervised; Ctrl-C stops all")
@@ -318,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--services", nargs="*", default=None, help=f"which services to start (default: {sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))})"
     )
+    p.add_argument(
+        "--emulate",
+        default=None,
+        metavar="COUNTxKIND:MODEL[+POLICY]",
+        help="a dry run on emulated GPUs (services/executor/emulated.py): e.g. 8xH100:7B, serving executors and a dedicated pool beside them",
+    )
+    p.add_argument("--dedicated-ratio", type=float, default=0.25, help="with --emulate: dedicated rollout GPUs per serving GPU")
+    p.add_argument("--time-scale", type=float, default=1.0, help="with --emulate: wall seconds per emulated second (shared/clock.py)")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every service to report ready")
     p.add_argument(
         "--nats-cluster",
@@ -538,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help="the agentic workload's changes, e.g. '{\"gen_median\": 150}' (shared/workload.py RolloutSpec)",
+    )
+    g.add_argument(
+        "--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes) instead of the synthetic one"
     )
     g.add_argument("--until-steps", type=int, default=None, metavar="N", help="end a policy's window after N trainer steps (at most --duration)")
     b.set_defaults(func=_cmd_bench_e2e)

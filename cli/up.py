@@ -33,6 +33,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from rose.shared.clock import TIME_SCALE_ENV
 from rose.shared.config import ConfigError
 from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
 from rose.shared.provisioning import ProvisioningConflict
@@ -90,6 +91,41 @@ def instance_names(names: list[str]) -> dict[str, str]:
     return {name: given or re.sub(r"[^A-Za-z0-9_-]", "-", f"{name}-{socket.gethostname()}")[:128] for name in names if name in INSTANCE_TOKENS}
 
 
+def emulated_job(args: argparse.Namespace):
+    """`--emulate 8xH100:7B[+POLICY]` as the emulated fleet's job (bench/emulated.py), or None."""
+    spec = getattr(args, "emulate", None)
+    if not spec:
+        return None
+    from rose.bench.emulated import EmulatedJob
+    from rose.services.executor.group import EmulatedFleet
+
+    fleet = EmulatedFleet.parse(spec)
+    return EmulatedJob(
+        gpus=fleet.gpus,
+        device=fleet.device,
+        model=fleet.serving_model,
+        policy_model=fleet.policy_model,
+        dedicated_ratio=args.dedicated_ratio,
+        time_scale=args.time_scale,
+        trace=getattr(args, "trace", None) or "",
+    )
+
+
+def emulated_groups(args: argparse.Namespace) -> list:
+    """The executor groups of `--emulate` (serving, dedicated), sized as the simulator sizes the fleet; [] without it."""
+    from rose.bench.emulated import executor_groups
+
+    job = emulated_job(args)
+    return executor_groups(job) if job is not None else []
+
+
+def emulated_monitor_env(args: argparse.Namespace) -> dict[str, str]:
+    from rose.bench.emulated import monitor_env
+
+    job = emulated_job(args)
+    return monitor_env(job) if job is not None else {}
+
+
 def up(args: argparse.Namespace) -> int:
     console = Console()
     root = Path(args.state_dir).resolve() if args.state_dir else state_dir()
@@ -121,9 +157,13 @@ def up(args: argparse.Namespace) -> int:
     try:
         for service, name in instances.items():
             instance_user(service, name)
+        groups = emulated_groups(args) if "executor" in names else []
     except ValueError as exc:
-        console.print(f"[red]ROSE_RUNTIME__INSTANCE: {exc}[/red]")
+        console.print(f"[red]{exc}[/red]")
         return 2
+    declared = {service: [name] for service, name in instances.items()}
+    if groups:  # an emulated fleet: each executor of each group is an instance with a user of its own
+        declared["executor"] = [member for g in groups for member in g.members]
     if not nats_url and nodes > 1:  # its ports now: the route include (auth on) names them
         cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs")
     if not nats_url and not getattr(args, "no_auth", False):
@@ -131,7 +171,7 @@ def up(args: argparse.Namespace) -> int:
             getattr(args, "credentials", None) or root / "security",
             tls_hosts=["127.0.0.1", "localhost"] if tls else None,
             cluster_routes=cluster.route_addresses if cluster is not None else None,
-            instances={service: [name] for service, name in instances.items()},
+            instances=declared,
         )
         route_include = creds.cluster_include if cluster is not None else None  # written just now for this cluster's ports
     elif getattr(args, "credentials", None):  # an external server's: instance seeds are used where the directory has them
@@ -157,6 +197,8 @@ def up(args: argparse.Namespace) -> int:
     env = {**os.environ, "NATS_URL": nats_url, "ROSE_STATE_DIR": str(root)}
     if replicas is not None:
         env["ROSE_BUS__REPLICAS"] = str(replicas)
+    if groups:
+        env[TIME_SCALE_ENV] = f"{args.time_scale:g}"
     children = [
         Supervised(
             name,
@@ -166,9 +208,20 @@ def up(args: argparse.Namespace) -> int:
                 **env,
                 **({"ROSE_RUNTIME__INSTANCE": instances[name]} if name in instances else {}),
                 **(creds.env(name, instances.get(name), tls=tls) if creds else {}),
+                **(emulated_monitor_env(args) if groups and name == "slo_monitor" else {}),
             },
         )
         for name in names
+        if not (groups and name == "executor")
+    ]
+    children += [
+        Supervised(
+            g.name,
+            [sys.executable, "-m", "rose.cli.main", "run", "executor", *g.args],
+            root / "logs" / f"{g.name}.log",
+            {**env, **g.env, **(creds.env("executor", g.members[0], tls=tls) if creds else {})},
+        )
+        for g in groups
     ]
     (root / UP_FILE).write_text(
         json.dumps(
