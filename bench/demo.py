@@ -310,12 +310,15 @@ async def run_job(
         t0, t0_mono = time.time(), time.monotonic()
         trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
         driver = asyncio.ensure_future(drive_serving(trace, urls, drained if drained is not None else set(), SPEC, obs.serving, t0_mono, seed))
+        trainer_exit = ""  # why the trainer ended the job before the window did ("": it did not)
         with Live(live_view(obs, executors, 0, duration, "training", label), console=console, refresh_per_second=2, transient=False) as live:
             while time.monotonic() - t0_mono < duration and not (until_steps and len(obs.steps) >= until_steps):
                 await asyncio.sleep(0.5)
                 live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
-                if not procs["trainer"].alive():
-                    raise RuntimeError(f"the trainer exited:\n{procs['trainer'].log_tail()}")
+                if not procs["trainer"].alive():  # the job ended (e.g. degenerate rewards): the window ends with it, reported
+                    trainer_exit = exit_reason(procs["trainer"].log_tail(4000))
+                    console.print(f"[yellow]the trainer ended the job after {time.monotonic() - t0_mono:.0f} s: {trainer_exit}[/yellow]")
+                    break
             # the CPU sets the executors' process trees really had (fleet.tree_cpus: the rollout forward child included)
             devices_seen = {n: cpu_list(tree_cpus(procs[n].pid)) for n in executors if procs[n].alive()}
             await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
@@ -334,6 +337,7 @@ async def run_job(
             duration_s=duration,
             warm_start_s=warm_start_s,
             until_steps=until_steps,
+            trainer_exit=trainer_exit,
             serving_executors=serving_n,
             dedicated_executors=dedicated_n,
             job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
@@ -343,6 +347,13 @@ async def run_job(
         await asyncio.to_thread(stop_all, list(procs.values()))
         await bus.close()
         server.stop()
+
+
+def exit_reason(log_tail: str) -> str:
+    """Why a service ended, from its log's tail: its last ERROR line (else its last line)."""
+    lines = [line for line in log_tail.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if " ERROR " in line or "Error" in line]
+    return (errors or lines or ["(no log)"])[-1][-300:]
 
 
 def job_description(trainer: dict[str, str], overrides: dict[str, str] | None, devices: dict[str, str], *, pinned: bool) -> dict:

@@ -265,6 +265,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "reward_first": summary["training"]["reward_first"],
         "reward_last": summary["training"]["reward_last"],
         "trajectories_lost": summary["trajectories"]["lost"],
+        "trainer_exit": summary.get("trainer_exit", ""),  # the trainer ended the job before the window (why); "": it did not
         "trajectories_failed": summary["trajectories"]["failed"],
         "trajectories_published": summary["trajectories"]["published"],
         "serving_requests": summary["serving"]["requests"],
