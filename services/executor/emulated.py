@@ -188,18 +188,25 @@ class EmulatedAccelerator:
         self._busy_s = 0.0  # device-busy seconds so far (all forwards, abandoned ones included)
         self.planned_s = 0.0  # what the step model asked for, all forwards so far (the time the host should have matched)
         self.lag = _Lag()
+        # how late each lane's last forward ended: the host's wake-up jitter, which the lane's next forward makes up
+        # (the device's timeline stays on schedule instead of drifting by every late wake-up)
+        self.late_s: dict[WorkClass, float] = {}
 
     @property
     def busy_s(self) -> float:
         return self._busy_s
 
-    def run(self, lane: WorkClass, seconds: float, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Hold the device for ``seconds`` of its time; False when the engine abandoned the forward at a
-        safepoint (rollout only: it then ends at the next layer boundary)."""
+    def run(self, lane: WorkClass, seconds: float, should_stop: Callable[[], bool] | None = None, host_s: float = 0.0) -> bool:
+        """An iteration of ``seconds`` (the step model's): the host already spent ``host_s`` of it preparing the
+        forward, so the device is held for the rest. False when the engine abandoned the forward at a safepoint
+        (rollout only: it then ends at the next layer boundary)."""
         if seconds <= 0.0:
             return True
         with self._cv:
             self.planned_s += seconds
+        seconds = max(0.0, seconds - host_s)
+        if seconds <= 0.0:
+            return True
         if lane is WorkClass.SERVING:
             self._acquire_serving()
             try:
@@ -227,7 +234,9 @@ class EmulatedAccelerator:
     def _hold_until(self, end: float, planned_s: float) -> None:
         while (left := end - time.monotonic()) > 0:
             time.sleep(left)
-        self.lag.add(100.0 * (time.monotonic() - end) / planned_s)
+        late = time.monotonic() - end
+        self.late_s[WorkClass.SERVING] = late
+        self.lag.add(100.0 * late / planned_s)
 
     def _run_rollout(self, seconds: float, should_stop: Callable[[], bool] | None) -> bool:
         layer_s = seconds / self.layers
@@ -252,6 +261,7 @@ class EmulatedAccelerator:
         while True:
             now = time.monotonic()
             if now >= end:
+                self.late_s[WorkClass.ROLLOUT] = now - end
                 self.lag.add(100.0 * (now - end) / max(left + done, 1e-9))
                 return True
             if should_stop is not None and should_stop():
@@ -303,6 +313,7 @@ class EmulatedRunner:
     ) -> None:
         self.accelerator, self.steps, self.work_class, self.model, self.pool = accelerator, steps, work_class, model, pool
         self.time_scale = time_scale
+        self._last_end = 0.0  # monotonic end of this lane's last forward (the host's work since counts toward the next step)
         self.vocab_size = len(tokenizer)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 32768))
         self.max_positions = max(self.max_positions, 32768)  # the emulated model's context (Qwen2.5 and Llama 3.1: >= 32k)
@@ -320,7 +331,13 @@ class EmulatedRunner:
     ) -> tuple[list[int], list[float]] | None:
         decodes = [float(it.start + 1) for it in items if len(it.token_ids) == 1 and it.start > 0]
         chunks = [(float(len(it.token_ids)), float(it.start)) for it in items if not (len(it.token_ids) == 1 and it.start > 0)]
-        if not self.accelerator.run(self.work_class, self.steps.forward_s(decodes, chunks) * self.time_scale, should_stop):
+        # The step model's time is the whole iteration, its fixed cost being the engine's own host work (scheduling,
+        # sampling, launches): the real host work since this lane's last forward is counted against that allowance
+        host_s = min(max(0.0, time.monotonic() - self._last_end), self.steps.overhead_s * self.time_scale)
+        host_s += self.accelerator.late_s.pop(self.work_class, 0.0)  # the last forward's lateness is made up here, once
+        ran = self.accelerator.run(self.work_class, self.steps.forward_s(decodes, chunks) * self.time_scale, should_stop, host_s)
+        self._last_end = time.monotonic()
+        if not ran:
             return None
         tokens, logprobs = [], []
         for row, state in samples:
