@@ -379,9 +379,9 @@ async def http_engine_attacks(rows: Rows, scratch: Path, as_user: str) -> None:
     from rose.services.executor.config import SGLangApiSettings
     from rose.services.executor.engine import Engine
     from rose.services.executor.http_api import OpenAIApi
-    from rose.services.executor.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
     from rose.services.executor.sglang_api import SGLangApi
     from rose.services.executor.telemetry import Telemetry
+    from rose.shared.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
     from rose.shared.models import init_models
     from rose.shared.weight_layout import state_digest
 
@@ -429,7 +429,7 @@ async def quick_http_attacks(rows: Rows, as_user: str) -> None:
     """The quick run's head deadline check: the executor's runner class with a short deadline, serving a health route."""
     from aiohttp import web
 
-    from rose.services.executor.http_server import HardenedAppRunner
+    from rose.shared.http_server import HardenedAppRunner
 
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

@@ -29,11 +29,11 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
+from rose.shared.http_server import read_body
 from rose.shared.metrics import metrics_handler
 from rose.shared.tracing import tracer
 
 from .backend import CoServingEngine
-from .http_server import read_body
 from .outputs import RequestHandle
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, StreamDelta, TopLogprobs, WorkClass
 from .telemetry import Telemetry

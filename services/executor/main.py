@@ -19,6 +19,7 @@ from aiohttp import web
 from rose.contracts.registry import EXECUTOR_BURST, GENERATE
 from rose.contracts.slo import SloAlert
 from rose.shared.bus import Bus
+from rose.shared.http_server import HardenedAppRunner
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
@@ -29,7 +30,6 @@ from .burst_alerts import BurstTrip
 from .config import MIB, ExecutorConfig
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
-from .http_server import HardenedAppRunner
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
 from .rollout_api import RolloutApi
@@ -79,7 +79,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
 
 
 async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:
-    runner = HardenedAppRunner(api.app, access_log=None)  # a deadline on request heads (see http_server.py)
+    runner = HardenedAppRunner(api.app, access_log=None)  # a deadline on request heads (see shared/http_server.py)
     await runner.setup()
     site = web.TCPSite(runner, config.http.host, config.http.port)
     await site.start()

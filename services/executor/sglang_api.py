@@ -51,11 +51,12 @@ from aiohttp import web
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from rose.shared.http_server import read_body, same_secret
+
 from . import http_api
 from .config import SGLangApiSettings
 from .engine import Engine
 from .http_api import MODEL_CARDS, ApiError, _unicode
-from .http_server import read_body, same_secret
 from .outputs import RequestHandle
 from .policy_updates import PolicyUpdates
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, WorkClass

@@ -19,8 +19,7 @@ from rose.contracts.rollout import RolloutTask, Trajectory, TrajectoryStatus, Tu
 from rose.shared.agentic.envs import ENVIRONMENTS, Environment
 from rose.shared.agentic.tools import EnvironmentFailure
 from rose.shared.bus import Bus, Delivery
-
-from .turns import TurnRunner, TurnSpec
+from rose.shared.turns.runner import TurnRunner, TurnSpec
 
 log = logging.getLogger(__name__)
 
