@@ -56,6 +56,9 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: Literal["affinity", "random"] = "affinity"
     max_operand: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 99  # arithmetic difficulty (operands 0..N)
     problems: NonNegInt = 0  # 0: a fresh problem for every group; N: cycle through a fixed set of N (a prompt dataset, in epochs)
+    # hand the tasks to the rollout gateway's external agents (rollout.agent_task) instead of the rollout workers' environments;
+    # the environment still names the problem and the reward function (services/gateway/rewards.py)
+    agent: bool = False
 
     def __post_init__(self) -> None:
         from rose.shared.agentic.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs
