@@ -9,6 +9,7 @@ agent launcher): what these tests check is the gateway, not the policy.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class StandInFleet:
     fmt: ChatFormat
     requests: list[GenerateRequest] = field(default_factory=list)
     script: dict[str, list[str]] = field(default_factory=dict)  # task id -> completions to play instead of the expert's
+    delay_s: dict[str, float] = field(default_factory=dict)  # task id -> how long each of its turns takes
 
     async def start(self, bus: Bus) -> None:
         async def route(req: TurnRouteRequest, _d) -> TurnRoute:
@@ -66,6 +68,8 @@ class StandInFleet:
 
         async def generate(req: GenerateRequest, _d) -> GenerateReply:
             self.requests.append(req)
+            if req.task_id in self.delay_s:
+                await asyncio.sleep(self.delay_s[req.task_id])
             played = self.script.get(req.task_id, [])
             text = played[req.turn_index] if req.turn_index < len(played) else expert_completion(self.fmt.decode(req.prompt_token_ids, special=True))
             ids = self.fmt.encode(text)[: req.sampling.max_tokens - 1] + [self.fmt.stop_token_ids[-1]]

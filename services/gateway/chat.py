@@ -85,7 +85,8 @@ def normalize_messages(raw: Any) -> list[Message]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object with a role and content", param="messages")
-        role = ALIASES.get(m.get("role"), m.get("role"))
+        role = m.get("role")
+        role = ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)} (or developer), got {m.get('role')!r}", param="messages")
         message: Message = {"role": role, "content": _text(m.get("content"), f"{where}.content")}

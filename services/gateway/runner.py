@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rose.contracts.gateway import EpisodeEvent
+from rose.contracts.gateway import EpisodeEvent, EpisodeTurn
 from rose.contracts.registry import EPISODE_EVENT, EPISODE_TURN, TRAJECTORY
 from rose.contracts.rollout import RolloutTask, Trajectory, TrajectoryStatus, TurnRecord
 from rose.shared.bus import Bus, Delivery
@@ -127,7 +127,7 @@ class Episodes:
         episode = Episode(
             task.task_id, task, secrets.token_urlsafe(32), max_turns=max_turns, deadline_s=deadline_s or self.config.episodes.deadline_s
         )
-        saved = []
+        saved: list[EpisodeTurn] = []
         while True:
             cp = await self.bus.kv_get(EPISODE_TURN, episode_id=episode.episode_id, turn_index=str(len(saved)))
             if cp is None:
@@ -188,7 +188,7 @@ class Episodes:
                 async with self._locks[episode.episode_id]:  # a turn in flight is recorded first
                     self.end(episode, "truncated", f"deadline: the episode ran {self.config.episodes.deadline_s:g} s", scored=True)
                 break
-            waiter = asyncio.ensure_future(wake.wait())
+            waiter: asyncio.Future = asyncio.ensure_future(wake.wait())
             await asyncio.wait({waiter, run.exited}, timeout=min(left, beat), return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             await delivery.in_progress()
@@ -196,11 +196,12 @@ class Episodes:
                 async with self._locks[episode.episode_id]:
                     if episode.ending is None:
                         self._agent_exited(episode, run)
-        if not run.exited.done():  # a reward was posted (or the episode was cut): a moment to exit on its own
+        if not run.exited.done():  # a reward was posted: a moment to exit on its own; an episode cut short: at once
+            assert self.launcher is not None
             try:
-                await asyncio.wait_for(asyncio.shield(run.exited), self.config.agent.exit_grace_s)
+                grace = self.config.agent.exit_grace_s if episode.ending and episode.ending.status == "completed" else 0.0
+                await asyncio.wait_for(asyncio.shield(run.exited), grace)
             except TimeoutError:
-                assert self.launcher is not None
                 await self.launcher.kill(run)
 
     def _agent_exited(self, episode: Episode, run: AgentRun) -> None:

@@ -147,8 +147,8 @@ def main(argv: list[str]) -> int:
                 break
             if pid == 0:
                 break
-            eid = children.pop(pid, None)
-            if eid is not None:
+            if pid in children:
+                eid = children.pop(pid)
                 code = os.waitstatus_to_exitcode(status)
                 say({"event": "exited", "id": eid, "code": code})
 
