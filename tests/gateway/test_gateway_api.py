@@ -15,6 +15,7 @@ import pytest
 from rose.services.gateway.agents import SpawnedAgents
 from rose.services.gateway.chat import ChatFormat, HermesCalls, normalize_tools
 from rose.services.gateway.config import EpisodeSettings, GatewayConfig
+from rose.services.trainer.batch import sequences_of
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv, calculate
 from rose.shared.bus import Delivery
 from rose.shared.turns.settings import TurnSettings
@@ -103,6 +104,8 @@ async def test_tool_calls_token_ids_streaming_retries_and_a_segment_break(gatewa
     assert t.status == "completed" and t.reward == 0.25 and len(t.turns) == 3
     assert [(b.turn_index, "edited its history" in b.reason) for b in t.segment_breaks] == [(2, True)]
     assert t.turns[0].observation.startswith("\n<|im_start|>tool\n<result>") and t.turns[0].tool_calls[0].result == calculate(expression)
+    runs = sequences_of(t)  # the trainer trains each segment as one sequence, every sampled token once
+    assert len(runs) == 2 and [tok for seq in runs for tok, m in zip(seq.tokens, seq.mask) if m] == [tok for u in t.turns for tok in u.token_ids]
     with pytest.raises(openai.PermissionDeniedError, match="has ended"):  # the key is past its episode's end
         await client.chat.completions.create(model=MODEL, messages=messages, tools=CALC)
 
