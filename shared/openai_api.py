@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .http_server import read_body
+from .http_server import BODY_READ_TIMEOUT_S, read_body
 
 LOGPROB_FLOOR = -9999.0  # a -inf / NaN logprob as a JSON number (vLLM's convention)
 # parameters accepted only at their neutral value: anything else asks for what the engine does not do
@@ -72,9 +72,9 @@ def unicode_text(text: str, param: str) -> str:
     return text
 
 
-async def json_body(request: web.Request) -> dict[str, Any]:
+async def json_body(request: web.Request, timeout_s: float = BODY_READ_TIMEOUT_S) -> dict[str, Any]:
     """The request body as a JSON object, within the body deadline (408) and size limit (413), else 400."""
-    raw = await read_body(request)
+    raw = await read_body(request, timeout_s)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

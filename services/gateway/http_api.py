@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rose.shared.http_server import same_secret
+from rose.shared.http_server import BODY_READ_TIMEOUT_S, same_secret
 from rose.shared.metrics import metrics_handler
 from rose.shared.openai_api import (
     NEUTRAL_PARAMS,
@@ -69,8 +69,17 @@ def _wire_calls(turn: Turn) -> list[dict[str, Any]]:
 
 
 class GatewayApi:
-    def __init__(self, episodes: Episodes, fmt: ChatFormat, model_name: str, max_body_bytes: int, temperature: float) -> None:
+    def __init__(
+        self,
+        episodes: Episodes,
+        fmt: ChatFormat,
+        model_name: str,
+        max_body_bytes: int,
+        temperature: float,
+        body_timeout_s: float = BODY_READ_TIMEOUT_S,
+    ) -> None:
         self.episodes, self.fmt, self.model_name, self.temperature = episodes, fmt, model_name, temperature
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
         self.errors: dict[int, int] = {}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
@@ -121,7 +130,7 @@ class GatewayApi:
 
     async def _request(self, request: web.Request) -> tuple[Episode, dict[str, Any]]:
         episode = self._episode(request)  # before the body: an unauthenticated caller gets nothing read
-        body = await json_body(request)
+        body = await json_body(request, self.body_timeout_s)
         if body.get("model") != self.model_name:
             raise ApiError(
                 404, f"model {body.get('model')!r} does not exist here; the policy is {self.model_name!r} (GET .../v1/models)", param="model"
@@ -308,7 +317,7 @@ class GatewayApi:
 
     async def reward(self, request: web.Request) -> web.Response:
         episode = self._episode(request)
-        body = await json_body(request)
+        body = await json_body(request, self.body_timeout_s)
         reward = number(body, "reward", None)
         if reward is None or not math.isfinite(reward):
             raise ApiError(400, '`reward` is required, a finite number: {"reward": <number>}', param="reward")
