@@ -48,6 +48,7 @@ from rose.shared.openai_api import (
 from .chat import ChatFormat, normalize_messages, normalize_tools, tool_choice
 from .episode import Episode, Turn
 from .runner import Answer, Ask, Episodes
+from .telemetry import traced
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class GatewayApi:
         self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
         self.errors: dict[int, int] = {}
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[traced, self._errors])
         root = "/episodes/{episode_id}"
         self.app.add_routes(
             [
@@ -101,15 +102,19 @@ class GatewayApi:
         try:
             return await handler(request)
         except ApiError as err:
-            self.errors[err.status] = self.errors.get(err.status, 0) + 1
+            self._count(err.status)
             return error_response(err)
         except web.HTTPRequestEntityTooLarge as err:
-            self.errors[413] = self.errors.get(413, 0) + 1
+            self._count(413)
             return error_response(ApiError(413, f"request body too large: {err.text}"))
         except web.HTTPException as err:
-            self.errors[err.status] = self.errors.get(err.status, 0) + 1
+            self._count(err.status)
             kind = "invalid_request_error" if err.status < 500 else "server_error"
             return error_response(ApiError(err.status, err.reason or "error", kind=kind))
+
+    def _count(self, status: int) -> None:
+        self.errors[status] = self.errors.get(status, 0) + 1
+        self.episodes.metrics.http_errors.add(1, {"status": str(status)})
 
     # ---- who asks ----
 
@@ -171,7 +176,12 @@ class GatewayApi:
 
     # ---- chat ----
 
+    def _own_time(self, started: float, answer: Answer) -> None:
+        if not answer.replayed:
+            self.episodes.metrics.own_time.record(time.perf_counter() - started - answer.sampling_s)
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
         episode, body = await self._request(request)
         want_logprobs = self._flag(body, "logprobs")
         if number(body, "top_logprobs", None, int):
@@ -186,7 +196,9 @@ class GatewayApi:
         cid = f"chatcmpl-{episode.episode_id}-{len(episode.turns)}"
         if not stream:
             answer = await self.episodes.turn(episode, ask)
-            return web.json_response(self._chat_body(answer, cid, want_logprobs, ids))
+            answered = web.json_response(self._chat_body(answer, cid, want_logprobs, ids))
+            self._own_time(started, answer)
+            return answered
         response = await self._sse(request)
         head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         await self._send(
@@ -195,7 +207,7 @@ class GatewayApi:
         try:
             answer = await self.episodes.turn(episode, ask)
         except ApiError as err:  # after the stream began: in-band, as OpenAI's streams report errors
-            self.errors[err.status] = self.errors.get(err.status, 0) + 1
+            self._count(err.status)
             await self._send(response, {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}})
             await response.write(b"data: [DONE]\n\n")
             return response
@@ -247,6 +259,7 @@ class GatewayApi:
     # ---- completions ----
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
         episode, body = await self._request(request)
         logprobs = number(body, "logprobs", None, int)
         if logprobs:
@@ -286,7 +299,9 @@ class GatewayApi:
             "model": self.model_name,
         }
         if not stream:
-            return web.json_response({**head, "choices": [choice], "usage": self._usage(turn)})
+            answered = web.json_response({**head, "choices": [choice], "usage": self._usage(turn)})
+            self._own_time(started, answer)
+            return answered
         response = await self._sse(request)
         await self._send(response, {**head, "choices": [choice]})
         if options.include_usage:

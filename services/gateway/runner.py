@@ -40,6 +40,7 @@ from .chat import ChatFormat, Message, ToolChoice, conversation_digest, digest
 from .config import GatewayConfig
 from .episode import Api, Ending, Episode, Plan, Turn
 from .rewards import REWARDS
+from .telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Ask:
 class Answer:
     turn: Turn
     replayed: bool  # answered from the record of an earlier identical request
+    sampling_s: float = 0.0  # in the turn runner (route, generate): the rest of the request's time is the gateway's own
 
 
 class Episodes:
@@ -102,6 +104,7 @@ class Episodes:
         self._locks: dict[str, asyncio.Lock] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._inflight: set[asyncio.Task] = set()
+        self.metrics = GatewayMetrics()
         self.stats = {
             "episodes": 0,
             "completed": 0,
@@ -233,11 +236,14 @@ class Episodes:
             if plan.replay >= 0:
                 episode.replays += 1
                 self.stats["replayed_turns"] += 1
+                self.metrics.replayed.add(1)
                 return Answer(episode.turns[plan.replay], replayed=True)
             if len(episode.turns) >= episode.max_turns:
                 self.end(episode, "truncated", f"turn limit: the agent asked for turn {len(episode.turns) + 1} of {episode.max_turns}", scored=True)
                 raise EpisodeClosed(episode)
+            started = time.perf_counter()
             record = await self._sample(episode, plan, ask)
+            sampling_s = time.perf_counter() - started
             turn = self._record(episode, plan, ask, record)
             await self.bus.kv_put(
                 EPISODE_TURN,
@@ -247,8 +253,11 @@ class Episodes:
             )
             episode.turns.append(turn)
             self.stats["turns"] += 1
-            self.stats["segment_breaks"] += int(len(episode.turns) > 1 and turn.extends != len(episode.turns) - 2)
-            return Answer(turn, replayed=False)
+            self.metrics.turns.add(1)
+            if len(episode.turns) > 1 and turn.extends != len(episode.turns) - 2:
+                self.stats["segment_breaks"] += 1
+                self.metrics.breaks.add(1)
+            return Answer(turn, replayed=False, sampling_s=sampling_s)
 
     async def _sample(self, episode: Episode, plan: Plan, ask: Ask) -> TurnRecord:
         _, cap = self._limits(episode.task)
@@ -341,6 +350,7 @@ class Episodes:
         )
         await self.bus.publish(TRAJECTORY, trajectory, msg_id=trajectory.trajectory_id, status=ending.status)
         self.stats[ending.status] += 1
+        self.metrics.episodes.add(1, {"status": ending.status})
         await self._event(episode, "ended")
         self.ended[episode.episode_id] = Ended(episode.key, ending.status, ending.reason)
         while len(self.ended) > ENDED_REMEMBERED:

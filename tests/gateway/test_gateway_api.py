@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from rose.bench.gateway import CALC
 from rose.services.gateway.agents import SpawnedAgents
 from rose.services.gateway.chat import ChatFormat, HermesCalls, normalize_tools
 from rose.services.gateway.config import EpisodeSettings, GatewayConfig
@@ -22,16 +23,6 @@ from rose.shared.turns.settings import TurnSettings
 from rose.testing.gateway import arithmetic_task, checkpoints, start_gateway
 from rose.testing.polling import until
 
-CALC = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an integer expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-        },
-    }
-]
 MODEL = "rose-policy"
 
 
