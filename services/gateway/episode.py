@@ -1,6 +1,6 @@
 """One agent's episode at the gateway: its turns, how a request relates to them, its trajectory.
 
-Pure state (no I/O; runner.py drives it). Each request the agent sends is planned against the turns so far:
+State and planning, no I/O (runner.py drives it). Each request the agent sends is planned against the turns so far:
 
 - the same request as a turn answered before (a retry after a lost answer, a relaunched agent replaying
   its episode after a gateway restart): that turn's answer again, nothing sampled;
@@ -18,6 +18,7 @@ sampled.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class Episode:
         self.turns: list[Turn] = []
         self.ending: Ending | None = None
         self.replays = 0
+        self.lock = asyncio.Lock()  # one turn at a time; an ending waits for the turn in flight
+        self.woken = asyncio.Event()  # set when the episode ends (a posted reward, a limit): its watcher stops waiting
 
     # ---- planning ----
 

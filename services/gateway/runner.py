@@ -101,8 +101,6 @@ class Episodes:
         self.max_positions = 0  # the policy's context; 0: unknown (the executor refuses what does not fit)
         self.active: dict[str, Episode] = {}
         self.ended: OrderedDict[str, Ended] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._wake: dict[str, asyncio.Event] = {}
         self._inflight: set[asyncio.Task] = set()
         self.metrics = GatewayMetrics()
         self.stats = {
@@ -140,8 +138,6 @@ class Episodes:
         self.stats["restored_turns"] += len(saved)
         self.active[episode.episode_id] = episode
         self.ended.pop(episode.episode_id, None)
-        self._locks[episode.episode_id] = asyncio.Lock()
-        self._wake[episode.episode_id] = asyncio.Event()
         self.stats["episodes"] += 1
         await self._event(episode, "opened")
         return episode
@@ -163,15 +159,17 @@ class Episodes:
         """One agent task: run its episode to its end, publish the trajectory, ack. Raising naks it (another delivery
         resumes from the checkpoints); the last delivery publishes a failed trajectory instead."""
         episode = await self.open(task)
+        run: AgentRun | None = None
         try:
             if self.launcher is None:
                 self.end(episode, "failed", "this gateway runs no agent (set agent.script or agent.command)")
             else:
-                run = await self.launcher.launch(
-                    episode.episode_id, self.agent_env(episode), [task.prompt], self.logs_dir / f"{episode.episode_id}.log"
-                )
+                log_path = self.logs_dir / f"{episode.episode_id}.log"
+                run = await self.launcher.launch(episode.episode_id, self.agent_env(episode), [task.prompt], log_path)
                 await self._watch(episode, run, delivery)
         except Exception as exc:
+            if run is not None and self.launcher is not None:
+                await self.launcher.kill(run)  # its episode closes here: the next delivery launches it again
             if delivery.attempt < self.config.max_deliver and episode.ending is None:
                 self._forget(episode)
                 raise
@@ -183,20 +181,19 @@ class Episodes:
 
     async def _watch(self, episode: Episode, run: AgentRun, delivery: Delivery) -> None:
         """Until the episode ends: the agent's exit, a posted reward, the deadline; the task is kept alive meanwhile."""
-        wake = self._wake[episode.episode_id]
         beat = self.config.ack_wait_s / 3
         while episode.ending is None:
             left = episode.deadline - time.monotonic()
             if left <= 0:
-                async with self._locks[episode.episode_id]:  # a turn in flight is recorded first
+                async with episode.lock:  # a turn in flight is recorded first
                     self.end(episode, "truncated", f"deadline: the episode ran {self.config.episodes.deadline_s:g} s", scored=True)
                 break
-            waiter: asyncio.Future = asyncio.ensure_future(wake.wait())
+            waiter: asyncio.Future = asyncio.ensure_future(episode.woken.wait())
             await asyncio.wait({waiter, run.exited}, timeout=min(left, beat), return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             await delivery.in_progress()
             if run.exited.done() and episode.ending is None:
-                async with self._locks[episode.episode_id]:
+                async with episode.lock:
                     if episode.ending is None:
                         self._agent_exited(episode, run)
         if not run.exited.done():  # a reward was posted: a moment to exit on its own; an episode cut short: at once
@@ -226,7 +223,7 @@ class Episodes:
         return await asyncio.shield(task)
 
     async def _turn(self, episode: Episode, ask: Ask) -> Answer:
-        async with self._locks[episode.episode_id]:
+        async with episode.lock:
             if episode.ending is not None:
                 raise EpisodeClosed(episode)
             if ask.api == "chat":
@@ -320,10 +317,10 @@ class Episodes:
             except Exception as exc:  # a broken reward function is the environment's failure, not the agent's
                 status, reason = "failed", f"the {episode.task.env!r} reward function raised {type(exc).__name__}: {exc}"
         episode.ending = Ending(status, reason, reward)
-        self._wake[episode.episode_id].set()
+        episode.woken.set()
 
     async def post_reward(self, episode: Episode, reward: float, reason: str = "") -> None:
-        async with self._locks[episode.episode_id]:
+        async with episode.lock:
             if episode.ending is not None:
                 raise EpisodeClosed(episode)
             self.end(episode, "completed", reason or "the agent posted its reward", reward)
@@ -361,8 +358,6 @@ class Episodes:
     def _forget(self, episode: Episode) -> None:
         if self.active.get(episode.episode_id) is episode:
             del self.active[episode.episode_id]
-            self._locks.pop(episode.episode_id, None)
-            self._wake.pop(episode.episode_id, None)
 
     async def _event(self, episode: Episode, kind: str) -> None:
         ending = episode.ending
