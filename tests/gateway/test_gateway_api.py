@@ -263,3 +263,30 @@ def test_a_template_without_tools_refuses_them(models_dir):
     with pytest.raises(ApiError) as err:
         fmt.render([{"role": "user", "content": "x"}], normalize_tools(CALC))
     assert err.value.param == "tools" and fmt.calls.name == "none"
+
+
+async def test_a_streamed_tool_call_and_a_full_context(gateway, fleet):
+    task = arithmetic_task(40, "api-stream-tools")
+    episode, client = await _client(gateway, task)
+    question, expression = _question(task)
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], tools=CALC, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    async for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            got = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            got["id"] += delta.id or ""
+            got["name"] += delta.function.name or ""
+            got["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] == "calc"
+    assert json.loads(calls[0]["arguments"]) == {"expression": expression} and calls[0]["id"].startswith("call_")
+
+    full, client = await _client(gateway, arithmetic_task(41, "api-full"))
+    gateway.episodes.max_positions = 8  # a policy whose context this conversation fills
+    try:
+        with pytest.raises(openai.PermissionDeniedError, match="context full"):
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], tools=CALC)
+    finally:
+        gateway.episodes.max_positions = 0
+    assert full.ending is not None and full.ending.status == "truncated" and full.turns == []
