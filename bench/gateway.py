@@ -82,7 +82,7 @@ TURN_TOKENS = 16
 WARM_START_STEPS = 200
 LOGPROB_TOLERANCE = 0.05  # a wrong token or position is off by far more (a random policy's logprobs are ~ -8)
 START_TIMEOUT_S = 240.0
-EPISODES_AT_ONCE = 4
+EPISODES_AT_ONCE = 16  # agents at once in the fidelity phase
 LAUNCHES = 5
 
 
