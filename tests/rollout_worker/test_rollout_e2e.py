@@ -164,6 +164,8 @@ async def test_agents_through_the_gateway_survive_its_kill(fleet):
         for prev, cur in zip(t.turns, t.turns[1:]):
             assert cur.prompt_token_ids[: len(prev.prompt_token_ids) + len(prev.token_ids)] == prev.prompt_token_ids + prev.token_ids
         assert all(r.executor_id in (SERVING, DEDICATED) and len(r.logprobs) == len(r.token_ids) for r in t.turns)
+    later = [r for t in got.values() for r in t.turns[1:]]  # routed with cache affinity on the episode's growing prefix
+    assert sum(r.prefix_cached_tokens > 0 for r in later) >= len(later) // 2, [r.prefix_cached_tokens for r in later]
     mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
     assert len(mine) == len(ids), "a trajectory was published twice"
     beat = await bus.kv_get(SERVICE_REGISTRY, service="gateway", instance=GATEWAY)
