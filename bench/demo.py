@@ -10,6 +10,12 @@ spare capacity; each step's weights go out as deltas and the executors apply the
 iterations. The demo only watches (the bus events any user can subscribe to) and drives the
 serving clients, then writes `summary.json` and plots.
 
+With `--agent PATH` the trainer hands its tasks to the rollout gateway instead of the rollout worker,
+and the gateway runs the agent at PATH for each (examples/agents: a loop over the `openai` client,
+an OpenAI Agents SDK agent), unchanged but for its base URL and key: the same job, the same warm
+start, the same reward (the arithmetic environment's reward function, scoring the agent's answer),
+with an external agent in place of the built-in environment.
+
 Timeline: build the models (tokenizer + two small Qwen2 models, seconds) -> start the fleet
 -> the trainer's warm start (until it hands out its first tasks; how long depends on the
 machine, so it is not part of the window) -> `duration` seconds of serving trace and GRPO
@@ -32,7 +38,17 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from rose.contracts.registry import EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAINING_STEP, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_MANIFEST
+from rose.contracts.registry import (
+    AGENT_TASK,
+    EXECUTOR_METRICS,
+    LEASE_EVENT,
+    ROLLOUT_TASK,
+    SLO_ALERT,
+    TRAINING_STEP,
+    TRAJECTORY,
+    WEIGHT_APPLIED,
+    WEIGHT_MANIFEST,
+)
 from rose.contracts.rollout import Trajectory
 from rose.contracts.training import TrainingStep
 from rose.contracts.weights import WeightManifest
@@ -144,6 +160,7 @@ async def observe(bus: Bus, obs: Observed) -> None:
 
     await bus.subscribe(EXECUTOR_METRICS, on_metrics)
     await bus.subscribe(ROLLOUT_TASK, on_task)  # core subscription beside the workers' work queue
+    await bus.subscribe(AGENT_TASK, on_task)  # and the gateways' (`rose demo --agent`)
     await bus.consume(LEASE_EVENT, on_lease, durable="demo_leases")
     await bus.consume(SLO_ALERT, on_alert, durable="demo_alerts")
     await bus.consume(TRAJECTORY, on_trajectory, durable="demo_trajectories")
@@ -245,6 +262,7 @@ async def run_job(
     job: dict[str, str] | None = None,
     devices: dict[str, frozenset[int]] | None = None,
     until_steps: int | None = None,
+    agent: Path | None = None,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -257,6 +275,7 @@ async def run_job(
     executors to CPU sets (fleet.device_plan). Both are written in the summary's `job`.
     `until_steps` ends the window early once the trainer has taken that many GRPO steps (the
     run is then as long as the job needs, at most `duration`).
+    `agent`: the tasks go to the rollout gateway, which runs this agent script for each (no rollout worker).
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
@@ -280,7 +299,7 @@ async def run_job(
     if on_bus is not None:
         await on_bus(bus, obs)
     logs = state / "logs"
-    trainer = {**trainer_settings(seed, warm_start_steps), **(job or {})}
+    trainer = {**trainer_settings(seed, warm_start_steps), **(job or {}), **({"ROSE_TASKS__AGENT": "true"} if agent else {})}
     procs = job_processes(
         state,
         server.url,
@@ -291,6 +310,7 @@ async def run_job(
         dedicated_n,
         trainer,
         devices=devices,
+        agent=agent,
         **{f"{part}_env": e for part, e in (env or {}).items()},
     )
     executors = {
@@ -341,6 +361,7 @@ async def run_job(
             serving_executors=serving_n,
             dedicated_executors=dedicated_n,
             job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
+            agent=str(agent) if agent else None,
         )
         return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
@@ -382,6 +403,7 @@ def job_processes(
     trainer: dict[str, str],
     *,
     devices: dict[str, frozenset[int]] | None = None,
+    agent: Path | None = None,
     **fleet_env: dict[str, str],
 ) -> dict[str, ServiceProcess]:
     """The RL job's processes (not started): the fleet, the weight publisher and the trainer, each with
@@ -389,6 +411,7 @@ def job_processes(
     and this run's state dir (its weight-signing keys; never ./.rose).
 
     `trainer` is the trainer's settings (TRAINER plus the run's own); `fleet_env` goes to `fleet_processes`.
+    `agent`: a rollout gateway running this agent script replaces the rollout worker.
     """
     logs = state / "logs"
     procs = fleet_processes(logs, url, models, spec, serving, dedicated, devices=devices, **fleet_env)
@@ -403,6 +426,17 @@ def job_processes(
         **trainer,
     }
     procs["trainer"] = ServiceProcess("trainer", f"{spec.prefix}-trainer", trainer_env, logs / "trainer.log", nice=DEDICATED_NICE)
+    if agent is not None:
+        del procs["worker"]
+        gateway = {
+            **base,
+            "ROSE_AGENT__SCRIPT": str(agent),
+            "ROSE_AGENT__LOGS_DIR": str(logs / "agents"),
+            "ROSE_CONCURRENCY": str(spec.worker_concurrency),
+            "ROSE_TURNS__MAX_TOKENS": str(spec.rollout_max_tokens),
+            "ROSE_TURNS__GENERATE_TIMEOUT_S": "20",
+        }
+        procs["gateway"] = ServiceProcess("gateway", f"{spec.prefix}-gateway", gateway, logs / "gateway.log")
     assign_credentials(procs, creds)
     for proc in procs.values():
         proc.env["ROSE_STATE_DIR"] = str(state)
@@ -641,6 +675,7 @@ def run_demo(
     console: Console | None = None,
     warm_start_steps: int | None = None,
     until_steps: int | None = None,
+    agent: str | None = None,
 ) -> dict:
     console = console or Console()
     return asyncio.run(
@@ -654,5 +689,7 @@ def run_demo(
             console,
             warm_start_steps=warm_start_steps,
             until_steps=until_steps,
+            agent=Path(agent).resolve() if agent else None,
+            label=f"ROSE demo · agent {Path(agent).name}" if agent else "ROSE demo",
         )
     )

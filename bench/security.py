@@ -20,7 +20,13 @@ exception alone:
   weights did not change (full run: through the executor's real HTTP server);
 * **http**: request heads at 1 byte/s and a silent connection (closed by the server within the
   head deadline + 3 s), admin key missing or wrong (401 and the weights unchanged);
-* **sandbox**: the code sandbox's escapes (bench/sandbox_attacks.py), as root and as nobody.
+* **sandbox**: the code sandbox's escapes (bench/sandbox_attacks.py), as root and as nobody;
+* **gateway** (the rollout gateway's agent API, its real runner and HTTP server before a canned
+  executor): another episode's key, no key, `Bearer None`, a key one character off, its prefix, a key in
+  the wrong header, the key of an episode that has ended (401 or 403, and nothing sampled in any
+  episode), an oversized body (413, nothing sampled), request heads at 1 byte/s and a silent connection
+  (closed within the head deadline + 3 s), and an agent looking for the gateway's bus credentials in its
+  environment, forked and spawned (none of them there).
 
 `--quick` (the test suite's): fewer bus combinations, the unpickler without the HTTP engine, a
 short head deadline, a few sandbox escapes.
@@ -302,7 +308,7 @@ def direct_target(params: dict[str, Any]) -> UnpicklerTarget:
 # ---- HTTP --------------------------------------------------------------------------------------
 
 
-async def slow_head_attacks(rows: Rows, host: str, port: int, deadline_s: float, as_user: str) -> None:
+async def slow_head_attacks(rows: Rows, host: str, port: int, deadline_s: float, as_user: str, category: str = "http") -> None:
     """Request heads at 1 byte/s, and a connection that sends nothing: the server must close both within the deadline + grace."""
 
     async def hold(attack: str, trickle: bool) -> None:
@@ -339,7 +345,7 @@ async def slow_head_attacks(rows: Rows, host: str, port: int, deadline_s: float,
             if closed_at
             else f"STILL OPEN after {held:.1f} s"
         )
-        rows.add(attack, "http", as_user, blocked, evidence)
+        rows.add(attack if category == "http" else f"{category}: {attack}", category, as_user, blocked, evidence)
 
     await asyncio.gather(hold("request head at 1 byte/s (slowloris)", True), hold("connection that never sends a head", False))
 
@@ -379,9 +385,9 @@ async def http_engine_attacks(rows: Rows, scratch: Path, as_user: str) -> None:
     from rose.services.executor.config import SGLangApiSettings
     from rose.services.executor.engine import Engine
     from rose.services.executor.http_api import OpenAIApi
-    from rose.services.executor.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
     from rose.services.executor.sglang_api import SGLangApi
     from rose.services.executor.telemetry import Telemetry
+    from rose.shared.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
     from rose.shared.models import init_models
     from rose.shared.weight_layout import state_digest
 
@@ -429,7 +435,7 @@ async def quick_http_attacks(rows: Rows, as_user: str) -> None:
     """The quick run's head deadline check: the executor's runner class with a short deadline, serving a health route."""
     from aiohttp import web
 
-    from rose.services.executor.http_server import HardenedAppRunner
+    from rose.shared.http_server import HardenedAppRunner
 
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -444,6 +450,169 @@ async def quick_http_attacks(rows: Rows, as_user: str) -> None:
         await slow_head_attacks(rows, "127.0.0.1", site._server.sockets[0].getsockname()[1], QUICK_HEAD_TIMEOUT_S, as_user)  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+# ---- the gateway --------------------------------------------------------------------------------
+
+GATEWAY_SECRETS = {  # set in the bench's own environment while the gateway launches agents: none may reach them
+    "ROSE_BUS__NKEY_SEED_FILE": "/secret/gateway.nk",
+    "ROSE_BUS__PASSWORD": "hunter2-gateway",
+    "NATS_URL": "nats://gateway-secret@127.0.0.1:4222",
+}
+ENV_DUMP = "import json, os; print(json.dumps(dict(os.environ)))"
+
+
+async def gateway_attacks(rows: Rows, tmp: Path, quick: bool, as_user: str) -> None:
+    """The gateway's runner, chat format and HTTP API (services/gateway) on a real bus, before a canned scheduler
+    and executor that count what they are asked to sample: the attacks must not make them sample anything."""
+    import aiohttp
+    from aiohttp import web
+
+    from rose.contracts.executor import GenerateReply, GenerateRequest
+    from rose.contracts.registry import GENERATE, ROUTE_TURN
+    from rose.contracts.rollout import TurnRoute, TurnRouteRequest
+    from rose.services.gateway.agents import ForkedAgents, SpawnedAgents
+    from rose.services.gateway.chat import ChatFormat
+    from rose.services.gateway.config import GatewayConfig
+    from rose.services.gateway.http_api import GatewayApi
+    from rose.services.gateway.runner import Episodes
+    from rose.shared.agentic.env_arithmetic import ArithmeticEnv
+    from rose.shared.bus import Bus
+    from rose.shared.config import BusConfig
+    from rose.shared.http_server import HEAD_READ_TIMEOUT_S, HardenedAppRunner
+    from rose.shared.models import train_tokenizer
+    from rose.shared.nats_server import NatsServer
+    from rose.shared.provisioning import provision
+    from rose.shared.turns.runner import TurnRunner
+
+    fmt = ChatFormat(train_tokenizer(0))
+    sampled: list[str] = []
+
+    async def route(req: TurnRouteRequest, _d) -> TurnRoute:
+        return TurnRoute(trajectory_id=req.trajectory_id, turn_index=req.turn_index, executor_id="ex-bench-gw", role="dedicated")
+
+    async def generate(req: GenerateRequest, _d) -> GenerateReply:
+        sampled.append(req.task_id)
+        ids = fmt.encode("ok") + fmt.stop_token_ids[-1:]
+        return GenerateReply(
+            request_id=req.request_id, executor_id="ex-bench-gw", status="ok", token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop"
+        )
+
+    deadline = QUICK_HEAD_TIMEOUT_S if quick else HEAD_READ_TIMEOUT_S
+    with NatsServer(tmp / "nats-gateway") as server:
+        bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=10.0), service="cli", instance="bench-security-gateway")
+        await bus.connect()
+        runner: web.AppRunner | None = None
+        try:
+            await provision(bus.js)
+            await bus.serve(ROUTE_TURN, route)
+            await bus.serve(GENERATE, generate, executor_id="ex-bench-gw")
+            config = GatewayConfig()
+            episodes = Episodes(bus, TurnRunner(bus, config.turns), fmt, None, config, "gw-bench")
+            api = GatewayApi(episodes, fmt, config.model_name, 1 << 20, config.turns.temperature, body_timeout_s=deadline)
+            runner = HardenedAppRunner(api.app, head_timeout_s=deadline, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            episodes.base_url = f"http://127.0.0.1:{port}"
+            env = ArithmeticEnv(9)
+            mine, other, ended = [await episodes.open(env.task(i, task_id=f"bench-gw-{i}")) for i in range(3)]
+            await episodes.post_reward(ended, 1.0)
+            await episodes.publish(ended)
+            body = {"model": config.model_name, "messages": [{"role": "user", "content": "What is 1+1?"}]}
+            wrong = mine.key[:-1] + ("x" if mine.key[-1] != "x" else "y")
+            cases = [
+                ("gateway: another episode's key", {"Authorization": f"Bearer {other.key}"}, body),
+                ("gateway: no key", {}, body),
+                ("gateway: `Bearer None` (unset client key)", {"Authorization": "Bearer None"}, body),
+                ("gateway: the key one character off", {"Authorization": f"Bearer {wrong}"}, body),
+                ("gateway: the key's prefix only", {"Authorization": f"Bearer {mine.key[: len(mine.key) // 2]}"}, body),
+                ("gateway: the key in another header (X-Api-Key)", {"X-Api-Key": mine.key}, body),
+            ]
+            async with aiohttp.ClientSession() as session:
+                url = f"{episodes.base_url}/episodes/{mine.episode_id}/v1/chat/completions"
+                for attack, headers, payload in cases:
+                    async with session.post(url, json=payload, headers=headers) as r:
+                        status, text = r.status, await r.text()
+                    blocked = status == 401 and not sampled and not mine.turns and not other.turns
+                    rows.add(attack, "gateway", as_user, blocked, f"HTTP {status}; sampled {len(sampled)}; key not echoed: {mine.key not in text}")
+                ended_url = f"{episodes.base_url}/episodes/{ended.episode_id}/v1/chat/completions"
+                async with session.post(ended_url, json=body, headers={"Authorization": f"Bearer {ended.key}"}) as r:
+                    status, text = r.status, await r.text()
+                rows.add("gateway: a key past its episode's end", "gateway", as_user, status == 403 and not sampled, f"HTTP {status} {text[:160]}")
+                huge = {**body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+                async with session.post(url, json=huge, headers={"Authorization": f"Bearer {mine.key}"}) as r:
+                    status = r.status
+                rows.add(
+                    "gateway: a body over the size limit", "gateway", as_user, status == 413 and not sampled, f"HTTP {status}; sampled {len(sampled)}"
+                )
+            await slow_head_attacks(rows, "127.0.0.1", port, deadline, as_user, category="gateway")
+            await _slow_body_attack(rows, port, mine, deadline, as_user, sampled)
+            await _agent_env_attacks(rows, episodes, env, tmp, as_user, ForkedAgents(str(tmp / "dump_env.py"), tmp / "agents"), "forked")
+            await _agent_env_attacks(rows, episodes, env, tmp, as_user, SpawnedAgents([sys.executable, "-c", ENV_DUMP], tmp / "agents"), "spawned")
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+            await bus.close()
+
+
+async def _slow_body_attack(rows: Rows, port: int, episode: Any, deadline_s: float, as_user: str, sampled: list[str]) -> None:
+    """A whole head, then a body at 1 byte/s: 408 within the body deadline (+ grace), nothing sampled."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /episodes/{episode.episode_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {episode.key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
+    )
+    writer.write(head.encode())
+    started, answer = time.monotonic(), b""
+    try:
+        while time.monotonic() - started < deadline_s + HEAD_GRACE_S + 2 and not answer:
+            writer.write(b" ")
+            await writer.drain()
+            try:
+                answer = await asyncio.wait_for(reader.read(1024), timeout=1.0)
+            except TimeoutError:
+                continue
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+    held = time.monotonic() - started
+    status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "none"
+    blocked = status == "408" and held <= deadline_s + HEAD_GRACE_S and not episode.turns and not sampled
+    rows.add("gateway: a request body at 1 byte/s", "gateway", as_user, blocked, f"HTTP {status} after {held:.1f} s (body deadline {deadline_s:g} s)")
+
+
+async def _agent_env_attacks(rows: Rows, episodes: Any, env: Any, tmp: Path, as_user: str, launcher: Any, how: str) -> None:
+    """An agent that prints its whole environment: the gateway's credentials and bus settings must not be in it."""
+    (tmp / "dump_env.py").write_text(ENV_DUMP + "\n")
+    saved = {k: os.environ.get(k) for k in GATEWAY_SECRETS}
+    os.environ.update(GATEWAY_SECRETS)
+    try:
+        await launcher.start()
+        episode = await episodes.open(env.task(10 + len(how), task_id=f"bench-gw-env-{how}"))
+        run = await launcher.launch(episode.episode_id, episodes.agent_env(episode), ["q"], tmp / f"env-{how}.log")
+        code = await asyncio.wait_for(run.exited, 60.0)
+        seen = json.loads((tmp / f"env-{how}.log").read_text().strip().splitlines()[-1])
+    finally:
+        await launcher.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    leaked = sorted(
+        k for k, v in seen.items() if k in GATEWAY_SECRETS or any(secret in v for secret in GATEWAY_SECRETS.values()) or k.startswith("ROSE_BUS")
+    )
+    own = seen.get("OPENAI_API_KEY") == episode.key
+    rows.add(
+        f"gateway: an agent ({how}) reads the gateway's bus credentials from its environment",
+        "gateway",
+        as_user,
+        code == 0 and not leaked and own,
+        f"agent exited {code}; gateway secrets in its environment: {leaked or 'none'}; it has its own episode key: {own}",
+    )
 
 
 # ---- the bus -----------------------------------------------------------------------------------
@@ -726,6 +895,7 @@ async def _run(quick: bool, include_sandbox: bool) -> tuple[Rows, list[str]]:
             await quick_http_attacks(rows, me)
         else:
             await http_engine_attacks(rows, tmp, me)
+        await gateway_attacks(rows, tmp, quick, me)
     if include_sandbox:
         notes += await asyncio.to_thread(_sandbox_part, rows, quick)
     return rows, notes

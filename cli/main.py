@@ -203,6 +203,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         dedicated=args.dedicated,
         warm_start_steps=args.warm_start_steps,
         until_steps=args.until_steps,
+        agent=args.agent,
     )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 
@@ -245,6 +246,13 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
 
     out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
     return 0 if all(out["meets_target"].values()) else 1
+
+
+def _cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from rose.bench.gateway import run_gateway_bench
+
+    out = run_gateway_bench(out_json=args.json, pairs=args.pairs, turns=args.turns, models=args.models)
+    return 0 if out["fidelity"]["tokens_differing"] == 0 and out["fidelity"]["segment_breaks_without_reason"] == 0 else 1
 
 
 def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
@@ -347,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--until-steps", type=int, default=None, metavar="N", help="end the run once the trainer has taken N GRPO steps (at most --duration)"
+    )
+    p.add_argument(
+        "--agent",
+        default=None,
+        metavar="PATH",
+        help="run the job's episodes with this agent script through the rollout gateway (e.g. examples/agents/openai_loop.py) "
+        "instead of the built-in environment",
     )
     g = p.add_argument_group("a dry run on emulated GPUs (bench/emulated.py): the real services, the simulator beside")
     g.add_argument("--emulate", default=None, metavar="COUNTxKIND:MODEL[+POLICY]", help="e.g. 8xH100:7B (the demo's window: 60 emulated seconds)")
@@ -489,6 +504,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lr", type=float, default=1e-6, help="learning rate of the fp32 master weights")
     b.add_argument("--seed", type=int, default=0, help="seed of the weights and the training batches")
     b.set_defaults(func=_cmd_bench_weights)
+    b = bsub.add_parser(
+        "gateway",
+        help="an agent's turn through the rollout gateway vs the worker's own path (same executor, same run); the example agents' trajectories "
+        "token for token against what was sampled",
+    )
+    b.add_argument("--json", default="bench-out/gateway.json", help="where to write the JSON result")
+    b.add_argument("--pairs", type=int, default=200, help="3-turn conversations run on both paths (each gives 3 paired turns)")
+    b.add_argument("--turns", type=int, default=1000, help="turns from the example agents for the token-for-token check")
+    b.add_argument("--models", default=None, help="a models directory to build the warm-started policy in and keep (default: a temporary one)")
+    b.set_defaults(func=_cmd_bench_gateway)
     b = bsub.add_parser(
         "control-plane",
         help="the real SLO monitor and scheduler against N executor stand-ins on real NATS: snapshots/s, route and alert-to-revoke latency, CPU",

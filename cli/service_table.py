@@ -14,8 +14,10 @@ SERVICE_MODULES: dict[str, str] = {
     "rollout_worker": "rose.services.rollout_worker.main",
     "weight_publisher": "rose.services.weight_publisher.main",
     "trainer": "rose.services.trainer.main",
+    "gateway": "rose.services.gateway.main",
 }
-# Started by `rose run NAME` only, not by a plain `rose up` (the trainer drives an RL job of its own).
-ON_DEMAND_SERVICES = ("trainer",)
+# Started by `rose run NAME` only, not by a plain `rose up` (the trainer drives an RL job of its own; the gateway
+# runs the agent an RL job names).
+ON_DEMAND_SERVICES = ("trainer", "gateway")
 # `rose run executor --emulate COUNTxKIND:MODEL`: many emulated executors in one process (services/executor/group.py).
 EMULATED_EXECUTORS_MODULE = "rose.services.executor.group"

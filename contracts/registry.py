@@ -15,6 +15,7 @@ from enum import Enum
 
 from .base import Message
 from .executor import GenerateReply, GenerateRequest, MetricsSnapshot
+from .gateway import EpisodeEvent, EpisodeTurn
 from .lease import Lease, LeaseEvent
 from .rollout import PlacementEvent, RolloutTask, Trajectory, TurnCheckpoint, TurnRoute, TurnRouteRequest
 from .service import DeadLetter, Heartbeat, ServiceEvent
@@ -171,6 +172,13 @@ TRAJECTORIES_STREAM = StreamSpec(
     max_age_s=0.0,
     max_msg_size=8 * CONTROL_MAX_BYTES,
 )
+AGENT_TASKS_STREAM = StreamSpec(
+    "ROSE_AGENT_TASKS",
+    ("rose.rollout.agent_tasks",),
+    "Rollout tasks for external agents, a work queue: each is run by a gateway, which acks it once its trajectory is out.",
+    retention=Retention.WORK_QUEUE,
+    max_age_s=0.0,
+)
 MANIFESTS_STREAM = StreamSpec(
     "ROSE_WEIGHT_MANIFESTS",
     ("rose.weights.manifest.*.*.*",),
@@ -182,6 +190,9 @@ MANIFESTS_STREAM = StreamSpec(
 SERVICES_KV = KeyValueSpec("rose_services", "Latest heartbeat of every live service instance.", ttl_s=60.0)
 LEASES_KV = KeyValueSpec("rose_leases", "The current rollout lease of each executor.", history=5)
 TURNS_KV = KeyValueSpec("rose_rollout_turns", "Finished turns by (task id, turn index), so a redelivered task resumes.", ttl_s=24 * 3600.0)
+EPISODE_TURNS_KV = KeyValueSpec(
+    "rose_gateway_turns", "Agents' turns at the gateway by (episode id, turn index), so a restarted gateway loses none.", ttl_s=24 * 3600.0
+)
 WEIGHTS_OBJECTS = ObjectStoreSpec("rose_weights", "Weight shards (keyframes and deltas), chunked.")
 WEIGHTS_STAGING_OBJECTS = ObjectStoreSpec(
     "rose_weights_staging",
@@ -189,11 +200,11 @@ WEIGHTS_STAGING_OBJECTS = ObjectStoreSpec(
     ttl_s=24 * 3600.0,
 )
 
-STREAMS = (EVENTS_STREAM, DLQ_STREAM, TELEMETRY_STREAM, TASKS_STREAM, TRAJECTORIES_STREAM, MANIFESTS_STREAM)
-KV_BUCKETS = (SERVICES_KV, LEASES_KV, TURNS_KV)
+STREAMS = (EVENTS_STREAM, DLQ_STREAM, TELEMETRY_STREAM, TASKS_STREAM, TRAJECTORIES_STREAM, MANIFESTS_STREAM, AGENT_TASKS_STREAM)
+KV_BUCKETS = (SERVICES_KV, LEASES_KV, TURNS_KV, EPISODE_TURNS_KV)
 OBJECT_STORES = (WEIGHTS_OBJECTS, WEIGHTS_STAGING_OBJECTS)
 
-ALL_SERVICES = ("executor", "slo_monitor", "scheduler", "weight_publisher", "rollout_worker", "trainer")
+ALL_SERVICES = ("executor", "slo_monitor", "scheduler", "weight_publisher", "rollout_worker", "trainer", "gateway")
 
 # ---- channels ------------------------------------------------------------------------
 
@@ -243,7 +254,7 @@ GENERATE = Channel(
     Kind.REQUEST,
     GenerateRequest,
     "One rollout turn for one executor; admitted only under a valid lease.",
-    publishers=("rollout_worker", "scheduler"),
+    publishers=("rollout_worker", "scheduler", "gateway"),
     consumers=("executor",),
     reply=GenerateReply,
 )
@@ -311,7 +322,7 @@ ROUTE_TURN = Channel(
     Kind.REQUEST,
     TurnRouteRequest,
     "Where should this turn run? Turn-wise routing with prefix-cache affinity.",
-    publishers=("rollout_worker",),
+    publishers=("rollout_worker", "gateway"),
     consumers=("scheduler",),
     reply=TurnRoute,
 )
@@ -340,8 +351,8 @@ TRAJECTORY = Channel(
     "rose.rollout.trajectories.{status}",
     Kind.STREAM,
     Trajectory,
-    "Completed or failed trajectories, durable, for the trainer (de-duplicated by trajectory id).",
-    publishers=("rollout_worker",),
+    "Completed, failed or truncated trajectories, durable, for the trainer (de-duplicated by trajectory id).",
+    publishers=("rollout_worker", "gateway"),
     consumers=("trainer", "scheduler", "integrations"),
     stream=TRAJECTORIES_STREAM,
     max_bytes=TRAJECTORIES_STREAM.max_msg_size,
@@ -355,6 +366,36 @@ TURN_CHECKPOINT = Channel(
     publishers=("rollout_worker",),
     consumers=("rollout_worker",),
     kv=TURNS_KV,
+)
+AGENT_TASK = Channel(
+    "rollout.agent_task",
+    "rose.rollout.agent_tasks",
+    Kind.STREAM,
+    RolloutTask,
+    "Rollout tasks for external agents: a gateway opens an episode, hands its agent a base URL and key, publishes the trajectory.",
+    publishers=("trainer",),
+    consumers=("gateway",),
+    stream=AGENT_TASKS_STREAM,
+)
+EPISODE_TURN = Channel(
+    "gateway.episode_turn",
+    "{episode_id}.{turn_index}",
+    Kind.KV,
+    EpisodeTurn,
+    "A turn of an agent's episode, checkpointed before it is answered: retries and a restarted gateway answer from it.",
+    publishers=("gateway",),
+    consumers=("gateway",),
+    kv=EPISODE_TURNS_KV,
+)
+EPISODE_EVENT = Channel(
+    "gateway.episode",
+    "rose.events.episode.{kind}.{episode_id}",
+    Kind.STREAM,
+    EpisodeEvent,
+    "An agent's episode opened at a gateway, or ended (completed, failed or truncated, with the reason).",
+    publishers=("gateway",),
+    consumers=("cli", "integrations"),
+    stream=EVENTS_STREAM,
 )
 WEIGHT_MANIFEST = Channel(
     "weights.manifest",
@@ -458,6 +499,9 @@ CHANNELS: tuple[Channel, ...] = (
     ROLLOUT_TASK,
     TRAJECTORY,
     TURN_CHECKPOINT,
+    AGENT_TASK,
+    EPISODE_TURN,
+    EPISODE_EVENT,
     WEIGHT_MANIFEST,
     WEIGHT_SHARDS,
     WEIGHT_STAGING,

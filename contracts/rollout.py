@@ -9,7 +9,9 @@ import msgspec
 from .base import Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
 from .executor import ExecutorRole
 
-TrajectoryStatus = Literal["completed", "failed"]
+# "truncated": an agent's episode at the gateway ended on its deadline or turn limit before a reward came
+# (the reason says which); the reference trainer trains on completed trajectories only
+TrajectoryStatus = Literal["completed", "failed", "truncated"]
 
 
 class RolloutTask(Message):
@@ -135,6 +137,16 @@ class TurnCheckpoint(Message):
     reward: float = 0.0
 
 
+class SegmentBreak(msgspec.Struct, kw_only=True):
+    """Where an episode's token history starts over, and why (an agent at the gateway edited or summarised
+    its conversation, so that the next prompt no longer extends what was sampled): the turns from
+    `turn_index` on are a new segment, their prompts re-encoded from the agent's messages, never a
+    silent re-tokenization of tokens already trained on."""
+
+    turn_index: NonNegInt  # the first turn of the new segment (its position in `Trajectory.turns`)
+    reason: str
+
+
 class Trajectory(Message):
     """A finished (or failed) episode with its reward."""
 
@@ -150,3 +162,6 @@ class Trajectory(Message):
     turns: list[TurnRecord] = msgspec.field(default_factory=list)
     created_at: UnixSeconds = 0.0
     finished_at: UnixSeconds = 0.0
+    # episodes driven by an external agent (the gateway): each turn after the first extends the previous turn's
+    # prompt and tokens exactly, except where a segment break says why it does not
+    segment_breaks: list[SegmentBreak] = msgspec.field(default_factory=list)

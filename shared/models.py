@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from .agentic.tool_env import SYSTEM_PROMPT as TOOLS_SYSTEM_PROMPT
 from .config import PositiveSeconds
 from .nats_server import state_dir
 
@@ -43,12 +44,44 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
 
-# Qwen-style chat template, so /v1/chat/completions can render messages to a prompt.
+# Qwen-style (ChatML) chat template, so /v1/chat/completions can render messages to a prompt. With `tools`
+# (the rollout gateway's agents) it renders them as ROSE's own tool format, which the policy learns from
+# the tool environments' expert traces (shared/agentic/tools.py): the system line a `ToolEnv` writes,
+# assistant tool calls as `<tool>NAME: ARGS</tool>` (a call's single argument as its raw text, more as
+# JSON) and tool results as `<result>...</result>`; so an agent that sends [user question] with a tool
+# gets the very prompt the built-in environment's episode starts with.
+_TOOLS_BEFORE, _TOOLS_AFTER = TOOLS_SYSTEM_PROMPT.split("{tools}")
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{%- set rest = messages %}"
+    "{%- if tools %}"
+    "{%- set line = '"
+    + _TOOLS_BEFORE
+    + "' + (tools | map(attribute='function.name') | sort(case_sensitive=true) | join(', ')) + '"
+    + _TOOLS_AFTER
+    + "' %}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0]['content'] + '\n\n' + line + '<|im_end|>\n' }}"
+    "{%- set rest = messages[1:] %}"
+    "{%- else %}{{ '<|im_start|>system\n' + line + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in rest %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set f = call['function'] if call.get('function') else call %}{%- set args = f['arguments'] %}"
+    "{{ '<tool>' + f['name'] + ': ' }}"
+    "{%- if args is mapping and args | length == 1 %}{{ args.values() | first }}"
+    "{%- elif args is string %}{{ args }}{%- else %}{{ args | tojson }}{%- endif %}"
+    "{{ '</tool>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<result>' + message['content'] + '</result><|im_end|>\n' }}"
+    "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 SERVING_DIRNAME = "serving"

@@ -25,7 +25,7 @@ Processes and time:
   batch starts; serving instances over the inter-cluster link (rose: delta; the others:
   full), rollout on them waits for it.
 
-Rollout workers follow services/rollout_worker/turns.py: every route request names the turn's
+Rollout workers follow shared/turns/runner.py: every route request names the turn's
 RL batch and its size (the scheduler's tail rule); an interrupted turn resumes elsewhere with
 its tokens (recompute), a refused one goes elsewhere, a straggler past the route's
 ``hedge_after_s`` (a turn on a lease) or max(2 s, 1.5 x the typical turn) asks the scheduler
@@ -55,13 +55,13 @@ from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapsh
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import Headroom, SloAlert
-from rose.services.rollout_worker.hedging import hedge_ask_again_after
 from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
 from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
 from rose.shared.devices import DEVICES, TRAIN_MFU, Roofline, SyncSpec, model_spec, rollout_tp, serving_tp, sync_seconds, train_seconds, usable_bytes
+from rose.shared.turns.hedging import hedge_ask_again_after
 from rose.shared.workload import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 
 from .candidates import CandidateCache
@@ -827,7 +827,7 @@ class Simulation:
             tr.deliver(min(per_fetch, len(tr.arrived)))
 
     def _turn(self, i: int, tid: str, gid: str, k: int, ctx: int, new_tokens: int, gen: float, prev: str, bid: tuple[str, int] = ("", 0)):
-        """One turn as the rollout worker runs it (services/rollout_worker/turns.py): route, generate;
+        """One turn as the rollout worker runs it (shared/turns/runner.py): route, generate;
         an interrupted attempt resumes elsewhere with its tokens; a bounced one goes elsewhere; a
         straggler gets a hedge when the scheduler's ``should_hedge`` agrees; the first result wins.
         Returns (finish time, device)."""

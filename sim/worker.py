@@ -7,7 +7,7 @@ from collections import deque
 
 import simpy
 
-# rollout worker defaults (services/rollout_worker/config.py, turns.py)
+# rollout worker defaults (shared/turns/settings.py, runner.py)
 HEDGE_MIN_S = 2.0
 HEDGE_FACTOR = 1.5
 TYPICAL_WINDOW = 64

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -30,10 +29,23 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from rose.shared.metrics import metrics_handler
+from rose.shared.openai_api import (
+    NEUTRAL_PARAMS,
+    ApiError,
+    StreamOptions,
+    chat_logprobs,
+    error_response,
+    finite,
+    json_body,
+    number,
+    refuse_unsupported,
+    stream_options,
+    unicode_text,
+)
+from rose.shared.openai_api import usage as usage_of
 from rose.shared.tracing import tracer
 
 from .backend import CoServingEngine
-from .http_server import read_body
 from .outputs import RequestHandle
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, StreamDelta, TopLogprobs, WorkClass
 from .telemetry import Telemetry
@@ -41,25 +53,6 @@ from .telemetry import Telemetry
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_CHOICES = 128  # prompts x n in one request (each is an engine request)
 SEED_SPAN = 2**64  # choice i samples with seed + i, wrapped into [-2**63, 2**63)
-LOGPROB_FLOOR = -9999.0  # a -inf / NaN logprob as a JSON number (vLLM's convention)
-# parameters accepted only at their neutral value: anything else asks for what this engine does not do
-NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "suffix": ("",),
-    "tools": ([],),
-    "functions": ([],),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "prompt_logprobs": (),
-    "use_beam_search": (False,),
-    "echo": (False,),
-}
 MODEL_CARDS: web.AppKey = web.AppKey("rose_model_cards", list)  # callables adding models served by other routes (the SGLang API's policy)
 LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
 
@@ -72,39 +65,6 @@ def lane_failure_body(failure) -> dict[str, Any]:
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapes: no span each
 
 
-def finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-def _error_response(err: ApiError) -> web.Response:
-    body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
-    return web.json_response(body, status=err.status)
-
-
-def _number(body: dict[str, Any], name: str, default: float | None, kind: type = float) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"`{name}` must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
-    return value
-
-
-def _unicode(text: str, param: str) -> str:
-    """`text` if it is valid Unicode; JSON may carry lone surrogates (e.g. "\\ud800"), which the tokenizer cannot take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(400, f"`{param}` is not valid Unicode text: {exc.reason} at position {exc.start}", param=param.split("[")[0]) from None
-    return text
-
-
 @dataclass(frozen=True)
 class Choice:
     """One engine request of an API request: its choice index, prompt and handle."""
@@ -112,12 +72,6 @@ class Choice:
     index: int
     prompt_ids: tuple[int, ...]
     handle: RequestHandle
-
-
-@dataclass(frozen=True)
-class StreamOptions:
-    include_usage: bool = False  # a last chunk with `usage` and empty `choices`
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, `usage` so far on every chunk too
 
 
 class OpenAIApi:
@@ -169,16 +123,16 @@ class OpenAIApi:
             return await handler(request)
         except ApiError as err:
             self._count_error(err.status)
-            return _error_response(err)
+            return error_response(err)
         except InvalidRequest as err:
             self._count_error(400)
-            return _error_response(ApiError(400, str(err), param=err.param))
+            return error_response(ApiError(400, str(err), param=err.param))
         except web.HTTPRequestEntityTooLarge as err:
             self._count_error(413)
-            return _error_response(ApiError(413, f"request body too large: {err.text}"))
+            return error_response(ApiError(413, f"request body too large: {err.text}"))
         except web.HTTPException as err:
             self._count_error(err.status)
-            return _error_response(ApiError(err.status, err.reason or "error", kind="invalid_request_error" if err.status < 500 else "server_error"))
+            return error_response(ApiError(err.status, err.reason or "error", kind="invalid_request_error" if err.status < 500 else "server_error"))
 
     def _count_error(self, status: int) -> None:
         self.telemetry.http_error(status)
@@ -186,15 +140,7 @@ class OpenAIApi:
     # ---- parsing ------------------------------------------------------------------------
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await read_body(request)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply to parse") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
+        body = await json_body(request)
         model = body.get("model")
         if model != self.model_name:
             others = [card()["id"] for card in request.app[MODEL_CARDS]]
@@ -205,12 +151,7 @@ class OpenAIApi:
                 param="model",
                 code="model_not_found",
             )
-        for name, neutral in NEUTRAL_PARAMS.items():
-            value = body.get(name)
-            if value is not None and value not in neutral:
-                raise ApiError(
-                    400, f"`{name}` is not supported by this executor (send it unset{' or ' + repr(neutral[0]) if neutral else ''})", param=name
-                )
+        refuse_unsupported(body, NEUTRAL_PARAMS, "this executor")
         return body
 
     def _sampling(self, body: dict[str, Any], max_tokens_field: str = "max_tokens", top_logprobs: int = 0) -> EngineSampling:
@@ -225,11 +166,11 @@ class OpenAIApi:
             raise ApiError(400, "`stop` must be a string or a list of strings", param="stop")
         max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
         params = EngineSampling(
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", None, int),
+            temperature=number(body, "temperature", 1.0),
+            top_p=number(body, "top_p", 1.0),
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else number({"max_tokens": max_tokens}, "max_tokens", None, int),
             stop=stops,
-            seed=_number(body, "seed", None, int),
+            seed=number(body, "seed", None, int),
             top_logprobs=top_logprobs,
         )
         try:
@@ -240,7 +181,7 @@ class OpenAIApi:
 
     @staticmethod
     def _n(body: dict[str, Any], prompts: int) -> int:
-        n = _number(body, "n", 1, int)
+        n = number(body, "n", 1, int)
         if n < 1:
             raise ApiError(400, f"`n` must be an integer >= 1, got {n}", param="n")
         if n * prompts > MAX_CHOICES:
@@ -250,27 +191,10 @@ class OpenAIApi:
             raise ApiError(400, f"`best_of` must be unset or equal to n ({n}): this executor returns every sample it draws", param="best_of")
         return n
 
-    @staticmethod
-    def _stream_options(body: dict[str, Any], stream: bool) -> StreamOptions:
-        options = body.get("stream_options")
-        if options is None:
-            return StreamOptions()
-        if not stream:
-            raise ApiError(400, "`stream_options` can only be set when `stream` is true", param="stream_options")
-        if not isinstance(options, dict):
-            raise ApiError(400, "`stream_options` must be an object", param="stream_options")
-        flags = {}
-        for name in ("include_usage", "continuous_usage_stats"):
-            value = options.get(name)
-            if value is not None and not isinstance(value, bool):
-                raise ApiError(400, f"`stream_options.{name}` must be a boolean", param="stream_options")
-            flags[name] = bool(value)
-        return StreamOptions(**flags)
-
     def _encode(self, text: str, param: str) -> tuple[int, ...]:
         if not text:
             raise ApiError(400, f"`{param}` is empty: send some text", param="prompt")
-        return tuple(self.tokenizer.encode(_unicode(text, param), add_special_tokens=False))
+        return tuple(self.tokenizer.encode(unicode_text(text, param), add_special_tokens=False))
 
     def _prompts(self, prompt: Any) -> list[tuple[int, ...]]:
         """Each prompt's token ids: a string, a list of token ids, or a batch (a list of either)."""
@@ -292,7 +216,7 @@ class OpenAIApi:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a role (system|user|assistant|tool) and string content", param="messages")
-            _unicode(m["content"], f"messages[{i}].content")
+            unicode_text(m["content"], f"messages[{i}].content")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -322,8 +246,7 @@ class OpenAIApi:
 
     @staticmethod
     def _usage(prompts: list[tuple[int, ...]], completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (as vLLM and OpenAI count)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        return usage_of(sum(len(p) for p in prompts), completion_tokens)  # each prompt once, whatever n (as vLLM and OpenAI count)
 
     # ---- logprobs ------------------------------------------------------------------------
 
@@ -348,16 +271,7 @@ class OpenAIApi:
         return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
 
     def _chat_logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[TopLogprobs, ...]) -> dict[str, Any]:
-        """The chat `logprobs` object: `content`, one entry per token with its `top_logprobs` (k entries)."""
-
-        def entry(token_id: int, lp: float) -> dict[str, Any]:
-            token = self._token(token_id)
-            return {"token": token, "logprob": finite(lp), "bytes": list(token.encode("utf-8", "replace"))}
-
-        content = []
-        for k, (t, lp) in enumerate(zip(token_ids, logprobs)):
-            content.append({**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (tops[k] if k < len(tops) else ())]})
-        return {"content": content, "refusal": None}
+        return chat_logprobs(self._token, token_ids, logprobs, tops)
 
     # ---- endpoints ----------------------------------------------------------------------
 
@@ -370,7 +284,7 @@ class OpenAIApi:
         prompts = self._prompts(body.get("prompt"))
         n = self._n(body, len(prompts))
         stream = bool(body.get("stream", False))
-        options = self._stream_options(body, stream)
+        options = stream_options(body, stream)
         choices = self._submit(prompts, n, sampling, stream)
         offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset of the next token)
 
@@ -403,7 +317,7 @@ class OpenAIApi:
         prompts = [self._chat_prompt_ids(body.get("messages"))]
         n = self._n(body, 1)
         stream = bool(body.get("stream", False))
-        options = self._stream_options(body, stream)
+        options = stream_options(body, stream)
         choices = self._submit(prompts, n, sampling, stream)
 
         def final(index: int, result: GenerationResult) -> dict[str, Any]:

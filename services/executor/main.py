@@ -21,6 +21,7 @@ from rose.contracts.registry import EXECUTOR_BURST, GENERATE
 from rose.contracts.slo import SloAlert
 from rose.shared.bursts import BurstTrip
 from rose.shared.bus import Bus
+from rose.shared.http_server import HardenedAppRunner
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
@@ -31,7 +32,6 @@ from .config import MIB, ExecutorConfig
 from .emulated import EMULATED_PREFIX, emulation_spec
 from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
-from .http_server import HardenedAppRunner
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
 from .protocol import WorkClass
@@ -93,7 +93,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
 
 
 async def serve_http(api: OpenAIApi, config: ExecutorConfig) -> tuple[web.AppRunner, str]:
-    runner = HardenedAppRunner(api.app, access_log=None)  # a deadline on request heads (see http_server.py)
+    runner = HardenedAppRunner(api.app, access_log=None)  # a deadline on request heads (see shared/http_server.py)
     await runner.setup()
     site = web.TCPSite(runner, config.http.host, config.http.port)
     await site.start()

@@ -51,11 +51,13 @@ from aiohttp import web
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from rose.shared.http_server import read_body, same_secret
+from rose.shared.openai_api import ApiError, unicode_text
+
 from . import http_api
 from .config import SGLangApiSettings
 from .engine import Engine
-from .http_api import MODEL_CARDS, ApiError, _unicode
-from .http_server import read_body, same_secret
+from .http_api import MODEL_CARDS
 from .outputs import RequestHandle
 from .policy_updates import PolicyUpdates
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, WorkClass
@@ -383,7 +385,7 @@ class SGLangApi:
             for i, t in enumerate(texts):
                 if not t:
                     raise ApiError(400, "`text` is empty: send some text", param="text")
-                out.append(tuple(self.tokenizer.encode(_unicode(t, f"text[{i}]"), add_special_tokens=False)))
+                out.append(tuple(self.tokenizer.encode(unicode_text(t, f"text[{i}]"), add_special_tokens=False)))
             return out, batch
         if ids is None:
             raise ApiError(400, "Either text or input_ids should be provided.", param="input_ids")

@@ -20,8 +20,7 @@ from rose.shared.agentic.env_emulated import TURN_BUDGETS_ARG
 from rose.shared.agentic.envs import ENVIRONMENTS, Environment
 from rose.shared.agentic.tools import EnvironmentFailure
 from rose.shared.bus import Bus, Delivery
-
-from .turns import TurnRunner, TurnSpec
+from rose.shared.turns.runner import TurnRunner, TurnSpec
 
 log = logging.getLogger(__name__)
 

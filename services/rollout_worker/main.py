@@ -13,10 +13,10 @@ from rose.shared.agentic import agentic_envs  # noqa: F401  (registers the arith
 from rose.shared.agentic.env_code import configure_registered_code_env
 from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
+from rose.shared.turns.runner import TurnRunner
 
 from .config import RolloutWorkerConfig
 from .telemetry import InstrumentedEpisodes
-from .turns import TurnRunner
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 Token-in, token-out: the worker builds each turn's prompt by appending the previous turn's
 tokens and the tokenized observation, so the last turn's prompt plus its tokens contains
 every earlier turn at the same positions. One sequence per trajectory then carries every
-generated token; a trajectory whose turns do not line up (a foreign producer) falls back to
-one sequence per turn. Only generated tokens are trained on; prompts and observations are
-context.
+generated token; where a turn does not line up with the one before it (an external agent's
+segment break at the gateway, a foreign producer), the turns split into runs that do, one
+sequence each. Only generated tokens are trained on; prompts and observations are context.
 """
 
 from __future__ import annotations
@@ -30,31 +30,38 @@ def _valid(turn: TurnRecord) -> bool:
     return len(turn.token_ids) == len(turn.logprobs) and len(turn.token_ids) > 0
 
 
+def _lines_up(earlier: TurnRecord, later: TurnRecord) -> bool:
+    """`later`'s prompt holds `earlier`'s prompt and tokens at the same positions (token in, token out)."""
+    held = len(earlier.prompt_token_ids) + len(earlier.token_ids)
+    return later.prompt_token_ids[:held] == list(earlier.prompt_token_ids) + list(earlier.token_ids)
+
+
+def _runs(turns: list[TurnRecord]) -> list[list[TurnRecord]]:
+    """Maximal runs of consecutive turns that line up (an agent's segment breaks, a foreign producer's turns split them)."""
+    runs = [[turns[0]]]
+    for turn in turns[1:]:
+        if _lines_up(runs[-1][-1], turn):
+            runs[-1].append(turn)
+        else:
+            runs.append([turn])
+    return runs
+
+
 def sequences_of(trajectory: Trajectory) -> list[Sequence]:
+    """One sequence per run of turns that line up: the run's last prompt and tokens, every turn's tokens trained on."""
     turns = [t for t in trajectory.turns if _valid(t)]
     if not turns:
         return []
-    version = min(t.policy_version for t in turns)
-    last = turns[-1]
-    full = list(last.prompt_token_ids) + list(last.token_ids)
-    if all(full[len(t.prompt_token_ids) : len(t.prompt_token_ids) + len(t.token_ids)] == list(t.token_ids) for t in turns):
+    out = []
+    for run in _runs(turns):
+        last = run[-1]
+        full = list(last.prompt_token_ids) + list(last.token_ids)
         mask, old = [False] * len(full), [0.0] * len(full)
-        for t in turns:
+        for t in run:
             start = len(t.prompt_token_ids)
             for i, lp in enumerate(t.logprobs):
                 mask[start + i], old[start + i] = True, lp
-        return [Sequence(full, mask, old, version=version)]
-    out = []
-    for t in turns:
-        n = len(t.prompt_token_ids)
-        out.append(
-            Sequence(
-                list(t.prompt_token_ids) + list(t.token_ids),
-                [False] * n + [True] * len(t.token_ids),
-                [0.0] * n + list(t.logprobs),
-                version=t.policy_version,
-            )
-        )
+        out.append(Sequence(full, mask, old, version=min(t.policy_version for t in run)))
     return out
 
 

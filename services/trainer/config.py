@@ -61,6 +61,9 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     problems: NonNegInt = 0  # 0: a fresh problem for every group; N: cycle through a fixed set of N (a prompt dataset, in epochs)
     # the emulated job's workload (env "emulated", shared/workload.py RolloutSpec fields that differ from its defaults)
     workload: dict[str, float] = msgspec.field(default_factory=dict)
+    # hand the tasks to the rollout gateway's external agents (rollout.agent_task) instead of the rollout workers' environments;
+    # the environment still names the problem and the reward function (services/gateway/rewards.py)
+    agent: bool = False
 
     def __post_init__(self) -> None:
         from rose.shared.agentic.agentic_envs import tool_env_names  # noqa: PLC0415 - loads the envs

@@ -67,7 +67,7 @@ import time
 import torch
 
 from rose.client.weights import WeightsClient
-from rose.contracts.registry import HEADROOM, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
+from rose.contracts.registry import AGENT_TASK, HEADROOM, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
 from rose.contracts.slo import Headroom
 from rose.contracts.training import TrainingStep
 from rose.contracts.weights import VERSION_NOT_NEWER
@@ -194,7 +194,7 @@ class Trainer:
                 task.routing, task.created_at = t.routing, time.time()
                 # the step's batch, for the scheduler's tail rule (placement.in_tail)
                 task.batch_id, task.batch_size = f"{self.run_id}-s{step}", g.groups_per_step * g.group_size
-                await self.bus.publish(ROLLOUT_TASK, task, msg_id=task.task_id)
+                await self.bus.publish(AGENT_TASK if t.agent else ROLLOUT_TASK, task, msg_id=task.task_id)
         self.emitted_steps = max(self.emitted_steps, step + 1)
         self.handed_out_at = time.monotonic()
 

@@ -1,4 +1,4 @@
-"""The tool environments inside the real rollout worker (episode.py + turns.py) on the real bus,
+"""The tool environments inside the real rollout worker (episode.py + shared/turns/runner.py) on the real bus,
 with a stand-in scheduler and a stand-in executor that "generates" scripted completions: the
 token bookkeeping, tool calls, rewards and the failure path, end to end through the worker."""
 
@@ -11,14 +11,14 @@ import pytest
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN, TRAJECTORY
 from rose.contracts.rollout import Trajectory, TurnRoute, TurnRouteRequest
-from rose.services.rollout_worker.config import TurnSettings
 from rose.services.rollout_worker.episode import EpisodeRunner
-from rose.services.rollout_worker.turns import TurnRunner
 from rose.services.trainer.local_rollout import Tokens
 from rose.shared.agentic import agentic_envs  # noqa: F401 - registers the envs
 from rose.shared.agentic.envs import ENVIRONMENTS, register
 from rose.shared.bus import Delivery
 from rose.shared.models import load_tokenizer
+from rose.shared.turns.runner import TurnRunner
+from rose.shared.turns.settings import TurnSettings
 from rose.testing.agentic import BrokenEnv
 
 EXECUTOR = "ex-agentic-standin"

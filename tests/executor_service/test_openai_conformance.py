@@ -262,7 +262,7 @@ async def test_bad_chat_values_are_bad_requests(client):
 async def test_a_request_head_sent_slowly_is_cut_off_by_the_server(executor):
     """A client sending its headers at one byte a second (slowloris) is disconnected by the server
     within the head deadline; a client that sends its head in time then trickles the body is served."""
-    from rose.services.executor.http_server import HEAD_READ_TIMEOUT_S
+    from rose.shared.http_server import HEAD_READ_TIMEOUT_S
 
     url = urlsplit(executor[1])
     reader, writer = await asyncio.open_connection(url.hostname, url.port)

@@ -48,7 +48,7 @@ from rose.contracts.weights import WeightPublishRequest
 from rose.services.executor import main as executor_main
 from rose.services.executor.config import EngineSettings, ExecutorConfig, ModelsConfig
 from rose.services.rollout_worker import main as worker_main
-from rose.services.rollout_worker.config import RolloutWorkerConfig, TurnSettings
+from rose.services.rollout_worker.config import RolloutWorkerConfig
 from rose.services.scheduler import main as scheduler_main
 from rose.services.scheduler.config import LeaseSettings, SchedulerConfig
 from rose.services.slo_monitor import main as monitor_main
@@ -61,6 +61,7 @@ from rose.shared.models import POLICY_DIRNAME, PolicyModelRef, load_model
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.tracing import tracer
+from rose.shared.turns.settings import TurnSettings
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
 from rose.testing.polling import until

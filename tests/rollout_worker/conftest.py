@@ -1,5 +1,6 @@
 """A whole elastic fleet as real processes on its own nats-server (so a test may restart it):
-a serving executor, a dedicated executor, the SLO monitor, the scheduler and a rollout worker."""
+a serving executor, a dedicated executor, the SLO monitor, the scheduler, a rollout worker and a
+rollout gateway (running GATEWAY_AGENT for each agent task)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.testing.fleet import DEDICATED, SERVING, WORKER
+from rose.testing.fleet import DEDICATED, GATEWAY, SERVING, WORKER
 
 START_TIMEOUT_S = 120.0
 
@@ -28,6 +29,23 @@ EXECUTOR = {
 }
 SCHEDULER = {"ROSE_TICK_S": "0.2", "ROSE_LEASES__TTL_S": "4", "ROSE_LEASES__RENEW_BEFORE_S": "2", "ROSE_LEASES__COOLDOWN_S": "1"}
 MONITOR = {"ROSE_HEADROOM_INTERVAL_S": "0.3"}
+# An agent that takes four turns whatever the policy says (a user nudge after each answer), slowly enough that a
+# gateway killed mid-episode leaves turns checkpointed, then posts its reward; deterministic given the answers.
+GATEWAY_AGENT = """
+import json, os, sys, time, urllib.request
+import openai
+
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+messages = [{"role": "user", "content": sys.argv[1]}]
+for _ in range(4):
+    reply = client.chat.completions.create(model="rose-policy", messages=messages).choices[0].message
+    messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "Go on."}]
+    time.sleep(0.4)
+request = urllib.request.Request(os.environ["ROSE_EPISODE_URL"] + "/reward", data=json.dumps({"reward": 1.0}).encode(),
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+urllib.request.urlopen(request).read()
+"""
+GATEWAY_ENV = {"ROSE_CONCURRENCY": "4", "ROSE_ACK_WAIT_S": "6", "ROSE_TURNS__MAX_TOKENS": "8", "ROSE_TURNS__GENERATE_TIMEOUT_S": "15"}
 WORKER_ENV = {
     "ROSE_CONCURRENCY": "4",
     "ROSE_ACK_WAIT_S": "10",
@@ -66,12 +84,15 @@ async def fleet(tmp_path_factory, models_dir):
     root = tmp_path_factory.mktemp("elastic")
     server = NatsServer(root / "nats").start()
     env = {"NATS_URL": server.url, "ROSE_MODELS__DIR": str(models_dir), **COMMON}
+    (root / "agent.py").write_text(GATEWAY_AGENT)
+    gateway = {**env, **GATEWAY_ENV, "ROSE_AGENT__SCRIPT": str(root / "agent.py"), "ROSE_AGENT__LOGS_DIR": str(root / "agents")}
     procs = {
         "serving": ServiceProcess("executor", SERVING, {**env, **EXECUTOR, "ROSE_ROLE": "serving"}, root / "serving.log"),
         "dedicated": ServiceProcess("executor", DEDICATED, {**env, **EXECUTOR, "ROSE_ROLE": "dedicated"}, root / "dedicated.log"),
         "monitor": ServiceProcess("slo_monitor", "mon-e2e", {**env, **MONITOR}, root / "monitor.log"),
         "scheduler": ServiceProcess("scheduler", "sched-e2e", {**env, **SCHEDULER}, root / "scheduler.log"),
         "worker": ServiceProcess("rollout_worker", WORKER, {**env, **WORKER_ENV}, root / "worker.log"),
+        "gateway": ServiceProcess("gateway", GATEWAY, gateway, root / "gateway.log"),
     }
     bus = Bus(BusConfig(url=server.url, initial_connect_deadline_s=10.0, drain_timeout_s=2.0), service="tests", instance="e2e")
     await bus.connect()

@@ -1,7 +1,8 @@
 """Rollout end to end on real processes: multi-turn episodes routed turn by turn, under leases and on
 the dedicated executor; then chaos (kill -9 the opportunistic executor and the worker mid-rollout,
 restart the NATS server) with nothing lost and nothing duplicated. Also: a turn in flight when its
-lease is revoked comes back at once with the tokens it made, to be resumed elsewhere by recompute."""
+lease is revoked comes back at once with the tokens it made, to be resumed elsewhere by recompute;
+and external agents' episodes through the rollout gateway process, which is killed mid-episode."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import uuid
 import msgspec
 
 from rose.contracts.executor import GenerateRequest, SamplingParams
-from rose.contracts.registry import GENERATE, LEASE, ROLLOUT_TASK
+from rose.contracts.registry import AGENT_TASK, EPISODE_EVENT, GENERATE, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY
 from rose.contracts.rollout import RolloutTask
-from rose.testing.fleet import DEDICATED, SERVING
+from rose.testing.fleet import DEDICATED, GATEWAY, SERVING
 
 TRAJECTORY_TIMEOUT_S = 150.0
 
@@ -127,3 +128,46 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
     assert len(mine) == len({t.trajectory_id for t in mine}), "a trajectory was published twice"
     assert any(r.attempts > 1 for t in got.values() for r in t.turns) or any(r.executor_id == SERVING for t in got.values() for r in t.turns)
+
+
+async def test_agents_through_the_gateway_survive_its_kill(fleet):
+    """Agent tasks on the real gateway process: kill -9 it once some turns are checkpointed, start it again;
+    every episode ends with its four turns, each extending the last token for token, the turns checkpointed
+    before the kill answered from their records (the relaunched agent replays them), none published twice."""
+    bus, tag = fleet.bus, f"agents-{uuid.uuid4().hex[:6]}"
+    ended: list = []
+
+    async def on_event(event, _d):
+        if event.kind == "ended":
+            ended.append(event)
+
+    await bus.subscribe(EPISODE_EVENT, on_event)
+    ids = set()
+    for i in range(4):
+        task = RolloutTask(task_id=f"{tag}-{i}", env="arithmetic", prompt=f"What is {i}+{i}?", max_turns=6, group_id=tag, group_size=4)
+        task.env_args.update({"seed": str(i), "max_tokens": "8"})
+        await bus.publish(AGENT_TASK, task, msg_id=task.task_id)
+        ids.add(task.task_id)
+    before = len(fleet.trajectories)
+    for _ in range(600):  # until some episode has turns checkpointed, none has finished
+        beat = await bus.kv_get(SERVICE_REGISTRY, service="gateway", instance=GATEWAY)
+        if beat is not None and beat.load.get("turns", 0) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    fleet.proc("gateway").kill()
+    assert not {t.task_id for t in fleet.trajectories[before:]} & ids, "an episode finished before the kill"
+    fleet.proc("gateway").start()
+    got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
+    assert set(got) == ids
+    for t in got.values():
+        assert t.status == "completed" and t.reward == 1.0 and len(t.turns) == 4 and t.segment_breaks == [], t.reason
+        for prev, cur in zip(t.turns, t.turns[1:]):
+            assert cur.prompt_token_ids[: len(prev.prompt_token_ids) + len(prev.token_ids)] == prev.prompt_token_ids + prev.token_ids
+        assert all(r.executor_id in (SERVING, DEDICATED) and len(r.logprobs) == len(r.token_ids) for r in t.turns)
+    later = [r for t in got.values() for r in t.turns[1:]]  # routed with cache affinity on the episode's growing prefix
+    assert sum(r.prefix_cached_tokens > 0 for r in later) >= len(later) // 2, [r.prefix_cached_tokens for r in later]
+    mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
+    assert len(mine) == len(ids), "a trajectory was published twice"
+    beat = await bus.kv_get(SERVICE_REGISTRY, service="gateway", instance=GATEWAY)
+    assert beat.load["restored_turns"] >= 1 and beat.load["replayed_turns"] >= 1, beat.load
+    assert {e.episode_id for e in ended} >= ids

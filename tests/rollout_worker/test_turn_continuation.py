@@ -31,9 +31,9 @@ from rose.contracts.rollout import RolloutTask, TurnRoute, TurnRouteRequest
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.leases import DEDICATED_LEASE_ID, LeaseGuard
 from rose.services.executor.rollout_api import RolloutApi
-from rose.services.rollout_worker.config import TurnSettings
-from rose.services.rollout_worker.turns import TurnRunner, TurnSpec
 from rose.shared.models import load_model, load_tokenizer
+from rose.shared.turns.runner import TurnRunner, TurnSpec
+from rose.shared.turns.settings import TurnSettings
 
 MIB = 1 << 20
 CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)

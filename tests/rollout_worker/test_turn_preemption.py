@@ -7,9 +7,10 @@ from __future__ import annotations
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN
 from rose.contracts.rollout import RolloutTask, TurnRoute, TurnRouteRequest
-from rose.services.rollout_worker.config import RolloutWorkerConfig, TurnSettings
-from rose.services.rollout_worker.turns import TurnRunner, TurnSpec
+from rose.services.rollout_worker.config import RolloutWorkerConfig
 from rose.shared.config import load_config
+from rose.shared.turns.runner import TurnRunner, TurnSpec
+from rose.shared.turns.settings import TurnSettings
 
 
 def spec(trajectory: str) -> TurnSpec:

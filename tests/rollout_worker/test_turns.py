@@ -8,8 +8,8 @@ import asyncio
 from rose.contracts.executor import GenerateReply, GenerateRequest
 from rose.contracts.registry import GENERATE, ROUTE_TURN
 from rose.contracts.rollout import RolloutTask, TurnRoute, TurnRouteRequest
-from rose.services.rollout_worker.config import TurnSettings
-from rose.services.rollout_worker.turns import TurnRunner, TurnSpec
+from rose.shared.turns.runner import TurnRunner, TurnSpec
+from rose.shared.turns.settings import TurnSettings
 
 SETTINGS = TurnSettings(hedge_min_s=0.3, hedge_factor=1.5, generate_timeout_s=20.0, retry_backoff_s=0.05)
 

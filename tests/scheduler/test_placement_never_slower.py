@@ -197,7 +197,7 @@ def test_a_hedge_may_go_to_the_previous_turn_s_executor():
 async def test_a_turn_parked_by_a_burst_gets_a_dedicated_duplicate(bus):
     """The scheduler's route, on the real bus: a burst revokes the lease (its turns park until a new lease or the
     park's end); a second turn stuck there past its typical time, whose first turn ran on the dedicated executor, is
-    duplicated there, as the worker asks (services/rollout_worker/turns.py: previous turn's executor, primary excluded)."""
+    duplicated there, as the worker asks (shared/turns/runner.py: previous turn's executor, primary excluded)."""
     await bus.kv_delete(LEASE, executor_id="ex-pk-serving")
     s = Scheduler(SchedulerConfig(), bus)
     d = Delivery("test")

@@ -19,8 +19,9 @@ def test_quick_bench_blocks_every_attack(tmp_path):
     rows = result["rows"]
     assert result["attacks_tried"] == len(rows) >= 25
     assert all(set(r) == ROW_KEYS and isinstance(r["blocked"], bool) and r["evidence"] for r in rows)
-    assert {r["category"] for r in rows} == {"bus", "unpickler", "http", "sandbox"}, result["notes"]
+    assert {r["category"] for r in rows} == {"bus", "unpickler", "http", "sandbox", "gateway"}, result["notes"]
     assert {r["as_user"] for r in rows if r["category"] == "sandbox"} == {"root", "nobody"}, result["notes"]
     assert {r["as_user"] for r in rows if r["category"] == "bus"} >= {"rollout_worker", "trainer"}
+    assert sum(r["category"] == "gateway" for r in rows) == 13
     not_blocked = [r for r in rows if not r["blocked"]]
     assert result["attacks_blocked"] == result["attacks_tried"], not_blocked

@@ -38,8 +38,8 @@ from rose.contracts.rollout import RolloutTask, TurnRecord, TurnRoute, TurnRoute
 from rose.shared.bus import Bus
 from rose.shared.tracing import tracer
 
-from .config import TurnSettings
 from .hedging import hedge_ask_again_after
+from .settings import TurnSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The executor's HTTP server: aiohttp with the limits a public endpoint needs (see docs/http-api.md).
+"""The HTTP server of ROSE's public endpoints (the executor's APIs, the gateway's): aiohttp with the
+limits a public endpoint needs (see docs/http-api.md).
 
 aiohttp bounds the body size (``client_max_size``) and the header size, and closes idle
 keep-alive connections, but it has no deadline for *receiving* a request head: a client that
