@@ -107,6 +107,10 @@ ROLLOUT_DOMINATED_JOB = {
     "ROSE_GRPO__EPOCHS": "1",  # the demo's 2 epochs double the training time of a step
     "ROSE_TASKS__MAX_TURNS": "4",  # an episode that has not answered yet gets another turn (the demo: 3)
     "ROSE_TASKS__MAX_TOKENS": "32",  # per turn (the demo: 16): longer turns, a longer tail
+    # a fresh AdamW's first step moves every weight by the whole lr: offline at seed 11 (the same job, local
+    # sampling) lr 5e-3 took the reward from 0.14 to 0 in one step for good, 2 epochs at 1e-3 to 0 for two steps;
+    # ramped over 10 steps, neither fell (docs/benchmarks.md, 2026-12-04)
+    "ROSE_GRPO__LR_WARMUP_STEPS": "10",
 }
 START_TIMEOUT_S = 240.0
 WARM_START_TIMEOUT_S = 600.0

@@ -21,6 +21,10 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # trajectories per task
     groups_per_step: PositiveInt = 4
     lr: Positive = 1e-4
+    # the lr rises linearly to `lr` over this many steps: a fresh AdamW's first steps move every weight by the
+    # full lr whatever its gradient (its second moment is one sample), which threw a warm-started tiny policy off
+    # (bench e2e at seed 11: reward 0.14 -> 0 after one step at lr 5e-3; docs/benchmarks.md, 2026-12-04)
+    lr_warmup_steps: NonNegInt = 0
     clip_eps: Positive = 0.2
     max_grad_norm: Positive = 1.0
     max_staleness: NonNegInt = 2  # versions a trajectory may lag the trainer and still be trained on

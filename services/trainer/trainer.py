@@ -93,6 +93,11 @@ SFT_EVAL_SEEDS = range(1_000_000, 1_000_032)  # held out from the training trace
 DEGENERATE_STEPS_LIMIT = 8  # skipped steps in a row (every group's rewards equal) that end a job: see `_degenerate_job_ends`
 
 
+def warmed_up_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The lr of GRPO step `step` (0-based): rising linearly to `lr` over `warmup_steps` (grpo.lr_warmup_steps)."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
+
+
 def task_seed(base: int, step: int, group: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}:{step}:{group}".encode()).digest()[:4], "little")
 
@@ -355,6 +360,8 @@ class Trainer:
         mb = self.config.grpo.micro_batch
         batches = [pad(seqs[i : i + mb], self.tokens.pad_id) for i in range(0, len(seqs), mb)]
         g = self.config.grpo
+        for group in self.optimizer.param_groups:  # from the step count, which a checkpoint keeps: a resumed run goes on
+            group["lr"] = warmed_up_lr(g.lr, g.lr_warmup_steps, self.steps)
         s = grpo_step(self.model, self.optimizer, batches, clip_eps=g.clip_eps, max_grad_norm=g.max_grad_norm, epochs=g.epochs)
         return {"loss": s.loss, "tokens": s.tokens, "clip_fraction": s.clip_fraction, "mean_ratio": s.mean_ratio, "approx_kl": s.approx_kl}
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
 from rose.contracts.rollout import Trajectory, TurnRecord
 from rose.services.trainer.batch import Sequence, pad, sequences_of, token_logprobs
+from rose.services.trainer.config import GrpoSettings
 from rose.services.trainer.groups import GroupCollector
 from rose.services.trainer.grpo import group_advantages, grpo_loss, grpo_step
+from rose.services.trainer.trainer import warmed_up_lr
 from rose.shared.models import ModelShape, build_model
 
 TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -152,3 +155,13 @@ async def test_a_step_takes_exactly_its_groups_oldest_first_and_leaves_the_rest_
     collector.expect("s2-g0", 1)
     collector.add(traj("t-s2", "s2-g0", 1.0))
     assert await Trainer.next_groups(owner, stopped) == [] and list(collector.groups) == ["s2-g0"]
+
+
+def test_the_lr_warms_up_linearly_from_the_step_count():
+    """grpo.lr_warmup_steps: step k (0-based) trains at lr x (k + 1) / warmup, then at lr; 0 turns it off.
+    Derived from the step count alone, so a resumed run continues the ramp where the checkpoint left it."""
+    assert [warmed_up_lr(1e-3, 4, k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert warmed_up_lr(1e-3, 0, 0) == 1e-3
+    assert msgspec.convert({"lr_warmup_steps": 10}, GrpoSettings).lr_warmup_steps == 10
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"lr_warmup_steps": -1}, GrpoSettings)
