@@ -35,7 +35,7 @@ from pathlib import Path
 
 from rose.shared.workload import RolloutSpec
 
-from .ceiling import speedup_ceiling_over
+from .ceiling import share_of_gain, speedup_ceiling_over
 from .engine import Infeasible, SimConfig, simulate
 from .policies import POLICIES
 
@@ -323,14 +323,6 @@ def _median(xs: list[float]) -> float | None:
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
-def priced_share(row: dict) -> float | None:
-    """The share of the priced gain rose took: (rose - 1) / (speedup_ceiling_kv - 1); None without a gain to take."""
-    ceiling, speedup = row.get("speedup_ceiling_kv"), row.get("speedup_vs_static")
-    if ceiling is None or speedup is None or ceiling <= 1.0 + 1e-9:
-        return None
-    return (speedup - 1.0) / (ceiling - 1.0)
-
-
 def priced_shares(rose_rows: list[dict]) -> dict:
     """Per (serving, policy) model pair, over rose's rows with demand >= 2: the median and least share of the priced gain."""
     out: dict = {}
@@ -341,7 +333,7 @@ def priced_shares(rose_rows: list[dict]) -> dict:
         entry = out.setdefault(label, dict(rows=0, shares=[], speedups=[], no_gain_to_take=0))
         entry["rows"] += 1
         entry["speedups"].append(r["speedup_vs_static"])
-        share = priced_share(r)
+        share = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_kv"))
         if share is None:
             entry["no_gain_to_take"] += 1
         else:

@@ -52,3 +52,10 @@ def speedup_ceiling_over(static: dict, capacity: float | None, pipelined: bool) 
         return None
     tail_s = static["tail_fraction"] * static["rollout_s_per_step"]  # after 90 % of its trajectories finished
     return speedup_ceiling(capacity, 3600.0 / static["rl_steps_per_hour"], static["train_s_per_step"], tail_s, pipelined)
+
+
+def share_of_gain(speedup: float | None, ceiling: float | None) -> float | None:
+    """The share of a ceiling's gain a speedup took: (speedup - 1) / (ceiling - 1); None without a gain to take."""
+    if speedup is None or ceiling is None or ceiling <= 1.0 + 1e-9:
+        return None
+    return (speedup - 1.0) / (ceiling - 1.0)
