@@ -34,11 +34,14 @@ finished trajectory's turns (model error of its placement predictions) as the se
 Batches and prefix-cache draws have random streams of their own, so every policy rolls out
 the same batches.
 
+Partial rollouts (``over_provision``, grpo.over_provision): the first batch goes out with k
+groups more, each step trains on the first N complete groups and the rest roll on into the next
+steps (``_trainer_pipelined``, also without prefetch: synchronous RL); a group whose trajectories
+started more than ``max_staleness`` versions before the step is dropped, counted.
+
 Not simulated: executor failures, the worker's per-attempt timeout (its 60 s default is sized
-for the tiny CPU models), partial rollout, dropping stale trajectories (the pipelined trainer
-hands out at most ``max_staleness`` steps ahead, so none would be), the trainer's time to hand
-out a batch (~0.1-0.2 s per step on the e2e box), preemption inside a running batch when a
-lease shrinks.
+for the tiny CPU models), the trainer's time to hand out a batch (~0.1-0.2 s per step on the
+e2e box), preemption inside a running batch when a lease shrinks.
 """
 
 from __future__ import annotations
