@@ -958,6 +958,26 @@ class Simulation:
         train_s = self._train_seconds(batch.tokens())
         return train_s + sync_seconds(self.policy_weight_bytes, "full", c.sync, cross_cluster=False)
 
+    def _critical_paths(self, batch) -> np.ndarray:
+        """Per trajectory of ``batch``: the least seconds any placement can roll it out in, its turns in
+        sequence, each alone on the fastest instance the policy runs on (batch 1, the whole device,
+        its prefix cached) and its tools' latencies between them. No capacity makes a step's rollout
+        shorter than its slowest trajectory's (the ceiling's latency bound, ceiling.py)."""
+        out = np.zeros(batch.n)
+        for i in range(batch.n):
+            k = int(batch.turns[i])
+            gen = batch.gen[i, :k].astype(float)
+            new = np.r_[float(batch.prompt[i]), batch.tool_tokens[i, : k - 1].astype(float)]
+            before = np.cumsum(new) + np.r_[0.0, np.cumsum(gen)[:-1]]  # context once a turn's new tokens are in
+            cached = before - new
+            mid = before + gen / 2.0
+            turn_s = np.minimum(
+                self.pperf_d.prefill_s(new, cached) + gen * self.pperf_d.decode_s(1.0, mid),
+                self.pperf_s.prefill_s(new, cached) + gen * self.pperf_s.decode_s(1.0, mid),
+            )
+            out[i] = float(turn_s.sum()) + float(batch.tool_s[i, : k - 1].sum())
+        return out
+
     def _batch_shape(self) -> tuple[int, int]:
         c = self.cfg
         inst_kv_tokens = self.dedicated_kv / self.kvb_p
@@ -989,6 +1009,7 @@ class Simulation:
             t_roll = env.now
             self.inst.ready_at[: self.n_serv] = t0 + sync_srv
             batch = sample_batch(c.rollout, trajectories, self.batch_rng, bundle)
+            critical_s = float(self._critical_paths(batch).max()) if batch.n else 0.0
             t.bundle = batch.bundle
             t.alloc(batch.n)
             procs = [env.process(self._trajectory(step, i, batch)) for i in range(batch.n)]
@@ -1015,6 +1036,7 @@ class Simulation:
                     sync_serving_s=sync_srv,
                     step_s=env.now - t0,
                     tail_s=tail_s,
+                    critical_s=critical_s,
                     trajectories=batch.trajectories,
                     bundle=batch.bundle,
                     tokens=tokens,
@@ -1096,6 +1118,11 @@ class Simulation:
             taken, tr.ready_groups = tr.ready_groups[:per_step], tr.ready_groups[per_step:]
             waited = env.now - t0
             rollout_s, tail_s = tr.took(taken, t0, env.now)
+            # without prefetch, the least rollout time of this step: it needs N complete groups, of which at most the k
+            # carried ones may be done already; the rest come from the batch handed out at its start
+            fresh = sorted(tr.batch_info[step]["group_crit"]) if not tr.pipelined and step in tr.batch_info else []
+            need = per_step - (0 if step == 0 else extra // group_rows)
+            critical_s = fresh[need - 1] if fresh and 1 <= need <= len(fresh) else 0.0
             tokens = sum(t for _, _, t in taken)
             train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
@@ -1125,6 +1152,7 @@ class Simulation:
                     # without prefetch (partial rollouts only) a step's rollout is from its start to its groups in hand
                     rollout_s=rollout_s if not tr.pipelined else float("nan"),
                     tail_s=tail_s,
+                    critical_s=critical_s,
                     generated=sum(tr.group_generated[(b, g)] for b, g, _ in taken),
                 )
             )
@@ -1153,8 +1181,11 @@ class Simulation:
             for i in range(batch.n)
         ]
         group_tokens = [float(sum(per_traj[g * group_rows : (g + 1) * group_rows])) for g in range(groups)]
+        crit = self._critical_paths(batch)
+        group_crit = []
         for g in range(groups):
             rows = range(g * group_rows, min(batch.n, (g + 1) * group_rows))
+            group_crit.append(float(crit[list(rows)].max()))
             tr.group_generated[(b, g)] = int(sum(int(batch.gen[i, : int(batch.turns[i])].sum()) for i in rows)) * batch.bundle
         tr.handed_tokens += float(sum(per_traj))
         tr.handed_trajectories += batch.trajectories
@@ -1166,6 +1197,7 @@ class Simulation:
             finished=[],
             left=left,
             group_fins=[[] for _ in range(groups)],  # finish times of each group's trajectories (the step's tail)
+            group_crit=sorted(group_crit),  # each group's least rollout time (``_critical_paths``), shortest first
             group_rows=group_rows,
             bundle=batch.bundle,
             group_tokens=group_tokens,
@@ -1242,6 +1274,7 @@ class Simulation:
             if tr.trained_trajectories and tr.handed_trajectories
             else None,
             tail_s_per_step=float(np.mean([s["tail_s"] for s in rollouts])) if rollouts else float("nan"),
+            critical_s_per_step=float(np.mean([s.get("critical_s", 0.0) for s in steps])) if steps else 0.0,
             early_hand_outs=tr.early_hand_outs,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),
