@@ -330,6 +330,7 @@ def priced_shares(rose_rows: list[dict]) -> dict:
         if (r.get("rollout_demand") or 0) < 2:
             continue
         label = r["model"] if r.get("policy_model", r["model"]) == r["model"] else f"{r['model']} serving / {r['policy_model']} policy"
+        label += f", over-provision {r['over_provision']:g}" if r.get("over_provision") else ""
         entry = out.setdefault(label, dict(rows=0, shares=[], speedups=[], no_gain_to_take=0))
         entry["rows"] += 1
         entry["speedups"].append(r["speedup_vs_static"])
