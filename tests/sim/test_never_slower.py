@@ -151,3 +151,17 @@ def test_no_capacity_makes_a_synchronous_rollout_shorter_than_its_slowest_trajec
     paths = sim._critical_paths(batch)
     tools = [float(batch.tool_s[i, : int(batch.turns[i]) - 1].sum()) for i in range(batch.n)]
     assert all(p > t for p, t in zip(paths, tools))  # every turn takes time beside its tools
+
+
+def test_the_grid_gives_the_serving_model_and_the_policy_their_own_sizes():
+    from rose.sim.bench import model_pairs
+
+    assert model_pairs(("7B", "70B")) == [("7B", "7B"), ("70B", "70B")]  # --models: each as both
+    assert model_pairs(("7B",), serving_models=("70B",), policy_models=("7B", "14B")) == [("70B", "7B"), ("70B", "14B")]
+    configs = grid_configs(
+        models=("7B",), serving_models=("70B",), fleets=(32,), demands=(2.0,), ratios=(0.125,), modes=("sync",), policies=("rose",), steps=1
+    )
+    (cfg,) = configs
+    assert (cfg.model, cfg.policy_model, cfg.rollout_gpu_ratio, cfg.over_provision) == ("70B", "7B", 0.125, 0.0)
+    sim = Simulation(cfg)  # a serving instance holds the 70B serving model and a 7B policy copy (156 GB: TP4), the pool is sized for the 7B
+    assert (sim.tp_s, sim.tp_r, sim.n_ded) == (4, 1, 4)
