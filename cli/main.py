@@ -286,6 +286,9 @@ def _cmd_bench_sim(args: argparse.Namespace) -> int:
         seed=args.seed,
         seeds=tuple(args.seeds or ()),
         models=models,
+        serving_models=tuple(args.serving_model or ()),
+        policy_models=tuple(args.policy_model or ()),
+        over_provision=tuple(args.over_provision or (0.0,)),
         fleets=fleets,
         demands=demands,
         ratios=ratios,
@@ -635,7 +638,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)"
     )
-    b.add_argument("--models", nargs="+", default=None, choices=["7B", "14B", "32B", "70B"], help="model sizes (default: all four)")
+    b.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="model sizes, each as serving model and policy (default: all four)",
+    )
+    b.add_argument(
+        "--serving-model",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="the serving fleet's model sizes, each with every --policy-model (default: --models)",
+    )
+    b.add_argument(
+        "--policy-model",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="the RL policy's sizes, each beside every --serving-model (default: --models)",
+    )
+    b.add_argument(
+        "--over-provision",
+        nargs="+",
+        type=float,
+        default=None,
+        help="partial rollouts: hand a step's batch out with this share of its groups more, train on the first complete, carry the rest "
+        "(grpo.over_provision; default: 0, none)",
+    )
     b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
     b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
     b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
@@ -650,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)",
     )
-    b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.25 0.5)")
+    b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.125 0.25 0.5)")
     b.add_argument(
         "--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)"
     )

@@ -35,14 +35,14 @@ from pathlib import Path
 
 from rose.shared.workload import RolloutSpec
 
-from .ceiling import speedup_ceiling_over
+from .ceiling import share_of_gain, speedup_ceiling_over
 from .engine import Infeasible, SimConfig, simulate
 from .policies import POLICIES
 
 MODELS = ("7B", "14B", "32B", "70B")
 FLEETS = (8, 16, 32, 64)
 DEMANDS = (1.0, 2.0, 4.0)
-RATIOS = (0.25, 0.5)
+RATIOS = (0.125, 0.25, 0.5)
 MODES = ("sync", "async")
 QUICK_MODELS = ("7B",)
 QUICK_FLEETS = (8,)
@@ -63,7 +63,7 @@ def _run(cfg: SimConfig) -> dict:
     try:
         out = simulate(cfg)
     except Infeasible as exc:
-        out = {"model": cfg.model, "gpus": cfg.gpus, "policy": cfg.policy, "infeasible": str(exc)}
+        out = {"model": cfg.model, "policy_model": cfg.policy_model or cfg.model, "gpus": cfg.gpus, "policy": cfg.policy, "infeasible": str(exc)}
     out["policy"] = policy_label(cfg)
     return out
 
@@ -72,7 +72,7 @@ def _cost(cfg: SimConfig) -> float:
     """Rough relative cost, to start the slow configurations first."""
     return (
         cfg.gpus
-        * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.model, 1.0)
+        * {"7B": 4.0, "14B": 2.0, "32B": 1.0, "70B": 0.6}.get(cfg.policy_model or cfg.model, 1.0)
         * (1.0 + cfg.rollout.oversubscription)
         * (1.5 if cfg.prefetch_steps else 1.0)
     )
@@ -84,13 +84,30 @@ def mode_of(cfg: SimConfig) -> str:
 
 def _axes(cfg: SimConfig, out: dict) -> dict:
     """The grid's axes on a result (rows keep their fields and add these)."""
-    out.update(rollout_demand=cfg.rollout.oversubscription, dedicated_ratio=cfg.rollout_gpu_ratio, mode=mode_of(cfg), seed=cfg.seed)
+    out.update(
+        serving_model=cfg.model,
+        policy_model=cfg.policy_model or cfg.model,
+        rollout_demand=cfg.rollout.oversubscription,
+        dedicated_ratio=cfg.rollout_gpu_ratio,
+        mode=mode_of(cfg),
+        over_provision=cfg.over_provision,
+        seed=cfg.seed,
+    )
     return out
 
 
 def config_key(r: dict) -> tuple:
     """One configuration of the grid: every policy of it is compared against its static and elastic runs (of the same seed)."""
-    return (r["model"], r["gpus"], r.get("rollout_demand"), r.get("dedicated_ratio"), r.get("mode"), r.get("seed"))
+    return (
+        r["model"],
+        r.get("policy_model", r["model"]),
+        r["gpus"],
+        r.get("rollout_demand"),
+        r.get("dedicated_ratio"),
+        r.get("mode"),
+        r.get("over_provision", 0.0),
+        r.get("seed"),
+    )
 
 
 def run_grid(configs: list[SimConfig], jobs: int, progress=None) -> list[dict]:
@@ -121,11 +138,14 @@ def rows_of(results: list[dict]) -> list[dict]:
         static, elastic = by.get((*key, "static")), by.get((*key, "elastic_baseline"))
         row = {
             "model": r["model"],
+            "serving_model": r.get("serving_model", r["model"]),
+            "policy_model": r.get("policy_model", r["model"]),
             "gpus": r["gpus"],
             "policy": r["policy"],
             "rollout_demand": r.get("rollout_demand"),
             "dedicated_ratio": r.get("dedicated_ratio"),
             "mode": r.get("mode"),
+            "over_provision": r.get("over_provision", 0.0),
             "seed": r.get("seed"),
         }
         if "infeasible" in r:
@@ -185,6 +205,10 @@ def rows_of(results: list[dict]) -> list[dict]:
                     "serving_capacity_rps_per_instance",
                     "simulated_s",
                     "staleness_mean",
+                    "staleness_max",
+                    "stale_groups_dropped",
+                    "length_bias",
+                    "tail_s_per_step",
                     "early_hand_outs",
                     "trainer_wait_s_per_step",
                     "placements",
@@ -299,6 +323,30 @@ def _median(xs: list[float]) -> float | None:
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
+def priced_shares(rose_rows: list[dict]) -> dict:
+    """Per (serving, policy) model pair, over rose's rows with demand >= 2: the median and least share of the priced gain."""
+    out: dict = {}
+    for r in rose_rows:
+        if (r.get("rollout_demand") or 0) < 2:
+            continue
+        label = r["model"] if r.get("policy_model", r["model"]) == r["model"] else f"{r['model']} serving / {r['policy_model']} policy"
+        label += f", over-provision {r['over_provision']:g}" if r.get("over_provision") else ""
+        entry = out.setdefault(label, dict(rows=0, shares=[], speedups=[], no_gain_to_take=0))
+        entry["rows"] += 1
+        entry["speedups"].append(r["speedup_vs_static"])
+        share = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_kv"))
+        if share is None:
+            entry["no_gain_to_take"] += 1
+        else:
+            entry["shares"].append(share)
+    for entry in out.values():
+        shares = entry.pop("shares")
+        entry["median_share"] = _median(shares)
+        entry["min_share"] = min(shares) if shares else None
+        entry["median_speedup"] = _median(entry.pop("speedups"))
+    return out
+
+
 def targets_of(rows: list[dict]) -> dict:
     """The issue's bars over rose's rows, per mode and overall, with the figures they are judged on."""
     out: dict = {}
@@ -325,6 +373,12 @@ def targets_of(rows: list[dict]) -> dict:
             ),
             median_rollout_time_ratio_vs_elastic=_median(rollout),
             rose_slo_violation_instance_s=sum(r["slo_violations"] or 0.0 for r in rs),
+            per_model=priced_shares(rs),
+            small_pool_at_high_ceiling=[
+                dict(at=f"{r['model']}/{r['gpus']} {_axes_label(r)}", rose=r["speedup_vs_static"], ceiling_kv=r["speedup_ceiling_kv"])
+                for r in rs
+                if r.get("dedicated_ratio") == 0.125 and (r.get("speedup_ceiling_kv") or 0.0) >= 2.4
+            ],
         )
         fig["meets"] = dict(
             never_below_static=fig["min_speedup"] >= 1.0 - 1e-9,
@@ -333,6 +387,9 @@ def targets_of(rows: list[dict]) -> dict:
             rollout_vs_elastic_at_least_1_2=fig["median_rollout_time_ratio_vs_elastic"] is not None
             and fig["median_rollout_time_ratio_vs_elastic"] >= 1.2,
             zero_slo_violations=fig["rose_slo_violation_instance_s"] == 0,
+            priced_share_median_at_least_0_7=all((e["median_share"] or 0.0) >= 0.7 for e in fig["per_model"].values()),
+            priced_share_never_below_0_4=all((e["min_share"] if e["min_share"] is not None else 1.0) >= 0.4 for e in fig["per_model"].values()),
+            small_pool_at_least_2_where_ceiling_2_4=all(x["rose"] >= 2.0 for x in fig["small_pool_at_high_ceiling"]),
         )
         out[mode] = fig
     return out
@@ -391,11 +448,21 @@ def _plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def grid_configs(*, models, fleets, demands, ratios, modes, policies, steps: int, **common) -> list[SimConfig]:
+def model_pairs(models, serving_models=(), policy_models=()) -> list[tuple[str, str]]:
+    """(serving model, policy) sizes: every serving model with every policy when either list is given
+    (the other defaults to ``models``), else each of ``models`` as both."""
+    if serving_models or policy_models:
+        return [(s, p) for s in (serving_models or models) for p in (policy_models or models)]
+    return [(m, m) for m in models]
+
+
+def grid_configs(
+    *, models, fleets, demands, ratios, modes, policies, steps: int, serving_models=(), policy_models=(), over_provision=(0.0,), **common
+) -> list[SimConfig]:
     """The grid's configurations; async runs one step more (its rate is measured between training steps)."""
     out = []
-    for m in models:
-        for g in fleets:
+    for m, pm in model_pairs(models, serving_models, policy_models):
+        for g, op in [(g, op) for g in fleets for op in over_provision]:
             for d in demands:
                 for q in ratios:
                     for mode in modes:
@@ -403,6 +470,8 @@ def grid_configs(*, models, fleets, demands, ratios, modes, policies, steps: int
                             out.append(
                                 SimConfig(
                                     model=m,
+                                    policy_model=pm,
+                                    over_provision=op,
                                     gpus=g,
                                     policy=p,
                                     rollout=replace(RolloutSpec(), oversubscription=d),
@@ -421,6 +490,9 @@ def run_sim_bench(
     seed: int = 0,
     seeds: tuple[int, ...] = (),
     models=MODELS,
+    serving_models=(),
+    policy_models=(),
+    over_provision=(0.0,),
     fleets=FLEETS,
     demands=DEMANDS,
     ratios=RATIOS,
@@ -453,6 +525,9 @@ def run_sim_bench(
         for s in seeds
         for c in grid_configs(
             models=models,
+            serving_models=serving_models,
+            policy_models=policy_models,
+            over_provision=over_provision,
             fleets=fleets,
             demands=demands,
             ratios=ratios,
@@ -480,8 +555,12 @@ def run_sim_bench(
         if console is None or len(done) < wanted:
             return
         rose, static, elastic = done.get("rose"), done.get("static"), done.get("elastic_baseline")
-        label = f"{key[0]:>4} {key[1]:>3} GPUs, demand {key[2]:g}x, dedicated {key[3]:g}, {key[4]:<5}" + (
-            f", seed {key[5]}" if len(seeds) > 1 else ""
+        serving, policy, gpus, demand, ratio, mode, over, seed = key
+        models = serving if policy == serving else f"{serving} serving, {policy} policy,"
+        label = (
+            f"{models:>4} {gpus:>3} GPUs, demand {demand:g}x, dedicated {ratio:g}, {mode:<5}"
+            + (f", over-provision {over:g}" if over else "")
+            + (f", seed {seed}" if len(seeds) > 1 else "")
         )
         if rose is None or "infeasible" in rose or static is None or "infeasible" in static:
             console.print(f"{label}: infeasible" if rose is not None and "infeasible" in rose else f"{label}: done")
@@ -493,8 +572,8 @@ def run_sim_bench(
             else ""
         )
         capacity = rose.get("rollout_capacity_ceiling")
-        most = speedup_ceiling_over(static, capacity, key[4] == "async")
-        priced = speedup_ceiling_over(static, rose.get("rollout_capacity_ceiling_kv"), key[4] == "async")
+        most = speedup_ceiling_over(static, capacity, mode == "async")
+        priced = speedup_ceiling_over(static, rose.get("rollout_capacity_ceiling_kv"), mode == "async")
         ceiling = f" (ceiling {most:.2f}x; {priced:.2f}x at the lent KV's batch)" if most is not None and priced is not None else ""
         on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
         console.print(
@@ -544,6 +623,8 @@ def run_sim_bench(
             "slo_tpot_ms": slo_tpot_ms,
             "quantum_ms": quantum_ms,
             "models": list(models),
+            "model_pairs": [list(p) for p in model_pairs(models, serving_models, policy_models)],
+            "over_provision": list(over_provision),
             "fleets": list(fleets),
             "rollout_demands": list(demands),
             "dedicated_ratios": list(ratios),
@@ -613,6 +694,12 @@ def run_sim_bench(
                 "rollout vs elastic median "
                 f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
                 + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
+            )
+        for label, e in (targets.get("all") or {}).get("per_model", {}).items():
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            console.print(
+                f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
+                f"least {fmt(e['min_share'])}; rose/static median {fmt(e['median_speedup'])}"
             )
         for n in notes:
             console.print(f"- {n}")

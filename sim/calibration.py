@@ -193,7 +193,12 @@ def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True)
 
             def signals(d: int, st0: ServingTick = st0) -> Signals:  # st0 of this tick (bound now, not when called)
                 return executor_signals(
-                    float(t[d]), st0.batch[d], float(st0.iteration_s[d]) * 1e3, slo_tpot * 1e3, serving_max_batch=bc.BENCH_CONFIG.serving_max_batch
+                    float(t[d]),
+                    st0.batch[d],
+                    float(st0.iteration_s[d]) * 1e3,
+                    slo_tpot * 1e3,
+                    serving_max_batch=bc.BENCH_CONFIG.serving_max_batch,
+                    gpu_engine=False,
                 )
 
             extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req, signals)

@@ -33,16 +33,26 @@ def lane_value(lane_batch: float, lane_step_s: float, lane_tp: int, dedicated_ba
     return min(1.0, lane / dedicated) if dedicated > 0 else 1.0
 
 
-def speedup_ceiling(capacity: float, static_step_s: float, train_s: float, tail_s: float, pipelined: bool) -> float:
+def speedup_ceiling(
+    capacity: float, static_step_s: float, train_s: float, tail_s: float, pipelined: bool, rollout_s: float = 0.0, critical_s: float = 0.0
+) -> float:
     """The most RL steps/h over static that a rollout capacity ``capacity`` x the dedicated pool's can buy
     (Amdahl): synchronous, training and the rollout's tail (``tail_s``: after 90 % of the trajectories
     finished, the longest ones' turns in sequence) stay, the rest of static's step shrinks by
     ``capacity``; asynchronous, rollout overlaps training and the next batch fills the tail, so a step
-    takes at least its training or static's step shrunk by ``capacity``."""
+    takes at least its training or static's step shrunk by ``capacity``.
+
+    Synchronous, the rollout (``rollout_s`` of static's step) also takes at least ``critical_s``, its
+    slowest trajectory's turns in sequence each at the fastest per-token speed (engine.py
+    ``_critical_paths``): where static's pool already runs the whole batch at once, the batch is bound by
+    its trajectories' latency, and capacity buys only the speed a smaller batch per instance gives."""
     if pipelined:
         return static_step_s / max(train_s, static_step_s / capacity)
     fixed = min(static_step_s, train_s + tail_s)
-    return static_step_s / (fixed + (static_step_s - fixed) / capacity)
+    step = fixed + (static_step_s - fixed) / capacity
+    if critical_s > 0 and rollout_s > 0:
+        step = max(step, static_step_s - rollout_s + min(critical_s, rollout_s))
+    return static_step_s / step
 
 
 def speedup_ceiling_over(static: dict, capacity: float | None, pipelined: bool) -> float | None:
@@ -51,4 +61,19 @@ def speedup_ceiling_over(static: dict, capacity: float | None, pipelined: bool) 
     if capacity is None or static.get("infeasible") or not static.get("rl_steps_per_hour"):
         return None
     tail_s = static["tail_fraction"] * static["rollout_s_per_step"]  # after 90 % of its trajectories finished
-    return speedup_ceiling(capacity, 3600.0 / static["rl_steps_per_hour"], static["train_s_per_step"], tail_s, pipelined)
+    return speedup_ceiling(
+        capacity,
+        3600.0 / static["rl_steps_per_hour"],
+        static["train_s_per_step"],
+        tail_s,
+        pipelined,
+        static["rollout_s_per_step"],
+        static.get("critical_s_per_step", 0.0),
+    )
+
+
+def share_of_gain(speedup: float | None, ceiling: float | None) -> float | None:
+    """The share of a ceiling's gain a speedup took: (speedup - 1) / (ceiling - 1); None without a gain to take."""
+    if speedup is None or ceiling is None or ceiling <= 1.0 + 1e-9:
+        return None
+    return (speedup - 1.0) / (ceiling - 1.0)

@@ -34,11 +34,14 @@ finished trajectory's turns (model error of its placement predictions) as the se
 Batches and prefix-cache draws have random streams of their own, so every policy rolls out
 the same batches.
 
+Partial rollouts (``over_provision``, grpo.over_provision): the first batch goes out with k
+groups more, each step trains on the first N complete groups and the rest roll on into the next
+steps (``_trainer_pipelined``, also without prefetch: synchronous RL); a group whose trajectories
+started more than ``max_staleness`` versions before the step is dropped, counted.
+
 Not simulated: executor failures, the worker's per-attempt timeout (its 60 s default is sized
-for the tiny CPU models), partial rollout, dropping stale trajectories (the pipelined trainer
-hands out at most ``max_staleness`` steps ahead, so none would be), the trainer's time to hand
-out a batch (~0.1-0.2 s per step on the e2e box), preemption inside a running batch when a
-lease shrinks.
+for the tiny CPU models), the trainer's time to hand out a batch (~0.1-0.2 s per step on the
+e2e box), preemption inside a running batch when a lease shrinks.
 """
 
 from __future__ import annotations
@@ -133,6 +136,11 @@ class SimConfig:
     # (at most max_staleness: a batch rolled out further ahead would be dropped as stale), see ``_trainer_pipelined``
     prefetch_steps: int = 0
     max_staleness: int = 2
+    # partial rollouts across steps (grpo.over_provision, APRIL's over-provisioning): a step's batch goes out with this
+    # share of its groups more (N + k), the trainer takes the first N complete groups and the unfinished ones roll on
+    # into the next steps (their tokens keep the versions they were sampled with), dropped past max_staleness, counted;
+    # > 0 also in synchronous mode (``_trainer_pipelined`` with no prefetch)
+    over_provision: float = 0.0
     early_hand_out: bool = True  # grpo.early_hand_out: one more batch out while a step waits and no executor has a rollout queue
     worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
     trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)
@@ -806,6 +814,7 @@ class Simulation:
         if info is not None:
             info["last"] = max(info["last"], finish)
             info["finished"].append(finish)
+            info["group_fins"][i // info["group_rows"]].append(finish)
             tr = self.trainer
             tr.arrived.append((info, i))
             if self.cfg.trajectory_fetch_s <= 0:
@@ -949,6 +958,26 @@ class Simulation:
         train_s = self._train_seconds(batch.tokens())
         return train_s + sync_seconds(self.policy_weight_bytes, "full", c.sync, cross_cluster=False)
 
+    def _critical_paths(self, batch) -> np.ndarray:
+        """Per trajectory of ``batch``: the least seconds any placement can roll it out in, its turns in
+        sequence, each alone on the fastest instance the policy runs on (batch 1, the whole device,
+        its prefix cached) and its tools' latencies between them. No capacity makes a step's rollout
+        shorter than its slowest trajectory's (the ceiling's latency bound, ceiling.py)."""
+        out = np.zeros(batch.n)
+        for i in range(batch.n):
+            k = int(batch.turns[i])
+            gen = batch.gen[i, :k].astype(float)
+            new = np.r_[float(batch.prompt[i]), batch.tool_tokens[i, : k - 1].astype(float)]
+            before = np.cumsum(new) + np.r_[0.0, np.cumsum(gen)[:-1]]  # context once a turn's new tokens are in
+            cached = before - new
+            mid = before + gen / 2.0
+            turn_s = np.minimum(
+                self.pperf_d.prefill_s(new, cached) + gen * self.pperf_d.decode_s(1.0, mid),
+                self.pperf_s.prefill_s(new, cached) + gen * self.pperf_s.decode_s(1.0, mid),
+            )
+            out[i] = float(turn_s.sum()) + float(batch.tool_s[i, : k - 1].sum())
+        return out
+
     def _batch_shape(self) -> tuple[int, int]:
         c = self.cfg
         inst_kv_tokens = self.dedicated_kv / self.kvb_p
@@ -963,7 +992,7 @@ class Simulation:
         return train_seconds(self.pmodel, tokens, self.trainer_gpus, self.device, c.train_mfu)
 
     def _trainer(self):
-        if self.cfg.prefetch_steps > 0:
+        if self.cfg.prefetch_steps > 0 or self.cfg.over_provision > 0:
             yield from self._trainer_pipelined()
             return
         c, env, t = self.cfg, self.env, self.turns
@@ -980,6 +1009,7 @@ class Simulation:
             t_roll = env.now
             self.inst.ready_at[: self.n_serv] = t0 + sync_srv
             batch = sample_batch(c.rollout, trajectories, self.batch_rng, bundle)
+            critical_s = float(self._critical_paths(batch).max()) if batch.n else 0.0
             t.bundle = batch.bundle
             t.alloc(batch.n)
             procs = [env.process(self._trajectory(step, i, batch)) for i in range(batch.n)]
@@ -1006,6 +1036,7 @@ class Simulation:
                     sync_serving_s=sync_srv,
                     step_s=env.now - t0,
                     tail_s=tail_s,
+                    critical_s=critical_s,
                     trajectories=batch.trajectories,
                     bundle=batch.bundle,
                     tokens=tokens,
@@ -1038,20 +1069,24 @@ class Simulation:
           its training and the groups it needs allow.
         """
         c, env, tr = self.cfg, self.env, self.trainer
-        tr.pipelined = True
-        p = max(1, min(c.prefetch_steps, max(1, c.max_staleness)))
+        p = max(1, min(c.prefetch_steps, max(1, c.max_staleness))) if c.prefetch_steps > 0 else 0
+        tr.pipelined = p > 0
+        tr.partial = c.over_provision > 0
         tr.effective_prefetch = p
         self.mon.active_from = c.warmup_s - PREWARM_S  # a batch is rolling out nearly always: rose's monitor never rests
         yield env.timeout(c.warmup_s)
+        started = env.now
         trajectories, bundle = self._batch_shape()
         self.worker.size(env, c.worker_concurrency, bundle)
         n = math.ceil(trajectories / bundle)
-        early = c.early_hand_out and p < c.max_staleness  # as Trainer.hands_out_early
-        slots = (c.max_staleness if early else p) + 2  # turn-table slot groups: batches in flight at once, and one spare
-        self.turns.bundle = bundle
-        self.turns.alloc(slots * n)
         group_rows = max(1, int(round(c.rollout.group_size / bundle)))
         per_step = math.ceil(n / group_rows)
+        # over-provisioning: the first batch goes out with k groups more, then each step's hand-out refills the N it took
+        extra = math.ceil(c.over_provision * per_step) * group_rows if c.over_provision > 0 else 0
+        early = c.early_hand_out and 1 <= p < c.max_staleness  # as Trainer.hands_out_early
+        slots = (c.max_staleness if early else max(p, c.max_staleness if extra else 0)) + 2  # turn-table slot groups: batches in flight, one spare
+        self.turns.bundle = bundle
+        self.turns.alloc(slots * (n + extra))
         wp = self.policy_weight_bytes
         sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
         sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
@@ -1061,30 +1096,43 @@ class Simulation:
         tr.arrival_evt = None
         if c.trajectory_fetch_s > 0:
             env.process(self._consumer())
+        last_done = started if not tr.pipelined else None
         yield env.timeout(sync_ded)  # the first version reaches the dedicated pool
+        if not tr.pipelined:  # synchronous: serving lanes roll out once they have the step's version, as ``_trainer``
+            self.inst.ready_at[: self.n_serv] = started + sync_srv
         for b in range(p + 1):
-            yield from self._hand_out(b, trajectories, bundle, n, slots, group_rows)
+            yield from self._hand_out(b, trajectories + (extra * bundle if b == 0 else 0), bundle, n + extra, slots, group_rows)
         handed = p + 1
-        last_done = env.now
+        last_done = env.now if last_done is None else last_done
         for step in range(c.steps):
             t0 = env.now
             while len(tr.ready_groups) < per_step:
                 if early and handed - step <= c.max_staleness and handed < c.steps and self.capacity.idle(env.now, since=tr.handed_out_at):
-                    yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
+                    yield from self._hand_out(handed, trajectories, bundle, n + extra, slots, group_rows)
                     handed += 1
                     tr.early_hand_outs += 1
                 yield env.timeout(GROUP_POLL_S)
+                tr.drop_stale(step, c.max_staleness)  # as GroupCollector.expire: past the bound, dropped whole, counted
             # as Trainer.next_groups: exactly one step's worth, oldest first, the rest kept for the next step
             tr.ready_groups.sort(key=lambda g: (g[0], g[1]))
             taken, tr.ready_groups = tr.ready_groups[:per_step], tr.ready_groups[per_step:]
             waited = env.now - t0
+            rollout_s, tail_s = tr.took(taken, t0, env.now)
+            # without prefetch, the least rollout time of this step: it needs N complete groups, of which at most the k
+            # carried ones may be done already; the rest come from the batch handed out at its start
+            fresh = sorted(tr.batch_info[step]["group_crit"]) if not tr.pipelined and step in tr.batch_info else []
+            need = per_step - (0 if step == 0 else extra // group_rows)
+            critical_s = fresh[need - 1] if fresh and 1 <= need <= len(fresh) else 0.0
             tokens = sum(t for _, _, t in taken)
             train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
+            if not tr.pipelined:
+                self.inst.ready_at[: self.n_serv] = env.now + sync_srv
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})
             # versions between the one a group's batch was handed out at and the one trained on
             staleness = float(np.mean([step - tr.batch_version[b] for b, _, _ in taken])) if taken else 0.0
+            tr.trained_lags.extend(step - tr.batch_version[b] for b, _, _ in taken)
             tr.steps.append(
                 dict(
                     step=step,
@@ -1101,13 +1149,16 @@ class Simulation:
                     staleness=staleness,
                     trajectories=trajectories,
                     bundle=bundle,
-                    rollout_s=float("nan"),
-                    generated=0,
+                    # without prefetch (partial rollouts only) a step's rollout is from its start to its groups in hand
+                    rollout_s=rollout_s if not tr.pipelined else float("nan"),
+                    tail_s=tail_s,
+                    critical_s=critical_s,
+                    generated=sum(tr.group_generated[(b, g)] for b, g, _ in taken),
                 )
             )
             last_done = env.now
             if handed < step + 1 + p + 1:  # the lead back to p (not when a batch went out early meanwhile)
-                yield from self._hand_out(handed, trajectories, bundle, n, slots, group_rows)
+                yield from self._hand_out(handed, trajectories, bundle, n + extra, slots, group_rows)
                 handed += 1
         self.done.succeed()
 
@@ -1130,6 +1181,14 @@ class Simulation:
             for i in range(batch.n)
         ]
         group_tokens = [float(sum(per_traj[g * group_rows : (g + 1) * group_rows])) for g in range(groups)]
+        crit = self._critical_paths(batch)
+        group_crit = []
+        for g in range(groups):
+            rows = range(g * group_rows, min(batch.n, (g + 1) * group_rows))
+            group_crit.append(float(crit[list(rows)].max()))
+            tr.group_generated[(b, g)] = int(sum(int(batch.gen[i, : int(batch.turns[i])].sum()) for i in rows)) * batch.bundle
+        tr.handed_tokens += float(sum(per_traj))
+        tr.handed_trajectories += batch.trajectories
         info: dict[str, Any] = dict(
             batch=b,
             handed=env.now,
@@ -1137,7 +1196,10 @@ class Simulation:
             last=env.now,
             finished=[],
             left=left,
+            group_fins=[[] for _ in range(groups)],  # finish times of each group's trajectories (the step's tail)
+            group_crit=sorted(group_crit),  # each group's least rollout time (``_critical_paths``), shortest first
             group_rows=group_rows,
+            bundle=batch.bundle,
             group_tokens=group_tokens,
             generated=batch.generated(),
             trajectories=batch.trajectories,
@@ -1201,7 +1263,18 @@ class Simulation:
             prefetch_steps=tr.effective_prefetch,
             trainer_wait_s_per_step=float(np.median([s["wait_s"] for s in steps[1:]])) if tr.pipelined and len(steps) > 1 else None,
             groups_per_trained_step=float(np.mean([s["groups"] for s in steps])) if tr.pipelined and steps else None,
-            staleness_mean=float(np.mean([s["staleness"] for s in steps])) if tr.pipelined and steps else 0.0,
+            staleness_mean=float(np.mean([s["staleness"] for s in steps])) if (tr.pipelined or tr.partial) and steps else 0.0,
+            # partial rollouts: the most versions a trained group lagged, the complete groups dropped past max_staleness, and
+            # the length bias of what completes first (mean tokens of a trained trajectory over a handed-out one's)
+            over_provision=c.over_provision,
+            policy_model=c.policy_model or c.model,
+            staleness_max=max(tr.trained_lags, default=0),
+            stale_groups_dropped=tr.stale_groups,
+            length_bias=(tr.trained_tokens / tr.trained_trajectories) / (tr.handed_tokens / tr.handed_trajectories)
+            if tr.trained_trajectories and tr.handed_trajectories
+            else None,
+            tail_s_per_step=float(np.mean([s["tail_s"] for s in rollouts])) if rollouts else float("nan"),
+            critical_s_per_step=float(np.mean([s.get("critical_s", 0.0) for s in steps])) if steps else 0.0,
             early_hand_outs=tr.early_hand_outs,
             train_s_per_step=float(np.mean([s["train_s"] for s in steps])) if steps else float("nan"),
             sync_serving_s=float(steps[0]["sync_serving_s"]) if steps else float("nan"),

@@ -46,7 +46,7 @@ from rose.services.slo_monitor.windows import WindowStats
 from rose.shared.devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from rose.shared.workload import RolloutSpec, mean_context
 
-from .ceiling import speedup_ceiling_over
+from .ceiling import share_of_gain, speedup_ceiling_over
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
 from .policies import executor_signals, monitor_settings
@@ -298,6 +298,7 @@ def speedup_by_demand(
                 "speedup": speedup,
                 "speedup_ceiling": ceiling,  # what the fleet's rollout capacity allows at most (ceiling.py)
                 "speedup_ceiling_kv": priced,  # the same with a lane priced at the lent KV's batch (an estimate)
+                "share_of_priced_gain": share_of_gain(speedup, priced),  # (speedup - 1) / (speedup_ceiling_kv - 1)
                 "rose_slo_violations": ro["slo_violations"],
                 "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
                 "pays": pays,
@@ -398,6 +399,7 @@ def run_plan(
             "rose steps/h",
             "speedup",
             "ceiling (at the lent KV)",
+            "share of the priced gain",
             "lending pays",
             "why",
         )
@@ -405,7 +407,7 @@ def run_plan(
             dt.add_column(col, justify="right")
         for d in result["speedup_by_demand"]:
             if d["speedup"] is None:
-                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "-", "no", d["why"])
+                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "-", "-", "no", d["why"])
                 continue
             dt.add_row(
                 f"{d['rollout_demand']:g}x",
@@ -414,6 +416,7 @@ def run_plan(
                 f"{d['rose_rl_steps_per_hour']:.2f}",
                 f"{d['speedup']:.2f}x",
                 "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x ({d['speedup_ceiling_kv']:.2f}x)",
+                "-" if d["share_of_priced_gain"] is None else f"{d['share_of_priced_gain']:.0%}",
                 "yes" if d["pays"] else "no",
                 d["why"],
             )

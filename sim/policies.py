@@ -128,10 +128,23 @@ def monitor_settings(
 
 
 def executor_signals(
-    now: float, serving_running: float, serving_iteration_ms: float, slo_tpot_ms: float, serving_max_batch: int = MAX_SERVING_BATCH
+    now: float,
+    serving_running: float,
+    serving_iteration_ms: float,
+    slo_tpot_ms: float,
+    serving_max_batch: int = MAX_SERVING_BATCH,
+    *,
+    gpu_engine: bool = True,
 ) -> Signals:
     """The engine's Signals at a quantum boundary, in the steady state of one simulated second
-    (no prefill pending: yields to pending prefills are accounted for by the caller)."""
+    (no prefill pending: yields to pending prefills are accounted for by the caller).
+
+    The engine described is the one the emulated fleet runs (services/executor/device.py
+    ``EmulatedDevice``, a GPU engine with CUDA graphs): serving's stream outranks rollout's
+    (``priority_streams``), rollout decodes by graph replay (``rollout_decode_graphs``) and its
+    forwards do not share the serving lane's interpreter (``shares_interpreter`` False: the
+    interpreter-lock slowdown of a CPU executor does not apply). ``gpu_engine`` False: the CPU
+    executor's engine, as ``rose bench coserve`` runs it (calibration.py)."""
     return Signals(
         now=now,
         serving_prefill_pending=0,
@@ -139,4 +152,7 @@ def executor_signals(
         serving_iteration_ms=serving_iteration_ms,
         slo_tpot_ms=slo_tpot_ms,
         serving_max_batch=serving_max_batch,
+        priority_streams=gpu_engine,
+        rollout_decode_graphs=gpu_engine,
+        shares_interpreter=not gpu_engine,
     )

@@ -31,6 +31,15 @@ class TrainerState:
         self.batch_version: dict[int, int] = {}  # batch -> the steps trained when it was handed out (its trajectories' version)
         self.handed_out_at = float("-inf")  # the last hand-out (capacity reports before it do not count)
         self.early_hand_outs = 0  # batches handed out while a step waited, capacity idle (grpo.early_hand_out)
+        # partial rollouts (``over_provision``): what was trained against what was handed out, and what went stale
+        self.partial = False
+        self.group_generated: dict[tuple[int, int], int] = {}  # (batch, group) -> tokens its trajectories generated
+        self.handed_tokens = 0.0  # every token of every trajectory handed out (prompt, generated, tool)
+        self.handed_trajectories = 0
+        self.trained_tokens = 0.0
+        self.trained_trajectories = 0
+        self.trained_lags: list[int] = []  # per trained group: versions between its hand-out and the step that trained it
+        self.stale_groups = 0  # complete groups dropped past max_staleness (GroupCollector.expire)
 
     def deliver(self, k: int) -> None:
         """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""
@@ -50,3 +59,25 @@ class TrainerState:
                 p90 = float(fin[int(0.9 * (len(fin) - 1))]) if len(fin) else info["last"]
                 info["tail"] = max(0.0, info["last"] - p90)
                 self.batch_spans.append(dict(batch=b, rollout_s=info["span"], tail_s=info["tail"], generated=info["generated"]))
+
+    def drop_stale(self, step: int, max_staleness: int) -> None:
+        """Complete groups whose trajectories started more than ``max_staleness`` versions before ``step``: dropped whole, counted."""
+        keep = [g for g in self.ready_groups if step - self.batch_version[g[0]] <= max_staleness]
+        self.stale_groups += len(self.ready_groups) - len(keep)
+        self.ready_groups = keep
+
+    def took(self, taken: list[tuple[int, int, float]], start: float, now: float) -> tuple[float, float]:
+        """A step took ``taken`` groups at ``now`` after starting at ``start``: (its rollout seconds, its tail:
+        from the time 90 % of the trajectories it trains had finished, a carried one counting from ``start``,
+        to its last one's finish). Also counts what it trains, for the length bias."""
+        fins: list[float] = []
+        for b, g, tokens in taken:
+            info = self.batch_info.get(b)
+            group = info["group_fins"][g] if info is not None else []
+            fins.extend(max(start, f) for f in group)
+            self.trained_tokens += tokens
+            self.trained_trajectories += len(group) * (info["bundle"] if info is not None else 1)
+        if not fins:
+            return now - start, 0.0
+        fin = np.sort(np.asarray(fins))
+        return now - start, max(0.0, float(fin[-1]) - float(fin[int(0.9 * (len(fin) - 1))]))

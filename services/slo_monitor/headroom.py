@@ -17,8 +17,10 @@ slack), the rollout batch slots are the largest n with
     base + per_serving * (peak + 1) + per_rollout * n  <=  margin * SLO_tpot
 
 capped at `max_rollout_slots`. TTFT is guarded by measurement instead of the model: an
-executor is *lendable* only when short- and long-window p99 TTFT and TPOT are under
-`grant_fraction` x SLO, the serving queue is short and the model leaves at least one slot.
+executor is *lendable* only when short- and long-window p99 TPOT is under `grant_fraction`
+x SLO and p99 TTFT under `ttft_grant_fraction` x SLO (the executor's own TTFT setpoint: a
+lease adds at most a quantum to a first token, and the executor pauses rollout before a first
+token passes its setpoint), the serving queue is short and the model leaves at least one slot.
 KV lent is the smaller of `max_lend_kv_bytes` and `lend_memory_fraction` of the device
 memory not in use, halved when the serving pool is above its high-water mark.
 """
@@ -112,7 +114,7 @@ def assess(
     slots = rollout_slots(model, long.serving_running_peak, cfg.slo_tpot_ms, cfg.margin, cfg.max_rollout_slots)
     kv = lendable_kv_bytes(latest, short.kv_utilisation, cfg) if slots else 0
     share = slots / cfg.max_rollout_slots
-    limit_ttft, limit_tpot = cfg.grant_fraction * cfg.slo_ttft_ms, cfg.grant_fraction * cfg.slo_tpot_ms
+    limit_ttft, limit_tpot = cfg.ttft_grant_fraction * cfg.slo_ttft_ms, cfg.grant_fraction * cfg.slo_tpot_ms
     reasons = []
     if alerting:
         reasons.append("burst alert active")

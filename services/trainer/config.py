@@ -36,6 +36,10 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with prefetch_steps >= 1: hand one more step out while a step waits, when no executor has a rollout queue
     # (capacity idles), up to max_staleness ahead (docs/async-rl.md); the usual lead returns after training
     early_hand_out: bool = True
+    # partial rollouts across steps (APRIL): the first step hands out this many groups more, so N + k are in flight and a
+    # step trains on the first N complete; the unfinished roll on into later steps (each turn keeps its tokens' logprobs
+    # and versions) and are trained, masked or dropped by max_staleness like any other (groups.py); 0: none
+    over_provision: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.max_staleness < self.prefetch_steps:

@@ -44,6 +44,19 @@ def trajectory_version(t: Trajectory) -> int:
     return min((turn.policy_version for turn in t.turns), default=0)
 
 
+def generated_tokens(t: Trajectory) -> int:
+    return sum(len(turn.token_ids) for turn in t.turns)
+
+
+def partial_rollout_costs(stats: dict) -> dict[str, float]:
+    """From the collector's stats: the mean versions a trained trajectory lagged the trainer, and the length bias
+    (mean tokens generated per trained trajectory over per completed one received; under 1: short ones trained first)."""
+    out = {"trained_staleness_mean": stats["trained_lag_total"] / stats["trained"] if stats["trained"] else 0.0}
+    if stats["trained"] and stats["completed"] and stats["completed_tokens"]:
+        out["length_bias"] = (stats["trained_tokens"] / stats["trained"]) / (stats["completed_tokens"] / stats["completed"])
+    return out
+
+
 class GroupCollector:
     def __init__(self, *, max_staleness: int, stale_policy: StalePolicy = "drop", group_timeout_s: float = 300.0) -> None:
         self.max_staleness, self.stale_policy, self.group_timeout_s = max_staleness, stale_policy, group_timeout_s
@@ -62,6 +75,13 @@ class GroupCollector:
             "stale_groups": 0,
             "trained_past_tail": 0,
             "max_trained_lag": 0,
+            # partial rollouts' cost (trainer.py `load`): the staleness of what is trained, and the length bias of what
+            # completes first (tokens generated per trained trajectory against per completed one received)
+            "completed": 0,
+            "completed_tokens": 0,
+            "trained": 0,
+            "trained_tokens": 0,
+            "trained_lag_total": 0,
         }
 
     def expect(self, group_id: str, size: int) -> None:
@@ -80,6 +100,9 @@ class GroupCollector:
         group.members[t.trajectory_id] = t
         if t.status == "failed":
             self.stats["failed"] += 1
+        elif t.status == "completed":
+            self.stats["completed"] += 1
+            self.stats["completed_tokens"] += generated_tokens(t)
 
     def ready(self, now: float | None = None) -> list[Group]:
         now = time.monotonic() if now is None else now
@@ -143,7 +166,11 @@ class GroupCollector:
             for (t, train), adv in zip(kept, advantages):
                 if not train:
                     continue
-                self.stats["max_trained_lag"] = max(self.stats["max_trained_lag"], current_version - trajectory_version(t))
+                lag = current_version - trajectory_version(t)
+                self.stats["max_trained_lag"] = max(self.stats["max_trained_lag"], lag)
+                self.stats["trained"] += 1
+                self.stats["trained_tokens"] += generated_tokens(t)
+                self.stats["trained_lag_total"] += lag
                 for s in sequences_of(t):
                     s.advantage = adv
                     out.append(s)

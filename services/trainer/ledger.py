@@ -39,9 +39,10 @@ def group_id(run_id: str, step: int, index: int) -> str:
 class AckLedger:
     """The deliveries of open groups, held until trained on and checkpointed; the groups trained on."""
 
-    def __init__(self, collector: GroupCollector, *, group_size: int, groups_per_step: int, ack_wait_s: float) -> None:
+    def __init__(self, collector: GroupCollector, *, group_size: int, groups_per_step: int, ack_wait_s: float, over_provision: int = 0) -> None:
         self.collector = collector
         self.group_size, self.groups_per_step, self.ack_wait_s = group_size, groups_per_step, ack_wait_s
+        self.over_provision = over_provision
         self.used: dict[str, None] = {}  # groups trained on, oldest first (bounded)
         self._held: dict[str, list[Delivery]] = {}  # group id -> its deliveries, unacked until a checkpoint covers the step that used them
         self._counted: dict[str, Counter] = {}  # group id -> what its deliveries added to the collector's counters
@@ -92,7 +93,12 @@ class AckLedger:
         if not group_id.startswith(prefix):
             return False
         step, _, index = group_id[len(prefix) :].partition("-g")
-        return step.isdigit() and index.isdigit() and int(step) >= emit_floor and int(index) < self.groups_per_step
+        return step.isdigit() and index.isdigit() and int(step) >= emit_floor and int(index) < self.groups_in(int(step))
+
+    def groups_in(self, step: int) -> int:
+        """Groups handed out for ``step``: ``groups_per_step``, and the first step ``over_provision`` more
+        (grpo.over_provision: N + k groups stay in flight, each step refilling the N it took)."""
+        return self.groups_per_step + (self.over_provision if step == 0 else 0)
 
     # ---- acking --------------------------------------------------------------------------
 
@@ -160,7 +166,7 @@ class AckLedger:
             self._held[gid] = []
         self._resumed = (run_id, emit_from)
         for step in range(emit_from, emitted_steps):
-            for i in range(self.groups_per_step):
+            for i in range(self.groups_in(step)):
                 self.open(group_id(run_id, step, i))
 
     def open_groups(self) -> int:

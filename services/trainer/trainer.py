@@ -79,7 +79,7 @@ from .capacity import RolloutCapacity
 from .checkpoint import CheckpointStore, TrainerState, default_dir, job_identity
 from .config import TrainerConfig
 from .emulated import EmulatedStep
-from .groups import GroupCollector
+from .groups import GroupCollector, partial_rollout_costs
 from .grpo import grpo_step
 from .ledger import TRAJECTORY_MAX_DELIVER, AckLedger, group_id
 from .local_rollout import Tokens
@@ -109,7 +109,9 @@ class Trainer:
         self.collector = GroupCollector(max_staleness=g.max_staleness, stale_policy=g.stale_policy, group_timeout_s=g.group_timeout_s)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
         self.weights = WeightsClient(bus, config.publish.model, staging_dir=config.publish.staging_dir or None)
-        self.ledger = AckLedger(self.collector, group_size=g.group_size, groups_per_step=g.groups_per_step, ack_wait_s=c.ack_wait_s)
+        self.ledger = AckLedger(
+            self.collector, group_size=g.group_size, groups_per_step=g.groups_per_step, ack_wait_s=c.ack_wait_s, over_provision=g.over_provision
+        )
         self.checkpoints = Checkpoints(CheckpointStore(default_dir(config), job_identity(config), c.keep) if c.every_steps else None)
         self.version = config.initial_version
         self.emitted_steps = 0
@@ -179,14 +181,16 @@ class Trainer:
         await self.emit(step)
 
     async def emit(self, step: int) -> None:
-        """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task.
+        """Publish the tasks of one step: `groups_per_step` groups of `group_size` copies of a task (the first
+        step `over_provision` groups more: ledger.py `groups_in`).
 
         Deterministic: a step's group and task ids and problems depend only on the run id, the
         step and the task settings, so handing a step out again after a restart repeats it.
         """
         g, t = self.config.grpo, self.config.tasks
-        for i in range(g.groups_per_step):
-            index = step * g.groups_per_step + i
+        groups = self.ledger.groups_in(step)
+        for i in range(groups):
+            index = step * g.groups_per_step + i  # (with a fixed problem set the first step's extra groups repeat step 1's first problems)
             env = self.envs[index % len(self.envs)]
             gid = group_id(self.run_id, step, i)
             seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, i)
@@ -198,7 +202,7 @@ class Trainer:
                 task.env_args["max_tokens"] = str(t.max_tokens)
                 task.routing, task.created_at = t.routing, time.time()
                 # the step's batch, for the scheduler's tail rule (placement.in_tail)
-                task.batch_id, task.batch_size = f"{self.run_id}-s{step}", g.groups_per_step * g.group_size
+                task.batch_id, task.batch_size = f"{self.run_id}-s{step}", groups * g.group_size
                 await self.bus.publish(AGENT_TASK if t.agent else ROLLOUT_TASK, task, msg_id=task.task_id)
         self.emitted_steps = max(self.emitted_steps, step + 1)
         self.handed_out_at = time.monotonic()
@@ -464,6 +468,7 @@ class Trainer:
 
     def load(self) -> dict[str, float]:
         out = {f"collector_{k}": float(v) for k, v in self.collector.stats.items()}
+        out.update(partial_rollout_costs(self.collector.stats))
         out.update({k: float(v) for k, v in self.stats.items()})
         out.update({f"last_{k}": float(v) for k, v in self.last.items()})
         out.update(steps=float(self.steps), version=float(self.version), reward_last=self.rewards[-1] if self.rewards else 0.0)

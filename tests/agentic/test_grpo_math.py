@@ -148,7 +148,7 @@ async def test_a_step_takes_exactly_its_groups_oldest_first_and_leaves_the_rest_
     first = await Trainer.next_groups(owner, asyncio.Event())
     assert [g.group_id for g in first] == ["s0-g0", "s0-g1"]
     assert sorted(collector.groups) == ["s1-g0", "s1-g1"]  # back in the collector, still complete
-    second = await Trainer.next_groups(owner, asyncio.Event())
+    second = collector.ready()  # with the next step's new groups, it fills that step
     assert [g.group_id for g in second] == ["s1-g0", "s1-g1"] and collector.groups == {}
     stopped = asyncio.Event()
     stopped.set()
@@ -165,3 +165,48 @@ def test_the_lr_warms_up_linearly_from_the_step_count():
     assert msgspec.convert({"lr_warmup_steps": 10}, GrpoSettings).lr_warmup_steps == 10
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"lr_warmup_steps": -1}, GrpoSettings)
+
+
+async def test_over_provisioned_groups_roll_on_into_the_next_step_and_their_cost_is_counted():
+    """grpo.over_provision: the first step hands out N + k groups (ledger `groups_in`), a step trains on the
+    first N complete; an unfinished group rolls on, its later turns on the next version, and is trained a
+    step later with its lag counted; the length bias compares what was trained with what completed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rose.services.trainer.groups import partial_rollout_costs
+    from rose.services.trainer.ledger import AckLedger
+    from rose.services.trainer.trainer import Trainer
+
+    collector = GroupCollector(max_staleness=1)
+    ledger = AckLedger(collector, group_size=2, groups_per_step=2, ack_wait_s=5.0, over_provision=1)
+    assert [ledger.groups_in(s) for s in (0, 1, 2)] == [3, 2, 2]
+    for i in range(ledger.groups_in(0)):
+        ledger.open(f"r-s0-g{i}")
+        collector.groups[f"r-s0-g{i}"].created = float(i)
+    for gid in ("r-s0-g1", "r-s0-g2", "r-s0-g0"):  # short trajectories finish first; g0 waits for its long one
+        collector.add(traj(f"{gid}-a", gid, 1.0 if gid != "r-s0-g0" else 0.0))
+        if gid != "r-s0-g0":
+            collector.add(traj(f"{gid}-b", gid, 0.0))
+    owner = SimpleNamespace(
+        config=SimpleNamespace(grpo=SimpleNamespace(groups_per_step=2)), collector=collector, version=0, ledger=SimpleNamespace(use=lambda ids: None)
+    )
+    first = await Trainer.next_groups(owner, asyncio.Event())
+    assert sorted(g.group_id for g in first) == ["r-s0-g1", "r-s0-g2"]  # the step does not wait for g0
+    assert len(collector.sequences(first, current_version=0)) == 4
+    # g0's long trajectory finishes on the next version: its first turn sampled on v0, its second on v1
+    long = Trajectory(
+        task_id="long", trajectory_id="long-traj", env="arithmetic", status="completed", group_id="r-s0-g0", reward=1.0,  # type: ignore[arg-type]
+        turns=[turn(0, [1, 2, 3], [4, 5, 6, 7], 0), turn(1, [1, 2, 3, 4, 5, 6, 7, 9], [8, 9, 10, 11], 1)],
+    )  # fmt: skip
+    collector.add(long)
+    owner.version = 1
+    second = collector.ready()  # with the next step's new groups, it fills that step
+    assert [g.group_id for g in second] == ["r-s0-g0"]
+    assert len(collector.sequences(second, current_version=1)) == 1 + len(sequences_of(long))
+    costs = partial_rollout_costs(collector.stats)
+    assert collector.stats["max_trained_lag"] == 1 and costs["trained_staleness_mean"] == pytest.approx(2 / 6)  # g0's two, a version old
+    assert costs["length_bias"] == pytest.approx(1.0)  # everything that completed was trained
+    # had a 20-token trajectory completed and not been trained yet, the trained ones would be shorter than what completed
+    later = {**collector.stats, "completed": 7, "completed_tokens": collector.stats["completed_tokens"] + 20}
+    assert partial_rollout_costs(later)["length_bias"] == pytest.approx((18 / 6) / (38 / 7))

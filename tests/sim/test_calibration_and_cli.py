@@ -92,6 +92,7 @@ def test_plan_end_to_end(tmp_path, capsys):
     assert level["rollout_demand"] == 4.0 and level["speedup"] == level["rose_rl_steps_per_hour"] / level["static_rl_steps_per_hour"]
     assert level["speedup_ceiling"] > 1.0 and level["speedup"] <= level["speedup_ceiling"]  # 7B co-hosts: lanes add capacity
     assert level["pays"] == (level["speedup"] >= 1.05) and level["why"]
+    assert level["share_of_priced_gain"] == pytest.approx((level["speedup"] - 1.0) / (level["speedup_ceiling_kv"] - 1.0))
     assert result["lending_does_not_pay"]["demand_levels"] == ([] if level["pays"] else [4.0])
     assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()
     assert any(h["rollout_tokens_per_s"] > 0 for h in result["hours"])

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from rose.services.scheduler import placement
-from rose.shared.workload import RolloutSpec
+from rose.shared.workload import RolloutSpec, sample_batch
 from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.sim.ceiling import lane_value, speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
@@ -138,3 +139,29 @@ def test_seeds_combine_into_medians_of_paired_ratios():
     assert combined["static"]["speedup_vs_static"] == 1.0
     one_seed = combine_seeds(rows_of(results[:2]))
     assert {r["policy"]: r["speedup_vs_static"] for r in one_seed} == {"static": 1.0, "rose": pytest.approx(0.9)}
+
+
+def test_no_capacity_makes_a_synchronous_rollout_shorter_than_its_slowest_trajectory():
+    # 250 s of rollout would shrink to 125 s at twice the capacity, but its slowest trajectory needs 200 s alone
+    assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=False, rollout_s=300.0, critical_s=200.0) == pytest.approx(400.0 / 300.0)
+    # a latency bound under what the capacity allows changes nothing
+    assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=False, rollout_s=300.0, critical_s=100.0) == pytest.approx(400.0 / 275.0)
+    sim = Simulation(small("static", 1.0))
+    batch = sample_batch(sim.cfg.rollout, 16, np.random.default_rng(0), 1)
+    paths = sim._critical_paths(batch)
+    tools = [float(batch.tool_s[i, : int(batch.turns[i]) - 1].sum()) for i in range(batch.n)]
+    assert all(p > t for p, t in zip(paths, tools))  # every turn takes time beside its tools
+
+
+def test_the_grid_gives_the_serving_model_and_the_policy_their_own_sizes():
+    from rose.sim.bench import model_pairs
+
+    assert model_pairs(("7B", "70B")) == [("7B", "7B"), ("70B", "70B")]  # --models: each as both
+    assert model_pairs(("7B",), serving_models=("70B",), policy_models=("7B", "14B")) == [("70B", "7B"), ("70B", "14B")]
+    configs = grid_configs(
+        models=("7B",), serving_models=("70B",), fleets=(32,), demands=(2.0,), ratios=(0.125,), modes=("sync",), policies=("rose",), steps=1
+    )
+    (cfg,) = configs
+    assert (cfg.model, cfg.policy_model, cfg.rollout_gpu_ratio, cfg.over_provision) == ("70B", "7B", 0.125, 0.0)
+    sim = Simulation(cfg)  # a serving instance holds the 70B serving model and a 7B policy copy (156 GB: TP4), the pool is sized for the 7B
+    assert (sim.tp_s, sim.tp_r, sim.n_ded) == (4, 1, 4)

@@ -10,6 +10,7 @@ import pytest
 
 from rose.services.executor import policies as executor_policies
 from rose.shared.devices import MeasuredSteps
+from rose.shared.workload import RolloutSpec
 from rose.sim import calibration as cal
 from rose.sim import engine
 from rose.sim.coserve import rollout_interference, serving_tick
@@ -150,3 +151,30 @@ def test_early_hand_out_fills_idle_capacity_within_the_staleness_bound():
     assert on_run["staleness_mean"] > off_run["staleness_mean"]
     src = inspect.getsource(engine.Simulation._trainer_pipelined)
     assert "self.capacity.idle(" in src and "Trainer.hand_out_early" in src
+
+
+def _partial(over_provision: float, **kw) -> dict:
+    """7B on 8 GPUs (2 dedicated), static, synchronous, demand 2x, two steps."""
+    rollout = replace(RolloutSpec(), oversubscription=2.0)
+    cfg = engine.SimConfig(model="7B", gpus=8, policy="static", steps=2, seed=0, rollout_gpu_ratio=0.25, rollout=rollout)
+    return simulate(replace(cfg, over_provision=over_provision, **kw))
+
+
+def test_partial_rollouts_shorten_the_synchronous_tail_and_report_what_they_cost():
+    """grpo.over_provision in synchronous RL: N + k groups out, the first N complete trained, the rest carried
+    into the next step. The step's tail (after 90 % of the trajectories it trains finished) shrinks; what it
+    costs is reported: carried groups are a version old when trained (within max_staleness), and what
+    completes first is a little shorter than the batch (length bias under 1, near it)."""
+    today, partial = _partial(0.0), _partial(0.25)
+    assert today["complete"] and partial["complete"]
+    assert today["staleness_max"] == 0 and today["length_bias"] is None
+    assert partial["tail_s_per_step"] < 0.8 * today["tail_s_per_step"]
+    assert 0.0 < partial["staleness_mean"] <= partial["staleness_max"] <= 2
+    assert partial["stale_groups_dropped"] == 0
+    assert 0.8 < partial["length_bias"] <= 1.05
+
+
+def test_carried_groups_past_max_staleness_are_dropped_and_counted():
+    out = _partial(0.25, max_staleness=0)
+    assert out["complete"] and out["staleness_max"] == 0
+    assert out["stale_groups_dropped"] > 0

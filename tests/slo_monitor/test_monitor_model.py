@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ddsketch import DDSketch
 
+from rose.services.executor.slo_guard import SETPOINT
 from rose.services.slo_monitor.bursts import BurstDetector
 from rose.services.slo_monitor.config import HeadroomSettings, SloMonitorConfig
 from rose.services.slo_monitor.headroom import assess, fit_step_model, observations, rollout_slots
@@ -66,9 +67,17 @@ def test_assess_lends_only_well_below_slo():
     assert ok.lendable and ok.slots > 0 and 0 < ok.kv_bytes <= cfg.max_lend_kv_bytes
     hot = ExecutorWindow(30.0)
     for i in range(30):
-        hot.add(snap(i * INTERVAL, ttft=[300.0], tpot=[60.0]), i * INTERVAL)
+        hot.add(snap(i * INTERVAL, ttft=[450.0], tpot=[60.0]), i * INTERVAL)
     verdict = assess(hot.stats(3.0), hot.stats(), fit_step_model(observations(list(hot.snapshots)), 60.0), hot.latest, cfg, alerting=False)
-    assert not verdict.lendable and "ttft" in verdict.reason
+    assert not verdict.lendable and "ttft" in verdict.reason and "tpot" in verdict.reason
+    # TTFT's gate is the executor's own setpoint (0.8 x SLO: a lease adds at most a quantum to a first token), not half the
+    # SLO: a large model's long prompts put p99 TTFT past half the SLO with TPOT calm (70B: 550-660 ms of 1000)
+    slow_prefill = ExecutorWindow(30.0)
+    for i in range(30):
+        slow_prefill.add(snap(i * INTERVAL, ttft=[300.0], tpot=[8.0 + (i % 3)], serving=1 + i % 3, rollout=4 * (i % 2)), i * INTERVAL)
+    fit = fit_step_model(observations(list(slow_prefill.snapshots)), 10.0)
+    assert assess(slow_prefill.stats(3.0), slow_prefill.stats(), fit, slow_prefill.latest, cfg, alerting=False).lendable
+    assert cfg.ttft_grant_fraction == SETPOINT
     assert not assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=True).lendable
 
 
