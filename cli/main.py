@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from rose import __version__
+from rose.bench.options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
+from rose.sim import POLICIES
 
-from .options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
 from .service_table import EMULATED_EXECUTORS_MODULE, ON_DEMAND_SERVICES, SERVICE_MODULES
 
 E2E_JSON = "bench-out/e2e.json"
@@ -275,7 +276,7 @@ def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
 def _cmd_bench_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rose.sim import bench as sim
+    from rose.bench import sim
 
     models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
     fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
@@ -657,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--policies",
         nargs="+",
-        choices=["static", "naive_share", "elastic_baseline", "rose"],
+        choices=POLICIES,
         default=None,
         help="policies to run (default: all four)",
     )

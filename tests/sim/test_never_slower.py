@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from rose.bench.sim import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.services.scheduler import placement
 from rose.shared.workload import RolloutSpec
-from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.sim.ceiling import lane_value, speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
 
