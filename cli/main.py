@@ -337,14 +337,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rose",
-        description="ROSE: agentic-RL rollouts on the spare capacity of a serving fleet, without breaking its SLO.",
+        description="ROSE: agentic-RL rollouts on the spare capacity of a serving fleet, guarding its latency SLO.",
     )
     parser.add_argument("--version", action="version", version=f"rose {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="a real RL job on co-elastic capacity: the whole fleet, a live table, report/summary.json and plots (~5 min)")
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of serving trace and training (default: %(default)s -> the demo's own, about 3 minutes)"
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of the GRPO window after the warm start (default: the demo's own, 140; with start-up, warm start and "
+        "drain the whole demo takes about 5 minutes)",
     )
     p.add_argument("--seed", type=int, default=0, help="serving trace and task seed")
     p.add_argument("--out", default="report", help="where summary.json, the plots, logs and the models go")
