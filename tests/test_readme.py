@@ -46,3 +46,12 @@ def test_readme_lines_fit_a_terminal():
         if len(line) > MAX_LINE:
             long.append(f"README.md:{number}: {len(line)} characters")
     assert not long, "\n".join(long)
+
+
+def test_the_docs_index_lists_every_page():
+    """docs/README.md is the index: every page of docs/ is linked from it, and every link resolves."""
+    docs = REPO / "docs"
+    index = (docs / "README.md").read_text()
+    pages = sorted(p.name for p in docs.glob("*.md") if p.name != "README.md")
+    assert pages and [p for p in pages if f"]({p})" not in index] == []
+    assert "](../README.md)" in index
