@@ -42,6 +42,8 @@ from nats.js.object_store import (
     ObjectStore,
 )
 
+from rose.contracts.weights import FailureKind
+
 from .errors import WeightError
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # fastest on loopback in our measurements (1, 2 and 4 MiB tried)
@@ -201,7 +203,7 @@ class WeightStore:
         if max_bytes is not None and size > max_bytes:
             raise WeightError("oversized", f"object {name!r} has {size} bytes, more than the allowed {max_bytes}")
         if expect_size is not None and size != expect_size:
-            kind = "oversized" if size > expect_size else "corrupt"
+            kind: FailureKind = "oversized" if size > expect_size else "corrupt"
             raise WeightError(kind, f"object {name!r} has {size} bytes, the manifest says {expect_size}")
         sink = make_sink(size)
         view = memoryview(sink.buffer)
