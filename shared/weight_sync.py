@@ -532,7 +532,7 @@ class WeightFollower:
             version=version,
             at=time.time(),
             reason=err.reason,
-            kind=err.kind,  # type: ignore[arg-type]
+            kind=err.kind,
             kept_version=self.version,
             next_step=next_step,  # type: ignore[arg-type]
         )
