@@ -68,7 +68,7 @@ class CoServingEngineTestcase:
             **kw,
         )
 
-    async def refusal(self, engine, detail: str = "") -> str:
+    async def refusal(self, engine, detail: str | None = None) -> str:
         with pytest.raises(RolloutRejected, match=detail) as refused:
             engine.submit(self.request(WorkClass.ROLLOUT, 2))
         return refused.value.reason
