@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rose.cli.options import SLO_BASES
+from rose.bench.options import SLO_BASES
 from rose.services.executor.engine import Engine, EngineConfig
+from rose.services.executor.policies import POLICY_NAMES as POLICIES
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, GenerationResult, WorkClass
 
 MIB = 1 << 20
@@ -63,7 +64,6 @@ RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout 
 GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration (at least DEDICATED_MIN_S; --dedicated-s overrides)
 DEDICATED_MIN_S = 5.0
-POLICIES = ("serving_only", "naive_share", "static_partition", "rose")
 NOISE_PERIOD_S = 0.01  # the co-runner's duty-cycle period: busy F of it, asleep the rest
 GUARD_SAMPLE_S = 0.01  # how often the rose run records the SLO guard's state
 BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0, rollout_process=True)
@@ -789,7 +789,7 @@ def command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m rose.bench.coserve``: ``rose bench coserve`` without building the whole CLI, whose
     other commands import the bus's packages (NATS, OpenTelemetry), which a bare GPU image lacks."""
-    from rose.cli.options import add_coserve_arguments
+    from rose.bench.options import add_coserve_arguments
 
     parser = argparse.ArgumentParser(prog="rose bench coserve", description=__doc__.split("\n\n")[0])
     add_coserve_arguments(parser)

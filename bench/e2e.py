@@ -64,14 +64,16 @@ from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
 from rose.services.executor.config import EngineSettings
 from rose.shared.bus import Bus
 from rose.shared.models import init_models
+from rose.shared.workload import ROLLOUT_DOMINATED_JOB, TRAINER
+from rose.sim import POLICIES
+from rose.sim.calibration import time_steps
 
-from .demo import DEMO_POLICY, ROLLOUT_DOMINATED_JOB, SPEC, TRAINER, Observed, run_job, trainer_settings
+from .demo import DEMO_POLICY, SPEC, Observed, run_job, trainer_settings
 from .fleet import device_plan, usable_cpus
 
 PIN_MODES = ("auto", "none")  # auto: one core per executor (fleet.device_plan); none: every executor floats on every core
 ROLLOUT_SHARE_TARGET = 0.70  # agentic RL is rollout-bound: rollout is at least this share of a static (synchronous) step
 
-POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 DEDICATED_ROLLOUT_SLOTS = EngineSettings().rollout_max_batch  # turns one dedicated executor runs at once (its batch)
 DEFAULT_DURATION_S = 120.0  # per policy: with start-up and drain the four runs take about 12 minutes on 2 cores
 # The elastic baseline's reaction times, scaled to this trace (bursts every 15 s per executor) as
@@ -304,14 +306,12 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
 # ---- step times of the models alone (simulator calibration) ---------------------------------
 
 
-def measure_step_times(models: Path, reps: int = 5) -> dict:
-    """Decode steps (batch x context 64) and prefill steps of both models on one CPU thread, the
-    executor's own forward pass over a paged KV pool; least-squares fits in `MeasuredSteps` form."""
+def e2e_step_times(models: Path, reps: int = 5) -> dict:
+    """Decode steps (batch x context 64) and prefill steps of both models on one CPU thread
+    (sim/calibration.py ``time_steps``); least-squares fits in `MeasuredSteps` form."""
     import torch
 
-    from rose.services.executor.forward_item import ForwardItem
-    from rose.services.executor.kv_pool import KVPool
-    from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
+    from rose.services.executor.model_runner import kv_shape_of
     from rose.shared.models import load_model
 
     threads = torch.get_num_threads()
@@ -320,29 +320,10 @@ def measure_step_times(models: Path, reps: int = 5) -> dict:
     try:
         for name in ("serving", "policy"):
             model = load_model(models / name)
-            pool = KVPool(name, kv_shape_of(model), 64 << 20, 16, torch.device("cpu"))
-            runner = PagedModelRunner(model, pool)
-
-            def timed(items, runner: PagedModelRunner = runner) -> float:
-                runner.forward(items)  # warm
-                samples = []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    runner.forward(items)
-                    samples.append(time.perf_counter() - t)
-                return float(statistics.median(samples))
-
-            ctx = out["context_tokens"]
-            decode, prefill = [], []
-            for b in (1, 2, 4, 8, 16, 32):
-                tables = [pool.allocate(pool.blocks_for(ctx + 1)) for _ in range(b)]
-                decode.append((b, timed([ForwardItem(tb, ctx, [5]) for tb in tables])))
-                for tb in tables:
-                    pool.free(tb)
-            for p in (16, 32, 64, 128):
-                tb = pool.allocate(pool.blocks_for(p))
-                prefill.append((p, timed([ForwardItem(tb, 0, [5] * p)])))
-                pool.free(tb)
+            decode_s, prefill_s = time_steps(
+                model, name, context=out["context_tokens"], repeats=reps, batches=(1, 2, 4, 8, 16, 32), prefills=(16, 32, 64, 128)
+            )
+            decode, prefill = sorted(decode_s.items()), sorted(prefill_s.items())
             d = np.polyfit([b for b, _ in decode], [s for _, s in decode], 1)
             f = np.polyfit([p for p, _ in prefill], [s for _, s in prefill], 1)
             out[name] = {
@@ -435,7 +416,7 @@ def run_e2e_bench(
         console.print(f"building the models under {models} ...")
         init_models(models, 0, DEMO_POLICY)
     console.print("measuring the models' step times alone (calibration) ...")
-    step_times = measure_step_times(models)
+    step_times = e2e_step_times(models)
     from rose.shared.models import load_tokenizer
 
     from .fleet import PROMPTS
@@ -461,7 +442,7 @@ def run_e2e_bench(
         "trainer": {**trainer_settings(seed, warm_start_steps), **job},
         "policy_settings": POLICY_ENV,
         "elastic_drains_lent_executors": True,
-        # the job: the demo's (bench/demo.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
+        # the job: the demo's (shared/workload.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
         "job": {
             "differs_from_demo": job,
             "rollout_dominated": True,

@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.launch import ServiceProcess
 from rose.shared.security import INSTANCE_TOKENS, Credentials
 
@@ -34,8 +35,8 @@ DEDICATED_NICE = 10
 class FleetSpec:
     """The knobs every fleet run shares; defaults are what `rose bench elastic` measures."""
 
-    slo_ttft_ms: float = 500.0
-    slo_tpot_ms: float = 100.0
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
     base_rps: float = 8.0  # serving arrivals per executor outside bursts
     burst_factor: float = 4.0
     burst_every_s: float = 15.0

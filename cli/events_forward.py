@@ -45,6 +45,7 @@ from nats.js.errors import NotFoundError
 from rose.contracts.registry import CHANNELS, STREAMS, Retention, StreamSpec
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
+from rose.shared.errors import RoseError
 from rose.shared.nats_server import state_dir
 
 log = logging.getLogger("rose.events.forward")
@@ -55,7 +56,7 @@ ACK_WAIT_S = 60.0  # renewed with `in_progress` while an event is being retried
 INTEGRATIONS = "integrations"
 
 
-class ForwardError(ValueError):
+class ForwardError(RoseError, ValueError):
     """Bad forwarder settings; the message says what to change."""
 
 

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from rose import __version__
+from rose.bench.options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
+from rose.sim import POLICIES
 
-from .options import MODEL_PRESET_NAMES, add_coserve_arguments, number_list
 from .service_table import EMULATED_EXECUTORS_MODULE, ON_DEMAND_SERVICES, SERVICE_MODULES
 
 E2E_JSON = "bench-out/e2e.json"
@@ -275,7 +276,7 @@ def _cmd_bench_control_plane(args: argparse.Namespace) -> int:
 def _cmd_bench_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rose.sim import bench as sim
+    from rose.bench import sim
 
     models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
     fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
@@ -339,14 +340,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rose",
-        description="ROSE: agentic-RL rollouts on the spare capacity of a serving fleet, without breaking its SLO.",
+        description="ROSE: agentic-RL rollouts on the spare capacity of a serving fleet, guarding its latency SLO.",
     )
     parser.add_argument("--version", action="version", version=f"rose {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="a real RL job on co-elastic capacity: the whole fleet, a live table, report/summary.json and plots (~5 min)")
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of serving trace and training (default: %(default)s -> the demo's own, about 3 minutes)"
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of the GRPO window after the warm start (default: the demo's own, 140; with start-up, warm start and "
+        "drain the whole demo takes about 5 minutes)",
     )
     p.add_argument("--seed", type=int, default=0, help="serving trace and task seed")
     p.add_argument("--out", default="report", help="where summary.json, the plots, logs and the models go")
@@ -688,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--policies",
         nargs="+",
-        choices=["static", "naive_share", "elastic_baseline", "rose"],
+        choices=POLICIES,
         default=None,
         help="policies to run (default: all four)",
     )

@@ -41,6 +41,7 @@ from rose.contracts.weights import WeightManifest, WeightPublishAccepted, Weight
 from rose.shared.bus import Bus, Delivery
 from rose.shared.codec import decode
 from rose.shared.config import BusConfig
+from rose.shared.errors import RoseError
 from rose.shared.tracing import tracer
 from rose.shared.weight_layout import safetensors_blob, save_safetensors
 from rose.shared.weight_store import WeightStore
@@ -50,7 +51,7 @@ REQUEST_TIMEOUT_S = 30.0
 KEEP_RESULTS = 1024  # outcomes remembered per client (versions)
 
 
-class PublishFailedError(RuntimeError):
+class PublishFailedError(RoseError, RuntimeError):
     """The publisher accepted the version but could not publish it."""
 
 

@@ -8,6 +8,9 @@ from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSec
 from .executor import ExecutorRole
 
 AlertSeverity = Literal["burst", "violation", "recovered"]
+# The serving SLO every service assumes unless configured: p99 time to first token and per output token.
+DEFAULT_SLO_TTFT_MS = 500.0
+DEFAULT_SLO_TPOT_MS = 100.0
 
 
 class Headroom(Message):

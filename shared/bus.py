@@ -44,6 +44,7 @@ from nats.micro.service import Service as MicroService
 from rose import __version__
 from rose.contracts.registry import DEAD_LETTER, Channel, Kind
 from rose.contracts.service import DeadLetter
+from rose.shared.errors import RoseError
 from rose.shared.metrics import meter, metric_name
 from rose.shared.security import SRV_REQUESTERS, inbox_prefix, instance_token, reply_prefixes, requesters
 
@@ -72,7 +73,7 @@ REPLIES_REFUSED = meter().create_counter(
 )
 
 
-class RemoteError(Exception):
+class RemoteError(RoseError):
     """The other side answered a request with an error (4xx: the request; 5xx: the service).
 
     `code` is the HTTP-like status; `reason` a stable identifier a caller may branch on (empty when
@@ -88,7 +89,7 @@ class RemoteError(Exception):
         self.data = data or {}
 
 
-class RequestRefused(ValueError):
+class RequestRefused(RoseError, ValueError):
     """Raised by a request handler to refuse a well-formed request: answered with `code` (4xx), not dead-lettered.
 
     `reason` and `data` reach the requester as `RemoteError.reason` / `.data` (a header and a JSON body).
@@ -113,7 +114,7 @@ def remote_error(headers: dict[str, str], body: bytes) -> RemoteError:
     return RemoteError(headers.get(ERROR_CODE_HEADER, "500"), headers[ERROR_HEADER], headers.get(ERROR_REASON_HEADER, ""), data)
 
 
-class KvConflict(RuntimeError):
+class KvConflict(RoseError, RuntimeError):
     """A compare-and-set write lost: the key is no longer at the revision the writer read."""
 
     def __init__(self, key: str, revision: int) -> None:
@@ -121,11 +122,11 @@ class KvConflict(RuntimeError):
         self.key, self.revision = key, revision
 
 
-class BusClosed(RuntimeError):
+class BusClosed(RoseError, RuntimeError):
     pass
 
 
-class PermissionDenied(PermissionError):
+class PermissionDenied(RoseError, PermissionError):
     """The server refused this connection's credentials an operation; nothing was published or subscribed."""
 
     def __init__(self, service: str, operation: str, subject: str) -> None:

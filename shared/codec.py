@@ -13,11 +13,12 @@ from typing import Any, TypeVar
 import msgspec
 
 from rose.contracts.registry import Encoding
+from rose.shared.errors import RoseError
 
 T = TypeVar("T")
 
 
-class PayloadError(ValueError):
+class PayloadError(RoseError, ValueError):
     """A payload could not be accepted; `kind` is the dead-letter category."""
 
     def __init__(self, kind: str, reason: str) -> None:

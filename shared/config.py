@@ -17,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from rose.shared.errors import RoseError
+
 from .clock import is_duration, time_scale
 
 ENV_PREFIX = "ROSE_"
@@ -27,7 +29,7 @@ T = TypeVar("T", bound=msgspec.Struct)
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0)]
 
 
-class ConfigError(ValueError):
+class ConfigError(RoseError, ValueError):
     """A configuration value is missing or not allowed; the message names the field and its source."""
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from rose.shared.errors import RoseError
+
 from .http_server import BODY_READ_TIMEOUT_S, read_body
 
 LOGPROB_FLOOR = -9999.0  # a -inf / NaN logprob as a JSON number (vLLM's convention)
@@ -39,7 +41,7 @@ NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
 }
 
 
-class ApiError(Exception):
+class ApiError(RoseError):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind

@@ -22,11 +22,12 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from rose.contracts.registry import KV_BUCKETS, OBJECT_STORES, STREAMS, KeyValueSpec, ObjectStoreSpec, Retention, StreamSpec
+from rose.shared.errors import RoseError
 
 log = logging.getLogger("rose.provisioning")
 
 
-class ProvisioningConflict(RuntimeError):
+class ProvisioningConflict(RoseError, RuntimeError):
     """Existing JetStream storage has settings that contradict the registry."""
 
 

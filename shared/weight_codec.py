@@ -34,6 +34,8 @@ import msgspec
 import numpy as np
 import zstandard
 
+from rose.shared.errors import RoseError
+
 MAGIC = b"RWS1"
 HEADER = struct.Struct("<4sBxxxI")  # magic, encoding code, pad, header length
 BODY_ALIGN = 64
@@ -53,7 +55,7 @@ _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 Segment = tuple[int, int, int]  # start byte, length in bytes, element width
 
 
-class CodecError(ValueError):
+class CodecError(RoseError, ValueError):
     """A payload that cannot be decoded (truncated, corrupted, or not for this base)."""
 
 

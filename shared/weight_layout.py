@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rose.shared.errors import RoseError
+
 ALIGN = 64
 DEFAULT_SHARD_BYTES = 32 << 20
 
@@ -57,7 +59,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
-class LayoutError(ValueError):
+class LayoutError(RoseError, ValueError):
     """Tensors that cannot be laid out or do not match a layout (name, dtype, shape)."""
 
 

@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from rose.contracts.weights import WeightManifest
+from rose.shared.errors import RoseError
 
 log = logging.getLogger("rose.weight_signing")
 
@@ -43,11 +44,11 @@ KEYS_DIRNAME = "keys"  # under the state dir: where `rose up` / `rose demo` keep
 DEFAULT_KEY_NAME = "weights"
 
 
-class SigningError(Exception):
+class SigningError(RoseError):
     """A key that cannot be made, read or used; the message says what to do."""
 
 
-class SignatureError(Exception):
+class SignatureError(RoseError):
     """A manifest this executor must refuse: unsigned, signed by an untrusted key, or altered."""
 
 

@@ -42,21 +42,16 @@ from nats.js.object_store import (
     ObjectStore,
 )
 
+from rose.contracts.weights import FailureKind
+
+from .errors import WeightError
+
 DEFAULT_CHUNK_BYTES = 2 << 20  # fastest on loopback in our measurements (1, 2 and 4 MiB tried)
 PUT_WINDOW_BYTES = 64 << 20  # unacknowledged bytes in flight per put
 FETCH_WINDOW_BYTES = 48 << 20  # bytes asked for per direct-get batch (the subscription holds them)
 FETCH_TIMEOUT_S = 10.0  # longest silence while a batch is streaming in
 STATUS_NO_MESSAGES = ("404", "408")
 STATUS_END_OF_BATCH = "204"
-
-
-class StoreError(Exception):
-    """An object could not be stored or read; `kind` matches WeightFailed.kind."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
 
 
 class Sink(Protocol):
@@ -167,9 +162,9 @@ class WeightStore:
         try:
             return await self._objects.get_info(name)
         except (ObjectNotFoundError, NotFoundError):
-            raise StoreError("missing", f"object {name!r} is not in bucket {self.bucket!r}") from None
+            raise WeightError("missing", f"object {name!r} is not in bucket {self.bucket!r}") from None
         except nats.js.errors.BadObjectMetaError as exc:
-            raise StoreError("corrupt", f"object {name!r} has unreadable meta: {exc!r}") from exc
+            raise WeightError("corrupt", f"object {name!r} has unreadable meta: {exc!r}") from exc
 
     async def get(self, name: str, *, max_bytes: int | None = None) -> bytearray:
         """The whole object in one buffer."""
@@ -197,19 +192,19 @@ class WeightStore:
         of the very same bytes themselves (a dense shard's content digest), so a keyframe is
         hashed once, not twice.
 
-        Raises StoreError: `missing` (no such object), `oversized` (bigger than `max_bytes`, or
+        Raises WeightError: `missing` (no such object), `oversized` (bigger than `max_bytes`, or
         than `expect_size` when given), `corrupt` (chunks that do not add up to the meta's size
         or digest, i.e. a truncated or damaged chunk).
         """
         info = await self.info(name)
         if info.options is not None and info.options.link is not None:
-            raise StoreError("corrupt", f"object {name!r} is a link; weight shards are never links")
+            raise WeightError("corrupt", f"object {name!r} is a link; weight shards are never links")
         size = int(info.size or 0)
         if max_bytes is not None and size > max_bytes:
-            raise StoreError("oversized", f"object {name!r} has {size} bytes, more than the allowed {max_bytes}")
+            raise WeightError("oversized", f"object {name!r} has {size} bytes, more than the allowed {max_bytes}")
         if expect_size is not None and size != expect_size:
-            kind = "oversized" if size > expect_size else "corrupt"
-            raise StoreError(kind, f"object {name!r} has {size} bytes, the manifest says {expect_size}")
+            kind: FailureKind = "oversized" if size > expect_size else "corrupt"
+            raise WeightError(kind, f"object {name!r} has {size} bytes, the manifest says {expect_size}")
         sink = make_sink(size)
         view = memoryview(sink.buffer)
         h = hashlib.sha256() if verify_digest else None
@@ -217,10 +212,10 @@ class WeightStore:
         if size:
             filled = await self._stream_chunks(name, info, view, h, sink)
         if filled != size:
-            raise StoreError("corrupt", f"object {name!r}: chunks hold {filled} bytes, its meta says {size} (truncated)")
+            raise WeightError("corrupt", f"object {name!r}: chunks hold {filled} bytes, its meta says {size} (truncated)")
         want = (info.digest or "").replace(OBJ_DIGEST_TYPE, "").replace(OBJ_DIGEST_TYPE.upper(), "")
         if h is not None and base64.urlsafe_b64decode(want) != h.digest():
-            raise StoreError("corrupt", f"object {name!r}: SHA-256 of its chunks does not match its meta (a corrupted chunk)")
+            raise WeightError("corrupt", f"object {name!r}: SHA-256 of its chunks does not match its meta (a corrupted chunk)")
         return info
 
     async def _stream_chunks(self, name: str, info: api.ObjectInfo, view: memoryview, h: hashlib._Hash | None, sink: Sink) -> int:
@@ -241,18 +236,18 @@ class WeightStore:
                     try:
                         msg = await sub.next_msg(timeout=FETCH_TIMEOUT_S)
                     except nats.errors.TimeoutError:
-                        raise StoreError("corrupt", f"object {name!r}: no chunk within {FETCH_TIMEOUT_S}s at byte {filled} of {size}") from None
+                        raise WeightError("corrupt", f"object {name!r}: no chunk within {FETCH_TIMEOUT_S}s at byte {filled} of {size}") from None
                     status = (msg.headers or {}).get(api.Header.STATUS)
                     if status == STATUS_END_OF_BATCH or (status in STATUS_NO_MESSAGES and got_any):
                         break
                     if status in STATUS_NO_MESSAGES:
                         return filled  # no (more) chunks: truncated
                     if status:
-                        raise StoreError("corrupt", f"object {name!r}: direct get answered {status} {msg.headers}")
+                        raise WeightError("corrupt", f"object {name!r}: direct get answered {status} {msg.headers}")
                     got_any = True
                     n = len(msg.data)
                     if filled + n > size:
-                        raise StoreError("corrupt", f"object {name!r}: chunks exceed its meta size of {size} bytes")
+                        raise WeightError("corrupt", f"object {name!r}: chunks exceed its meta size of {size} bytes")
                     view[filled : filled + n] = msg.data
                     if h is not None:
                         h.update(msg.data)

@@ -55,12 +55,13 @@ from rose.contracts.weights import FailureKind, ShardInfo, WeightApplied, Weight
 
 from .bus import Bus, Delivery
 from .codec import PayloadError, decode, encode
+from .errors import WeightError
 from .metrics import LATENCY_BUCKETS_S, meter, metric_name
 from .tracing import tracer
 from .weight_codec import CodecError, ShardDecoder
 from .weight_layout import dtype_name, fits_live, tensor_bytes, tensor_from_bytes
 from .weight_signing import ManifestVerifier, SignatureError
-from .weight_store import StoreError, WeightStore
+from .weight_store import WeightStore
 
 log = logging.getLogger("rose.weight_sync")
 
@@ -89,15 +90,6 @@ APPLY_LATENCY = _m.create_histogram(
 )
 
 TensorFilter = Callable[[str], bool]
-
-
-class SyncError(Exception):
-    """A version that cannot be taken; `kind` is WeightFailed.kind."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
 
 
 @dataclass
@@ -236,21 +228,21 @@ class WeightFollower:
                         await self._take(manifest, arrived)
                     except Exception as exc:  # a bug must not stop the follower; report and go on
                         log.exception("taking version %s failed", manifest.version)
-                        await self._fail(manifest.version, SyncError("other", f"{type(exc).__name__}: {exc}"), "none")
+                        await self._fail(manifest.version, WeightError("other", f"{type(exc).__name__}: {exc}"), "none")
             finally:
                 otel_context.detach(token)
 
     async def _take(self, m: WeightManifest, arrived: float) -> None:
         if self.version is not None and m.version <= self.version:
             if arrived >= self._synced_at:  # not merely overtaken by a catch-up
-                await self._fail(m.version, SyncError("stale", f"version {m.version} is not newer than the serving version {self.version}"), "none")
+                await self._fail(m.version, WeightError("stale", f"version {m.version} is not newer than the serving version {self.version}"), "none")
             return
         attempts = 0
         while True:
             try:
                 held = await self._advance(m, await self._base(m.base_version))
                 break
-            except SyncError as err:
+            except WeightError as err:
                 if err.kind == "signature":
                     await self._fail(m.version, err, "none")  # the next version signed by a trusted key is taken
                     return
@@ -301,7 +293,7 @@ class WeightFollower:
                 return
             try:
                 chain_from = await self._advance(keyframe, None)
-            except SyncError as err:
+            except WeightError as err:
                 await self._fail(keyframe.version, err, "wait_keyframe")
                 return
         assert chain_from is not None
@@ -312,7 +304,7 @@ class WeightFollower:
                 break
             try:
                 held = await self._advance(m, held)
-            except SyncError as err:
+            except WeightError as err:
                 await self._fail(version, err, "wait_keyframe")
                 break
             behind += 1
@@ -356,28 +348,28 @@ class WeightFollower:
         """Check the manifest against the model; the wanted tensors' (shard, offset, nbytes) and shards."""
         sizes = {s.shard_id: s for s in m.shards}
         if len(sizes) != len(m.shards):
-            raise SyncError("corrupt", f"version {m.version} lists a shard twice")
+            raise WeightError("corrupt", f"version {m.version} lists a shard twice")
         slots: dict[str, tuple[int, int, int]] = {}
         for t in m.tensors:
             if not self._filter(t.name):
                 continue
             if self._known and t.name not in self._known:
-                raise SyncError("unknown_tensor", f"version {m.version} names tensor {t.name!r}, which the model does not have")
+                raise WeightError("unknown_tensor", f"version {m.version} names tensor {t.name!r}, which the model does not have")
             if self._known and (tuple(t.shape) != self._known[t.name][1] or not fits_live(t.dtype, self._known[t.name][0])):
                 dtype, shape = self._known[t.name]
-                raise SyncError("shape", f"version {m.version}: tensor {t.name!r} is {t.dtype}{list(t.shape)}, the model has {dtype}{list(shape)}")
+                raise WeightError("shape", f"version {m.version}: tensor {t.name!r} is {t.dtype}{list(t.shape)}, the model has {dtype}{list(shape)}")
             shard = sizes.get(t.shard_id)
             if shard is None or t.offset + t.nbytes > shard.decoded_bytes:
-                raise SyncError("corrupt", f"version {m.version}: tensor {t.name!r} lies outside its shard {t.shard_id}")
+                raise WeightError("corrupt", f"version {m.version}: tensor {t.name!r} lies outside its shard {t.shard_id}")
             slots[t.name] = (t.shard_id, t.offset, t.nbytes)
         missing = sorted(set(self._known) - set(slots))
         if m.keyframe and missing:
-            raise SyncError("shape", f"keyframe {m.version} lacks tensors the model has: {missing[:5]}")
+            raise WeightError("shape", f"keyframe {m.version} lacks tensors the model has: {missing[:5]}")
         shard_ids = {sid for sid, _, _ in slots.values()}
         for sid in shard_ids:
             s = sizes[sid]
             if max(s.decoded_bytes, s.wire_bytes) > self.max_shard_bytes:
-                raise SyncError(
+                raise WeightError(
                     "oversized",
                     f"version {m.version}: shard {sid} has {max(s.decoded_bytes, s.wire_bytes)} bytes, the limit is {self.max_shard_bytes}",
                 )
@@ -389,7 +381,7 @@ class WeightFollower:
         slots, shard_ids = self._wanted(m)
         if not m.keyframe and (base is None or m.base_version != base.version):
             have = "nothing" if base is None else f"version {base.version}"
-            raise SyncError("missing_base", f"version {m.version} is a delta on {m.base_version}, this executor holds {have}")
+            raise WeightError("missing_base", f"version {m.version} is a delta on {m.base_version}, this executor holds {have}")
         infos = {s.shard_id: s for s in m.shards}
         gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
@@ -403,17 +395,17 @@ class WeightFollower:
     async def _shard(self, m: WeightManifest, info: ShardInfo, base: Held | None) -> np.ndarray:
         old = None if base is None or m.keyframe else base.shards.get(info.shard_id)
         if not m.keyframe and old is None:
-            raise SyncError("missing_base", f"version {m.version}: no base for shard {info.shard_id}")
+            raise WeightError("missing_base", f"version {m.version}: no base for shard {info.shard_id}")
         if info.encoding == "unchanged":
             assert base is not None and old is not None
             before = {s.shard_id: s.sha256 for s in base.manifest.shards}.get(info.shard_id)
             if before != info.sha256:
-                raise SyncError(
+                raise WeightError(
                     "digest", f"version {m.version}: shard {info.shard_id} is marked unchanged but its digest differs from version {base.version}'s"
                 )
             return old
         if m.keyframe and info.encoding != "dense":
-            raise SyncError("corrupt", f"keyframe {m.version}: shard {info.shard_id} is {info.encoding}, not dense")
+            raise WeightError("corrupt", f"keyframe {m.version}: shard {info.shard_id} is {info.encoding}, not dense")
         decoder: list[ShardDecoder] = []
 
         def sink(size: int) -> ShardDecoder:
@@ -425,18 +417,20 @@ class WeightFollower:
             dense = info.encoding == "dense"
             await self.store.fetch(info.object_name, sink, max_bytes=self.max_shard_bytes, expect_size=info.wire_bytes, verify_digest=not dense)
             out, digest = await asyncio.to_thread(self._finish, decoder[0])
-        except StoreError as err:
-            raise SyncError(err.kind, f"version {m.version}, shard {info.shard_id}: {err.reason}") from None
+        except WeightError as err:
+            raise WeightError(err.kind, f"version {m.version}, shard {info.shard_id}: {err.reason}") from None
         except CodecError as err:
-            raise SyncError("corrupt", f"version {m.version}, shard {info.shard_id}: {err}") from None
+            raise WeightError("corrupt", f"version {m.version}, shard {info.shard_id}: {err}") from None
         self.stats.fetched_bytes += info.wire_bytes
         FETCHED.add(info.wire_bytes, {"executor": self.executor_id, "model": self.model})
         if out.size != info.decoded_bytes:
-            raise SyncError(
+            raise WeightError(
                 "corrupt", f"version {m.version}: shard {info.shard_id} decodes to {out.size} bytes, the manifest says {info.decoded_bytes}"
             )
         if digest != info.sha256:
-            raise SyncError("digest", f"version {m.version}: shard {info.shard_id} has SHA-256 {digest[:16]}…, the manifest says {info.sha256[:16]}…")
+            raise WeightError(
+                "digest", f"version {m.version}: shard {info.shard_id} has SHA-256 {digest[:16]}…, the manifest says {info.sha256[:16]}…"
+            )
         return out
 
     async def _check_signature(self, m: WeightManifest) -> None:
@@ -451,7 +445,7 @@ class WeightFollower:
                 self._dead_lettered.add(seen)
                 subject = WEIGHT_MANIFEST.subject(model=self.model, kind=m.kind, version=str(m.version))
                 await self.bus.dead_letter(subject, "unauthorised", str(exc), encode(m, WEIGHT_MANIFEST.encoding), None)
-            raise SyncError("signature", str(exc)) from None
+            raise WeightError("signature", str(exc)) from None
 
     @staticmethod
     def _finish(decoder: ShardDecoder) -> tuple[np.ndarray, str]:
@@ -468,7 +462,7 @@ class WeightFollower:
         try:
             await self._check_signature(m)
             slots, shard_ids = self._wanted(m)
-        except SyncError:
+        except WeightError:
             return None
         infos = {s.shard_id: s for s in m.shards}
         shards = {sid: np.zeros(infos[sid].decoded_bytes, dtype=np.uint8) for sid in shard_ids}
@@ -503,7 +497,7 @@ class WeightFollower:
         try:
             pause_ms = await self._apply_fn(state, held.version) if state else 0.0
         except Exception as exc:
-            await self._fail(held.version, SyncError("apply", f"the executor refused version {held.version}: {exc}"), "wait_keyframe")
+            await self._fail(held.version, WeightError("apply", f"the executor refused version {held.version}: {exc}"), "wait_keyframe")
             return
         self._held, self._initial = held, {}
         async with self._changed:
@@ -530,7 +524,7 @@ class WeightFollower:
         )
         await self.bus.publish(WEIGHT_APPLIED, event, executor_id=self.executor_id)
 
-    async def _fail(self, version: int, err: SyncError, next_step: str) -> None:
+    async def _fail(self, version: int, err: WeightError, next_step: str) -> None:
         log.warning("weights %s v%s refused (%s): %s; next: %s", self.model, version, err.kind, err.reason, next_step)
         event = WeightFailed(
             executor_id=self.executor_id,
@@ -538,7 +532,7 @@ class WeightFollower:
             version=version,
             at=time.time(),
             reason=err.reason,
-            kind=err.kind,  # type: ignore[arg-type]
+            kind=err.kind,
             kept_version=self.version,
             next_step=next_step,  # type: ignore[arg-type]
         )

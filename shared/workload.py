@@ -40,6 +40,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The demo's RL job (`rose demo`, bench/demo.py): the trainer's settings as environment variables (see
+# services/trainer/config.py). Here rather than in bench/ because the simulator's calibration reads it too.
+TRAINER = {
+    "ROSE_TASKS__ENVS": '["arithmetic"]',
+    "ROSE_TASKS__MAX_OPERAND": "4",
+    "ROSE_TASKS__MAX_TOKENS": "16",
+    "ROSE_TASKS__MAX_TURNS": "3",
+    "ROSE_SFT__STEPS": "200",
+    "ROSE_SFT__TRACES_PER_ENV": "300",
+    "ROSE_GRPO__GROUP_SIZE": "8",
+    "ROSE_GRPO__GROUPS_PER_STEP": "8",
+    "ROSE_GRPO__LR": "1e-3",
+    "ROSE_GRPO__EPOCHS": "2",
+    "ROSE_TASKS__PROBLEMS": "16",
+    "ROSE_GRPO__MAX_STALENESS": "2",
+    # Synchronous steps: on this one box the trainer shares the serving executors' cores, and with a step
+    # prefetched it trains while the next batch rolls out, leaving serving too little CPU (bench e2e,
+    # static policy: SLO attainment 0.82 with prefetch 1 vs 0.98 without). On separate hardware use 1.
+    "ROSE_GRPO__PREFETCH_STEPS": "0",
+    "ROSE_THREADS": "1",
+}
+# `rose bench e2e`'s job: the demo's, made rollout-dominated as agentic RL is (rollout >= 70 % of a static
+# step; the bench's JSON reports `rollout_share_of_step`): one epoch per batch, longer multi-turn episodes.
+ROLLOUT_DOMINATED_JOB = {
+    "ROSE_GRPO__EPOCHS": "1",  # the demo's 2 epochs double the training time of a step
+    "ROSE_TASKS__MAX_TURNS": "4",  # an episode that has not answered yet gets another turn (the demo: 3)
+    "ROSE_TASKS__MAX_TOKENS": "32",  # per turn (the demo: 16): longer turns, a longer tail
+    # a fresh AdamW's first step moves every weight by the whole lr: offline at seed 11 (this job, local
+    # sampling) lr 5e-3 took the reward from 0.14 to 0 in one step for good and 2 epochs at 1e-3 to 0 for two
+    # steps; lr 1e-3 ramped over 10 steps did not fall (docs/benchmarks.md, 2026-12-04)
+    "ROSE_GRPO__LR_WARMUP_STEPS": "10",
+}
+
 
 @dataclass(frozen=True)
 class RolloutSpec:

@@ -18,13 +18,13 @@ Those step models replace the roofline, and the simulator predicts a real run:
   ``serving_slo_attainment`` are predicted by the fleet simulator (engine.py) with that setup;
   error = ``|predicted - measured| / measured``. The trainer runs as the real one does: its
   ``prefetch_steps`` / ``max_staleness`` / group size from the JSON's ``trainer`` block (else
-  bench/demo.py TRAINER), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
+  the demo's TRAINER in shared/workload.py), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
   also cap the simulated turns and tokens per turn, the worker's ``worker_concurrency`` episodes, groups taken as
   ``Trainer.next_groups`` takes them (engine.py ``_trainer_pipelined``), as many steps as the real
   run trained. One thing is fitted, and said so in the output: the rollout engine's in-situ
   slowdown (``fit_contention``: the two-core box is shared by every executor, the worker and the
   trainer), from the static run's median turn time, the same factor for every policy.
-- ``calibrate_coserve(path)`` — a real ``rose bench coserve`` run (one executor, serving trace
+- ``calibrate_coserve(path)`` (bench/sim.py: it runs and reads the real bench) — a real ``rose bench coserve`` run (one executor, serving trace
   plus a saturating rollout backlog): each executor policy's rollout tokens/s and SLO
   attainment are predicted by the simulator's per-instance model (coserve.py) over the same
   trace. The fleet policies map onto it as static = the policy model alone on the device
@@ -38,14 +38,13 @@ Those step models replace the roofline, and the simulator predicts a real run:
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.devices import MeasuredSteps
 
 DECODE_BATCHES = (1, 4, 16, 32)
@@ -75,13 +74,53 @@ def steps_from_table(table: dict, name: str) -> MeasuredSteps:
     return MeasuredSteps(da, db, pa, pb, name=name)
 
 
-def measure_step_times(seed: int = 0, threads: int = 1, repeats: int = REPEATS, batches=DECODE_BATCHES, prefills=PREFILL_TOKENS) -> dict:
-    """Time decode and prefill steps of the tiny serving and policy models with the executor's forward."""
+def time_steps(model, name: str, *, context: int, repeats: int, batches, prefills, seed: int = 0) -> tuple[dict[int, float], dict[int, float]]:
+    """Median seconds of one decode step per batch size (each sequence at ``context`` tokens) and of one
+    prefill per prompt length: the executor's own paged forward (``PagedModelRunner`` over a ``KVPool``)
+    on ``model``, under the caller's torch thread count. The one timing loop behind both calibrations
+    (``measure_step_times`` here, bench/e2e.py's ``calibration.step_times``)."""
     import torch
 
     from rose.services.executor.forward_item import ForwardItem
     from rose.services.executor.kv_pool import KVPool
     from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
+
+    vocab = int(model.config.vocab_size)
+    pool = KVPool(name, kv_shape_of(model), 64 << 20, 16, torch.device("cpu"))
+    runner = PagedModelRunner(model, pool)
+    gen = torch.Generator().manual_seed(seed)
+    decode: dict[int, float] = {}
+    prefill: dict[int, float] = {}
+    with torch.inference_mode():
+        for p in prefills:
+            tokens = torch.randint(10, vocab, (p,), generator=gen).tolist()
+            times = []
+            for _ in range(repeats):
+                blocks = pool.allocate(pool.blocks_for(p))
+                t0 = time.perf_counter()
+                runner.forward([ForwardItem(blocks, 0, tokens)])
+                times.append(time.perf_counter() - t0)
+                pool.free(blocks)
+            prefill[p] = float(np.median(times))
+        for b in batches:
+            tables = [pool.allocate(pool.blocks_for(context + repeats + 2)) for _ in range(b)]
+            runner.forward([ForwardItem(t, 0, torch.randint(10, vocab, (context,), generator=gen).tolist()) for t in tables])
+            times = []
+            for r in range(repeats):
+                items = [ForwardItem(t, context + r, [int(torch.randint(10, vocab, (1,), generator=gen))]) for t in tables]
+                t0 = time.perf_counter()
+                runner.forward(items)
+                times.append(time.perf_counter() - t0)
+            for t in tables:
+                pool.free(t)
+            decode[b] = float(np.median(times))
+    return decode, prefill
+
+
+def measure_step_times(seed: int = 0, threads: int = 1, repeats: int = REPEATS, batches=DECODE_BATCHES, prefills=PREFILL_TOKENS) -> dict:
+    """Time decode and prefill steps of the tiny serving and policy models with the executor's forward."""
+    import torch
+
     from rose.shared.models import POLICY_SHAPE, SERVING_SHAPE, VOCAB_SIZE, build_model
 
     previous = torch.get_num_threads()
@@ -90,34 +129,11 @@ def measure_step_times(seed: int = 0, threads: int = 1, repeats: int = REPEATS, 
     try:
         for offset, (name, shape) in enumerate((("serving", SERVING_SHAPE), ("policy", POLICY_SHAPE))):
             model = build_model(shape, VOCAB_SIZE, 0, seed + offset)
-            pool = KVPool(name, kv_shape_of(model), 64 << 20, 16, torch.device("cpu"))
-            runner = PagedModelRunner(model, pool)
-            gen = torch.Generator().manual_seed(seed)
-            table: dict = {"decode_ms": {}, "prefill_ms": {}}
-            with torch.inference_mode():
-                for p in prefills:
-                    tokens = torch.randint(10, VOCAB_SIZE, (p,), generator=gen).tolist()
-                    times = []
-                    for _ in range(repeats):
-                        blocks = pool.allocate(pool.blocks_for(p))
-                        t0 = time.perf_counter()
-                        runner.forward([ForwardItem(blocks, 0, tokens)])
-                        times.append(time.perf_counter() - t0)
-                        pool.free(blocks)
-                    table["prefill_ms"][str(p)] = 1e3 * float(np.median(times))
-                for b in batches:
-                    tables = [pool.allocate(pool.blocks_for(CONTEXT + repeats + 2)) for _ in range(b)]
-                    runner.forward([ForwardItem(t, 0, torch.randint(10, VOCAB_SIZE, (CONTEXT,), generator=gen).tolist()) for t in tables])
-                    times = []
-                    for r in range(repeats):
-                        items = [ForwardItem(t, CONTEXT + r, [int(torch.randint(10, VOCAB_SIZE, (1,), generator=gen))]) for t in tables]
-                        t0 = time.perf_counter()
-                        runner.forward(items)
-                        times.append(time.perf_counter() - t0)
-                    for t in tables:
-                        pool.free(t)
-                    table["decode_ms"][str(b)] = 1e3 * float(np.median(times))
-            out[name] = table
+            decode, prefill = time_steps(model, name, context=CONTEXT, repeats=repeats, batches=batches, prefills=prefills, seed=seed)
+            out[name] = {
+                "decode_ms": {str(b): 1e3 * s for b, s in decode.items()},
+                "prefill_ms": {str(p): 1e3 * s for p, s in prefill.items()},
+            }
     finally:
         torch.set_num_threads(previous)
     return out
@@ -138,112 +154,10 @@ def fit_error(step_times: dict) -> float:
     return worst
 
 
-def _rel(pred: float, meas: float) -> float | None:
+def relative_error(pred: float, meas: float) -> float | None:
     if meas is None or not math.isfinite(meas) or meas <= 0:
         return None
     return abs(pred - meas) / meas
-
-
-# ---- against a real `rose bench coserve` run --------------------------------------------------
-def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
-    """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
-    from rose.bench import coserve as bc
-    from rose.services.executor.policies import Signals, make_policy
-
-    from .coserve import ServingTick, rollout_interference, rollout_share, serving_tick
-    from .policies import executor_signals
-
-    sperf, pperf = step_models(step_times)
-    from dataclasses import replace as _replace
-
-    # One parameter is fitted, not predicted: the rollout lane's per-iteration cost beyond the forward
-    # pass (sampling, scheduling, per-sequence bookkeeping of a 32-sequence batch), from the dedicated
-    # run (the policy model alone): static's figure is then matched by construction.
-    b_r0 = float(bc.BENCH_CONFIG.rollout_max_batch)
-    dedicated = float(report.get("dedicated_rollout_tokens_per_s") or 0.0)
-    overhead = 0.0
-    if dedicated > 0:
-        per_iter = (b_r0 * bc.ROLLOUT_MAX_TOKENS / dedicated - b_r0 * float(pperf.prefill_s(bc.ROLLOUT_PROMPT_TOKENS))) / bc.ROLLOUT_MAX_TOKENS
-        overhead = max(0.0, per_iter - float(pperf.decode_s(b_r0, bc.ROLLOUT_PROMPT_TOKENS + bc.ROLLOUT_MAX_TOKENS / 2)))
-    pperf = _replace(pperf, decode_base_s=pperf.decode_base_s + overhead)
-    rate = float(report["serving_load"]) * float(report["serving_capacity_rps"])
-    duration = float(report.get("duration_s", 20.0))
-    slo_ttft, slo_tpot = float(report["slo"]["ttft_ms"]) / 1e3, float(report["slo"]["tpot_ms"]) / 1e3
-    quantum = float(report.get("quantum_ms", 10.0))
-    t = np.arange(0.0, duration, 0.1)  # the bench's bursts are 0.5 s long: 100 ms ticks
-    in_burst = (t % bc.BURST_EVERY_S) > bc.BURST_EVERY_S - bc.BURST_LEN_S
-    rates = rate * np.where(in_burst, bc.BURST_FACTOR, 1.0)
-    p, o = float(bc.SERVING_PROMPT_TOKENS), float(bc.SERVING_MAX_TOKENS)
-    b_r = float(bc.BENCH_CONFIG.rollout_max_batch)
-    ctx_r = bc.ROLLOUT_PROMPT_TOKENS + bc.ROLLOUT_MAX_TOKENS / 2
-    per_req = bc.ROLLOUT_MAX_TOKENS
-    tau_r = float(pperf.decode_s(b_r, ctx_r))
-    prefill_r = float(pperf.prefill_s(bc.ROLLOUT_PROMPT_TOKENS))
-    alone_tps = b_r * per_req / (per_req * tau_r + b_r * prefill_r)  # a batch's decode plus its prefills
-    kv_tokens = bc.BENCH_CONFIG.serving_kv_bytes / 1.0  # tokens are tiny here: never the limit
-    out = {"static": {"rollout_tokens_per_s": alone_tps}, "engine_overhead_ms": overhead * 1e3}
-    for name in ("naive_share", "rose"):
-        ep = make_policy(name, quantum_ms=quantum)
-        active = np.ones(len(t), dtype=bool)
-        st0 = serving_tick(sperf, rates, p, o, p, 0.0, 0.0, 0.0, 0.1, kv_tokens)
-        if parallel_lanes and not ep.shares_serving_lane:
-            # a CPU executor runs a policy's own rollout lane on its own thread and core, beside serving
-            st, share = st0, np.ones(len(t))
-        else:
-
-            def signals(d: int, st0: ServingTick = st0) -> Signals:  # st0 of this tick (bound now, not when called)
-                return executor_signals(
-                    float(t[d]),
-                    st0.batch[d],
-                    float(st0.iteration_s[d]) * 1e3,
-                    slo_tpot * 1e3,
-                    serving_max_batch=bc.BENCH_CONFIG.serving_max_batch,
-                    gpu_engine=False,
-                )
-
-            extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req, signals)
-            st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
-            share = rollout_share(ep, st, extra, may)
-        tps = float(np.mean(share)) * alone_tps
-        ok = (st.ttft_p99_s <= slo_ttft) & (st.tpot_p99_s <= slo_tpot)
-        attain = float(np.sum(rates * ok) / max(1e-9, np.sum(rates)))
-        out[name] = {"rollout_tokens_per_s": tps, "slo_attainment": attain}
-    return out
-
-
-def calibrate_coserve(report: dict, step_times: dict, source: str) -> dict:
-    pred = predict_coserve(report, step_times)
-    meas = {
-        "static": {"rollout_tokens_per_s": report.get("dedicated_rollout_tokens_per_s")},
-        "naive_share": report["policies"]["naive_share"],
-        "rose": report["policies"]["rose"],
-    }
-    errors: dict[str, float | None] = {}
-    detail: dict = {}
-    for name in ("static", "naive_share", "elastic_baseline", "rose"):
-        if name == "elastic_baseline":
-            errors[name] = None
-            detail[name] = "lends whole devices: a one-executor run has nothing to compare (needs rose bench e2e)"
-            continue
-        m, p = meas[name], pred[name]
-        errors[name] = _rel(p["rollout_tokens_per_s"], m.get("rollout_tokens_per_s"))
-        detail[name] = {"metric": "rollout_tokens_per_s", "measured": m.get("rollout_tokens_per_s"), "predicted": p["rollout_tokens_per_s"]}
-        if "slo_attainment" in p:
-            detail[name].update(measured_slo_attainment=m.get("slo_attainment"), predicted_slo_attainment=p["slo_attainment"])
-    detail["static"]["fitted"] = "the engine's per-iteration overhead is fitted to this figure: its error is 0 by construction"
-    return {
-        "calibration": errors,
-        "calibration_detail": {
-            "source": source,
-            "against": "rose bench coserve (one executor, real engine)",
-            "per_policy": detail,
-            "engine_overhead_ms_per_iteration": pred["engine_overhead_ms"],
-            "device_model": "CPU: a rollout lane of its own runs on its own core beside serving (rose); "
-            "naive_share shares the serving lane (time-sliced as on one accelerator)",
-            "step_times": step_times,
-            "step_fit_max_error": fit_error(step_times),
-        },
-    }
 
 
 # ---- against a real `rose bench e2e` run ------------------------------------------------------
@@ -287,8 +201,8 @@ def e2e_setup(report: dict, policy: str) -> dict:
         "burst_len_s": fleet.get("burst_len_s", 5.0),
         "serving_prompt_tokens": fleet.get("serving_prompt_tokens", 48),
         "serving_output_tokens": fleet.get("serving_max_tokens", 32),
-        "slo_ttft_ms": fleet.get("slo_ttft_ms", 500.0),
-        "slo_tpot_ms": fleet.get("slo_tpot_ms", 100.0),
+        "slo_ttft_ms": fleet.get("slo_ttft_ms", DEFAULT_SLO_TTFT_MS),
+        "slo_tpot_ms": fleet.get("slo_tpot_ms", DEFAULT_SLO_TPOT_MS),
         "trajectories_per_step": cal.get("trajectories_per_step", 16),
         "turns_median": cal.get("turns_per_trajectory") or 3,
         "gen_median": cal.get("tokens_per_turn") or fleet.get("rollout_max_tokens", 16),
@@ -315,13 +229,13 @@ def e2e_setup(report: dict, policy: str) -> dict:
 def trainer_settings(report: dict) -> dict:
     """The real trainer's asynchrony (``grpo.prefetch_steps``, ``grpo.max_staleness``) and group size:
     the e2e JSON's ``trainer`` block (the ROSE_* settings the bench gave the trainer), else the
-    demo's own (bench/demo.py TRAINER), which is what ``rose bench e2e`` runs."""
+    demo's own (shared/workload.py TRAINER), which is what ``rose bench e2e`` runs."""
     env = report.get("trainer")
     source = "the e2e JSON's trainer block"
     if not env:
-        from rose.bench.demo import TRAINER
+        from rose.shared.workload import TRAINER
 
-        env, source = TRAINER, "bench/demo.py TRAINER (the e2e JSON has no trainer block)"
+        env, source = TRAINER, "the demo's TRAINER, shared/workload.py (the e2e JSON has no trainer block)"
     defaults = {"ROSE_GRPO__PREFETCH_STEPS": 1, "ROSE_GRPO__MAX_STALENESS": 2, "ROSE_GRPO__GROUP_SIZE": 8}  # services/trainer/config.py
     get = lambda k: int(env.get(k, defaults[k]))  # noqa: E731
     out = {
@@ -517,8 +431,8 @@ def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int 
             errors[name], slo_errors[name], detail[name] = None, None, f"not simulated: {exc}"
             continue
         mc = measured.get("calibration") or {}
-        errors[name] = _rel(sim["rl_steps_per_hour"], measured.get("rl_steps_per_hour"))
-        slo_errors[name] = _rel(sim["serving_slo_attainment"], measured.get("serving_slo_attainment"))
+        errors[name] = relative_error(sim["rl_steps_per_hour"], measured.get("rl_steps_per_hour"))
+        slo_errors[name] = relative_error(sim["serving_slo_attainment"], measured.get("serving_slo_attainment"))
         detail[name] = {
             "metric": "rl_steps_per_hour",
             "measured": measured.get("rl_steps_per_hour"),
@@ -561,20 +475,3 @@ def calibrate_e2e(report: dict, step_times: dict | None, source: str, seed: int 
             "step_times": used_steps,
         },
     }
-
-
-def calibrate(*, e2e: str | None, coserve: str | None, measure: bool, seed: int, console=None) -> dict:
-    """The bench's calibration block: from an e2e file, else a coserve file, else step times only."""
-    if e2e:  # its own measured step times, else measured now
-        return calibrate_e2e(json.loads(Path(e2e).read_text()), None, source=str(e2e), seed=seed)
-    if coserve:
-        return calibrate_coserve(json.loads(Path(coserve).read_text()), measure_step_times(seed), source=str(coserve))
-    step_times = measure_step_times(seed) if measure else None
-    detail: dict[str, Any] = {
-        "source": ("step times measured now; " if step_times is not None else "")
-        + "no real per-policy run to compare against (no bench-out/e2e.json)",
-        "next": "pass --e2e FILE (rose bench e2e) or --coserve FILE / --calibrate (runs rose bench coserve briefly)",
-    }
-    if step_times is not None:
-        detail.update(step_times=step_times, step_fit_max_error=fit_error(step_times))
-    return {"calibration": {}, "calibration_detail": detail}

@@ -64,9 +64,11 @@ from rose.services.scheduler.placement import Candidate
 from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
 from rose.shared.devices import DEVICES, TRAIN_MFU, Roofline, SyncSpec, model_spec, rollout_tp, serving_tp, sync_seconds, train_seconds, usable_bytes
+from rose.shared.errors import RoseError
 from rose.shared.turns.hedging import hedge_ask_again_after
 from rose.shared.workload import RolloutSpec, batch_trajectories, bundle_size, mean_context, sample_batch, turn_length_quantile
 
+from . import POLICIES
 from .candidates import CandidateCache
 from .ceiling import lane_value, rollout_capacity_ceiling
 from .coserve import lane_share_ceiling, rollout_interference, rollout_share, serving_tick, slo_capacity_rps
@@ -90,7 +92,7 @@ TRAINER_FETCH_BATCH = 64
 FETCH_WINDOW_S = 1.0  # shared/bus.py CONSUME_FETCH_TIMEOUT_S
 
 
-class Infeasible(ValueError):
+class Infeasible(RoseError, ValueError):
     """This model does not fit this fleet (the reason says why)."""
 
 
@@ -164,7 +166,7 @@ class Simulation:
         self.cache_rng = np.random.default_rng([cfg.seed, 2])
         self.route_rng = __import__("random").Random(cfg.seed)
         self.env = simpy.Environment()
-        if cfg.policy not in ("static", "naive_share", "elastic_baseline", "rose"):
+        if cfg.policy not in POLICIES:
             make_fleet_policy(cfg.policy)  # raises with the list of policies
         self._size_fleet()
         self.policy = make_fleet_policy(cfg.policy, cfg.quantum_ms, cfg.max_rollout_batch, max(0.0, self.cohost_free_bytes))

@@ -39,6 +39,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from rich.console import Group
 
 from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
@@ -55,6 +56,14 @@ from .traces import Trace, load_azure_csv, requests_to_trace
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity
 DEMANDS = (1.0, 2.0, 4.0)
 PAYS_FROM = 1.05  # rose at least this x static: lending pays (below: within the simulator's step-to-step noise)
+BIN_MINUTES = (1, 2, 5, 10, 15, 30, 60, 120, 180, 360)  # the table's bin: the first that gives at most MAX_ROWS rows
+MAX_ROWS = 24  # a day in hours, an hour in 5-minute bins: one screen
+TABLE_COLUMNS = 80  # the tables fit a terminal this wide (or a pipe: rich's default width)
+
+
+def bin_minutes(minutes: int) -> int:
+    """The table's bin for a trace of ``minutes``: minutes for a trace of an hour, hours for a day."""
+    return next((b for b in BIN_MINUTES if math.ceil(minutes / b) <= MAX_ROWS), BIN_MINUTES[-1])
 
 
 def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: float) -> WindowStats:
@@ -177,25 +186,34 @@ def plan(
     ded_kv = usable_bytes(device, tp_r) - m.weight_bytes
     ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * kvb)))
     ded_tps = ded_batch / float(pperf_d.decode_s(ded_batch, ctx))
-    hours = []
+
+    def binned(width: int) -> list[dict]:
+        """The per-minute figures over bins of ``width`` minutes (the last one may be shorter)."""
+        rows = []
+        for lo in range(0, minutes, width):
+            sl = slice(lo, min(minutes, lo + width))
+            tps = float(lend_tps[sl].mean())
+            at = int(trace.start_s) + 60 * lo
+            rows.append(
+                {
+                    "hour": (at // 3600) % 24,
+                    "start": f"{(at // 3600) % 24:02d}:{(at // 60) % 60:02d}",
+                    "minutes": sl.stop - sl.start,
+                    "requests_per_s": float(rate_mean[sl].mean() * n),
+                    "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
+                    "lendable_fraction": float(lendable[sl].mean()),
+                    "rollout_tokens_per_s": tps,
+                    "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
+                    "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
+                    "slo_risk_alone": float(risk_alone[sl].mean()),
+                    "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
+                }
+            )
+        return rows
+
     start_hour = int(trace.start_s // 3600)
-    for h, lo in enumerate(range(0, minutes, 60)):
-        sl = slice(lo, min(minutes, lo + 60))
-        tps = float(lend_tps[sl].mean())
-        hours.append(
-            {
-                "hour": (start_hour + h) % 24,
-                "minutes": sl.stop - sl.start,
-                "requests_per_s": float(rate_mean[sl].mean() * n),
-                "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
-                "lendable_fraction": float(lendable[sl].mean()),
-                "rollout_tokens_per_s": tps,
-                "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
-                "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
-                "slo_risk_alone": float(risk_alone[sl].mean()),
-                "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
-            }
-        )
+    hours = [{k: v for k, v in row.items() if k != "start"} | {"hour": (start_hour + h) % 24} for h, row in enumerate(binned(60))]
+    width = bin_minutes(minutes)
     demand = []
     if demands:
         busiest = int(np.argmax(hourly_mean)) * 3600
@@ -224,6 +242,8 @@ def plan(
         "dedicated_tp": tp_r,
         "not_lendable_minutes": reasons,
         "hours": hours,
+        "bin_minutes": width,  # the table's and the plot's bins (hours for a day, minutes for an hour)
+        "bins": binned(width),
         "note": "a model, not a measurement: roofline step times (shared/devices.py) and the monitor's own headroom rules",
     }
 
@@ -318,9 +338,9 @@ def _plot(path: Path, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hrs = result["hours"]
+    hrs = result["bins"]
     x = list(range(len(hrs)))
-    labels = [f"{h['hour']:02d}" for h in hrs]
+    labels = [h["start"] for h in hrs]
     fig, (a, b) = plt.subplots(2, 1, figsize=(max(8, 0.4 * len(hrs) + 3), 6), sharex=True)
     a.plot(x, [h["requests_per_s"] for h in hrs], marker="o", label="serving req/s")
     a.axhline(result["slo_capacity_rps_per_instance"] * result["serving_instances"], color="red", ls="--", label="SLO capacity")
@@ -329,12 +349,98 @@ def _plot(path: Path, result: dict) -> None:
     colors = {"low": "tab:green", "medium": "tab:orange", "high": "tab:red"}
     b.bar(x, [h["rollout_tokens_per_s"] for h in hrs], color=[colors[_risk(h["slo_risk_with_rollout"])] for h in hrs])
     b.set_ylabel("lendable rollout tok/s")
-    b.set_xticks(x, labels)
-    b.set_xlabel("hour of day (bar colour: SLO risk with rollout, green low / orange medium / red high)")
+    b.set_xticks(x, labels, rotation=90 if len(hrs) > 12 else 0)
+    b.set_xlabel(f"start of each {result['bin_minutes']}-minute bin (bar colour: SLO risk with rollout, green low / orange medium / red high)")
     fig.suptitle(f"rose plan: {result['model']} on {result['fleet']} ({result['serving_instances']} instances of TP{result['serving_tp']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plan_tables(result: dict, fleet: str, width: int) -> Group:
+    """The plan as a terminal shows it: the binned table, the figures under it, the speedup per demand
+    with its reasons as numbered notes below, all within ``TABLE_COLUMNS`` (a narrower terminal is told
+    how wide the tables are)."""
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+
+    unit = f"{result['bin_minutes'] // 60} h" if result["bin_minutes"] >= 60 else f"{result['bin_minutes']} min"
+    table = Table(
+        title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {result['slo_ttft_ms']:g} ms / TPOT {result['slo_tpot_ms']:g} ms "
+        f"(trace x{result['scale']:.3g}; bins of {unit})",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in (
+        "from",
+        "req/s",
+        "load",
+        "lend-\nable",
+        "rollout\ntok/s",
+        "≈ ded.\nGPUs",
+        "TTFT p99\nms, peak",
+        "risk\nalone",
+        "risk w/\nrollout",
+    ):
+        table.add_column(col, justify="right")
+    for b in result["bins"]:
+        table.add_row(
+            b["start"],
+            f"{b['requests_per_s']:.1f}",
+            f"{b['load_of_slo_capacity']:.0%}",
+            f"{b['lendable_fraction']:.0%}",
+            f"{b['rollout_tokens_per_s']:.0f}",
+            f"{b['dedicated_gpu_equivalent']:.1f}",
+            f"{b['ttft_p99_ms_peak']:.0f}" if b["ttft_p99_ms_peak"] < 60_000 else "overload",
+            f"{b['slo_risk_alone']:.0%}",
+            f"{b['slo_risk_with_rollout']:.0%}",
+        )
+    parts: list = [
+        table,
+        "risk: the share of minutes whose busiest second breaks the SLO, serving alone and with rollout "
+        "(low under 1 %, high from 10 %); lendable: the share of minutes the monitor lends",
+    ]
+    parts.append(
+        f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
+        f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; "
+        f"not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}"
+    )
+    notes: list[str] = []
+    if result["speedup_by_demand"]:
+        dt = Table(
+            title=f"expected RL speedup (rose / static, synchronous; dedicated pool {result['dedicated_ratio']:g} x the serving GPUs; "
+            "from the busiest hour)",
+            box=box.SIMPLE_HEAD,
+        )
+        for col in ("demand", "traj./\nstep", "static\nsteps/h", "rose\nsteps/h", "speedup", "ceiling\n(lent KV)", "share\ntaken", "pays", "why"):
+            dt.add_column(col, justify="right")
+        for d in result["speedup_by_demand"]:
+            notes.append(d["why"])
+            note = f"[{len(notes)}]"
+            if d["speedup"] is None:
+                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "-", "-", "no", note)
+                continue
+            dt.add_row(
+                f"{d['rollout_demand']:g}x",
+                str(d["trajectories_per_step"]),
+                f"{d['static_rl_steps_per_hour']:.2f}",
+                f"{d['rose_rl_steps_per_hour']:.2f}",
+                f"{d['speedup']:.2f}x",
+                "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x ({d['speedup_ceiling_kv']:.2f}x)",
+                "-" if d["share_of_priced_gain"] is None else f"{d['share_of_priced_gain']:.0%}",  # of the priced gain
+                "yes" if d["pays"] else "no",
+                note,
+            )
+        parts += [dt, *(f"[{i}] {why}" for i, why in enumerate(notes, 1))]
+    nope = result["lending_does_not_pay"]
+    parts.append(
+        f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
+        f"in hours {', '.join(f'{h:02d}' for h in nope['hours']) or '-'} (no minute lendable)"
+    )
+    if width < TABLE_COLUMNS:
+        parts.append(f"(the tables are {TABLE_COLUMNS} columns wide: a wider terminal, or COLUMNS={TABLE_COLUMNS}, shows them whole)")
+    return Group(*parts)
 
 
 def run_plan(
@@ -350,82 +456,10 @@ def run_plan(
     demands=DEMANDS,
     dedicated_ratio: float = 0.25,
 ) -> dict:
-    from rich.table import Table
-
     result = plan(
         trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale), demands=demands, dedicated_ratio=dedicated_ratio
     )
-    table = Table(
-        title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms (trace x{result['scale']:.3g})"
-    )
-    for col in (
-        "hour",
-        "req/s",
-        "load",
-        "lendable",
-        "rollout tok/s",
-        "≈ dedicated GPUs",
-        "p99 TTFT ms (peak)",
-        "SLO risk alone",
-        "SLO risk w/ rollout",
-    ):
-        table.add_column(col, justify="right")
-    for h in result["hours"]:
-        table.add_row(
-            f"{h['hour']:02d}:00",
-            f"{h['requests_per_s']:.1f}",
-            f"{h['load_of_slo_capacity']:.0%}",
-            f"{h['lendable_fraction']:.0%}",
-            f"{h['rollout_tokens_per_s']:.0f}",
-            f"{h['dedicated_gpu_equivalent']:.1f}",
-            f"{h['ttft_p99_ms_peak']:.0f}" if h["ttft_p99_ms_peak"] < 60_000 else "overload",
-            f"{_risk(h['slo_risk_alone'])} ({h['slo_risk_alone']:.0%})",
-            f"{_risk(h['slo_risk_with_rollout'])} ({h['slo_risk_with_rollout']:.0%})",
-        )
-    console.print(table)
-    console.print(
-        f"{result['serving_instances']} serving instances; SLO capacity {result['slo_capacity_rps_per_instance']:.1f} req/s each; "
-        f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; "
-        f"not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}"
-    )
-    if result["speedup_by_demand"]:
-        dt = Table(
-            title=f"expected RL speedup (rose / static, synchronous; dedicated pool {dedicated_ratio:g} x the serving GPUs; from the busiest hour)"
-        )
-        columns = (
-            "rollout demand",
-            "trajectories/step",
-            "static steps/h",
-            "rose steps/h",
-            "speedup",
-            "ceiling (at the lent KV)",
-            "share of the priced gain",
-            "lending pays",
-            "why",
-        )
-        for col in columns:
-            dt.add_column(col, justify="right")
-        for d in result["speedup_by_demand"]:
-            if d["speedup"] is None:
-                dt.add_row(f"{d['rollout_demand']:g}x", "-", "-", "-", "-", "-", "-", "no", d["why"])
-                continue
-            dt.add_row(
-                f"{d['rollout_demand']:g}x",
-                str(d["trajectories_per_step"]),
-                f"{d['static_rl_steps_per_hour']:.2f}",
-                f"{d['rose_rl_steps_per_hour']:.2f}",
-                f"{d['speedup']:.2f}x",
-                "-" if d["speedup_ceiling"] is None else f"{d['speedup_ceiling']:.2f}x ({d['speedup_ceiling_kv']:.2f}x)",
-                "-" if d["share_of_priced_gain"] is None else f"{d['share_of_priced_gain']:.0%}",
-                "yes" if d["pays"] else "no",
-                d["why"],
-            )
-        console.print(dt)
-    nope = result["lending_does_not_pay"]
-    console.print(
-        f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
-        f"in hours {', '.join(f'{h:02d}' for h in nope['hours']) or '-'} (no minute lendable)"
-    )
+    console.print(plan_tables(result, fleet, console.width))
     out = Path(out_json or "bench-out/plan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

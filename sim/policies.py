@@ -50,9 +50,9 @@ from rose.services.slo_monitor.config import HeadroomSettings, WindowSettings
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.shared.bursts import BurstSettings
 
+from . import POLICIES
 from .coserve import MAX_SERVING_BATCH
 
-POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 MODES = {"static": "none", "naive_share": "always", "elastic_baseline": "elastic_baseline", "rose": "rose"}
 
 

@@ -33,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from rose.shared.errors import RoseError
+
 SAMPLE_CSV = Path(__file__).parent / "data" / "azure_format_sample_synthetic.csv"
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-class TraceError(ValueError):
+class TraceError(RoseError, ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rose.bench.demo import SPEC, TRAINER
+from rose.bench.demo import SPEC
 from rose.bench.e2e import DEDICATED_ROLLOUT_SLOTS, batch_rollout_spans, demand_settings, lent_fraction, max_in_flight, max_lent_at_once, step_figures
+from rose.shared.workload import TRAINER
 
 DURATION_S = 20  # GRPO seconds after the warm start (not part of the window): rates need two steps (static: ~5 s each)
 WARM_START_STEPS = 20  # the demo's is 200: the warm start is outside the measured window, and learning is not checked here

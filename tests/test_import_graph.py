@@ -170,6 +170,58 @@ def test_only_tests_import_the_test_helpers():
     assert not users, users
 
 
+# The layers, lowest first: a module may import its own layer and those below, never one above.
+# `rose` itself holds only the version. client sits below services (the trainer publishes through
+# client/weights.py); sim below bench (bench runs the simulator beside real runs: `rose bench sim`
+# calibrates it against `rose bench coserve`, the emulated benches price with it); cli and the test
+# helpers (testing/) on top.
+LAYERS = (("rose",), ("contracts",), ("shared",), ("client",), ("services",), ("sim",), ("bench",), ("cli", "testing"))
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"{module}: its top-level folder {top!r} is in no layer (add it to LAYERS)")
+
+
+def layer_violations(modules: dict[str, Path], graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports that point up a layer, and imports from one service into another (services share
+    contracts/ and shared/ only: what two of them need moves down to shared/)."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            where = f"{module} -> {target}  ({modules[module]}:{line})"
+            if layer_of(target) > layer_of(module):
+                found.append(f"points up: {where}")
+            a, b = module.split("."), target.split(".")
+            if len(a) > 2 and len(b) > 2 and a[1] == b[1] == "services" and a[2] != b[2]:
+                found.append(f"one service imports another: {where}")
+    return found
+
+
+def test_imports_point_down_the_layers_and_no_service_imports_another():
+    """contracts <- shared <- client <- services <- sim <- bench <- cli (and testing/), as LAYERS says."""
+    modules, graph = import_graph(ROOT, "rose")
+    found = layer_violations(modules, graph)
+    assert not found, "\n".join(found)
+
+
+def test_the_layer_check_sees_upward_and_sideways_imports():
+    graph = {
+        "rose.shared.a": {"rose.contracts.b": 1, "rose.bench.c": 2},
+        "rose.services.x.m": {"rose.services.y.n": 3, "rose.services.x.o": 4, "rose.shared.a": 5},
+        "rose.cli.main": {"rose.sim.p": 6},
+    }
+    modules = {m: Path(f"{m}.py") for m in graph}
+    found = layer_violations(modules, graph)
+    assert sorted(f.split("  (")[0] for f in found) == [
+        "one service imports another: rose.services.x.m -> rose.services.y.n",
+        "points up: rose.shared.a -> rose.bench.c",
+    ]
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel

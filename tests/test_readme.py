@@ -26,3 +26,32 @@ def test_every_channel_is_in_the_subject_table():
 
 def test_every_service_is_named():
     assert [s for s in SERVICE_MODULES if f"`{s}" not in README] == []
+
+
+MAX_LINE = 120  # what a terminal (or `less`) shows without wrapping mid-word
+# Markdown cannot wrap a table row: these tables' rows are data (generated, or the figures log)
+LONG_ROW_TABLES = ("| subject | kind |", "| user | publishes |", "| bench | command |", "| variable | meaning |")
+
+
+def test_readme_lines_fit_a_terminal():
+    """Prose, lists and code blocks within MAX_LINE; only the rows of LONG_ROW_TABLES may be longer."""
+    long, table = [], None
+    for number, line in enumerate(README.splitlines(), 1):
+        if line.startswith("|"):
+            table = table or line
+            if table.startswith(LONG_ROW_TABLES):
+                continue
+        else:
+            table = None
+        if len(line) > MAX_LINE:
+            long.append(f"README.md:{number}: {len(line)} characters")
+    assert not long, "\n".join(long)
+
+
+def test_the_docs_index_lists_every_page():
+    """docs/README.md is the index: every page of docs/ is linked from it, and every link resolves."""
+    docs = REPO / "docs"
+    index = (docs / "README.md").read_text()
+    pages = sorted(p.name for p in docs.glob("*.md") if p.name != "README.md")
+    assert pages and [p for p in pages if f"]({p})" not in index] == []
+    assert "](../README.md)" in index

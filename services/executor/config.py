@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 
@@ -48,8 +49,8 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # CUDA: decode steps replay captured CUDA graphs (one call per step instead of ~1,000 kernel
     # launches from Python; see cuda_graphs.py); ignored on CPU
     cuda_graphs: bool = True
-    slo_ttft_ms: Positive = 500.0
-    slo_tpot_ms: Positive = 100.0
+    slo_ttft_ms: Positive = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: Positive = DEFAULT_SLO_TPOT_MS
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of both models on the device
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rose.contracts.executor import RejectReason
 from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip
 from rose.shared.sketch import sketch_to_dict
 
@@ -44,11 +45,11 @@ from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_STATIC_SHARE, Signals, mak
 from .prefix_cache import PrefixCache
 from .protocol import (
     SERVING_MODEL_VERSION,
+    EngineLease,
     FinishReason,
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
-    Lease,
     RolloutRejected,
     StreamDelta,
     WorkClass,
@@ -272,8 +273,8 @@ class Engine:
         self.on_burst: list[Callable[[BurstTrip], None]] = []  # called on the event loop when it trips (the executor publishes an alert)
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        self._lease: Lease | None = None
-        self._lease_ended: str = "no_lease"
+        self._lease: EngineLease | None = None
+        self._lease_ended: RejectReason = "no_lease"
         self._revoked_at: float | None = None
         self._controls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._paused: str | None = None  # pause_rollout mode while paused
@@ -367,7 +368,7 @@ class Engine:
         return len(rt.running), len(rt.inbox) + len(rt.waiting)
 
     @property
-    def rollout_lease(self) -> Lease | None:
+    def rollout_lease(self) -> EngineLease | None:
         """The rollout lease held now (None: none); an expired one stays until the rollout lane drops it."""
         return self._lease
 
@@ -432,7 +433,7 @@ class Engine:
 
     def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None:
         """Grant (or change) the lease: rollout may use up to budget_bytes of KV until expiry."""
-        self._lease = Lease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
+        self._lease = EngineLease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
         self._rollout.wakeup.set()
 
     def set_rollout_budget(self, budget_bytes: int) -> None:

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 
-from rose.contracts.executor import GenerateRequest
+from rose.contracts.executor import GenerateRequest, RejectReason
 from rose.contracts.lease import Lease
 from rose.contracts.registry import LEASE, SLO_ALERT
 from rose.contracts.slo import SloAlert
@@ -36,14 +36,14 @@ class LeaseGuard:
         self.dedicated = dedicated
         self.rollout_kv_bytes = rollout_kv_bytes
         self.current: Lease | None = None
-        self.revoked_reason = "no_lease"
+        self.revoked_reason: RejectReason = "no_lease"
         # called with the reason when rollout is taken back (revoked, alert, expired), so
         # in-flight turns can be interrupted and resumed elsewhere at once
-        self.on_revoke: list[Callable[[str], None]] = []
+        self.on_revoke: list[Callable[[RejectReason], None]] = []
         self._expiry: asyncio.TimerHandle | None = None  # the lease's expiry, or a park's end
         self.parked_until: float | None = None  # Unix s: revoked on a burst, the turns are parked until then
 
-    def _revoke(self, reason: str) -> None:
+    def _revoke(self, reason: RejectReason) -> None:
         self.current, self.parked_until = None, None
         self.revoked_reason = reason
         self.engine.revoke_rollout()
@@ -121,7 +121,7 @@ class LeaseGuard:
             self._expiry = None
             self._revoke("lease_expired")
 
-    def admission_error(self, request: GenerateRequest) -> tuple[str, str] | None:
+    def admission_error(self, request: GenerateRequest) -> tuple[RejectReason, str] | None:
         """(reason, detail) when the request does not run under the current lease, else None."""
         if self.dedicated:
             return None

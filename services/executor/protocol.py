@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rose.contracts.executor import MAX_STOP_STRINGS, SamplingParams
+from rose.contracts.executor import MAX_STOP_STRINGS, RejectReason, SamplingParams
+from rose.shared.errors import RoseError
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI documents for chat (and vLLM's default max_logprobs)
@@ -27,7 +28,7 @@ class WorkClass(enum.Enum):
     ROLLOUT = "rollout"  # RL rollout, best effort, only inside a lease
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(RoseError, ValueError):
     """The request can never be served as given (bad prompt or sampling parameters); ``param`` names
     the sampling parameter at fault, when one is (the HTTP APIs report it in their 4xx)."""
 
@@ -36,12 +37,12 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-class RolloutRejected(RuntimeError):
+class RolloutRejected(RoseError, RuntimeError):
     """A rollout request arrived when rollout is not admitted; ``reason`` is machine-readable."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason  # "no_lease" | "lease_expired" | "lease_revoked" | "draining"
+        self.reason: RejectReason = reason  # no_lease, lease_expired, lease_revoked or draining here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +166,7 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
-class Lease:
+class EngineLease:
     """What the engine holds of the executor's rollout lease: a KV budget until a monotonic expiry.
 
     ``admits`` False: the lease was revoked on a burst (``contracts.lease.Lease.park_until``):
@@ -177,7 +178,7 @@ class Lease:
     lease_id: str = ""
     admits: bool = True
 
-    def parked(self, until_monotonic: float) -> Lease:
+    def parked(self, until_monotonic: float) -> EngineLease:
         """This lease parked: running and taking nothing, ending at ``until_monotonic`` at the latest."""
         return replace(self, expires_at=min(self.expires_at, until_monotonic), admits=False)
 
@@ -209,7 +210,7 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
         raise InvalidRequest("top_logprobs is for serving requests only (rollout returns the sampled token's logprob)")
 
 
-def check_lease_admits(admits_rollout: bool, policy_name: str, lease: Lease | None, ended_reason: str) -> None:
+def check_lease_admits(admits_rollout: bool, policy_name: str, lease: EngineLease | None, ended_reason: RejectReason) -> None:
     """Raise RolloutRejected unless rollout may be admitted now under `lease`."""
     if not admits_rollout:
         raise RolloutRejected("no_lease", f"policy {policy_name} runs no rollout")

@@ -15,7 +15,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from rose.contracts.executor import GenerateReply, GenerateRequest, GenerateTimings
+from rose.contracts.executor import GenerateReply, GenerateRequest, GenerateTimings, RejectReason
 from rose.shared.bus import Delivery
 from rose.shared.tracing import tracer
 
@@ -32,23 +32,23 @@ class RolloutApi:
         self.guard = guard
         self.executor_id = executor_id
         self.inflight: dict[str, object] = {}  # request id -> engine handle
-        self.interrupted: dict[str, str] = {}  # request id -> why
+        self.interrupted: dict[str, RejectReason] = {}  # request id -> why
         self.owners: dict[str, tuple[str, int]] = {}  # request id -> (trajectory id, turn index): who may abort it
         self.aborted: set[str] = set()  # request ids their worker aborted (a hedge's slower copy)
         guard.on_revoke.append(self.interrupt_all)
 
-    def interrupt_all(self, reason: str) -> None:
+    def interrupt_all(self, reason: RejectReason) -> None:
         """The lease is gone: stop in-flight turns now; each replies with its tokens so far."""
         for request_id, handle in list(self.inflight.items()):
             self.interrupted[request_id] = reason
             handle.cancel()  # type: ignore[attr-defined]
 
-    def _rejected(self, request: GenerateRequest, reason: str, detail: str) -> GenerateReply:
+    def _rejected(self, request: GenerateRequest, reason: RejectReason, detail: str) -> GenerateReply:
         return GenerateReply(
             request_id=request.request_id,
             executor_id=self.executor_id,
             status="rejected",
-            reject_reason=reason,  # type: ignore[arg-type]
+            reject_reason=reason,
             error=detail,
         )
 
@@ -140,7 +140,7 @@ class RolloutApi:
             request_id=request.request_id,
             executor_id=self.executor_id,
             status="rejected" if interrupted else "failed" if dropped else "ok",
-            reject_reason=why if interrupted else None,  # type: ignore[arg-type]
+            reject_reason=why if interrupted else None,
             error=f"interrupted after {len(result.token_ids)} tokens: {why}"
             if interrupted
             else f"aborted by its worker after {len(result.token_ids)} tokens"

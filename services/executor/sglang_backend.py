@@ -45,6 +45,8 @@ import torch
 from ddsketch import DDSketch
 from prometheus_client.parser import text_string_to_metric_families
 
+from rose.contracts.executor import RejectReason
+from rose.shared.errors import RoseError
 from rose.shared.sketch import sketch_to_dict
 from rose.shared.weight_layout import save_safetensors
 
@@ -56,11 +58,11 @@ from .outputs import EngineStats, RequestHandle
 from .policies import make_policy
 from .protocol import (
     SERVING_MODEL_VERSION,
+    EngineLease,
     FinishReason,
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
-    Lease,
     RolloutRejected,
     StreamDelta,
     TopLogprobs,
@@ -86,7 +88,7 @@ GEN_TOKENS = "sglang:generation_tokens_total"
 FINISH_TYPES: tuple[FinishReason, ...] = ("stop", "length", "abort")
 
 
-class ServerError(RuntimeError):
+class ServerError(RoseError, RuntimeError):
     """An SGLang server answered with an error status; ``message`` is what it said."""
 
     def __init__(self, url: str, status: int, message: str) -> None:
@@ -353,8 +355,8 @@ class SGLangBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._jobs: dict[str, _Job] = {}
-        self._lease: Lease | None = None
-        self._lease_ended = "no_lease"
+        self._lease: EngineLease | None = None
+        self._lease_ended: RejectReason = "no_lease"
         self._expiry: asyncio.TimerHandle | None = None
         self._ops: asyncio.Queue | None = None
         self._pending_ops: list[tuple[str, float | None]] = []
@@ -467,7 +469,7 @@ class SGLangBackend:
     def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None:
         """Grant (or renew) the lease. SGLang cannot bound its KV pool at run time, so the budget is
         reported, not enforced: the rollout server's share of the GPU is its --mem-fraction-static."""
-        lease = Lease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
+        lease = EngineLease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
         self._lease = lease
         self._on_loop(lambda: self._arm_expiry(lease))
         if self.policy.admits_rollout:
@@ -586,7 +588,7 @@ class SGLangBackend:
         else:
             self._on_loop(lambda: self._ops.put_nowait(op))  # type: ignore[union-attr]
 
-    def _arm_expiry(self, lease: Lease) -> None:
+    def _arm_expiry(self, lease: EngineLease) -> None:
         """Expire the lease locally on time, whatever the scheduler does (as Engine does)."""
         if self._expiry is not None:
             self._expiry.cancel()
@@ -595,7 +597,7 @@ class SGLangBackend:
             return
         self._expiry = self._loop.call_later(max(0.0, lease.expires_at - time.monotonic()), self._expire, lease)
 
-    def _expire(self, lease: Lease) -> None:
+    def _expire(self, lease: EngineLease) -> None:
         if self._lease is lease:
             self._lease, self._lease_ended = None, "lease_expired"
             self._enqueue(("revoke", time.monotonic()))

@@ -51,6 +51,7 @@ import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
 import torch.multiprocessing.reductions as torch_reductions
 
+from rose.shared.errors import RoseError
 from rose.shared.weight_layout import DTYPES, fits_live
 
 SHM_DIR = "/dev/shm"
@@ -73,7 +74,7 @@ class FlattenedTensorMetadata:
 _STAND_INS = {("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata}
 
 
-class UnsafePayload(ValueError):
+class UnsafePayload(RoseError, ValueError):
     """The payload is not a list of named tensors in the expected format, or does not fit the model."""
 
 

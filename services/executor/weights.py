@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rose.shared.errors import RoseError
 
-class WeightUpdateError(ValueError):
+
+class WeightUpdateError(RoseError, ValueError):
     """The state dict does not fit the policy model; nothing was changed."""
 
 

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import msgspec
 
+from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.bursts import BurstSettings
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 
@@ -23,8 +24,8 @@ class WindowSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class HeadroomSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The headroom model's knobs (see headroom.py for the model)."""
 
-    slo_ttft_ms: Positive = 500.0
-    slo_tpot_ms: Positive = 100.0
+    slo_ttft_ms: Positive = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: Positive = DEFAULT_SLO_TPOT_MS
     margin: Share = 0.7  # lend only what keeps predicted latency below margin x SLO
     grant_fraction: Share = 0.5  # "well below the SLO": p99 TPOT under this x SLO
     # p99 TTFT under this x SLO: a lease adds at most a rollout quantum to a first token (the executor yields at every

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from rose.shared.errors import RoseError
 from rose.shared.weight_layout import save_safetensors
 
 from .config import TrainerConfig
@@ -186,7 +187,7 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class CheckpointError(Exception):
+class CheckpointError(RoseError):
     """This directory is not a complete, intact checkpoint (the reason says why)."""
 
 

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rose.contracts.weights import WeightPublishRequest
+from rose.shared.errors import WeightError
 from rose.shared.weight_layout import LayoutError, parse_safetensors, read_safetensors_dir
-from rose.shared.weight_store import StoreError, WeightStore
+from rose.shared.weight_store import WeightStore
 
 from .config import PublisherSettings
 from .versions import PublishError, Tensors
@@ -43,5 +44,5 @@ async def load(request: WeightPublishRequest, staging: WeightStore, settings: Pu
             return tensors, close
         buf = await staging.get(request.object_name, max_bytes=settings.max_source_bytes)
         return parse_safetensors(buf, request.object_name), lambda: None
-    except (LayoutError, StoreError) as exc:
+    except (LayoutError, WeightError) as exc:
         raise PublishError(str(exc)) from exc

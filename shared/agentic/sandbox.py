@@ -59,6 +59,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from rose.shared.errors import RoseError
+
 NOBODY = 65534
 SANDBOX_UID = 1000  # the program's uid inside its user namespace (mapped to an unprivileged host uid)
 BLOCK_MARK = "[rose-sandbox] blocked: "
@@ -84,7 +86,7 @@ NO_BACKEND_HELP = (
 )
 
 
-class SandboxError(OSError):
+class SandboxError(RoseError, OSError):
     """The sandbox itself could not run a program (the environment's failure, not the program's)."""
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rose.contracts.rollout import ToolCall
+from rose.shared.errors import RoseError
 
 MAX_SCAN_CHARS = 16_384
 MAX_NAME_CHARS = 32
@@ -56,11 +57,11 @@ _TAG_RE = re.compile(r"<(tool|answer)>")
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rose-tool")
 
 
-class ToolError(Exception):
+class ToolError(RoseError):
     """The model's input to a tool is wrong: the message is shown to the model as the result."""
 
 
-class EnvironmentFailure(RuntimeError):
+class EnvironmentFailure(RoseError, RuntimeError):
     """The environment or a tool is broken (not the model's fault): the trajectory fails with this reason.
 
     Not retryable: the same completion would fail the same way on another delivery.

@@ -36,6 +36,7 @@ from rose.contracts.executor import GenerateReply, GenerateRequest, SamplingPara
 from rose.contracts.registry import GENERATE, ROUTE_TURN
 from rose.contracts.rollout import RolloutTask, TurnRecord, TurnRoute, TurnRouteRequest
 from rose.shared.bus import Bus
+from rose.shared.errors import RoseError
 from rose.shared.tracing import tracer
 
 from .hedging import hedge_ask_again_after
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 TYPICAL_WINDOW = 64  # recent turn durations behind the "typical turn time"
 
 
-class TurnFailed(RuntimeError):
+class TurnFailed(RoseError, RuntimeError):
     """No executor completed the turn before its deadline."""
 
 

@@ -20,6 +20,7 @@ from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, 
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
+from rose.testing.engine import CoServingEngineTestcase
 
 SPEC_7B = EmulationSpec(
     device="H100",
@@ -164,3 +165,14 @@ def test_a_new_version_arrives_as_the_simulator_prices_it(loaded):
     weights = MODELS["7B"].weight_bytes
     assert serving.weight_transfer_s() == pytest.approx(sync_seconds(weights, "delta", SyncSpec(), cross_cluster=True))
     assert dedicated.weight_transfer_s() == pytest.approx(3.0 * sync_seconds(weights, "delta", SyncSpec(), cross_cluster=False))
+
+
+class TestEmulatedEngine(CoServingEngineTestcase):
+    """The shared engine test case (rose.testing.engine) on the emulated accelerator (7B on an H100)."""
+
+    long_tokens = 120  # ~10 ms a step of emulated device time: over a second in flight
+    lease_bytes = 1 << 30  # 7B's KV is 56 KiB a token
+
+    @pytest.fixture
+    def engine(self, emulated):
+        return emulated()

@@ -10,7 +10,7 @@ from rose.services.executor.engine import EngineConfig
 from rose.services.executor.policies import POLICY_NAMES
 from rose.services.executor.protocol import InvalidRequest, RolloutRejected, WorkClass
 from rose.services.executor.weights import WeightUpdateError
-from rose.testing.engine import generate, req
+from rose.testing.engine import CoServingEngineTestcase, generate, req
 
 MIB = 1 << 20
 TEST_CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)  # as in conftest
@@ -242,3 +242,11 @@ def test_engine_config_defaults_are_the_services():
     service = EngineConfig.from_settings(EngineSettings())
     differ = {name for name, value in vars(EngineConfig()).items() if getattr(service, name) != value}
     assert differ == {"slo_ttft_ms", "slo_tpot_ms", "rollout_process"}
+
+
+class TestHomeEngine(CoServingEngineTestcase):
+    """The shared engine test case (rose.testing.engine) on the home engine, torch on CPU."""
+
+    @pytest.fixture
+    def engine(self, make_engine):
+        return make_engine(lease=False, fresh_policy=True)

@@ -207,8 +207,9 @@ async def test_the_generic_executor_key_still_serves_undeclared_instances(server
 
 
 def test_launchers_give_each_executor_its_instance_key_and_refuse_an_undeclared_one(tmp_path, creds):
-    from rose.bench.demo import SPEC, TRAINER, job_processes
+    from rose.bench.demo import SPEC, job_processes
     from rose.bench.fleet import executor_instances
+    from rose.shared.workload import TRAINER
 
     names = executor_instances(SPEC, 2, 1)
     declared = init_credentials(tmp_path / "creds", instances={"executor": names})

@@ -84,7 +84,14 @@ def test_bench_sim_end_to_end(tmp_path):
     assert t["meets"]["never_below_static"] == (rose["speedup_vs_static"] >= 1.0)
 
 
-def test_plan_end_to_end(tmp_path, capsys):
+def _fits(text: str, columns: int = 80) -> None:
+    """Every line within ``columns``, and no cell cut short ("lenda…")."""
+    wide = [line for line in text.splitlines() if len(line) > columns]
+    assert not wide and "…" not in text, wide or text
+
+
+def test_plan_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     out = tmp_path / "plan.json"
     assert main(["plan", "--trace", str(SAMPLE_CSV), "--fleet", "16xH100", "--model", "7B", "--json", str(out), "--demand", "4"]) == 0
     result = json.loads(out.read_text())
@@ -97,6 +104,30 @@ def test_plan_end_to_end(tmp_path, capsys):
     assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()
     assert any(h["rollout_tokens_per_s"] > 0 for h in result["hours"])
     assert all(0.0 <= h["slo_risk_with_rollout"] <= 1.0 for h in result["hours"])
+    assert result["bin_minutes"] == 60 and [b["start"] for b in result["bins"]] == [f"{h:02d}:00" for h in range(24)]
+    printed = capsys.readouterr().out
+    _fits(printed)
+    assert "[1] " + level["why"].split()[0] in printed  # the reason as a note under the table
+
+
+def test_plan_bins_an_hour_long_trace_in_minutes_and_fits_80_columns(tmp_path, capsys, monkeypatch):
+    """A 48-minute trace gets 2-minute bins (at most 24 rows), not one hourly row; a terminal
+    narrower than the tables is told how wide they are."""
+    lines = SAMPLE_CSV.read_text().splitlines()
+    short = tmp_path / "48min.csv"
+    short.write_text("\n".join([lines[0], *(x for x in lines[1:] if x.startswith("2023-11-16 00:") and int(x[14:16]) < 48)]) + "\n")
+    out = tmp_path / "plan.json"
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", "--trace", str(short), "--fleet", "16xH100", "--model", "32B", "--json", str(out), "--demand"]) == 0
+    result = json.loads(out.read_text())
+    assert result["bin_minutes"] == 2 and 12 < len(result["bins"]) <= 24 and result["bins"][1]["start"] == "00:02"
+    assert len(result["hours"]) == 1  # the JSON's hourly figures as before
+    printed = capsys.readouterr().out
+    _fits(printed)
+    assert all(b["start"] in printed for b in result["bins"]) and "COLUMNS" not in printed
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["plan", "--trace", str(short), "--fleet", "16xH100", "--model", "32B", "--json", str(out), "--demand"]) == 0
+    assert "COLUMNS=80" in capsys.readouterr().out
 
 
 def test_plan_bad_trace_names_the_line(tmp_path, capsys):

@@ -11,9 +11,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from rose.bench.sim import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.services.scheduler import placement
 from rose.shared.workload import RolloutSpec, sample_batch
-from rose.sim.bench import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
 from rose.sim.ceiling import lane_value, speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
 
@@ -154,7 +154,7 @@ def test_no_capacity_makes_a_synchronous_rollout_shorter_than_its_slowest_trajec
 
 
 def test_the_grid_gives_the_serving_model_and_the_policy_their_own_sizes():
-    from rose.sim.bench import model_pairs
+    from rose.bench.sim import model_pairs
 
     assert model_pairs(("7B", "70B")) == [("7B", "7B"), ("70B", "70B")]  # --models: each as both
     assert model_pairs(("7B",), serving_models=("70B",), policy_models=("7B", "14B")) == [("70B", "7B"), ("70B", "14B")]

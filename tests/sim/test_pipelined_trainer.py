@@ -38,13 +38,13 @@ def test_the_models_constants_are_the_services_own():
 
 
 def test_trainer_settings_from_the_e2e_json_else_the_demo():
-    from rose.bench.demo import TRAINER
+    from rose.shared.workload import TRAINER
 
     own = cal.trainer_settings({"trainer": {"ROSE_GRPO__PREFETCH_STEPS": "2", "ROSE_GRPO__MAX_STALENESS": "3", "ROSE_GRPO__GROUP_SIZE": "4"}})
     assert (own["prefetch_steps"], own["max_staleness"], own["group_size"]) == (2, 3, 4)
     assert own["trainer_settings_from"] == "the e2e JSON's trainer block"
     demo = cal.trainer_settings({})
-    assert demo["prefetch_steps"] == int(TRAINER["ROSE_GRPO__PREFETCH_STEPS"]) and "bench/demo.py" in demo["trainer_settings_from"]
+    assert demo["prefetch_steps"] == int(TRAINER["ROSE_GRPO__PREFETCH_STEPS"]) and "shared/workload.py" in demo["trainer_settings_from"]
     assert cal._e2e_config(SYNTHETIC_E2E, "static", SERVING, POLICY, 0, steps=2).prefetch_steps == demo["prefetch_steps"]
 
 

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
-from rose.shared.weight_store import StoreError, WeightStore
+from rose.shared.errors import WeightError
+from rose.shared.weight_store import WeightStore
 from rose.testing.weights import craft
 
 BUCKET = WEIGHTS_OBJECTS.bucket
@@ -31,7 +32,7 @@ async def test_nats_py_reads_ours_and_we_read_theirs(bus, size):
 async def test_a_truncated_object_is_refused(bus):
     data = os.urandom(300_000)
     await craft(bus.js, "truncated", [data[:100_000], data[100_000:200_000]], size=len(data), digest_of=data)
-    with pytest.raises(StoreError, match="truncated") as err:
+    with pytest.raises(WeightError, match="truncated") as err:
         await WeightStore(bus.js, BUCKET).get("truncated")
     assert err.value.kind == "corrupt"
 
@@ -41,7 +42,7 @@ async def test_a_corrupted_chunk_is_refused(bus):
     damaged = bytearray(data)
     damaged[150_000] ^= 0x40
     await craft(bus.js, "corrupted", [bytes(damaged[:200_000]), bytes(damaged[200_000:])], size=len(data), digest_of=data)
-    with pytest.raises(StoreError, match="corrupted chunk") as err:
+    with pytest.raises(WeightError, match="corrupted chunk") as err:
         await WeightStore(bus.js, BUCKET).get("corrupted")
     assert err.value.kind == "corrupt"
 
@@ -49,12 +50,12 @@ async def test_a_corrupted_chunk_is_refused(bus):
 async def test_oversized_and_missing_objects_are_refused_before_fetching(bus):
     store = WeightStore(bus.js, BUCKET)
     await store.put("big", os.urandom(10_000))
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(WeightError) as err:
         await store.get("big", max_bytes=9_999)
     assert err.value.kind == "oversized"
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(WeightError) as err:
         await store.fetch("big", lambda n: None, expect_size=5_000)  # type: ignore[arg-type]
     assert err.value.kind == "oversized"
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(WeightError) as err:
         await store.get("never-written")
     assert err.value.kind == "missing"

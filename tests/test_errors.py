@@ -1,0 +1,67 @@
+"""Every exception class the package defines derives from `RoseError` (shared/errors.py).
+
+Read from the source, not by importing every module (some import torch or SGLang): a class is an
+exception when one of its bases is a builtin exception or another of the package's exception
+classes; it must then be RoseError itself, name RoseError as a base, or derive from a project
+exception that does.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from pathlib import Path
+
+from test_import_graph import ROOT, package_modules
+
+from rose.shared.errors import RoseError, WeightError
+
+BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def _base_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def exception_classes(root: Path) -> dict[str, tuple[str, list[str]]]:
+    """Class name -> (where, base names), for every class in the package deriving from an exception."""
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for path in package_modules(root, "rose").values():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (f"{path.relative_to(root)}:{node.lineno}", [_base_name(b) for b in node.bases])
+    found: dict[str, tuple[str, list[str]]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for name, (where, bases) in classes.items():
+            if name not in found and any(b in BUILTIN_EXCEPTIONS or b in found for b in bases):
+                found[name] = (where, bases)
+                changed = True
+    return found
+
+
+def test_every_project_exception_derives_from_rose_error():
+    found = exception_classes(ROOT)
+    assert "RemoteError" in found and "InvalidRequest" in found  # the scan sees the package's exceptions
+    rooted = {"RoseError"}
+    changed = True
+    while changed:
+        changed = False
+        for name, (_, bases) in found.items():
+            if name not in rooted and any(b in rooted for b in bases):
+                rooted.add(name)
+                changed = True
+    stray = sorted(f"{name} ({where}; bases {bases})" for name, (where, bases) in found.items() if name not in rooted)
+    assert not stray, "derive these from RoseError (shared/errors.py), keeping the builtin as a second base:\n" + "\n".join(stray)
+
+
+def test_a_rose_error_is_still_the_builtin_it_refines():
+    from rose.shared.bus import PermissionDenied, RequestRefused
+    from rose.shared.config import ConfigError
+
+    assert issubclass(ConfigError, ValueError) and issubclass(RequestRefused, ValueError) and issubclass(PermissionDenied, PermissionError)
+    err = WeightError("corrupt", "object x: truncated")
+    assert isinstance(err, RoseError) and err.kind == "corrupt" and str(err) == "object x: truncated"
