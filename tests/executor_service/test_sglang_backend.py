@@ -263,6 +263,13 @@ async def test_rollout_only_under_a_lease_and_lending_drives_the_server(servers,
         assert 1 <= len(turn.token_ids) <= 5 and len(turn.logprobs) == len(turn.token_ids) and all(lp <= 0 for lp in turn.logprobs)
         assert turn.policy_version == 0 and backend.stats().lease_id == "lease-1"
 
+        # cancel: /abort_request on the server, which answers with what it made so far
+        long = backend.submit(_request(WorkClass.ROLLOUT, 400, stream=False, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        long.cancel()
+        cancelled = await asyncio.wait_for(long.result(), 10)
+        assert cancelled.finish_reason == "abort" and len(cancelled.token_ids) < 400
+
         # revoke: paused (retract) and KV released; the reclaim latency is in the stats
         backend.stats()
         backend.revoke_rollout()
