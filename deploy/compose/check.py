@@ -79,7 +79,10 @@ JOB = {
     "ROSE_TASKS__MAX_OPERAND": "4",
     "ROSE_TASKS__MAX_TOKENS": "16",
     "ROSE_TASKS__MAX_TURNS": "3",
-    "ROSE_SFT__STEPS": "0",  # no warm start: learning is not what is checked
+    # a short warm start: from an untrained policy every reward is 0, every group has zero variance,
+    # nothing is trained and no weight version is published (run 3 of 4 December: step 1 was
+    # "reward 0.000, version 0")
+    "ROSE_SFT__STEPS": "10",
     "ROSE_SFT__TRACES_PER_ENV": "100",
     "ROSE_GRPO__GROUP_SIZE": "4",
     "ROSE_GRPO__GROUPS_PER_STEP": "2",
