@@ -48,6 +48,8 @@ from rose.shared.config import BusConfig
 from rose.shared.errors import RoseError
 from rose.shared.nats_server import state_dir
 
+from .events_forward_args import add_arguments  # noqa: F401 - the parser's arguments, kept light for every `rose` command
+
 log = logging.getLogger("rose.events.forward")
 
 RETRYABLE_STATUS = {408, 425, 429}
@@ -367,37 +369,6 @@ def settings_from_args(args: argparse.Namespace) -> ForwardSettings:
         deliver=args.deliver,
         headers=_parse_headers(args.header or []),
     )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--to", required=True, help="the http(s) URL each event is POSTed to")
-    p.add_argument(
-        "--subjects",
-        nargs="+",
-        default=None,
-        metavar="SUBJECT",
-        help="subject filters, each inside one stream (default: every public event; see docs/events.md)",
-    )
-    p.add_argument(
-        "--durable", default=None, help="the JetStream durable consumer name (default: derived from --to); the same name resumes where it stopped"
-    )
-    p.add_argument(
-        "--dead-letter",
-        default=None,
-        help="JSON-lines file of events the URL refused (default: $ROSE_STATE_DIR/forward/<durable>.dead-letters.jsonl)",
-    )
-    p.add_argument("--max-attempts", type=int, default=5, help="HTTP attempts per event before it is dead-lettered (default 5)")
-    p.add_argument("--backoff", type=float, default=0.5, help="seconds before the first retry, doubled each time (default 0.5)")
-    p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait between retries (default 30)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP attempt (default 10)")
-    p.add_argument(
-        "--deliver", choices=("new", "all"), default="new", help="where a new consumer starts: events from now on (new) or all the stream keeps (all)"
-    )
-    p.add_argument(
-        "--header", action="append", default=[], metavar="'NAME: VALUE'", help="an extra HTTP header (repeatable), e.g. 'Authorization: Bearer ...'"
-    )
-    p.add_argument("--nats-url", default=None, help="NATS to read from (default: NATS_URL, else the one `rose up` started)")
-    p.add_argument("--state-dir", default=None, help="state dir of the `rose up` whose NATS to use")
 
 
 def forward(args: argparse.Namespace) -> int:

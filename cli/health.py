@@ -22,23 +22,29 @@ import os
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
 
-import aiohttp
-import msgspec
-import nats.errors
-from nats.js.errors import BucketNotFoundError
+if TYPE_CHECKING:
+    from rose.contracts.service import Heartbeat
 
-from rose.contracts.registry import HEARTBEAT, SERVICE_REGISTRY
-from rose.contracts.service import Heartbeat
-from rose.shared.config import ConfigError
-
-from .provision import connect_bus
-from .status import STALE_AFTER_BEATS, operator_config, resolve_nats_url
+# The bus (nats-py, the contracts) is imported only for a heartbeat check: a container healthcheck
+# runs this every few seconds, and `--http` alone (a NATS node's) needs none of it.
 
 
 async def _heartbeats(url: str, timeout: float, service: str, instance: str | None = None, state_dir: str | None = None) -> list[Heartbeat]:
     """The registry's heartbeats; while JetStream cannot answer (a cluster electing a new leader),
     the live heartbeats of `service` on core NATS, which need no stream."""
+    import msgspec
+    import nats.errors
+    from nats.js.errors import BucketNotFoundError
+
+    from rose.contracts.registry import SERVICE_REGISTRY
+
+    from .provision import connect_bus
+    from .status import operator_config
+
     config = msgspec.structs.replace(operator_config(url, state_dir), initial_connect_deadline_s=timeout, connect_timeout_s=timeout)
     # As `service`: with its own seed (a container's healthcheck) only its inbox prefix receives replies.
     bus = await connect_bus(config, instance or f"health-{os.getpid()}", service=service)  # an instance's seed reads replies under its name only
@@ -54,6 +60,8 @@ async def _heartbeats(url: str, timeout: float, service: str, instance: str | No
 
 
 async def _live_heartbeats(bus, service: str, timeout: float, instance: str | None = None) -> list[Heartbeat]:
+    from rose.contracts.registry import HEARTBEAT
+
     beats: list[Heartbeat] = []
     heard = asyncio.Event()
 
@@ -71,6 +79,8 @@ async def _live_heartbeats(bus, service: str, timeout: float, instance: str | No
 
 def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | None, host: str | None) -> str | None:
     """None when a matching, fresh, ready heartbeat exists; otherwise what is missing."""
+    from .status import STALE_AFTER_BEATS
+
     now = time.time()
     mine = [b for b in beats if b.service == service and (instance is None or b.instance == instance) and (host is None or b.host == host)]
     who = service + (f" instance {instance}" if instance else "") + (f" on host {host}" if host else "")
@@ -86,13 +96,16 @@ def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | Non
 
 
 async def _http_problem(url: str, timeout: float) -> str | None:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, session.get(url) as reply:
-            if 200 <= reply.status < 300:
-                return None
-            return f"{url} answered {reply.status}: {(await reply.text())[:200]}"
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        return f"{url} unreachable: {exc!r}"
+    def get() -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 - the URL the operator gave
+                return None if 200 <= reply.status < 300 else f"{url} answered {reply.status}: {reply.read(200)!r}"
+        except urllib.error.HTTPError as exc:
+            return f"{url} answered {exc.code}: {exc.read(200).decode(errors='replace')}"
+        except (TimeoutError, urllib.error.URLError, OSError) as exc:
+            return f"{url} unreachable: {exc!r}"
+
+    return await asyncio.to_thread(get)
 
 
 async def check(args: argparse.Namespace) -> str | None:
@@ -102,6 +115,10 @@ async def check(args: argparse.Namespace) -> str | None:
         if problem:
             return problem
     if args.service:
+        from rose.shared.config import ConfigError
+
+        from .status import resolve_nats_url
+
         url = resolve_nats_url(args.nats_url, args.state_dir)
         try:
             beats = await _heartbeats(url, args.timeout, args.service, args.instance, args.state_dir)

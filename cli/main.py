@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="POST every event on the given subjects to an HTTP URL as CloudEvents JSON. A JetStream durable consumer keeps the "
         "place across restarts; failures are retried with exponential backoff, and events the URL refuses are appended to a dead-letter file.",
     )
-    from .events_forward import add_arguments as add_forward_arguments
+    from .events_forward_args import add_arguments as add_forward_arguments
 
     add_forward_arguments(e)
     e.set_defaults(func=_cmd_events_forward)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
-from aiohttp import web
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
@@ -29,6 +29,9 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.exposition import choose_encoder
 
 from rose import __version__
+
+if TYPE_CHECKING:  # aiohttp is imported where a server is made: every process that only counts (a `rose health` probe) skips it
+    from aiohttp import web
 
 log = logging.getLogger("rose.metrics")
 
@@ -107,6 +110,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
     The format follows the scraper's Accept header (Prometheus text 0.0.4 by default,
     OpenMetrics when asked), as prometheus_client's own server does.
     """
+    from aiohttp import web
+
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encoder(REGISTRY), headers={"Content-Type": content_type})
 
@@ -120,6 +125,8 @@ class MetricsServer:
 
     @classmethod
     async def start(cls, host: str, port: int, public_host: str = "") -> MetricsServer:
+        from aiohttp import web
+
         app = web.Application()
         app.router.add_get("/metrics", metrics_handler)
         runner = web.AppRunner(app, access_log=None)

@@ -43,6 +43,12 @@ COMPOSE_STORE_DIR = "/data/jetstream"
 # Where a node finds the includes `security-init` writes, relative to its config file
 # (/etc/nats/nats.conf: compose mounts them, and only them, under /etc/nats/auth/).
 COMPOSE_AUTH_DIR = "auth"
+# The same nodes on the host's network (deploy/compose/host-network.yml, deploy/compose/nats/host/):
+# one port space for all three, on 127.0.0.1, none of them a default (the host may run a NATS on 4222).
+COMPOSE_HOST_ADDRESS = "127.0.0.1"
+COMPOSE_HOST_CLIENT_BASE = 14222  # node i: base + i - 1
+COMPOSE_HOST_CLUSTER_BASE = 16222
+COMPOSE_HOST_MONITOR_BASE = 18222
 COMPOSE_HEADER = (
     "# Written by rose.shared.nats_server.write_compose_configs (the renderer `rose up --nats-cluster`\n"
     "# uses too); tests/deploy/test_nats_cluster.py fails if this file and the renderer drift apart.\n"
@@ -126,36 +132,49 @@ def compose_route_addresses(size: int = 3) -> list[str]:
     return [f"nats-{i}:{COMPOSE_CLUSTER_PORT}" for i in range(1, size + 1)]
 
 
-def compose_node_configs(size: int = 3) -> dict[str, str]:
+def compose_node_configs(size: int = 3, *, host_network: bool = False) -> dict[str, str]:
     """The docker compose cluster's node configs by file name: nodes `nats-1`..`nats-N`, with auth on.
 
     Routes are not here: they carry the route password, so they come with the route
     authorization from the generated cluster include (`rose security init --cluster-route`).
+    `host_network`: the nodes of deploy/compose/host-network.yml, on 127.0.0.1 with a port each.
     """
     from rose.shared.security import CLUSTER_INCLUDE, SERVER_INCLUDE
 
-    names = [f"nats-{i}" for i in range(1, size + 1)]
-    return {
-        f"{name}.conf": COMPOSE_HEADER
-        + render_config(
-            server_name=name,
-            host="0.0.0.0",
-            port=COMPOSE_CLIENT_PORT,
+    configs = {}
+    for i in range(1, size + 1):
+        host, client, cluster, monitor = "0.0.0.0", COMPOSE_CLIENT_PORT, COMPOSE_CLUSTER_PORT, COMPOSE_MONITOR_PORT
+        if host_network:
+            host, client, cluster, monitor = (
+                COMPOSE_HOST_ADDRESS,
+                COMPOSE_HOST_CLIENT_BASE + i - 1,
+                COMPOSE_HOST_CLUSTER_BASE + i - 1,
+                COMPOSE_HOST_MONITOR_BASE + i - 1,
+            )
+        configs[f"nats-{i}.conf"] = COMPOSE_HEADER + render_config(
+            server_name=f"nats-{i}",
+            host=host,
+            port=client,
             store_dir=COMPOSE_STORE_DIR,
-            monitor_port=COMPOSE_MONITOR_PORT,
-            cluster=ClusterSpec(host="0.0.0.0", port=COMPOSE_CLUSTER_PORT, routes=(), include=f"{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}"),
+            monitor_port=monitor,
+            cluster=ClusterSpec(host=host, port=cluster, routes=(), include=f"{COMPOSE_AUTH_DIR}/{CLUSTER_INCLUDE}"),
             extra_config=f'include "{COMPOSE_AUTH_DIR}/{SERVER_INCLUDE}"  # clients: one NKey user per service, its permissions',
         )
-        for name in names
-    }
+    return configs
 
 
-def write_compose_configs(directory: str | Path, size: int = 3) -> list[Path]:
-    """Regenerate deploy/compose/nats/*.conf after changing the template."""
+def compose_host_addresses(size: int = 3) -> dict[str, list[str]]:
+    """HOST:PORT of the host-network nodes' listeners: {"client": [...], "cluster": [...], "monitor": [...]}."""
+    bases = {"client": COMPOSE_HOST_CLIENT_BASE, "cluster": COMPOSE_HOST_CLUSTER_BASE, "monitor": COMPOSE_HOST_MONITOR_BASE}
+    return {kind: [f"{COMPOSE_HOST_ADDRESS}:{base + i}" for i in range(size)] for kind, base in bases.items()}
+
+
+def write_compose_configs(directory: str | Path, size: int = 3, *, host_network: bool = False) -> list[Path]:
+    """Regenerate deploy/compose/nats/*.conf (`host_network`: deploy/compose/nats/host/*.conf) after changing the template."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in compose_node_configs(size).items():
+    for name, text in compose_node_configs(size, host_network=host_network).items():
         (out / name).write_text(text)
         written.append(out / name)
     return written

@@ -82,6 +82,7 @@ class GroupCollector:
             "trained": 0,
             "trained_tokens": 0,
             "trained_lag_total": 0,
+            "missing": 0,  # members of groups released on the timeout that never arrived (lost or too late)
         }
 
     def expect(self, group_id: str, size: int) -> None:
@@ -111,6 +112,7 @@ class GroupCollector:
             complete = len(g.members) >= g.size
             usable = sum(1 for t in g.members.values() if t.status == "completed")
             if complete or (now - g.created > self.group_timeout_s and usable >= 2):
+                self.stats["missing"] += max(0, g.size - len(g.members))
                 out.append(self.groups.pop(g.group_id))
         return out
 

@@ -73,6 +73,7 @@ from rose.contracts.training import TrainingStep
 from rose.contracts.weights import VERSION_NOT_NEWER
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.bus import Bus, RemoteError
+from rose.shared.metrics import meter, metric_name
 
 from .batch import pad
 from .capacity import RolloutCapacity
@@ -107,6 +108,14 @@ class Trainer:
         self.bus, self.model, self.tokens, self.envs, self.config, self.run_id = bus, model, tokens, envs, config, run_id
         g, c = config.grpo, config.checkpoint
         self.collector = GroupCollector(max_staleness=g.max_staleness, stale_policy=g.stale_policy, group_timeout_s=g.group_timeout_s)
+        # Trajectories handed out and never received by their group's timeout: lost (the alert
+        # RoseTrajectoriesLost, deploy/compose/prometheus/rules.yml). Exported at 0 from the start.
+        self.missing_counter = meter().create_counter(
+            metric_name("trainer.trajectories_missing"),
+            unit="{trajectory}",
+            description="Members of groups trained on after the group timeout without them (lost or too late).",
+        )
+        self.missing_counter.add(0)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
         self.weights = WeightsClient(bus, config.publish.model, staging_dir=config.publish.staging_dir or None)
         self.ledger = AckLedger(
@@ -347,7 +356,10 @@ class Trainer:
         want = self.config.grpo.groups_per_step
         ready: list = []
         while len(ready) < want and not stop.is_set():
+            missing = self.collector.stats["missing"]
             usable, expired = self.collector.expire(self.collector.ready(), self.version)
+            if self.collector.stats["missing"] > missing:
+                self.missing_counter.add(self.collector.stats["missing"] - missing)
             ready += usable
             self.ledger.use([g.group_id for g in expired])  # never trained on: acked with the next checkpoint, redeliveries ignored
             if len(ready) < want:

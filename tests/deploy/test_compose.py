@@ -487,7 +487,7 @@ def test_grafana_is_provisioned_with_datasources_and_the_dashboards_folder():
 
 def test_dockerfile_installs_the_project_with_constraints_and_bakes_no_secret():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.\d+-slim$", dockerfile, re.M)
+    assert re.search(r"^ARG BASE=python:3\.\d+-slim$", dockerfile, re.M) and "FROM ${BASE}" in dockerfile
     assert 'pip install -c constraints.txt ".${ROSE_EXTRAS}"' in dockerfile  # the project (plus the gpu extras in the CUDA image)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     settings = re.findall(r"^(?:ENV|ARG)\s+(.+)$", dockerfile, re.M)

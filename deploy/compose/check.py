@@ -1,0 +1,959 @@
+"""docker-compose.yml started for real and checked end to end, on a host without an image registry.
+
+    scripts/compose-check                        # the whole check (root; see deploy/compose/README.md)
+    python deploy/compose/check.py manifest      # the pins the image installs (from this venv)
+    python deploy/compose/check.py wheelhouse D  # build or refresh the wheelhouse in D
+
+Phases (each timed): the engine (Debian's docker.io and docker-compose; a daemon of our own, data
+under a temporary directory, when none runs), a bookworm base from Debian's packages (debootstrap,
+`docker import`), the wheelhouse (the host's venv versions), the images, the core of the compose
+file up and healthy on host networking (host-network.yml), `rose status` and an `openai` completion
+from the host, the `train` profile's GRPO steps with every executor applying every version, three
+`docker kill`s (a serving executor, a NATS node, the scheduler) with the `rose bench faults`
+accounting from the bus, the rollout worker's sandbox in its container, Prometheus (every dashboard
+query against the live cluster, promtool), then `down` and `up` again: JetStream state kept, the
+trainer resumes. Everything it started is stopped, also when a step fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy" / "compose"
+COMPOSE_FILES = [REPO / "docker-compose.yml", DEPLOY / "host-network.yml"]
+DEFAULT_CACHE = Path(os.environ.get("ROSE_COMPOSE_CACHE", "/var/cache/rose-compose"))
+EXTRAS = "agents"  # the gateway of profile `train` imports the official openai client: one image serves all
+SUITE = "bookworm"  # Debian 12: its python3 is 3.11, the project's Python
+ENGINE_SUITE = "trixie"  # Debian 13: docker.io 26 and docker-compose 2.26, what the compose file needs
+MIN_ENGINE, MIN_COMPOSE = (26, 0), (2, 24)  # volume subpath (API 1.45); `!reset`/`!override` in host-network.yml
+HOST_PACKAGES = ["containerd", "runc", "tini", "debootstrap", "prometheus"]  # prometheus: promtool on the host
+BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
+IMAGES = {"ROSE_IMAGE": "rose:local", "ROSE_AGENTS_IMAGE": "rose:local-agents", "ROSE_PROMETHEUS_IMAGE": "rose-prometheus:local"}
+BASE_IMAGE = "rose-base:bookworm"
+CORE = [
+    "nats-1",
+    "nats-2",
+    "nats-3",
+    "security-init",
+    "models-init",
+    "weights-key",
+    "provision",
+    "executor-1",
+    "executor-2",
+    "executor-dedicated",
+    "slo_monitor",
+    "scheduler",
+    "weight_publisher",
+    "rollout_worker",
+    "prometheus",
+]
+TRAIN = ["trainer", "gateway"]
+ONE_SHOT = {"security-init", "models-init", "weights-key", "provision"}
+EXECUTORS = {"executor-1": 18001, "executor-2": 18002, "executor-dedicated": 18003}
+NATS_URL = "nats://127.0.0.1:14222,nats://127.0.0.1:14223,nats://127.0.0.1:14224"
+PROMETHEUS = "http://127.0.0.1:19090"
+# Every port host-network.yml listens on (NATS client, route and monitor ports, executors, services'
+# /metrics, Prometheus): free before the check starts (tests/deploy/test_compose_host.py).
+LISTEN_PORTS = [14222, 14223, 14224, 16222, 16223, 16224, 18222, 18223, 18224, *EXECUTORS.values(), *range(19101, 19107), 19090]
+# The check's RL job: `rose bench faults`'s (a short warm start, small groups), so steps come in
+# seconds on 2 cores. Only the trainer's settings; the cluster is the compose file's.
+JOB = {
+    "ROSE_TASKS__ENVS": '["arithmetic"]',
+    "ROSE_TASKS__MAX_OPERAND": "4",
+    "ROSE_TASKS__MAX_TOKENS": "16",
+    "ROSE_TASKS__MAX_TURNS": "3",
+    # a short warm start: from an untrained policy every reward is 0, every group has zero variance,
+    # nothing is trained and no weight version is published (run 3 of 4 December: step 1 was
+    # "reward 0.000, version 0")
+    "ROSE_SFT__STEPS": "10",
+    "ROSE_SFT__TRACES_PER_ENV": "100",
+    "ROSE_GRPO__GROUP_SIZE": "4",
+    "ROSE_GRPO__GROUPS_PER_STEP": "2",
+}
+KILLS = ["executor-1", "nats-2", "scheduler"]
+HEALTHY_TIMEOUT_S = 420.0
+STEP_TIMEOUT_S = 420.0
+DRAIN_TIMEOUT_S = 120.0
+SANDBOX_ATTACKS = ["fork_exec", "write_tmp", "nkey_seeds", "parent_environ", "tcp_loopback", "unix_socket", "signal_host_process", "nested_userns"]
+
+
+def log(msg: str) -> None:
+    print(f"[compose-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class CheckFailed(RuntimeError):
+    pass
+
+
+def need(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, check: bool = True, capture: bool = True, timeout: float | None = None, **kw):
+    out = subprocess.run(cmd, env=env, capture_output=capture, text=True, timeout=timeout, **kw)
+    if check and out.returncode != 0:
+        tail = ((out.stdout or "") + (out.stderr or ""))[-3000:] if capture else ""
+        raise CheckFailed(f"{' '.join(cmd[:6])} ... exited {out.returncode}:\n{tail}")
+    return out
+
+
+# ---- the wheelhouse ---------------------------------------------------------------------------
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def manifest(extras: Iterable[str] = (EXTRAS,)) -> list[str]:
+    """`name==version` of every distribution `rose-rl[extras]` needs, as installed in this Python.
+
+    The image installs exactly these (pip --no-index, `-c manifest.txt`): the versions the host's
+    tests ran, torch's local version (`+cpu`) included. Markers are evaluated here: the image is
+    the same platform (Linux x86_64, CPython 3.11).
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    pins: dict[str, str] = {}
+    todo: list[tuple[str, frozenset[str]]] = [("rose-rl", frozenset(extras))]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, want = todo.pop()
+        if (name, want) in seen:
+            continue
+        seen.add((name, want))
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError as exc:
+            raise CheckFailed(f"{name} is required but not installed in {sys.prefix}: run ./scripts/bootstrap.sh") from exc
+        if name != "rose-rl":
+            pins[_norm(dist.metadata["Name"])] = dist.version
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (want or {""})):
+                todo.append((_norm(req.name), frozenset(req.extras)))
+    return [f"{n}=={v}" for n, v in sorted(pins.items())]
+
+
+def _wheel_pin(path: Path) -> str | None:
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        name, version, _, _ = parse_wheel_filename(path.name)
+    except InvalidWheelFilename:
+        return None
+    return f"{_norm(name)}=={version}"
+
+
+def missing_wheels(directory: Path, pins: list[str]) -> list[str]:
+    """The pins that no wheel in `directory` provides (name and exact version, local label included)."""
+    have = {_wheel_pin(p) for p in directory.glob("*.whl")}
+    return [p for p in pins if p not in have]
+
+
+def build_wheelhouse(directory: Path, extras: Iterable[str] = (EXTRAS,)) -> dict[str, int]:
+    """Fill `directory` with a wheel per manifest pin (kept across runs) and this tree's own wheel (always rebuilt).
+
+    pip takes each wheel where the host's pip does (its index and find-links: torch's CPU wheel
+    from a local folder where the host has one); a distribution without a wheel is built here.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    pins = manifest(extras)
+    (directory / "manifest.txt").write_text("# deploy/compose/check.py wheelhouse: the host venv's versions\n" + "\n".join(pins) + "\n")
+    absent = missing_wheels(directory, pins)
+    if absent:
+        req = directory / "requirements.txt"
+        req.write_text("\n".join(absent) + "\n")
+        run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(directory), "-r", str(req)])
+        req.unlink()
+    still = missing_wheels(directory, pins)
+    need(not still, f"no wheel for {still} after pip wheel")
+    for old in directory.glob("rose_rl-*.whl"):
+        old.unlink()
+    had_build = (REPO / "build").exists()
+    with tempfile.TemporaryDirectory() as build:
+        run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(directory), str(REPO)],
+            capture=False,
+            cwd=build,
+        )
+    if not had_build:  # setuptools' staging folder in the tree
+        shutil.rmtree(REPO / "build", ignore_errors=True)
+    return {"pins": len(pins), "downloaded": len(absent), "bytes": sum(p.stat().st_size for p in directory.glob("*.whl"))}
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.search(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def debian_mirror() -> str:
+    """The Debian mirror the host's apt uses (its sources), for debootstrap and Debian 13's engine packages."""
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        for m in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
+            if not m.group(1).rstrip("/").endswith("-security"):
+                return m.group(1).rstrip("/")
+        for m in re.finditer(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", text, re.M):
+            if not m.group(1).rstrip("/").endswith("-security"):
+                return m.group(1).rstrip("/")
+    raise CheckFailed("no Debian mirror in /etc/apt/sources.list{,.d}: this check needs Debian's packages")
+
+
+def host_packages() -> None:
+    absent = [p for p in HOST_PACKAGES if run(["dpkg-query", "-W", "-f=${Status}", p], check=False).stdout.strip() != "install ok installed"]
+    if absent:
+        log(f"apt-get install {' '.join(absent)}")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        run(["apt-get", "update", "-qq"], env=env)
+        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *absent], env=env)
+
+
+def engine_tools(cache: Path) -> tuple[Path, Path, Path]:
+    """dockerd, docker and compose: the host's when new enough, else Debian 13's packages unpacked into the cache.
+
+    Debian 12's docker.io (20.10) and docker-compose (1.29) reject docker-compose.yml (`name`,
+    volume `subpath`: Engine >= 26, Compose >= 2.24); Debian 13's run on Debian 12 (libc >= 2.34)
+    beside its containerd and runc. Unpacked (dpkg -x), not installed: the host's packages stay.
+    """
+    host = {n: shutil.which(n) for n in ("dockerd", "docker")}
+    if all(host.values()):
+        dv = _version(run([host["dockerd"], "--version"], check=False).stdout)  # type: ignore[list-item]
+        cv = _version(run([host["docker"], "compose", "version"], check=False).stdout)  # type: ignore[list-item]
+        if dv >= MIN_ENGINE and cv >= MIN_COMPOSE:
+            return Path(host["dockerd"]), Path(host["docker"]), Path(host["docker"])  # type: ignore[arg-type]
+    root = cache / f"engine-{ENGINE_SUITE}"
+    dockerd, docker, compose = root / "usr/sbin/dockerd", root / "usr/bin/docker", root / "usr/libexec/docker/cli-plugins/docker-compose"
+    if not (dockerd.exists() and docker.exists() and compose.exists()):
+        apt = cache / f"apt-{ENGINE_SUITE}"
+        (apt / "lists/partial").mkdir(parents=True, exist_ok=True)
+        (apt / "archives/partial").mkdir(parents=True, exist_ok=True)
+        (apt / "sources.list").write_text(f"deb {debian_mirror()} {ENGINE_SUITE} main\n")
+        opts = [
+            f"-oDir::Etc::SourceList={apt / 'sources.list'}",
+            "-oDir::Etc::SourceParts=/nonexistent",
+            f"-oDir::State::Lists={apt / 'lists'}",
+            f"-oDir::Cache::Archives={apt / 'archives'}",
+            "-oAPT::Sandbox::User=root",
+        ]
+        run(["apt-get", *opts, "update", "-qq"])
+        run(["apt-get", *opts, "download", "docker.io", "docker-cli", "docker-compose"], cwd=apt)
+        for deb in apt.glob("*.deb"):
+            run(["dpkg-deb", "-x", str(deb), str(root)])
+            deb.unlink()
+    need(_version(run([str(dockerd), "--version"]).stdout) >= MIN_ENGINE, f"{dockerd} is older than Engine {MIN_ENGINE}")
+    return dockerd, docker, compose
+
+
+@dataclass
+class Engine:
+    """A Docker daemon to talk to: one already running (left running) or one started here (stopped here)."""
+
+    docker: Path
+    compose_bin: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    root: Path | None = None
+
+    @classmethod
+    def start(cls, dockerd: Path, docker: Path, compose_bin: Path) -> Engine:
+        env = dict(os.environ)
+        probe = run([str(docker), "version", "--format", "{{.Server.Version}}"], env=env, check=False, timeout=20)
+        if probe.returncode == 0 and _version(probe.stdout) >= MIN_ENGINE:
+            log(f"using the running Docker Engine {probe.stdout.strip()}")
+            return cls(docker, compose_bin, env)
+        root = Path(tempfile.mkdtemp(prefix="rose-dockerd-"))
+        sock = root / "docker.sock"
+        path = os.pathsep.join([str(dockerd.parent), str(docker.parent), os.environ.get("PATH", "")])
+        # docker-init: Debian's tini-static (dockerd looks for it on PATH)
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        tini = shutil.which("tini-static") or shutil.which("tini")
+        if tini:
+            (bin_dir / "docker-init").symlink_to(tini)
+        denv = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{path}")
+        logf = open(root / "dockerd.log", "w")  # noqa: SIM115 - the daemon's, closed when it stops
+        proc = subprocess.Popen(
+            [
+                str(dockerd),
+                "--bridge=none",
+                "--iptables=false",
+                "--ip6tables=false",
+                "--data-root",
+                str(root / "data"),
+                "--exec-root",
+                str(root / "exec"),
+                "--pidfile",
+                str(root / "dockerd.pid"),
+                "-H",
+                f"unix://{sock}",
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=denv,
+            start_new_session=True,
+        )
+        env = dict(os.environ, DOCKER_HOST=f"unix://{sock}", PATH=denv["PATH"])
+        engine = cls(docker, compose_bin, env, proc, root)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise CheckFailed(f"dockerd exited {proc.returncode}:\n{(root / 'dockerd.log').read_text()[-2000:]}")
+                probe = run([str(docker), "version", "--format", "{{.Server.Version}}"], env=env, check=False, timeout=10)
+                if probe.returncode == 0 and probe.stdout.strip():
+                    break
+                if time.monotonic() > deadline:
+                    raise CheckFailed("dockerd did not answer within 60 s")
+                time.sleep(0.5)
+            info = probe.stdout.strip()
+            driver = run([str(docker), "info", "--format", "{{.Driver}}"], env=env).stdout.strip()
+        except BaseException:
+            engine.stop()
+            raise
+        log(f"started dockerd {info} ({driver}, --bridge=none --iptables=false, data under {root})")
+        return engine
+
+    def docker_cmd(self, *args: str, check: bool = True, timeout: float | None = None, capture: bool = True):
+        return run([str(self.docker), *args], env=self.env, check=check, timeout=timeout, capture=capture)
+
+    def compose(self, *args: str, extra: Iterable[Path] = (), check: bool = True, timeout: float | None = 600, capture: bool = True):
+        files = [a for f in [*COMPOSE_FILES, *extra] for a in ("-f", str(f))]
+        env = dict(self.env, **IMAGES)
+        # the host's `docker compose` plugin, or Debian 13's plugin binary run on its own (standalone mode)
+        prefix = [str(self.docker), "compose"] if self.compose_bin == self.docker else [str(self.compose_bin)]
+        return run(
+            [*prefix, *files, "--project-directory", str(REPO), *args],
+            env=env,
+            check=check,
+            timeout=timeout,
+            capture=capture,
+        )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.root is not None:
+            for mnt in reversed(_mounts_under(self.root)):  # overlay and shm mounts a killed daemon leaves
+                subprocess.run(["umount", "-l", mnt], capture_output=True)
+            stopped = time.monotonic()
+            shutil.rmtree(self.root, ignore_errors=True)
+            log(f"dockerd stopped, its data removed ({time.monotonic() - stopped:.1f} s to remove)")
+
+
+def _mounts_under(root: Path) -> list[str]:
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4]
+        if target.startswith(str(root)):
+            out.append(target)
+    return out
+
+
+# ---- images -----------------------------------------------------------------------------------
+
+
+def base_tarball(cache: Path) -> Path:
+    """Debian bookworm (minbase, python3 and venv) from Debian's packages, as a tarball for `docker import`."""
+    tar = cache / f"base-{SUITE}.tar"
+    if tar.exists():
+        return tar
+    rootfs = Path(tempfile.mkdtemp(prefix="rose-rootfs-", dir=cache))
+    try:
+        run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(rootfs), debian_mirror()], capture=True)
+        run(["chroot", str(rootfs), "apt-get", "clean"])
+        partial = tar.with_suffix(".tar.partial")
+        run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(partial), "."])
+        partial.rename(tar)
+    finally:
+        shutil.rmtree(rootfs, ignore_errors=True)
+    return tar
+
+
+def build_context(wheels: Path) -> Path:
+    """The image's build context: the package's files as the Dockerfile copies them, the wheelhouse beside."""
+    ctx = Path(tempfile.mkdtemp(prefix="rose-context-"))
+    files = run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"]).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file() and not rel.startswith(("tests/", ".")):
+            (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, ctx / rel)
+    house = ctx / "deploy/compose/wheelhouse"
+    house.mkdir(parents=True, exist_ok=True)
+    for whl in [*wheels.glob("*.whl"), wheels / "manifest.txt"]:
+        try:
+            os.link(whl, house / whl.name)  # 300 MB: a hard link where the cache is on the same file system
+        except OSError:
+            shutil.copy2(whl, house / whl.name)
+    return ctx
+
+
+# ---- the cluster, seen from the host ----------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    published: set[str] = field(default_factory=set)
+    trajectories: set[str] = field(default_factory=set)
+    duplicates: int = 0
+    manifests: set[int] = field(default_factory=set)
+    applied: list[tuple[str, int, int]] = field(default_factory=list)  # (executor, version, versions behind)
+    steps: list[tuple[float, str, int, int]] = field(default_factory=list)  # (t, run id, step, version)
+
+    def versions_lost(self, executors: Iterable[str], upto: int | None = None) -> list[int]:
+        """Published versions (up to `upto`) some executor neither applied nor folded into a later one (a catch-up)."""
+        lost: set[int] = set()
+        wanted = {v for v in self.manifests if upto is None or v <= upto}
+        for ex in executors:
+            covered: set[int] = set()
+            for e, v, behind in self.applied:
+                if e == ex:
+                    covered.update(range(v - behind, v + 1))
+            lost |= wanted - covered
+        return sorted(lost)
+
+    def last_step(self) -> int:
+        return self.steps[-1][2] if self.steps else 0
+
+
+async def observe(bus, seen: Seen, tag: str) -> None:
+    from rose.contracts.registry import AGENT_TASK, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_MANIFEST
+
+    async def on_task(t, _d):
+        seen.published.add(t.task_id)
+
+    async def on_trajectory(t, _d):
+        if t.task_id in seen.trajectories:
+            seen.duplicates += 1
+        seen.trajectories.add(t.task_id)
+
+    async def on_manifest(m, _d):
+        seen.manifests.add(m.version)
+
+    async def on_applied(a, _d):
+        seen.applied.append((a.executor_id, a.version, a.versions_behind))
+
+    async def on_step(s, _d):
+        seen.steps.append((time.time(), s.run_id, s.step, s.version))
+
+    await bus.subscribe(ROLLOUT_TASK, on_task)
+    await bus.subscribe(AGENT_TASK, on_task)
+    await bus.consume(TRAJECTORY, on_trajectory, durable=f"check_traj_{tag}")
+    await bus.consume(WEIGHT_MANIFEST, on_manifest, durable=f"check_manifests_{tag}")
+    await bus.consume(WEIGHT_APPLIED, on_applied, durable=f"check_applied_{tag}")
+    await bus.consume(TRAINING_STEP, on_step, durable=f"check_steps_{tag}")
+
+
+async def until(what: str, ok, timeout: float, every: float = 1.0) -> float:
+    t0 = time.monotonic()
+    while True:
+        if await ok() if asyncio.iscoroutinefunction(ok) else ok():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+def http_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
+        return json.loads(r.read())
+
+
+@contextmanager
+def phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    log(f"--- {name}")
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[name] = round(time.monotonic() - t0, 1)
+        log(f"--- {name}: {timings[name]:.1f} s")
+
+
+class Check:
+    def __init__(self, cache: Path, keep_cache: bool) -> None:
+        self.cache, self.keep_cache = cache, keep_cache
+        self.timings: dict[str, float] = {}
+        self.results: dict[str, object] = {}
+        self.engine: Engine | None = None
+        self.tmp = Path(tempfile.mkdtemp(prefix="rose-compose-check-"))
+        self.job = self.tmp / "job.yml"
+        self.cli_seed = self.tmp / "cli.nk"
+        self.failures: list[str] = []
+
+    def expect(self, ok: bool, what: str) -> bool:
+        """A failed check that does not stop the run: the later phases still report (the run fails)."""
+        if not ok:
+            self.failures.append(what)
+            log(f"CHECK FAILED: {what}")
+        return ok
+
+    # -- helpers --
+    @property
+    def e(self) -> Engine:
+        assert self.engine is not None
+        return self.engine
+
+    def compose(self, *args: str, **kw):
+        return self.e.compose(*args, extra=[self.job], **kw)
+
+    def states(self) -> dict[str, dict]:
+        out = self.compose("ps", "--all", "--format", "json").stdout
+        rows = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
+        if len(rows) == 0 and out.strip().startswith("["):
+            rows = json.loads(out)
+        return {r["Service"]: r for r in rows}
+
+    def healthy(self, services: Iterable[str]) -> list[str]:
+        """Those of `services` not yet healthy (one-shots: not yet exited 0). Raises on a one-shot that failed."""
+        states = self.states()
+        waiting = []
+        for s in services:
+            r = states.get(s)
+            if r is None:
+                waiting.append(s)
+            elif s in ONE_SHOT:
+                if r["State"] == "exited":
+                    need(r.get("ExitCode") == 0, f"{s} exited {r.get('ExitCode')}:\n{self.logs(s)}")
+                else:
+                    waiting.append(s)
+            elif r.get("Health") not in ("healthy", "") or r["State"] != "running":
+                waiting.append(s)
+        return waiting
+
+    def logs(self, service: str, tail: int = 40) -> str:
+        return self.compose("logs", "--no-color", "--tail", str(tail), service, check=False).stdout
+
+    async def wait_healthy(self, services: list[str], timeout: float = HEALTHY_TIMEOUT_S) -> float:
+        async def ok() -> bool:
+            return not await asyncio.to_thread(self.healthy, services)
+
+        try:
+            return await until(f"{services} healthy", ok, timeout, every=2.0)
+        except CheckFailed:
+            waiting = self.healthy(services)
+            raise CheckFailed(f"not healthy after {timeout:.0f} s: {waiting}\n" + "\n".join(self.logs(s) for s in waiting[:3])) from None
+
+    def up(self, services: list[str], profile: bool = False) -> None:
+        """`up -d` of `services`; with `profile` (train) on a core already healthy: its one-shots not run again."""
+        args = (["--profile", "train", "up", "--no-deps"] if profile else ["up"]) + ["-d", "--no-build", "--pull", "never", *services]
+        self.compose(*args)
+
+    # -- phases --
+    def engine_phase(self) -> None:
+        host_packages()
+        dockerd, docker, compose_bin = engine_tools(self.cache)
+        self.engine = Engine.start(dockerd, docker, compose_bin)
+        self.results["compose_version"] = self.e.compose("version", "--short").stdout.strip()
+        self.results["engine_version"] = self.e.docker_cmd("version", "--format", "{{.Server.Version}}").stdout.strip()
+
+    def base_phase(self) -> None:
+        tar = base_tarball(self.cache)
+        if self.e.docker_cmd("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
+            self.e.docker_cmd("import", "--change", 'CMD ["/bin/bash"]', str(tar), BASE_IMAGE)
+        self.results["base_tar_mb"] = round(tar.stat().st_size / 2**20)
+
+    def wheelhouse_phase(self) -> None:
+        self.results["wheelhouse"] = build_wheelhouse(self.cache / "wheelhouse")
+
+    def images_phase(self) -> None:
+        ctx = build_context(self.cache / "wheelhouse")
+        try:
+            build = ["build", "--network", "none", "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=1"]
+            self.e.docker_cmd(
+                *build,
+                "--build-arg",
+                f"ROSE_EXTRAS=[{EXTRAS}]",
+                "-f",
+                str(ctx / "deploy/compose/Dockerfile"),
+                "-t",
+                IMAGES["ROSE_IMAGE"],
+                "-t",
+                IMAGES["ROSE_AGENTS_IMAGE"],
+                str(ctx),
+                timeout=900,
+            )
+        finally:
+            shutil.rmtree(ctx, ignore_errors=True)
+        # Debian's prometheus, fetched from Debian's packages during the build (host network: no bridge here)
+        self.e.docker_cmd(
+            "build",
+            "--network",
+            "host",
+            "--build-arg",
+            f"BASE={BASE_IMAGE}",
+            "-f",
+            str(DEPLOY / "prometheus/Dockerfile"),
+            "-t",
+            IMAGES["ROSE_PROMETHEUS_IMAGE"],
+            str(DEPLOY / "prometheus"),
+            timeout=600,
+        )
+        size = self.e.docker_cmd("image", "inspect", "--format", "{{.Size}}", IMAGES["ROSE_IMAGE"]).stdout.strip()
+        self.results["image_mb"] = round(int(size) / 2**20)
+
+    def job_file(self) -> None:
+        env = "\n".join(f"      {k}: '{v}'" for k, v in JOB.items())
+        self.job.write_text(f"# the check's RL job (deploy/compose/check.py JOB)\nservices:\n  trainer:\n    environment:\n{env}\n")
+
+    async def up_phase(self) -> None:
+        busy = [p for p in LISTEN_PORTS if _listening(p)]
+        need(not busy, f"ports already in use on 127.0.0.1: {busy} (host-network.yml needs them)")
+        await asyncio.to_thread(self.up, CORE)
+        took = await self.wait_healthy([s for s in CORE])
+        self.results["core_healthy_s"] = round(took, 1)
+        creds = json.loads(self.e.docker_cmd("volume", "inspect", "rose_credentials").stdout)[0]["Mountpoint"]
+        shutil.copy(Path(creds) / "cli.nk", self.cli_seed)
+        self.cli_seed.chmod(0o600)
+
+    def rose(self, *args: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, NATS_URL=NATS_URL, ROSE_BUS__NKEY_SEED_FILE=str(self.cli_seed))
+        return run([str(Path(sys.executable).parent / "rose"), *args], env=env, timeout=60)
+
+    def status_phase(self, expect: Iterable[str]) -> None:
+        rows = json.loads(self.rose("status", "--json").stdout)["services"]
+        listed = sorted({r["service"] for r in rows})
+        missing = sorted(set(expect) - set(listed))
+        self.expect(not missing, f"rose status does not list {missing} (it lists {listed})")
+        self.results["rose_status_services"] = len(rows)
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{EXECUTORS['executor-1']}/v1", api_key="unused", timeout=60)
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="1 + 2 =", max_tokens=8)
+        need(bool(done.choices) and done.usage is not None and done.usage.completion_tokens > 0, f"no completion: {done}")
+        self.results["openai_completion"] = {"model": model, "tokens": done.usage.completion_tokens}
+        log(f"rose status lists {len(rows)} services ({', '.join(listed)}); openai: {done.usage.completion_tokens} tokens from {model}")
+
+    async def train_phase(self, seen: Seen) -> None:
+        await asyncio.to_thread(self.up, TRAIN, True)
+        await self.wait_healthy(TRAIN)
+        await until("3 GRPO steps", lambda: seen.last_step() >= 3, STEP_TIMEOUT_S)
+        version = max(seen.manifests)
+        await until(f"every executor applying versions 1..{version}", lambda: not seen.versions_lost(EXECUTORS, version), 90)
+        self.results["steps_before_kills"] = seen.last_step()
+        log(f"GRPO steps {seen.last_step()}, versions {sorted(seen.manifests)}, every executor applied each")
+
+    async def kill_phase(self, seen: Seen) -> None:
+        kills = []
+        for target in KILLS:
+            step = seen.last_step()
+            t0 = time.monotonic()
+            self.compose("kill", "-s", "SIGKILL", target)
+            await asyncio.sleep(2.0)
+            state = self.states()[target]["State"]
+            need(state != "running", f"{target} still running after docker kill")
+            await asyncio.to_thread(self.compose, "start", target)  # what an operator (or an orchestrator) does after a kill
+            healthy = await self.wait_healthy([target], 240)
+            await until(f"a GRPO step after killing {target}", lambda s=step: seen.last_step() > s, STEP_TIMEOUT_S)
+            kills.append({"target": target, "healthy_s": round(time.monotonic() - t0, 1), "step_before": step, "step_after": seen.last_step()})
+            log(f"killed {target}: healthy again after {healthy:.0f} s, trainer at step {seen.last_step()} (was {step})")
+        self.results["kills"] = kills
+
+    async def drain(self, seen: Seen) -> None:
+        """Stop the trainer (no new tasks) and wait until every task handed out came back as a trajectory."""
+        await asyncio.to_thread(self.compose, "stop", "trainer")
+        cut = set(seen.published)
+        try:
+            await until(
+                "every task's trajectory, every version applied",
+                lambda: cut <= seen.trajectories and not seen.versions_lost(EXECUTORS),
+                DRAIN_TIMEOUT_S,
+            )
+        except CheckFailed:
+            pass  # counted below
+        await asyncio.sleep(3.0)
+        lost = sorted(cut - seen.trajectories)
+        vlost = seen.versions_lost(EXECUTORS)
+        self.results.update(
+            trajectories_published=len(cut),
+            trajectories_lost=len(lost),
+            trajectories_redelivered=seen.duplicates,
+            weight_versions_published=len(seen.manifests),
+            weight_versions_lost=len(vlost),
+        )
+        log(f"accounting: {len(cut)} tasks handed out, {len(lost)} trajectories lost; {len(seen.manifests)} versions, {len(vlost)} lost {vlost}")
+        self.expect(not lost and not vlost, f"lost: trajectories {lost[:10]}, weight versions {vlost}")
+
+    def sandbox_phase(self) -> None:
+        """Model code runs in the worker's container under the code sandbox; the escapes stay blocked."""
+        program = "print(sum(i * i for i in range(10)))"
+        code = f"from rose.shared.agentic.sandbox import Sandbox; r = Sandbox('subprocess').run({program!r}); "
+        ran = self.compose("exec", "-T", "rollout_worker", "python", "-c", code + "print(r.backend, r.exit_code, r.stdout.strip())", check=False)
+        words = ran.stdout.split()
+        self.results["sandbox_model_code"] = words or ran.stderr.strip()[-500:]
+        if not self.expect(words[-1:] == ["285"], f"model code did not run in rollout_worker's sandbox: {(ran.stdout + ran.stderr)[-1500:]}"):
+            return
+        # as the worker's own user (uid 10001 of the image; "nobody" keeps a non-root caller's uid)
+        attacks = (
+            "import json; from rose.bench.sandbox_attacks import run_sandbox_attacks as r; "
+            f"print(json.dumps({{'rows': r('nobody', backend='subprocess', only={SANDBOX_ATTACKS!r})}}))"
+        )
+        out = self.compose("exec", "-T", "rollout_worker", "python", "-c", attacks, check=False, timeout=300)
+        try:
+            rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+        except (IndexError, ValueError, KeyError):
+            self.expect(False, f"sandbox attacks in rollout_worker did not run (exit {out.returncode}): {(out.stdout + out.stderr)[-1500:]}")
+            return
+        escaped = [r["attack"] for r in rows if not r["blocked"]]
+        self.results["sandbox"] = {"backend": words[0], "attacks": len(rows), "blocked": len(rows) - len(escaped), "escaped": escaped}
+        log(f"sandbox in rollout_worker: model code ran ({' '.join(words)}), {len(rows) - len(escaped)} of {len(rows)} escapes blocked")
+        self.expect(not escaped, f"sandbox escapes in rollout_worker: {escaped}")
+
+    async def metrics_phase(self) -> None:
+        targets_ok = lambda: all(t["health"] == "up" for t in http_json(f"{PROMETHEUS}/api/v1/targets")["data"]["activeTargets"])  # noqa: E731
+        await until("every scrape target up", targets_ok, 60)
+        targets = http_json(f"{PROMETHEUS}/api/v1/targets")["data"]["activeTargets"]
+        queries = dashboard_queries()
+        empty = []
+        found = 0
+        for dash, expr in queries:
+            q = expr.replace("$__rate_interval", "1m").replace('=~"$executor"', '=~".+"')
+            data = http_json(f"{PROMETHEUS}/api/v1/query?" + urllib.parse.urlencode({"query": q}))
+            n = len(data["data"]["result"]) if data["data"]["resultType"] == "vector" else 1
+            found += n
+            if n == 0:
+                empty.append(f"{dash}: {expr}")
+        rules = http_json(f"{PROMETHEUS}/api/v1/rules")["data"]["groups"]
+        bad_rules = [r["name"] for g in rules for r in g["rules"] if r.get("health") != "ok"]
+        self.results["prometheus"] = {
+            "targets_up": len(targets),
+            "dashboard_queries": len(queries),
+            "series_found": found,
+            "queries_without_series": empty,
+            "rules": sum(len(g["rules"]) for g in rules),
+            "rules_unhealthy": bad_rules,
+        }
+        for line in empty:
+            log(f"no series: {line}")
+        log(f"prometheus: {len(targets)} targets up, {len(queries) - len(empty)} of {len(queries)} dashboard queries return series ({found} series)")
+        prom = DEPLOY / "prometheus"
+        run(["promtool", "check", "rules", str(prom / "rules.yml")])
+        test = run(["promtool", "test", "rules", str(prom / "rules.test.yml")])
+        self.results["promtool_test_rules"] = test.stdout.strip().splitlines()[-1].strip()
+        self.expect(not bad_rules, f"rules not healthy in the live Prometheus: {bad_rules}")
+        self.expect(not empty, f"{len(empty)} dashboard queries return no series")
+
+    async def restart_phase(self, seen: Seen, bus) -> None:
+        before_step, before_run = seen.last_step(), (seen.steps[-1][1] if seen.steps else "")
+        streams = await stream_counts(bus)
+        await asyncio.to_thread(self.compose, "--profile", "train", "down", "--timeout", "20")
+        await asyncio.to_thread(self.up, CORE)
+        await self.wait_healthy(CORE)
+        after = await stream_counts(bus)
+        kept = {s: (streams[s], after.get(s)) for s in streams if after.get(s, 0) < streams[s]}
+        self.expect(not kept, f"JetStream lost messages across down/up: {kept}")
+        await asyncio.to_thread(self.up, TRAIN, True)
+        await until(
+            "the trainer's first step after down/up", lambda: seen.last_step() > before_step and seen.steps[-1][1] == before_run, STEP_TIMEOUT_S
+        )
+        first = next(s for s in seen.steps if s[0] and s[2] > before_step)
+        self.results["restart"] = {
+            "streams": len(streams),
+            "messages_before": sum(streams.values()),
+            "messages_after": sum(after.values()),
+            "step_before": before_step,
+            "resumed_at_step": first[2],
+            "same_run": first[1] == before_run,
+        }
+        self.expect(first[2] == before_step + 1, f"the trainer did not resume: step {first[2]} after {before_step}")
+        log(f"down/up: {len(streams)} streams kept ({sum(after.values())} messages), trainer resumed run {before_run} at step {first[2]}")
+
+    async def main(self) -> int:
+        from rose.shared.bus import Bus
+        from rose.shared.config import BusConfig
+
+        with phase(self.timings, "engine"):
+            await asyncio.to_thread(self.engine_phase)
+        with phase(self.timings, "base"):
+            await asyncio.to_thread(self.base_phase)
+        with phase(self.timings, "wheelhouse"):
+            await asyncio.to_thread(self.wheelhouse_phase)
+        with phase(self.timings, "images"):
+            await asyncio.to_thread(self.images_phase)
+        self.job_file()
+        with phase(self.timings, "up"):
+            await self.up_phase()
+        with phase(self.timings, "status"):
+            await asyncio.to_thread(self.status_phase, ["executor", "slo_monitor", "scheduler", "weight_publisher", "rollout_worker"])
+        seen = Seen()
+        bus = Bus(BusConfig(url=NATS_URL, nkey_seed_file=str(self.cli_seed), initial_connect_deadline_s=20), service="cli", instance="compose-check")
+        await bus.connect()
+        try:
+            await observe(bus, seen, str(int(time.time())))
+            with phase(self.timings, "train"):
+                await self.train_phase(seen)
+            with phase(self.timings, "kills"):
+                await self.kill_phase(seen)
+            with phase(self.timings, "sandbox"):
+                await asyncio.to_thread(self.sandbox_phase)
+            with phase(self.timings, "metrics"):
+                await self.metrics_phase()
+            with phase(self.timings, "drain"):
+                await self.drain(seen)
+            with phase(self.timings, "restart"):
+                await self.restart_phase(seen, bus)
+        finally:
+            await bus.close()
+        return 0
+
+    def diagnose(self) -> None:
+        """What each container was doing when the check failed (before everything is removed)."""
+        if self.engine is None:
+            return
+        try:
+            for name, row in sorted(self.states().items()):
+                print(f"--- {name}: {row.get('State')} {row.get('Health', '')} {row.get('Status', '')}", flush=True)
+                if name not in ONE_SHOT:
+                    print(self.logs(name, 15), flush=True)
+        except Exception as exc:  # diagnosis only
+            log(f"no diagnosis: {exc!r}")
+
+    def cleanup(self) -> None:
+        t0 = time.monotonic()
+        if self.engine is not None:
+            if self.engine.proc is None:  # a daemon we did not start: remove only what we made
+                self.compose("--profile", "train", "down", "--volumes", "--timeout", "10", check=False)
+                for image in [*IMAGES.values(), BASE_IMAGE]:
+                    self.e.docker_cmd("image", "rm", "-f", image, check=False)
+            else:  # our own daemon: its containers killed, then it and all its data (images, volumes) go
+                self.compose("--profile", "train", "kill", check=False, timeout=60)
+                log(f"containers killed after {time.monotonic() - t0:.1f} s")
+                self.engine.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self.keep_cache:
+            shutil.rmtree(self.cache, ignore_errors=True)
+        self.timings["cleanup"] = round(time.monotonic() - t0, 1)
+        left = leftovers(self.engine)
+        self.results["left_behind"] = left
+        log(f"cleanup {self.timings['cleanup']:.1f} s; left behind: {left or 'nothing'}")
+
+
+async def stream_counts(bus) -> dict[str, int]:
+    """Messages in every JetStream stream (the operator may read every stream's info)."""
+    return {info.config.name: info.state.messages for info in await bus.js.streams_info()}
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def leftovers(engine: Engine | None) -> list[str]:
+    out = []
+    if Path("/sys/class/net/docker0").exists():
+        out.append("docker0 bridge")
+    if engine is not None and engine.proc is not None:
+        if engine.proc.poll() is None:
+            out.append(f"dockerd pid {engine.proc.pid}")
+        if engine.root is not None and engine.root.exists():
+            out.append(str(engine.root))
+        if engine.root is not None and _mounts_under(engine.root):
+            out.append(f"mounts under {engine.root}")
+    ours = run(["pgrep", "-f", "rose-dockerd-"], check=False).stdout.split()
+    out += [f"process {p} of a check's dockerd" for p in ours if int(p) != os.getpid()]
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(dashboard file, PromQL) of every panel target of every Grafana dashboard in the repo."""
+    out = []
+
+    def walk(name: str, panel: dict) -> None:
+        for target in panel.get("targets") or []:
+            if target.get("expr"):
+                out.append((name, target["expr"]))
+        for child in panel.get("panels") or []:
+            walk(name, child)
+
+    for path in sorted((DEPLOY / "grafana/dashboards").glob("*.json")):
+        walk(path.name, json.loads(path.read_text()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("run", help="the whole check (root)")
+    c.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="base tarball, wheelhouse and engine packages, kept across runs")
+    c.add_argument("--no-cache", action="store_true", help="start from an empty cache and remove it at the end (a fresh box)")
+    c.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    sub.add_parser("manifest", help="print the pins the image installs")
+    w = sub.add_parser("wheelhouse", help="build or refresh a wheelhouse")
+    w.add_argument("dir", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "manifest":
+        print("\n".join(manifest()))
+        return 0
+    if args.cmd == "wheelhouse":
+        print(json.dumps(build_wheelhouse(args.dir)))
+        return 0
+    if os.geteuid() != 0:
+        print("compose-check: run as root (it starts a Docker daemon and debootstraps a base)", file=sys.stderr)
+        return 2
+    cache = Path(tempfile.mkdtemp(prefix="rose-compose-cache-")) if args.no_cache else args.cache
+    cache.mkdir(parents=True, exist_ok=True)
+    check = Check(cache, keep_cache=not args.no_cache)
+    t0 = time.monotonic()
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    rc = 1
+    try:
+        rc = asyncio.run(check.main())
+    except (CheckFailed, KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
+        log(f"FAILED: {exc}")
+        check.diagnose()
+    finally:
+        check.cleanup()
+    check.timings["total"] = round(time.monotonic() - t0, 1)
+    check.results["timings_s"] = check.timings
+    check.results["failures"] = check.failures
+    check.results["ok"] = rc == 0 and not check.failures and not check.results.get("left_behind")
+    print(json.dumps(check.results, indent=2, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(check.results, indent=2, default=str))
+    log("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in check.timings.items()))
+    log("PASSED" if check.results["ok"] else "FAILED")
+    return 0 if check.results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
