@@ -122,13 +122,9 @@ def process_rss_bytes(pid: int | None = None) -> int:
         return 0 if pid else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class CpuDevice:
-    kind = "cpu"
-    priority_streams = False  # serving and rollout threads are scheduled alike by the OS
-
-    # ---- what the engine builds on this device (the emulated one answers differently: emulated.py)
-    backs_kv = True  # KV pools hold real tensors
-    host_is_device = True  # forwards compute on host cores: the interpreter lock is part of the device
+class RealHardware:
+    """What the engine builds on a device that really computes (CPU, CUDA): real KV tensors, the real
+    runner, weights that arrive by the follower's own fetch. EmulatedDevice answers these differently."""
 
     def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
         return kv_shape_of(model)
@@ -142,6 +138,15 @@ class CpuDevice:
     def weight_transfer_s(self) -> float:
         """A new policy version's transfer beyond what the weight follower really fetched: none."""
         return 0.0
+
+
+class CpuDevice(RealHardware):
+    kind = "cpu"
+    priority_streams = False  # serving and rollout threads are scheduled alike by the OS
+
+    # ---- what the engine builds on this device (the emulated one answers differently: emulated.py)
+    backs_kv = True  # KV pools hold real tensors
+    host_is_device = True  # forwards compute on host cores: the interpreter lock is part of the device
 
     def __init__(self, threads_per_lane: int = CPU_THREADS_PER_LANE) -> None:
         self.torch_device = torch.device("cpu")
@@ -201,7 +206,7 @@ class CpuDevice:
         )
 
 
-class CudaDevice:
+class CudaDevice(RealHardware):
     """Exercised on GPU nodes (``scripts/gpu-check``: tests/executor/test_device_paths.py and
     ``rose bench coserve`` there); the development machines have no GPU."""
 
@@ -211,19 +216,6 @@ class CudaDevice:
     # ---- what the engine builds on this device (the emulated one answers differently: emulated.py)
     backs_kv = True  # KV pools hold real tensors
     host_is_device = True  # forwards compute on the GPU, launched from the interpreter: the interpreter lock is part of the device
-
-    def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
-        return kv_shape_of(model)
-
-    def kv_bytes(self, work_class: WorkClass, configured: int) -> int:
-        return configured
-
-    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> PagedModelRunner:
-        return PagedModelRunner(model, pool)
-
-    def weight_transfer_s(self) -> float:
-        """A new policy version's transfer beyond what the weight follower really fetched: none."""
-        return 0.0
 
     def __init__(self, index: int = 0) -> None:
         self.torch_device = torch.device("cuda", index)
