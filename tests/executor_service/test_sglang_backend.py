@@ -584,15 +584,20 @@ async def test_a_killed_rollout_server_aborts_the_turn_and_the_executor_carries_
     long_turn = asyncio.ensure_future(bus.request(GENERATE, _turn(lease, 1500), executor_id=ex, timeout=60))
     await asyncio.sleep(1.0)
     assert not long_turn.done()
-    servers["procs"]["rollout"].kill()  # SIGKILL mid-generation
-    reply = await asyncio.wait_for(long_turn, 20)
-    assert reply.finish_reason == "abort" and len(reply.token_ids) < 1500
-    assert proc.alive()
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{http}/v1/completions", json={"model": "rose-serving", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}) as r,
-    ):
-        assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] in ("stop", "length")
+    rollout = servers["procs"]["rollout"]
+    rollout.kill()  # SIGKILL mid-generation
+    try:
+        reply = await asyncio.wait_for(long_turn, 20)
+        assert reply.finish_reason == "abort" and len(reply.token_ids) < 1500
+        assert proc.alive()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{http}/v1/completions", json={"model": "rose-serving", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}) as r,
+        ):
+            assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:  # the module's later tests (the shared engine test case below) need a rollout server again
+        rollout.start()
+        servers["rollout"] = (await rollout.wait_ready(bus, START_TIMEOUT_S))["http"]
 
 
 class TestSGLangBackend(CoServingEngineTestcase):
