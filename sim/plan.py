@@ -48,9 +48,10 @@ from rose.shared.devices import Roofline, model_spec, parse_fleet, rollout_tp, s
 from rose.shared.workload import RolloutSpec, mean_context
 
 from .ceiling import share_of_gain, speedup_ceiling_over
+from .config import MAX_ROLLOUT_BATCH
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
-from .engine import MAX_ROLLOUT_BATCH, SERVING_POOL_MARGIN
 from .policies import executor_signals, monitor_settings
+from .sizing import SERVING_POOL_MARGIN
 from .traces import Trace, load_azure_csv, requests_to_trace
 
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity

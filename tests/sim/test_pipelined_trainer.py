@@ -12,7 +12,7 @@ from rose.services.executor import policies as executor_policies
 from rose.shared.devices import MeasuredSteps
 from rose.shared.workload import RolloutSpec
 from rose.sim import calibration as cal
-from rose.sim import engine
+from rose.sim import config, engine
 from rose.sim.coserve import rollout_interference, serving_tick
 from rose.sim.engine import simulate
 from rose.sim.policies import make_fleet_policy
@@ -32,7 +32,7 @@ def test_the_models_constants_are_the_services_own():
     from rose.shared import bus
 
     assert engine.GROUP_POLL_S == trainer.GROUP_POLL_S
-    assert engine.FETCH_WINDOW_S == bus.CONSUME_FETCH_TIMEOUT_S
+    assert config.FETCH_WINDOW_S == bus.CONSUME_FETCH_TIMEOUT_S
     consume = re.search(r"consume\(\s*TRAJECTORY.*?batch=(\d+)", inspect.getsource(trainer.Trainer.start), re.S)
     assert consume and int(consume.group(1)) == engine.TRAINER_FETCH_BATCH
 

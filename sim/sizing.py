@@ -1,0 +1,237 @@
+"""The fleet a simulation runs on, sized once from its ``SimConfig`` (engine.py runs over it).
+
+``size_fleet`` turns a configuration into the figures that never change during a run: which
+models on which device, how many instances of which tensor-parallel width (``FleetShape``), how
+each instance's memory divides between weights, the serving pool and rollout (``MemorySplit``),
+and the serving traffic it carries (``ServingTraffic``). ``serving_setup`` adds what depends on
+the fleet policy too: whether rollout co-hosts on serving instances, the serving KV pool that
+leaves, and the serving-alone baseline. They live here, apart from the engine's changing state,
+because the planner's questions (does this model fit this fleet, how large is the lane) are
+these figures alone, and because the engine reads them everywhere and writes them nowhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rose.shared.devices import DEVICES, DeviceSpec, MeasuredSteps, ModelSpec, Roofline, model_spec, rollout_tp, serving_tp, usable_bytes
+from rose.shared.errors import RoseError
+from rose.shared.workload import mean_context, turn_length_quantile
+
+from .ceiling import lane_value
+from .config import SimConfig
+from .coserve import lane_share_ceiling, serving_tick, slo_capacity_rps
+from .policies import FleetPolicy
+from .traces import diurnal_bursty
+
+SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate, rollout running
+
+StepTimes = Roofline | MeasuredSteps  # a model's step times on one instance (``SimConfig.perf`` gives measured ones)
+
+
+class Infeasible(RoseError, ValueError):
+    """This model does not fit this fleet (the reason says why)."""
+
+
+@dataclass(frozen=True, eq=False)
+class FleetShape:
+    """The models, the device and the instances: ``n_serv`` serving instances of ``tp_s`` GPUs (the
+    serving model and a copy of the policy), ``n_ded`` dedicated rollout instances of ``tp_r``, the
+    trainer's GPUs, and the step times of each model where it runs."""
+
+    smodel: ModelSpec  # the serving model
+    pmodel: ModelSpec  # the policy
+    device: DeviceSpec
+    tp_s: int
+    tp_r: int
+    n_serv: int
+    n_ded: int
+    trainer_gpus: float
+    sperf: StepTimes  # the serving model on a serving instance
+    pperf_s: StepTimes  # the policy on a serving instance
+    pperf_d: StepTimes  # the policy on a dedicated instance
+
+
+@dataclass(frozen=True, eq=False)
+class MemorySplit:
+    """Bytes per instance: the weights, KV bytes per token of each model, the serving KV pool when
+    rollout co-hosts (``pool_tokens``) or not (``alone_kv_tokens``), what a serving instance has left
+    to lend (``cohost_free_bytes``) and what a dedicated one holds for rollout KV."""
+
+    policy_weight_bytes: float
+    kvb_s: float  # serving KV bytes per token
+    kvb_p: float  # policy KV bytes per token
+    total_s: float  # a serving instance's HBM
+    alone_kv_tokens: float  # a serving instance's KV pool with no policy copy beside it
+    pool_tokens: float  # a co-hosting serving instance's KV pool
+    cohost_free_bytes: float  # left for rollout on a co-hosting serving instance (negative: none)
+    can_cohost: bool
+    dedicated_kv: float  # rollout KV bytes on a dedicated instance
+
+
+@dataclass(frozen=True, eq=False)
+class ServingTraffic:
+    """The serving trace, in fleet requests/s per second of the run, its request sizes, and what
+    one serving instance serves within the SLO alone."""
+
+    prompt_mean: float
+    output_mean: float
+    prompt_p99: float
+    cap_rps: float  # SLO capacity of one serving instance alone
+    fleet_rate: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class SizedFleet:
+    """Everything ``size_fleet`` fixes, plus the rollout figures derived from it."""
+
+    shape: FleetShape
+    memory: MemorySplit
+    traffic: ServingTraffic
+    max_rollout_batch: int  # sequences per rollout engine
+    turn_p90: float  # the rollout's p90 turn length (tokens)
+    mean_rollout_ctx: float  # the rollout's mean context (tokens)
+    lane_value: float  # a lane GPU-second's rollout worth beside a dedicated one's (ceiling.py)
+
+    def kv_slots(self, kv_bytes: float) -> int:
+        """Rollout sequences ``kv_bytes`` of KV hold at the mean rollout context."""
+        return int(kv_bytes // (self.mean_rollout_ctx * self.memory.kvb_p))
+
+
+@dataclass(frozen=True, eq=False)
+class ServingSetup:
+    """How serving runs under the fleet policy: whether rollout co-hosts on serving instances, the
+    serving KV pool that leaves them, per second of the trace the most a lane can have (None: no
+    bounded lane), and the seconds in which the whole fleet serving alone violates the SLO (what
+    static sees, for attribution)."""
+
+    cohosting: bool
+    kv_tokens: float  # a serving instance's KV pool (tokens) under this policy
+    lane_ceiling: np.ndarray | None
+    alone_bad: np.ndarray
+
+
+def size_fleet(c: SimConfig) -> SizedFleet:
+    """The fleet ``c`` describes; raises ``Infeasible`` where its models do not fit it."""
+    smodel, pmodel = model_spec(c.model), model_spec(c.policy_model or c.model)
+    device = DEVICES[c.device]
+    tp_s, tp_r = serving_tp(smodel, pmodel, device), rollout_tp(pmodel, device)
+    n_serv = c.n_serving if c.n_serving is not None else c.gpus // tp_s
+    ded_gpus = int(round(c.gpus * c.rollout_gpu_ratio))
+    n_ded = c.n_dedicated if c.n_dedicated is not None else ded_gpus // tp_r
+    if n_serv < 1:
+        raise Infeasible(f"{c.model} on {c.gpus}x{c.device}: a serving instance needs TP{tp_s} (serving model + policy copy in 65 % of HBM)")
+    if n_ded < 1:
+        raise Infeasible(f"{c.model}: the dedicated pool ({ded_gpus} GPUs) is smaller than one TP{tp_r} rollout instance")
+    trainer_gpus = max(1.0, c.gpus * c.trainer_gpu_ratio)
+    sperf: StepTimes
+    pperf_s: StepTimes
+    pperf_d: StepTimes
+    if c.perf is not None:
+        sperf, pperf_s, pperf_d = c.perf
+    else:
+        sperf = Roofline(device, smodel, tp_s)
+        pperf_s = Roofline(device, pmodel, tp_s)
+        pperf_d = Roofline(device, pmodel, tp_r)
+    if c.trace is not None:
+        prompt_mean = float(np.mean(c.trace.prompt_mean))
+        output_mean = float(np.mean(c.trace.output_mean))
+        prompt_p99 = float(c.trace.prompt_p99)
+    else:
+        prompt_mean, output_mean, prompt_p99 = c.trace_shape.sizes.means()
+    mem = c.memory or {}
+    ws = mem.get("serving_weight_bytes", smodel.weight_bytes)
+    wp = mem.get("policy_weight_bytes", pmodel.weight_bytes)
+    kvb_s = mem.get("kvb_serving", smodel.kv_bytes_per_token)
+    kvb_p = mem.get("kvb_policy", pmodel.kv_bytes_per_token)
+    usable_s = mem.get("usable_serving", usable_bytes(device, tp_s))
+    usable_r = mem.get("usable_dedicated", usable_bytes(device, tp_r))
+    total_s = mem.get("total_serving", tp_s * device.hbm_bytes)
+    alone_kv_tokens = max(1.0, (usable_s - ws) / kvb_s)
+    slo_ttft, slo_tpot = c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3
+    cap_rps = slo_capacity_rps(sperf, prompt_mean, output_mean, prompt_p99, slo_ttft, slo_tpot, alone_kv_tokens)
+    if cap_rps <= 0:
+        raise Infeasible(f"{c.model} on {tp_s}x{c.device}: no load meets TTFT {c.slo_ttft_ms:g} ms / TPOT {c.slo_tpot_ms:g} ms even alone")
+    # the serving trace, in fleet requests/s
+    horizon = int(c.warmup_s + c.max_sim_s) + 2
+    if c.trace is not None:
+        reps = math.ceil(horizon / max(1, c.trace.duration_s))
+        fleet_rate = np.tile(c.trace.rate, reps)[:horizon]
+    else:
+        trace = diurnal_bursty(horizon, c.start_hour, c.trace_shape, c.seed + 7)
+        fleet_rate = trace.rate * c.load * n_serv * cap_rps
+    # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate) with
+    # rollout running beside it (one quantum per serving iteration makes requests stay longer)
+    peak = float(np.percentile(fleet_rate, 99.9)) / n_serv
+    q = c.quantum_ms / 1e3
+    at_peak = serving_tick(sperf, np.array([peak]), prompt_mean, output_mean, prompt_p99, q, q, 0.0, 1.0, alone_kv_tokens)
+    pool_tokens = min(alone_kv_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt_mean + output_mean))
+    pool_tokens = mem.get("serving_pool_tokens", pool_tokens)
+    cohost_free_bytes = usable_s - ws - wp - pool_tokens * kvb_s
+    dedicated_kv = usable_r - wp
+    max_rollout_batch = c.max_rollout_batch
+    mean_rollout_ctx = mean_context(c.rollout)
+    # what a lane GPU-second is worth beside a dedicated one, each at the batch its KV holds at the mean context
+    seq = mean_rollout_ctx * kvb_p
+    lane_b = min(float(max_rollout_batch), max(0.0, cohost_free_bytes) / seq)
+    ded_b = max(1.0, min(float(max_rollout_batch), dedicated_kv / seq))
+    value = (
+        lane_value(
+            lane_b,
+            float(pperf_s.decode_s(max(lane_b, 1.0), mean_rollout_ctx)),
+            tp_s,
+            ded_b,
+            float(pperf_d.decode_s(ded_b, mean_rollout_ctx)),
+            tp_r,
+        )
+        if lane_b >= 1.0
+        else 0.0
+    )
+    return SizedFleet(
+        shape=FleetShape(smodel, pmodel, device, tp_s, tp_r, n_serv, n_ded, trainer_gpus, sperf, pperf_s, pperf_d),
+        memory=MemorySplit(wp, kvb_s, kvb_p, total_s, alone_kv_tokens, pool_tokens, cohost_free_bytes, cohost_free_bytes > 0, dedicated_kv),
+        traffic=ServingTraffic(prompt_mean, output_mean, prompt_p99, cap_rps, fleet_rate),
+        max_rollout_batch=max_rollout_batch,
+        turn_p90=turn_length_quantile(c.rollout, 0.9),
+        mean_rollout_ctx=mean_rollout_ctx,
+        lane_value=value,
+    )
+
+
+def serving_setup(c: SimConfig, fleet: SizedFleet, policy: FleetPolicy) -> ServingSetup:
+    """How ``policy`` runs serving on ``fleet``, and the same trace on the fleet serving alone."""
+    shape, memory, traffic = fleet.shape, fleet.memory, fleet.traffic
+    cohosting = policy.hosts_policy_on_serving and memory.can_cohost
+    serving_kv_tokens = memory.pool_tokens if cohosting else memory.alone_kv_tokens
+    # per second of the trace, the most a serving instance's rollout lane can have (None: no bounded lane there)
+    lane_ceiling = (
+        lane_share_ceiling(
+            policy.executor_policy,
+            shape.sperf,
+            traffic.fleet_rate / shape.n_serv,
+            traffic.prompt_mean,
+            traffic.output_mean,
+            traffic.prompt_p99,
+            serving_kv_tokens,
+        )
+        if cohosting and not policy.drains_lent
+        else None
+    )
+    # the whole fleet serving alone, second by second (what static sees), for attribution
+    alone = serving_tick(
+        shape.sperf,
+        traffic.fleet_rate / shape.n_serv,
+        traffic.prompt_mean,
+        traffic.output_mean,
+        traffic.prompt_p99,
+        0.0,
+        0.0,
+        0.0,
+        c.dt,
+        memory.alone_kv_tokens,
+    )
+    alone_bad = (alone.ttft_p99_s > c.slo_ttft_ms / 1e3) | (alone.tpot_p99_s > c.slo_tpot_ms / 1e3) | (alone.queue > 0)
+    return ServingSetup(cohosting, serving_kv_tokens, lane_ceiling, alone_bad)
