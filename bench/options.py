@@ -1,4 +1,4 @@
-"""Argument vocabulary shared by `rose` (main.py) and the stand-alone bench entry points.
+"""Argument vocabulary shared by `rose` (cli/bench.py, cli/models.py) and the stand-alone bench entry points.
 
 Kept free of heavy imports (torch, the bus): `rose --help` builds every parser, and
 ``python -m rose.bench.coserve`` must run on a bare GPU image.

@@ -48,7 +48,7 @@ from rose.shared.config import BusConfig
 from rose.shared.errors import RoseError
 from rose.shared.nats_server import state_dir
 
-from .events_forward_args import add_arguments  # noqa: F401 - the parser's arguments, kept light for every `rose` command
+# The command's arguments and runner: events_forward_args.py, kept light for every `rose` command.
 
 log = logging.getLogger("rose.events.forward")
 

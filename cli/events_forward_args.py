@@ -1,10 +1,30 @@
-"""`rose events forward`'s arguments, apart from the forwarder: `rose`'s parser adds them for every
+"""`rose events forward`'s arguments and runner, apart from the forwarder: `rose`'s parser adds them for every
 command (a container healthcheck among them), and the forwarder's imports (aiohttp, the bus) cost
 about a second of CPU that those commands do not need."""
 
 from __future__ import annotations
 
 import argparse
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `rose events` and its one action, `forward`, to `rose`'s commands."""
+    p = commands.add_parser("events", help="integrations with ROSE's public events")
+    actions = p.add_subparsers(dest="events_command", required=True, metavar="ACTION")
+    e = actions.add_parser(
+        "forward",
+        help="a webhook bridge: POST every event on --subjects to --to (durable, retries with backoff, dead-letter file)",
+        description="POST every event on the given subjects to an HTTP URL as CloudEvents JSON. A JetStream durable consumer keeps the "
+        "place across restarts; failures are retried with exponential backoff, and events the URL refuses are appended to a dead-letter file.",
+    )
+    add_arguments(e)
+    e.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .events_forward import forward
+
+    return forward(args)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,9 +22,9 @@ import os
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import TYPE_CHECKING
+
+from .service_table import SERVICE_MODULES
 
 if TYPE_CHECKING:
     from rose.contracts.service import Heartbeat
@@ -96,6 +96,9 @@ def _heartbeat_problem(beats: list[Heartbeat], service: str, instance: str | Non
 
 
 async def _http_problem(url: str, timeout: float) -> str | None:
+    import urllib.error  # here, not at the top: `rose`'s parser imports this module for every command
+    import urllib.request
+
     def get() -> str | None:
         try:
             with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 - the URL the operator gave
@@ -127,6 +130,19 @@ async def check(args: argparse.Namespace) -> str | None:
         host = socket.gethostname() if args.local else None
         return _heartbeat_problem(beats, args.service, args.instance, host)
     return None
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `rose health` to `rose`'s commands."""
+    p = commands.add_parser("health", help="exit 0 when a service has a fresh 'ready' heartbeat (and --http answers 2xx): container healthchecks")
+    p.add_argument("service", nargs="?", choices=sorted(SERVICE_MODULES), help="the service whose heartbeat must be fresh and ready")
+    p.add_argument("--instance", default=None, help="only this instance id")
+    p.add_argument("--local", action="store_true", help="only heartbeats from this host (in a container: this container)")
+    p.add_argument("--http", default=None, metavar="URL", help="also require a 2xx from this URL (e.g. the executor's /health)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds for connecting and for the HTTP check")
+    p.add_argument("--nats-url", default=None, help="NATS to ask (default: NATS_URL, else the one `rose up` started)")
+    p.add_argument("--state-dir", default=None, help="state dir of the `rose up` to ask (default: $ROSE_STATE_DIR or ./.rose)")
+    p.set_defaults(func=health_command)
 
 
 def health_command(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ from rose.shared.security import (
     permissions_markdown,
 )
 
+from .security_keys import add_parser as add_weights_key_parser
+
 
 def init_command(args: argparse.Namespace) -> int:
     try:
@@ -109,3 +111,14 @@ def add_parser(security_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="the publish/subscribe allow lists of every user")
     p.add_argument("--instance", action="append", metavar="SERVICE=NAME[,NAME...]", help="with --json: also the lists of these instance users")
     p.set_defaults(func=permissions_command)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `rose security` to `rose`'s commands: `init` and `permissions` (above), `weights-key` (security_keys.py)."""
+    p = commands.add_parser(
+        "security",
+        help="keys and credentials: `init` per-service NATS credentials and permissions, `weights-key` the pair that signs weight manifests",
+    )
+    actions = p.add_subparsers(dest="security_command", required=True, metavar="ACTION")
+    add_parser(actions)
+    add_weights_key_parser(actions)

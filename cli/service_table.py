@@ -1,7 +1,7 @@
 """The services that exist: the one table `rose up`, `rose run`, `rose health` and the deploy files read.
 
 Each module has ``main(argv) -> int``. A module of its own (no imports) so the supervisor (up.py)
-and the argument parser (main.py) both read it without importing each other.
+and the commands' arguments (up_args.py, run.py, health.py) read it without importing each other.
 """
 
 from __future__ import annotations

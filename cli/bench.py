@@ -1,0 +1,469 @@
+"""`rose bench <BENCH>`: each bench's arguments beside the code that runs it.
+
+The bench's own module (torch, the services, the bus) loads only when it runs. `rose bench coserve`'s
+options live in rose.bench.options, which `python -m rose.bench.coserve` reads too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from rose.bench.options import add_coserve_arguments, number_list
+from rose.sim import POLICIES
+
+E2E_JSON = "bench-out/e2e.json"
+EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `rose bench` and every bench to `rose`'s commands."""
+    p = commands.add_parser("bench", help="benchmarks: each compares against a baseline in the same run and writes JSON")
+    benches = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    _register_bus(benches)
+    _register_security(benches)
+    _register_coserve(benches)
+    _register_weights(benches)
+    _register_gateway(benches)
+    _register_control_plane(benches)
+    _register_elastic(benches)
+    _register_faults(benches)
+    _register_e2e(benches)
+    _register_sim(benches)
+
+
+def _register_bus(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser("bus", help="request/reply latency and publish throughput: our helpers vs raw nats-py (and FastStream)")
+    b.add_argument("--json", default="bench-out/bus.json", help="where to write the JSON result")
+    b.add_argument("--requests", type=int, default=2000, help="requests per measured round")
+    b.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender (median is reported)")
+    b.set_defaults(func=_run_bus)
+
+
+def _run_bus(args: argparse.Namespace) -> int:
+    from rose.bench.bus import run_bus_bench
+
+    result = asyncio.run(run_bus_bench(out_json=args.json, requests=args.requests, rounds=args.rounds))
+    return 0 if result["meets_target"] else 1
+
+
+def _register_security(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "security", help="every known attack (confused deputy on the bus, unpickler payloads, HTTP, sandbox escapes) against real processes"
+    )
+    b.add_argument("--json", default="bench-out/security.json", help="where to write the JSON result (one row per attack)")
+    b.add_argument("--quick", action="store_true", help="fewer bus combinations, the unpickler without the HTTP engine, a few sandbox escapes")
+    b.add_argument("--no-sandbox", action="store_true", help="leave out the code sandbox's escapes")
+    b.set_defaults(func=_run_security)
+
+
+def _run_security(args: argparse.Namespace) -> int:
+    from rose.bench.security import print_summary, run_security_bench
+
+    result = run_security_bench(args.json, quick=args.quick, include_sandbox=not args.no_sandbox)
+    print_summary(result, args.json)
+    return 0 if result["attacks_blocked"] == result["attacks_tried"] else 1
+
+
+def _register_coserve(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "coserve",
+        help="one executor, a replayed serving trace plus a rollout backlog, under serving_only / naive_share / static_partition / rose",
+    )
+    add_coserve_arguments(b)
+    b.set_defaults(func=_run_coserve)
+
+
+def _run_coserve(args: argparse.Namespace) -> int:
+    from rose.bench.coserve import command
+
+    return command(args)
+
+
+def _register_weights(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser("weights", help="RL-like weight deltas published by the SDK and applied by a real executor, vs nats-py's object store")
+    b.add_argument("--json", default="bench-out/weights.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--params", type=int, default=25_000_000, help="parameters of the Qwen2 policy")
+    b.add_argument("--steps", type=int, default=10, help="AdamW steps, one published version each")
+    b.add_argument("--lr", type=float, default=1e-6, help="learning rate of the fp32 master weights")
+    b.add_argument("--seed", type=int, default=0, help="seed of the weights and the training batches")
+    b.set_defaults(func=_run_weights)
+
+
+def _run_weights(args: argparse.Namespace) -> int:
+    from rose.bench.weights import run_weights_bench
+
+    out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
+    return 0 if all(out["meets_target"].values()) else 1
+
+
+def _register_gateway(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "gateway",
+        help="an agent's turn through the rollout gateway vs the worker's own path (same executor, same run); the example agents' trajectories "
+        "token for token against what was sampled",
+    )
+    b.add_argument("--json", default="bench-out/gateway.json", help="where to write the JSON result")
+    b.add_argument("--pairs", type=int, default=200, help="3-turn conversations run on both paths (each gives 3 paired turns)")
+    b.add_argument("--turns", type=int, default=1000, help="turns from the example agents for the token-for-token check")
+    b.add_argument("--models", default=None, help="a models directory to build the warm-started policy in and keep (default: a temporary one)")
+    b.set_defaults(func=_run_gateway)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from rose.bench.gateway import run_gateway_bench
+
+    out = run_gateway_bench(out_json=args.json, pairs=args.pairs, turns=args.turns, models=args.models)
+    return 0 if out["fidelity"]["tokens_differing"] == 0 and out["fidelity"]["segment_breaks_without_reason"] == 0 else 1
+
+
+def _register_control_plane(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "control-plane",
+        help="the real SLO monitor and scheduler against N executor stand-ins on real NATS: snapshots/s, route and alert-to-revoke latency, CPU",
+    )
+    b.add_argument("--json", default="bench-out/control-plane.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--executors", default="100,300,1000", help="comma-separated fleet sizes, one run each")
+    b.add_argument("--duration", type=float, default=30.0, help="measured seconds per fleet size (after a warm-up for the first leases)")
+    b.add_argument("--interval", type=float, default=1.0, help="executors' metrics snapshot interval in seconds")
+    b.add_argument("--cluster", action="store_true", help="on the 3-node JetStream cluster (R3 storage) instead of one node")
+    b.add_argument("--turns-per-s", type=float, default=0.5, help="turn route requests per second per leased executor")
+    b.add_argument("--seed", type=int, default=0, help="seed of arrivals and bursts")
+    b.add_argument("--instances", type=int, default=1, help="SLO monitor and scheduler instances each; several split the executors")
+    b.add_argument(
+        "--kill", action="store_true", help="kill -9 one monitor and one scheduler halfway (with --instances >= 2): takeover time, double grants"
+    )
+    b.set_defaults(func=_run_control_plane)
+
+
+def _run_control_plane(args: argparse.Namespace) -> int:
+    from rose.bench.control_plane import Settings, run_control_plane_bench
+
+    settings = Settings(
+        executors=[int(n) for n in args.executors.split(",") if n.strip()],
+        duration_s=args.duration,
+        interval_s=args.interval,
+        cluster=args.cluster,
+        turns_per_s=args.turns_per_s,
+        seed=args.seed,
+        instances=args.instances,
+        kill=args.kill,
+    )
+    out = asyncio.run(run_control_plane_bench(args.json, settings))
+    return 0 if all(level["snapshots_lost"] == 0 for level in out["levels"]) else 1
+
+
+def _register_elastic(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "elastic",
+        help="serving executors under a bursty trace, dedicated executors, monitor, scheduler and a rollout worker as real processes; kill -9 and "
+        "NATS restart mid-run",
+    )
+    b.add_argument("--json", default="bench-out/elastic.json", help="where to write the JSON result (the timeline PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the task order")
+    b.add_argument("--executors", type=int, default=2, help="serving (opportunistic) executors")
+    b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.add_argument("--burst-factor", type=float, default=3.0, help="serving arrival rate during a burst, as a multiple of the base rate")
+    b.add_argument("--burst-factors", type=number_list(float), default=None, help="one fleet run per factor, e.g. 3,5 (instead of --burst-factor)")
+    b.add_argument(
+        "--min-bursts", type=int, default=0, help="bursts every 12 s and a trace long enough for this many to find a lease held (e.g. 20 for a p99)"
+    )
+    b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_run_elastic)
+
+
+def _run_elastic(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rose.bench.elastic import run_elastic_bench
+
+    result = run_elastic_bench(
+        out_json=args.json,
+        seed=args.seed,
+        executors=args.executors,
+        dedicated=args.dedicated,
+        burst_factor=args.burst_factor,
+        duration_s=args.duration,
+        model_dir=args.models,
+        console=Console(),
+        burst_factors=args.burst_factors,
+        min_bursts=args.min_bursts,
+    )
+    return 0 if result["tasks_lost"] == 0 else 1
+
+
+def _register_faults(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "faults",
+        help="the demo's fleet under injected faults: kill -9 of NATS and of each service kind, a paused executor, a slow consumer, a stream byte "
+        "limit",
+    )
+    b.add_argument("--json", default="bench-out/faults.json", help="where to write the JSON result (the timeline PNG beside it, logs in <name>-run/)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the RL job")
+    b.add_argument("--quick", action="store_true", help="a subset of the faults (NATS restart, scheduler kill, partition, slow consumer, byte limit)")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_run_faults)
+
+
+def _run_faults(args: argparse.Namespace) -> int:
+    from rose.bench.faults import run_faults_bench
+
+    result = run_faults_bench(out_json=args.json, seed=args.seed, quick=args.quick, models=args.models)
+    ok = result["faults_survived"] == result["faults_injected"] and result["trajectories_lost"] == 0 and result["weight_versions_lost"] == 0
+    return 0 if ok else 1
+
+
+def _register_e2e(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "e2e",
+        help="the demo's RL job on fresh fleets under static / naive_share / elastic_baseline / rose: RL steps per hour, rollout time, serving SLO",
+    )
+    b.add_argument("--json", default=E2E_JSON, help="where to write the JSON result (the PNG beside it, each run's report and logs in <name>-runs/)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the tasks (the same for every policy)")
+    b.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of trace and training per policy (default: 120, about 12 minutes for all four; emulated: 120 emulated seconds)",
+    )
+    b.add_argument("--policies", nargs="+", default=None, metavar="POLICY", help="run only these (default: static naive_share elastic_baseline rose)")
+    b.add_argument("--models", default=None, help="a models directory to reuse (default: built under <name>-runs/models)")
+    b.add_argument(
+        "--serving", type=int, default=None, help="serving executors (default: the demo's 2; pinned, at most the cores left after the dedicated ones)"
+    )
+    b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.add_argument(
+        "--warm-start-steps", type=int, default=None, metavar="N", help="the trainer's SFT warm-start steps before GRPO (default: the demo's 200)"
+    )
+    b.add_argument(
+        "--pin",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned",
+    )
+    b.add_argument("--unpinned", action="store_true", help="the same as --pin none")
+    b.add_argument(
+        "--rollout-demand",
+        type=int,
+        default=1,
+        metavar="K",
+        help="trajectories in flight as a multiple of what the dedicated executors run at once (default 1: they keep up; 2: a batch queued)",
+    )
+    g = b.add_argument_group("emulated accelerators (bench/e2e_emulated.py): the real services on 8-64 emulated GPUs, the simulator beside")
+    g.add_argument("--emulate", default=None, metavar="COUNTxKIND", help="serving GPUs to emulate, e.g. 16xH100 (the dedicated pool beside them)")
+    g.add_argument("--model", default="7B", help="the serving model's size: 7B, 14B, 32B, 70B")
+    g.add_argument("--policy-model", default=None, help="the RL policy's size (default: the serving model's)")
+    g.add_argument("--dedicated-ratio", type=float, default=0.25, help="dedicated rollout GPUs per serving GPU")
+    g.add_argument("--demand", type=float, default=2.0, help="trajectories in flight, in multiples of what the dedicated executors run at once")
+    g.add_argument("--mode", choices=("sync", "async"), default="async", help="sync: one step of tasks at a time; async: one step ahead")
+    g.add_argument("--load", type=float, default=0.35, help="mean serving load, a fraction of the fleet's SLO capacity")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=4.0,
+        help="wall seconds per emulated second (shared/clock.py): a fleet too large for real time runs slower",
+    )
+    g.add_argument("--rollout-max-batch", type=int, default=32, help="sequences a rollout lane runs at once (the simulator's max_rollout_batch)")
+    g.add_argument(
+        "--workload",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the agentic workload's changes, e.g. '{\"gen_median\": 150}' (shared/workload.py RolloutSpec)",
+    )
+    g.add_argument(
+        "--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes) instead of the synthetic one"
+    )
+    g.add_argument("--until-steps", type=int, default=None, metavar="N", help="end a policy's window after N trainer steps (at most --duration)")
+    b.set_defaults(func=_run_e2e)
+
+
+def _run_e2e(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    if args.emulate:
+        return _run_e2e_emulated(args)
+    from rose.bench.e2e import run_e2e_bench
+
+    result = run_e2e_bench(
+        out_json=args.json,
+        seed=args.seed,
+        duration_s=args.duration,
+        policies=args.policies,
+        model_dir=args.models,
+        serving=args.serving,
+        dedicated=args.dedicated,
+        console=Console(),
+        warm_start_steps=args.warm_start_steps,
+        pin="none" if args.unpinned else args.pin,
+        rollout_demand=args.rollout_demand,
+    )
+    return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
+
+
+def _run_e2e_emulated(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rose.bench.e2e_emulated import run_emulated_e2e
+    from rose.bench.emulated import BENCH_WORKLOAD, EmulatedJob
+    from rose.shared.devices import parse_fleet
+
+    gpus, device = parse_fleet(args.emulate)
+    job = EmulatedJob(
+        gpus=gpus,
+        device=device.name,
+        model=args.model,
+        policy_model=args.policy_model or "",
+        dedicated_ratio=args.dedicated_ratio,
+        demand=args.demand,
+        mode=args.mode,
+        seed=args.seed,
+        load=args.load,
+        time_scale=args.time_scale,
+        rollout_max_batch=args.rollout_max_batch,
+        workload={**BENCH_WORKLOAD, **(args.workload or {})},
+        trace=args.trace or "",
+    )
+    result = run_emulated_e2e(
+        out_json=args.json if args.json != E2E_JSON else "bench-out/e2e-emulated.json",
+        job=job,
+        policies=args.policies,
+        duration_s=args.duration or EMULATED_DURATION_S,
+        until_steps=args.until_steps,
+        model_dir=args.models,
+        console=Console(),
+    )
+    return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
+
+
+def _register_sim(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "sim",
+        help="simulated fleets (SimPy): models 7B-70B x 8-64 GPUs x static / naive_share / elastic_baseline / rose, with the services' own decisions",
+    )
+    b.add_argument("--json", default="bench-out/sim.json", help="where to write the JSON result (the PNG goes beside it)")
+    b.add_argument("--seed", type=int, default=0, help="seed of traces, batches and routing (the same for every policy)")
+    b.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="run every configuration at each of these seeds; ratios are medians over seeds of paired per-seed ratios (instead of --seed)",
+    )
+    b.add_argument(
+        "--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)"
+    )
+    b.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="model sizes, each as serving model and policy (default: all four)",
+    )
+    b.add_argument(
+        "--serving-model",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="the serving fleet's model sizes, each with every --policy-model (default: --models)",
+    )
+    b.add_argument(
+        "--policy-model",
+        nargs="+",
+        default=None,
+        choices=["7B", "14B", "32B", "70B"],
+        help="the RL policy's sizes, each beside every --serving-model (default: --models)",
+    )
+    b.add_argument(
+        "--over-provision",
+        nargs="+",
+        type=float,
+        default=None,
+        help="partial rollouts: hand a step's batch out with this share of its groups more, train on the first complete, carry the rest "
+        "(grpo.over_provision; default: 0, none)",
+    )
+    b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
+    b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
+    b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
+    b.add_argument("--device", default="H100", choices=["A100", "H100", "H200"], help="GPU kind of every instance")
+    b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
+    b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
+    b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
+    b.add_argument(
+        "--demand",
+        nargs="+",
+        type=float,
+        default=None,
+        help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)",
+    )
+    b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.125 0.25 0.5)")
+    b.add_argument(
+        "--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)"
+    )
+    b.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=None,
+        help="policies to run (default: all four)",
+    )
+    b.add_argument("--oversubscription", type=float, default=None, help="the same as one --demand value (kept for old scripts)")
+    b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
+    b.add_argument(
+        "--what-if",
+        nargs="+",
+        default=None,
+        choices=["kv_slots", "sticky_throughput"],
+        help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever "
+        "measured)",
+    )
+    b.add_argument(
+        "--e2e",
+        default=None,
+        help="calibrate against this `rose bench e2e` JSON (per-policy rl_steps_per_hour error; default: bench-out/e2e.json if present)",
+    )
+    b.add_argument("--coserve", default=None, help="calibrate against this `rose bench coserve` JSON (per-policy rollout tokens/s error)")
+    b.add_argument("--calibrate", action="store_true", help="run a short real `rose bench coserve` now and calibrate against it (about a minute)")
+    b.add_argument("--no-measure", action="store_true", help="do not measure the tiny models' step times (no calibration at all)")
+    b.set_defaults(func=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rose.bench import sim
+
+    models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
+    fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
+    demands = args.demand or ([args.oversubscription] if args.oversubscription else (sim.QUICK_DEMANDS if args.quick else sim.DEMANDS))
+    ratios = args.dedicated_ratio or (sim.QUICK_RATIOS if args.quick else sim.RATIOS)
+    sim.run_sim_bench(
+        out_json=args.json,
+        seed=args.seed,
+        seeds=tuple(args.seeds or ()),
+        models=models,
+        serving_models=tuple(args.serving_model or ()),
+        policy_models=tuple(args.policy_model or ()),
+        over_provision=tuple(args.over_provision or (0.0,)),
+        fleets=fleets,
+        demands=demands,
+        ratios=ratios,
+        modes=args.modes or sim.MODES,
+        policies=args.policies or sim.POLICIES,
+        steps=args.steps or (1 if args.quick else 2),
+        jobs=args.jobs,
+        device=args.device,
+        load=args.load,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        quantum_ms=args.quantum_ms,
+        what_if=tuple(args.what_if or ()),
+        e2e=args.e2e,
+        coserve=args.coserve,
+        calibrate=args.calibrate,
+        measure_steps=not args.no_measure,
+        console=Console(),
+    )
+    return 0
