@@ -280,6 +280,8 @@ def run_emulated_e2e(
             "trajectories_per_step": job.trajectories_per_step(),
             "trajectories_in_flight": job.in_flight(),
             "rollout_max_batch": job.rollout_max_batch,
+            "over_provision": job.over_provision,
+            "extra_groups": job.extra_groups(),
             "workload": job.workload,
             "slo_ttft_ms": job.slo_ttft_ms,
             "slo_tpot_ms": job.slo_tpot_ms,

@@ -84,12 +84,17 @@ class EmulatedJob:
     slo_tpot_ms: float = 100.0
     warmup_s: float = 10.0  # serving only before the trainer starts (emulated seconds)
     trace: str = ""  # an Azure-format serving trace to replay (sim/traces.py), instead of the synthetic one at `load`
+    # partial rollouts (grpo.over_provision): a step's batch goes out with this share of its groups more; the trainer takes
+    # the first complete groups and carries the rest (the simulator's ``over_provision``, the same share)
+    over_provision: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode {self.mode!r}: sync or async")
         if self.demand <= 0 or not 0 < self.dedicated_ratio <= 4:
             raise ValueError("demand must be positive and dedicated_ratio in (0, 4]")
+        if self.over_provision < 0:
+            raise ValueError(f"over_provision must be >= 0, got {self.over_provision}")
         model_spec(self.model)
         model_spec(self.policy_model or self.model)
 
@@ -127,6 +132,7 @@ class EmulatedJob:
             max_rollout_batch=self.rollout_max_batch,
             prefetch_steps=0 if self.mode == "sync" else 1,
             trace=requests_to_trace(self.trace_requests()) if self.trace else None,
+            over_provision=self.over_provision,
         )
 
     def trace_requests(self) -> Requests:
@@ -147,6 +153,11 @@ class EmulatedJob:
 
     def trajectories_per_step(self, group_size: int = 8) -> int:
         return max(group_size, math.ceil(self.in_flight() / group_size) * group_size)
+
+    def extra_groups(self, group_size: int = 8) -> int:
+        """Groups handed out beyond a step's (grpo.over_provision), as the simulator rounds the share: up."""
+        per_step = self.trajectories_per_step(group_size) // group_size
+        return math.ceil(self.over_provision * per_step) if self.over_provision > 0 else 0
 
 
 def process_env(job: EmulatedJob, url: str, models: Path) -> dict[str, str]:
@@ -257,6 +268,7 @@ def trainer_process(logs: Path, url: str, models: Path, creds: Credentials, job:
         "ROSE_GRPO__GROUPS_PER_STEP": str(job.trajectories_per_step(spec.group_size) // spec.group_size),
         "ROSE_GRPO__PREFETCH_STEPS": "0" if job.mode == "sync" else "1",
         "ROSE_GRPO__MAX_STALENESS": "2",
+        "ROSE_GRPO__OVER_PROVISION": str(job.extra_groups(spec.group_size)),
         "ROSE_EMULATION__DEVICE": job.device,
         "ROSE_EMULATION__MODEL": job.policy,
         "ROSE_EMULATION__GPUS": f"{sim.trainer_gpus:g}",

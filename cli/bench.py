@@ -277,6 +277,13 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
         "--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes) instead of the synthetic one"
     )
     g.add_argument("--until-steps", type=int, default=None, metavar="N", help="end a policy's window after N trainer steps (at most --duration)")
+    g.add_argument(
+        "--over-provision",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="partial rollouts: a step's batch goes out with this share of its groups more, the rest carried (grpo.over_provision; default 0)",
+    )
     b.set_defaults(func=_run_e2e)
 
 
@@ -325,6 +332,7 @@ def _run_e2e_emulated(args: argparse.Namespace) -> int:
         rollout_max_batch=args.rollout_max_batch,
         workload={**BENCH_WORKLOAD, **(args.workload or {})},
         trace=args.trace or "",
+        over_provision=args.over_provision,
     )
     result = run_emulated_e2e(
         out_json=args.json if args.json != E2E_JSON else "bench-out/e2e-emulated.json",

@@ -17,9 +17,10 @@ import pytest
 
 from rose.bench.demo import Observed
 from rose.bench.e2e_emulated import run_emulated_e2e
-from rose.bench.emulated import EmulatedJob, rescale, serving_requests
+from rose.bench.emulated import EmulatedJob, rescale, serving_requests, trainer_process
 from rose.contracts.rollout import Trajectory, TurnRecord
 from rose.contracts.training import TrainingStep
+from rose.shared.security import init_credentials
 
 TINY_WORKLOAD = {
     "turns_median": 2,
@@ -80,16 +81,32 @@ def test_the_serving_trace_is_the_simulators():
     assert requests == serving_requests(job, 60.0)  # seeded: every policy gets the same requests
 
 
+def test_over_provisioning_reaches_the_trainer_and_the_simulator_as_one_share(tmp_path):
+    """The share of a step's groups handed out beyond it: the simulator takes the share, the trainer the groups,
+    rounded up as the simulator rounds them (sim/engine.py ``extra``)."""
+    job = EmulatedJob(gpus=4, over_provision=0.25)
+    groups = job.trajectories_per_step() // 8
+    assert job.sim_config("rose").over_provision == 0.25 and job.extra_groups() == -(-groups // 4)
+    env = trainer_process(tmp_path, "nats://127.0.0.1:1", tmp_path, init_credentials(tmp_path / "creds"), job, tmp_path).env
+    assert env["ROSE_GRPO__OVER_PROVISION"] == str(job.extra_groups())
+    assert EmulatedJob(gpus=4).extra_groups() == 0
+    with pytest.raises(ValueError, match="over_provision"):
+        EmulatedJob(over_provision=-0.1)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(tmp_path, models_dir):
-    job = EmulatedJob(gpus=3, dedicated_ratio=0.34, demand=1, load=0.1, time_scale=1.0, rollout_max_batch=8, workload=TINY_WORKLOAD, warmup_s=2.0)
+    job = EmulatedJob(
+        gpus=3, dedicated_ratio=0.34, demand=1, load=0.1, time_scale=1.0, rollout_max_batch=8, workload=TINY_WORKLOAD, warmup_s=2.0, over_provision=0.5
+    )
     out = tmp_path / "e2e.json"
     run_emulated_e2e(out_json=str(out), job=job, policies=["static", "rose"], duration_s=40.0, until_steps=2, model_dir=str(models_dir), drain_s=30.0)
     result = json.loads(out.read_text())
     e = result["emulation"]
     assert (e["device"], e["model"], e["time_scale"]) == ("H100", "7B", 1.0)
     assert e["executors_per_process"] == {"serving": 3, "dedicated": 1}
+    assert result["job"]["over_provision"] == 0.5 and result["job"]["extra_groups"] >= 1  # partial rollouts through the real trainer
     for policy in ("static", "rose"):
         f = result["policies"][policy]
         assert all(field in f for field in POLICY_FIELDS), sorted(set(POLICY_FIELDS) - set(f))
