@@ -98,7 +98,15 @@ def test_over_provisioning_reaches_the_trainer_and_the_simulator_as_one_share(tm
 @pytest.mark.timeout(600)
 def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(tmp_path, models_dir):
     job = EmulatedJob(
-        gpus=3, dedicated_ratio=0.34, demand=1, load=0.1, time_scale=1.0, rollout_max_batch=8, workload=TINY_WORKLOAD, warmup_s=2.0, over_provision=0.5
+        gpus=3,
+        dedicated_ratio=0.34,
+        demand=1,
+        load=0.1,
+        time_scale=1.0,
+        rollout_max_batch=8,
+        workload=TINY_WORKLOAD,
+        warmup_s=2.0,
+        over_provision=0.5,
     )
     out = tmp_path / "e2e.json"
     run_emulated_e2e(out_json=str(out), job=job, policies=["static", "rose"], duration_s=40.0, until_steps=2, model_dir=str(models_dir), drain_s=30.0)
