@@ -1,7 +1,7 @@
-"""The README's Subjects table, generated from the registry (publishers and consumers included).
+"""docs/subjects.md's table, generated from the registry (publishers and consumers included).
 
-    python -m rose.contracts.subjects_table README.md           # rewrite the table in place
-    python -m rose.contracts.subjects_table --check README.md   # exit 1 when it is out of date
+    python -m rose.contracts.subjects_table docs/subjects.md           # rewrite the table in place
+    python -m rose.contracts.subjects_table --check docs/subjects.md   # exit 1 when it is out of date
 
 The registry is the record of who publishes and who consumes each channel (the services'
 NATS permissions are derived from it too); the table is its rendering, never edited by hand.
@@ -48,7 +48,7 @@ def subjects_table() -> list[str]:
 
 
 def with_table(text: str) -> str:
-    """`text` (the README) with the table under its Subjects heading replaced by the generated one."""
+    """`text` (docs/subjects.md) with the table under its Subjects heading replaced by the generated one."""
     lines = text.split("\n")
     try:
         heading = lines.index(SECTION)
@@ -65,7 +65,7 @@ def with_table(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rose.contracts.subjects_table", description=__doc__.split("\n")[0])
-    parser.add_argument("file", nargs="?", default="README.md", help="the Markdown file holding the table (default: README.md)")
+    parser.add_argument("file", nargs="?", default="docs/subjects.md", help="the Markdown file holding the table (default: docs/subjects.md)")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when the table is not the generated one")
     args = parser.parse_args(argv)
     path = Path(args.file)

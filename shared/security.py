@@ -216,7 +216,7 @@ EXTRA_RIGHTS: tuple[Extra, ...] = (
 
 @dataclass(kw_only=True)
 class Permissions:
-    """One user's allow lists, and the channels behind them (for the README table)."""
+    """One user's allow lists, and the channels behind them (for the table in docs/security.md)."""
 
     user: str
     publish: list[str] = field(default_factory=list)
@@ -617,7 +617,7 @@ def generate_tls(hosts: list[str], *, common_name: str = "rose-nats") -> tuple[b
     return ca.public_bytes(pem), ca_key.private_bytes(pem, pkcs8, unencrypted), cert.public_bytes(pem), key.private_bytes(pem, pkcs8, unencrypted)
 
 
-# ---- the README table -----------------------------------------------------------------
+# ---- the table in docs/security.md -----------------------------------------------------
 
 
 def instance_pinning(service: str) -> tuple[list[str], list[str], list[str]]:

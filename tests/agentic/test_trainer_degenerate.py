@@ -85,6 +85,6 @@ async def test_a_job_whose_rewards_are_all_equal_ends_with_bounded_tasks(tiny_po
     # every round skipped, none trained; tasks handed out: the rounds taken plus the prefetched one, no more
     handed_out = (rounds + config.grpo.prefetch_steps) * GROUPS * GROUP_SIZE
     assert len({t.task_id for t in tasks}) == handed_out, sorted(t.task_id for t in tasks)
-    # the registry (and the README's Subjects table) lists as the trainer's reads exactly what its bus read
+    # the registry (and docs/subjects.md) lists as the trainer's reads exactly what its bus read
     (trainer_bus,) = [b for b in buses if b.service == "trainer"]
     assert trainer_bus.reads == {c.name for c in CHANNELS if "trainer" in c.consumers and c.kind is not Kind.OBJECTS}

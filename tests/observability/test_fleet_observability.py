@@ -5,7 +5,7 @@ rollout task, one failing task, one weight publish and one SLO alert, then scrap
 service's advertised metrics endpoint (once right after start, once at the end). The tests check
 the three traces end to end, that every counter a Grafana panel queries exists from start (at 0),
 that every panel's every selector has a series at the end, and that each service reads exactly the
-channels the registry (and so the README's Subjects table) lists it as a consumer of.
+channels the registry (and so docs/subjects.md) lists it as a consumer of.
 """
 
 from __future__ import annotations
@@ -563,7 +563,7 @@ def registry_reads(service: str) -> set[str]:
 
 def test_each_service_reads_exactly_what_the_registry_says(observed):
     """Who really subscribes (recorded by each service's Bus while it ran: subscribe, consume, serve, KV
-    watch and reads), against the registry's consumers, from which the README's Subjects table is
+    watch and reads), against the registry's consumers, from which docs/subjects.md's table is
     generated (`python -m rose.contracts.subjects_table`) and the services' NATS rights derived. A KV
     bucket only this service writes, read back (the scheduler's leases), is its own state, not consumed
     (rose.shared.security grants that read to the sole publisher)."""

@@ -1,4 +1,4 @@
-"""The README's Subjects table is the registry's rendering (its consumers are checked against a
+"""docs/subjects.md's table is the registry's rendering (its consumers are checked against a
 running fleet in test_fleet_observability.py), regenerated with `python -m rose.contracts.subjects_table`."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import pytest
 from rose.contracts.registry import CHANNELS
 from rose.contracts.subjects_table import main, subjects_table, with_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "subjects.md"
 
 
-def test_the_readme_table_is_the_generated_one():
-    text = README.read_text()
-    assert with_table(text) == text, "README.md's Subjects table is out of date: run `python -m rose.contracts.subjects_table README.md`"
+def test_the_page_table_is_the_generated_one():
+    text = PAGE.read_text()
+    assert with_table(text) == text, "docs/subjects.md is out of date: run `python -m rose.contracts.subjects_table docs/subjects.md`"
     assert len(subjects_table()) == len(CHANNELS) + 2
 
 
 def test_a_hand_edited_table_is_caught_and_regenerated(tmp_path):
-    text = README.read_text()
+    text = PAGE.read_text()
     row = next(line for line in text.split("\n") if line.startswith("| `rose.events.weights.applied."))
-    edited = tmp_path / "README.md"
+    edited = tmp_path / "subjects.md"
     edited.write_text(text.replace(row, row.replace("| cli, integrations |", "| weight_publisher, trainer, integrations |")))
     assert main(["--check", str(edited)]) == 1
     assert main([str(edited)]) == 0 and edited.read_text() == text

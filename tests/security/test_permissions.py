@@ -289,13 +289,13 @@ async def test_no_consumer_on_storage_a_service_can_write(as_user, operator):
             await worker.consume(TRAJECTORY, lambda m, d: asyncio.sleep(0), durable="evil")
 
 
-def test_the_readme_table_is_the_generated_one():
+def test_the_docs_table_is_the_generated_one():
     from pathlib import Path
 
     from rose.shared.security import permissions_markdown
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert permissions_markdown() in readme, "README's permission table is stale: paste `rose security permissions`"
+    page = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    assert permissions_markdown() in page, "docs/security.md's permission table is stale: paste `rose security permissions`"
 
 
 async def test_a_service_cannot_create_missing_storage_and_says_so(tmp_path, credentials):
