@@ -40,6 +40,7 @@ from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract, new_sketch
+from rose.shared.task_queue import still_queued
 from rose.sim.engine import simulate
 
 from .demo import DEMO_POLICY, Observed, observe, summarize
@@ -189,6 +190,7 @@ async def run_policy(
                 live.update(live_view(policy, job, obs, time.monotonic() - t0_mono, "draining", cpu_now))
             await driver
         await asyncio.sleep(2.0)  # the last events in flight
+        late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
         eobs = rescale(obs, t0, k)
         extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
         executors = {name: "serving" for name in serving} | {name: "dedicated" for name in dedicated}
@@ -202,6 +204,8 @@ async def run_policy(
         summary = summarize(eobs, executors, t0 + job.warmup_s, end, params, FleetSpec(slo_ttft_ms=job.slo_ttft_ms, slo_tpot_ms=job.slo_tpot_ms))
         figures = policy_figures(summary, eobs, extra)
         figures["fidelity"] = fidelity(extra.snapshots, t0, end, cpu)
+        figures["trajectories_late"] = len(late)  # still in the task queue after the drain (a worker holds it, or it waits)
+        figures["trajectories_lost"] -= len(late)
         figures["trainer_ended_early"] = ended_early
         if ended_early:
             figures["trainer_log_tail"] = trainer.log_tail(1500)
@@ -346,7 +350,7 @@ def print_table(result: dict, console: Console) -> None:
             _fmt(f["rollout_s_per_step"], ".1f"),
             _fmt(f["serving_slo_attainment"], ".3f"),
             _fmt(f["harvested_fraction"], ".0%"),
-            str(f["trajectories_lost"]),
+            str(f["trajectories_lost"]) + (f" ({f['trajectories_late']} late)" if f.get("trajectories_late") else ""),
             "-" if fid["forward_lag_p99_percent"] is None else f"{fid['forward_lag_p99_percent']:.1f} %",
             f"{fid['cpu_utilization']:.0%}" + (" starved" if fid["starved"] else ""),
         )

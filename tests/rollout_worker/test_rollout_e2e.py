@@ -11,12 +11,11 @@ import time
 import uuid
 
 import msgspec
-from nats.js.errors import NotFoundError
 
 from rose.contracts.executor import GenerateRequest, SamplingParams
 from rose.contracts.registry import AGENT_TASK, EPISODE_EVENT, GENERATE, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY
 from rose.contracts.rollout import RolloutTask
-from rose.shared.codec import decode
+from rose.shared.task_queue import still_queued
 from rose.testing.fleet import DEDICATED, GATEWAY, SERVING
 
 TRAJECTORY_TIMEOUT_S = 150.0
@@ -98,26 +97,6 @@ async def test_revoked_lease_interrupts_the_turn_with_its_tokens(fleet):
     assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 1500 and len(reply.logprobs) == len(reply.token_ids)
 
 
-async def _still_queued(bus, task_ids: set[str]) -> set[str]:
-    """Which of ``task_ids`` the task work queue still holds: not acked by any worker, so to be delivered again.
-    A task lost is one acked (gone from the queue) without its trajectory."""
-    if not task_ids:
-        return set()
-    assert ROLLOUT_TASK.stream is not None
-    stream = ROLLOUT_TASK.stream.name
-    state = (await bus.js.stream_info(stream)).state
-    queued = set()
-    for seq in range(state.first_seq, state.last_seq + 1):
-        try:
-            msg = await bus.js.get_msg(stream, seq)
-        except NotFoundError:  # acked: a work queue deletes what a worker acknowledged
-            continue
-        task = decode(msg.data or b"", RolloutTask)
-        if task.task_id in task_ids:
-            queued.add(task.task_id)
-    return queued
-
-
 async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     tag = f"chaos-{uuid.uuid4().hex[:6]}"
     total, turns = 24, 6
@@ -143,11 +122,11 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     await asyncio.to_thread(fleet.server.restart)  # the NATS server goes away and comes back (file storage)
     fleet.proc("serving").start()
     got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
-    late = await _still_queued(fleet.bus, ids - set(got))
+    late = await still_queued(fleet.bus, ids - set(got))
     if late:  # late, not lost: the work queue still holds them (unacked); on a starved box their redelivery takes longer
         got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
     lost = ids - set(got)
-    assert lost == set(), f"tasks lost: {sorted(lost)} (still in the task queue: {sorted(await _still_queued(fleet.bus, lost))})"
+    assert lost == set(), f"tasks lost: {sorted(lost)} (still in the task queue: {sorted(await still_queued(fleet.bus, lost))})"
     for t in got.values():
         _check_trajectory(t, turns, max_tokens=16)
     mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
