@@ -55,7 +55,7 @@ from rose.contracts.weights import WeightManifest
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
-from rose.shared.models import ModelShape, init_models
+from rose.shared.models import DEMO_POLICY_SHAPE, init_models
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
@@ -79,8 +79,8 @@ from .fleet import (
 DEFAULT_DURATION_S = 140.0  # the GRPO window, after the warm start; with start-up, warm start and drain about 5 minutes
 DEFAULT_OUT = "report"
 # A policy this small learns the tool format from a short warm start and improves under GRPO
-# within a few dozen steps on a CPU, while the serving model is the default one.
-DEMO_POLICY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+# within a few dozen steps on a CPU, while the serving model is the default one (`rose models init --preset demo`).
+DEMO_POLICY = DEMO_POLICY_SHAPE
 SPEC = FleetSpec(prefix="demo", burst_factor=3.0, worker_concurrency=32, rollout_max_tokens=16)
 START_TIMEOUT_S = 240.0
 WARM_START_TIMEOUT_S = 600.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 SLO_BASES = ("cell", "run")  # how `rose bench coserve` sets its SLO (bench/coserve.py run_coserve_bench)
-MODEL_PRESET_NAMES = ("tiny", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
+MODEL_PRESET_NAMES = ("tiny", "demo", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
 
 
 def number_list(kind):

@@ -101,6 +101,9 @@ class ModelShape:
 
 SERVING_SHAPE = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
 POLICY_SHAPE = ModelShape(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2, intermediate_size=1024)
+# `rose demo`'s policy (~0.4M parameters, 1/20 of POLICY_SHAPE's): it learns the tool format from a short warm
+# start and improves under GRPO within a few dozen steps on a CPU (also `rose bench faults` and the compose check)
+DEMO_POLICY_SHAPE = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 # GPU-class sizes (``rose models init --preset qwen2.5``): the layer shapes of Qwen2.5-0.5B (serving)
 # and Qwen2.5-1.5B (policy), over our own tokenizer's vocabulary (so ~0.36B and ~1.3B parameters).
 QWEN25_SERVING_SHAPE = ModelShape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
@@ -118,6 +121,7 @@ class ModelPreset:
 
 MODEL_PRESETS = {
     "tiny": ModelPreset(SERVING_SHAPE, POLICY_SHAPE),  # the CPU default: seconds to build, ms per forward
+    "demo": ModelPreset(SERVING_SHAPE, DEMO_POLICY_SHAPE),  # `rose demo`'s models: GRPO steps in seconds on a CPU
     "qwen2.5": ModelPreset(QWEN25_SERVING_SHAPE, QWEN25_POLICY_SHAPE, "bfloat16"),  # for GPU nodes
 }
 

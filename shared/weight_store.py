@@ -50,6 +50,13 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # fastest on loopback in our measurements (1, 2 a
 PUT_WINDOW_BYTES = 64 << 20  # unacknowledged bytes in flight per put
 FETCH_WINDOW_BYTES = 48 << 20  # bytes asked for per direct-get batch (the subscription holds them)
 FETCH_TIMEOUT_S = 10.0  # longest silence while a batch is streaming in
+# A direct get is answered by any replica of the stream, and a follower may not have applied chunks the
+# leader has committed (the meta, read from another replica, already names them): "no messages" before
+# the object is complete is asked again, from the same sequence, for this long before it counts as a
+# truncated object. Seen on docker compose's 3-node cluster (R3): "chunks hold 0 bytes" for a version
+# the leader had stored (scripts/compose-check, 4 December 2026).
+REPLICA_LAG_S = 5.0
+REPLICA_RETRY_S = 0.05
 STATUS_NO_MESSAGES = ("404", "408")
 STATUS_END_OF_BATCH = "204"
 
@@ -224,6 +231,7 @@ class WeightStore:
         api_subject = f"{api.DEFAULT_PREFIX}.DIRECT.GET.{self.stream}"
         chunk_hint = max(1, int(info.options.max_chunk_size) if info.options and info.options.max_chunk_size else self.chunk_bytes)
         size, filled, seq = len(view), 0, 1
+        lagging_since: float | None = None  # a replica answered "no messages" before the object was complete
         while filled < size:
             batch = max(1, FETCH_WINDOW_BYTES // chunk_hint)
             inbox = nc.new_inbox()
@@ -241,10 +249,14 @@ class WeightStore:
                     if status == STATUS_END_OF_BATCH or (status in STATUS_NO_MESSAGES and got_any):
                         break
                     if status in STATUS_NO_MESSAGES:
-                        return filled  # no (more) chunks: truncated
+                        now = asyncio.get_running_loop().time()
+                        lagging_since = now if lagging_since is None else lagging_since
+                        if now - lagging_since >= REPLICA_LAG_S:
+                            return filled  # no (more) chunks on any replica asked: truncated
+                        break  # a follower behind the leader, maybe: ask again (below)
                     if status:
                         raise WeightError("corrupt", f"object {name!r}: direct get answered {status} {msg.headers}")
-                    got_any = True
+                    got_any, lagging_since = True, None
                     n = len(msg.data)
                     if filled + n > size:
                         raise WeightError("corrupt", f"object {name!r}: chunks exceed its meta size of {size} bytes")
@@ -258,4 +270,6 @@ class WeightStore:
                         break
             finally:
                 await sub.unsubscribe()
+            if lagging_since is not None and filled < size:
+                await asyncio.sleep(REPLICA_RETRY_S)
         return filled

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -46,6 +49,9 @@ MIN_ENGINE, MIN_COMPOSE = (26, 0), (2, 24)  # volume subpath (API 1.45); `!reset
 HOST_PACKAGES = ["containerd", "runc", "tini", "debootstrap", "prometheus"]  # prometheus: promtool on the host
 BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
 IMAGES = {"ROSE_IMAGE": "rose:local", "ROSE_AGENTS_IMAGE": "rose:local-agents", "ROSE_PROMETHEUS_IMAGE": "rose-prometheus:local"}
+# What the compose file reads from the environment here: the images, and `rose demo`'s models (its policy
+# is 1/20 of the default's: GRPO steps and weight versions in seconds on 2 shared cores)
+COMPOSE_VARS = {**IMAGES, "ROSE_MODELS_PRESET": "demo"}
 BASE_IMAGE = "rose-base:bookworm"
 CORE = [
     "nats-1",
@@ -67,24 +73,22 @@ CORE = [
 TRAIN = ["trainer", "gateway"]
 ONE_SHOT = {"security-init", "models-init", "weights-key", "provision"}
 EXECUTORS = {"executor-1": 18001, "executor-2": 18002, "executor-dedicated": 18003}
+SERVING = ["executor-1", "executor-2"]  # ROSE_ROLE=serving: production traffic first (ServingLoad)
 NATS_URL = "nats://127.0.0.1:14222,nats://127.0.0.1:14223,nats://127.0.0.1:14224"
 PROMETHEUS = "http://127.0.0.1:19090"
 # Every port host-network.yml listens on (NATS client, route and monitor ports, executors, services'
 # /metrics, Prometheus): free before the check starts (tests/deploy/test_compose_host.py).
 LISTEN_PORTS = [14222, 14223, 14224, 16222, 16223, 16224, 18222, 18223, 18224, *EXECUTORS.values(), *range(19101, 19107), 19090]
-# The check's RL job: `rose bench faults`'s (a short warm start, small groups), so steps come in
-# seconds on 2 cores. Only the trainer's settings; the cluster is the compose file's.
-JOB = {
-    "ROSE_TASKS__ENVS": '["arithmetic"]',
-    "ROSE_TASKS__MAX_OPERAND": "4",
-    "ROSE_TASKS__MAX_TOKENS": "16",
-    "ROSE_TASKS__MAX_TURNS": "3",
-    # a short warm start: from an untrained policy every reward is 0, every group has zero variance,
-    # nothing is trained and no weight version is published (run 3 of 4 December: step 1 was
-    # "reward 0.000, version 0")
-    "ROSE_SFT__STEPS": "10",
-    "ROSE_SFT__TRACES_PER_ENV": "100",
-    "ROSE_GRPO__GROUP_SIZE": "4",
+# The check's RL job: `rose demo`'s (rose.shared.workload.TRAINER: synchronous steps, one torch thread, a
+# fixed set of problems), in smaller steps, so that steps come in seconds on 2 cores. Only the trainer's
+# settings; the cluster is the compose file's (with ROSE_MODELS_PRESET=demo: COMPOSE_VARS).
+JOB_CHANGES = {
+    # `rose bench faults`'s warm start (the demo's: 200 steps): enough that groups have reward variance; from an
+    # untrained policy every reward is 0, every step is skipped and no weight version is published
+    "ROSE_SFT__STEPS": "80",
+    # the demo: 8 groups of 8 a step. 2 of 8: a round whose every group has equal rewards (all 0) is skipped, and
+    # 8 such rounds in a row end the job (trainer.DEGENERATE_STEPS_LIMIT); with 2 groups of 4 at this policy's
+    # reward of ~0.1 that happened (run 3 of the evening, 4 December); with groups of 8 a round is all-zero ~1 time in 5
     "ROSE_GRPO__GROUPS_PER_STEP": "2",
 }
 KILLS = ["executor-1", "nats-2", "scheduler"]
@@ -92,6 +96,28 @@ HEALTHY_TIMEOUT_S = 420.0
 STEP_TIMEOUT_S = 420.0
 DRAIN_TIMEOUT_S = 120.0
 SANDBOX_ATTACKS = ["fork_exec", "write_tmp", "nkey_seeds", "parent_environ", "tcp_loopback", "unix_socket", "signal_host_process", "nested_userns"]
+# Run in the rollout worker's container under its code sandbox (sandbox_phase): a result, then four
+# escapes whose success would show outside the sandbox. One `name=outcome` line each.
+SANDBOX_PROGRAM = """
+import os, socket
+print("result=" + str(sum(i * i for i in range(10))))
+def attempt(name, fn):
+    try:
+        print(name + "=got " + repr(fn())[:200])
+    except Exception as exc:
+        print(name + "=refused " + type(exc).__name__)
+def connect(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        return s.recv(64) if port != {port} else "connected"
+attempt("host_listener", lambda: connect({port}))
+attempt("nats", lambda: connect({nats_port}))
+attempt("nkey_seed", lambda: open("/creds/rollout_worker.nk").read())
+def write():
+    for d in ("/tmp", "/home/rose"):
+        open(os.path.join(d, "{token}"), "w").write("x")
+    return "written"
+attempt("write_file", write)
+"""
 
 
 def log(msg: str) -> None:
@@ -343,7 +369,7 @@ class Engine:
 
     def compose(self, *args: str, extra: Iterable[Path] = (), check: bool = True, timeout: float | None = 600, capture: bool = True):
         files = [a for f in [*COMPOSE_FILES, *extra] for a in ("-f", str(f))]
-        env = dict(self.env, **IMAGES)
+        env = dict(self.env, **COMPOSE_VARS)
         # the host's `docker compose` plugin, or Debian 13's plugin binary run on its own (standalone mode)
         prefix = [str(self.docker), "compose"] if self.compose_bin == self.docker else [str(self.compose_bin)]
         return run(
@@ -420,6 +446,42 @@ def build_context(wheels: Path) -> Path:
     return ctx
 
 
+# What the Dockerfile copies into the image, the key of a saved image (images_key). README.md is
+# copied too, only as the project wheel's long description: a change to it alone keeps a saved image.
+IMAGE_INPUTS = (
+    "deploy/compose/Dockerfile",
+    "constraints.txt",
+    "deploy/compose/wheelhouse",
+    "pyproject.toml",
+    "__init__.py",
+    "bench",
+    "cli",
+    "client",
+    "contracts",
+    "services",
+    "shared",
+    "sim",
+    "testing",
+)
+
+
+def images_key(ctx: Path, base_tar: Path) -> str:
+    """A digest of what the images are made of: the Dockerfile's inputs in the build context (the project's
+    own wheel aside: it is built from the same tree files, which are hashed), the Prometheus image's
+    Dockerfile, the base tarball."""
+    h = hashlib.sha256()
+    st = base_tar.stat()
+    h.update(f"{base_tar.name}:{st.st_size}:{st.st_mtime_ns}:{EXTRAS}:{sorted(IMAGES.items())}".encode())
+    files = [p for rel in IMAGE_INPUTS for p in ([ctx / rel] if (ctx / rel).is_file() else (ctx / rel).rglob("*"))]
+    files.append(DEPLOY / "prometheus" / "Dockerfile")  # its only input (the configs are mounted)
+    for path in sorted(files):
+        if path.is_file() and not path.name.startswith("rose_rl-") and "__pycache__" not in path.parts:
+            h.update(f"{path.relative_to(ctx if path.is_relative_to(ctx) else REPO).as_posix()}\0".encode())
+            with path.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()[:16]
+
+
 # ---- the cluster, seen from the host ----------------------------------------------------------
 
 
@@ -429,6 +491,7 @@ class Seen:
     trajectories: set[str] = field(default_factory=set)
     duplicates: int = 0
     manifests: set[int] = field(default_factory=set)
+    keyframes: set[int] = field(default_factory=set)  # versions published as a keyframe (a full state)
     applied: list[tuple[str, int, int]] = field(default_factory=list)  # (executor, version, versions behind)
     steps: list[tuple[float, str, int, int]] = field(default_factory=list)  # (t, run id, step, version)
 
@@ -443,6 +506,30 @@ class Seen:
                     covered.update(range(v - behind, v + 1))
             lost |= wanted - covered
         return sorted(lost)
+
+    def versions_never_applied(self) -> list[int]:
+        """`rose bench faults`'s accounting: published versions that no executor applied, directly or on its
+        way to a later one. (An executor restarted after a kill joins at the latest keyframe, a full state
+        that carries every earlier version, and applies the deltas after it: the versions between the
+        one it held and the keyframe are folded into the keyframe, not applied one by one.)"""
+        covered: set[int] = set()
+        for _, v, behind in self.applied:
+            covered.update(range(v - behind, v + 1))
+        return sorted(self.manifests - covered)
+
+    def folded_into_keyframes(self, executor: str) -> tuple[list[int], list[int]]:
+        """Of the versions `executor` neither applied nor had in a chain it applied: (those before a keyframe it
+        joined at, which carries them; the others, truly skipped)."""
+        joined = [v - behind for e, v, behind in self.applied if e == executor and v - behind in self.keyframes]
+        rest = self.versions_lost([executor])
+        folded = [v for v in rest if any(v < k for k in joined)]
+        return folded, [v for v in rest if v not in folded]
+
+    def executors_behind(self, executors: Iterable[str]) -> dict[str, int]:
+        """Executors whose newest applied version is not the newest published one (-1: none applied)."""
+        newest = max(self.manifests, default=0)
+        last = {ex: max((v for e, v, _ in self.applied if e == ex), default=-1) for ex in executors}
+        return {ex: v for ex, v in last.items() if v < newest}
 
     def last_step(self) -> int:
         return self.steps[-1][2] if self.steps else 0
@@ -461,6 +548,8 @@ async def observe(bus, seen: Seen, tag: str) -> None:
 
     async def on_manifest(m, _d):
         seen.manifests.add(m.version)
+        if m.kind == "keyframe":
+            seen.keyframes.add(m.version)
 
     async def on_applied(a, _d):
         seen.applied.append((a.executor_id, a.version, a.versions_behind))
@@ -474,6 +563,43 @@ async def observe(bus, seen: Seen, tag: str) -> None:
     await bus.consume(WEIGHT_MANIFEST, on_manifest, durable=f"check_manifests_{tag}")
     await bus.consume(WEIGHT_APPLIED, on_applied, durable=f"check_applied_{tag}")
     await bus.consume(TRAINING_STEP, on_step, durable=f"check_steps_{tag}")
+
+
+class ServingLoad:
+    """Production traffic while the check runs (from `rose status` to the metrics): a short completion to
+    each serving executor in turn, about one a second, with the official `openai` client. The cluster
+    serves while it trains, as it is meant to; the serving dashboard's latency and request series come
+    from these. Failures (an executor killed) are counted, not retried."""
+
+    def __init__(self, model: str, every_s: float = 1.0) -> None:
+        self.model, self.every_s = model, every_s
+        self.ok = dict.fromkeys(SERVING, 0)
+        self.failed = dict.fromkeys(SERVING, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serving-load", daemon=True)
+
+    def _run(self) -> None:
+        import openai
+
+        clients = {n: openai.OpenAI(base_url=f"http://127.0.0.1:{EXECUTORS[n]}/v1", api_key="unused", timeout=20, max_retries=0) for n in SERVING}
+        i = 0
+        while not self._stop.is_set():
+            name = SERVING[i % len(SERVING)]
+            i += 1
+            try:
+                clients[name].completions.create(model=self.model, prompt=f"{i % 7} + {i % 5} =", max_tokens=8)
+                self.ok[name] += 1
+            except Exception:
+                self.failed[name] += 1
+            self._stop.wait(self.every_s)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        self._stop.set()
+        self._thread.join(30)
+        return {"ok": dict(self.ok), "failed": dict(self.failed)}
 
 
 async def until(what: str, ok, timeout: float, every: float = 1.0) -> float:
@@ -512,6 +638,7 @@ class Check:
         self.job = self.tmp / "job.yml"
         self.cli_seed = self.tmp / "cli.nk"
         self.failures: list[str] = []
+        self.base_tar = cache / f"base-{SUITE}.tar"
 
     def expect(self, ok: bool, what: str) -> bool:
         """A failed check that does not stop the run: the later phases still report (the run fails)."""
@@ -580,33 +707,52 @@ class Check:
         self.results["engine_version"] = self.e.docker_cmd("version", "--format", "{{.Server.Version}}").stdout.strip()
 
     def base_phase(self) -> None:
-        tar = base_tarball(self.cache)
-        if self.e.docker_cmd("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
-            self.e.docker_cmd("import", "--change", 'CMD ["/bin/bash"]', str(tar), BASE_IMAGE)
-        self.results["base_tar_mb"] = round(tar.stat().st_size / 2**20)
+        """The base tarball (imported only when the images are built: images_phase)."""
+        self.base_tar = base_tarball(self.cache)
+        self.results["base_tar_mb"] = round(self.base_tar.stat().st_size / 2**20)
 
     def wheelhouse_phase(self) -> None:
         self.results["wheelhouse"] = build_wheelhouse(self.cache / "wheelhouse")
 
     def images_phase(self) -> None:
+        """The three images: loaded from the cache's `docker save` when their inputs are unchanged, else built (and saved)."""
         ctx = build_context(self.cache / "wheelhouse")
         try:
-            build = ["build", "--network", "none", "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=1"]
-            self.e.docker_cmd(
-                *build,
-                "--build-arg",
-                f"ROSE_EXTRAS=[{EXTRAS}]",
-                "-f",
-                str(ctx / "deploy/compose/Dockerfile"),
-                "-t",
-                IMAGES["ROSE_IMAGE"],
-                "-t",
-                IMAGES["ROSE_AGENTS_IMAGE"],
-                str(ctx),
-                timeout=900,
-            )
+            key = images_key(ctx, self.base_tar)
+            saved = self.cache / f"images-{key}.tar"
+            self.results["images_from_cache"] = saved.exists()
+            if saved.exists():
+                self.e.docker_cmd("load", "-q", "-i", str(saved), timeout=600)
+                log(f"images loaded from {saved.name} (their inputs are unchanged)")
+            else:
+                self.build_images(ctx)
+                for old in self.cache.glob("images-*.tar*"):
+                    old.unlink()
+                partial = saved.with_suffix(".tar.partial")
+                self.e.docker_cmd("save", "-o", str(partial), *IMAGES.values(), timeout=600)
+                partial.rename(saved)
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
+        size = self.e.docker_cmd("image", "inspect", "--format", "{{.Size}}", IMAGES["ROSE_IMAGE"]).stdout.strip()
+        self.results["image_mb"] = round(int(size) / 2**20)
+
+    def build_images(self, ctx: Path) -> None:
+        if self.e.docker_cmd("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
+            self.e.docker_cmd("import", "--change", 'CMD ["/bin/bash"]', str(self.base_tar), BASE_IMAGE)
+        build = ["build", "--network", "none", "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=1"]
+        self.e.docker_cmd(
+            *build,
+            "--build-arg",
+            f"ROSE_EXTRAS=[{EXTRAS}]",
+            "-f",
+            str(ctx / "deploy/compose/Dockerfile"),
+            "-t",
+            IMAGES["ROSE_IMAGE"],
+            "-t",
+            IMAGES["ROSE_AGENTS_IMAGE"],
+            str(ctx),
+            timeout=900,
+        )
         # Debian's prometheus, fetched from Debian's packages during the build (host network: no bridge here)
         self.e.docker_cmd(
             "build",
@@ -621,12 +767,14 @@ class Check:
             str(DEPLOY / "prometheus"),
             timeout=600,
         )
-        size = self.e.docker_cmd("image", "inspect", "--format", "{{.Size}}", IMAGES["ROSE_IMAGE"]).stdout.strip()
-        self.results["image_mb"] = round(int(size) / 2**20)
 
     def job_file(self) -> None:
-        env = "\n".join(f"      {k}: '{v}'" for k, v in JOB.items())
-        self.job.write_text(f"# the check's RL job (deploy/compose/check.py JOB)\nservices:\n  trainer:\n    environment:\n{env}\n")
+        from rose.shared.workload import TRAINER
+
+        job = {**TRAINER, **JOB_CHANGES}
+        self.results["job"] = job
+        env = "\n".join(f"      {k}: '{v}'" for k, v in job.items())
+        self.job.write_text(f"# the check's RL job (deploy/compose/check.py JOB_CHANGES)\nservices:\n  trainer:\n    environment:\n{env}\n")
 
     async def up_phase(self) -> None:
         busy = [p for p in LISTEN_PORTS if _listening(p)]
@@ -634,8 +782,7 @@ class Check:
         await asyncio.to_thread(self.up, CORE)
         took = await self.wait_healthy([s for s in CORE])
         self.results["core_healthy_s"] = round(took, 1)
-        creds = json.loads(self.e.docker_cmd("volume", "inspect", "rose_credentials").stdout)[0]["Mountpoint"]
-        shutil.copy(Path(creds) / "cli.nk", self.cli_seed)
+        shutil.copy(self.credentials_dir() / "cli.nk", self.cli_seed)
         self.cli_seed.chmod(0o600)
 
     def rose(self, *args: str) -> subprocess.CompletedProcess:
@@ -660,11 +807,26 @@ class Check:
     async def train_phase(self, seen: Seen) -> None:
         await asyncio.to_thread(self.up, TRAIN, True)
         await self.wait_healthy(TRAIN)
-        await until("3 GRPO steps", lambda: seen.last_step() >= 3, STEP_TIMEOUT_S)
+        await until("3 GRPO steps", self.stepping(seen, lambda: seen.last_step() >= 3), STEP_TIMEOUT_S)
         version = max(seen.manifests)
         await until(f"every executor applying versions 1..{version}", lambda: not seen.versions_lost(EXECUTORS, version), 90)
         self.results["steps_before_kills"] = seen.last_step()
         log(f"GRPO steps {seen.last_step()}, versions {sorted(seen.manifests)}, every executor applied each")
+
+    def stepping(self, seen: Seen, done):
+        """`done()`, failing at once when the trainer container has exited (its job ended: the log says why)."""
+        last = [time.monotonic()]
+
+        def check() -> bool:
+            if done():
+                return True
+            if time.monotonic() - last[0] >= 10.0:
+                last[0] = time.monotonic()
+                state = self.states().get("trainer", {}).get("State")
+                need(state == "running", f"the trainer is {state} at step {seen.last_step()}:\n{self.logs('trainer', 8)}")
+            return False
+
+        return check
 
     async def kill_phase(self, seen: Seen) -> None:
         kills = []
@@ -677,60 +839,137 @@ class Check:
             need(state != "running", f"{target} still running after docker kill")
             await asyncio.to_thread(self.compose, "start", target)  # what an operator (or an orchestrator) does after a kill
             healthy = await self.wait_healthy([target], 240)
-            await until(f"a GRPO step after killing {target}", lambda s=step: seen.last_step() > s, STEP_TIMEOUT_S)
+            await until(f"a GRPO step after killing {target}", self.stepping(seen, lambda s=step: seen.last_step() > s), STEP_TIMEOUT_S)
             kills.append({"target": target, "healthy_s": round(time.monotonic() - t0, 1), "step_before": step, "step_after": seen.last_step()})
             log(f"killed {target}: healthy again after {healthy:.0f} s, trainer at step {seen.last_step()} (was {step})")
         self.results["kills"] = kills
 
     async def drain(self, seen: Seen) -> None:
-        """Stop the trainer (no new tasks) and wait until every task handed out came back as a trajectory."""
+        """Stop the trainer (no new tasks), wait until every task handed out came back as a trajectory and
+        every executor runs the last version, then count what was lost across the kills."""
         await asyncio.to_thread(self.compose, "stop", "trainer")
         cut = set(seen.published)
         try:
             await until(
                 "every task's trajectory, every version applied",
-                lambda: cut <= seen.trajectories and not seen.versions_lost(EXECUTORS),
+                lambda: cut <= seen.trajectories and not seen.versions_never_applied() and not seen.executors_behind(EXECUTORS),
                 DRAIN_TIMEOUT_S,
             )
         except CheckFailed:
             pass  # counted below
         await asyncio.sleep(3.0)
         lost = sorted(cut - seen.trajectories)
-        vlost = seen.versions_lost(EXECUTORS)
+        vlost = seen.versions_never_applied()
+        behind = seen.executors_behind(EXECUTORS)
+        # versions an executor neither applied nor folded into a chain it applied: those it joined past at a keyframe after its kill
+        per_executor = {ex: seen.folded_into_keyframes(ex) for ex in EXECUTORS}
+        folded = {ex: f for ex, (f, _) in per_executor.items() if f}
+        skipped = {ex: m for ex, (_, m) in per_executor.items() if m}
         self.results.update(
             trajectories_published=len(cut),
             trajectories_lost=len(lost),
             trajectories_redelivered=seen.duplicates,
             weight_versions_published=len(seen.manifests),
             weight_versions_lost=len(vlost),
+            executors_behind_last_version=behind,
+            versions_folded_into_a_keyframe=folded,
+            versions_skipped_by_an_executor=skipped,
         )
-        log(f"accounting: {len(cut)} tasks handed out, {len(lost)} trajectories lost; {len(seen.manifests)} versions, {len(vlost)} lost {vlost}")
-        self.expect(not lost and not vlost, f"lost: trajectories {lost[:10]}, weight versions {vlost}")
+        log(
+            f"accounting: {len(cut)} tasks handed out, {len(lost)} trajectories lost; {len(seen.manifests)} versions, {len(vlost)} lost {vlost}; "
+            f"executors behind the last version: {behind or 'none'}; joined past at a keyframe: {folded or 'none'}"
+        )
+        self.expect(
+            not lost and not vlost and not behind and not skipped,
+            f"lost: trajectories {lost[:10]}, weight versions {vlost}; executors behind: {behind}; versions skipped, not at a keyframe: {skipped}",
+        )
 
     def sandbox_phase(self) -> None:
-        """Model code runs in the worker's container under the code sandbox; the escapes stay blocked."""
-        program = "print(sum(i * i for i in range(10)))"
-        code = f"from rose.shared.agentic.sandbox import Sandbox; r = Sandbox('subprocess').run({program!r}); "
-        ran = self.compose("exec", "-T", "rollout_worker", "python", "-c", code + "print(r.backend, r.exit_code, r.stdout.strip())", check=False)
-        words = ran.stdout.split()
-        self.results["sandbox_model_code"] = words or ran.stderr.strip()[-500:]
-        if not self.expect(words[-1:] == ["285"], f"model code did not run in rollout_worker's sandbox: {(ran.stdout + ran.stderr)[-1500:]}"):
+        """Model code runs under the code sandbox in the worker's container; its escapes are refused, as seen from outside.
+
+        The worker itself configured its sandbox (no refusal in its log). A program run through
+        `Sandbox("subprocess")` inside the container (as the worker's user, under the container's
+        seccomp/AppArmor/capabilities) computes a result and tries: a TCP connection to a listener
+        the check holds on the host's 127.0.0.1 (the container has the host's network), one to a
+        NATS node, reading the worker's NKey seed, writing a file where the container can see it.
+        From outside: the listener counts the connections it accepted, the seed (read from the
+        credentials volume on the host) must not be in the output, the file must not exist in the
+        container. Then `rose bench security`'s sandbox attacks, run in the same container."""
+        log_text = self.logs("rollout_worker", 400)
+        refused = [line for line in log_text.splitlines() if "will refuse its episodes" in line]
+        self.expect(not refused, f"rollout_worker's code sandbox refused to configure: {refused[:1]}")
+        seed = self.credentials_dir() / "rollout_worker.nk"
+        secret = seed.read_text().strip()
+        token = f"escape-{os.getpid()}-{int(time.time())}"
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            listener.settimeout(0.2)
+            port = listener.getsockname()[1]
+            accepted: list[str] = []
+            stop = threading.Event()
+
+            def accept() -> None:
+                while not stop.is_set():
+                    try:
+                        conn, peer = listener.accept()
+                    except OSError:
+                        continue
+                    accepted.append(f"{peer[0]}:{peer[1]}")
+                    conn.close()
+
+            acceptor = threading.Thread(target=accept, daemon=True)
+            acceptor.start()
+            program = SANDBOX_PROGRAM.format(port=port, nats_port=NATS_URL.split(":")[-1], token=token)
+            code = (
+                "import json; from rose.shared.agentic.sandbox import Sandbox; "
+                f"r = Sandbox('subprocess').run({program!r}); "
+                "print(json.dumps({'backend': r.backend, 'exit': r.exit_code, 'stdout': r.stdout, 'stderr': r.stderr[-500:], 'blocked': r.blocked}))"
+            )
+            ran = self.compose("exec", "-T", "rollout_worker", "python", "-c", code, check=False, timeout=120)
+            time.sleep(1.0)
+            stop.set()
+            acceptor.join(5)
+        try:
+            out = json.loads(ran.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            self.expect(False, f"the sandbox did not run in rollout_worker (exit {ran.returncode}): {(ran.stdout + ran.stderr)[-1500:]}")
             return
+        lines = dict(line.split("=", 1) for line in out["stdout"].splitlines() if "=" in line)
+        left = self.compose("exec", "-T", "rollout_worker", "sh", "-c", f"ls /tmp/{token} /home/rose/{token} 2>/dev/null", check=False)
+        outside = {
+            "backend": out["backend"],
+            "model_code_result": lines.get("result"),
+            "attempts": {k: v for k, v in lines.items() if k != "result"},
+            "host_listener_connections": len(accepted),
+            "seed_in_output": secret in ran.stdout,
+            "files_left_in_container": left.stdout.split(),
+        }
+        self.results["sandbox_outside"] = outside
+        log(f"sandbox in rollout_worker, seen from outside: {outside}")
+        self.expect(out["backend"] == "subprocess" and lines.get("result") == "285", f"model code did not run in rollout_worker's sandbox: {out}")
+        self.expect(len(lines) == 5, f"the sandboxed program did not get through its attempts: {out}")
+        self.expect(not accepted, f"the sandboxed program connected to the host's listener: {accepted}")
+        got = [k for k in ("host_listener", "nats", "nkey_seed") if not lines.get(k, "").startswith("refused")]
+        self.expect(not got, f"the sandboxed program was not refused: {got} ({out['stdout'][-800:]})")
+        self.expect(secret not in ran.stdout, "the sandboxed program read rollout_worker's NKey seed")
+        self.expect(not left.stdout.split(), f"the sandboxed program left files in the container: {left.stdout.split()}")
         # as the worker's own user (uid 10001 of the image; "nobody" keeps a non-root caller's uid)
         attacks = (
             "import json; from rose.bench.sandbox_attacks import run_sandbox_attacks as r; "
             f"print(json.dumps({{'rows': r('nobody', backend='subprocess', only={SANDBOX_ATTACKS!r})}}))"
         )
-        out = self.compose("exec", "-T", "rollout_worker", "python", "-c", attacks, check=False, timeout=300)
+        res = self.compose("exec", "-T", "rollout_worker", "python", "-c", attacks, check=False, timeout=300)
         try:
-            rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+            rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
         except (IndexError, ValueError, KeyError):
-            self.expect(False, f"sandbox attacks in rollout_worker did not run (exit {out.returncode}): {(out.stdout + out.stderr)[-1500:]}")
+            self.expect(False, f"sandbox attacks in rollout_worker did not run (exit {res.returncode}): {(res.stdout + res.stderr)[-1500:]}")
             return
         escaped = [r["attack"] for r in rows if not r["blocked"]]
-        self.results["sandbox"] = {"backend": words[0], "attacks": len(rows), "blocked": len(rows) - len(escaped), "escaped": escaped}
-        log(f"sandbox in rollout_worker: model code ran ({' '.join(words)}), {len(rows) - len(escaped)} of {len(rows)} escapes blocked")
+        self.results["sandbox_attacks"] = {"attacks": len(rows), "blocked": len(rows) - len(escaped), "escaped": escaped}
+        log(f"sandbox attacks in rollout_worker: {len(rows) - len(escaped)} of {len(rows)} blocked")
         self.expect(not escaped, f"sandbox escapes in rollout_worker: {escaped}")
+
+    def credentials_dir(self) -> Path:
+        return Path(json.loads(self.e.docker_cmd("volume", "inspect", "rose_credentials").stdout)[0]["Mountpoint"])
 
     async def metrics_phase(self) -> None:
         targets_ok = lambda: all(t["health"] == "up" for t in http_json(f"{PROMETHEUS}/api/v1/targets")["data"]["activeTargets"])  # noqa: E731
@@ -748,6 +987,11 @@ class Check:
                 empty.append(f"{dash}: {expr}")
         rules = http_json(f"{PROMETHEUS}/api/v1/rules")["data"]["groups"]
         bad_rules = [r["name"] for g in rules for r in g["rules"] if r.get("health") != "ok"]
+        # the trainer's own count of lost trajectories (members of a group released on its timeout without
+        # them; the RoseTrajectoriesLost alert's series), beside the check's count from the bus (drain)
+        missing = http_json(f"{PROMETHEUS}/api/v1/query?" + urllib.parse.urlencode({"query": "rose_trainer_trajectories_missing_total"}))
+        missing_values = [float(r["value"][1]) for r in missing["data"]["result"]]
+        firing = sorted({a["labels"]["alertname"] for a in http_json(f"{PROMETHEUS}/api/v1/alerts")["data"]["alerts"] if a["state"] == "firing"})
         self.results["prometheus"] = {
             "targets_up": len(targets),
             "dashboard_queries": len(queries),
@@ -755,15 +999,22 @@ class Check:
             "queries_without_series": empty,
             "rules": sum(len(g["rules"]) for g in rules),
             "rules_unhealthy": bad_rules,
+            "trainer_trajectories_missing": missing_values,
+            "alerts_firing": firing,
         }
         for line in empty:
             log(f"no series: {line}")
-        log(f"prometheus: {len(targets)} targets up, {len(queries) - len(empty)} of {len(queries)} dashboard queries return series ({found} series)")
+        log(
+            f"prometheus: {len(targets)} targets up, {len(queries) - len(empty)} of {len(queries)} dashboard queries return series ({found} series); "
+            f"trainer's missing trajectories {missing_values}; alerts firing {firing}"
+        )
         prom = DEPLOY / "prometheus"
         run(["promtool", "check", "rules", str(prom / "rules.yml")])
         test = run(["promtool", "test", "rules", str(prom / "rules.test.yml")])
         self.results["promtool_test_rules"] = test.stdout.strip().splitlines()[-1].strip()
         self.expect(not bad_rules, f"rules not healthy in the live Prometheus: {bad_rules}")
+        self.expect(missing_values == [0.0], f"the trainer counts trajectories missing: {missing_values}")
+        self.expect("RoseTrajectoriesLost" not in firing, f"alerts firing: {firing}")
         self.expect(not empty, f"{len(empty)} dashboard queries return no series")
 
     async def restart_phase(self, seen: Seen, bus) -> None:
@@ -773,7 +1024,11 @@ class Check:
         await asyncio.to_thread(self.up, CORE)
         await self.wait_healthy(CORE)
         after = await stream_counts(bus)
-        kept = {s: (streams[s], after.get(s)) for s in streams if after.get(s, 0) < streams[s]}
+        # the services' heartbeats are liveness, not state: a key lives SERVICES_KV.ttl_s after its last beat
+        from rose.contracts.registry import SERVICES_KV
+
+        liveness = f"KV_{SERVICES_KV.bucket}"
+        kept = {s: (streams[s], after.get(s)) for s in streams if s != liveness and after.get(s, 0) < streams[s]}
         self.expect(not kept, f"JetStream lost messages across down/up: {kept}")
         await asyncio.to_thread(self.up, TRAIN, True)
         await until(
@@ -782,8 +1037,8 @@ class Check:
         first = next(s for s in seen.steps if s[0] and s[2] > before_step)
         self.results["restart"] = {
             "streams": len(streams),
-            "messages_before": sum(streams.values()),
-            "messages_after": sum(after.values()),
+            "messages_before": sum(n for s, n in streams.items() if s != liveness),
+            "messages_after": sum(n for s, n in after.items() if s != liveness),
             "step_before": before_step,
             "resumed_at_step": first[2],
             "same_run": first[1] == before_run,
@@ -808,6 +1063,8 @@ class Check:
             await self.up_phase()
         with phase(self.timings, "status"):
             await asyncio.to_thread(self.status_phase, ["executor", "slo_monitor", "scheduler", "weight_publisher", "rollout_worker"])
+        load = ServingLoad(str(self.results.get("openai_completion", {}).get("model", "rose-serving")))  # type: ignore[union-attr]
+        load.start()
         seen = Seen()
         bus = Bus(BusConfig(url=NATS_URL, nkey_seed_file=str(self.cli_seed), initial_connect_deadline_s=20), service="cli", instance="compose-check")
         await bus.connect()
@@ -821,11 +1078,14 @@ class Check:
                 await asyncio.to_thread(self.sandbox_phase)
             with phase(self.timings, "metrics"):
                 await self.metrics_phase()
+            self.results["serving_load"] = load.stop()
+            log(f"serving load: {self.results['serving_load']}")
             with phase(self.timings, "drain"):
                 await self.drain(seen)
             with phase(self.timings, "restart"):
                 await self.restart_phase(seen, bus)
         finally:
+            load.stop()
             await bus.close()
         return 0
 
@@ -867,8 +1127,6 @@ async def stream_counts(bus) -> dict[str, int]:
 
 
 def _listening(port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0

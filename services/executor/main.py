@@ -167,7 +167,7 @@ async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], 
     if on_runtime is not None:
         on_runtime(runtime)
     async with runtime as rt:
-        telemetry.executor_id = rt.instance
+        telemetry.bind(rt.instance)
         if isinstance(engine, Engine):  # off the loop: it may wait seconds for its rollout forward process
             await asyncio.to_thread(engine.start)
         else:

@@ -103,7 +103,6 @@ class Telemetry:
         self.interval_s = interval_s
         self.last: EngineStats | None = None
         self.instruments = ExecutorInstruments()
-        self.instruments.http_errors.add(0, self._attrs())  # at 0 from the start: a dashboard shows 0, not "No data"
         self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0, "lane_failures": 0}
 
     def snapshot(self, stats: EngineStats) -> MetricsSnapshot:
@@ -131,6 +130,14 @@ class Telemetry:
             lease_id=stats.lease_id,
             device=msgspec.convert(stats.device, DeviceTelemetry) if stats.device else None,
         )
+
+    def bind(self, executor_id: str) -> None:
+        """Once the service runtime is up (its meter provider installed, the instance named): counters that
+        a dashboard or an alert reads start at 0, so they show 0, not "No data". (Added before the provider
+        exists, a measurement goes to the API's proxy and is lost: the executors' http_errors never
+        appeared in the compose cluster's Prometheus, scripts/compose-check, 4 December 2026.)"""
+        self.executor_id = executor_id
+        self.instruments.http_errors.add(0, self._attrs())
 
     def _attrs(self, **extra: str) -> dict[str, str]:
         return {"executor": self.executor_id, **extra}

@@ -23,6 +23,8 @@ import asyncio
 import logging
 import time
 
+import nats.errors
+import nats.js.errors
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
@@ -40,6 +42,21 @@ from .telemetry import PublisherMetrics
 from .versions import ModelVersions, PublishError
 
 log = logging.getLogger("rose.weight_publisher")
+
+# A JetStream that cannot answer for a moment: a meta or stream leader election after a node died (503
+# "JetStream system temporarily unavailable"), or the connection moving to another node. A version hit by
+# one is staged and announced again, for up to TRANSIENT_RETRY_S, instead of failing: on docker compose's
+# 3-node cluster a `docker kill` of one node failed a publish and ended the trainer's job (scripts/compose-check).
+TRANSIENT_BUS_ERRORS: tuple[type[BaseException], ...] = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    asyncio.TimeoutError,
+)
+TRANSIENT_RETRY_S = 60.0
+TRANSIENT_BACKOFF_S = (0.5, 4.0)  # first wait, longest wait (doubling)
 
 
 class WeightPublisher:
@@ -121,6 +138,9 @@ class WeightPublisher:
                     except Exception as exc:
                         span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:256])
                         await self._failed(versions, request, exc)
+                        task = asyncio.current_task()
+                        if task is not None and task.cancelling():  # stopped mid-publish (an error from a `finally` hid the cancel)
+                            raise asyncio.CancelledError from exc
             finally:
                 otel_context.detach(token)
 
@@ -155,7 +175,20 @@ class WeightPublisher:
         started = time.perf_counter()
         tensors, release = await sources.load(request, self.staging, self.settings)
         try:
-            manifest = await versions.publish(tensors, request.version, keyframe=request.keyframe)
+            deadline, wait = time.monotonic() + TRANSIENT_RETRY_S, TRANSIENT_BACKOFF_S[0]
+            while True:
+                try:
+                    manifest = await versions.publish(tensors, request.version, keyframe=request.keyframe)
+                    break
+                except TRANSIENT_BUS_ERRORS as exc:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():  # nats-py may turn a cancelled request into a timeout
+                        raise asyncio.CancelledError from exc
+                    if time.monotonic() + wait > deadline:
+                        raise
+                    log.warning("publishing %s v%s: %s: %s; again in %.1f s", request.model, request.version, type(exc).__name__, exc, wait)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, TRANSIENT_BACKOFF_S[1])
         finally:
             release()
             if request.source == "object" and request.delete_source:

@@ -133,7 +133,10 @@ class ModelVersions:
         """Publish the manifest: from now on followers take this version, and it is the next base."""
         m = staged.manifest
         self.check(m.version)
-        await self.bus.publish(WEIGHT_MANIFEST, m, model=self.model, kind=m.kind, version=str(m.version))
+        # one manifest per version and content: announced again after a lost ack (service.py's retry), the stream keeps one
+        content = hashlib.sha256("".join(s.sha256 for s in m.shards).encode()).hexdigest()[:16]
+        msg_id = f"{self.model}-v{m.version}-{content}"
+        await self.bus.publish(WEIGHT_MANIFEST, m, msg_id=msg_id, model=self.model, kind=m.kind, version=str(m.version))
         self._last = staged.last
         if m.keyframe:
             await self._prune()

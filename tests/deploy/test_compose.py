@@ -109,16 +109,21 @@ def test_the_schema_check_is_not_vacuous():
 # ---- commands are real `rose` commands -------------------------------------------------------
 
 
+def _interpolated(argv: list[str]) -> list[str]:
+    """`${VAR:-default}` as compose expands it with VAR unset (the file's defaults)."""
+    return [re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", a) for a in argv]
+
+
 def _rose_commands() -> list[list[str]]:
-    """Every command and healthcheck in the file that runs `rose`, without duplicates."""
+    """Every command and healthcheck in the file that runs `rose` (with the file's defaults), without duplicates."""
     found: list[list[str]] = []
     for service in SERVICES.values():
         argv = service.get("command")
         if argv and argv[0] == "rose":
-            found.append(list(argv))
+            found.append(_interpolated(list(argv)))
         test = (service.get("healthcheck") or {}).get("test") or []
         if test[:2] == ["CMD", "rose"]:
-            found.append(list(test[1:]))
+            found.append(_interpolated(list(test[1:])))
     unique: list[list[str]] = []
     for argv in found:
         if argv not in unique:
@@ -267,7 +272,7 @@ def test_nats_nodes_mount_their_config_and_a_persistent_volume():
 
 def test_models_are_built_once_into_a_shared_volume():
     init = SERVICES["models-init"]
-    assert init["command"] == ["rose", "models", "init", "/models"] and "models:/models" in init["volumes"]
+    assert init["command"] == ["rose", "models", "init", "/models", "--preset", "${ROSE_MODELS_PRESET:-tiny}"] and "models:/models" in init["volumes"]
     for name, service in LONG_RUNNING.items():
         if service["command"][2] in ("executor", "rollout_worker", "trainer"):
             assert "models:/models:ro" in service["volumes"], name

@@ -282,6 +282,42 @@ def test_the_dockerfile_copies_every_package_folder_and_can_install_from_the_whe
     assert (DEPLOY / "wheelhouse" / "README.md").exists()
 
 
+def test_a_saved_image_is_keyed_by_every_file_the_dockerfile_copies(tmp_path):
+    """scripts/compose-check loads saved images only while what they are made of is unchanged."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    sources = {src.rstrip("/") for line in re.findall(r"^COPY (.+)$", dockerfile, re.M) for src in line.split()[:-1]}
+    assert sources - {"README.md"} == set(check.IMAGE_INPUTS) - {"deploy/compose/Dockerfile"}
+    ctx = tmp_path / "ctx"
+    for rel in check.IMAGE_INPUTS:
+        path = ctx / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rel == "deploy/compose/wheelhouse":
+            path.mkdir()
+            (path / "torch-2.0.0-cp311-none-any.whl").write_bytes(b"torch")
+            (path / "rose_rl-0.1.0-py3-none-any.whl").write_bytes(b"built each run")
+        elif rel.endswith(("Dockerfile", ".txt", ".toml", ".py")):
+            path.write_text(rel)
+        else:
+            path.mkdir()
+            (path / "m.py").write_text(rel)
+    (ctx / "README.md").write_text("readme")
+    base = tmp_path / "base.tar"
+    base.write_bytes(b"base")
+    key = check.images_key(ctx, base)
+    assert len(key) == 16 and check.images_key(ctx, base) == key
+    (ctx / "deploy/compose/wheelhouse/rose_rl-0.1.0-py3-none-any.whl").write_bytes(b"rebuilt, same tree")
+    (ctx / "README.md").write_text("the long description only")
+    assert check.images_key(ctx, base) == key
+    for changed in ["services/m.py", "constraints.txt", "deploy/compose/wheelhouse/torch-2.0.0-cp311-none-any.whl", "deploy/compose/Dockerfile"]:
+        old = (ctx / changed).read_bytes()
+        (ctx / changed).write_bytes(old + b"x")
+        assert check.images_key(ctx, base) != key, changed
+        (ctx / changed).write_bytes(old)
+    assert check.images_key(ctx, base) == key
+    base.write_bytes(b"another base")
+    assert check.images_key(ctx, base) != key
+
+
 @pytest.mark.parametrize("path", ["deploy/compose/prometheus/host-network.yml", "deploy/compose/prometheus/rules.yml"])
 def test_prometheus_files_parse(path):
     assert yaml.safe_load((REPO / path).read_text())

@@ -11,6 +11,7 @@ import pytest
 from rose.contracts.registry import WEIGHT_MANIFEST, WEIGHTS_OBJECTS
 from rose.services.weight_publisher.config import PublisherSettings
 from rose.services.weight_publisher.versions import ModelVersions
+from rose.shared import weight_store
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
 from rose.testing.polling import until
@@ -72,7 +73,8 @@ def _object(manifest) -> tuple[str, int]:
     return shard.object_name, shard.wire_bytes
 
 
-async def test_truncated_chunk(setup, bus):
+async def test_truncated_chunk(setup, bus, monkeypatch):
+    monkeypatch.setattr(weight_store, "REPLICA_LAG_S", 0.3)  # the missing half never comes: refused after the replicas' grace
     await setup.start()
     name, size = _object(setup.staged.manifest)
     data = bytes(await WeightStore(bus.js, WEIGHTS_OBJECTS.bucket).get(name))

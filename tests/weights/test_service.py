@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
+import nats.js.errors
 import pytest
 
 from rose.client import PublishFailedError, WeightsClient
-from rose.contracts.registry import WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
+from rose.contracts.registry import MANIFESTS_STREAM, WEIGHT_MANIFEST, WEIGHT_PUBLISH, WEIGHT_PUBLISH_FAILED, WEIGHTS_STAGING_OBJECTS
 from rose.contracts.weights import VERSION_NOT_NEWER, WeightPublishFailed, WeightPublishRequest
+from rose.services.weight_publisher import service as publisher_module
 from rose.services.weight_publisher.config import PublisherSettings, WeightPublisherConfig
 from rose.services.weight_publisher.main import run
 from rose.shared.bus import Bus, RemoteError
@@ -128,3 +131,46 @@ async def test_a_failed_version_does_not_stall_the_versions_after_it(publisher_s
         finally:
             for follower in followers:
                 await follower.stop()
+
+
+async def test_a_version_hit_by_a_jetstream_outage_is_announced_once_it_answers(publisher_service, bus, model_name, monkeypatch):
+    """A node of a 3-node cluster killed: JetStream answers 503 "temporarily unavailable" during the leader
+    election (docker compose, scripts/compose-check). The publisher stages and announces the version again
+    instead of failing it; an announce that was stored but whose ack was lost adds no second manifest."""
+    monkeypatch.setattr(publisher_module, "TRANSIENT_BACKOFF_S", (0.05, 0.2))
+    real_publish = Bus.publish
+    attempts: list[str] = []
+
+    async def publish(self, channel, message, *, msg_id=None, **tokens):
+        if channel is WEIGHT_MANIFEST and tokens.get("version") == "2" and len(attempts) < 2:
+            if not attempts:
+                attempts.append("unavailable")
+                raise nats.js.errors.ServiceUnavailableError(code=503, err_code=10008, description="JetStream system temporarily unavailable")
+            attempts.append("stored, ack lost")
+            await real_publish(self, channel, message, msg_id=msg_id, **tokens)
+            raise nats.errors.TimeoutError
+        await real_publish(self, channel, message, msg_id=msg_id, **tokens)
+
+    monkeypatch.setattr(Bus, "publish", publish)
+    failures: list[WeightPublishFailed] = []
+    await bus.subscribe(WEIGHT_PUBLISH_FAILED, lambda f, _d: asyncio.sleep(0, failures.append(f)), model=model_name)
+    states = {1: make_state(41)}
+    states[2] = rl_step(states[1], 2)
+    states[3] = rl_step(states[2], 3)
+    async with WeightsClient(bus, model_name) as weights:
+        for _attempt in range(40):  # the service is still starting
+            try:
+                await weights.publish(states[1], 1)
+                break
+            except Exception:
+                await asyncio.sleep(0.25)
+        await weights.published(1, timeout=TIMEOUT)
+        await weights.publish(states[2], 2)
+        manifest = await weights.published(2, timeout=TIMEOUT)  # the stored announce is seen: the publisher may still retry it
+        await weights.publish(states[3], 3)
+        after = await weights.published(3, timeout=TIMEOUT)  # one worker per model: v2's publish is over
+    assert manifest.version == 2 and attempts == ["unavailable", "stored, ack lost"] and failures == []
+    assert after.base_version == 2  # v2 went out, and is the next version's base
+    subject = WEIGHT_MANIFEST.subject(model=model_name, kind=manifest.kind, version="2")
+    info = await bus.js.stream_info(MANIFESTS_STREAM.name, subjects_filter=subject)
+    assert info.state.subjects == {subject: 1}  # one manifest of v2, not two
