@@ -154,10 +154,14 @@ class EmulatedJob:
     def trajectories_per_step(self, group_size: int = 8) -> int:
         return max(group_size, math.ceil(self.in_flight() / group_size) * group_size)
 
-    def extra_groups(self, group_size: int = 8) -> int:
+    def groups_per_step(self) -> int:
+        """GRPO groups a step trains on (grpo.groups_per_step), of the workload's group size."""
+        group_size = self.spec().group_size
+        return self.trajectories_per_step(group_size) // group_size
+
+    def extra_groups(self) -> int:
         """Groups handed out beyond a step's (grpo.over_provision), as the simulator rounds the share: up."""
-        per_step = self.trajectories_per_step(group_size) // group_size
-        return math.ceil(self.over_provision * per_step) if self.over_provision > 0 else 0
+        return math.ceil(self.over_provision * self.groups_per_step()) if self.over_provision > 0 else 0
 
 
 def process_env(job: EmulatedJob, url: str, models: Path) -> dict[str, str]:
@@ -265,10 +269,10 @@ def trainer_process(logs: Path, url: str, models: Path, creds: Credentials, job:
         "ROSE_TASKS__WORKLOAD": json.dumps(job.workload),
         "ROSE_SFT__STEPS": "0",
         "ROSE_GRPO__GROUP_SIZE": str(spec.group_size),
-        "ROSE_GRPO__GROUPS_PER_STEP": str(job.trajectories_per_step(spec.group_size) // spec.group_size),
+        "ROSE_GRPO__GROUPS_PER_STEP": str(job.groups_per_step()),
         "ROSE_GRPO__PREFETCH_STEPS": "0" if job.mode == "sync" else "1",
         "ROSE_GRPO__MAX_STALENESS": "2",
-        "ROSE_GRPO__OVER_PROVISION": str(job.extra_groups(spec.group_size)),
+        "ROSE_GRPO__OVER_PROVISION": str(job.extra_groups()),
         "ROSE_EMULATION__DEVICE": job.device,
         "ROSE_EMULATION__MODEL": job.policy,
         "ROSE_EMULATION__GPUS": f"{sim.trainer_gpus:g}",

@@ -59,6 +59,14 @@ TRANSIENT_RETRY_S = 60.0
 TRANSIENT_BACKOFF_S = (0.5, 4.0)  # first wait, longest wait (doubling)
 
 
+def raise_if_cancelling(exc: BaseException) -> None:
+    """Re-raise a cancel that ``exc`` stands in for: the current task is being cancelled (a stop), and an error
+    raised on the way out (nats-py's timeout for a cancelled request, an error in a `finally`) hid it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 class WeightPublisher:
     def __init__(self, bus: Bus, settings: PublisherSettings) -> None:
         self.bus = bus
@@ -138,9 +146,7 @@ class WeightPublisher:
                     except Exception as exc:
                         span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:256])
                         await self._failed(versions, request, exc)
-                        task = asyncio.current_task()
-                        if task is not None and task.cancelling():  # stopped mid-publish (an error from a `finally` hid the cancel)
-                            raise asyncio.CancelledError from exc
+                        raise_if_cancelling(exc)  # stopped mid-publish: an error from a `finally` hid the cancel
             finally:
                 otel_context.detach(token)
 
@@ -181,9 +187,7 @@ class WeightPublisher:
                     manifest = await versions.publish(tensors, request.version, keyframe=request.keyframe)
                     break
                 except TRANSIENT_BUS_ERRORS as exc:
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():  # nats-py may turn a cancelled request into a timeout
-                        raise asyncio.CancelledError from exc
+                    raise_if_cancelling(exc)  # nats-py may turn a cancelled request into a timeout
                     if time.monotonic() + wait > deadline:
                         raise
                     log.warning("publishing %s v%s: %s: %s; again in %.1f s", request.model, request.version, type(exc).__name__, exc, wait)

@@ -37,6 +37,16 @@ async def publisher_service(bus_config):
     await asyncio.wait([task], timeout=10)
 
 
+async def _publish_once_up(client, source, version: int):
+    """``client.publish`` retried while the publisher service is still starting (up to 10 s); its acceptance."""
+    for _attempt in range(39):
+        try:
+            return await client.publish(source, version)
+        except Exception:  # the service is still starting
+            await asyncio.sleep(0.25)
+    return await client.publish(source, version)
+
+
 async def test_sdk_publish_then_published_then_applied(publisher_service, bus, follower_bus, model_name, tmp_path):
     states = {1: make_state(21)}
     executor = Executor(make_state(0), None)
@@ -54,12 +64,7 @@ async def test_sdk_publish_then_published_then_applied(publisher_service, bus, f
                     client, source = staged_via_path, save_safetensors(states[version], tmp_path / "v4.safetensors")
                 else:
                     client, source = (staged_via_objects if version % 2 else staged_via_path), states[version]
-                for _attempt in range(40):
-                    try:
-                        accepted = await client.publish(source, version)
-                        break
-                    except Exception:  # the service is still starting
-                        await asyncio.sleep(0.25)
+                accepted = await _publish_once_up(client, source, version)
                 assert accepted.version == version
                 manifest = await client.published(version, timeout=TIMEOUT)
                 assert manifest.version == version and manifest.keyframe == (version in (1, 4))
@@ -103,12 +108,7 @@ async def test_a_failed_version_does_not_stall_the_versions_after_it(publisher_s
             await follower.start(executor.state, None)
         try:
             async with WeightsClient(bus, model_name) as weights:
-                for _attempt in range(40):  # the service is still starting
-                    try:
-                        await weights.publish(states[1], 1)
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.25)
+                await _publish_once_up(weights, states[1], 1)
                 await weights.published(1, timeout=TIMEOUT)
                 # v2: accepted, then its staged object is missing when the publisher reads it
                 await bus.request(
@@ -158,12 +158,7 @@ async def test_a_version_hit_by_a_jetstream_outage_is_announced_once_it_answers(
     states[2] = rl_step(states[1], 2)
     states[3] = rl_step(states[2], 3)
     async with WeightsClient(bus, model_name) as weights:
-        for _attempt in range(40):  # the service is still starting
-            try:
-                await weights.publish(states[1], 1)
-                break
-            except Exception:
-                await asyncio.sleep(0.25)
+        await _publish_once_up(weights, states[1], 1)
         await weights.published(1, timeout=TIMEOUT)
         await weights.publish(states[2], 2)
         manifest = await weights.published(2, timeout=TIMEOUT)  # the stored announce is seen: the publisher may still retry it
