@@ -274,6 +274,11 @@ class ShardDecoder:
         self._decoded: list[np.ndarray] = []
         self._dctx = zstandard.ZstdDecompressor()
 
+    @property
+    def frames_left(self) -> int | None:
+        """Frames not yet decompressed (None before the header is in): 0 once the last byte is, if decoding kept pace with the transfer."""
+        return None if self._meta is None else len(self._meta.frames) - self._next_frame
+
     def advance(self, filled: int) -> None:
         self._filled = filled
         if self._meta is None and not self._read_header():

@@ -107,7 +107,7 @@ class CoServingEngineTestcase:
         engine.park_rollout(time.monotonic() + FAR_S)
         assert await self.refusal(engine, "parked") == "lease_revoked"
         await asyncio.sleep(0.3)
-        assert not parked._result.done()  # parked, not finished nor aborted
+        assert not parked.done()  # parked, not finished nor aborted
         engine.set_rollout_lease(self.lease_bytes, time.monotonic() + FAR_S, "lease-2")
         done = await asyncio.wait_for(parked.result(), 120)
         assert done.finish_reason == "length" and len(done.token_ids) == self.long_tokens

@@ -127,7 +127,7 @@ async def start_gateway(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     episodes.base_url = url
     gateway = InProcessGateway(episodes, api, runner, url)
 

@@ -7,8 +7,9 @@ import inspect
 import time
 
 
-async def until(predicate, timeout: float = 15.0, what: str = "the condition", step: float = 0.05):
-    """Poll `predicate()` (plain or async) until it returns something truthy, and return that; fail the test at `timeout`."""
+async def within(predicate, timeout: float = 15.0, step: float = 0.05):
+    """Poll `predicate()` (plain or async) until it returns something truthy, and return that; None at `timeout`
+    (for a test that goes on either way and asserts on what it has)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -17,17 +18,48 @@ async def until(predicate, timeout: float = 15.0, what: str = "the condition", s
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+            return None
         await asyncio.sleep(step)
 
 
-def until_sync(predicate, timeout: float = 15.0, what: str = "the condition", step: float = 0.3):
-    """`until` for tests that drive subprocesses without an event loop."""
+async def until(predicate, timeout: float = 15.0, what: str = "the condition", step: float = 0.05):
+    """Poll `predicate()` (plain or async) until it returns something truthy, and return that; fail the test at `timeout`."""
+    value = await within(predicate, timeout, step)
+    if not value:
+        raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+    return value
+
+
+async def retrying(
+    call, errors: type[BaseException] | tuple[type[BaseException], ...] = Exception, timeout: float = 15.0, what: str = "the call", step: float = 0.25
+):
+    """Await `call()` again while it raises one of `errors` (a service still starting, a leader being elected), and
+    return its result; at `timeout` fail the test with the last error as the cause."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except errors as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} still failing after {timeout:.0f} s: {exc!r}") from exc
+        await asyncio.sleep(step)
+
+
+def within_sync(predicate, timeout: float = 15.0, step: float = 0.3):
+    """`within` for tests that drive subprocesses without an event loop."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+            return None
         time.sleep(step)
+
+
+def until_sync(predicate, timeout: float = 15.0, what: str = "the condition", step: float = 0.3):
+    """`until` for tests that drive subprocesses without an event loop."""
+    value = within_sync(predicate, timeout, step)
+    if not value:
+        raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+    return value

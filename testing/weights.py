@@ -11,6 +11,7 @@ import torch
 from nats.js import api
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE
+from nats.nuid import NUID
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.shared.bus import Delivery
@@ -83,7 +84,7 @@ class Events:
 async def craft(js, name: str, chunks: list[bytes], *, size: int, digest_of: bytes) -> None:
     """Write an object of the weights bucket by hand in the standard layout, with whatever size and digest we like."""
     bucket = WEIGHTS_OBJECTS.bucket
-    nuid = js._nc._nuid.next().decode()
+    nuid = NUID().next().decode()
     for chunk in chunks:
         await js.publish(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid), chunk)
     digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(digest_of).digest()).decode()

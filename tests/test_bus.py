@@ -14,6 +14,7 @@ from rose.contracts.lease import Lease
 from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 from rose.shared.config import BusConfig
+from rose.testing.polling import within
 
 
 def _request(i: int = 0) -> GenerateRequest:
@@ -141,10 +142,7 @@ async def test_consumers_that_have_fetched_close_without_waiting_out_the_drain(b
     async with Bus(bus_config, service="trainer", instance="t-drain-again") as again:
         for d in durables:
             await again.consume(TRAJECTORY, recorder(d), durable=d, deliver_new=True, batch=64)
-        for _ in range(100):
-            if all(seen[d] for d in durables):
-                break
-            await asyncio.sleep(0.1)
+        await within(lambda: all(seen[d] for d in durables), 10, step=0.1)
     for d in durables:
         await bus.js.delete_consumer("ROSE_TRAJECTORIES", d)
     assert all(seen[d] == [marker] for d in durables), seen

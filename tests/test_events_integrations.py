@@ -232,7 +232,7 @@ class Hook:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/hook"
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/hook"
         return self
 
     async def stop(self) -> None:

@@ -6,8 +6,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
+from rose.testing.polling import until_sync
 from rose.testing.rose_cli import alive
 
 PARENT = textwrap.dedent(
@@ -30,7 +30,4 @@ def test_children_die_when_the_parent_is_killed(tmp_path):
     assert alive(child)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 20
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(child), "the service outlived its killed parent"
+    until_sync(lambda: not alive(child), 20, "the service's exit after its parent was killed", step=0.1)

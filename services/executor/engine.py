@@ -362,6 +362,29 @@ class Engine:
         """This class's KV block pool, to read (block size, blocks, usage, whether its memory is released)."""
         return self._runtime(work_class).pool
 
+    def model_for(self, work_class: WorkClass):
+        """This class's model, to read (its config, where its weights live): it changes only by ``apply_policy_weights``."""
+        return self._runtime(work_class).model
+
+    def runner_for(self, work_class: WorkClass) -> PagedModelRunner | ProcessRunner | EmulatedRunner:
+        """What runs this class's forwards (in this process, in a rollout child process, or emulated), to read: its CUDA graphs, its child."""
+        return self._runtime(work_class).runner
+
+    def lane_for(self, work_class: WorkClass):
+        """This class's lane (its thread; its CUDA stream and that stream's priority on a GPU), to read."""
+        return self._runtime(work_class).lane
+
+    @property
+    def core_lending(self) -> CoreLending:
+        """The CPU's loan of the serving lane's idle core to the rollout lane, to read (``enabled``, ``is_wide``, ``returns``)."""
+        return self._cores
+
+    @property
+    def rollout_shares_interpreter(self) -> bool:
+        """True where rollout's ops run on this process's interpreter beside serving's (a host device, no rollout child
+        process): only then does the policy guard the interpreter lock serving's lane waits for."""
+        return self.device.host_is_device and not self._rollout_in_child
+
     def queue_lengths(self, work_class: WorkClass) -> tuple[int, int]:
         """This class's (running, queued) sequences; queued counts those submitted and not yet running."""
         rt = self._runtime(work_class)
@@ -589,7 +612,7 @@ class Engine:
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The live policy parameters (read-only use: a weight follower's base, a digest)."""
-        return self._rollout.model.state_dict()
+        return self.model_for(WorkClass.ROLLOUT).state_dict()
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
@@ -765,7 +788,7 @@ class Engine:
             slo_tpot_ms=self.slo_tpot_ms,
             lanes_overlap=self._rollout_overlaps_serving,
             serving_max_batch=s.limits.max_batch,
-            shares_interpreter=self.device.host_is_device and not self._rollout_in_child,
+            shares_interpreter=self.rollout_shares_interpreter,
             slo_ttft_ms=self.slo_ttft_ms,
             serving_oldest_wait_ms=oldest_wait_ms,
             priority_streams=self.device.priority_streams,
@@ -827,7 +850,7 @@ class Engine:
 
     def _shrink(self, rt: _ClassRuntime) -> None:
         """Give blocks back: evict retained prefixes (LRU), then preempt youngest rollouts."""
-        entries = [len(e.blocks) for e in self.prefix_cache._entries.values()]
+        entries = [len(e.blocks) for e in self.prefix_cache.entries().values()]
         n_evict, victims = plan_shrink(rt.pool.over_budget_blocks, entries, [(s.seq_id, len(s.blocks)) for s in rt.running])
         for _ in range(n_evict):
             rt.pool.free(self.prefix_cache.evict_lru())

@@ -69,6 +69,10 @@ class RequestHandle:
     async def result(self) -> GenerationResult:
         return await asyncio.shield(self._result)
 
+    def done(self) -> bool:
+        """True once the result is in: a caller can watch a request (or tell a parked one from a finished one) without awaiting it."""
+        return self._result.done()
+
     def cancel(self) -> None:
         """Abort the generation; it finishes with finish_reason "abort"."""
         if self._cancel:
@@ -78,6 +82,6 @@ class RequestHandle:
     def _deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
         if delta is not None:
             self._deltas.put_nowait(delta)
-        if result is not None and not self._result.done():
+        if result is not None and not self.done():
             self._result.set_result(result)
             self._deltas.put_nowait(None)

@@ -36,6 +36,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> dict[str, CacheEntry]:
+        """The retained entries by trajectory id, least recently retained first (the order eviction takes them): a copy, to read."""
+        return dict(self._entries)
+
     @property
     def cached_blocks(self) -> int:
         return sum(len(e.blocks) for e in self._entries.values())

@@ -347,6 +347,16 @@ class ProcessRunner(PagedModelRunner):
         pid = self.child_pid
         return process_rss_bytes(pid) if pid is not None else 0
 
+    @property
+    def held_polls(self) -> int:
+        """Safepoint polls the child has spent holding a forward, all-time: how a caller sees a hold take effect."""
+        return self._ctl[HELD]
+
+    @property
+    def width(self) -> int:
+        """The torch threads the child's forwards run on now (``set_width`` asks; the child applies it at its next safepoint)."""
+        return self._ctl[WIDTH]
+
     # ------------------------------------------------------------------ the runner's interface
     def forward(self, items: list[ForwardItem], all_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
         logits = self._in_child("forward", items, all_logits, should_stop, None)

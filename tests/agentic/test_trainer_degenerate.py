@@ -22,15 +22,9 @@ from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.models import PolicyModelRef, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.testing.agentic import save_tiny_policy
 
 TIMEOUT_S = 90.0
 GROUP_SIZE, GROUPS = 2, 1
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, models_dir):
-    return save_tiny_policy(tmp_path_factory.mktemp("tiny-degenerate"), models_dir)
 
 
 @pytest.mark.parametrize("max_steps, rounds", [(3, 3), (0, DEGENERATE_STEPS_LIMIT)], ids=["max_steps", "no_max_steps"])

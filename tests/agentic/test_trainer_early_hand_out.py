@@ -12,7 +12,6 @@ import asyncio
 import time
 
 import msgspec
-import pytest
 
 from rose.client import WeightsClient
 from rose.contracts.registry import HEADROOM, ROLLOUT_TASK, SERVICE_REGISTRY, TRAINING_STEP, TRAJECTORY
@@ -33,18 +32,12 @@ from rose.shared.models import PolicyModelRef, build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.testing import messages
-from rose.testing.agentic import TINY_POLICY, save_tiny_policy
+from rose.testing.agentic import TINY_POLICY
 from rose.testing.polling import until
 
 TIMEOUT_S = 90.0
 REPORT_EVERY_S = 0.2  # the test's SLO monitor
 QUIET_S = 1.5  # long enough for several reports and trainer polls: a hand-out that was going to happen has
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, models_dir):
-    """A tiny policy saved like any HF model directory (the trainer loads it as it would a real one)."""
-    return save_tiny_policy(tmp_path_factory.mktemp("tiny"), models_dir)
 
 
 def headroom(executor_id: str, queue: int, role: str = "dedicated") -> Headroom:

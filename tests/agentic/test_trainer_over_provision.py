@@ -27,15 +27,10 @@ from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.models import PolicyModelRef, build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.testing.agentic import TINY_POLICY, save_tiny_policy
+from rose.testing.agentic import TINY_POLICY
 from rose.testing.polling import until
 
 TIMEOUT_S = 90.0
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, models_dir):
-    return save_tiny_policy(tmp_path_factory.mktemp("tiny"), models_dir)
 
 
 async def test_a_step_trains_the_first_complete_groups_and_the_carried_one_trains_next(tiny_policy, tmp_path, monkeypatch):

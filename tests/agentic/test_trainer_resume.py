@@ -25,17 +25,11 @@ from rose.shared.launch import ServiceProcess
 from rose.shared.models import load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.testing.agentic import save_tiny_policy
 from rose.testing.polling import until
 
 TIMEOUT_S = 120.0
 GROUP_SIZE, GROUPS = 2, 2
 FIRST, SECOND = "resume-a", "resume-b"  # instance names of the trainer before and after the kill
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, models_dir):
-    return save_tiny_policy(tmp_path_factory.mktemp("tiny-resume"), models_dir)
 
 
 @pytest.mark.slow

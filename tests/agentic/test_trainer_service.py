@@ -24,18 +24,12 @@ from rose.shared.config import BusConfig, RuntimeConfig
 from rose.shared.models import PolicyModelRef, build_model, load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.testing.agentic import TINY_POLICY, save_tiny_policy
+from rose.testing.agentic import TINY_POLICY
 from rose.testing.polling import until
 
 TIMEOUT_S = 90.0
 GROUP_SIZE, GROUPS = 4, 2
 INSTANCE = "trainer-test"
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory, models_dir):
-    """A tiny policy saved like any HF model directory (the trainer loads it as it would a real one)."""
-    return save_tiny_policy(tmp_path_factory.mktemp("tiny"), models_dir)
 
 
 @pytest.fixture(scope="module")

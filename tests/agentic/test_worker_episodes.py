@@ -4,8 +4,6 @@ token bookkeeping, tool calls, rewards and the failure path, end to end through 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from rose.contracts.executor import GenerateReply, GenerateRequest
@@ -20,6 +18,7 @@ from rose.shared.models import load_tokenizer
 from rose.shared.turns.runner import TurnRunner
 from rose.shared.turns.settings import TurnSettings
 from rose.testing.agentic import BrokenEnv
+from rose.testing.polling import until
 
 EXECUTOR = "ex-agentic-standin"
 MAX_DELIVER = 3
@@ -63,12 +62,7 @@ async def worker(bus, models_dir):
 
 
 async def published_for(published: list[Trajectory], task_id: str) -> Trajectory:
-    for _ in range(200):
-        for t in published:
-            if t.task_id == task_id:
-                return t
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no trajectory for {task_id}")
+    return await until(lambda: next((t for t in published if t.task_id == task_id), None), timeout=15, what=f"a trajectory for {task_id}")
 
 
 @pytest.mark.parametrize("env_name", ["arithmetic", "code", "search_qa"])

@@ -25,6 +25,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from packaging.utils import canonicalize_name
 
 from rose.shared.nats_server import compose_host_addresses, compose_node_configs
 
@@ -244,7 +245,7 @@ def _constraints() -> dict[str, str]:
         line = line.split("#")[0].strip()
         if "==" in line:
             name, version = line.split("==")
-            pins[check._norm(name)] = version
+            pins[canonicalize_name(name)] = version  # PEP 503, as the manifest names them
     return pins
 
 

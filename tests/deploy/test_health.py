@@ -24,6 +24,7 @@ from rose.shared.config import BusConfig
 from rose.shared.nats_server import NatsServer, free_port
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
+from rose.testing.polling import until
 
 
 def _beat(*, service="scheduler", instance="scheduler-1", host="box", age=0.0, state="ready", interval=1.0) -> Heartbeat:
@@ -133,9 +134,12 @@ async def test_the_core_nats_fallback_hears_only_the_services_own_heartbeats(sec
         Bus(_own(server, creds, "rollout_worker"), service="rollout_worker", instance="rw-live") as live,
     ):
         listening = asyncio.create_task(_live_heartbeats(checker, "rollout_worker", 30.0))
-        while not listening.done():  # until the subscription is in place and hears one
+
+        async def heard() -> bool:  # once the subscription is in place, it hears one
             await live.publish(HEARTBEAT, _beat(service="rollout_worker", instance="rw-live"), service="rollout_worker", instance="rw-live")
-            await asyncio.sleep(0.1)
+            return listening.done()
+
+        await until(heard, 30, "the fallback hearing a heartbeat", step=0.1)
         assert "rw-live" in {b.instance for b in listening.result()}
         with pytest.raises(PermissionDenied):
             await checker.subscribe(HEARTBEAT, lambda *_: asyncio.sleep(0), service="scheduler")

@@ -19,7 +19,6 @@ carry on.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -59,7 +58,7 @@ from rose.shared.nats_server import (
     free_ports,
 )
 from rose.shared.security import CLUSTER_INCLUDE, OPERATOR, ROUTE_SECRET, ROUTE_USER, SEED_SUFFIX, SERVER_INCLUDE, init_credentials
-from rose.testing.polling import until
+from rose.testing.polling import retrying, until, within
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "compose" / "nats"
@@ -293,23 +292,20 @@ async def test_compose_cluster_runs_with_auth_as_local_processes(tmp_path):
         _stop(procs)
 
 
+# what JetStream answers while a new leader is elected (a node killed, a cluster still forming)
+ELECTION_ERRORS = (
+    TimeoutError,
+    APIError,
+    NoStreamResponseError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+)
+
+
 async def _retry(what: str, fn, timeout: float = RETRY_S):
     """Call `fn()` until it succeeds: JetStream answers 503/timeouts while a new leader is elected."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await fn()
-        except (
-            TimeoutError,
-            APIError,
-            NoStreamResponseError,
-            nats.errors.TimeoutError,
-            nats.errors.NoRespondersError,
-            nats.errors.ConnectionReconnectingError,
-        ) as exc:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} still failing {timeout:.0f}s after the node kill: {exc!r}") from exc
-            await asyncio.sleep(0.3)
+    return await retrying(fn, ELECTION_ERRORS, timeout, what, step=0.3)
 
 
 def _rose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -452,9 +448,7 @@ async def test_r3_cluster_keeps_working_after_a_node_is_killed(tmp_path):
                 seen.append(event.reason)
 
             await _retry("consumer", lambda: bus.consume(SERVICE_EVENT, collect, durable="r3-probe", service="r3probe"))
-            deadline = time.monotonic() + RETRY_S
-            while len(seen) < len(before + after) and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+            await within(lambda: len(seen) >= len(before + after), RETRY_S, step=0.2)
             assert sorted(seen) == sorted(before + after)
 
             # The service kept heartbeating into the R3 KV bucket through the failover.

@@ -13,6 +13,7 @@ from rose.services.executor.config import ExecutorConfig
 from rose.services.executor.leases import LeaseGuard
 from rose.services.executor.policies import POLICY_NAMES, make_policy
 from rose.shared.config import load_config
+from rose.testing.polling import until
 
 
 class StubEngine:
@@ -93,10 +94,6 @@ async def test_the_executor_publishes_its_own_burst_alert_at_the_arrival_that_tr
         for i in range(12)
     ]
     await asyncio.gather(*(h.result() for h in handles))
-    for _ in range(100):
-        if got:
-            break
-        await asyncio.sleep(0.01)
-    assert got, "no burst alert arrived on executor.burst"
+    await until(lambda: got, timeout=5, what="a burst alert on executor.burst", step=0.01)
     alert = got[0][0]
     assert alert.executor_id == "ex-burst" and alert.severity == "burst" and "queue" in alert.reason and alert.serving_queue >= 4

@@ -93,20 +93,20 @@ async def test_rose_lends_the_idle_serving_core_and_serves_the_same_tokens(make_
     alone = make_engine("serving_only")
     reference = [await alone.submit(_serving(i)).result() for i in range(6)]
     engine = make_engine("rose")
-    if not engine._cores.enabled:  # a one-core machine: there is no second core to lend (asserted, not skipped)
+    if not engine.core_lending.enabled:  # a one-core machine: there is no second core to lend (asserted, not skipped)
         assert engine.device.max_lane_width(1) == 1
         return
     serving, rollouts = await _serve_beside_rollout(engine)
     assert [r.token_ids for r in serving] == [r.token_ids for r in reference]
     assert all(len(r.token_ids) == 24 and r.finish_reason == "length" for r in rollouts)
-    assert engine._cores.returns > 0  # the rollout lane spanned the serving core and gave it back
+    assert engine.core_lending.returns > 0  # the rollout lane spanned the serving core and gave it back
 
 
 async def test_static_partition_never_lends_the_serving_core(make_engine):
     engine = make_engine("static_partition")
-    assert not engine._cores.enabled
+    assert not engine.core_lending.enabled
     await _serve_beside_rollout(engine, n_serving=2, n_rollout=2)
-    assert engine._cores.returns == 0 and not engine._cores.is_wide
+    assert engine.core_lending.returns == 0 and not engine.core_lending.is_wide
 
 
 def test_rose_pauses_rollout_as_a_burst_fills_the_serving_batch():
@@ -272,7 +272,7 @@ async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):
     for i in range(3):
         await engine.submit(_serving(i)).result()
         await asyncio.sleep(0.02)  # serving idles: its core is lent, nobody takes it
-    assert not engine._cores.is_wide and engine._cores.returns == 0
+    assert not engine.core_lending.is_wide and engine.core_lending.returns == 0
 
 
 def test_the_executor_setting_turns_lending_off(model_paths):
@@ -283,6 +283,6 @@ def test_the_executor_setting_turns_lending_off(model_paths):
 
     models = {"ROSE_MODELS__SERVING_DIR": str(model_paths.serving), "ROSE_MODELS__POLICY_DIR": str(model_paths.policy), "ROSE_ENGINE__DEVICE": "cpu"}
     on = build_engine(load_config(ExecutorConfig, env=models))
-    assert on._cores.enabled == (on.device.max_lane_width(1) > 1)  # on by default wherever there is a core to lend
+    assert on.core_lending.enabled == (on.device.max_lane_width(1) > 1)  # on by default wherever there is a core to lend
     off = build_engine(load_config(ExecutorConfig, env={**models, "ROSE_ENGINE__LEND_SERVING_CORE": "false"}))
-    assert not off._cores.enabled
+    assert not off.core_lending.enabled

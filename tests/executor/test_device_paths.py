@@ -57,7 +57,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("device", DEVICES)
 def test_serving_and_rollout_lanes_get_prioritised_streams_on_cuda_and_threads_on_cpu(model_dirs, device):
     engine = _engine(model_dirs, device)
-    serving, rollout = engine._serving.lane, engine._rollout.lane
+    serving, rollout = engine.lane_for(WorkClass.SERVING), engine.lane_for(WorkClass.ROLLOUT)
     assert serving is not rollout
     if device == "cuda":
         assert serving.stream.device.type == rollout.stream.device.type == "cuda"
@@ -65,8 +65,9 @@ def test_serving_and_rollout_lanes_get_prioritised_streams_on_cuda_and_threads_o
         assert engine.device.lanes_overlap(1)  # two streams share the SMs: a serving arrival makes rollout yield
     else:
         assert serving.stream is None and rollout.stream is None  # each lane is its own thread on its own core
-    for runtime in (engine._serving, engine._rollout):
-        assert runtime.pool.k.device.type == device and runtime.pool.k.dtype == _dtype(device)
+    for work_class in WorkClass:
+        pool = engine.pool_for(work_class)
+        assert pool.k.device.type == device and pool.k.dtype == _dtype(device)
 
 
 @pytest.mark.parametrize(("device", "dtype", "tolerance"), FORWARD_CASES)
@@ -99,7 +100,7 @@ def test_the_packed_paged_forward_matches_hf_on_the_device(model_dirs, device, d
 @pytest.mark.parametrize("device", DEVICES)
 def test_both_classes_generate_on_the_device_and_telemetry_reports_it(model_dirs, device):
     engine = _engine(model_dirs, device)
-    vocab = min(engine._serving.model.config.vocab_size, engine._rollout.model.config.vocab_size)
+    vocab = min(engine.model_for(work_class).config.vocab_size for work_class in WorkClass)
 
     async def run():
         engine.start()
@@ -141,12 +142,12 @@ def test_both_classes_generate_on_the_device_and_telemetry_reports_it(model_dirs
     assert 0.0 <= telemetry["utilization"] <= 1.0 and telemetry["process_rss_bytes"] > 0
     if device == "cuda":
         assert "NVIDIA" in telemetry["name"] or torch.cuda.get_device_name() in telemetry["name"]  # from nvidia-ml-py
-        for runtime in (engine._serving, engine._rollout):  # decode steps were graph replays, on both lanes
-            assert runtime.runner.graphs is not None and runtime.runner.graphs.replays > 0
-        for runtime in (engine._serving, engine._rollout):  # each lane captured its common buckets before its first request
-            assert runtime.runner.graphs.captures >= len(runtime.runner.graphs.batch_buckets) and runtime.runner.graph_failures == 0
+        for runner in map(engine.runner_for, WorkClass):  # decode steps were graph replays, on both lanes
+            assert runner.graphs is not None and runner.graphs.replays > 0
+        for runner in map(engine.runner_for, WorkClass):  # each lane captured its common buckets before its first request
+            assert runner.graphs.captures >= len(runner.graphs.batch_buckets) and runner.graph_failures == 0
     else:
-        assert engine._serving.runner.graphs is None and engine._rollout.runner.graphs is None
+        assert engine.cuda_graph_stats() == {"serving": None, "rollout": None}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,7 +155,7 @@ def test_rollout_memory_given_back_and_taken_again_is_device_memory(model_dirs, 
     """``release_rollout_memory`` reports the bytes it gave back; on a GPU the allocator shows the
     same bytes leaving the device (KV pool storage; policy weights moved to pinned host memory)."""
     engine = _engine(model_dirs, device)  # not started: controls run at once
-    pool, policy = engine._rollout.pool, engine._rollout.model
+    pool, policy = engine.pool_for(WorkClass.ROLLOUT), engine.model_for(WorkClass.ROLLOUT)
     pool_bytes = pool.num_blocks * pool.block_bytes
     weight_bytes = sum(t.numel() * t.element_size() for t in list(policy.parameters()) + list(policy.buffers()))
     allocated = torch.cuda.memory_allocated if device == "cuda" else (lambda: 0)
@@ -186,7 +187,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     in on the device between iterations; the serving model is never touched; a misfit update
     leaves the old version serving."""
     engine = _engine(model_dirs, device)  # not started: the swap runs at once
-    policy, serving = engine._rollout.model, engine._serving.model
+    policy, serving = engine.model_for(WorkClass.ROLLOUT), engine.model_for(WorkClass.SERVING)
     serving_before = {n: t.clone() for n, t in serving.state_dict().items()}
     gen = torch.Generator().manual_seed(7)
     name = "model.layers.0.mlp.down_proj.weight"
@@ -201,7 +202,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     assert swapped.device.type == device and torch.equal(swapped.cpu(), new)
     assert all(torch.equal(t, serving_before[n]) for n, t in serving.state_dict().items())
     # the paged forward reads the new weights, as HF's forward does
-    runner = engine._rollout.runner
+    runner = engine.runner_for(WorkClass.ROLLOUT)
     with torch.inference_mode():
         ref = policy(torch.arange(3, 15, device=device)[None]).logits[0, -1].float()
     runner.pool.set_budget_bytes(runner.pool.block_bytes)

@@ -77,7 +77,7 @@ async def test_budget_shrink_evicts_lru_prefix_then_preempts(make_engine):
     per_entry = pool.cached_blocks // 3
     engine.set_rollout_budget((pool.used_blocks - per_entry) * pool.block_bytes)
     await asyncio.sleep(0.05)
-    assert list(engine.prefix_cache._entries) == ["traj1", "traj2"]  # the oldest went first
+    assert list(engine.prefix_cache.entries()) == ["traj1", "traj2"]  # the oldest went first
     serving_before = engine.stats().serving_pool
     assert serving_before.used_blocks == 0 and serving_before.total_blocks == TEST_CONFIG.serving_kv_bytes // serving_before.block_bytes
 
@@ -157,7 +157,7 @@ async def test_invalid_requests_raise_before_queueing(make_engine, kw, words):
 
 async def test_weight_update_is_atomic_and_validated(make_engine):
     engine = make_engine(fresh_policy=True)
-    model = engine._rollout.model
+    model = engine.model_for(WorkClass.ROLLOUT)
     params = dict(temperature=0, max_tokens=10, ignore_eos=True)
     before = await generate(engine, req(engine, "b", **params))
     serving_before = await generate(engine, req(engine, "sb", WorkClass.SERVING, **params))

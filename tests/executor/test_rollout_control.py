@@ -80,13 +80,13 @@ async def test_release_and_resume_rollout_memory(make_engine):
     engine = make_engine()
     reference = await generate(engine, req(engine, "ref", **PARAMS))
     handle, _ = await _started(engine, "r")
-    pool = engine._rollout.pool
+    pool = engine.pool_for(WorkClass.ROLLOUT)
     freed = await asyncio.wrap_future(engine.release_rollout_memory(("kv_cache", "weights")))
     assert freed["kv_cache"] == pool.num_blocks * pool.block_bytes and pool.released
     assert freed["weights"] == 0  # CPU: the weights already live in host memory
     assert engine.released_memory == {"kv_cache", "weights"}
     await asyncio.sleep(0.2)
-    assert not handle._result.done()  # held, not failed
+    assert not handle.done()  # held, not failed
     restored = await asyncio.wrap_future(engine.resume_rollout_memory(("kv_cache", "weights")))
     assert restored["kv_cache"] == freed["kv_cache"] and not pool.released
     result = await handle.result()

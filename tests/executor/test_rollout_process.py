@@ -13,9 +13,10 @@ import torch
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.forward_item import ForwardItem
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
-from rose.services.executor.rollout_process import HELD, WIDTH, ProcessRunner, _Samplers
+from rose.services.executor.rollout_process import ProcessRunner, _Samplers
 from rose.services.executor.sampling import SamplerState
 from rose.shared.models import load_model
+from rose.testing.polling import until_sync
 
 # one torch thread throughout: a lane widened over a lent core for some layers rounds differently
 
@@ -57,7 +58,7 @@ def _same(a, b) -> bool:
 
 
 def _runner(engine) -> ProcessRunner:
-    runner = engine._rollout.runner
+    runner = engine.runner_for(WorkClass.ROLLOUT)
     assert isinstance(runner, ProcessRunner) and runner.child_pid != os.getpid()
     return runner
 
@@ -72,7 +73,7 @@ async def test_the_child_samples_exactly_what_the_engine_would(make_engine):
     assert _same(await _generate(there, _turns("b")), await _generate(here, _turns("b")))
     assert there.stats().device["process_rss_bytes"] > here.stats().device["process_rss_bytes"]  # the child's memory counts
     # the policy's occupancy guard applies only where rollout ops hand the serving lane's interpreter lock over
-    assert here._signals().shares_interpreter and not there._signals().shares_interpreter
+    assert here.rollout_shares_interpreter and not there.rollout_shares_interpreter
 
 
 def test_the_child_is_sent_weights_that_need_no_transformers(model_paths):
@@ -143,7 +144,7 @@ def _long_prefill(make_engine) -> tuple[ProcessRunner, list[ForwardItem]]:
     """An in-child engine's runner and a 4k-token prefill (16 x 256): it outlasts the engine's 1 ms
     polls, so the child meets the engine's stop or hold at one of its layer safepoints."""
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
-    pool = engine._rollout.pool
+    pool = engine.pool_for(WorkClass.ROLLOUT)
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
     tokens = 256
     return _runner(engine), [ForwardItem(pool.allocate(pool.blocks_for(tokens)), 0, list(range(10, 10 + tokens))) for _ in range(16)]
@@ -165,20 +166,20 @@ def test_a_held_forward_waits_at_a_safepoint_and_goes_on_where_it_was(loaded, ma
     params = EngineSampling(temperature=1.0)
     free = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))])
     asked = []  # the hold condition's answers, one per poll
-    before = runner._ctl[HELD]
+    before = runner.held_polls
     held_at = []  # the poll at which the child was first seen held
 
     def burst() -> bool:
         """The engine's hold condition: on until the child has held at a safepoint, then 30 polls (~30 ms)
         more. Not a fixed number of polls from the start: on a loaded host the child (at idle priority)
         may not run within them, and its forward would never meet the hold."""
-        if not held_at and runner._ctl[HELD] > before:
+        if not held_at and runner.held_polls > before:
             held_at.append(len(asked))
         asked.append(len(asked) < 20_000 if not held_at else len(asked) - held_at[0] < 30)
         return asked[-1]
 
     held = runner.forward_sample(items, [(0, SamplerState(params, 3)), (5, SamplerState(params, 4))], should_hold=burst)
-    assert runner._ctl[HELD] > before  # a 4k-token prefill: the child reached a safepoint while held
+    assert runner.held_polls > before  # a 4k-token prefill: the child reached a safepoint while held
     assert held == free and len(asked) > 30
     stopped = runner.forward_sample(
         items, [(0, SamplerState(params, 3))], should_stop=lambda: len(asked) > 40, should_hold=lambda: asked.append(True) or True
@@ -200,9 +201,9 @@ def test_a_held_forward_is_asked_again_at_the_serving_pace_not_every_poll(loaded
         asked.append(time.monotonic())
         return asked[-1] - start < 0.3
 
-    before = runner._ctl[HELD]
+    before = runner.held_polls
     held = runner.forward_sample(items, [(0, SamplerState(params, 3))], should_hold=burst)
-    assert runner._ctl[HELD] > before and held == free
+    assert runner.held_polls > before and held == free
     during = [t for t in asked if t - start < 0.3]
     assert len(during) <= 0.3 / 0.02 + 3, len(during)  # ~15 asks, not ~300 at POLL_S
 
@@ -241,15 +242,15 @@ def test_holding_in_process_waits_and_stop_still_wins():
 def test_the_child_takes_the_width_core_lending_asks_for(loaded, make_engine):
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
     runner = _runner(engine)
-    pool = engine._rollout.pool
+    pool = engine.pool_for(WorkClass.ROLLOUT)
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
     items = [ForwardItem(pool.allocate(1), 0, [11, 12, 13])]
     runner.set_width(2)  # idle child: nothing to wait for
     runner.forward_sample(items, [])
-    assert runner._ctl[WIDTH] == 2  # applied at the forward's first safepoint
+    assert runner.width == 2  # applied at the forward's first safepoint
     runner.set_width(1)
     runner.forward_sample(items, [])
-    assert runner._ctl[WIDTH] == 1
+    assert runner.width == 1
 
 
 def test_a_guest_rollout_child_runs_at_idle_priority_with_every_thread_it_starts(loaded, make_engine):
@@ -262,7 +263,7 @@ def test_a_guest_rollout_child_runs_at_idle_priority_with_every_thread_it_starts
     for policy, guest, expected in cases:
         engine = make_engine(policy, config=dataclasses.replace(IN_CHILD, rollout_is_guest=guest), fresh_policy=True)
         runner = _runner(engine)
-        pool = engine._rollout.pool
+        pool = engine.pool_for(WorkClass.ROLLOUT)
         pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
         runner.set_width(2)
         runner.forward_sample([ForwardItem(pool.allocate(1), 0, [11, 12, 13])], [])
@@ -289,7 +290,7 @@ def test_too_little_shared_memory_keeps_the_forwards_in_process(make_engine, mon
 
     monkeypatch.setattr(rollout_process, "SHM_DIR", str(tmp_path / "no-tmpfs-here"))
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
-    assert not isinstance(engine._rollout.runner, ProcessRunner)
+    assert not isinstance(engine.runner_for(WorkClass.ROLLOUT), ProcessRunner)
     assert "shared memory lacks" in caplog.text
 
 
@@ -313,7 +314,8 @@ async def test_the_rollout_lane_outlives_a_child_that_dies_twice(make_engine, mo
     assert "an iteration failed" in caplog.text and runner.restarts == 1
     after = await engine.submit(_turns("alive", 1)[0]).result()
     assert after.finish_reason == "length" and len(after.token_ids) == 12
-    assert engine._rollout.pool.usage().used_blocks == sum(len(s.blocks) for s in engine._rollout.running) + engine.prefix_cache.cached_blocks
+    assert engine.queue_lengths(WorkClass.ROLLOUT) == (0, 0)  # nothing left running: the pool holds the retained prefixes alone
+    assert engine.pool_for(WorkClass.ROLLOUT).usage().used_blocks == engine.prefix_cache.cached_blocks
     health = await _health(engine)
     assert health[0] == 200, health  # production traffic never touches the rollout lane
     assert health[1]["status"] == "degraded" and health[1]["lane_failures"] == 1
@@ -344,7 +346,7 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
 
     engine = make_engine(config=HERE)
     assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 0})
-    runner, failures = engine._serving.runner, []
+    runner, failures = engine.runner_for(WorkClass.SERVING), []
     real = runner.forward_sample
 
     def fails_once(*args, **kwargs):  # fault injection: one serving forward raises
@@ -390,7 +392,7 @@ def _fresh_child_forward(runner: ProcessRunner, items) -> torch.Tensor:
 async def test_a_flip_serves_the_new_version_whole_and_bit_exact(make_engine):
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
     runner = _runner(engine)
-    pool = engine._rollout.pool
+    pool = engine.pool_for(WorkClass.ROLLOUT)
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
     items = [
         ForwardItem(pool.allocate(pool.blocks_for(24)), 0, list(range(40, 64))),
@@ -431,17 +433,14 @@ def test_a_forward_in_flight_during_an_update_sees_the_old_weights_whole(loaded,
     new = {n: t + 0.05 for n, t in runner.model.state_dict().items() if n.endswith(("up_proj.weight", "down_proj.weight", "q_proj.weight"))}
     staged = stage(runner.model, new, 1)
     written, out = threading.Event(), {}
-    before = runner._ctl[HELD]
+    before = runner.held_polls
 
     def forward() -> None:
         out["held"] = runner.forward_sample(items, samples(), should_hold=lambda: not written.is_set())
 
     t = threading.Thread(target=forward)
     t.start()
-    deadline = time.monotonic() + 60
-    while runner._ctl[HELD] == before and time.monotonic() < deadline:  # the child is inside the forward, at a layer
-        time.sleep(0.001)
-    assert runner._ctl[HELD] > before
+    until_sync(lambda: runner.held_polls > before, timeout=60, what="the child holding inside the forward, at a layer", step=0.001)
     runner.prepare_weights(staged)  # the whole new version written meanwhile (into the standby bank)
     written.set()
     t.join(60)

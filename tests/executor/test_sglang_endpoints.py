@@ -14,9 +14,11 @@ from safetensors.torch import save_file
 
 from rose.services.executor.config import SGLangApiSettings
 from rose.services.executor.http_api import OpenAIApi
+from rose.services.executor.protocol import WorkClass
 from rose.services.executor.sglang_api import SGLangApi
 from rose.services.executor.sglang_tensors import serialize_named_tensors
 from rose.services.executor.telemetry import Telemetry
+from rose.testing.polling import until
 from rose.testing.sglang_sender import flattened_tensor_metadata
 
 OPEN = SGLangApiSettings(allow_unauthenticated_admin=True)
@@ -53,7 +55,7 @@ async def post(session, url, body=None, **kw):
 
 async def test_generate_shape_matches_sglang(serve):
     session, base, engine, _ = await serve()
-    ids = engine.tokenizer_for(engine._rollout.work_class).encode("What is 2+3?")
+    ids = engine.tokenizer_for(WorkClass.ROLLOUT).encode("What is 2+3?")
     status, out = await post(session, f"{base}/generate", {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, "rid": "r1"})
     assert status == 200, out
     meta = out["meta_info"]
@@ -149,8 +151,7 @@ async def test_pause_abort_returns_partial_outputs_and_continue_resumes(serve):
     session, base, engine, _ = await serve()
     long = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
     pending = asyncio.create_task(post(session, f"{base}/generate", {"text": "Go", "sampling_params": long, "return_logprob": True}))
-    while not engine.stats().rollout_running:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().rollout_running, 30, "the request running", step=0.01)
     await asyncio.sleep(0.1)
     status, out = await post(session, f"{base}/pause_generation")  # AReaL sends no body: SGLang's default mode is abort
     assert status == 200
@@ -170,8 +171,7 @@ async def test_pause_retract_then_continue_loses_nothing(serve):
     body = {"text": "Go", "sampling_params": {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}}
     _, reference = await post(session, f"{base}/generate", body)
     pending = asyncio.create_task(post(session, f"{base}/generate", body))
-    while not engine.stats().rollout_running:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().rollout_running, 30, "the request running", step=0.01)
     await asyncio.sleep(0.05)
     assert (await post(session, f"{base}/pause_generation", {"mode": "retract"}))[0] == 200
     await asyncio.sleep(0.2)
@@ -300,8 +300,7 @@ async def test_version_label_memory_cache_abort_info_and_metrics(serve):
 
     long = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
     pending = asyncio.create_task(post(session, f"{base}/generate", {"text": "Go", "sampling_params": long, "rid": "to-abort"}))
-    while not engine.stats().rollout_running:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().rollout_running, 30, "the request running", step=0.01)
     assert (await post(session, f"{base}/abort_request", {"rid": "to-abort"}))[0] == 200
     _, out = await pending
     assert out["meta_info"]["finish_reason"]["type"] == "abort"

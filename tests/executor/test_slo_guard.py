@@ -13,6 +13,7 @@ from rose.services.executor.engine import EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.slo_guard import RELAX_WINDOWS, SETPOINT, SloGuard
 from rose.shared.bursts import ArrivalBurstDetector, BurstSettings
+from rose.testing.polling import until
 
 SLO_TTFT, SLO_TPOT = 100.0, 20.0
 
@@ -128,7 +129,7 @@ async def test_on_a_real_engine_a_burst_of_arrivals_takes_the_share_before_any_t
     assert trips and "queue" in trips[0].reason  # the alert the executor service publishes
     assert engine.slo_guard.held(time.monotonic())  # and the guard yielded here, before any of them finished
     assert engine.slo_guard.update(time.monotonic()) == 0.0  # the share the rollout lane reads
-    assert not any(h._result.done() for h in burst)
+    assert not any(h.done() for h in burst)
     for h in burst:
         await h.result()
     for h in rollouts:
@@ -146,7 +147,7 @@ async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serv
     assert engine.slo_guard.share == 1.0
     shares: list[float] = []
     flood = [engine.submit(_serving(i)) for i in range(32)]
-    while not all(h._result.done() for h in flood):
+    while not all(h.done() for h in flood):
         shares.append(engine.slo_guard.share)
         await asyncio.sleep(0.002)
     results = [await h.result() for h in flood]
@@ -154,9 +155,8 @@ async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serv
     assert min(shares) < 0.5  # and the guard tightened while it lasted
     low = engine.stats().slo_guard.share
     # the flood's samples age out of the window, then the share climbs back (a step per control period)
-    deadline = time.monotonic() + 2 * engine.slo_guard.window_s + 5.0
-    while engine.stats().slo_guard.share <= 2 * low + 0.1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert engine.stats().slo_guard.share > 2 * low + 0.1
+    await until(
+        lambda: engine.stats().slo_guard.share > 2 * low + 0.1, 2 * engine.slo_guard.window_s + 5.0, "the share climbing back past twice its low"
+    )
     for h in rollouts:
         h.cancel()

@@ -17,6 +17,7 @@ from rose.contracts import DeadLetter, GenerateRequest, Lease, SamplingParams, W
 from rose.contracts.registry import DEAD_LETTER, GENERATE, LEASE, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST
 from rose.shared.bus import Delivery
 from rose.shared.models import load_model
+from rose.testing.polling import retrying
 
 TIMEOUT_S = 60.0
 
@@ -32,15 +33,7 @@ def publisher(nats_server, tmp_path, state_dir):
 
 
 async def _publish(client: WeightsClient, state: dict[str, torch.Tensor], version: int) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        try:
-            await client.publish(state, version)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.25)  # the publisher is still starting
+    await retrying(lambda: client.publish(state, version), Exception, TIMEOUT_S, "publishing (the publisher still starting)")
     await client.published(version, timeout=TIMEOUT_S)
 
 

@@ -4,8 +4,6 @@ rollout gateway (running GATEWAY_AGENT for each agent task)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +15,7 @@ from rose.shared.launch import ServiceProcess, start_all, stop_all
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.testing.fleet import DEDICATED, GATEWAY, SERVING, WORKER
+from rose.testing.polling import within
 
 START_TIMEOUT_S = 120.0
 
@@ -71,12 +70,13 @@ class Fleet:
         await p.wait_ready(self.bus, START_TIMEOUT_S)
 
     async def wait_trajectories(self, task_ids: set[str], timeout: float) -> dict[str, object]:
-        deadline = time.monotonic() + timeout
-        while True:
-            got = {t.task_id: t for t in self.trajectories if t.task_id in task_ids}
-            if set(got) == task_ids or time.monotonic() > deadline:
-                return got
-            await asyncio.sleep(0.2)
+        """The trajectories of `task_ids` published within `timeout`: all of them, or those that came."""
+
+        def got() -> dict[str, object]:
+            return {t.task_id: t for t in self.trajectories if t.task_id in task_ids}
+
+        await within(lambda: set(got()) == task_ids, timeout, step=0.2)
+        return got()
 
 
 @pytest.fixture(scope="module")

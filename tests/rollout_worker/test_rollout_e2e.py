@@ -17,6 +17,7 @@ from rose.contracts.registry import AGENT_TASK, EPISODE_EVENT, GENERATE, LEASE, 
 from rose.contracts.rollout import RolloutTask
 from rose.shared.task_queue import still_queued
 from rose.testing.fleet import DEDICATED, GATEWAY, SERVING
+from rose.testing.polling import until, within
 
 TRAJECTORY_TIMEOUT_S = 150.0
 
@@ -51,13 +52,11 @@ def _check_trajectory(t, turns: int, max_tokens: int = 8) -> None:
 
 
 async def test_multi_turn_episodes_run_on_leased_and_dedicated_executors(fleet):
-    lease = None
-    for _ in range(100):  # the scheduler lends the idle serving executor to rollout
+    async def active_lease():  # the scheduler lends the idle serving executor to rollout
         lease = await fleet.bus.kv_get(LEASE, executor_id=SERVING)
-        if lease is not None and lease.state == "active":
-            break
-        await asyncio.sleep(0.2)
-    assert lease is not None and lease.state == "active", "the idle serving executor was never leased"
+        return lease is not None and lease.state == "active"
+
+    await until(active_lease, 30, "a lease on the idle serving executor", step=0.2)
     ids = await _publish_tasks(fleet.bus, 8, 3, f"basic-{uuid.uuid4().hex[:6]}")
     got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
     assert set(got) == ids
@@ -72,13 +71,12 @@ async def test_multi_turn_episodes_run_on_leased_and_dedicated_executors(fleet):
 
 async def test_revoked_lease_interrupts_the_turn_with_its_tokens(fleet):
     bus = fleet.bus
-    lease = None
-    for _ in range(100):
+
+    async def lasting_lease():
         lease = await bus.kv_get(LEASE, executor_id=SERVING)
-        if lease is not None and lease.state == "active" and lease.expires_at > time.time() + 1:
-            break
-        await asyncio.sleep(0.2)
-    assert lease is not None and lease.state == "active"
+        return lease if lease is not None and lease.state == "active" and lease.expires_at > time.time() + 1 else None
+
+    lease = await until(lasting_lease, 30, "an active lease on the serving executor, a second from its expiry or more", step=0.2)
     long_turn = GenerateRequest(
         request_id=f"long-{time.monotonic_ns()}",
         trajectory_id=f"long-{time.monotonic_ns()}",
@@ -106,11 +104,8 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     def done() -> int:
         return len({t.task_id for t in fleet.trajectories if t.task_id in ids})
 
-    async def until_done(n: int) -> None:
-        for _ in range(1200):
-            if done() >= n:
-                return
-            await asyncio.sleep(0.05)
+    async def until_done(n: int) -> None:  # or a minute passed: the checks after it say what happened
+        await within(lambda: done() >= n, 60)
 
     await until_done(1)  # episodes are mid-flight on both executors
     fleet.proc("serving").kill()  # kill -9 the opportunistic executor mid-rollout
@@ -153,11 +148,12 @@ async def test_agents_through_the_gateway_survive_its_kill(fleet):
         await bus.publish(AGENT_TASK, task, msg_id=task.task_id)
         ids.add(task.task_id)
     before = len(fleet.trajectories)
-    for _ in range(600):  # until some episode has turns checkpointed, none has finished
+
+    async def turns_checkpointed() -> bool:  # some episode has turns checkpointed, none has finished
         beat = await bus.kv_get(SERVICE_REGISTRY, service="gateway", instance=GATEWAY)
-        if beat is not None and beat.load.get("turns", 0) >= 3:
-            break
-        await asyncio.sleep(0.05)
+        return beat is not None and beat.load.get("turns", 0) >= 3
+
+    await within(turns_checkpointed, 30)  # or not yet: the kill comes anyway
     fleet.proc("gateway").kill()
     assert not {t.task_id for t in fleet.trajectories[before:]} & ids, "an episode finished before the kill"
     fleet.proc("gateway").start()

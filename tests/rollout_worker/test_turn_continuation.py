@@ -34,6 +34,7 @@ from rose.services.executor.rollout_api import RolloutApi
 from rose.shared.models import load_model, load_tokenizer
 from rose.shared.turns.runner import TurnRunner, TurnSpec
 from rose.shared.turns.settings import TurnSettings
+from rose.testing.polling import until, within
 
 MIB = 1 << 20
 CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)
@@ -74,12 +75,8 @@ class Executor:
 
         await bus.serve(GENERATE, generate, executor_id=self.executor_id)
 
-    def stop(self) -> None:
-        self.engine._stopping = True  # as tests/executor/conftest.py's make_engine stops its engines
-        for rt in (self.engine._serving, self.engine._rollout):
-            rt.wakeup.set()
-        for t in self.engine._threads:
-            t.join()
+    async def stop(self) -> None:
+        await self.engine.stop()  # as tests/executor/conftest.py's make_engine stops its engines
 
 
 @pytest.fixture
@@ -90,8 +87,8 @@ async def executors(bus, models_dir):
     pause = await asyncio.wrap_future(dedicated.engine.apply_policy_weights(dedicated.engine.policy_state_dict(), DEDICATED_VERSION))
     assert pause >= 0 and dedicated.engine.policy_version == DEDICATED_VERSION
     yield serving, dedicated
-    serving.stop()
-    dedicated.stop()
+    await serving.stop()
+    await dedicated.stop()
 
 
 def _lease(state: str) -> Lease:
@@ -111,11 +108,7 @@ def _lease(state: str) -> Lease:
 
 async def _grant(bus, serving: Executor) -> None:
     await bus.kv_put(LEASE, _lease("active"), executor_id=SERVING)
-    for _ in range(200):
-        if serving.guard.current is not None:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the serving executor never saw its lease")
+    await until(lambda: serving.guard.current is not None, 10, "the serving executor seeing its lease", step=0.02)
 
 
 async def _scheduler(bus, hedge: str = "", seen: list[TurnRouteRequest] | None = None) -> None:
@@ -168,11 +161,7 @@ async def test_revoked_turn_continues_elsewhere_from_its_tokens(bus, executors):
     runner = TurnRunner(bus, SETTINGS)
     serving.engine.stats()  # start the engine's token count from here
     turn = asyncio.ensure_future(runner.run(_spec("tc-revoke", prompt)))
-    produced = 0.0
-    while produced < 3 and not turn.done():  # a few tokens on the serving executor, then the scheduler revokes its lease
-        await asyncio.sleep(0.005)
-        s = serving.engine.stats()
-        produced += s.rollout_tokens_per_s * s.interval_s
+    await _tokens_on(serving, 3, turn)  # a few tokens on the serving executor, then the scheduler revokes its lease
     await bus.kv_put(LEASE, _lease("revoked"), executor_id=SERVING)
     record = await asyncio.wait_for(turn, timeout=60.0)
 
@@ -191,17 +180,22 @@ async def test_revoked_turn_continues_elsewhere_from_its_tokens(bus, executors):
     assert record.executor_id == DEDICATED and record.attempts == 2 and runner.stats["resumed"] == 1
 
 
-def _parked(until: float) -> Lease:
+def _parked(park_until: float) -> Lease:
     """The lease as the scheduler writes it on a burst alert (scheduler/leases.py revoke_for_alert)."""
-    return msgspec.structs.replace(_lease("revoked"), reason="burst: test", park_until=until)
+    return msgspec.structs.replace(_lease("revoked"), reason="burst: test", park_until=park_until)
 
 
 async def _tokens_on(ex: Executor, at_least: float, turn: asyncio.Future) -> None:
+    """Until `ex` has made `at_least` rollout tokens since its last stats() (or the turn is over)."""
     produced = 0.0
-    while produced < at_least and not turn.done():
-        await asyncio.sleep(0.005)
+
+    def enough() -> bool:
+        nonlocal produced
         s = ex.engine.stats()
         produced += s.rollout_tokens_per_s * s.interval_s
+        return produced >= at_least or turn.done()
+
+    await until(enough, 60, f"{at_least:.0f} rollout tokens on {ex.executor_id}", step=0.005)
 
 
 async def _parked_turn(bus, executors, trajectory: str, park_s: float):
@@ -219,13 +213,10 @@ async def _parked_turn(bus, executors, trajectory: str, park_s: float):
     await _tokens_on(serving, 3, turn)
     await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))
     try:
-        until = time.time() + park_s
-        await bus.kv_put(LEASE, _parked(until), executor_id=SERVING)
-        for _ in range(200):
-            if serving.guard.parked_until is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert serving.guard.parked_until == until and not turn.done()
+        park_until = time.time() + park_s
+        await bus.kv_put(LEASE, _parked(park_until), executor_id=SERVING)
+        await within(lambda: serving.guard.parked_until is not None, 5, step=0.01)
+        assert serving.guard.parked_until == park_until and not turn.done()
     finally:
         serving.engine.continue_rollout()  # the hold ends; the park alone keeps rollout from running now
     return turn, runner, prompt, reference
@@ -298,11 +289,9 @@ async def test_hedge_from_the_route_wins_and_the_other_copy_is_aborted(bus, exec
         hedge = next(r for r in dedicated.requests if r.trajectory_id == "tc-hedge")
         assert primary.prompt_token_ids == hedge.prompt_token_ids == prompt
         # the held copy was aborted on its executor: it answered "failed" and the engine no longer holds the turn
-        for _ in range(200):
-            if any(r.request_id == primary.request_id for r in serving.replies):
-                break
-            await asyncio.sleep(0.02)
-        dropped = next(r for r in serving.replies if r.request_id == primary.request_id)
+        dropped = await until(
+            lambda: next((r for r in serving.replies if r.request_id == primary.request_id), None), 10, "the held copy's reply", step=0.02
+        )
         assert dropped.status == "failed" and dropped.finish_reason == "abort" and "aborted by its worker" in dropped.error
         assert serving.engine.rollout_paused == "in_place"
         stats = serving.engine.stats()

@@ -10,6 +10,7 @@ from rose.contracts.registry import GENERATE, ROUTE_TURN
 from rose.contracts.rollout import RolloutTask, TurnRoute, TurnRouteRequest
 from rose.shared.turns.runner import TurnRunner, TurnSpec
 from rose.shared.turns.settings import TurnSettings
+from rose.testing.polling import until
 
 SETTINGS = TurnSettings(hedge_min_s=0.3, hedge_factor=1.5, generate_timeout_s=20.0, retry_backoff_s=0.05)
 
@@ -193,12 +194,7 @@ async def test_a_parked_leased_turn_asks_for_a_hedge_again_until_granted(bus):
     # on a dedicated executor: one refused ask, then the turn waits for its primary
     waiting = asyncio.ensure_future(runner.run(spec("traj-pk-2", max_tokens=3)))
 
-    async def first_ask_came() -> None:  # at the 0.2 s hint
-        while not any(a.trajectory_id == "traj-pk-2" for a in asks):
-            await asyncio.sleep(0.05)
-
-    await asyncio.wait_for(first_ask_came(), timeout=10.0)
-    first_ask = next(a for a in asks if a.trajectory_id == "traj-pk-2")
+    first_ask = await until(lambda: next((a for a in asks if a.trajectory_id == "traj-pk-2"), None), 10, "its first ask (at the 0.2 s hint)")
     await asyncio.sleep(3 * first_ask.elapsed_s + 0.5)  # past the next doubling of its age, with room to spare
     assert [a.trajectory_id for a in asks].count("traj-pk-2") == 1 and not waiting.done()
     released.set()

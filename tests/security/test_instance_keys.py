@@ -172,9 +172,7 @@ async def test_one_executors_key_cannot_act_as_another(server, creds, operator):
             await a.nc.subscribe(f"_INBOX_executor.{B}.>")
             await a.nc.flush()
             await a.nc.flush()
-        assert a.nc._inbox_prefix.decode().startswith(
-            f"_INBOX_executor.{A}"
-        )  # its own replies arrive under its name (its kv_put above got its answer there)
+        assert a.nc.new_inbox().startswith(f"_INBOX_executor.{A}.")  # its own replies arrive under its name (its kv_put above got its answer there)
         with pytest.raises(PermissionDenied):  # the alert is the monitor's to send, as before
             await a.publish(SLO_ALERT, SloAlert(executor_id=A, at=NOW, severity="burst", reason="x"), executor_id=A)
 
@@ -284,9 +282,12 @@ async def test_health_on_an_instance_key_listens_to_that_instance_only(server, c
         Bus(_config(server, seed), service="executor", instance=A) as live,
     ):
         listening = asyncio.create_task(_live_heartbeats(checker, "executor", 30.0, A))
-        while not listening.done():  # until the subscription is in place and hears one
+
+        async def heard() -> bool:  # once the subscription is in place, it hears one
             await live.publish(HEARTBEAT, _beat(A), service="executor", instance=A)
-            await asyncio.sleep(0.1)
+            return listening.done()
+
+        await until(heard, 30, "the fallback hearing a heartbeat", step=0.1)
         assert {b.instance for b in listening.result()} == {A}
         with pytest.raises(PermissionDenied):  # every executor's heartbeats: not on this key
             await _live_heartbeats(checker, "executor", 1.0)

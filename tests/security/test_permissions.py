@@ -39,6 +39,7 @@ from rose.shared.bus import Bus, Delivery, PermissionDenied
 from rose.shared.config import BusConfig
 from rose.shared.security import SEED_SUFFIX, USERS, permissions, public_key
 from rose.shared.weight_store import WeightStore
+from rose.testing.polling import within
 
 NOW = time.time()
 
@@ -158,10 +159,7 @@ async def test_executor_reads_but_cannot_grant_itself_a_lease(as_user, operator)
         assert err.value.subject == "$KV.rose_leases.ex-1"
         with pytest.raises(PermissionDenied):
             await executor.kv_delete(LEASE, executor_id="ex-1")
-        for _ in range(50):
-            if seen:
-                break
-            await asyncio.sleep(0.05)
+        await within(lambda: seen, 5)
         assert seen == ["ex-1"]
     kv = await operator.js.key_value("rose_leases")
     assert (await kv.get("ex-1")).revision == 1  # still the scheduler's one write
@@ -191,10 +189,7 @@ async def test_trainer_publishes_tasks_and_weight_requests_worker_consumes_them(
         )
         assert accepted.version == 1
         await WeightStore(trainer.js, WEIGHTS_STAGING_OBJECTS.bucket).put("policy-v1", b"s" * 1000)  # the staging upload
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.05)
+        await within(lambda: got, 10)
         assert got == ["sec-t1"]
         with pytest.raises(PermissionDenied):  # a worker hands out no work
             await worker.publish(ROLLOUT_TASK, RolloutTask(task_id="sec-t2", env="conversation", prompt="hi"))

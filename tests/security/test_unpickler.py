@@ -15,7 +15,6 @@ import resource
 import secrets
 import subprocess
 import sys
-import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from rose.bench.security import (
     payload_tensors,
 )
 from rose.services.executor.sglang_tensors import UnsafePayload, deserialize_named_tensors, serialize_named_tensors
+from rose.testing.polling import within_sync
 from rose.testing.sglang_sender import flattened_tensor_metadata
 
 HUGE = 16 << 30
@@ -52,9 +52,7 @@ def _stock_load_dials(payload: str, listener: Listener) -> int:
     )
     child = subprocess.Popen([sys.executable, "-c", code, payload], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while listener.connections == 0 and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        within_sync(lambda: listener.connections or child.poll() is not None, 60, step=0.05)
         return _wait_connections(listener, 1.0)
     finally:
         child.kill()
@@ -66,9 +64,7 @@ def _peak_rss() -> int:
 
 
 def _wait_connections(listener: Listener, seconds: float = 1.0) -> int:
-    deadline = time.monotonic() + seconds
-    while listener.connections == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    within_sync(lambda: listener.connections, seconds, step=0.05)
     return listener.connections
 
 

@@ -18,6 +18,7 @@ from rose.shared.bus import Bus
 from rose.shared.config import RuntimeConfig
 from rose.shared.weight_signing import generate_keypair
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import retrying
 
 TIMEOUT = 20.0
 
@@ -57,12 +58,10 @@ async def test_trainer_publisher_executor_with_their_own_credentials(as_user, op
             async with WeightsClient(trainer, "policy-sec") as weights:
                 for version in range(1, 6):  # keyframes at 1, 3, 5: the older ones are pruned
                     state = _state(100 + version)
-                    for _ in range(60):
-                        try:
-                            await weights.publish(state, version)  # staged through the object store
-                            break
-                        except Exception:  # the service is still starting
-                            await asyncio.sleep(0.25)
+                    # staged through the object store; the service may still be starting
+                    await retrying(
+                        lambda state=state, version=version: weights.publish(state, version), Exception, 15, f"publishing version {version}"
+                    )
                     assert (await weights.published(version, timeout=TIMEOUT)).version == version
                     assert await follower.wait_for_version(version, TIMEOUT) == version
                     assert all(torch.equal(executor.state[n], state[n]) for n in state)

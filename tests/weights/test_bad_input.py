@@ -31,7 +31,7 @@ class Setup:
         self.v2 = rl_step(self.v1, 12)
 
     async def start(self, **follower_kw) -> None:
-        await self.pub.publish(as_sources(self.v1), 1)
+        self.v1_manifest = await self.pub.publish(as_sources(self.v1), 1)
         self.executor = Executor(self.v1, 1)
         self.follower = WeightFollower(self.follower_bus, model=self.model, apply=self.executor.apply, **follower_kw)
         await self.follower.start(self.executor.state, 1)
@@ -124,8 +124,7 @@ async def test_older_version(setup):
     await setup.start()
     await setup.announce(setup.staged.manifest)
     assert await setup.follower.wait_for_version(2, TIMEOUT) == 2
-    old = await setup.follower._lookup(version=1)
-    await setup.announce(old)
+    await setup.announce(setup.v1_manifest)
     await until(lambda: len(setup.failures()) >= 1)
     assert setup.failures()[0].kind == "stale" and "not newer" in setup.failures()[0].reason
     assert setup.follower.version == 2 and same(setup.executor.state, setup.v2)

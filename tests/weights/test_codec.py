@@ -104,7 +104,7 @@ def test_streaming_decoder_decodes_frames_as_they_arrive():
         end = min(end, len(payload))
         decoder.buffer[:end] = payload[:end]
         decoder.advance(end)
-    assert decoder._next_frame == len(decoder._meta.frames)  # all frames done before finish()
+    assert decoder.frames_left == 0  # all frames done before finish()
     assert np.array_equal(decoder.finish(), new)
 
 

@@ -19,6 +19,7 @@ from rose.shared.config import RuntimeConfig
 from rose.shared.weight_layout import save_safetensors
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
+from rose.testing.polling import retrying
 from rose.testing.weights import Executor, make_state, rl_step, same
 
 TIMEOUT = 15.0
@@ -39,12 +40,7 @@ async def publisher_service(bus_config):
 
 async def _publish_once_up(client, source, version: int):
     """``client.publish`` retried while the publisher service is still starting (up to 10 s); its acceptance."""
-    for _attempt in range(39):
-        try:
-            return await client.publish(source, version)
-        except Exception:  # the service is still starting
-            await asyncio.sleep(0.25)
-    return await client.publish(source, version)
+    return await retrying(lambda: client.publish(source, version), Exception, 10, "publishing (the service still starting)")
 
 
 async def test_sdk_publish_then_published_then_applied(publisher_service, bus, follower_bus, model_name, tmp_path):

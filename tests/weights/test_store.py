@@ -12,6 +12,7 @@ import pytest
 from nats.js import api
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE
+from nats.nuid import NUID
 
 from rose.contracts.registry import WEIGHTS_OBJECTS
 from rose.shared import weight_store
@@ -50,7 +51,7 @@ async def test_chunks_a_replica_has_not_applied_yet_are_asked_for_again(bus):
     """A direct get may be answered by a follower behind the leader: the meta is there, the last chunk not yet
     (docker compose's 3-node cluster, scripts/compose-check). The reader asks again and gets the whole object."""
     data = os.urandom(300_000)
-    nuid = bus.js._nc._nuid.next().decode()
+    nuid = NUID().next().decode()
     chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=nuid)
     await bus.js.publish(chunks, data[:200_000])
     info = api.ObjectInfo(
