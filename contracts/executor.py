@@ -36,8 +36,6 @@ class GenerateRequest(Message):
     lease_id: str = ""
     lease_epoch: NonNegInt = 0
     min_policy_version: NonNegInt = 0
-    # the scheduler's TurnRoute.priority: among waiting turns, the executor admits higher first (ties: arrival order)
-    priority: NonNegFloat = 0.0
     # Not a turn but an abort: stop the in-flight turn with this request id (of the same trajectory and turn;
     # a hedge's slower copy) so it frees its slot; nothing is generated, the reply says whether it was found.
     abort_request_id: str = ""

@@ -79,9 +79,6 @@ class TurnRoute(Message):
     # a turn placed on leased capacity: still running after this many seconds (its predicted time there), it is
     # late: ask for a hedge (TurnRouteRequest hedge=True), granted on a dedicated executor with a free slot (0: no hint)
     hedge_after_s: NonNegFloat = 0.0
-    # the trajectory's predicted turns left (services/scheduler/placement.py, Outlook): the worker hands it to the
-    # executor, which admits a waiting turn with more left first (longest first shortens a batch's tail); 0: no prediction
-    priority: NonNegFloat = 0.0
 
 
 class PlacementEvent(Message):

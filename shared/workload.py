@@ -17,13 +17,7 @@ published trace; every knob is a field below and a ``rose bench sim`` option):
 - tool output tokens per turn: log-normal, median 400, sigma 1.0, 0..8192;
 - tool latency: log-normal, median 1.5 s, sigma 1.0, up to 60 s;
 - the first prompt: log-normal, median 2000 tokens, sigma 0.3;
-- a trajectory ends early when its context would pass ``max_context`` (32k) tokens;
-- siblings (the ``group_size`` trajectories of one prompt, a GRPO group) are alike: ``group_share`` (0.5)
-  of the log-variance of a trajectory's turn count and of its tokens per turn is its prompt's, shared by the
-  group, the rest its own (the marginal distributions above are unchanged). Seer (arXiv 2511.14617) builds
-  its context-aware scheduling on this observation ("requests sharing the same prompt exhibit strong
-  similarities in output lengths"); the share is our assumption, not a published figure; 0 makes siblings
-  independent.
+- a trajectory ends early when its context would pass ``max_context`` (32k) tokens.
 
 Batch size: a step rolls out ``oversubscription`` (2) x the trajectories the dedicated pool's
 KV cache holds at once at the mean context (``batch_trajectories``): the static pool is then
@@ -101,7 +95,6 @@ class RolloutSpec:
     prompt_sigma: float = 0.3
     max_context: int = 32768
     max_bundles: int = 384  # simulated trajectories per step at most (see ``bundle``)
-    group_share: float = 0.5  # of the log-variance of turns and of tokens per turn, the share a group's siblings have in common
 
 
 @dataclass
@@ -165,44 +158,15 @@ def bundle_size(spec: RolloutSpec, trajectories: int, instance_kv_tokens: float)
     return min(by_count, by_kv)
 
 
-def _grouped_normal(
-    rng: np.random.Generator, share: float, rows: int, per_group: int, size, common_rng: np.random.Generator | None = None
-) -> np.ndarray:
-    """Standard normals, ``share`` of whose variance rows of one group (``per_group`` consecutive rows) have in
-    common; ``size`` is ``rows`` or ``(rows, k)`` (the group's part is then one per row, shared by its k columns).
-    ``common_rng``: where the groups' parts come from (default ``rng``): a task drawn alone passes its group's."""
-    own = rng.standard_normal(size)
-    if share <= 0:
-        return own
-    groups = (common_rng or rng).standard_normal(math.ceil(rows / max(1, per_group)))
-    common = np.repeat(groups, max(1, per_group))[:rows]
-    if own.ndim == 2:
-        common = common[:, None]
-    return math.sqrt(share) * common + math.sqrt(1.0 - share) * own
-
-
-def sample_batch(
-    spec: RolloutSpec, trajectories: int, rng: np.random.Generator, bundle: int | None = None, common_rng: np.random.Generator | None = None
-) -> Batch:
-    """Sample one step's batch of ``trajectories`` (rounded up to whole bundles; a group's siblings are
-    consecutive rows, ``group_size / bundle`` of them per group, with one prompt). ``common_rng``: the
-    source of what a group's rows share (prompt, length factors; default ``rng``): one task of a group,
-    drawn alone, passes a generator seeded by its group."""
+def sample_batch(spec: RolloutSpec, trajectories: int, rng: np.random.Generator, bundle: int | None = None) -> Batch:
+    """Sample one step's batch of ``trajectories`` (rounded up to whole bundles)."""
     if bundle is None:
         bundle = max(1, math.ceil(trajectories / spec.max_bundles))
     n = math.ceil(trajectories / bundle)
     t = spec.max_turns
-    share = min(1.0, max(0.0, spec.group_share))
-    rows_per_group = max(1, spec.group_size // bundle)
-    n_groups = math.ceil(n / rows_per_group)
-    group_prompt = _lognormal(common_rng or rng, spec.prompt_median, spec.prompt_sigma, n_groups)
-    prompt = np.round(np.clip(np.repeat(group_prompt, rows_per_group)[:n], 64, spec.max_context // 2)).astype(np.int64)
-    z_turns = _grouped_normal(rng, share, n, rows_per_group, n, common_rng)
-    turns = np.clip(np.round(np.exp(math.log(spec.turns_median) + spec.turns_sigma * z_turns)), 1, t).astype(np.int64)
-    z_gen = _grouped_normal(rng, share, n, rows_per_group, (n, t), common_rng)
-    gen = np.round(np.clip(np.exp(math.log(spec.gen_median) + spec.gen_sigma * z_gen), min(spec.gen_min, spec.gen_max), spec.gen_max)).astype(
-        np.int64
-    )
+    prompt = np.round(np.clip(_lognormal(rng, spec.prompt_median, spec.prompt_sigma, n), 64, spec.max_context // 2)).astype(np.int64)
+    turns = np.clip(np.round(_lognormal(rng, spec.turns_median, spec.turns_sigma, n)), 1, t).astype(np.int64)
+    gen = np.round(np.clip(_lognormal(rng, spec.gen_median, spec.gen_sigma, (n, t)), min(spec.gen_min, spec.gen_max), spec.gen_max)).astype(np.int64)
     tool_tokens = np.round(np.clip(_lognormal(rng, spec.tool_tokens_median, spec.tool_tokens_sigma, (n, t)), 0, spec.tool_tokens_max)).astype(
         np.int64
     )

@@ -64,7 +64,6 @@ class SimConfig:
     # into the next steps (their tokens keep the versions they were sampled with), dropped past max_staleness, counted;
     # > 0 also in synchronous mode (``_trainer_pipelined`` with no prefetch)
     over_provision: float = 0.0
-    length_aware: bool = True  # the scheduler's placement.length_aware: siblings predict turns left, longest first
     early_hand_out: bool = True  # grpo.early_hand_out: one more batch out while a step waits and no executor has a rollout queue
     worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
     trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)

@@ -140,7 +140,7 @@ class Simulation:
         for d in range(shape.n_serv, self.inst.D):
             self.inst.set_caps(d, sized.max_rollout_batch, memory.dedicated_kv)
         self.turns = TurnTable(self.inst.D)  # sized per step by the trainer
-        self.router = Router(self.policy, self.inst, self.turns, cfg.rollout.group_size, cfg.seed, cfg.length_aware)
+        self.router = Router(self.policy, self.inst, self.turns, cfg.rollout.group_size, cfg.seed)
         self.capacity = RolloutCapacity()  # the trainer's view of the same headroom (grpo.early_hand_out)
         # the clock
         self.tick_no = 0
@@ -417,7 +417,7 @@ class Simulation:
         if t.N == 0 or not t.state.any():
             return tokens
         bundle, kvb = t.bundle, sized.memory.kvb_p
-        # --- admission per device under the slot and KV caps: the placement's priority first, then FIFO
+        # --- admission, FIFO per device under the slot and KV caps
         q = np.flatnonzero(t.state == 1)
         if q.size:
             dq = t.dev[q]
@@ -430,7 +430,7 @@ class Simulation:
             keep = ~never
             q, dq, need = q[keep], dq[keep], need[keep]
         if q.size:
-            order = np.lexsort((t.seq[q], -t.priority[q], dq))
+            order = np.lexsort((t.seq[q], dq))
             q, dq, need = q[order], dq[order], need[order]
             run = t.state == 2
             used_slots = (np.bincount(t.dev[run], minlength=D) * bundle) if run.any() else np.zeros(D)
@@ -706,7 +706,7 @@ class Simulation:
                 exclude = []
                 yield env.timeout(retry)
                 continue
-            d, hint, priority = routed
+            d, hint = routed
             cached = 0.0
             if k > 0 and done_tokens == 0 and ids[d] == prev:
                 if t.cache_dev[i] == d:
@@ -719,7 +719,7 @@ class Simulation:
                 else:
                     self.counts.turns.prefix_misses += 1
             t.drop_cache(i)
-            pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens, priority), d)}
+            pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
             typical = self.worker.typical()
             leased = self.router.fleet.role_of(ids[d]) != "dedicated"
             hedge_at = self.worker.hedge_at(env.now, typical, leased)
@@ -755,14 +755,14 @@ class Simulation:
                     if h is not None:
                         self.counts.turns.hedges += 1
                         slot = t.N + i
-                        pending[slot] = (self._submit(slot, h, ctx + done_tokens, 0.0, gen - done_tokens, ctx + done_tokens, priority), h)
+                        pending[slot] = (self._submit(slot, h, ctx + done_tokens, 0.0, gen - done_tokens, ctx + done_tokens), h)
             exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
             prev = ""
 
-    def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float, priority: float = 0.0):
-        """Turn-table row ``i`` goes to instance ``d`` at the placement's ``priority``; the event its worker waits on."""
+    def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
+        """Turn-table row ``i`` goes to instance ``d``; the event its worker waits on."""
         ev = self.env.event()
-        self.turns.submit(i, d, ev, pf_tokens, cached, gen_left, ctx_now, priority)
+        self.turns.submit(i, d, ev, pf_tokens, cached, gen_left, ctx_now)
         return ev
 
     def _next_idle_s(self, batch) -> float:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-import msgspec
-
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.services.scheduler.config import SchedulerConfig
@@ -29,15 +27,14 @@ class Router:
     to the same ``fleet``.
     """
 
-    def __init__(self, policy: FleetPolicy, inst: Instances, turns: TurnTable, group_size: int, seed: int, length_aware: bool = True) -> None:
+    def __init__(self, policy: FleetPolicy, inst: Instances, turns: TurnTable, group_size: int, seed: int) -> None:
         self.policy = policy
         self.index = inst.index
         self.turns = turns
         self.group_size = group_size
         self.rng = random.Random(seed)
         # the scheduler's own fleet view (leases live there), and its placement candidates as of a tick
-        config = SchedulerConfig()
-        self.fleet = Fleet(msgspec.structs.replace(config, placement=msgspec.structs.replace(config.placement, length_aware=length_aware)))
+        self.fleet = Fleet(SchedulerConfig())
         for d, eid in enumerate(inst.ids):
             role = "dedicated" if inst.is_ded[d] else "serving"
             self.fleet.on_heartbeat(
@@ -68,11 +65,10 @@ class Router:
         prev: str,
         exclude: list[str],
         batch: tuple[str, int] = ("", 0),
-    ) -> tuple[int, float, float] | None:
+    ) -> tuple[int, float] | None:
         """The scheduler's route handler without its I/O: affinity from the request or the fleet,
         then place_turn over the fleet's candidates (with the batch's unfinished trajectories for the
-        tail rule and the trajectory's length outlook); the fleet records the route. Returns (device,
-        hedge hint s, admission priority) or None."""
+        tail rule); the fleet records the route. Returns (device, hedge hint s) or None."""
         req = TurnRouteRequest(
             trajectory_id=tid,
             turn_index=k,
@@ -96,14 +92,13 @@ class Router:
             self.fleet.turn_tokens,
             self.cands.revoke_rate,
             self.fleet.model_error,
-            self.fleet.outlook(tid, gid, k, req.batch_id) if self.settings.length_aware else None,
         )
         if placement is None:
             return None
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
         self.fleet.on_prediction(tid, k, placement.role, placement.model_s)
         self.placed(placement.executor_id)
-        return self.index[placement.executor_id], placement.hedge_after_s, placement.priority
+        return self.index[placement.executor_id], placement.hedge_after_s
 
     def hedge(
         self,

@@ -20,7 +20,7 @@ class TurnTable:
     def __init__(self, D: int) -> None:
         self.D = D  # instances (Instances.D)
         self.bundle = 1  # sequences per simulated trajectory (the batch's bundle)
-        self.seq_counter = 0  # submissions so far: the admission order (FIFO per instance and priority)
+        self.seq_counter = 0  # submissions so far: the admission order (FIFO per instance)
         self.retained = np.zeros(D)  # prefix-cache bytes retained by idle trajectories per instance
         self.alloc(0)
 
@@ -37,16 +37,14 @@ class TurnTable:
         self.gen_turn = np.zeros(n)
         self.ctx = np.zeros(n)
         self.seq = np.zeros(n, dtype=np.int64)
-        self.priority = np.zeros(n)  # the placement's: an instance admits higher first, then in submission order
         self.cache_dev = np.full(n, -1, dtype=np.int64)
         self.cache_bytes = np.zeros(n)
         self.events: list = [None] * n
         self.finished_at = np.zeros(n)
         self.retained[:] = 0.0
 
-    def submit(self, i: int, d: int, ev: Any, pf_tokens: float, cached: float, gen_left: float, ctx_now: float, priority: float = 0.0) -> None:
-        """Row ``i`` queues on instance ``d`` at ``priority``; ``ev`` fires with the outcome."""
-        self.priority[i] = priority
+    def submit(self, i: int, d: int, ev: Any, pf_tokens: float, cached: float, gen_left: float, ctx_now: float) -> None:
+        """Row ``i`` queues on instance ``d``; ``ev`` fires with the outcome."""
         self.state[i], self.dev[i] = 1, d
         self.pf_tokens[i], self.pf_cached[i] = max(1.0, pf_tokens), cached
         self.dec_left[i] = self.gen_turn[i] = max(1.0, gen_left)

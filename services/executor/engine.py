@@ -858,7 +858,7 @@ class Engine:
             seq = rt.inbox.popleft()
             if rt is self._rollout and seq.request.trajectory_id is not None:
                 self._attach_prefix(rt, seq, seq.request.trajectory_id)
-            _enqueue(rt.waiting, seq)
+            rt.waiting.append(seq)
 
     def _attach_prefix(self, rt: _ClassRuntime, seq: Sequence, trajectory_id: str) -> None:
         hit, to_free = self.prefix_cache.take(trajectory_id, tuple(seq.tokens), self.policy_version, rt.pool.block_size)
@@ -1075,15 +1075,6 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
-
-
-def _enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
-    """Behind every waiting sequence of at least its priority (the scheduler's predicted turns left: longest first,
-    Seer's context-aware scheduling; all 0, as serving's are, it is arrival order)."""
-    at = len(waiting)
-    while at > 0 and waiting[at - 1].request.priority < seq.request.priority:
-        at -= 1
-    waiting.insert(at, seq)
 
 
 def _oldest_wait_ms(rt: _ClassRuntime, now: float) -> float:

@@ -113,8 +113,6 @@ class GenerationRequest:
     stream: bool = True
     # tokens per streamed delta after the first (SGLang's --stream-interval): fewer, larger deltas cost the host less
     stream_interval: int = 1
-    # rollout only: among waiting turns, higher is admitted first (the scheduler's predicted turns left; ties: arrival)
-    priority: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

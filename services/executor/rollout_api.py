@@ -111,7 +111,6 @@ class RolloutApi:
             sampling=EngineSampling.from_wire(request.sampling),
             trajectory_id=request.trajectory_id,
             stream=False,
-            priority=request.priority,
         )
         try:
             handle = self.engine.submit(engine_request)

@@ -34,9 +34,6 @@ class PlacementSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     hedge_group_done: Share = 0.75  # hedge stragglers once this share of their group is done ...
     hedge_after_typical: Positive = 1.5  # ... and the turn has run this x the typical turn time
     hedge_always_after_typical: Positive = 4.0  # any turn this far past typical is hedged
-    # length-aware placement (placement.py rule 5): predict a trajectory's turns left from its finished siblings,
-    # admit longer first and let those with slack take slower leases; false: every turn is a typical one, FIFO
-    length_aware: bool = True
 
 
 class LendingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -16,14 +16,13 @@ from rose.contracts.slo import Headroom
 
 from .config import SchedulerConfig
 from .leases import ExecutorView, is_active
-from .placement import Candidate, Outlook
+from .placement import Candidate
 
 MAX_TRACKED = 100_000  # trajectories remembered for affinity and group progress
 REVOKE_WINDOW_S = 300.0  # revocations counted over this long for the leased-turn hazard
 TURN_EMA = 0.02  # weight of one finished turn in a role's model error
 MAX_MODEL_ERROR = 20.0  # a single turn moves the error estimate by at most this factor
 PRUNE_EVERY_S = 1.0  # `candidates` runs on every route request: prune stale in-flight turns at most this often
-LENGTH_EMA = 0.02  # weight of one finished trajectory in the population's turns per trajectory
 
 
 @dataclass
@@ -54,10 +53,6 @@ class Fleet:
         self.batch_size: OrderedDict[str, int] = OrderedDict()
         self.batch_done: OrderedDict[str, int] = OrderedDict()
         self.turn_tokens = 0.0  # generated tokens per turn, a moving mean over finished trajectories (0: none yet)
-        self.trajectory_turns = 0.0  # turns per trajectory, a moving mean over finished trajectories (0: none yet)
-        self.group_turns: OrderedDict[str, list[int]] = OrderedDict()  # group id -> its finished trajectories' turn counts
-        # the length outlook's inputs: per batch, its unfinished trajectories' predicted turns left as of their last route
-        self.left: OrderedDict[str, dict[str, float]] = OrderedDict()
         self.revocations: deque[float] = deque(maxlen=10_000)  # when active leases ended early or expired
         self.predictions: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()  # (trajectory, turn) -> (role, model s)
         self.model_error: dict[str, float] = {}  # role -> observed / predicted turn time (placement's correction)
@@ -105,14 +100,6 @@ class Fleet:
             self.batch_done[batch] = self.batch_done.get(batch, 0) + 1
         for n in turn_tokens or ():
             self.turn_tokens = float(n) if self.turn_tokens <= 0 else 0.98 * self.turn_tokens + 0.02 * float(n)
-        self.left.get(batch, {}).pop(trajectory_id, None)
-        if turn_tokens:
-            k = float(len(turn_tokens))
-            self.trajectory_turns = k if self.trajectory_turns <= 0 else (1 - LENGTH_EMA) * self.trajectory_turns + LENGTH_EMA * k
-            if group_id:
-                self.group_turns.setdefault(group_id, []).append(len(turn_tokens))
-                self.group_turns.move_to_end(group_id)
-                _bound(self.group_turns)
         if group_id:
             self.group_done[group_id] = self.group_done.get(group_id, 0) + 1
             self.group_done.move_to_end(group_id)
@@ -162,34 +149,6 @@ class Fleet:
                 info.inflight.pop(trajectory_id, None)
 
     # ---- views for the decisions -------------------------------------------------------
-    def turns_left(self, group_id: str, turn_index: int) -> float:
-        """A trajectory's predicted turns left at its turn ``turn_index`` (this one included): the mean turn count
-        of its finished siblings, else of the trajectories finished lately, less the turns it has run; at least
-        this one, and at least one more than the siblings' when it has outrun them all (0: nothing to go by)."""
-        siblings = self.group_turns.get(group_id) if group_id else None
-        if siblings:
-            total = sum(siblings) / len(siblings)
-            if turn_index + 1 > max(siblings):
-                return 1.0 + 0.5 * (turn_index + 1 - max(siblings))  # past every sibling: it runs on, by how much is unknown
-        elif self.trajectory_turns > 0:
-            total = self.trajectory_turns
-        else:
-            return 0.0
-        return max(1.0, total - turn_index)
-
-    def outlook(self, trajectory_id: str, group_id: str, turn_index: int, batch_id: str) -> Outlook | None:
-        """The trajectory's turns left against its batch's unfinished ones (placement.Outlook), recorded for its
-        batch's later routes; None without a batch or a prediction."""
-        left = self.turns_left(group_id, turn_index)
-        if not batch_id or left <= 0 or trajectory_id in self.done_trajectories:
-            return None
-        batch = self.left.setdefault(batch_id, {})
-        self.left.move_to_end(batch_id)
-        _bound(self.left)
-        batch[trajectory_id] = left
-        longer = sum(1 for v in batch.values() if v > left)
-        return Outlook(left, max(batch.values()), longer / len(batch))
-
     def revoke_rate(self, now: float, window_s: float = REVOKE_WINDOW_S) -> float:
         """Revocations per lease-second over the last `window_s`: the hazard a turn on leased capacity runs."""
         while self.revocations and self.revocations[0] < now - window_s:

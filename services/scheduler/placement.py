@@ -17,13 +17,7 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
    it still beats the dedicated pool; an overloaded one (load > its concurrency x
    `overload_factor`) is not worth its cache;
-5. length-aware (Seer's context-aware scheduling, given an ``Outlook`` of the trajectory's turns left, from
-   its finished siblings): executors admit the turns of the trajectories with more left first (the
-   placement's ``priority``), so the wait for a dedicated slot counts only the queued turns predicted
-   longer; and a trajectory with slack (its turns left fit ``slack`` times in its batch's longest) may
-   take a lease up to ``slack`` times slower per turn than the dedicated executor runs one: it still
-   ends before the step's critical path does, which stays on the fastest executors;
-6. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
+5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
    a leased turn asks again as its age doubles: a burst may park it there for seconds, and the
@@ -69,28 +63,6 @@ class Placement:
     predicted_s: float = 0.0  # a typical turn's predicted seconds there, the model's error corrected (0: no prediction)
     hedge_after_s: float = 0.0  # ask for a hedge if the turn still runs after this long (0: no hint)
     model_s: float = 0.0  # the same before the correction: what the observed turn is compared with (``Fleet.on_turn_result``)
-    priority: float = 0.0  # the trajectory's predicted turns left: an executor admits higher first (0: no prediction)
-
-
-@dataclass(frozen=True)
-class Outlook:
-    """How much a trajectory has left against the rest of its RL batch (the scheduler's ``Fleet.outlook``),
-    predicted from its finished siblings (the same prompt: Seer's observation that they are alike) or, before
-    any finished, from the trajectories finished lately; in turns, this one included.
-
-    ``remaining``: its predicted turns left; ``batch_most``: the most any unfinished trajectory of its batch is
-    predicted to have left (the step's critical path, in turns); ``ahead``: the share of the batch's unfinished
-    trajectories predicted to have more left than it, which an executor admits before it (longest first).
-    """
-
-    remaining: float
-    batch_most: float
-    ahead: float = 1.0
-
-    @property
-    def slack(self) -> float:
-        """How many times its remaining turns fit in the critical path's: >= 1, 1 for the longest."""
-        return max(1.0, self.batch_most / max(1e-9, self.remaining))
 
 
 @dataclass(frozen=True)
@@ -161,15 +133,12 @@ def _least_loaded(candidates: list[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: ((c.load + 1) / w[c.executor_id], c.executor_id))
 
 
-def _placed(
-    c: Candidate, reason: str, p: Prediction | None = None, turn_s: float = 0.0, raw: Prediction | None = None, outlook: Outlook | None = None
-) -> Placement:
+def _placed(c: Candidate, reason: str, p: Prediction | None = None, turn_s: float = 0.0, raw: Prediction | None = None) -> Placement:
     """``p`` (corrected) and ``raw`` (the model's) in seconds when ``turn_s`` > 0 (else in turn units: no figure to hand out)."""
     predicted = p.finish if p is not None and turn_s > 0 else 0.0
     hedge_after = predicted if c.role != "dedicated" else 0.0
     model = raw.finish if raw is not None and turn_s > 0 else 0.0
-    priority = outlook.remaining if outlook is not None else 0.0
-    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model, priority)
+    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model)
 
 
 def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
@@ -191,15 +160,13 @@ def place_turn(
     turn_tokens: float = 0.0,
     revoke_rate: float = 0.0,
     model_error: dict[str, float] | None = None,
-    outlook: Outlook | None = None,
 ) -> Placement | None:
     """Where this turn runs, or None when no executor can take it.
 
     ``unfinished``: trajectories of the turn's batch not finished yet (None: unknown, no tail rule);
     ``turn_tokens``: generated tokens of a typical turn (0: unknown: predictions in turn units, no hedge hint);
     ``revoke_rate``: revocations per lease-second lately (a leased turn's risk of being interrupted);
-    ``model_error``: per role, observed turn time / predicted lately (the model's bias, 1 when unknown);
-    ``outlook``: the trajectory's turns left against its batch's (None: no length-aware rules).
+    ``model_error``: per role, observed turn time / predicted lately (the model's bias, 1 when unknown).
     """
     pool = [c for c in candidates if c.executor_id not in req.exclude]
     if not pool:
@@ -207,17 +174,15 @@ def place_turn(
     if req.hedge:  # the primary is in req.exclude; the previous turn's executor (affinity) is welcome: it has the prefix
         dedicated = [c for c in pool if c.role == "dedicated"]
         choice = dedicated or pool
-        return _placed(_least_loaded(choice), "hedge on dedicated" if dedicated else "hedge", outlook=outlook)
+        return _placed(_least_loaded(choice), "hedge on dedicated" if dedicated else "hedge")
     if req.routing == "random":
-        return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random", outlook=outlook)
+        return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random")
     w = weights(pool)
     measured = sorted(c.throughput for c in pool if c.throughput > 0)
     turn_s = turn_tokens / measured[len(measured) // 2] if measured and turn_tokens > 0 else 0.0  # a typical turn at weight 1
     unit = turn_s if turn_s > 0 else 1.0
     raw = {c.executor_id: predict(c, w[c.executor_id], unit) for c in pool}  # seconds once a typical turn is known
     err = model_error or {}
-    ahead = outlook.ahead if outlook is not None else 1.0  # longest first: only the queued turns predicted longer wait ahead
-    raw = {e: Prediction(p.wait * ahead, p.run) for e, p in raw.items()}
     pred = {c.executor_id: Prediction(raw[c.executor_id].wait * err.get(c.role, 1.0), raw[c.executor_id].run * err.get(c.role, 1.0)) for c in pool}
     dedicated = [c for c in pool if c.role == "dedicated"]
     leased = [c for c in pool if c.role != "dedicated"]
@@ -231,29 +196,20 @@ def place_turn(
         else (min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
     )
     if ded is not None and in_tail(unfinished, dedicated):
-        return _placed(
-            ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id], outlook
-        )
+        return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
     ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
-    # a trajectory with slack ends before its batch's critical path even at `slack` times the dedicated turn's time
-    ded_bar = max(ded_finish, outlook.slack * pred[ded.executor_id].run) if ded is not None and outlook is not None else ded_finish
     risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
-    put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id], outlook)  # noqa: E731
+    put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
     # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
     lease = (
         home
-        if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_bar
+        if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_finish
         else (min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
     )
     if lease is not None and lease is home:
         return put(lease, "prefix affinity")
-    if lease is not None and risky[lease.executor_id] < ded_bar:
-        if ded is None:
-            lead = "no dedicated executor"
-        elif risky[lease.executor_id] < ded_finish:
-            lead = f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
-        else:
-            lead = f"predicted {risky[lease.executor_id]:.2f}, within its slack ({outlook.slack:.1f}x) of the batch's longest"  # type: ignore[union-attr]
+    if lease is not None and risky[lease.executor_id] < ded_finish:
+        lead = "no dedicated executor" if ded is None else f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
         return put(lease, f"leased: {lead}")
     assert ded is not None  # pool is not empty: without a leased choice there is a dedicated one
     if ded is home:

@@ -185,7 +185,6 @@ class Scheduler:
                 self.fleet.turn_tokens,
                 self.fleet.revoke_rate(now),
                 self.fleet.model_error,
-                self.fleet.outlook(req.trajectory_id, req.group_id, req.turn_index, req.batch_id) if p.length_aware else None,
             )
             # what a slow route reply spent here, against the time it waited for the event loop (rose.loop_wait_ms on its reply span)
             span.set_attributes(
@@ -231,7 +230,6 @@ class Scheduler:
             role=placement.role,
             reason=placement.reason,
             hedge_after_s=placement.hedge_after_s,
-            priority=placement.priority,
         )
 
     def _spawn(self, coro) -> None:

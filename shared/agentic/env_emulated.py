@@ -113,13 +113,12 @@ class EmulatedAgentEnv(ToolEnv):
         self.spec = spec or RolloutSpec()
 
     def episode(self, seed: int, task_id: str, max_turns: int | None = None) -> Episode:
-        """The trajectory of task ``task_id`` in the group of ``seed``: its prompt, success probability and
-        the common part of its lengths from the group's seed (siblings share a prompt and are alike, the
-        workload's ``group_share``), the rest of its lengths from the task's own."""
-        success = float(np.random.default_rng(_seed("group", seed)).uniform())
-        task_rng = np.random.default_rng(_seed("task", seed, task_id))
-        b = sample_batch(self.spec, 1, task_rng, bundle=1, common_rng=np.random.default_rng(_seed("group-lengths", seed)))
-        prompt = int(b.prompt[0])
+        """The trajectory of task ``task_id`` in the group of ``seed``: its lengths from the task's own seed,
+        its prompt and success probability from the group's (the group's trajectories share a prompt)."""
+        group = np.random.default_rng(_seed("group", seed))
+        prompt = int(sample_batch(self.spec, 1, group, bundle=1).prompt[0])
+        success = float(group.uniform())
+        b = sample_batch(self.spec, 1, np.random.default_rng(_seed("task", seed, task_id)), bundle=1)
         turns = max(1, min(int(b.turns[0]), max_turns or self.spec.max_turns))
         reward = 1.0 if np.random.default_rng(_seed("reward", seed, task_id)).uniform() < success else 0.0
         return Episode(

@@ -165,7 +165,6 @@ class TurnRunner:
             task_id=spec.task.task_id,
             lease_id=route.lease_id,
             lease_epoch=route.lease_epoch,
-            priority=route.priority,
         )
         try:
             reply = await self.bus.request(GENERATE, request, timeout=self.s.generate_timeout_s, executor_id=route.executor_id)

@@ -21,7 +21,6 @@ from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
 from rose.testing.engine import CoServingEngineTestcase
-from rose.testing.polling import until
 
 SPEC_7B = EmulationSpec(
     device="H100",
@@ -85,27 +84,6 @@ async def test_a_request_takes_the_step_models_time_and_its_own_length(emulated)
     decodes = sum(roof.forward_s([float(1200 + i)], []) for i in range(1, 50))
     assert engine.device.accelerator.planned_s == pytest.approx(chunks + decodes, rel=1e-9)
     assert took >= chunks + decodes
-
-
-async def test_waiting_turns_are_admitted_by_priority_then_arrival(emulated):
-    """The scheduler's priority (a trajectory's predicted turns left) orders a rollout lane's queue: with one slot
-    busy, the waiting turns start highest first and, at equal priority, in arrival order (Seer's longest first)."""
-    engine = emulated(rollout_max_batch=1)
-    engine.set_rollout_lease(SPEC_7B.rollout_kv_bytes, time.monotonic() + 3600)
-    first = engine.submit(_request("first", WorkClass.ROLLOUT, list(range(10, 30)), 300, trajectory_id="t0"))
-    await until(lambda: engine.stats().rollout_running == 1, what="the first turn running")
-    order: list[str] = []
-    waiting = {
-        rid: engine.submit(_request(rid, WorkClass.ROLLOUT, list(range(10, 30)), 4, trajectory_id=rid, priority=p))
-        for rid, p in [("b", 1.0), ("c", 5.0), ("d", 0.0), ("e", 5.0)]
-    }
-
-    async def done(rid: str) -> None:
-        await waiting[rid].result()
-        order.append(rid)
-
-    await asyncio.gather(first.result(), *(done(rid) for rid in waiting))
-    assert order == ["c", "e", "b", "d"]
 
 
 async def test_the_generator_never_ends_a_turn_and_is_seeded(emulated, loaded):

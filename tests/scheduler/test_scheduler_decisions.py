@@ -9,10 +9,9 @@ import msgspec
 from rose.contracts.lease import Lease
 from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.slo import Headroom, SloAlert
-from rose.services.scheduler.config import LeaseSettings, PlacementSettings, SchedulerConfig
-from rose.services.scheduler.fleet import Fleet
+from rose.services.scheduler.config import LeaseSettings, PlacementSettings
 from rose.services.scheduler.leases import ExecutorView, plan_leases, plan_one, revoke_for_alert
-from rose.services.scheduler.placement import Candidate, Outlook, place_turn, should_hedge, weights
+from rose.services.scheduler.placement import Candidate, place_turn, should_hedge, weights
 from rose.testing.messages import headroom
 
 S = LeaseSettings(ttl_s=10.0, renew_before_s=4.0, keep_fraction=0.8, cooldown_s=5.0, headroom_max_age_s=3.0)
@@ -157,50 +156,3 @@ def test_hedge_only_for_stragglers():
     assert should_hedge(req(hedge=True, elapsed_s=2.0, typical_turn_s=1.0, group_size=8), 2, P)[0] is False
     assert should_hedge(req(hedge=True, elapsed_s=2.0, typical_turn_s=1.0, group_size=8), 7, P)[0] is True
     assert should_hedge(req(hedge=True, elapsed_s=5.0, typical_turn_s=1.0, group_size=8), 0, P)[0] is True
-
-
-def test_a_trajectory_with_slack_takes_a_slower_lease_the_longest_stays_on_dedicated():
-    """Length-aware placement (placement.py rule 5): a lease slower per turn than the dedicated executor still ends a
-    trajectory with few turns left before its batch's longest does, so that one goes there; the longest keeps the
-    fastest executor; and the placement hands its turns left on as the executor's admission priority."""
-    rng = random.Random(0)
-    slow_lease = Candidate("ser-1", "serving", "ser-1-e1", 1, 40.0, 0, 8)  # 40 tok/s for one more sequence
-    dedicated = Candidate("ded-1", "dedicated", "", 0, 300.0, 3, 32)  # 300 / 4 = 75 tok/s per sequence
-    pool = [slow_lease, dedicated]
-    assert place_turn(req(), pool, "", P, rng).executor_id == "ded-1"  # type: ignore[union-attr]  # no outlook: the faster turn
-    short = place_turn(req(), pool, "", P, rng, outlook=Outlook(remaining=2.0, batch_most=8.0, ahead=0.9))
-    assert short is not None and short.executor_id == "ser-1" and "slack" in short.reason and short.priority == 2.0
-    longest = place_turn(req(), pool, "", P, rng, outlook=Outlook(remaining=8.0, batch_most=8.0, ahead=0.0))
-    assert longest is not None and longest.executor_id == "ded-1" and longest.priority == 8.0
-    # not slack enough: 75 / 40 = 1.9x slower there, 1.5x of slack
-    assert place_turn(req(), pool, "", P, rng, outlook=Outlook(remaining=4.0, batch_most=6.0)).executor_id == "ded-1"  # type: ignore[union-attr]
-
-
-def test_longest_first_counts_only_the_longer_turns_queued_ahead():
-    """An executor admits more turns left first, so a long trajectory waits behind the queued turns predicted longer
-    only: a full dedicated executor beats an idle but slower lease for it, not for a short one behind the queue."""
-    rng = random.Random(0)
-    full = Candidate("ded-1", "dedicated", "", 0, 320.0, 40, 32, running=32, queued=8)  # 10 tok/s per sequence, 8 queued
-    lease = Candidate("ser-1", "serving", "ser-1-e1", 1, 8.0, 0, 8)  # 8 tok/s, nothing queued
-    assert place_turn(req(), [full, lease], "", P, rng, outlook=Outlook(4.0, 4.0, ahead=0.0)).executor_id == "ded-1"  # type: ignore[union-attr]
-    assert place_turn(req(), [full, lease], "", P, rng, outlook=Outlook(4.0, 4.0, ahead=1.0)).executor_id == "ser-1"  # type: ignore[union-attr]
-
-
-def test_the_fleet_predicts_turns_left_from_finished_siblings():
-    fleet = Fleet(SchedulerConfig())
-    assert fleet.turns_left("g", 0) == 0.0 and fleet.outlook("t1", "g", 0, "b") is None  # nothing to go by yet
-    fleet.on_trajectory("x1", "other", [10] * 4)
-    assert fleet.turns_left("g", 1) == 3.0  # the population's mean (4 turns) less the one run
-    fleet.on_trajectory("s1", "g", [10] * 9)
-    fleet.on_trajectory("s2", "g", [10] * 7)
-    assert fleet.turns_left("g", 0) == 8.0 and fleet.turns_left("g", 6) == 2.0  # the siblings' mean, 8 turns
-    assert fleet.turns_left("g", 9) == 1.5  # past every sibling: at least one more, by how much is unknown
-    a = fleet.outlook("t1", "g", 2, "b")
-    b = fleet.outlook("t2", "other", 0, "b")
-    assert a is not None and b is not None and (a.remaining, b.remaining) == (6.0, 4.0)
-    assert b.batch_most == 6.0 and b.slack == 1.5 and b.ahead == 0.5  # t1 has more left and goes first
-    for tid in ("t1", "t2"):
-        fleet.on_route(tid, "ded-1", 0.0, batch_id="b", batch_size=2)
-    fleet.on_trajectory("t1", "g", [10] * 3)
-    c = fleet.outlook("t2", "other", 1, "b")
-    assert c is not None and c.batch_most == 3.0 and c.ahead == 0.0  # a finished trajectory leaves the batch's outlook
