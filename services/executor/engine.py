@@ -434,8 +434,11 @@ class Engine:
         self._validate(rt, request)
         if rt is self._rollout and (require_lease or not self.policy.admits_rollout):
             self._check_lease_admits()
-        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
-        handle._cancel = lambda rid, rt=rt: (rt.aborts.append(rid), rt.wakeup.set())
+        def abort(request_id: str, rt: _ClassRuntime = rt) -> None:
+            rt.aborts.append(request_id)
+            rt.wakeup.set()
+
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop(), cancel=abort)
         seed = request.sampling.seed if request.sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         seq = Sequence(next(self._ids), request, handle, SamplerState(request.sampling, seed))
         rt.inbox.append(seq)
@@ -1134,4 +1137,4 @@ def _deliver(items: list) -> None:
 
 def _deliver_on_loop(batch: list) -> None:
     for handle, delta, result in batch:
-        handle._deliver(delta, result)
+        handle.deliver(delta, result)

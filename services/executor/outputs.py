@@ -48,14 +48,18 @@ class EngineStats:
 
 
 class RequestHandle:
-    """Async iterator of ``StreamDelta``; ``await result()`` gives the ``GenerationResult``."""
+    """Async iterator of ``StreamDelta``; ``await result()`` gives the ``GenerationResult``.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    Two sides, both on the caller's event loop: the engine that accepted the request (``Engine`` or
+    ``SGLangBackend``) produces through ``deliver`` and ``fail`` and gives ``cancel`` its abort; the
+    caller consumes (``async for``, ``result``, ``done``, ``cancel``)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, cancel: Callable[[str], object] | None = None) -> None:
         self.request_id = request_id
         self._loop = loop
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._result: asyncio.Future = loop.create_future()
-        self._cancel: Callable[[str], object] | None = None  # set by the engine that accepted the request
+        self._cancel = cancel  # the accepting engine's abort for this request id
 
     def __aiter__(self):
         return self
@@ -78,10 +82,17 @@ class RequestHandle:
         if self._cancel:
             self._cancel(self.request_id)
 
-    # called on the loop thread
-    def _deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
+    # the producer's side, on the loop thread
+    def deliver(self, delta: StreamDelta | None, result: GenerationResult | None) -> None:
+        """New output and/or the final result (the first result wins; the delta stream ends with it)."""
         if delta is not None:
             self._deltas.put_nowait(delta)
         if result is not None and not self.done():
             self._result.set_result(result)
+            self._deltas.put_nowait(None)
+
+    def fail(self, exc: BaseException) -> None:
+        """The request was refused after it was accepted: ``result()`` raises ``exc``, the delta stream just ends."""
+        if not self.done():
+            self._result.set_exception(exc)
             self._deltas.put_nowait(None)

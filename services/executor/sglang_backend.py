@@ -456,9 +456,9 @@ class SGLangBackend:
         if rollout and (require_lease or not self.policy.admits_rollout):
             self._check_lease_admits()
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(request.request_id, loop)
+        # the abort closes over `job`, bound on the next line (a closure reads it when called)
+        handle = RequestHandle(request.request_id, loop, cancel=lambda _rid: self._on_loop(lambda: self._cancel(job)))
         job = _Job(request=request, handle=handle, rid=f"rose-{uuid.uuid4().hex}", arrival=time.monotonic())
-        handle._cancel = lambda _rid, job=job: self._on_loop(lambda: self._cancel(job))
         self._jobs[job.rid] = job
         job.task = loop.create_task(self._run(job), name=f"sglang-{request.request_id}")
         if not rollout:
@@ -840,7 +840,7 @@ class SGLangBackend:
         elif job.request.stream:
             delta = self._delta(job, final=False)
             if delta is not None:
-                job.handle._deliver(delta, None)
+                job.handle.deliver(delta, None)
 
     def _delta(self, job: _Job, final: bool) -> StreamDelta | None:
         """New tokens and text since the last delta (see protocol.next_delta, as Engine)."""
@@ -896,7 +896,7 @@ class SGLangBackend:
                         self._prefix_hits += 1
                     else:
                         self._prefix_misses += 1
-        job.handle._deliver(delta, result)
+        job.handle.deliver(delta, result)
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         """The server refused the request (400): ``result()`` raises it, the delta stream just ends."""
@@ -904,9 +904,7 @@ class SGLangBackend:
             return
         job.done = True
         log.info("request %s refused by the server: %s", job.request.request_id, exc)
-        if not job.handle._result.done():
-            job.handle._result.set_exception(exc)
-            job.handle._deltas.put_nowait(None)
+        job.handle.fail(exc)
 
     def _cancel(self, job: _Job) -> None:
         """Abort: on the server when the request is there (it answers with what it made, "abort"), else here."""
