@@ -4,7 +4,12 @@ with the simulator on the same configuration beside them.
 Each policy runs the emulated fleet (bench/emulated.py) for the same emulated window and seed: serving
 traffic from the first second, the trainer from ``warmup_s`` on, until ``duration`` emulated seconds
 (or ``until_steps`` steps). The policies differ only as in `rose bench e2e` (bench/e2e.py POLICY_ENV).
-Then the simulator runs every policy on the same configuration, and the JSON holds both:
+They run side by side (``side_by_side``, the default), each with its own nats-server and fleet: an
+emulated device computes nothing, so a 4-GPU fleet leaves most of this box idle, and the fidelity
+figures below say whether the two together still kept up. After the window the trainer stops and the
+run drains only until every task handed out is back or still in the task queue (late, not lost).
+Then the simulator runs every policy on the same configuration for as many steps (and at several seeds,
+for the spread a few steps' rate has), and the JSON holds both:
 
 - per policy, what `rose bench e2e` reports (RL steps per hour, rollout time per step, serving SLO
   attainment, tokens on leases, trajectories lost, ...), all in emulated time;
@@ -12,7 +17,9 @@ Then the simulator runs every policy on the same configuration, and the JSON hol
 - ``sim``: the simulator's figures per policy; ``sim_vs_real``: their ratios (real / sim);
 - ``fidelity`` per policy: ``forward_lag_p99`` (how late emulated forwards ended, in percent of their
   planned time), the box's CPU utilization over the window, and ``starved``: whether the host kept up
-  (lag p99 <= 5 % and CPU <= 70 %), and by how much it did not.
+  (lag p99 <= 5 % and CPU <= 70 %), and by how much it did not; the CPU is the whole box's (other
+  policies' fleets and anything else running included), ``fleet_cpu_cores`` this policy's own processes;
+- ``wall_phases_s`` per policy: where the wall time went (start, warm-up, trainer start, window, drain, stop).
 
 A live table shows each run as it goes; a PNG plots rollout tokens per second by executor role over time.
 """
@@ -20,10 +27,13 @@ A live table shows each run as it goes; a PNG plots rollout tokens per second by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import re
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +42,7 @@ from rich.live import Live
 from rich.table import Table
 
 from rose.contracts.executor import LatencySketch
+from rose.contracts.registry import LEASE_EVENT
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import start_all, stop_all
@@ -51,6 +62,7 @@ from .fleet import FleetSpec
 START_TIMEOUT_S = 300.0  # wall: twenty executors load their models in one process
 LAG_P99_TARGET = 5.0  # percent of a forward: the emulation kept up (issue 44's fidelity bar)
 CPU_TARGET = 0.70  # the box's CPU over the window: headroom left for the host's own jitter
+SIM_SEEDS = 8  # the simulator's steps per hour at this many seeds from the job's: the spread a few steps' rate has
 SIM_FIGURES = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_on_serving_fraction", "staleness_mean")
 
 
@@ -120,12 +132,66 @@ def live_view(policy: str, job: EmulatedJob, obs: Observed, elapsed_wall: float,
     return Group(table)
 
 
+class Board:
+    """The live view of every policy running at once: one table each, in one rich ``Live``."""
+
+    def __init__(self, live: Live | None = None) -> None:
+        self.live = live
+        self.views: dict[str, Group] = {}
+
+    def update(self, policy: str, view: Group) -> None:
+        self.views[policy] = view
+        if self.live is not None:
+            self.live.update(Group(*self.views.values()))
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` (and their children they waited for) have used so far (/proc/PID/stat)."""
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        total += sum(float(x) for x in fields[11:15]) / tick  # utime, stime, cutime, cstime
+    return total
+
+
+async def drain(bus: Bus, obs: Observed, deadline_s: float, on_tick) -> tuple[set[str], float]:
+    """After the trainer stopped: until every task handed out is back or still in the task queue (late, not lost;
+    shared/task_queue.py), at most ``deadline_s`` wall seconds. A task neither back nor queued keeps it waiting
+    (its trajectory may be on the wire, or it is lost). Returns (the late tasks, wall seconds it took)."""
+    started = time.monotonic()
+    late: set[str] = set()
+    while True:
+        missing = obs.published - set(obs.trajectories)
+        if not missing:
+            return set(), time.monotonic() - started
+        late = await still_queued(bus, missing)
+        if not (missing - late - set(obs.trajectories)) or time.monotonic() - started >= deadline_s:
+            return late, time.monotonic() - started
+        await asyncio.sleep(1.0)
+        on_tick()
+
+
 async def run_policy(
-    job: EmulatedJob, policy: str, root: Path, models: Path, duration_s: float, console: Console, until_steps: int | None, drain_s: float
+    job: EmulatedJob,
+    policy: str,
+    root: Path,
+    models: Path,
+    duration_s: float,
+    console: Console,
+    until_steps: int | None,
+    drain_s: float,
+    board: Board | None = None,
 ) -> dict:
     """One policy's run; its figures (emulated time), fidelity and where its logs are. After the window the trainer
-    stops and the run waits up to ``drain_s`` (wall) for every trajectory handed out: one still missing is lost."""
+    stops and the run waits, at most ``drain_s`` (wall), until every trajectory handed out is back or still in the
+    task queue (late); one that is neither is lost."""
     k = job.time_scale
+    board = board or Board()
     state = root / policy / "state"
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -142,55 +208,99 @@ async def run_policy(
     obs, extra = Observed(), Extra(policy in DRAINS_LENT)
     await observe(bus, obs)
     await extra.subscribe(bus, obs)
+    lease_reasons: Counter[str] = Counter()  # why leases ended: "revoked: <reason>" (SLO guard, alert, ...) or "expired"
+
+    async def on_lease(e, _d) -> None:
+        if e.kind in ("revoked", "expired"):
+            lease_reasons[f"{e.kind}: {re.sub(r'[0-9.]+', 'N', e.reason or e.lease.reason or '-')}"] += 1
+
+    await bus.subscribe(LEASE_EVENT, on_lease)
     env = POLICY_ENV[policy]
     in_flight = job.in_flight()
     procs = fleet_processes(logs, server.url, models, creds, job, env, in_flight)
     trainer = trainer_process(logs, server.url, models, creds, job, state)
+    # the trainer starts with the fleet (its interpreter and imports take tens of seconds on a busy box) and waits for its
+    # policy's files (shared/models.py wait_for_files), which appear here at the warm-up's end: then it loads and hands out
+    gate = state / "trainer-policy"
+    gate.unlink(missing_ok=True)  # a rerun into the same folder
+    trainer.env["ROSE_MODELS__POLICY_DIR"] = str(gate)
     everything = [*procs.values(), trainer]
     tokenizer = load_tokenizer(models / "serving")
+    phases: dict[str, float] = {}  # wall seconds of each part of the run: where the time goes
+    began = time.monotonic()
+
+    def mark(phase: str, since: float) -> float:
+        now = time.monotonic()
+        phases[phase] = round(now - since, 1)
+        return now
+
     try:
         console.print(f"{policy}: starting {len(serving)} serving and {len(dedicated)} dedicated emulated executors and the services ...")
         started = time.monotonic()
+        trainer.start()
         await start_all(bus, list(procs.values()), START_TIMEOUT_S)
         endpoints = await procs[SERVING_PREFIX].wait_members_ready(bus, 10.0)
         urls = {name: e["http"] for name, e in endpoints.items()}
-        console.print(f"fleet ready in {time.monotonic() - started:.0f} s")
+        console.print(f"{policy}: fleet ready in {time.monotonic() - started:.0f} s")
+        mark("start", began)
         requests = serving_requests(job, job.warmup_s + duration_s + 600.0)
         t0, t0_mono = time.time(), time.monotonic()
         cpu0 = cpu_times()
         driver = asyncio.ensure_future(drive_serving(requests, urls, extra.drained, obs.serving, t0_mono, k, tokenizer, job.seed))
         cpu_now: float | None = None
         last_cpu = cpu0
-        with Live(live_view(policy, job, obs, 0.0, "warm-up", None), console=console, refresh_per_second=1, transient=False) as live:
+        phase_now = "warm-up"
 
-            async def wait_until(wall_s: float, phase: str, stop_at_steps: int | None = None) -> None:
-                nonlocal cpu_now, last_cpu
-                while time.monotonic() - t0_mono < wall_s and not (stop_at_steps and len(obs.steps) >= stop_at_steps):
-                    await asyncio.sleep(1.0)
-                    busy, total = cpu_times()
-                    cpu_now = (busy - last_cpu[0]) / max(1.0, total - last_cpu[1])
-                    last_cpu = (busy, total)
-                    live.update(live_view(policy, job, obs, time.monotonic() - t0_mono, phase, cpu_now))
-                    if trainer.process is not None and not trainer.alive():
-                        return
+        def show() -> None:
+            board.update(policy, live_view(policy, job, obs, time.monotonic() - t0_mono, phase_now, cpu_now))
 
-            await wait_until(job.warmup_s * k, "warm-up")
-            await start_all(bus, [trainer], START_TIMEOUT_S)
-            trained_from = time.monotonic() - t0_mono  # the window runs from the trainer's start, whatever it took to start
-            await wait_until(trained_from + duration_s * k, "training", until_steps)
-            window_end = time.time()
-            busy, total = cpu_times()
-            cpu = (busy - cpu0[0]) / max(1.0, total - cpu0[1])
-            ended_early = not trainer.alive()
-            await asyncio.to_thread(trainer.stop)  # no new tasks; those handed out must still come back
-            del requests[next((i for i, r in enumerate(requests) if r.at_s * k > time.monotonic() - t0_mono), len(requests)) :]
-            deadline = time.monotonic() + drain_s
-            while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
+        async def wait_until(wall_s: float, stop_at_steps: int | None = None) -> None:
+            nonlocal cpu_now, last_cpu
+            while time.monotonic() - t0_mono < wall_s and not (stop_at_steps and len(obs.steps) >= stop_at_steps):
                 await asyncio.sleep(1.0)
-                live.update(live_view(policy, job, obs, time.monotonic() - t0_mono, "draining", cpu_now))
-            await driver
+                busy, total = cpu_times()
+                cpu_now = (busy - last_cpu[0]) / max(1.0, total - last_cpu[1])
+                last_cpu = (busy, total)
+                show()
+                if trainer.process is not None and not trainer.alive():
+                    return
+
+        show()
+        await wait_until(job.warmup_s * k)
+        at = mark("warmup", t0_mono)
+        gate.symlink_to(models / "policy", target_is_directory=True)
+        await trainer.wait_ready(bus, START_TIMEOUT_S)
+        at = mark("trainer_start", at)
+        phase_now = "training"
+        pids = [p.pid for p in everything if p.process is not None] + ([server.process.pid] if server.process is not None else [])
+        fleet_cpu0, window_mono = process_cpu_s(pids), time.monotonic()
+        trained_from = time.monotonic() - t0_mono  # the window runs from the trainer's start, whatever it took to start
+        await wait_until(trained_from + duration_s * k, until_steps)
+        window_end = time.time()
+        fleet_cpu = (process_cpu_s(pids) - fleet_cpu0) / max(1e-9, time.monotonic() - window_mono)
+        at = mark("window", at)
+        busy, total = cpu_times()
+        cpu = (busy - cpu0[0]) / max(1.0, total - cpu0[1])
+        ended_early = not trainer.alive()
+        phase_now = "draining"
+        del requests[next((i for i, r in enumerate(requests) if r.at_s * k > time.monotonic() - t0_mono), len(requests)) :]
+
+        async def stop_trainer_and_drain() -> None:
+            at = time.monotonic()
+            await asyncio.to_thread(trainer.stop)  # no new tasks; those handed out must come back or still be queued
+            at = mark("trainer_stop", at)
+            await drain(bus, obs, drain_s, show)
+            mark("task_drain", at)
+
+        async def serving_finishes() -> None:
+            await driver  # the serving requests sent in the window finish
+            mark("serving_drain", drain_from)
+
+        drain_from = time.monotonic()
+        await asyncio.gather(stop_trainer_and_drain(), serving_finishes())
         await asyncio.sleep(2.0)  # the last events in flight
         late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
+        mark("drain", at)
         eobs = rescale(obs, t0, k)
         extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
         executors = {name: "serving" for name in serving} | {name: "dedicated" for name in dedicated}
@@ -204,6 +314,7 @@ async def run_policy(
         summary = summarize(eobs, executors, t0 + job.warmup_s, end, params, FleetSpec(slo_ttft_ms=job.slo_ttft_ms, slo_tpot_ms=job.slo_tpot_ms))
         figures = policy_figures(summary, eobs, extra)
         figures["fidelity"] = fidelity(extra.snapshots, t0, end, cpu)
+        figures["fidelity"]["fleet_cpu_cores"] = fleet_cpu  # this policy's processes and nats-server over its window, in cores
         figures["trajectories_late"] = len(late)  # still in the task queue after the drain (a worker holds it, or it waits)
         figures["trajectories_lost"] -= len(late)
         figures["trainer_ended_early"] = ended_early
@@ -211,11 +322,45 @@ async def run_policy(
             figures["trainer_log_tail"] = trainer.log_tail(1500)
         figures["report"] = str(root / policy)
         figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
+        figures["wall_phases_s"] = phases
+        figures["lease_end_reasons"] = dict(lease_reasons.most_common())
+        # every TrainingStep (emulated seconds from the trainer's start): what a step trained on and when it was reported
+        figures["step_events"] = [
+            {
+                "step": e.step,
+                "at_s": round(e.at - (t0 + trained_from / k), 2),
+                "trajectories": e.trajectories,
+                "trained_sequences": e.trained_sequences,
+                "train_s": round(e.train_s, 3),
+                "publish_s": round(e.publish_s, 3),
+            }
+            for e in eobs.steps
+        ]
         return figures
     finally:
+        stopping = time.monotonic()
         await asyncio.to_thread(stop_all, everything)
         await bus.close()
         server.stop()
+        phases["stop"] = round(time.monotonic() - stopping, 1)
+
+
+async def run_side_by_side(
+    job: EmulatedJob, policies: list[str], root: Path, models: Path, duration_s: float, console: Console, until_steps: int | None, drain_s: float
+) -> dict[str, dict]:
+    """Every policy's run at once (one is one at a time), each its own NATS and fleet on the same seed and trace,
+    under one live view; ``wall_s`` per policy from the start of all."""
+    started = time.monotonic()
+    with Live(Group(), console=console, refresh_per_second=1, transient=False) as live:
+        board = Board(live)
+
+        async def one(policy: str) -> dict:
+            figures = await run_policy(job, policy, root, models, duration_s, console, until_steps, drain_s, board)
+            figures["wall_s"] = time.monotonic() - started
+            return figures
+
+        results = await asyncio.gather(*(one(p) for p in policies))
+    return dict(zip(policies, results))
 
 
 def tokens_by_role(obs: Observed, t0: float, end: float, width: float = 5.0) -> dict:
@@ -230,9 +375,17 @@ def tokens_by_role(obs: Observed, t0: float, end: float, width: float = 5.0) -> 
     return {"bin_s": width, **series}
 
 
-def sim_figures(job: EmulatedJob, policy: str, steps: int) -> dict:
-    r = simulate(job.sim_config(policy, steps=max(3, steps)))
-    return {key: r.get(key) for key in SIM_FIGURES} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
+def sim_figures(job: EmulatedJob, policy: str, steps: int, seeds: int = SIM_SEEDS) -> dict:
+    """The simulator on this configuration for as many steps as the real run took (a rate needs two), at the
+    job's seed, and the spread of its steps per hour over ``seeds`` seeds from it: a rate from a few steps of a
+    long-tailed workload varies by seed, and the real run's batches are another draw of the same workload."""
+    cfg = job.sim_config(policy, steps=max(2, steps))
+    r = simulate(cfg)
+    out = {key: r.get(key) for key in SIM_FIGURES} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
+    rates = [r["rl_steps_per_hour"]] + [simulate(dataclasses.replace(cfg, seed=job.seed + i))["rl_steps_per_hour"] for i in range(1, seeds)]
+    seeds_used = [job.seed + i for i in range(seeds)]
+    out["rl_steps_per_hour_by_seed"] = {"seeds": seeds_used, "mean": float(np.mean(rates)), "min": min(rates), "max": max(rates)}
+    return out
 
 
 def run_emulated_e2e(
@@ -245,6 +398,7 @@ def run_emulated_e2e(
     model_dir: str | None = None,
     console: Console | None = None,
     drain_s: float | None = None,
+    side_by_side: bool = True,
 ) -> dict:
     console = console or Console()
     drain = drain_s if drain_s is not None else max(60.0, 30.0 * job.time_scale)
@@ -291,21 +445,42 @@ def run_emulated_e2e(
             "slo_tpot_ms": job.slo_tpot_ms,
             "duration_s": duration_s,
             "warmup_s": job.warmup_s,
+            "until_steps": until_steps,
+            "drain_s": drain,
         },
+        # every policy's fleet at once, each with its own nats-server, on the same seed and trace: they share the box's CPU
+        "side_by_side": side_by_side and len(chosen) > 1,
         "policies": {},
         "sim": {},
         "sim_vs_real": {},
     }
+    began = time.monotonic()
+    if side_by_side:
+        console.rule(
+            f"[bold]{' and '.join(chosen)}[/bold] side by side (a NATS and a fleet each): {duration_s:.0f} emulated s on "
+            f"{job.gpus}x{job.device} ({job.model}), x{job.time_scale:g} slower"
+        )
+        runs = asyncio.run(run_side_by_side(job, chosen, root, models, duration_s, console, until_steps, drain))
+    else:
+        runs = {}
+        for policy in chosen:
+            console.rule(f"[bold]{policy}[/bold]: {duration_s:.0f} emulated s on {job.gpus}x{job.device} ({job.model}), x{job.time_scale:g} slower")
+            runs.update(asyncio.run(run_side_by_side(job, [policy], root, models, duration_s, console, until_steps, drain)))
     for policy in chosen:
-        console.rule(f"[bold]{policy}[/bold]: {duration_s:.0f} emulated s on {job.gpus}x{job.device} ({job.model}), x{job.time_scale:g} slower")
-        started = time.monotonic()
-        figures = asyncio.run(run_policy(job, policy, root, models, duration_s, console, until_steps, drain))
-        figures["wall_s"] = time.monotonic() - started
+        figures = runs[policy]
         result["policies"][policy] = figures
+        started = time.monotonic()
         result["sim"][policy] = sim_figures(job, policy, int(figures.get("steps") or 0))
+        result["sim"][policy]["wall_s"] = time.monotonic() - started
         real, simulated = figures, result["sim"][policy]
         result["sim_vs_real"][policy] = {key: _ratio(real.get(key), simulated.get(key)) for key in ("rl_steps_per_hour", "rollout_s_per_step")}
+        spread = simulated["rl_steps_per_hour_by_seed"]
+        result["sim_vs_real"][policy] |= {
+            "rl_steps_per_hour_vs_seed_mean": _ratio(real.get("rl_steps_per_hour"), spread["mean"]),
+            "rl_steps_per_hour_within_seed_range": spread["min"] <= (real.get("rl_steps_per_hour") or 0.0) <= spread["max"],
+        }
     p = result["policies"]
+    result["wall_s"] = time.monotonic() - began
     result["speedup_vs_static"], result["rollout_time_ratio_vs_elastic"] = run_ratios(p)
     result["sim_speedup_vs_static"] = _ratio(
         result["sim"].get("rose", {}).get("rl_steps_per_hour"), result["sim"].get("static", {}).get("rl_steps_per_hour")
@@ -318,6 +493,11 @@ def run_emulated_e2e(
     return result
 
 
+def sim_range(sim: dict) -> str:
+    spread = sim.get("rl_steps_per_hour_by_seed")
+    return f" ({spread['min']:.0f}-{spread['max']:.0f})" if spread else ""
+
+
 def print_table(result: dict, console: Console) -> None:
     e = result["emulation"]
     table = Table(
@@ -328,7 +508,7 @@ def print_table(result: dict, console: Console) -> None:
         "policy",
         "RL steps/h",
         "x static",
-        "sim steps/h",
+        "sim steps/h (seeds)",
         "real/sim",
         "rollout s/step",
         "SLO attainment",
@@ -345,7 +525,7 @@ def print_table(result: dict, console: Console) -> None:
             name,
             _fmt(f["rl_steps_per_hour"], ".0f"),
             _fmt(_ratio(f["rl_steps_per_hour"], static.get("rl_steps_per_hour"))),
-            _fmt(result["sim"][name].get("rl_steps_per_hour"), ".0f"),
+            _fmt(result["sim"][name].get("rl_steps_per_hour"), ".0f") + sim_range(result["sim"][name]),
             _fmt(result["sim_vs_real"][name]["rl_steps_per_hour"]),
             _fmt(f["rollout_s_per_step"], ".1f"),
             _fmt(f["serving_slo_attainment"], ".3f"),
@@ -355,6 +535,15 @@ def print_table(result: dict, console: Console) -> None:
             f"{fid['cpu_utilization']:.0%}" + (" starved" if fid["starved"] else ""),
         )
     console.print(table)
+    for name, f in result["policies"].items():
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in f.get("wall_phases_s", {}).items())
+        fid = f["fidelity"]
+        console.print(
+            f"{name}: {f['steps']} steps, {f['trajectories_lost']} lost, {f.get('trajectories_late', 0)} late; its processes "
+            f"{fid.get('fleet_cpu_cores', 0.0):.2f} cores; wall s: {phases}; done {f['wall_s']:.0f} s from the start"
+        )
+    together = "side by side" if result.get("side_by_side") else "one at a time"
+    console.print(f"{len(result['policies'])} policies {together}: {result['wall_s'] / 60:.1f} wall minutes")
     console.print(
         f"rose vs static: {_fmt(result['speedup_vs_static'])}x RL steps/h (simulator on the same configuration: "
         f"{_fmt(result['sim_speedup_vs_static'])}x); rose vs elastic_baseline: {_fmt(result['rollout_time_ratio_vs_elastic'])}x rollout time"

@@ -278,6 +278,11 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--until-steps", type=int, default=None, metavar="N", help="end a policy's window after N trainer steps (at most --duration)")
     g.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the policies one after another (default: side by side, each its own NATS and fleet, sharing the box's CPU)",
+    )
+    g.add_argument(
         "--over-provision",
         type=float,
         default=0.0,
@@ -342,6 +347,7 @@ def _run_e2e_emulated(args: argparse.Namespace) -> int:
         until_steps=args.until_steps,
         model_dir=args.models,
         console=Console(),
+        side_by_side=not args.one_at_a_time,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 

@@ -119,9 +119,15 @@ def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(t
         f = result["policies"][policy]
         assert all(field in f for field in POLICY_FIELDS), sorted(set(POLICY_FIELDS) - set(f))
         assert f["steps"] >= 2 and f["rl_steps_per_hour"] > 0 and f["trajectories_lost"] == 0 and f["trajectories_late"] >= 0
-        assert set(f["fidelity"]) == {"forward_lag_p99_percent", "cpu_utilization", "starved", "starved_by"}
+        assert set(f["fidelity"]) == {"forward_lag_p99_percent", "cpu_utilization", "starved", "starved_by", "fleet_cpu_cores"}
         assert f["fidelity"]["forward_lag_p99_percent"] is not None  # the devices reported their lateness
         assert result["sim"][policy]["rl_steps_per_hour"] > 0 and "rl_steps_per_hour" in result["sim_vs_real"][policy]
+        spread = result["sim"][policy]["rl_steps_per_hour_by_seed"]  # the simulator at several seeds: the spread a few steps' rate has
+        assert len(spread["seeds"]) > 1 and spread["min"] <= spread["mean"] <= spread["max"]
+        assert result["sim"][policy]["steps"] == f["steps"]  # as many simulated steps as the real run took
+        assert [e["step"] for e in f["step_events"]] == list(range(1, f["steps"] + 1))
+        assert {"start", "warmup", "trainer_start", "window", "drain", "stop"} <= set(f["wall_phases_s"])
+    assert result["side_by_side"]  # both fleets ran at once, each on its own nats-server
     assert result["policies"]["static"]["rollout_tokens_on_serving"] == 0  # static never lends a serving executor
     assert result["policies"]["static"]["rollout_tokens_by_executor"]  # the dedicated executor did the rollout
     assert "speedup_vs_static" in result and (tmp_path / "e2e.png").stat().st_size > 0
