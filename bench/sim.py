@@ -487,6 +487,35 @@ def grid_configs(
     return out
 
 
+def _config_line(key: tuple, done: dict[str, dict], many_seeds: bool) -> str:
+    """One configuration's console line once its policies are all in: rose against static and elastic, the ceilings."""
+    rose, static, elastic = done.get("rose"), done.get("static"), done.get("elastic_baseline")
+    serving, policy, gpus, demand, ratio, mode, over, seed = key
+    models = serving if policy == serving else f"{serving} serving, {policy} policy,"
+    label = (
+        f"{models:>4} {gpus:>3} GPUs, demand {demand:g}x, dedicated {ratio:g}, {mode:<5}"
+        + (f", over-provision {over:g}" if over else "")
+        + (f", seed {seed}" if many_seeds else "")
+    )
+    if rose is None or "infeasible" in rose or static is None or "infeasible" in static:
+        return f"{label}: infeasible" if rose is not None and "infeasible" in rose else f"{label}: done"
+    sp = rose["rl_steps_per_hour"] / static["rl_steps_per_hour"] if static["rl_steps_per_hour"] > 0 else float("nan")
+    el = (
+        f", rollout {elastic['rollout_s_per_step'] / rose['rollout_s_per_step']:.2f}x faster than elastic"
+        if elastic and "infeasible" not in elastic
+        else ""
+    )
+    capacity = rose.get("rollout_capacity_ceiling")
+    most = speedup_ceiling_over(static, capacity, mode == "async")
+    priced = speedup_ceiling_over(static, rose.get("rollout_capacity_ceiling_kv"), mode == "async")
+    ceiling = f" (ceiling {most:.2f}x; {priced:.2f}x at the lent KV's batch)" if most is not None and priced is not None else ""
+    on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
+    return (
+        f"{label}: rose {sp:.2f}x static{ceiling}{el}, {rose['rollout_tokens_on_serving_fraction']:.0%}{on_leases} of rollout tokens on leases, "
+        f"{rose['slo_violations']:.0f} SLO-violating s"
+    )
+
+
 def run_sim_bench(
     *,
     out_json: str,
@@ -516,7 +545,6 @@ def run_sim_bench(
     console=None,
 ) -> dict:
     from rich.progress import Progress
-    from rich.table import Table
 
     started = time.perf_counter()
     jobs = jobs if jobs is not None else min(2, os.cpu_count() or 1)
@@ -552,35 +580,8 @@ def run_sim_bench(
         """As each configuration's policies are all in: one line with rose's figures against static and elastic."""
         key = config_key(result)
         per_config[key][result["policy"]] = result
-        done = per_config[key]
-        if console is None or len(done) < wanted:
-            return
-        rose, static, elastic = done.get("rose"), done.get("static"), done.get("elastic_baseline")
-        serving, policy, gpus, demand, ratio, mode, over, seed = key
-        models = serving if policy == serving else f"{serving} serving, {policy} policy,"
-        label = (
-            f"{models:>4} {gpus:>3} GPUs, demand {demand:g}x, dedicated {ratio:g}, {mode:<5}"
-            + (f", over-provision {over:g}" if over else "")
-            + (f", seed {seed}" if len(seeds) > 1 else "")
-        )
-        if rose is None or "infeasible" in rose or static is None or "infeasible" in static:
-            console.print(f"{label}: infeasible" if rose is not None and "infeasible" in rose else f"{label}: done")
-            return
-        sp = rose["rl_steps_per_hour"] / static["rl_steps_per_hour"] if static["rl_steps_per_hour"] > 0 else float("nan")
-        el = (
-            f", rollout {elastic['rollout_s_per_step'] / rose['rollout_s_per_step']:.2f}x faster than elastic"
-            if elastic and "infeasible" not in elastic
-            else ""
-        )
-        capacity = rose.get("rollout_capacity_ceiling")
-        most = speedup_ceiling_over(static, capacity, mode == "async")
-        priced = speedup_ceiling_over(static, rose.get("rollout_capacity_ceiling_kv"), mode == "async")
-        ceiling = f" (ceiling {most:.2f}x; {priced:.2f}x at the lent KV's batch)" if most is not None and priced is not None else ""
-        on_leases = f" of at most {1.0 - 1.0 / capacity:.0%}" if capacity is not None else ""
-        console.print(
-            f"{label}: rose {sp:.2f}x static{ceiling}{el}, {rose['rollout_tokens_on_serving_fraction']:.0%}{on_leases} of rollout tokens on leases, "
-            f"{rose['slo_violations']:.0f} SLO-violating s"
-        )
+        if console is not None and len(per_config[key]) >= wanted:
+            console.print(_config_line(key, per_config[key], many_seeds=len(seeds) > 1))
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {len(configs)} runs ({jobs} processes)", total=len(configs))
@@ -646,78 +647,89 @@ def run_sim_bench(
     _plot(out.with_suffix(".png"), rows)
 
     if console is not None:
-        table = Table(title=f"rose bench sim ({device}, load {load:g} of SLO capacity, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms)")
-        for col in (
-            "model",
-            "GPUs",
-            "demand",
-            "ded.",
-            "mode",
-            "policy",
-            "RL steps/h",
-            "vs static",
-            "rollout vs elastic",
-            "SLO-viol inst-s",
-            "SLO attain",
-            "lent",
-            "notes",
-        ):
-            table.add_column(col, justify="right")
-        for r in rows:
-            axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
-            if r.get("infeasible"):
-                table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
-                continue
-            f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-            table.add_row(
-                r["model"],
-                str(r["gpus"]),
-                *axes,
-                r["policy"],
-                f(r["rl_steps_per_hour"], ".2f"),
-                f(r["speedup_vs_static"], ".2f") + "x" + _seed_range(r.get("speedup_vs_static_by_seed")),
-                f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
-                f(r["slo_violations"], ".0f"),
-                f(r["serving_slo_attainment"], ".4f"),
-                f"{r['detail']['lent_instance_fraction']:.0%}",
-                "" if r["complete"] else "incomplete",
-            )
-        console.print(table)
-        console.print(summary)
-        for mode, t in targets.items():
-            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-            console.print(
-                f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
-                f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])} "
-                f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, "
-                f"{fmt(t['best_speedup_ceiling_kv_demand_ge_2'])} at the lent KV's batch; "
-                f"median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
-                "rollout vs elastic median "
-                f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
-                + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
-            )
-        for label, e in (targets.get("all") or {}).get("per_model", {}).items():
-            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-            console.print(
-                f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
-                f"least {fmt(e['min_share'])}; rose/static median {fmt(e['median_speedup'])}"
-            )
-        for n in notes:
-            console.print(f"- {n}")
-        if cal["calibration"]:
-            pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-            slo = cal.get("calibration_slo_attainment", {})
-            console.print(
-                "calibration (relative error, "
-                + cal["calibration_detail"]["against"]
-                + "; RL steps/h, SLO attainment): "
-                + ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items())
-                + f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}"
-            )
-        else:
-            console.print("calibration: " + cal["calibration_detail"]["source"] + "; " + cal["calibration_detail"]["next"])
-        console.print(f"grid {grid_s:.1f} s; wrote {out} and {out.with_suffix('.png')}")
+        _print_report(console, report, out)
     return report
+
+
+def _print_report(console, report: dict, out: Path) -> None:
+    """The console's view of a written report: the rows' table, the targets, the per-model shares, the notes, the calibration."""
+    from rich.table import Table
+
+    rows, targets, notes, settings = report["rows"], report["targets"], report["notes"], report["settings"]
+    device, load, slo_ttft_ms, slo_tpot_ms = settings["device"], settings["load"], settings["slo_ttft_ms"], settings["slo_tpot_ms"]
+    summary, grid_s = report["summary"], report["grid_seconds"]
+    cal = {k: report[k] for k in ("calibration", "calibration_slo_attainment", "calibration_detail")}
+    table = Table(title=f"rose bench sim ({device}, load {load:g} of SLO capacity, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms)")
+    for col in (
+        "model",
+        "GPUs",
+        "demand",
+        "ded.",
+        "mode",
+        "policy",
+        "RL steps/h",
+        "vs static",
+        "rollout vs elastic",
+        "SLO-viol inst-s",
+        "SLO attain",
+        "lent",
+        "notes",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
+        if r.get("infeasible"):
+            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
+            continue
+        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+        table.add_row(
+            r["model"],
+            str(r["gpus"]),
+            *axes,
+            r["policy"],
+            f(r["rl_steps_per_hour"], ".2f"),
+            f(r["speedup_vs_static"], ".2f") + "x" + _seed_range(r.get("speedup_vs_static_by_seed")),
+            f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
+            f(r["slo_violations"], ".0f"),
+            f(r["serving_slo_attainment"], ".4f"),
+            f"{r['detail']['lent_instance_fraction']:.0%}",
+            "" if r["complete"] else "incomplete",
+        )
+    console.print(table)
+    console.print(summary)
+    for mode, t in targets.items():
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        console.print(
+            f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
+            f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])} "
+            f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, "
+            f"{fmt(t['best_speedup_ceiling_kv_demand_ge_2'])} at the lent KV's batch; "
+            f"median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
+            "rollout vs elastic median "
+            f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
+            + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
+        )
+    for label, e in (targets.get("all") or {}).get("per_model", {}).items():
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        console.print(
+            f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
+            f"least {fmt(e['min_share'])}; rose/static median {fmt(e['median_speedup'])}"
+        )
+    for n in notes:
+        console.print(f"- {n}")
+    if cal["calibration"]:
+        pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+        slo = cal.get("calibration_slo_attainment", {})
+        console.print(
+            "calibration (relative error, "
+            + cal["calibration_detail"]["against"]
+            + "; RL steps/h, SLO attainment): "
+            + ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items())
+            + f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}"
+        )
+    else:
+        console.print("calibration: " + cal["calibration_detail"]["source"] + "; " + cal["calibration_detail"]["next"])
+    console.print(f"grid {grid_s:.1f} s; wrote {out} and {out.with_suffix('.png')}")
 
 
 def within_tolerance(cal: dict) -> bool | None:
