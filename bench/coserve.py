@@ -585,7 +585,6 @@ def run_coserve_bench(
     if reclaim_probes < 0 or (dedicated_s is not None and dedicated_s <= 0):
         raise ValueError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {reclaim_probes} and {dedicated_s}")
     from rich.progress import Progress
-    from rich.table import Table
 
     torch.set_num_threads(1)
     config = bench_config(device, dtype)
@@ -630,7 +629,6 @@ def run_coserve_bench(
             with partial.open("a") as f:
                 f.write(json.dumps({**row, "harvest_baseline": "dedicated_before"}) + "\n")
         _, _, _, arrivals, runs, slo = cell_runs[0]
-        rate = serving_load * capacity
         progress.update(task, description="dedicated rollout (after)")
         dedicated_after = asyncio.run(_dedicated(models, config, dedicated_s, seed))
         # measured before and after the policies, averaged: this machine's speed drifts over a run
@@ -687,13 +685,26 @@ def run_coserve_bench(
     _plot(out.with_suffix(".png"), runs)
     _plot_guard(out.with_name(out.stem + "-guard.png"), runs["rose"], slo)
 
+    _print_report(console, report, out)
+    return report
+
+
+def _print_report(console, report: dict, out: Path) -> None:
+    """The console's view of a written report: the models, the SLO, the policies' table, the cells' table, the harvest."""
+    from rich.table import Table
+
+    policies, cells, dedicated = report["policies"], report["cells"], report["dedicated_rollout_tokens_per_s"]
+    slo_ttft, slo_tpot = report["slo"]["ttft_ms"], report["slo"]["tpot_ms"]
+    capacity, serving_load = report["serving_capacity_rps"], report["serving_load"]
+    rate, n_requests = serving_load * capacity, report["serving_requests"]
+    one_thread = report["dedicated_by_threads"].get("1", dedicated)
     console.print(
         f"{report['device']}, {report['dtype']}: serving model {report['models']['serving']['parameters'] / 1e6:.0f}M parameters, "
         f"policy {report['models']['policy']['parameters'] / 1e6:.0f}M"
     )
     console.print(
         f"SLO ({_slo_words(report['slo'])}): TTFT {slo_ttft:.1f} ms, TPOT {slo_tpot:.2f} ms  "
-        f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {len(arrivals)} requests)"
+        f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {n_requests} requests)"
     )
     table = Table(title="rose bench coserve")
     for col in ("policy", "SLO attain", "TTFT p99 ms", "TPOT p99 ms", "aborted", "serving tok/s", "rollout tok/s", "vs dedicated"):
@@ -743,12 +754,11 @@ def run_coserve_bench(
             )
         console.print(grid_table)
     console.print(
-        f"dedicated rollout {dedicated:.0f} tok/s (one thread {dedicated_by_threads.get(1, dedicated):.0f}), harvest ratio "
+        f"dedicated rollout {dedicated:.0f} tok/s (one thread {one_thread:.0f}), harvest ratio "
         f"{report['harvest_ratio']:.2f} (vs one thread {report['harvest_ratio_vs_one_thread']:.2f}), "
         f"reclaim p99 {report['reclaim_latency_ms_p99']:.1f} ms, RSS {report['executor_rss_mb']:.0f} MiB; "
         f"wrote {out} and {out.with_suffix('.png')}"
     )
-    return report
 
 
 def _slo_pair(values: list[float] | None) -> tuple[float, float] | None:
