@@ -14,7 +14,7 @@ from rose.contracts.lease import Lease
 from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 from rose.shared.config import BusConfig
-from rose.testing.polling import within
+from rose.testing.polling import retrying, within
 
 
 def _request(i: int = 0) -> GenerateRequest:
@@ -256,7 +256,10 @@ async def test_nats_py_alone_stops_reading_after_a_cancelled_flush(nats_server):
     try:
         await responder.subscribe("rose.test.pong-echo", cb=echo)
         await responder.flush()
-        assert (await plain.request("rose.test.pong-echo", b"before", timeout=2)).data == b"before"
+        # the first reply proves the path works before the flushes; on a loaded box (load 15, two suites) the server
+        # answered it "no responders" once in about twenty runs although the SUB's flush had returned: ask again then
+        first = await retrying(lambda: plain.request("rose.test.pong-echo", b"before", timeout=2), nats.errors.NoRespondersError, 10)
+        assert first.data == b"before"
         assert "_process_pong" not in vars(plain)  # not patched
         await _cancel_flushes(plain)
         assert plain._reading_task.done()  # the read loop is gone for good
