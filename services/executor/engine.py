@@ -434,6 +434,7 @@ class Engine:
         self._validate(rt, request)
         if rt is self._rollout and (require_lease or not self.policy.admits_rollout):
             self._check_lease_admits()
+
         def abort(request_id: str, rt: _ClassRuntime = rt) -> None:
             rt.aborts.append(request_id)
             rt.wakeup.set()
