@@ -120,6 +120,9 @@ class MetricsSnapshot(Message):
     serving_arrivals: NonNegInt = 0
     serving_completed: NonNegInt = 0
     serving_queue: NonNegInt = 0
+    # when the last of the queue is projected to get its first token (shared/bursts.py first_token_wait_ms);
+    # None: the executor cannot tell (an SGLang backend), and the queue's length alone is judged
+    serving_queue_wait_ms: NonNegFloat | None = None
     serving_running: NonNegInt = 0
     rollout_queue: NonNegInt = 0
     rollout_running: NonNegInt = 0

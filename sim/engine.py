@@ -506,6 +506,7 @@ class Simulation:
         arr_r, arr_b = L(r["arrivals"][:, recent_idx].sum(axis=1)), L(r["arrivals"][:, base_idx].sum(axis=1))
         bs_peak, bs_short = L(r["bs"][:, long_idx].max(axis=1)), L(r["bs"][:, short_idx].max(axis=1))
         q_now = L(r["queue"][:, last[0]])
+        q_wait = L(r["queue_wait"][:, last[0]])
         q_prev = L(r["queue"][:, last[1]]) if filled > 1 else [0.0] * self.inst.n_serv
         br_now = L(r["br"][:, last[0]])
         tps_peak = L(m.ring_tps[: self.inst.n_serv, long_idx].max(axis=1))
@@ -532,6 +533,7 @@ class Simulation:
                 rollout_tokens_per_s_peak=tps_peak[d],
                 kv_utilisation=kv_util[d],
                 compute_utilisation=util[d],
+                serving_queue_wait_ms=q_wait[d],
             )
             recent = WindowStats(
                 span_s=span_r,
@@ -561,7 +563,7 @@ class Simulation:
                 kv_utilisation=0.0,
                 compute_utilisation=0.0,
             )
-            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), m.burst_cfg, m.head_cfg)
+            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), m.burst_cfg, m.head_cfg, q_wait[d])
             decided = pol.next_alert(m.burst_state[d], found, now, m.burst_cfg)
             if decided is not None:
                 alert = SloAlert(

@@ -14,7 +14,7 @@ from .coserve import ServingTick
 
 REFIT_TICKS = 30  # the simulated monitor refits each executor's step model every 30 snapshots (its long window)
 METRICS_INTERVAL_S = 1.0  # executors' metrics snapshots (services/executor/config.py metrics_interval_s)
-SERVING_FIGURES = ("ttft", "tpot", "tpot_mean", "arrivals", "queue", "bs", "br")  # per serving instance and tick
+SERVING_FIGURES = ("ttft", "tpot", "tpot_mean", "arrivals", "queue", "queue_wait", "bs", "br")  # per serving instance and tick
 
 
 class MonitorState:
@@ -70,6 +70,9 @@ class MonitorState:
         r["tpot_mean"][:, col] = (st.iteration_s + extra) * 1e3
         r["arrivals"][:, col] = arrivals
         r["queue"][:, col] = queue
+        # the queue's last first token, projected as an executor does (shared/bursts.py first_token_wait_ms):
+        # the fluid queue drains at the instance's capacity
+        r["queue_wait"][:, col] = np.where(queue > 0, queue / np.maximum(st.capacity_rps, 1e-9) * 1e3, 0.0)
         r["bs"][:, col] = st.batch
         r["br"][:, col] = br
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rose.contracts.executor import RejectReason
-from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip
+from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip, first_token_wait_ms
 from rose.shared.sketch import sketch_to_dict
 
 from .config import MIB, EngineSettings
@@ -446,7 +446,7 @@ class Engine:
         if rt is self._serving:
             self.metrics.serving_arrival()
             now = time.monotonic()
-            trip = self.bursts.arrival(now, len(rt.inbox) + len(rt.waiting) + rt.unprefilled)
+            trip = self.bursts.arrival(now, _prefill_pending(rt), self._serving_queue_wait_ms(now), self.slo_ttft_ms)
             if self.bursts.bursting and self.policy.admits_rollout:
                 self.slo_guard.hold(now, self.bursts.cfg.window_s)  # yield at once and while it lasts, lease or not
             if trip is not None and self.policy.admits_rollout:
@@ -632,6 +632,7 @@ class Engine:
             serving_arrivals=interval.serving_arrivals,
             serving_completed=interval.serving_completed,
             serving_queue=len(self._serving.inbox) + len(self._serving.waiting),
+            serving_queue_wait_ms=self._serving_queue_wait_ms(now),
             serving_running=len(self._serving.running),
             rollout_queue=len(self._rollout.inbox) + len(self._rollout.waiting),
             rollout_running=len(self._rollout.running),
@@ -652,6 +653,14 @@ class Engine:
             device=device,
             slo_guard=self._guard_state(now),
         )
+
+    def _serving_queue_wait_ms(self, now: float) -> float | None:
+        """When the last serving request awaiting its first token is projected to get it (the burst tests);
+        None before serving's first iteration is timed (the queue's length decides then)."""
+        s = self._serving
+        if s.iteration_ms <= 0.0:
+            return None
+        return first_token_wait_ms(_oldest_wait_ms(s, now), _prefill_pending(s), s.iteration_ms)
 
     def _guard_state(self, now: float) -> GuardState:
         """The guard's state now: its control step runs here too, so it relaxes while rollout is idle."""
@@ -786,7 +795,7 @@ class Engine:
         share = self.slo_guard.update(now, oldest_wait_ms, s.iteration_ms if s.running else 0.0)
         return Signals(
             now=now,
-            serving_prefill_pending=len(s.inbox) + len(s.waiting) + s.unprefilled,
+            serving_prefill_pending=_prefill_pending(s),
             serving_running=len(s.running),
             serving_iteration_ms=s.iteration_ms,
             slo_tpot_ms=self.slo_tpot_ms,
@@ -1102,6 +1111,11 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
+def _prefill_pending(rt: _ClassRuntime) -> int:
+    """Requests of ``rt`` not past their prefill: queued, or running and not through it."""
+    return len(rt.inbox) + len(rt.waiting) + rt.unprefilled
 
 
 def _oldest_wait_ms(rt: _ClassRuntime, now: float) -> float:

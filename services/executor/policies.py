@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rose.shared.bursts import first_token_wait_ms
+
 from .slo_guard import SETPOINT
 
 POLICY_NAMES = ("serving_only", "naive_share", "static_partition", "rose")
@@ -191,7 +193,7 @@ class Rose:
     def _first_tokens_at_risk(self, s: Signals) -> bool:
         if s.slo_ttft_ms is None:
             return s.serving_prefill_pending >= (1 if s.lanes_overlap else NO_SLO_BACKLOG)
-        projected = s.serving_oldest_wait_ms + s.serving_prefill_pending * s.serving_iteration_ms
+        projected = first_token_wait_ms(s.serving_oldest_wait_ms, s.serving_prefill_pending, s.serving_iteration_ms)
         return projected >= self.ttft_guard_fraction * s.rollout_share * s.slo_ttft_ms
 
     def _batch_filling(self, s: Signals) -> bool:

@@ -116,6 +116,7 @@ class Telemetry:
             serving_arrivals=stats.serving_arrivals,
             serving_completed=stats.serving_completed,
             serving_queue=stats.serving_queue,
+            serving_queue_wait_ms=stats.serving_queue_wait_ms,
             serving_running=stats.serving_running,
             rollout_queue=stats.rollout_queue,
             rollout_running=stats.rollout_running,

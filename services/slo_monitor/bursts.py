@@ -4,8 +4,9 @@ Three signals, checked on every snapshot as it arrives (so an alert goes out at 
 - arrival rate: arrivals over the last `window_s` against what the long-window baseline
   rate (the history before them, at least `min_baseline_s`) predicts for that span: a burst
   is `rate_ratio` x the expectation and beyond Poisson noise (expectation + z x sqrt);
-- queue growth: the serving queue is at least `queue_threshold` and grew since the last
-  snapshot;
+- queue growth: the serving queue is at least `queue_threshold`, grew since the last
+  snapshot and is projected to wait `risk_fraction` of the TTFT SLO (shared/bursts.py
+  `queue_at_risk`: a count alone is Poisson noise at an ordinary load);
 - latency risk: short-window p99 TTFT or TPOT above `risk_fraction` x SLO ("violation"
   once it is past the SLO itself).
 While any signal holds, the alert is repeated every `realert_s`; after `recover_s` of calm a
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rose.contracts.slo import AlertSeverity, SloAlert
-from rose.shared.bursts import BurstSettings, burst_threshold
+from rose.shared.bursts import BurstSettings, burst_threshold, queue_at_risk
 
 from .config import HeadroomSettings
 from .windows import ExecutorWindow, WindowStats, stats_of
@@ -55,6 +56,7 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
         previous,
         cfg,
         slo,
+        latest.serving_queue_wait_ms,
     )
 
 
@@ -66,12 +68,14 @@ def classify(
     previous_queue: int,
     cfg: BurstSettings,
     slo: HeadroomSettings,
+    queue_wait_ms: float | None = None,
 ) -> tuple[AlertSeverity, str] | None:
     """The signals as a pure function of window figures (the simulator calls this too).
 
     ``short``: the short window (latency); ``recent`` / ``baseline``: the last ``cfg.window_s``
     of arrivals and the history before it (or callables computing them, only if needed);
-    ``queue`` / ``previous_queue``: the serving queue in the latest and the previous snapshot.
+    ``queue`` / ``previous_queue``: the serving queue in the latest and the previous snapshot;
+    ``queue_wait_ms``: the latest's projected wait of its last queued first token (None: unknown).
     """
     if short.ttft_p99_ms > slo.slo_ttft_ms or short.tpot_p99_ms > slo.slo_tpot_ms:
         return "violation", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms past the SLO"
@@ -81,7 +85,7 @@ def classify(
         base_rate = max(baseline.arrival_rate_rps, cfg.min_baseline_rps)
         if recent.arrivals >= burst_threshold(base_rate * recent.span_s, cfg):
             return "burst", f"arrival rate {recent.arrival_rate_rps:.1f}/s vs baseline {base_rate:.1f}/s"
-    if queue >= cfg.queue_threshold and queue > previous_queue:
+    if queue_at_risk(queue, previous_queue, queue_wait_ms, slo.slo_ttft_ms, cfg):
         return "burst", f"serving queue growing: {previous_queue} -> {queue}"
     if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:
         return "burst", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms near the SLO"

@@ -20,7 +20,8 @@ capped at `max_rollout_slots`. TTFT is guarded by measurement instead of the mod
 executor is *lendable* only when short- and long-window p99 TPOT is under `grant_fraction`
 x SLO and p99 TTFT under `ttft_grant_fraction` x SLO (the executor's own TTFT setpoint: a
 lease adds at most a quantum to a first token, and the executor pauses rollout before a first
-token passes its setpoint), the serving queue is short and the model leaves at least one slot.
+token passes its setpoint), the serving queue's last first token is projected under that same
+gate (``serving_queue_long``) and the model leaves at least one slot.
 KV lent is the smaller of `max_lend_kv_bytes` and `lend_memory_fraction` of the device
 memory not in use, halved when the serving pool is above its high-water mark.
 """
@@ -107,6 +108,15 @@ def lendable_kv_bytes(latest: MetricsSnapshot | None, kv_utilisation: float, cfg
     return kv
 
 
+def serving_queue_long(short: WindowStats, limit_ttft_ms: float, cfg: HeadroomSettings) -> bool:
+    """Too long a serving queue to lend beside: its last first token is projected past the TTFT gate
+    (``limit_ttft_ms``, as the p99 is judged); where the executor cannot project it, more than
+    ``max_serving_queue`` waiting. A count alone refuses on Poisson noise (shared/bursts.py queue_at_risk)."""
+    if short.serving_queue_wait_ms is None:
+        return short.serving_queue > cfg.max_serving_queue
+    return short.serving_queue > 0 and short.serving_queue_wait_ms >= limit_ttft_ms
+
+
 def assess(
     short: WindowStats, long: WindowStats, model: StepModel, latest: MetricsSnapshot | None, cfg: HeadroomSettings, alerting: bool
 ) -> HeadroomVerdict:
@@ -122,7 +132,7 @@ def assess(
         reasons.append(f"ttft p99 {max(short.ttft_p99_ms, long.ttft_p99_ms):.0f} ms > {limit_ttft:.0f} ms")
     if max(short.tpot_p99_ms, long.tpot_p99_ms) > limit_tpot:
         reasons.append(f"tpot p99 {max(short.tpot_p99_ms, long.tpot_p99_ms):.1f} ms > {limit_tpot:.1f} ms")
-    if short.serving_queue > cfg.max_serving_queue:
+    if serving_queue_long(short, limit_ttft, cfg):
         reasons.append(f"serving queue {short.serving_queue}")
     if slots == 0:
         reasons.append("step model leaves no rollout slot")

@@ -35,6 +35,7 @@ class WindowStats:
     rollout_tokens_per_s_peak: float
     kv_utilisation: float  # serving pool, latest
     compute_utilisation: float  # device, latest
+    serving_queue_wait_ms: float | None = None  # the latest's projected wait of its last queued first token (None: unknown)
 
 
 def merged(snapshots: Iterable[MetricsSnapshot]) -> tuple[DDSketch, DDSketch]:
@@ -139,6 +140,7 @@ def stats_of(snapshots: list[MetricsSnapshot], *, latency: bool = True, sums: tu
         rollout_tokens_per_s_peak=max((s.rollout_tokens_per_s for s in snapshots), default=0.0),
         kv_utilisation=(pool.used_blocks / pool.total_blocks) if pool and pool.total_blocks else 0.0,
         compute_utilisation=min(1.0, last.device.utilization) if last and last.device else 0.0,
+        serving_queue_wait_ms=last.serving_queue_wait_ms if last else None,
     )
 
 

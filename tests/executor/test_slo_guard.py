@@ -12,7 +12,7 @@ import time
 from rose.services.executor.engine import EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.slo_guard import RELAX_WINDOWS, SETPOINT, SloGuard
-from rose.shared.bursts import ArrivalBurstDetector, BurstSettings
+from rose.shared.bursts import ArrivalBurstDetector, BurstSettings, first_token_wait_ms, queue_at_risk
 from rose.testing.polling import until
 
 SLO_TTFT, SLO_TPOT = 100.0, 20.0
@@ -95,7 +95,23 @@ def test_the_executor_detects_a_burst_of_arrivals_against_its_own_baseline():
     assert det.rate(t + 0.01) > 20
     queue = ArrivalBurstDetector(cfg)
     assert queue.arrival(0.0, cfg.queue_threshold - 1) is None
-    assert "queue" in queue.arrival(0.01, cfg.queue_threshold).reason
+    assert "queue" in queue.arrival(0.01, cfg.queue_threshold).reason  # no projected wait: the length decides
+
+
+def test_a_queue_is_a_burst_only_when_its_first_tokens_are_projected_near_the_ttft_slo():
+    cfg, slo_ttft = BurstSettings(), 1000.0
+    at_risk = cfg.risk_fraction * slo_ttft
+    assert first_token_wait_ms(100.0, 4, 25.0) == 200.0  # the oldest's wait, then an iteration each
+    assert not queue_at_risk(cfg.queue_threshold, 0, at_risk - 1.0, slo_ttft, cfg)  # drained within the SLO: noise
+    assert queue_at_risk(cfg.queue_threshold, 0, at_risk, slo_ttft, cfg)
+    assert not queue_at_risk(cfg.queue_threshold, cfg.queue_threshold, 10 * slo_ttft, slo_ttft, cfg)  # not growing
+    assert not queue_at_risk(cfg.queue_threshold - 1, 0, 10 * slo_ttft, slo_ttft, cfg)  # too short to tell from noise
+    assert queue_at_risk(cfg.queue_threshold, 0, None, slo_ttft, cfg) and queue_at_risk(cfg.queue_threshold, 0, 0.0, None, cfg)
+    det = ArrivalBurstDetector(cfg)
+    for i in range(cfg.queue_threshold + 3):  # a queue growing one arrival at a time, every first token well within the SLO
+        assert det.arrival(i * 0.01, i + 1, 0.1 * slo_ttft, slo_ttft) is None and not det.bursting
+    trip = det.arrival(0.2, cfg.queue_threshold + 4, at_risk, slo_ttft)
+    assert trip is not None and "queue" in trip.reason and det.bursting
 
 
 def _serving(i: int, max_tokens: int = 8) -> GenerationRequest:
@@ -119,12 +135,14 @@ def _rollout(i: int) -> GenerationRequest:
 
 async def test_on_a_real_engine_a_burst_of_arrivals_takes_the_share_before_any_tail_is_seen(make_engine):
     engine = make_engine("rose", EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0))
-    engine.set_slo(1000.0, 100.0)
+    solo = await engine.submit(_serving(-1)).result()  # times a serving iteration: the queue's wait is projected from it
+    cfg = BurstSettings()
+    # a TTFT SLO that queue_threshold first tokens at once put at risk (each waits about an iteration, ~ a TPOT)
+    engine.set_slo(0.5 * cfg.queue_threshold * solo.timings.tpot_ms, 100.0)
     rollouts = [engine.submit(_rollout(i)) for i in range(2)]
     await asyncio.sleep(0.1)
     trips: list = []
     engine.on_burst.append(trips.append)
-    cfg = BurstSettings()
     burst = [engine.submit(_serving(i)) for i in range(cfg.queue_threshold)]  # in one go: the queue test trips
     assert trips and "queue" in trips[0].reason  # the alert the executor service publishes
     assert engine.slo_guard.held(time.monotonic())  # and the guard yielded here, before any of them finished
@@ -134,6 +152,19 @@ async def test_on_a_real_engine_a_burst_of_arrivals_takes_the_share_before_any_t
         await h.result()
     for h in rollouts:
         h.cancel()
+
+
+async def test_on_a_real_engine_a_queue_served_well_within_the_ttft_slo_raises_no_alert(make_engine):
+    engine = make_engine("rose", EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", seed=0))
+    solo = await engine.submit(_serving(-1)).result()
+    cfg = BurstSettings()
+    engine.set_slo(100.0 * cfg.queue_threshold * solo.timings.tpot_ms, 100.0)  # queue_threshold first tokens: ~1 % of it
+    trips: list = []
+    engine.on_burst.append(trips.append)
+    burst = [engine.submit(_serving(i)) for i in range(cfg.queue_threshold)]
+    for h in burst:
+        await h.result()
+    assert trips == [] and engine.stats().serving_queue_wait_ms is not None
 
 
 async def test_on_a_real_engine_the_guard_takes_rollout_back_under_injected_serving_load_and_gives_it_back_after(make_engine):

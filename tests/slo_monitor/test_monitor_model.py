@@ -81,6 +81,24 @@ def test_assess_lends_only_well_below_slo():
     assert not assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=True).lendable
 
 
+def test_a_serving_queue_refuses_a_lease_only_when_its_first_tokens_are_projected_past_the_ttft_gate():
+    cfg = HeadroomSettings(slo_ttft_ms=1000.0, slo_tpot_ms=100.0)
+    gate = cfg.ttft_grant_fraction * cfg.slo_ttft_ms
+
+    def verdict(queue: int, wait_ms: float | None):
+        w = ExecutorWindow(30.0)
+        for i in range(30):
+            w.add(snap(i * INTERVAL, ttft=[40.0], tpot=[8.0 + (i % 3)], serving=1 + i % 3, queue=queue, queue_wait_ms=wait_ms), i * INTERVAL)
+        return assess(w.stats(3.0), w.stats(), fit_step_model(observations(list(w.snapshots)), 10.0), w.latest, cfg, alerting=False)
+
+    assert verdict(6, 0.2 * gate).lendable  # six waiting, drained well within the SLO: Poisson noise at this load
+    refused = verdict(6, gate)
+    assert not refused.lendable and "serving queue 6" in refused.reason
+    # an executor that cannot project the wait (an SGLang backend): its queue's length decides, as before
+    assert verdict(cfg.max_serving_queue, None).lendable
+    assert not verdict(cfg.max_serving_queue + 1, None).lendable
+
+
 def _detector() -> tuple[ExecutorWindow, BurstDetector]:
     cfg = BurstSettings(window_s=0.5, rate_ratio=2.0, min_arrivals=4, recover_s=1.0, realert_s=0.5)
     return ExecutorWindow(30.0), BurstDetector("ex-1", cfg, HeadroomSettings(), short_s=3.0)
@@ -123,6 +141,14 @@ def test_queue_growth_and_violation_raise_alerts():
         w.add(snap(i * INTERVAL, ttft=[30.0], tpot=[8.0], arrivals=0, queue=q), i * INTERVAL)
         alert = d.observe(w, i * INTERVAL)
     assert alert is not None and "queue" in alert.reason
+    # the same growing queue, projected to be served well within the TTFT SLO: noise, no alert; near the SLO: a burst
+    slo_ttft = HeadroomSettings().slo_ttft_ms
+    for wait, alerts in ((0.1 * slo_ttft, False), (0.9 * slo_ttft, True)):
+        wq, dq = _detector()
+        for i, q in enumerate([0, 0, 1, 5]):
+            wq.add(snap(i * INTERVAL, ttft=[30.0], tpot=[8.0], arrivals=0, queue=q, queue_wait_ms=wait), i * INTERVAL)
+            alert = dq.observe(wq, i * INTERVAL)
+        assert (alert is not None and "queue" in alert.reason) is alerts
     w2, d2 = _detector()
     w2.add(snap(0.0, ttft=[900.0], tpot=[8.0], arrivals=0), 0.0)
     alert = d2.observe(w2, 0.0)
