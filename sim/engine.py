@@ -563,7 +563,7 @@ class Simulation:
                 kv_utilisation=0.0,
                 compute_utilisation=0.0,
             )
-            found = pol.classify(short, recent, base, int(q_now[d]), int(q_prev[d]), m.burst_cfg, m.head_cfg, q_wait[d])
+            found = pol.classify(short, [recent], base, int(q_now[d]), int(q_prev[d]), m.burst_cfg, m.head_cfg, q_wait[d])
             decided = pol.next_alert(m.burst_state[d], found, now, m.burst_cfg)
             if decided is not None:
                 alert = SloAlert(

@@ -3,7 +3,9 @@
 Three signals, checked on every snapshot as it arrives (so an alert goes out at once):
 - arrival rate: arrivals over the last `window_s` against what the long-window baseline
   rate (the history before them, at least `min_baseline_s`) predicts for that span: a burst
-  is `rate_ratio` x the expectation and beyond Poisson noise (expectation + z x sqrt);
+  is `rate_ratio` x the expectation and a count Poisson noise reaches at most
+  `false_alarms_per_hour`, tested over `window_s` and twice and four times it at each
+  snapshot (shared/bursts.py burst_threshold, RATE_WINDOWS: the executor's test);
 - queue growth: the serving queue is at least `queue_threshold`, grew since the last
   snapshot and is projected to wait `risk_fraction` of the TTFT SLO (shared/bursts.py
   `queue_at_risk`: a count alone is Poisson noise at an ordinary load);
@@ -23,11 +25,11 @@ arrival on its own; the alert takes back the lease (memory, routing) after detec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rose.contracts.slo import AlertSeverity, SloAlert
-from rose.shared.bursts import BurstSettings, burst_threshold, queue_at_risk
+from rose.shared.bursts import RATE_WINDOWS, BurstSettings, burst_threshold, queue_at_risk
 
 from .config import HeadroomSettings
 from .windows import ExecutorWindow, WindowStats, stats_of
@@ -41,6 +43,11 @@ class BurstState:
     last_queue: int = 0
 
 
+def recent_windows(cfg: BurstSettings) -> list[float]:
+    """The spans of recent arrivals the rate test compares with the baseline (as the executor's)."""
+    return [m * cfg.window_s for m in RATE_WINDOWS]
+
+
 def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short: WindowStats) -> tuple[AlertSeverity, str] | None:
     """(severity, reason) of the strongest signal in the window now (``short``: its short-window stats), or None when calm."""
     latest = window.latest
@@ -50,8 +57,8 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
     previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
     return classify(
         short,
-        lambda: stats_of(window.recent(cfg.window_s), latency=False),
-        lambda: stats_of(window.older_than(cfg.window_s), latency=False),
+        lambda: [stats_of(window.recent(s), latency=False) for s in recent_windows(cfg)],
+        lambda: stats_of(window.older_than(recent_windows(cfg)[-1]), latency=False),
         latest.serving_queue,
         previous,
         cfg,
@@ -62,7 +69,7 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
 
 def classify(
     short: WindowStats,
-    recent: WindowStats | Callable[[], WindowStats],
+    recent: Sequence[WindowStats] | Callable[[], Sequence[WindowStats]],
     baseline: WindowStats | Callable[[], WindowStats],
     queue: int,
     previous_queue: int,
@@ -72,8 +79,9 @@ def classify(
 ) -> tuple[AlertSeverity, str] | None:
     """The signals as a pure function of window figures (the simulator calls this too).
 
-    ``short``: the short window (latency); ``recent`` / ``baseline``: the last ``cfg.window_s``
-    of arrivals and the history before it (or callables computing them, only if needed);
+    ``short``: the short window (latency); ``recent`` / ``baseline``: the windows of arrivals
+    tested (``recent_windows``) and the history before the longest (or callables computing them,
+    only if needed);
     ``queue`` / ``previous_queue``: the serving queue in the latest and the previous snapshot;
     ``queue_wait_ms``: the latest's projected wait of its last queued first token (None: unknown).
     """
@@ -81,10 +89,13 @@ def classify(
         return "violation", f"p99 ttft {short.ttft_p99_ms:.0f} ms / tpot {short.tpot_p99_ms:.1f} ms past the SLO"
     recent = recent() if callable(recent) else recent
     baseline = baseline() if callable(baseline) else baseline
-    if baseline.span_s >= cfg.min_baseline_s and recent.span_s > 0:
+    tested = [w for w in recent if w.span_s > 0]
+    if baseline.span_s >= cfg.min_baseline_s and tested:
         base_rate = max(baseline.arrival_rate_rps, cfg.min_baseline_rps)
-        if recent.arrivals >= burst_threshold(base_rate * recent.span_s, cfg):
-            return "burst", f"arrival rate {recent.arrival_rate_rps:.1f}/s vs baseline {base_rate:.1f}/s"
+        for w in tested:
+            tests_per_hour = 3600.0 * w.snapshots / w.span_s * len(tested)  # each window, at each snapshot
+            if w.arrivals >= burst_threshold(base_rate * w.span_s, tests_per_hour, cfg):
+                return "burst", f"arrival rate {w.arrival_rate_rps:.1f}/s vs baseline {base_rate:.1f}/s"
     if queue_at_risk(queue, previous_queue, queue_wait_ms, slo.slo_ttft_ms, cfg):
         return "burst", f"serving queue growing: {previous_queue} -> {queue}"
     if short.ttft_p99_ms > cfg.risk_fraction * slo.slo_ttft_ms or short.tpot_p99_ms > cfg.risk_fraction * slo.slo_tpot_ms:

@@ -112,17 +112,18 @@ def test_arrival_burst_is_detected_before_latency_moves_then_recovers():
         assert d.observe(w, t) is None
         t += INTERVAL
     alert = None
-    for _ in range(5):  # 30 rps: a 3x burst, latency still fine
+    for _ in range(20):  # 30 rps: a 3x burst, latency still fine; at one false alarm an hour, within 2 s
         w.add(snap(t, ttft=[30.0], tpot=[8.0], arrivals=3), t)
         alert = alert or d.observe(w, t)
         t += INTERVAL
     assert alert is not None and alert.severity == "burst" and "arrival rate" in alert.reason
-    recovered = None
-    for _ in range(40):
+    after = []
+    for _ in range(40):  # the longest window still holds the burst's arrivals for a while, then calm
         w.add(snap(t, ttft=[30.0], tpot=[8.0], arrivals=1), t)
-        recovered = recovered or d.observe(w, t)
+        after.append(d.observe(w, t))
         t += INTERVAL
-    assert recovered is not None and recovered.severity == "recovered"
+    alerts = [a.severity for a in after if a is not None]
+    assert alerts and alerts[-1] == "recovered" and alerts.count("recovered") == 1
 
 
 def test_poisson_noise_at_low_rate_is_no_burst():
