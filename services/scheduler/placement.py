@@ -15,10 +15,11 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
 4. a leased (serving) executor is chosen only when it is predicted to finish the turn sooner
    than the dedicated choice, waiting included; an executor that ran an earlier turn of the
    trajectory (the previous turn's, affinity, first) may hold its prefix in its retained prefix
-   cache, which saves the prefill of that prefix: its predicted finish is credited with that
-   prefix priced at its measured rate (``prefix_saving``), so the home keeps the turn while its
-   wait is no longer than the best other finish plus the prefill it saves, and loses it when
-   its queue costs more than its cache saves;
+   cache, which saves the prefill of that prefix: the previous turn's executor (else, when it is
+   gone, each executor of an earlier turn) is credited with that prefix priced at the rate a
+   sequence gets there, as the turn's own tokens are (``prefix_saving``), so the home keeps the
+   turn while its predicted finish is no later than the best other finish plus the prefill it
+   saves, and loses it when its queue costs more than its cache saves;
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
@@ -155,13 +156,18 @@ def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
     return p.finish + (1.0 - math.exp(-revoke_rate * p.finish)) * fallback
 
 
-def prefix_saving(prefix_tokens: float, weight: float, turn_tokens: float, turn_s: float) -> float:
-    """Seconds a retained prefix of ``prefix_tokens`` saves an executor: their prefill at its measured rate
-    (its rollout tokens/s: a typical turn's ``turn_tokens`` take ``turn_s`` at weight 1, so a token
-    ``turn_s / turn_tokens / weight`` there). 0 without a typical turn to scale by (predictions in turn units)."""
+def prefix_saving(prefix_tokens: float, rate: float, turn_tokens: float, turn_s: float) -> float:
+    """Seconds a retained prefix of ``prefix_tokens`` saves a turn on an executor: their prefill at the rate a
+    sequence gets there (``sequence_rate``, relative: a typical turn's ``turn_tokens`` take ``turn_s / rate``
+    there), as ``predict`` prices the turn's own tokens; 0 without a typical turn to scale by (turn units).
+
+    Why the per-sequence rate, not the executor's whole rollout tokens/s (what the prefill costs its device):
+    priced so, the prefix was worth little beside a queue, homes gave up their turns at small differences
+    in predicted waits and the simulator's rollout got slower (`rose bench sim`, 2026-12-04: 6 of 8 rows
+    below main's); priced as the turn's own tokens, 7 of 8 rows faster (see docs/benchmarks.md)."""
     if prefix_tokens <= 0 or turn_tokens <= 0 or turn_s <= 0:
         return 0.0
-    return prefix_tokens * turn_s / turn_tokens / max(1e-12, weight)
+    return prefix_tokens * turn_s / turn_tokens / max(1e-12, rate)
 
 
 def held_prefixes(req: TurnRouteRequest, affinity: str, prefixes: dict[str, int] | None, turn_tokens: float) -> dict[str, float]:
@@ -219,11 +225,13 @@ def place_turn(
     raw = {c.executor_id: predict(c, w[c.executor_id], unit) for c in pool}  # seconds once a typical turn is known
     err = model_error or {}
     pred = {c.executor_id: Prediction(raw[c.executor_id].wait * err.get(c.role, 1.0), raw[c.executor_id].run * err.get(c.role, 1.0)) for c in pool}
-    # what each executor's retained prefix saves (0 where it holds none): every other executor prefills it
-    saved = {c.executor_id: prefix_saving(held.get(c.executor_id, 0.0), w[c.executor_id], turn_tokens, turn_s) for c in pool}
     dedicated = [c for c in pool if c.role == "dedicated"]
     leased = [c for c in pool if c.role != "dedicated"]
     home = next((c for c in pool if c.executor_id == affinity), None) if affinity else None
+    if home is not None:  # the previous turn's executor holds the longest prefix: the others' are older, or evicted
+        held = {affinity: held[affinity]}
+    # what each executor's retained prefix saves (0 where it holds none): every other executor prefills it
+    saved = {c.executor_id: prefix_saving(held.get(c.executor_id, 0.0), sequence_rate(c, w[c.executor_id]), turn_tokens, turn_s) for c in pool}
     # ties go to the previous turn's executor: its cache may hold more than the prediction credits
     tie = lambda c: (c is not home, c.executor_id)  # noqa: E731
     # the dedicated choice: the soonest predicted, the prefill its retained prefix saves taken off

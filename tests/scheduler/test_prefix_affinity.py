@@ -36,38 +36,38 @@ def lease(ex: str, *, running: int, tps: float = 3200.0) -> Candidate:
 
 
 def test_a_home_keeps_its_turn_while_its_cache_saves_more_than_its_wait():
-    """ded-1 (the previous turn's) runs 32 with 20 queued: a turn there waits 21/32 of a turn, then shares it
-    32 ways: 53 x 50 / 3,200 = 0.83 s; ded-2 runs 16: 16 x 50 / 3,200 = 0.25 s. The 0.58 s between is the
-    prefill of 1,850 tokens at 3,200 tok/s: a longer prefix keeps the turn home, a shorter one does not."""
-    busy_home = [ded("ded-1", running=32, queued=20), ded("ded-2", running=16)]
-    assert prefix_saving(3200.0, 1.0, TURN, TURN / 3200.0) == 1.0  # a second of prefill at its measured rate
-    kept = place_turn(req(prompt_tokens=4000), busy_home, "ded-1", P, random.Random(0), turn_tokens=TURN)
+    """ded-1 (the previous turn's) runs 32 with 63 queued: a turn there waits 64/32 turns of 32 x 50 / 3,200 = 0.5 s,
+    then runs 0.5 s: 1.5 s; ded-2 runs 16: 0.25 s. The 1.25 s between is the prefill of 125 tokens priced as the
+    turn's own there (50 tokens in 0.5 s): a longer prefix keeps the turn home, a shorter one does not."""
+    busy_home = [ded("ded-1", running=32, queued=63), ded("ded-2", running=16)]
+    assert prefix_saving(50.0, 1 / 32, TURN, TURN / 3200.0) == 0.5  # a turn's tokens at 1/32 of the rate: the turn's 0.5 s
+    kept = place_turn(req(prompt_tokens=200), busy_home, "ded-1", P, random.Random(0), turn_tokens=TURN)
     assert kept is not None and kept.executor_id == "ded-1" and kept.reason == "prefix affinity"
     # the same queue with a short prefix: its wait costs more than its cache saves
-    moved = place_turn(req(prompt_tokens=1000), busy_home, "ded-1", P, random.Random(0), turn_tokens=TURN)
+    moved = place_turn(req(prompt_tokens=100), busy_home, "ded-1", P, random.Random(0), turn_tokens=TURN)
     assert moved is not None and moved.executor_id == "ded-2" and moved.reason.startswith("affinity executor's wait exceeds")
-    # a home with a short queue (8 queued: 41 x 50 / 3,200 = 0.64 s) whose 200-token prefix saves 0.06 s loses the turn too
-    short_queue = [ded("ded-1", running=32, queued=8), ded("ded-2", running=16)]
-    p = place_turn(req(prompt_tokens=200), short_queue, "ded-1", P, random.Random(0), turn_tokens=TURN)
+    # a home with a short queue (15: 0.75 s) whose 40-token prefix saves 0.4 s loses the turn too
+    short_queue = [ded("ded-1", running=32, queued=15), ded("ded-2", running=16)]
+    p = place_turn(req(prompt_tokens=40), short_queue, "ded-1", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ded-2"
     # no typical turn yet (predictions in turn units): no saving to price; the home keeps only a tie
-    p = place_turn(req(prompt_tokens=4000), busy_home, "ded-1", P, random.Random(0))
+    p = place_turn(req(prompt_tokens=200), busy_home, "ded-1", P, random.Random(0))
     assert p is not None and p.executor_id == "ded-2"
 
 
 def test_a_leased_home_keeps_its_turn_against_a_sooner_dedicated_one_by_its_saving():
     """A turn on the lease shares it 23 ways (23 x 50 / 3,200 = 0.36 s), 0.125 s behind the dedicated executor
-    (15 ways: 0.23 s): the prefill of 1,000 tokens (0.31 s) is worth more, of 200 (0.06 s) less."""
+    (15 ways: 0.23 s): the prefill of 100 tokens there (0.72 s) is worth more, of 10 (0.07 s) less."""
     pool = [lease("ser-1", running=23), ded("ded-1", running=15)]
-    p = place_turn(req(prompt_tokens=1000), pool, "ser-1", P, random.Random(0), turn_tokens=TURN)
+    p = place_turn(req(prompt_tokens=100), pool, "ser-1", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ser-1" and p.reason == "prefix affinity" and p.hedge_after_s > 0
-    p = place_turn(req(prompt_tokens=200), pool, "ser-1", P, random.Random(0), turn_tokens=TURN)
+    p = place_turn(req(prompt_tokens=10), pool, "ser-1", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ded-1"
     # a lease with no prefix of this trajectory still has to be sooner than the dedicated one, whose cache counts for it
     pool = [lease("ser-2", running=10), ded("ded-1", running=15)]
-    p = place_turn(req(prompt_tokens=1000), pool, "ded-1", P, random.Random(0), turn_tokens=TURN)
+    p = place_turn(req(prompt_tokens=100), pool, "ded-1", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity"
-    p = place_turn(req(prompt_tokens=1000), pool, "", P, random.Random(0), turn_tokens=TURN)
+    p = place_turn(req(prompt_tokens=100), pool, "", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ser-2"
 
 
@@ -78,7 +78,8 @@ def test_concurrency_counts_what_runs_beyond_a_stale_capacity():
     assert concurrency(grown) == 40
     assert predict(grown, 1.0).wait == predict(grown, 1.0).run / 40
     assert concurrency(ded("ded-1", running=10, capacity=16)) == 16  # fewer running: the KV limit seen still holds
-    p = place_turn(req(prompt_tokens=400), [grown, ded("ded-2", running=38, capacity=64)], "ded-1", P, random.Random(0), turn_tokens=TURN)
+    # 0.64 s there less 0.25 s of prefill saved, against 0.59 s on ded-2 (waiting 25/16 turns, it would be 1.35 s)
+    p = place_turn(req(prompt_tokens=20), [grown, ded("ded-2", running=38, capacity=64)], "ded-1", P, random.Random(0), turn_tokens=TURN)
     assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity"
 
 
@@ -99,7 +100,7 @@ def test_a_hedge_prefers_a_free_executor_of_an_earlier_turn():
 
 def test_a_turn_whose_home_is_gone_goes_back_to_an_earlier_turn_s_executor():
     """Turn 2's home (ser-1, turn 1's) lost its lease; ded-1 ran turn 0 (prompt 900, output ~50: 950 tokens,
-    0.3 s of prefill) and is 1/64 s behind ded-2: it takes the turn."""
+    19 turns' worth) and is 1/64 s behind ded-2: it takes the turn."""
     pool = [ded("ded-1", running=17), ded("ded-2", running=16)]
     p = place_turn(req(prompt_tokens=1500), pool, "ser-1", P, random.Random(0), turn_tokens=TURN, prefixes={"ded-1": 900, "ser-1": 1200})
     assert p is not None and p.executor_id == "ded-1" and p.reason == "affinity executor unavailable; dedicated; prefix of an earlier turn"
