@@ -162,9 +162,10 @@ def prefix_saving(prefix_tokens: float, rate: float, turn_tokens: float, turn_s:
     there), as ``predict`` prices the turn's own tokens; 0 without a typical turn to scale by (turn units).
 
     Why the per-sequence rate, not the executor's whole rollout tokens/s (what the prefill costs its device):
-    priced so, the prefix was worth little beside a queue, homes gave up their turns at small differences
-    in predicted waits and the simulator's rollout got slower (`rose bench sim`, 2026-12-04: 6 of 8 rows
-    below main's); priced as the turn's own tokens, 7 of 8 rows faster (see docs/benchmarks.md)."""
+    priced so, a prefix was worth little beside a queue and homes gave up their turns at small differences
+    in predicted waits: in `rose bench sim` (7B and 14B, 16 GPUs, demand 2 and 4, seeds 0-2, 2026-12-04)
+    rose's RL steps/h fell below the overload_factor rule's in 3 of 8 rows; priced as the turn's own
+    tokens, it was above in 7 of 8, on seeds 3-5 too (docs/benchmarks.md, 2026-12-04)."""
     if prefix_tokens <= 0 or turn_tokens <= 0 or turn_s <= 0:
         return 0.0
     return prefix_tokens * turn_s / turn_tokens / max(1e-12, rate)
