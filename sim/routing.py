@@ -92,11 +92,10 @@ class Router:
             self.fleet.turn_tokens,
             self.cands.revoke_rate,
             self.fleet.model_error,
-            self.fleet.prefixes(tid),
         )
         if placement is None:
             return None
-        self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size, prompt_tokens=req.prompt_tokens)
+        self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
         self.fleet.on_prediction(tid, k, placement.role, placement.model_s)
         self.placed(placement.executor_id)
         return self.index[placement.executor_id], placement.hedge_after_s
@@ -138,10 +137,10 @@ class Router:
         if not worth:
             return None
         affinity = req.previous_executor or self.fleet.affinity.get(tid, "")
-        placement = self.policy.place_turn(req, candidates, affinity, self.settings, self.rng, prefixes=self.fleet.prefixes(tid))
+        placement = self.policy.place_turn(req, candidates, affinity, self.settings, self.rng)
         if placement is None:
             return None
-        self.fleet.on_route(tid, placement.executor_id, now, hedge=True, prompt_tokens=req.prompt_tokens)
+        self.fleet.on_route(tid, placement.executor_id, now, hedge=True)
         self.placed(placement.executor_id)
         return self.index[placement.executor_id]
 

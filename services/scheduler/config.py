@@ -26,6 +26,7 @@ class LeaseSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class PlacementSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_lease_left_s: PositiveSeconds = 1.0  # do not route a turn under a lease about to end
+    overload_factor: Positive = 1.5  # affinity yields to load when load > slots x this
     inflight_ttl_s: PositiveSeconds = 120.0  # a routed turn never heard of again stops counting as load
     heartbeat_misses: Positive = 3.0  # an executor is gone after this many missed heartbeats
     no_route_retry_s: PositiveSeconds = 0.5

@@ -19,7 +19,6 @@ from .leases import ExecutorView, is_active
 from .placement import Candidate
 
 MAX_TRACKED = 100_000  # trajectories remembered for affinity and group progress
-MAX_RAN_ON = 8  # executors remembered per trajectory (its latest), whose retained prefix caches it may find again
 REVOKE_WINDOW_S = 300.0  # revocations counted over this long for the leased-turn hazard
 TURN_EMA = 0.02  # weight of one finished turn in a role's model error
 MAX_MODEL_ERROR = 20.0  # a single turn moves the error estimate by at most this factor
@@ -46,9 +45,6 @@ class Fleet:
         self.config = config
         self.executors: dict[str, ExecutorInfo] = {}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # trajectory id -> executor of its last turn
-        # trajectory id -> the executors its turns (and hedges) were routed to, each with the prompt tokens of the
-        # latest it ran there, oldest first: the prefix it may still retain there (placement.held_prefixes)
-        self.ran_on: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.routed_to: OrderedDict[str, set[str]] = OrderedDict()  # trajectory id -> executors its turns in flight went to
         self.group_done: OrderedDict[str, int] = OrderedDict()
         self.done_trajectories: OrderedDict[str, None] = OrderedDict()
@@ -109,7 +105,6 @@ class Fleet:
             self.group_done.move_to_end(group_id)
             _bound(self.group_done)
         self.affinity.pop(trajectory_id, None)
-        self.ran_on.pop(trajectory_id, None)
         self._forget_turns(trajectory_id)
 
     def on_turn_result(self, trajectory_id: str, turn_index: int, tokens: int, seconds: float) -> None:
@@ -128,9 +123,7 @@ class Fleet:
             self.predictions[(trajectory_id, turn_index)] = (role, model_s)
             _bound(self.predictions)
 
-    def on_route(
-        self, trajectory_id: str, executor_id: str, now: float, hedge: bool = False, batch_id: str = "", batch_size: int = 0, prompt_tokens: int = 0
-    ) -> None:
+    def on_route(self, trajectory_id: str, executor_id: str, now: float, hedge: bool = False, batch_id: str = "", batch_size: int = 0) -> None:
         if batch_id and trajectory_id not in self.done_trajectories:
             self.batch_of[trajectory_id] = batch_id
             _bound(self.batch_of)
@@ -143,14 +136,6 @@ class Fleet:
         self.routed_to.setdefault(trajectory_id, set()).add(executor_id)
         self.routed_to.move_to_end(trajectory_id)
         _bound(self.routed_to)
-        if trajectory_id not in self.done_trajectories:
-            ran = self.ran_on.setdefault(trajectory_id, {})
-            ran.pop(executor_id, None)
-            ran[executor_id] = prompt_tokens
-            while len(ran) > MAX_RAN_ON:
-                del ran[next(iter(ran))]
-            self.ran_on.move_to_end(trajectory_id)
-            _bound(self.ran_on)
         if not hedge:
             self.affinity[trajectory_id] = executor_id
             self.affinity.move_to_end(trajectory_id)
@@ -164,10 +149,6 @@ class Fleet:
                 info.inflight.pop(trajectory_id, None)
 
     # ---- views for the decisions -------------------------------------------------------
-    def prefixes(self, trajectory_id: str) -> dict[str, int]:
-        """The executors earlier turns of the trajectory ran on, with the prompt tokens of the latest each ran (a copy)."""
-        return dict(self.ran_on.get(trajectory_id, {}))
-
     def revoke_rate(self, now: float, window_s: float = REVOKE_WINDOW_S) -> float:
         """Revocations per lease-second over the last `window_s`: the hazard a turn on leased capacity runs."""
         while self.revocations and self.revocations[0] < now - window_s:

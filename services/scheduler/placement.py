@@ -13,20 +13,15 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    slots (the request names its batch and size), the turn goes to a dedicated executor:
    leased capacity cannot make the last turns of a step faster, only slower;
 4. a leased (serving) executor is chosen only when it is predicted to finish the turn sooner
-   than the dedicated choice, waiting included; an executor that ran an earlier turn of the
-   trajectory (the previous turn's, affinity, first) may hold its prefix in its retained prefix
-   cache, which saves the prefill of that prefix: the previous turn's executor (else, when it is
-   gone, each executor of an earlier turn) is credited with that prefix priced at the rate a
-   sequence gets there, as the turn's own tokens are (``prefix_saving``), so the home keeps the
-   turn while its predicted finish is no later than the best other finish plus the prefill it
-   saves, and loses it when its queue costs more than its cache saves;
+   than the dedicated choice, waiting included; the prefix-cache executor of the previous turn
+   (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
+   it still beats the dedicated pool; an overloaded one (load > its concurrency x
+   `overload_factor`) is not worth its cache;
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
    a leased turn asks again as its age doubles: a burst may park it there for seconds, and the
-   lease is then gone, but the fleet still knows the executor's role. A hedge goes to a dedicated
-   executor with a free slot that ran an earlier turn of the trajectory when there is one: any
-   free slot starts it at once, and that one may skip the prefix's prefill.
+   lease is then gone, but the fleet still knows the executor's role.
 Without measurements (a fresh fleet), an executor counts as the median of those measured; random
 routing, the baseline, picks uniformly.
 """
@@ -91,11 +86,10 @@ def weights(candidates: list[Candidate]) -> dict[str, float]:
 
 def concurrency(c: Candidate) -> int:
     """Turns the executor runs at once: what runs while others queue (its KV is full), else what ran the
-    last time some queued, else its slots (the monitor counts compute only, not the KV that holds them);
-    never less than what runs now: a figure from a moment its KV was shorter is stale once more run."""
+    last time some queued, else its slots (the monitor counts compute only, not the KV that holds them)."""
     if c.queued > 0 and c.running > 0:
         return c.running
-    return max(1, c.running, min(c.slots, c.capacity) if c.capacity > 0 else c.slots)
+    return max(1, min(c.slots, c.capacity) if c.capacity > 0 else c.slots)
 
 
 def sequence_rate(c: Candidate, weight: float) -> float:
@@ -156,32 +150,6 @@ def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
     return p.finish + (1.0 - math.exp(-revoke_rate * p.finish)) * fallback
 
 
-def prefix_saving(prefix_tokens: float, rate: float, turn_tokens: float, turn_s: float) -> float:
-    """Seconds a retained prefix of ``prefix_tokens`` saves a turn on an executor: their prefill at the rate a
-    sequence gets there (``sequence_rate``, relative: a typical turn's ``turn_tokens`` take ``turn_s / rate``
-    there), as ``predict`` prices the turn's own tokens; 0 without a typical turn to scale by (turn units).
-
-    Why the per-sequence rate, not the executor's whole rollout tokens/s (what the prefill costs its device):
-    priced so, a prefix was worth little beside a queue and homes gave up their turns at small differences
-    in predicted waits: in `rose bench sim` (7B and 14B, 16 GPUs, demand 2 and 4, seeds 0-2, 2026-12-04)
-    rose's RL steps/h fell below the overload_factor rule's in 3 of 8 rows; priced as the turn's own
-    tokens, it was above in 7 of 8, on seeds 3-5 too (docs/benchmarks.md, 2026-12-04)."""
-    if prefix_tokens <= 0 or turn_tokens <= 0 or turn_s <= 0:
-        return 0.0
-    return prefix_tokens * turn_s / turn_tokens / max(1e-12, rate)
-
-
-def held_prefixes(req: TurnRouteRequest, affinity: str, prefixes: dict[str, int] | None, turn_tokens: float) -> dict[str, float]:
-    """Executor -> prompt tokens it may hold in its retained prefix cache for this turn: one that ran an earlier
-    turn of the trajectory holds that turn's prompt and output (``prefixes``: the prompt tokens each was routed
-    with; the output a typical turn's tokens), at most this turn's prompt; the previous turn's executor, with no
-    record of it, this turn's prompt (all of it but what came after its last turn)."""
-    held = {ex: min(float(req.prompt_tokens), n + turn_tokens) for ex, n in (prefixes or {}).items()}
-    if affinity and affinity not in held:
-        held[affinity] = float(req.prompt_tokens)
-    return held
-
-
 def place_turn(
     req: TurnRouteRequest,
     candidates: list[Candidate],
@@ -192,31 +160,21 @@ def place_turn(
     turn_tokens: float = 0.0,
     revoke_rate: float = 0.0,
     model_error: dict[str, float] | None = None,
-    prefixes: dict[str, int] | None = None,
 ) -> Placement | None:
     """Where this turn runs, or None when no executor can take it.
 
     ``unfinished``: trajectories of the turn's batch not finished yet (None: unknown, no tail rule);
     ``turn_tokens``: generated tokens of a typical turn (0: unknown: predictions in turn units, no hedge hint);
     ``revoke_rate``: revocations per lease-second lately (a leased turn's risk of being interrupted);
-    ``model_error``: per role, observed turn time / predicted lately (the model's bias, 1 when unknown);
-    ``prefixes``: the executors earlier turns of the trajectory were routed to, with the prompt tokens of the
-    latest turn each ran (``Fleet.prefixes``): they may still hold its prefix (``held_prefixes``).
+    ``model_error``: per role, observed turn time / predicted lately (the model's bias, 1 when unknown).
     """
     pool = [c for c in candidates if c.executor_id not in req.exclude]
     if not pool:
         return None
-    held = held_prefixes(req, affinity, prefixes, turn_tokens)
-    if req.hedge:  # the primary is in req.exclude; an executor of an earlier turn (affinity first) is welcome: it has the prefix
+    if req.hedge:  # the primary is in req.exclude; the previous turn's executor (affinity) is welcome: it has the prefix
         dedicated = [c for c in pool if c.role == "dedicated"]
         choice = dedicated or pool
-        why = "hedge on dedicated" if dedicated else "hedge"
-        # any free slot starts the duplicate at once: among those, one that may skip the prefix's prefill
-        warm = [c for c in choice if c.executor_id in held and has_room(c)]
-        if warm:
-            best = max(warm, key=lambda c: (held[c.executor_id], c.executor_id == affinity, -c.load, c.executor_id))
-            return _placed(best, f"{why}: prefix of an earlier turn")
-        return _placed(_least_loaded(choice), why)
+        return _placed(_least_loaded(choice), "hedge on dedicated" if dedicated else "hedge")
     if req.routing == "random":
         return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random")
     w = weights(pool)
@@ -229,39 +187,37 @@ def place_turn(
     dedicated = [c for c in pool if c.role == "dedicated"]
     leased = [c for c in pool if c.role != "dedicated"]
     home = next((c for c in pool if c.executor_id == affinity), None) if affinity else None
-    if home is not None:  # the previous turn's executor holds the longest prefix: the others' are older, or evicted
-        held = {affinity: held[affinity]}
-    # what each executor's retained prefix saves (0 where it holds none): every other executor prefills it
-    saved = {c.executor_id: prefix_saving(held.get(c.executor_id, 0.0), sequence_rate(c, w[c.executor_id]), turn_tokens, turn_s) for c in pool}
-    # ties go to the previous turn's executor: its cache may hold more than the prediction credits
-    tie = lambda c: (c is not home, c.executor_id)  # noqa: E731
-    # the dedicated choice: the soonest predicted, the prefill its retained prefix saves taken off
-    ded = min(dedicated, key=lambda c: (pred[c.executor_id].finish - saved[c.executor_id], *tie(c))) if dedicated else None
+    if home is not None and home.load > concurrency(home) * s.overload_factor:
+        home = None  # overloaded: its prefix cache is not worth the wait
+    # the dedicated choice: the prefix-cache executor when it is one, else the soonest predicted
+    ded = (
+        home
+        if home is not None and home.role == "dedicated"
+        else (min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
+    )
     if ded is not None and in_tail(unfinished, dedicated):
         return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
     ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
-    ded_net = ded_finish - saved[ded.executor_id] if ded is not None else float("inf")
     risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
     put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
-    lease = min(leased, key=lambda c: (risky[c.executor_id] - saved[c.executor_id], *tie(c))) if leased else None
-    lease_net = risky[lease.executor_id] - saved[lease.executor_id] if lease is not None else float("inf")
-    # a lease only when sooner than the dedicated choice; the previous turn's executor keeps its turn on a tie
-    if lease is not None and (lease_net < ded_net or (lease is home and lease_net <= ded_net)):
-        if lease is home:
-            return put(lease, "prefix affinity")
-        lead = "no dedicated executor" if ded is None else f"predicted {lease_net:.2f} vs {ded_net:.2f} on dedicated"
-        return put(lease, f"leased: {lead}" + ("; prefix of an earlier turn" if saved[lease.executor_id] > 0 else ""))
+    # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
+    lease = (
+        home
+        if home is not None and home.role != "dedicated" and risky[home.executor_id] <= ded_finish
+        else (min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
+    )
+    if lease is not None and lease is home:
+        return put(lease, "prefix affinity")
+    if lease is not None and risky[lease.executor_id] < ded_finish:
+        lead = "no dedicated executor" if ded is None else f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
+        return put(lease, f"leased: {lead}")
     assert ded is not None  # pool is not empty: without a leased choice there is a dedicated one
     if ded is home:
         why = "prefix affinity"
     elif affinity and home is None:
-        why = "affinity executor unavailable; dedicated"
-    elif home is not None:
-        why = "affinity executor's wait exceeds the prefill it saves; dedicated"
+        why = "affinity executor overloaded or unavailable; dedicated"
     else:
         why = "dedicated: sooner than any lease" if leased else "dedicated"
-    if ded is not home and saved[ded.executor_id] > 0:
-        why += "; prefix of an earlier turn"
     return put(ded, why)
 
 

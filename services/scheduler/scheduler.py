@@ -170,12 +170,11 @@ class Scheduler:
             if not worth:
                 return nothing(why)
         affinity = req.previous_executor or self.fleet.affinity.get(req.trajectory_id, "")
-        prefixes = self.fleet.prefixes(req.trajectory_id)  # executors of its earlier turns: their retained prefix caches
         with tracer().start_as_current_span(
             "scheduler.place", attributes={"rose.trajectory_id": req.trajectory_id, "rose.turn_index": req.turn_index}
         ) as span:
             started, cpu = time.perf_counter(), time.thread_time()
-            candidates = self.fleet.candidates(now, sample=p.sample_candidates, keep=(affinity, *prefixes), rng=self.rng)
+            candidates = self.fleet.candidates(now, sample=p.sample_candidates, keep=(affinity,), rng=self.rng)
             placement = place_turn(
                 req,
                 candidates,
@@ -186,7 +185,6 @@ class Scheduler:
                 self.fleet.turn_tokens,
                 self.fleet.revoke_rate(now),
                 self.fleet.model_error,
-                prefixes,
             )
             # what a slow route reply spent here, against the time it waited for the event loop (rose.loop_wait_ms on its reply span)
             span.set_attributes(
@@ -204,15 +202,7 @@ class Scheduler:
                 return nothing("no dedicated executor and no serving executor under a lease")
             span.set_attribute("rose.executor_id", placement.executor_id)
             span.set_attribute("rose.reason", placement.reason)
-            self.fleet.on_route(
-                req.trajectory_id,
-                placement.executor_id,
-                now,
-                hedge=req.hedge,
-                batch_id=req.batch_id,
-                batch_size=req.batch_size,
-                prompt_tokens=req.prompt_tokens,
-            )
+            self.fleet.on_route(req.trajectory_id, placement.executor_id, now, hedge=req.hedge, batch_id=req.batch_id, batch_size=req.batch_size)
             if not req.hedge:
                 self.fleet.on_prediction(req.trajectory_id, req.turn_index, placement.role, placement.model_s)
             self.counts["hedged" if req.hedge else "routed"] += 1

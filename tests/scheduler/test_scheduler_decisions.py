@@ -124,9 +124,9 @@ def test_affinity_wins_unless_overloaded_slower_or_excluded():
     assert p is not None and p.executor_id != "ser-1"
     p = place_turn(req(exclude=["ser-1"]), idle_home, "ser-1", P, rng)
     assert p is not None and p.executor_id == "ser-2"  # excluded: the next soonest
-    assert place_turn(req(exclude=["ser-1", "ser-2"]), idle_home, "ser-1", P, rng).reason.startswith("affinity executor unavailable")  # type: ignore[union-attr]
+    assert place_turn(req(exclude=["ser-1", "ser-2"]), idle_home, "ser-1", P, rng).reason.startswith("affinity executor overloaded or unavailable")  # type: ignore[union-attr]
     assert place_turn(req(exclude=["ser-1", "ser-2", "ded-1"]), cands(), "", P, rng) is None
-    # a dedicated home keeps its turn while no other is sooner
+    # a dedicated home keeps its turn while it is not overloaded
     p = place_turn(req(exclude=["ser-2"]), cands(), "ded-1", P, rng)
     assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity"
 
