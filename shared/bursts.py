@@ -48,7 +48,12 @@ class BurstSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     realert_s: PositiveSeconds = 1.0  # while the burst lasts, repeat the alert this often
 
 
-RATE_WINDOWS = (1, 2, 4)  # the executor's rate test: windows of these multiples of window_s, each at each arrival
+RATE_WINDOWS = (1, 2, 4)  # the rate test's windows, in multiples of window_s (every arrival at the executor, every snapshot at the monitor)
+
+
+def rate_windows(cfg: BurstSettings) -> list[float]:
+    """The spans of recent arrivals the rate test compares with the baseline before the longest, shortest first."""
+    return [m * cfg.window_s for m in RATE_WINDOWS]
 
 
 def burst_threshold(expected: float, tests_per_hour: float, cfg: BurstSettings) -> int:
@@ -81,13 +86,11 @@ def _poisson_quantile(mean: float, p: float) -> int:
         term *= mean / i
         pmf.append(term)
     tail = 0.0
-    k = top + 1
     for i in range(top, mode - 1, -1):  # tail(i) = P(X >= i), growing as i falls
         tail += pmf[i - mode]
         if tail > p:
             return i + 1
-        k = i
-    return k
+    return mode
 
 
 def first_token_wait_ms(oldest_wait_ms: float, pending: int, iteration_ms: float) -> float:
@@ -156,15 +159,16 @@ class ArrivalBurstDetector:
         """The arrival-rate test over each of RATE_WINDOWS against the baseline before the longest.
         The arrival being tested is given, so the noise is in the others of its window."""
         cfg = self.cfg
-        longest = RATE_WINDOWS[-1] * cfg.window_s
+        windows = rate_windows(cfg)
         assert self._first is not None
-        base_span = min(self.baseline_s, now - self._first - longest)
+        base_span = min(self.baseline_s, now - self._first - windows[-1])
         if base_span < cfg.min_baseline_s:
             return None
         with self._lock:
-            counts = [(m * cfg.window_s, self._recent(now, m * cfg.window_s)) for m in RATE_WINDOWS]
-        base_rate = max((len(self._arrivals) - counts[-1][1]) / base_span, cfg.min_baseline_rps)
-        tests_per_hour = base_rate * 3600.0 * len(RATE_WINDOWS)
+            counts = [(w, self._recent(now, w)) for w in windows]
+            held = len(self._arrivals)
+        base_rate = max((held - counts[-1][1]) / base_span, cfg.min_baseline_rps)
+        tests_per_hour = base_rate * 3600.0 * len(windows)
         for window_s, n in counts:
             if n - 1 >= burst_threshold(base_rate * window_s, tests_per_hour, cfg):
                 return BurstTrip(f"arrival rate {n / window_s:.1f}/s vs baseline {base_rate:.1f}/s (executor)", n / window_s, queue)
@@ -179,7 +183,7 @@ class ArrivalBurstDetector:
             self._first = now
         with self._lock:
             self._arrivals.append(now)
-            while self._arrivals and now - self._arrivals[0] > self.baseline_s + RATE_WINDOWS[-1] * cfg.window_s:
+            while self._arrivals and now - self._arrivals[0] > self.baseline_s + rate_windows(cfg)[-1]:
                 self._arrivals.popleft()
         trip = self._rate_trip(now, queue)
         if trip is None and queue_at_risk(queue, self._last_queue, queue_wait_ms, slo_ttft_ms, cfg):

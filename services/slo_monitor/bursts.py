@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rose.contracts.slo import AlertSeverity, SloAlert
-from rose.shared.bursts import RATE_WINDOWS, BurstSettings, burst_threshold, queue_at_risk
+from rose.shared.bursts import BurstSettings, burst_threshold, queue_at_risk, rate_windows
 
 from .config import HeadroomSettings
 from .windows import ExecutorWindow, WindowStats, stats_of
@@ -43,11 +43,6 @@ class BurstState:
     last_queue: int = 0
 
 
-def recent_windows(cfg: BurstSettings) -> list[float]:
-    """The spans of recent arrivals the rate test compares with the baseline (as the executor's)."""
-    return [m * cfg.window_s for m in RATE_WINDOWS]
-
-
 def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, short: WindowStats) -> tuple[AlertSeverity, str] | None:
     """(severity, reason) of the strongest signal in the window now (``short``: its short-window stats), or None when calm."""
     latest = window.latest
@@ -57,8 +52,8 @@ def signals(window: ExecutorWindow, cfg: BurstSettings, slo: HeadroomSettings, s
     previous = snaps[-2].serving_queue if len(snaps) > 1 else 0
     return classify(
         short,
-        lambda: [stats_of(window.recent(s), latency=False) for s in recent_windows(cfg)],
-        lambda: stats_of(window.older_than(recent_windows(cfg)[-1]), latency=False),
+        lambda: [stats_of(window.recent(s), latency=False) for s in rate_windows(cfg)],
+        lambda: stats_of(window.older_than(rate_windows(cfg)[-1]), latency=False),
         latest.serving_queue,
         previous,
         cfg,
@@ -80,7 +75,7 @@ def classify(
     """The signals as a pure function of window figures (the simulator calls this too).
 
     ``short``: the short window (latency); ``recent`` / ``baseline``: the windows of arrivals
-    tested (``recent_windows``) and the history before the longest (or callables computing them,
+    tested (shared/bursts.py ``rate_windows``) and the history before the longest (or callables computing them,
     only if needed);
     ``queue`` / ``previous_queue``: the serving queue in the latest and the previous snapshot;
     ``queue_wait_ms``: the latest's projected wait of its last queued first token (None: unknown).

@@ -58,7 +58,7 @@ def test_classify_matches_the_monitors_detector_on_window_figures():
     from rose.contracts.executor import LatencySketch, MetricsSnapshot
     from rose.services.slo_monitor.config import HeadroomSettings
     from rose.services.slo_monitor.windows import ExecutorWindow, stats_of
-    from rose.shared.bursts import BurstSettings
+    from rose.shared.bursts import BurstSettings, rate_windows
 
     cfg, slo = BurstSettings(), HeadroomSettings()
     window = ExecutorWindow(30.0)
@@ -81,8 +81,8 @@ def test_classify_matches_the_monitors_detector_on_window_figures():
         snaps = window.snapshots
         direct = bursts.classify(
             window.stats(3.0),
-            [stats_of(window.recent(s)) for s in bursts.recent_windows(cfg)],
-            stats_of(window.older_than(bursts.recent_windows(cfg)[-1])),
+            [stats_of(window.recent(s)) for s in rate_windows(cfg)],
+            stats_of(window.older_than(rate_windows(cfg)[-1])),
             snaps[-1].serving_queue,
             snaps[-2].serving_queue if len(snaps) > 1 else 0,
             cfg,
