@@ -190,8 +190,35 @@ class Roofline:
         memory = nbytes / (self.tp * d.hbm_bw * self.eff_bw)
         return float(self._fixed_s + self._allreduce_payload_s(decodes + new) + max(compute, memory))
 
+    def mixed_s(self, batch, ctx, chunk, cached=0.0):
+        """``forward_s`` over arrays: ``batch`` decodes at mean context ``ctx`` and one prefill chunk of ``chunk``
+        tokens after ``cached``, in one pass that reads the weights once (a chunk rides on the decode step)."""
+        m, d = self.model, self.device
+        b, c = np.asarray(batch, dtype=float), np.asarray(ctx, dtype=float)
+        p, c0 = np.asarray(chunk, dtype=float), np.asarray(cached, dtype=float)
+        flops = 2.0 * m.params * (b + p) + m.attn_flops_per_token_ctx * (b * c + p * c0 + p * p / 2.0)
+        nbytes = m.weight_bytes + (b * c + np.where(p > 0, p + c0, 0.0)) * m.kv_bytes_per_token
+        t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
+        return np.where((b > 0) | (p > 0), self._fixed_s + self._allreduce_payload_s(b + p) + t, 0.0)
+
+    @property
+    def rollout_chunk_tokens(self) -> int:
+        """Prefill tokens an emulated executor's rollout iteration takes (services/executor/device.py): the ridge."""
+        return self.ridge_tokens()
+
+    def ridge_tokens(self) -> int:
+        """Prefill tokens at which a forward turns from reading the weights to computing: a chunk of fewer
+        takes as long as one token (the weights are read once either way), each token past it adds compute."""
+        m, d = self.model, self.device
+        return max(1, int(m.weight_bytes * d.bf16_flops * self.eff_flops / (2.0 * m.params * d.hbm_bw * self.eff_bw)))
+
     def label(self) -> str:
         return self.name or f"{self.model.name} on {self.tp}x{self.device.name}"
+
+
+# A CPU executor's rollout prefill chunk: its forward is the host's own eager work, and a chunk of 64 on a tiny model
+# is about a quantum (an emulated or GPU executor uses the roofline's ridge instead, ``Roofline.ridge_tokens``)
+HOST_ROLLOUT_PREFILL_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -227,6 +254,16 @@ class MeasuredSteps:
             return 0.0
         base = float(self.decode_s(b, sum(decode_contexts) / b)) if b else self.prefill_base_s
         return base + self.prefill_per_token_s * new
+
+    def mixed_s(self, batch, ctx, chunk, cached=0.0):
+        """``forward_s`` over arrays (see ``Roofline.mixed_s``)."""
+        b, p = np.asarray(batch, dtype=float), np.asarray(chunk, dtype=float)
+        return np.where(b > 0, self.decode_s(b, ctx) + self.prefill_per_token_s * p, self.prefill_s(p, cached))
+
+    @property
+    def rollout_chunk_tokens(self) -> int:
+        """A CPU executor's rollout prefill chunk (services/executor/device.py), what these steps were measured on."""
+        return HOST_ROLLOUT_PREFILL_TOKENS
 
     def label(self) -> str:
         return self.name

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rose.shared.devices import DEVICES, MODELS, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp
+from rose.shared.devices import DEVICES, MODELS, MeasuredSteps, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp
 
 
 def test_spec_sheet_figures():
@@ -73,3 +73,20 @@ def test_packed_forward_reduces_to_decode_and_prefill(size):
     apart = float(roof.decode_s(4, 1500.0)) + float(roof.prefill_s(512.0, 1024.0))
     assert max(float(roof.decode_s(4, 1500.0)), float(roof.prefill_s(512.0, 1024.0))) < mixed < apart
     assert roof.forward_s([], []) == 0.0
+
+
+@pytest.mark.parametrize("size", ["7B", "70B"])
+def test_the_simulators_iteration_is_the_executors_packed_forward(size):
+    """The simulator's rollout iterations (``mixed_s``: a decode step with one prefill chunk riding on it) are the
+    emulated executor's ``forward_s`` over the same batch, for the roofline and for measured steps alike; a chunk
+    at the ridge rides on a memory-bound decode step nearly free."""
+    roof = Roofline(DEVICES["H100"], MODELS[size], tp=1 if size == "7B" else 4)
+    measured = MeasuredSteps(decode_base_s=0.02, decode_per_seq_s=0.001, prefill_base_s=0.03, prefill_per_token_s=1e-4)
+    for steps in (roof, measured):
+        for batch, chunk in ((32, 258.0), (0, 258.0), (8, 0.0), (0, 0.0)):
+            contexts, chunks = [1500.0] * batch, ([(chunk, 400.0)] if chunk else [])
+            assert float(steps.mixed_s(batch, 1500.0, chunk, 400.0)) == pytest.approx(steps.forward_s(contexts, chunks))
+    ridge = roof.ridge_tokens()
+    assert roof.rollout_chunk_tokens == ridge and measured.rollout_chunk_tokens == 64
+    riding = float(roof.mixed_s(32, 1500.0, ridge, 0.0)) - float(roof.decode_s(32, 1500.0))
+    assert riding < 0.2 * float(roof.prefill_s(float(ridge)))

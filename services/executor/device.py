@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rose.shared.devices import DEVICES, sync_seconds
+from rose.shared.devices import DEVICES, HOST_ROLLOUT_PREFILL_TOKENS, sync_seconds
 from rose.shared.sketch import sketch_to_dict
 
 from .emulated import EMULATED_PREFIX, EmulatedAccelerator, EmulatedRunner, EmulationSpec
@@ -125,6 +125,8 @@ def process_rss_bytes(pid: int | None = None) -> int:
 class RealHardware:
     """What the engine builds on a device that really computes (CPU, CUDA): real KV tensors, the real
     runner, weights that arrive by the follower's own fetch. EmulatedDevice answers these differently."""
+
+    rollout_prefill_tokens = HOST_ROLLOUT_PREFILL_TOKENS  # per rollout iteration (not yet measured on a GPU)
 
     def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
         return kv_shape_of(model)
@@ -302,6 +304,13 @@ class EmulatedDevice:
 
     def lanes_overlap(self, rollout_threads: int) -> bool:
         return True  # one device: a rollout forward delays serving's
+
+    @property
+    def rollout_prefill_tokens(self) -> int:
+        """The policy's roofline ridge: the largest chunk that costs no more than a decode step's weight read (a
+        smaller one wastes the read, as a 64-token chunk does at 7B on an H100, ~4x; a larger one only lengthens
+        the forward a serving arrival abandons). The simulator prices rollout prefill at full efficiency."""
+        return self.spec.roofline(WorkClass.ROLLOUT).ridge_tokens()
 
     def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
         m = self.spec.serving if work_class is WorkClass.SERVING else self.spec.policy

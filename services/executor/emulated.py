@@ -21,12 +21,17 @@ runners share. The pools hold accounted blocks, not tensors (``KVPool(storage=Fa
 KV on an 80 GB device is tens of gigabytes nobody allocates.
 
 The device's semantics are the co-serving interference the simulator prices (sim/coserve.py): one
-forward at a time; a serving forward waiting for the device goes before any rollout forward; a rollout
-forward running when serving asks keeps the device for at most one quantum, then yields at its next
-layer boundary, so each serving iteration waits at most ``min(quantum, rollout step)``; a rollout
-forward the engine abandons at a safepoint (a serving arrival, a revoked lease) ends at its next layer
-boundary and its work is lost, as on a GPU. ``should_hold`` (a CPU notion: a forward waiting for a core)
-does not apply.
+forward at a time; a serving forward waiting for the device goes before any rollout forward, except that
+a serving decode forward owes a rollout forward waiting beside it one turn (serving's next forward is asked
+by its thread within microseconds, so without the turn it would win every race and rollout would get
+what the interpreter lock left it: nothing at ~9 requests/s); a serving forward that prefills owes none
+(compute-bound, it leaves a low-priority stream no SMs; the simulator's lane gets nothing while a first
+token is prefilled). A rollout forward running when serving asks keeps the device for at most one
+quantum, then yields at its next layer boundary, so each serving iteration waits at most
+``min(quantum, rollout step)``. A rollout forward that prefills, abandoned by the engine at a safepoint
+(a serving arrival, a revoked lease), ends at its next layer boundary and its work is lost, as on a GPU;
+one of decodes alone is a CUDA graph replay there, whose one safepoint is before it. ``should_hold``
+(a CPU notion: a forward waiting for a core) does not apply.
 
 Output lengths come from the request, as in Dynamo's mocker: the generator never emits the end of
 sequence or a stop id, so a turn ends at its ``max_tokens`` (the emulated agentic environment asks for
@@ -185,6 +190,11 @@ class EmulatedAccelerator:
         self._cv = threading.Condition()
         self._held = False
         self._serving_waiting = 0
+        # alternation: a serving forward that ends owes a rollout forward waiting for the device its turn (at most a
+        # quantum while serving waits), else the serving lane's next forward, asked from the same thread within its
+        # host work, would win every race for the device and rollout's share would be whatever the GIL left it
+        self._rollout_waiting = 0
+        self._rollout_owed = False
         self._busy_s = 0.0  # device-busy seconds so far (all forwards, abandoned ones included)
         self.planned_s = 0.0  # what the step model asked for, all forwards so far (the time the host should have matched)
         self.lag = _Lag()
@@ -196,10 +206,12 @@ class EmulatedAccelerator:
     def busy_s(self) -> float:
         return self._busy_s
 
-    def run(self, lane: WorkClass, seconds: float, should_stop: Callable[[], bool] | None = None, host_s: float = 0.0) -> bool:
+    def run(self, lane: WorkClass, seconds: float, should_stop: Callable[[], bool] | None = None, host_s: float = 0.0, prefill: bool = False) -> bool:
         """An iteration of ``seconds`` (the step model's): the host already spent ``host_s`` of it preparing the
         forward, so the device is held for the rest. False when the engine abandoned the forward at a safepoint
-        (rollout only: it then ends at the next layer boundary)."""
+        (rollout only: it then ends at the next layer boundary). A serving forward that carries ``prefill`` owes
+        rollout no turn: compute-bound, it leaves a low-priority stream no SMs (the simulator's rollout gets
+        nothing while a first token is being prefilled)."""
         if seconds <= 0.0:
             return True
         with self._cv:
@@ -212,7 +224,7 @@ class EmulatedAccelerator:
             try:
                 self._hold_until(time.monotonic() + seconds, seconds)
             finally:
-                self._release(seconds)
+                self._release(seconds, owes_rollout=not prefill)
             return True
         return self._run_rollout(seconds, should_stop)
 
@@ -220,14 +232,15 @@ class EmulatedAccelerator:
         with self._cv:
             self._serving_waiting += 1
             self._cv.notify_all()  # a rollout forward in flight looks at once (it yields within its quantum)
-            while self._held:
+            while self._held or (self._rollout_owed and self._rollout_waiting):
                 self._cv.wait()
             self._serving_waiting -= 1
             self._held = True
 
-    def _release(self, held_s: float) -> None:
+    def _release(self, held_s: float, owes_rollout: bool = False) -> None:
         with self._cv:
             self._held = False
+            self._rollout_owed = owes_rollout
             self._busy_s += held_s
             self._cv.notify_all()
 
@@ -243,9 +256,12 @@ class EmulatedAccelerator:
         done = 0.0  # device seconds of this forward already run
         while True:
             with self._cv:
-                while self._held or self._serving_waiting:
+                self._rollout_waiting += 1
+                while self._held or (self._serving_waiting and not self._rollout_owed):
                     self._cv.wait()
+                self._rollout_waiting -= 1
                 self._held = True
+                self._rollout_owed = False
             start = time.monotonic()
             outcome = self._rollout_slice(start, seconds - done, layer_s, done, should_stop)
             ran = time.monotonic() - start
@@ -335,7 +351,12 @@ class EmulatedRunner:
         # sampling, launches): the real host work since this lane's last forward is counted against that allowance
         host_s = min(max(0.0, time.monotonic() - self._last_end), self.steps.overhead_s * self.time_scale)
         host_s += self.accelerator.late_s.pop(self.work_class, 0.0)  # the last forward's lateness is made up here, once
-        ran = self.accelerator.run(self.work_class, self.steps.forward_s(decodes, chunks) * self.time_scale, should_stop, host_s)
+        if not chunks and should_stop is not None:  # decodes alone are a CUDA graph replay: its one safepoint is before it
+            if should_stop():
+                return None
+            should_stop = None
+        seconds = self.steps.forward_s(decodes, chunks) * self.time_scale
+        ran = self.accelerator.run(self.work_class, seconds, should_stop, host_s, prefill=bool(chunks))
         self._last_end = time.monotonic()
         if not ran:
             return None

@@ -121,7 +121,7 @@ class EngineConfig:
     serving_max_batch: int = _SERVICE.serving_max_batch
     rollout_max_batch: int = _SERVICE.rollout_max_batch
     serving_prefill_tokens: int = 512  # prefill-chunk budget per serving iteration
-    rollout_prefill_tokens: int = 64  # per rollout iteration: keeps a quantum short
+    rollout_prefill_tokens: int | None = None  # per rollout iteration (None: the device's, ``rollout_prefill_tokens``)
     quantum_ms: float = _SERVICE.quantum_ms
     guard_fraction: float = DEFAULT_GUARD_FRACTION
     static_share: float = DEFAULT_STATIC_SHARE
@@ -256,7 +256,7 @@ class Engine:
             policy_model,
             policy_tokenizer,
             r_pool,
-            Limits(config.rollout_max_batch, config.rollout_prefill_tokens, config.block_size),
+            Limits(config.rollout_max_batch, config.rollout_prefill_tokens or self.device.rollout_prefill_tokens, config.block_size),
             rollout_lane,
             r_runner,
         )

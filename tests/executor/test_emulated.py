@@ -140,6 +140,91 @@ def test_an_abandoned_rollout_forward_stops_at_a_layer_boundary():
     assert time.monotonic() - started < 1.0  # abandoned at the layer in progress (0.5 s each), not run to its end
 
 
+def test_a_serving_lane_busy_forward_after_forward_leaves_rollout_its_turn():
+    """Serving's decode forwards back to back, each asked by its thread the moment the last ends, and a rollout
+    forward of three quanta: each serving forward is followed by at most one rollout quantum, the alternation the
+    simulator prices (sim/coserve.py), so the rollout forward ends after about four serving forwards, not after the
+    serving lane runs out of work (its thread would win every race for the device)."""
+    device = EmulatedAccelerator(layers=28, quantum_s=0.01)
+    ended: list[str] = []
+    serving_forwards = 40
+
+    def serve() -> None:
+        for _ in range(serving_forwards):
+            device.run(WorkClass.SERVING, 0.01)
+            ended.append("serving")
+
+    def rollout() -> None:
+        device.run(WorkClass.ROLLOUT, 0.03)
+        ended.append("rollout")
+
+    serving = threading.Thread(target=serve)
+    serving.start()
+    time.sleep(0.015)  # serving's second forward is running: from now on serving always waits for the device
+    rollout_thread = threading.Thread(target=rollout)
+    rollout_thread.start()
+    serving.join()
+    rollout_thread.join()
+    assert ended.index("rollout") < serving_forwards // 2
+    assert device.planned_s == pytest.approx(serving_forwards * 0.01 + 0.03)
+
+
+def test_a_prefilling_serving_forward_owes_rollout_no_turn():
+    """A serving forward that carries prefill is compute-bound: rollout waiting beside it gets no turn after it
+    (the simulator's rollout gets nothing while a first token is prefilled), while after a decode one it does."""
+    for prefill, rollout_first in ((True, False), (False, True)):
+        device = EmulatedAccelerator(layers=28, quantum_s=0.01)
+        order: list[str] = []
+        first = threading.Thread(target=device.run, args=(WorkClass.SERVING, 0.05), kwargs={"prefill": prefill})
+        first.start()
+        time.sleep(0.01)
+        rollout = threading.Thread(target=lambda: (device.run(WorkClass.ROLLOUT, 0.005), order.append("rollout")))
+        rollout.start()
+        time.sleep(0.01)
+        second = threading.Thread(target=lambda: (device.run(WorkClass.SERVING, 0.005), order.append("serving")))
+        second.start()
+        for t in (first, rollout, second):
+            t.join()
+        assert (order[0] == "rollout") is rollout_first, (prefill, order)
+
+
+def test_a_decode_forward_is_a_graph_replay_and_a_prefill_one_stops_at_a_layer(emulated):
+    """On the GPU it emulates, rollout decodes replay CUDA graphs: a replay's one safepoint is before it, so a
+    serving arrival during it does not abandon it (nothing is lost); a prefill forward is eager and stops at the
+    next layer boundary, its work lost."""
+    from rose.services.executor.forward_item import ForwardItem
+    from rose.services.executor.sampling import SamplerState
+
+    engine = emulated()
+    runner = engine._rollout.runner
+    sampler = SamplerState(EngineSampling(max_tokens=4), seed=1)
+    decodes = [ForwardItem([0], 100 + i, [7]) for i in range(8)]
+    calls: list[int] = []
+
+    def stop_after_first_ask() -> bool:
+        calls.append(1)
+        return len(calls) > 1
+
+    assert runner.forward_sample(decodes, [(0, sampler)], should_stop=stop_after_first_ask) is not None
+    assert len(calls) == 1  # asked once, before the replay
+    assert runner.forward_sample(decodes, [(0, sampler)], should_stop=lambda: True) is None
+    prefill = [ForwardItem(list(range(80)), 0, list(range(10, 1290)))]
+    calls.clear()
+    assert runner.forward_sample(prefill, [(0, sampler)], should_stop=stop_after_first_ask) is None
+
+
+def test_the_rollout_prefill_chunk_is_the_policys_roofline_ridge(emulated, make_engine):
+    """An emulated executor prefills rollout in chunks of the roofline's ridge: fewer tokens cost a whole weight
+    read anyway (64 did, ~4x the time per token at 7B on an H100), more only lengthen a forward an arrival
+    abandons. A CPU executor keeps short chunks (its forward is the host's own eager work)."""
+    roof = SPEC_7B.roofline(WorkClass.ROLLOUT)
+    ridge = roof.ridge_tokens()
+    assert roof.forward_s([], [(float(ridge), 0.0)]) == pytest.approx(roof.forward_s([], [(1.0, 0.0)]), rel=0.01)
+    assert roof.forward_s([], [(2.0 * ridge, 0.0)]) > 1.5 * roof.forward_s([], [(float(ridge), 0.0)])
+    assert emulated()._rollout.limits.prefill_tokens == ridge
+    assert make_engine()._rollout.limits.prefill_tokens == 64
+
+
 def test_emulation_settings_are_checked_and_sized_as_the_simulator_sizes():
     assert parse_device("emulated:h100") == "H100"
     with pytest.raises(ValueError, match="emulated:A100"):
