@@ -12,9 +12,10 @@ or, with ``prefetch_steps`` >= 1, asynchronous as the reference trainer runs it
 (``_trainer_pipelined``: the next batches roll out on older versions while a step trains).
 
 Processes and time:
-- a clock ticks every ``dt`` (1 s): Poisson arrivals per serving instance, the serving
-  model (latency, SLO accounting), what each instance's rollout lane gets, rollout progress
-  (admission FIFO under the batch-slot and KV caps, prefill then decode), turn completions
+- a clock ticks every ``dt`` (1 s; an emulated job's 0.05 s, bench/emulated.py): Poisson arrivals per
+  serving instance, the serving model (latency, SLO accounting), what each instance's rollout lane gets,
+  rollout progress (admission FIFO under the batch-slot and KV caps; iterations as the executor runs
+  them, a decode step with the executor's prefill chunk riding on it, ``mixed_s``), turn completions
   (at their interpolated time inside the tick), then the control plane: the monitor's burst
   detection and headroom, then the scheduler's lease plan (``plan_lending`` in the policy's mode);
 - a trainer process per step; one process per (bundle of) trajectory: route a turn (the
@@ -446,30 +447,39 @@ class Simulation:
             adm, da = q[ok], dq[ok]
             if adm.size:
                 t.state[adm] = 2
-                t.pf_left[adm] = self._pol_perf(da, "prefill_s", bundle * t.pf_tokens[adm], t.pf_cached[adm])
-        # --- progress: prefill first (at most half the lane while others decode), then decode
+                t.pf_left[adm] = bundle * t.pf_tokens[adm]  # prefill tokens left
+        # --- progress, as the executor iterates: each iteration one packed forward, the decode step of the running
+        # turns plus a prefill chunk (the executor's rollout chunk) for the turns still prefilling; once the prefills
+        # are done, decode steps alone
         run = np.flatnonzero(t.state == 2)
         if run.size == 0:
             return tokens
         dr = t.dev[run]
         pf = t.pf_left[run]
-        pre = pf > 1e-12
+        pre = pf > 1e-9
         dec = ~pre
         PF = np.bincount(dr[pre], weights=pf[pre], minlength=D)
+        cached_d = np.bincount(dr[pre], weights=t.pf_cached[run][pre] * pf[pre], minlength=D) / np.maximum(PF, 1e-30)
         ndec = np.bincount(dr[dec], minlength=D)
         nb = ndec * bundle
-        ctx_d = np.bincount(dr[dec], weights=t.ctx[run][dec], minlength=D) / np.maximum(ndec, 1)
-        tau = np.where(
-            inst.is_ded,
-            shape.pperf_d.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
-            shape.pperf_s.decode_s(np.maximum(nb, 1), np.maximum(ctx_d, 1.0)),
-        )
+        ctx_d = np.maximum(np.bincount(dr[dec], weights=t.ctx[run][dec], minlength=D) / np.maximum(ndec, 1), 1.0)
+        chunk = np.where(inst.is_ded, shape.pperf_d.rollout_chunk_tokens, shape.pperf_s.rollout_chunk_tokens)
+        c = np.minimum(chunk, PF)
+        tau_mix = self._pol_perf(np.arange(D), "mixed_s", nb, ctx_d, c, cached_d)
+        tau = self._pol_perf(np.arange(D), "decode_s", np.maximum(nb, 1), ctx_d)
         T = share * dt
-        t_pf = np.where(nb > 0, np.minimum(PF, 0.5 * T), np.minimum(PF, T))
-        n_it = np.where(nb > 0, (T - t_pf) / tau, 0.0)
-        frac = np.where(PF > 0, t_pf / np.maximum(PF, 1e-30), 0.0)
-        f = frac[dr]
-        new_pf = np.where(pre, np.where(f >= 1.0 - 1e-9, 0.0, pf * (1.0 - f)), 0.0)
+        n_mix = np.where(PF > 0, np.minimum(PF / np.maximum(c, 1e-30), T / np.maximum(tau_mix, 1e-30)), 0.0)
+        n_it = n_mix + np.where(nb > 0, np.maximum(T - n_mix * tau_mix, 0.0) / tau, 0.0)
+        # the chunks go to the prefilling turns in admission order, as the engine's budget does (scheduling.py)
+        ids = np.flatnonzero(pre)
+        ids = ids[np.lexsort((t.seq[run][ids], dr[ids]))]
+        want = pf[ids]
+        before = np.cumsum(want) - want
+        first = np.r_[True, dr[ids][1:] != dr[ids][:-1]] if ids.size else np.zeros(0, dtype=bool)
+        before -= before[np.maximum.accumulate(np.where(first, np.arange(ids.size), 0))] if ids.size else 0.0
+        took = np.clip((n_mix * c)[dr[ids]] - before, 0.0, want)
+        new_pf = np.zeros(run.size)
+        new_pf[ids] = np.where(want - took <= 1e-9, 0.0, want - took)
         t.pf_left[run] = new_pf
         adv = np.where(dec, n_it[dr], 0.0)
         left = t.dec_left[run]
