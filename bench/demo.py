@@ -104,6 +104,25 @@ class Observed:
     steps: list[TrainingStep] = field(default_factory=list)  # in order
 
 
+TRAJECTORY_CONSUMER = "demo_trajectories"  # the observer's durable consumer of the trajectory stream
+
+
+async def trajectories_delivered(bus: Bus, timeout_s: float = 10.0) -> bool:
+    """Wait until the observer's consumer has delivered every trajectory the stream holds (False: not within
+    ``timeout_s``). A worker publishes a trajectory before it acknowledges the task, so once a task the work
+    queue no longer holds (``shared/task_queue.py``) is past this, its trajectory is observed or it is lost:
+    counting before it once called a trajectory in delivery lost."""
+    assert TRAJECTORY.stream is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await bus.js.consumer_info(TRAJECTORY.stream.name, TRAJECTORY_CONSUMER)
+        if not info.num_pending and not info.num_ack_pending:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.2)
+
+
 async def observe(bus: Bus, obs: Observed) -> None:
     """Subscribe to the public events (what a user's own dashboard would do)."""
 
@@ -137,7 +156,7 @@ async def observe(bus: Bus, obs: Observed) -> None:
     await bus.subscribe(AGENT_TASK, on_task)  # and the gateways' (`rose demo --agent`)
     await bus.consume(LEASE_EVENT, on_lease, durable="demo_leases")
     await bus.consume(SLO_ALERT, on_alert, durable="demo_alerts")
-    await bus.consume(TRAJECTORY, on_trajectory, durable="demo_trajectories")
+    await bus.consume(TRAJECTORY, on_trajectory, durable=TRAJECTORY_CONSUMER)
     await bus.consume(WEIGHT_MANIFEST, on_manifest, durable="demo_manifests")
     await bus.consume(WEIGHT_APPLIED, on_applied, durable="demo_applied")
     await bus.consume(TRAINING_STEP, on_step, durable="demo_steps")

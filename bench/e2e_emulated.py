@@ -54,7 +54,7 @@ from rose.shared.sketch import from_contract, new_sketch
 from rose.shared.task_queue import still_queued
 from rose.sim.engine import simulate
 
-from .demo import DEMO_POLICY, Observed, observe, summarize
+from .demo import DEMO_POLICY, Observed, observe, summarize, trajectories_delivered
 from .e2e import DRAINS_LENT, POLICIES, POLICY_ENV, Extra, _fmt, _ratio, policy_figures, run_ratios
 from .emulated import DEDICATED_PREFIX, SERVING_PREFIX, EmulatedJob, drive_serving, fleet_processes, rescale, serving_requests, trainer_process
 from .fleet import FleetSpec
@@ -300,6 +300,7 @@ async def run_policy(
         await asyncio.gather(stop_trainer_and_drain(), serving_finishes())
         await asyncio.sleep(2.0)  # the last events in flight
         late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
+        await trajectories_delivered(bus)  # the trajectories of the tasks the queue let go: in obs, or lost
         mark("drain", at)
         eobs = rescale(obs, t0, k)
         extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
