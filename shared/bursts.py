@@ -134,6 +134,7 @@ class ArrivalBurstDetector:
 
     def __init__(self, settings: BurstSettings | None = None, baseline_s: float = BURST_BASELINE_S) -> None:
         self.cfg, self.baseline_s = settings if settings is not None else BurstSettings(), baseline_s
+        self._windows = rate_windows(self.cfg)  # the rate test's spans, shortest first (fixed with the settings)
         self._arrivals: deque[float] = deque()
         self._first: float | None = None
         self._last_alert: float | None = None
@@ -158,8 +159,7 @@ class ArrivalBurstDetector:
     def _rate_trip(self, now: float, queue: int) -> BurstTrip | None:
         """The arrival-rate test over each of RATE_WINDOWS against the baseline before the longest.
         The arrival being tested is given, so the noise is in the others of its window."""
-        cfg = self.cfg
-        windows = rate_windows(cfg)
+        cfg, windows = self.cfg, self._windows
         assert self._first is not None
         base_span = min(self.baseline_s, now - self._first - windows[-1])
         if base_span < cfg.min_baseline_s:
@@ -183,7 +183,7 @@ class ArrivalBurstDetector:
             self._first = now
         with self._lock:
             self._arrivals.append(now)
-            while self._arrivals and now - self._arrivals[0] > self.baseline_s + rate_windows(cfg)[-1]:
+            while self._arrivals and now - self._arrivals[0] > self.baseline_s + self._windows[-1]:
                 self._arrivals.popleft()
         trip = self._rate_trip(now, queue)
         if trip is None and queue_at_risk(queue, self._last_queue, queue_wait_ms, slo_ttft_ms, cfg):

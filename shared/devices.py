@@ -177,32 +177,33 @@ class Roofline:
         ``decode_contexts`` (the sequence's context after it) and each ``(new tokens, cached)``
         prefill chunk, in a single pass that reads the weights once. Decodes alone equal
         ``decode_s(B, mean context)`` and one chunk alone ``prefill_s`` (tests/test_devices.py)."""
-        m, d = self.model, self.device
         decodes = float(len(decode_contexts))
         ctx = float(sum(decode_contexts))
         new = float(sum(p for p, _ in prefill_chunks))
         if decodes == 0 and new == 0:
             return 0.0
         attn = sum(p * c0 + p * p / 2.0 for p, c0 in prefill_chunks)
-        flops = 2.0 * m.params * (decodes + new) + m.attn_flops_per_token_ctx * (ctx + attn)
-        nbytes = m.weight_bytes + (ctx + sum(p + c0 for p, c0 in prefill_chunks)) * m.kv_bytes_per_token
-        compute = flops / (self.tp * d.bf16_flops * self.eff_flops)
-        memory = nbytes / (self.tp * d.hbm_bw * self.eff_bw)
-        return float(self._fixed_s + self._allreduce_payload_s(decodes + new) + max(compute, memory))
+        return float(self._pass_s(decodes + new, ctx + attn, ctx + sum(p + c0 for p, c0 in prefill_chunks)))
+
+    def _pass_s(self, tokens, attended, kv_tokens):
+        """One pass that reads the weights once: ``tokens`` computed, ``attended`` token-contexts of attention,
+        ``kv_tokens`` of KV read (arrays broadcast)."""
+        m, d = self.model, self.device
+        flops = 2.0 * m.params * tokens + m.attn_flops_per_token_ctx * attended
+        nbytes = m.weight_bytes + kv_tokens * m.kv_bytes_per_token
+        t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
+        return self._fixed_s + self._allreduce_payload_s(tokens) + t
 
     def mixed_s(self, batch, ctx, chunk, cached=0.0):
         """``forward_s`` over arrays: ``batch`` decodes at mean context ``ctx`` and one prefill chunk of ``chunk``
         tokens after ``cached``, in one pass that reads the weights once (a chunk rides on the decode step)."""
-        m, d = self.model, self.device
         b, c = np.asarray(batch, dtype=float), np.asarray(ctx, dtype=float)
         p, c0 = np.asarray(chunk, dtype=float), np.asarray(cached, dtype=float)
-        flops = 2.0 * m.params * (b + p) + m.attn_flops_per_token_ctx * (b * c + p * c0 + p * p / 2.0)
-        nbytes = m.weight_bytes + (b * c + np.where(p > 0, p + c0, 0.0)) * m.kv_bytes_per_token
-        t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
-        return np.where((b > 0) | (p > 0), self._fixed_s + self._allreduce_payload_s(b + p) + t, 0.0)
+        t = self._pass_s(b + p, b * c + p * c0 + p * p / 2.0, b * c + np.where(p > 0, p + c0, 0.0))
+        return np.where((b > 0) | (p > 0), t, 0.0)
 
     @property
-    def rollout_chunk_tokens(self) -> int:
+    def rollout_prefill_tokens(self) -> int:
         """Prefill tokens an emulated executor's rollout iteration takes (services/executor/device.py): the ridge."""
         return self.ridge_tokens()
 
@@ -261,7 +262,7 @@ class MeasuredSteps:
         return np.where(b > 0, self.decode_s(b, ctx) + self.prefill_per_token_s * p, self.prefill_s(p, cached))
 
     @property
-    def rollout_chunk_tokens(self) -> int:
+    def rollout_prefill_tokens(self) -> int:
         """A CPU executor's rollout prefill chunk (services/executor/device.py), what these steps were measured on."""
         return HOST_ROLLOUT_PREFILL_TOKENS
 

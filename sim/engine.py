@@ -463,7 +463,7 @@ class Simulation:
         ndec = np.bincount(dr[dec], minlength=D)
         nb = ndec * bundle
         ctx_d = np.maximum(np.bincount(dr[dec], weights=t.ctx[run][dec], minlength=D) / np.maximum(ndec, 1), 1.0)
-        chunk = np.where(inst.is_ded, shape.pperf_d.rollout_chunk_tokens, shape.pperf_s.rollout_chunk_tokens)
+        chunk = np.where(inst.is_ded, shape.pperf_d.rollout_prefill_tokens, shape.pperf_s.rollout_prefill_tokens)
         c = np.minimum(chunk, PF)
         tau_mix = self._pol_perf(np.arange(D), "mixed_s", nb, ctx_d, c, cached_d)
         tau = self._pol_perf(np.arange(D), "decode_s", np.maximum(nb, 1), ctx_d)

@@ -87,6 +87,6 @@ def test_the_simulators_iteration_is_the_executors_packed_forward(size):
             contexts, chunks = [1500.0] * batch, ([(chunk, 400.0)] if chunk else [])
             assert float(steps.mixed_s(batch, 1500.0, chunk, 400.0)) == pytest.approx(steps.forward_s(contexts, chunks))
     ridge = roof.ridge_tokens()
-    assert roof.rollout_chunk_tokens == ridge and measured.rollout_chunk_tokens == 64
+    assert roof.rollout_prefill_tokens == ridge and measured.rollout_prefill_tokens == 64
     riding = float(roof.mixed_s(32, 1500.0, ridge, 0.0)) - float(roof.decode_s(32, 1500.0))
     assert riding < 0.2 * float(roof.prefill_s(float(ridge)))

@@ -310,7 +310,7 @@ class EmulatedDevice:
         """The policy's roofline ridge: the largest chunk that costs no more than a decode step's weight read (a
         smaller one wastes the read, as a 64-token chunk does at 7B on an H100, ~4x; a larger one only lengthens
         the forward a serving arrival abandons). The simulator prices rollout prefill at full efficiency."""
-        return self.spec.roofline(WorkClass.ROLLOUT).ridge_tokens()
+        return self.spec.roofline(WorkClass.ROLLOUT).rollout_prefill_tokens
 
     def kv_shape(self, model: torch.nn.Module, work_class: WorkClass) -> KVShape:
         m = self.spec.serving if work_class is WorkClass.SERVING else self.spec.policy
