@@ -444,7 +444,7 @@ class Simulation:
             cs_g = cs - cs[start] + bundle
             ck_g = ck - ck[start] + need[start]
             ok = (used_slots[dq] + cs_g <= inst.slots[dq]) & (used_kv[dq] + ck_g <= inst.kvcap[dq]) & (inst.ready_at[dq] <= now)
-            adm, da = q[ok], dq[ok]
+            adm = q[ok]
             if adm.size:
                 t.state[adm] = 2
                 t.pf_left[adm] = bundle * t.pf_tokens[adm]  # prefill tokens left

@@ -169,6 +169,11 @@ def test_a_serving_lane_busy_forward_after_forward_leaves_rollout_its_turn():
     assert device.planned_s == pytest.approx(serving_forwards * 0.01 + 0.03)
 
 
+def _run_then_note(device: EmulatedAccelerator, work: WorkClass, order: list[str], name: str) -> None:
+    device.run(work, 0.005)
+    order.append(name)
+
+
 def test_a_prefilling_serving_forward_owes_rollout_no_turn():
     """A serving forward that carries prefill is compute-bound: rollout waiting beside it gets no turn after it
     (the simulator's rollout gets nothing while a first token is prefilled), while after a decode one it does."""
@@ -178,10 +183,10 @@ def test_a_prefilling_serving_forward_owes_rollout_no_turn():
         first = threading.Thread(target=device.run, args=(WorkClass.SERVING, 0.05), kwargs={"prefill": prefill})
         first.start()
         time.sleep(0.01)
-        rollout = threading.Thread(target=lambda: (device.run(WorkClass.ROLLOUT, 0.005), order.append("rollout")))
+        rollout = threading.Thread(target=_run_then_note, args=(device, WorkClass.ROLLOUT, order, "rollout"))
         rollout.start()
         time.sleep(0.01)
-        second = threading.Thread(target=lambda: (device.run(WorkClass.SERVING, 0.005), order.append("serving")))
+        second = threading.Thread(target=_run_then_note, args=(device, WorkClass.SERVING, order, "serving"))
         second.start()
         for t in (first, rollout, second):
             t.join()
