@@ -1,7 +1,7 @@
 """The scheduler's never-slower placement inside the simulator: the sim feeds it what the real scheduler
 gets (batch, typical turn, revocations, model error), the tail stays on dedicated executors, a lease
-is only taken when predicted sooner, and over a small synchronous grid rose's RL throughput is
-never below static's (asynchronous RL at demand 1x is not yet: docs/simulator.md). Simulated
+is taken when predicted sooner or instead of a dedicated queue, and over a small synchronous grid
+rose's RL throughput is never below static's (asynchronous RL at demand 1x is not yet: docs/simulator.md). Simulated
 (deterministic) RL steps/h, not wall-clock timings."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from rose.bench.sim import combine_seeds, config_key, grid_configs, rows_of, run_grid, targets_of
+from rose.bench.sim import combine_seeds, config_key, grid_configs, grown_pool_configs, rows_of, run_grid, targets_of
 from rose.services.scheduler import placement
 from rose.shared.workload import RolloutSpec, sample_batch
-from rose.sim.ceiling import lane_value, speedup_ceiling
+from rose.sim.ceiling import fleet_ceiling, grown_pools, lane_value, speedup_ceiling
 from rose.sim.engine import SimConfig, Simulation
 
 
@@ -68,7 +68,7 @@ def test_rose_never_below_static_and_gains_where_rollout_is_the_bottleneck(grid)
     rose = {config_key(r): r for r in grid if r["policy"] == "rose"}
     assert len(rose) == 2
     for r in rose.values():
-        assert r["speedup_vs_static"] >= 1.0, r  # the placement only takes a lease that is predicted sooner
+        assert r["speedup_vs_static"] >= 1.0, r  # the tail stays on dedicated executors; late leased turns are hedged
         assert r["slo_violations"] == 0
     by_demand = {r["rollout_demand"]: r for r in rose.values()}
     assert by_demand[4.0]["speedup_vs_static"] > 1.1  # leases add capacity the 4x batch needs
@@ -114,6 +114,33 @@ def test_the_speedup_ceiling_is_amdahls_at_the_rollout_capacity():
     # asynchronous: rollout overlaps training; a step takes at least its training
     assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=True) == pytest.approx(2.0)
     assert speedup_ceiling(8.0, 400.0, 100.0, 50.0, pipelined=True) == pytest.approx(4.0)
+
+
+def test_the_fleet_ceiling_interpolates_static_on_grown_pools():
+    assert grown_pools(4, 1.73) == (6, 7) and grown_pools(4, 1.2) == (5,) and grown_pools(4, 2.0) == (8,)
+    assert grown_pools(4, None) == () and grown_pools(4, 1.0) == ()
+    assert fleet_ceiling(10.0, 4, 1.75, {7: 14.0}) == pytest.approx(1.4)  # 4 x 1.75 = 7 instances: that run itself
+    # 4 x 1.15 = 4.6 instances: 60 % of the way from the pool's own rate (4) to the 5-instance run's
+    assert fleet_ceiling(10.0, 4, 1.15, {5: 15.0}) == pytest.approx((10.0 + 0.6 * 5.0) / 10.0)
+    assert fleet_ceiling(10.0, 4, 1.73, {6: 12.0}) is None  # a bracketing run missing (infeasible): no figure
+
+
+def test_a_latency_bound_synchronous_step_gains_less_from_capacity_than_amdahl_says():
+    """14B on 16 GPUs, synchronous, demand 2: the dedicated pool runs most of the batch at once and the step
+    waits on its trajectories' turns and tools in sequence, so static on a pool grown by the lanes'
+    capacity gains less than Amdahl's ceiling at that capacity; and the grid runs exactly those pools."""
+    configs = grid_configs(
+        models=("14B",), fleets=(16,), demands=(2.0,), ratios=(0.25,), modes=("sync", "async"), policies=("static", "rose"), steps=1, seed=0
+    )
+    results = run_grid(configs, jobs=1)
+    runs = grown_pool_configs(configs, results)
+    static, lanes = (next(r for r in results if r["policy"] == p and r["mode"] == "sync") for p in ("static", "rose"))
+    assert {key[5] for key, _, _ in runs} == {"sync"}  # the asynchronous rate jumps with its phase: no fleet ceiling
+    assert [k for _, k, _ in runs] == list(grown_pools(static["dedicated_instances"], lanes["rollout_capacity_ceiling_kv"])) != []
+    assert all(c.policy == "static" and c.n_dedicated == k and c.trajectories == static["trajectories_per_step"] for _, k, c in runs)
+    grown = {runs[0][0]: {k: r["rl_steps_per_hour"] for (_, k, _), r in zip(runs, run_grid([c for *_, c in runs], jobs=1))}}
+    rose = next(r for r in rows_of(results, grown) if r["policy"] == "rose" and r["mode"] == "sync")
+    assert 1.0 < rose["speedup_ceiling_fleet"] < rose["speedup_ceiling_kv"]
 
 
 def test_seeds_combine_into_medians_of_paired_ratios():
