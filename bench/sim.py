@@ -8,6 +8,10 @@ ratio {0.25, 0.5} (dedicated rollout GPUs per serving GPU) x mode {sync, async} 
 trace and RL job (the same batches) for every policy (engine.py). Ratios are against the same
 configuration: speedup = RL steps/hour over static's; rollout time ratio = elastic_baseline's
 rollout seconds per step over the policy's (> 1: faster than the elastic baseline).
+Two ceilings sit beside rose's speedup (sim/ceiling.py): ``speedup_ceiling_kv``, Amdahl's over the
+fleet's rollout capacity, and, synchronous, ``speedup_ceiling_fleet``, static's own job simulated on its
+dedicated pool grown by that capacity (extra static runs, ``--no-fleet-ceiling`` skips them); ``targets``
+reports the share of each gain rose took per model size.
 ``slo_violations`` counts serving instance-seconds whose p99 TTFT or TPOT passed the SLO
 (``..._serving_alone``: the same trace on the same fleet without rollout). ``targets`` checks
 the issue's bars (rose >= static everywhere; demand >= 2: median >= 1.3x, best >= 2x; rollout
@@ -39,7 +43,7 @@ import numpy as np
 from rose.shared.workload import RolloutSpec
 from rose.sim import POLICIES
 from rose.sim.calibration import calibrate_e2e, fit_error, measure_step_times, relative_error, step_models
-from rose.sim.ceiling import share_of_gain, speedup_ceiling_over
+from rose.sim.ceiling import fleet_ceiling, grown_pools, share_of_gain, speedup_ceiling_over
 from rose.sim.engine import Infeasible, SimConfig, simulate
 
 MODELS = ("7B", "14B", "32B", "70B")
@@ -133,7 +137,29 @@ def run_grid(configs: list[SimConfig], jobs: int, progress=None) -> list[dict]:
     return [r for r in results if r is not None]
 
 
-def rows_of(results: list[dict]) -> list[dict]:
+def grown_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tuple[tuple, int, SimConfig]]:
+    """The fleet ceiling's runs (sim/ceiling.py): per synchronous configuration with a static and a rose run,
+    static's job (its batch) on its dedicated pool grown to each of ``grown_pools``' sizes: (config key, pool
+    size, config). Not asynchronous: its rate is measured between a few training steps, whose phase jumps
+    with the pool (14B/16, demand 2, static: 6 -> 7 instances 28 -> 41 steps/h at 5 % more tokens/s), so two
+    bracketing runs would not interpolate."""
+    by = {(*config_key(r), r["policy"]): r for r in results}
+    out = []
+    for cfg, r in zip(configs, results):
+        if r["policy"] != "static" or "infeasible" in r or mode_of(cfg) != "sync":
+            continue
+        rose = by.get((*config_key(r), "rose"))
+        if rose is None or "infeasible" in rose:
+            continue
+        for k in grown_pools(r["dedicated_instances"], rose.get("rollout_capacity_ceiling_kv")):
+            out.append((config_key(r), k, replace(cfg, n_dedicated=k, trajectories=r["trajectories_per_step"])))
+    return out
+
+
+def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = None) -> list[dict]:
+    """One row per result, its ratios against its configuration's static and elastic runs; ``grown``
+    (config key -> dedicated pool size -> static's steps/h there) adds the fleet ceiling."""
+    grown = grown or {}
     by = {(*config_key(r), r["policy"]): r for r in results}
     rows = []
     for r in results:
@@ -171,6 +197,9 @@ def rows_of(results: list[dict]) -> list[dict]:
             rollout_capacity_ceiling_kv=capacity_kv,
             speedup_ceiling=speedup_ceiling_over(static, capacity, r.get("mode") == "async") if static is not None else None,
             speedup_ceiling_kv=speedup_ceiling_over(static, capacity_kv, r.get("mode") == "async") if static is not None else None,
+            speedup_ceiling_fleet=fleet_ceiling(static_rate, static["dedicated_instances"], capacity_kv, grown[key])
+            if static is not None and key in grown
+            else None,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -334,7 +363,7 @@ def priced_shares(rose_rows: list[dict]) -> dict:
             continue
         label = r["model"] if r.get("policy_model", r["model"]) == r["model"] else f"{r['model']} serving / {r['policy_model']} policy"
         label += f", over-provision {r['over_provision']:g}" if r.get("over_provision") else ""
-        entry = out.setdefault(label, dict(rows=0, shares=[], speedups=[], no_gain_to_take=0))
+        entry = out.setdefault(label, dict(rows=0, shares=[], fleet_shares=[], speedups=[], no_gain_to_take=0))
         entry["rows"] += 1
         entry["speedups"].append(r["speedup_vs_static"])
         share = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_kv"))
@@ -342,10 +371,15 @@ def priced_shares(rose_rows: list[dict]) -> dict:
             entry["no_gain_to_take"] += 1
         else:
             entry["shares"].append(share)
+        fleet = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_fleet"))
+        if fleet is not None:
+            entry["fleet_shares"].append(fleet)
     for entry in out.values():
-        shares = entry.pop("shares")
+        shares, fleet = entry.pop("shares"), entry.pop("fleet_shares")
         entry["median_share"] = _median(shares)
         entry["min_share"] = min(shares) if shares else None
+        entry["median_fleet_share"] = _median(fleet)  # of the fleet ceiling's gain (sim/ceiling.py)
+        entry["min_fleet_share"] = min(fleet) if fleet else None
         entry["median_speedup"] = _median(entry.pop("speedups"))
     return out
 
@@ -392,6 +426,10 @@ def targets_of(rows: list[dict]) -> dict:
             zero_slo_violations=fig["rose_slo_violation_instance_s"] == 0,
             priced_share_median_at_least_0_7=all((e["median_share"] or 0.0) >= 0.7 for e in fig["per_model"].values()),
             priced_share_never_below_0_4=all((e["min_share"] if e["min_share"] is not None else 1.0) >= 0.4 for e in fig["per_model"].values()),
+            fleet_share_median_at_least_0_7=all((e["median_fleet_share"] or 0.0) >= 0.7 for e in fig["per_model"].values()),
+            fleet_share_never_below_0_4=all(
+                (e["min_fleet_share"] if e["min_fleet_share"] is not None else 1.0) >= 0.4 for e in fig["per_model"].values()
+            ),
             small_pool_at_least_2_where_ceiling_2_4=all(x["rose"] >= 2.0 for x in fig["small_pool_at_high_ceiling"]),
         )
         out[mode] = fig
@@ -542,6 +580,7 @@ def run_sim_bench(
     coserve: str | None = None,
     calibrate: bool = False,
     measure_steps: bool = True,
+    fleet_ceilings: bool = True,
     console=None,
 ) -> dict:
     from rich.progress import Progress
@@ -591,13 +630,20 @@ def run_sim_bench(
             progress_line(result)
 
         results = run_grid(configs, jobs, advance)
+        grown_runs = grown_pool_configs(configs, results) if fleet_ceilings else []
+        grown: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
+        if grown_runs:
+            task = progress.add_task(f"the fleet ceiling: static on grown pools, {len(grown_runs)} runs", total=len(grown_runs))
+            for (key, k, _), r in zip(grown_runs, run_grid([c for _, _, c in grown_runs], jobs, lambda _: progress.advance(task))):
+                if "infeasible" not in r:
+                    grown[key][k] = r["rl_steps_per_hour"]
     grid_s = time.perf_counter() - started
     if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
         e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
     if calibrate and not (e2e or coserve):
         coserve = _fresh_coserve(out_json, seed, console)
     cal = run_calibration(e2e=e2e, coserve=coserve, measure=measure_steps and bool(coserve), seed=seed, console=console)
-    rows = combine_seeds(rows_of(results))
+    rows = combine_seeds(rows_of(results, grown))
     notes = notes_of(rows)
     targets = targets_of(rows)
     rose = [r["speedup_vs_static"] for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static")]
@@ -669,6 +715,7 @@ def _print_report(console, report: dict, out: Path) -> None:
         "policy",
         "RL steps/h",
         "vs static",
+        "ceiling: kv / fleet",
         "rollout vs elastic",
         "SLO-viol inst-s",
         "SLO attain",
@@ -679,7 +726,7 @@ def _print_report(console, report: dict, out: Path) -> None:
     for r in rows:
         axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
         if r.get("infeasible"):
-            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "infeasible")
+            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "-", "infeasible")
             continue
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         table.add_row(
@@ -689,6 +736,7 @@ def _print_report(console, report: dict, out: Path) -> None:
             r["policy"],
             f(r["rl_steps_per_hour"], ".2f"),
             f(r["speedup_vs_static"], ".2f") + "x" + _seed_range(r.get("speedup_vs_static_by_seed")),
+            f"{f(r.get('speedup_ceiling_kv'), '.2f')} / {f(r.get('speedup_ceiling_fleet'), '.2f')}",
             f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
             f(r["slo_violations"], ".0f"),
             f(r["serving_slo_attainment"], ".4f"),
@@ -713,7 +761,8 @@ def _print_report(console, report: dict, out: Path) -> None:
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         console.print(
             f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
-            f"least {fmt(e['min_share'])}; rose/static median {fmt(e['median_speedup'])}"
+            f"least {fmt(e['min_share'])}; of the fleet ceiling's gain: median {fmt(e['median_fleet_share'])}, least "
+            f"{fmt(e['min_fleet_share'])}; rose/static median {fmt(e['median_speedup'])}"
         )
     for n in notes:
         console.print(f"- {n}")

@@ -441,6 +441,11 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--coserve", default=None, help="calibrate against this `rose bench coserve` JSON (per-policy rollout tokens/s error)")
     b.add_argument("--calibrate", action="store_true", help="run a short real `rose bench coserve` now and calibrate against it (about a minute)")
     b.add_argument("--no-measure", action="store_true", help="do not measure the tiny models' step times (no calibration at all)")
+    b.add_argument(
+        "--no-fleet-ceiling",
+        action="store_true",
+        help="skip the fleet ceiling's runs (static on its dedicated pool grown by the lanes' capacity; about half the grid's time again)",
+    )
     b.set_defaults(func=_run_sim)
 
 
@@ -478,6 +483,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         coserve=args.coserve,
         calibrate=args.calibrate,
         measure_steps=not args.no_measure,
+        fleet_ceilings=not args.no_fleet_ceiling,
         console=Console(),
     )
     return 0

@@ -11,9 +11,19 @@ The bound prices a lane GPU-second as a dedicated one. ``lane_value`` prices it 
 side runs at once at the mean rollout context (a lease holds the sequences its lent KV fits,
 a dedicated instance its batch), on the same roofline: the ``_kv`` ceilings are what the
 fleet offers at that price, an estimate rather than a bound (shorter contexts fit more).
+
+Amdahl's ceiling assumes the rollout before its tail is bound by capacity. A synchronous step at demand 2
+is not: its dedicated pool runs most of the batch at once, and the step waits on its trajectories'
+turns and tools in sequence (14B on 16 GPUs: a pool twice the size gives static 1.17x where Amdahl's
+ceiling says 1.40x). The fleet ceiling (``grown_pools``, ``fleet_ceiling``) asks the simulator instead:
+static's own job on a dedicated pool grown by the fleet's lane capacity, so latency, tools, staleness
+and the batch's shape count as they do for rose. It is what the lent capacity buys as whole GPUs;
+lanes are worth less (they alternate with serving), so it is the fairer bar, not a bound.
 """
 
 from __future__ import annotations
+
+import math
 
 
 def rollout_capacity_ceiling(lane_share: float | None, serving_gpus: int, dedicated_gpus: int, value: float = 1.0) -> float | None:
@@ -77,3 +87,27 @@ def share_of_gain(speedup: float | None, ceiling: float | None) -> float | None:
     if speedup is None or ceiling is None or ceiling <= 1.0 + 1e-9:
         return None
     return (speedup - 1.0) / (ceiling - 1.0)
+
+
+def grown_pools(dedicated_instances: int, capacity: float | None) -> tuple[int, ...]:
+    """The dedicated pool sizes whose static runs bracket the pool grown by ``capacity`` (the fleet
+    ceiling's runs): the floor and ceiling of dedicated x capacity, those larger than the pool itself."""
+    if capacity is None or capacity <= 1.0 or dedicated_instances <= 0:
+        return ()
+    grown = dedicated_instances * capacity
+    return tuple(sorted({k for k in (math.floor(grown), math.ceil(grown)) if k > dedicated_instances}))
+
+
+def fleet_ceiling(static_rate: float, dedicated_instances: int, capacity: float | None, grown: dict[int, float]) -> float | None:
+    """Static's RL steps/h on its dedicated pool grown by ``capacity``, over static's own: ``grown`` maps
+    the ``grown_pools`` sizes to their static runs' steps/h, interpolated linearly at dedicated x
+    capacity (the pool itself is ``static_rate``). None without a rate or a pool to grow."""
+    sizes = grown_pools(dedicated_instances, capacity)
+    if capacity is None or static_rate <= 0 or not sizes or any(k not in grown for k in sizes):
+        return None
+    target = dedicated_instances * capacity
+    rates = {dedicated_instances: static_rate, **{k: grown[k] for k in sizes}}
+    lo = max(k for k in rates if k <= target)
+    hi = min((k for k in rates if k >= target), default=lo)
+    rate = rates[lo] if hi == lo else rates[lo] + (rates[hi] - rates[lo]) * (target - lo) / (hi - lo)
+    return rate / static_rate

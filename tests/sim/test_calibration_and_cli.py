@@ -82,6 +82,10 @@ def test_bench_sim_end_to_end(tmp_path):
     t = report["targets"]["sync"]
     assert t["configurations"] == 1 and t["min_speedup"] == rose["speedup_vs_static"] == t["median_speedup_demand_ge_2"]
     assert t["meets"]["never_below_static"] == (rose["speedup_vs_static"] >= 1.0)
+    # synchronous: static on its dedicated pool grown by the lanes' capacity ran beside the grid (the fleet ceiling)
+    assert rose["speedup_ceiling_fleet"] is not None and rose["speedup_ceiling_fleet"] > 1.0
+    (entry,) = report["targets"]["all"]["per_model"].values()
+    assert entry["median_fleet_share"] == pytest.approx((rose["speedup_vs_static"] - 1.0) / (rose["speedup_ceiling_fleet"] - 1.0))
 
 
 def _fits(text: str, columns: int = 80) -> None:
