@@ -301,6 +301,7 @@ async def run_policy(
         await asyncio.sleep(2.0)  # the last events in flight
         late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
         await trajectories_delivered(bus)  # the trajectories of the tasks the queue let go: in obs, or lost
+        late -= set(obs.trajectories)  # a queued task whose trajectory came in meanwhile is back, not late (lost read -1)
         mark("drain", at)
         eobs = rescale(obs, t0, k)
         extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
