@@ -12,14 +12,11 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
 3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
    slots (the request names its batch and size), the turn goes to a dedicated executor:
    leased capacity cannot make the last turns of a step faster, only slower;
-4. a leased (serving) executor is chosen when it is predicted to finish the turn sooner than the
-   dedicated choice, waiting included, or when the dedicated choice would queue the turn while a
-   lease has a free slot: outside the tail the batch is bound by throughput, and a turn waiting
-   in a queue makes no tokens while the lane it could run on idles (the turn's own finish may be
-   later; the hedge of rule 5 caps it). The prefix-cache executor of the previous turn (affinity)
-   is the dedicated choice when it is dedicated, and keeps a leased turn only while it still
-   beats the dedicated pool; an overloaded one (load > its concurrency x `overload_factor`) is not
-   worth its cache;
+4. a leased (serving) executor is chosen only when it is predicted to finish the turn sooner
+   than the dedicated choice, waiting included; the prefix-cache executor of the previous turn
+   (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
+   it still beats the dedicated pool; an overloaded one (load > its concurrency x
+   `overload_factor`) is not worth its cache;
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
@@ -214,10 +211,6 @@ def place_turn(
     if lease is not None and risky[lease.executor_id] < ded_finish:
         lead = "no dedicated executor" if ded is None else f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
         return put(lease, f"leased: {lead}")
-    roomy = [c for c in leased if has_room(c)]
-    if ded is not None and roomy and pred[ded.executor_id].wait > 0:
-        idle = min(roomy, key=lambda c: (risky[c.executor_id], c.executor_id))
-        return put(idle, f"leased: a free lane slot rather than a place in the dedicated queue ({pred[ded.executor_id].wait:.2f} wait)")
     assert ded is not None  # pool is not empty: without a leased choice there is a dedicated one
     if ded is home:
         why = "prefix affinity"
