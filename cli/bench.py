@@ -444,7 +444,7 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--no-fleet-ceiling",
         action="store_true",
-        help="skip the fleet ceiling's runs (static on its dedicated pool grown by the lanes' capacity; about half the grid's time again)",
+        help="skip the fleet ceiling's runs (static on its dedicated pool grown by the lanes' capacity; 10-40 %% of the grid's time)",
     )
     b.set_defaults(func=_run_sim)
 
