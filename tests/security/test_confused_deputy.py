@@ -114,16 +114,19 @@ async def test_without_permissions_the_bus_check_alone_blocks_and_the_attack_is_
 
                 await raw.subscribe("rose.control.raw", cb=blind)
                 await raw.flush()
-                await w.attackers["rollout_worker"].nc.publish("rose.control.raw", b"x", reply="$KV.rose_leases.forged-control")
-                await w.attackers["rollout_worker"].nc.flush()
+                attacker = w.attackers["rollout_worker"].nc
 
                 async def forged() -> str | None:
+                    """Send the request again, then look: once one attempt lands, the attack is shown real. (Once in a
+                    full suite run a single attempt never landed within 10 s; the cause was not found.)"""
+                    await attacker.publish("rose.control.raw", b"x", reply="$KV.rose_leases.forged-control")
+                    await attacker.flush()
                     blocked, evidence = await observe(w, "control", 0)
                     return None if blocked else evidence
 
                 # until the forged key lands (a loaded machine takes longer than a fixed sleep)
-                evidence = await until(forged, timeout=10.0, step=0.1, what="the forged key (the attack without the check)")
-                assert "forged keys: 1" in evidence, evidence  # what the check prevents
+                evidence = await until(forged, timeout=10.0, step=0.25, what="the forged key (the attack without the check)")
+                assert "forged keys: 0" not in evidence, evidence  # what the check prevents
             finally:
                 await raw.close()
         finally:
