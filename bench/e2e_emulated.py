@@ -301,7 +301,6 @@ async def run_policy(
         await asyncio.sleep(2.0)  # the last events in flight
         late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
         await trajectories_delivered(bus)  # the trajectories of the tasks the queue let go: in obs, or lost
-        late -= set(obs.trajectories)  # a queued task whose trajectory came in meanwhile is back, not late (lost read -1)
         mark("drain", at)
         eobs = rescale(obs, t0, k)
         extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
@@ -317,8 +316,12 @@ async def run_policy(
         figures = policy_figures(summary, eobs, extra)
         figures["fidelity"] = fidelity(extra.snapshots, t0, end, cpu)
         figures["fidelity"]["fleet_cpu_cores"] = fleet_cpu  # this policy's processes and nats-server over its window, in cores
+        # lost and late from one view of what is missing: a task still queued when the queue was read may have
+        # delivered its trajectory since (subtracting one count from the other once read -1 lost)
+        missing = eobs.published - set(eobs.trajectories)
+        late &= missing
         figures["trajectories_late"] = len(late)  # still in the task queue after the drain (a worker holds it, or it waits)
-        figures["trajectories_lost"] -= len(late)
+        figures["trajectories_lost"] = len(missing - late)
         figures["trainer_ended_early"] = ended_early
         if ended_early:
             figures["trainer_log_tail"] = trainer.log_tail(1500)
