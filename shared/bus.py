@@ -203,6 +203,17 @@ def _survive_cancelled_flushes(nc: NatsClient) -> None:
     nc._process_pong = process_pong  # type: ignore[method-assign]
 
 
+@dataclass
+class _KvWatch:
+    """A `Bus.kv_watch`: what it watches and for whom, and the task delivering it now (replaced on reconnect)."""
+
+    channel: Channel
+    keys: str
+    handler: Callable[[str, Any | None], Awaitable[None]]
+    loop: asyncio.Task[None] | None = None
+    restart: asyncio.Future[None] | None = None
+
+
 class Bus:
     """One service's connection to the bus. Use as `async with Bus(...) as bus:`."""
 
@@ -217,6 +228,7 @@ class Bus:
         self._pull_subs: list[Any] = []  # JetStream pull subscriptions (consume): unsubscribed before the drain (close)
         self._requests: set[asyncio.Task[None]] = set()
         self._kv: dict[str, KeyValue] = {}
+        self._watches: list[_KvWatch] = []
         self._closing = False
         self.dead_letters = 0
         self.replies_refused = 0  # requests left unanswered: their reply subject was not a requester's inbox
@@ -302,6 +314,9 @@ class Bus:
     async def close(self) -> None:
         """Stop consumers, stop the service endpoints, then drain so in-flight replies go out."""
         self._closing = True
+        for watch in self._watches:
+            if watch.restart is not None:
+                watch.restart.cancel()
         for task in self._tasks:
             task.cancel()
         if self._tasks:  # bounded: a fetch in flight across a reconnect may swallow the cancel
@@ -402,6 +417,10 @@ class Bus:
     async def _on_reconnect(self) -> None:
         url = self.nc.connected_url
         log.info("reconnected to NATS at %s", f"{url.hostname}:{url.port}" if url else "?")  # netloc may hold a password
+        for watch in self._watches:
+            if watch.restart is not None:
+                watch.restart.cancel()
+            watch.restart = asyncio.ensure_future(self._rewatch(watch))
 
     async def _processed(self) -> None:
         """Return once the server has processed everything sent so far, refusals reported included.
@@ -814,12 +833,19 @@ class Bus:
     async def kv_watch(self, channel: Channel, handler: Callable[[str, Any | None], Awaitable[None]], **tokens: str) -> None:
         """Call `handler(key, value)` for the current value and every change; value None means deleted.
 
-        Tokens not given match any key. An undecodable value is dead-lettered and skipped.
+        Tokens not given match any key. An undecodable value is dead-lettered and skipped. After a
+        reconnect the watch starts over from the current values (`_rewatch`), so a handler may see a
+        value twice: handlers apply state, which makes that harmless.
         """
         self.reads.add(channel.name)
-        with self._kv_refusals(channel):
-            kv = await self._bucket(channel)
-            watcher = await kv.watch(channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens))
+        watch = _KvWatch(channel, channel.pattern(**tokens) if len(tokens) < len(channel.tokens) else channel.subject(**tokens), handler)
+        await self._start_watch(watch)  # refused or unreachable now: the caller hears it
+        self._watches.append(watch)
+
+    async def _start_watch(self, watch: _KvWatch) -> None:
+        with self._kv_refusals(watch.channel):
+            kv = await self._bucket(watch.channel)
+            watcher = await kv.watch(watch.keys)
 
         async def loop() -> None:
             try:
@@ -827,14 +853,14 @@ class Bus:
                     if entry is None:  # end of the initial values
                         continue
                     if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        await handler(entry.key, None)
+                        await watch.handler(entry.key, None)
                         continue
                     try:
-                        value = await self._accept(channel, entry.value, f"$KV.{channel.kv.bucket}.{entry.key}", None)  # type: ignore[union-attr]
+                        value = await self._accept(watch.channel, entry.value, f"$KV.{watch.channel.kv.bucket}.{entry.key}", None)  # type: ignore[union-attr]
                     except PayloadError:
                         continue
                     try:
-                        await handler(entry.key, value)
+                        await watch.handler(entry.key, value)
                     except Exception:
                         log.exception("KV watch handler for %s failed", entry.key)
             finally:
@@ -843,7 +869,31 @@ class Bus:
                 except Exception:
                     pass
 
-        self._tasks.append(asyncio.create_task(loop(), name=f"kv-watch:{channel.name}"))
+        self._tasks[:] = [t for t in self._tasks if not t.done()]
+        watch.loop = asyncio.create_task(loop(), name=f"kv-watch:{watch.channel.name}")
+        self._tasks.append(watch.loop)
+
+    async def _rewatch(self, watch: _KvWatch) -> None:
+        """Replace a watch after a reconnect, retrying until JetStream answers again.
+
+        Why: nats.py's ordered consumer notices that its consumer is gone (a restarted server keeps the
+        bucket, not the ephemeral consumer) only after two missed idle heartbeats, 10-20 s. An executor's
+        lease watch was that stale after a NATS restart (`rose bench elastic`, 2026-12-05: the scheduler
+        granted leases the executor did not hear of for 11-14 s, and it refused every turn routed there).
+        """
+        if watch.loop is not None:
+            watch.loop.cancel()
+        delay = 0.1
+        while not self._closing:
+            try:
+                await self._start_watch(watch)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # JetStream not back yet, or the connection dropped again
+                log.info("re-watching %s after a reconnect: %r; again in %.1fs", watch.keys, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     # ---- NATS services API -----------------------------------------------------------
 

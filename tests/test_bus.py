@@ -14,6 +14,8 @@ from rose.contracts.lease import Lease
 from rose.contracts.registry import GENERATE, HEARTBEAT, LEASE, ROLLOUT_TASK, SERVICE_REGISTRY, SLO_ALERT, TRAJECTORY
 from rose.shared.bus import Bus, Delivery, RemoteError, RequestRefused
 from rose.shared.config import BusConfig
+from rose.shared.nats_server import NatsServer
+from rose.shared.provisioning import provision
 from rose.testing.polling import retrying, within
 
 
@@ -280,3 +282,40 @@ async def test_a_bus_request_gets_its_reply_after_cancelled_flushes(bus_config, 
         assert reply.request_id == "r7" and reply.token_ids == [1, 2, 3]
     assert not bus.nc._reading_task.done()
     assert "_process_pong" in vars(bus.nc)  # set on the instance by `_survive_cancelled_flushes`
+
+
+async def test_kv_watch_hears_a_change_made_after_a_server_restart(tmp_path):
+    """A watch starts over from the current values when the bus reconnects. nats.py's ordered consumer alone
+    notices its consumer is gone only after two missed idle heartbeats (10-20 s): an executor's lease watch was
+    that stale after a NATS restart in `rose bench elastic`, and the executor refused every turn routed to it
+    under a lease it had not heard of. The wait below is shorter than that fallback, so only the re-watch passes."""
+    seen: list[Lease | None] = []
+
+    async def on_lease(_key: str, value: Lease | None) -> None:
+        seen.append(value)
+
+    def lease(epoch: int) -> Lease:
+        return Lease(
+            lease_id=f"l{epoch}",
+            executor_id="ex-1",
+            epoch=epoch,
+            state="active",
+            granted_at=1.0,
+            expires_at=2.0,
+            kv_bytes=10,
+            compute_share=0.5,
+            max_rollout_batch=4,
+        )
+
+    with NatsServer(tmp_path / "nats") as server:
+        config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, request_timeout_s=5.0)
+        async with Bus(config, service="scheduler", instance="s-1") as writer, Bus(config, service="executor", instance="ex-1") as executor:
+            await provision(writer.js)
+            await writer.kv_put(LEASE, lease(1), executor_id="ex-1")
+            await executor.kv_watch(LEASE, on_lease, executor_id="ex-1")
+            assert await within(lambda: lease(1) in seen, timeout=5.0)
+            server.restart()
+            await retrying(lambda: writer.kv_put(LEASE, lease(2), executor_id="ex-1"), timeout=10.0, what="a put after the restart")
+            assert await within(lambda: lease(2) in seen, timeout=6.0), f"the watch heard {seen} only"
+            await writer.kv_delete(LEASE, executor_id="ex-1")
+            assert await within(lambda: seen[-1] is None, timeout=5.0)  # and it goes on hearing changes
