@@ -22,7 +22,8 @@ same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
 have at one false alarm per hour from arrivals alone, ``detection_delay_bound_ms``; the executor's
 detector also sees its queue, which can beat it when a burst outruns capacity;
 ``burst_false_alarms_per_hour`` counts its alerts outside every burst), lease counts,
-``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix), ``tasks_lost``, and a timeline PNG.
+``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix) with
+``turn_routing`` (why they missed: the share that stayed where the previous turn ran, the share retried), ``tasks_lost``, and a timeline PNG.
 
 Bursts: each serving executor detects its own (``executor.burst``, shared/bursts.py)
 and publishes the alert at once; the monitor's alerts come later from the metrics. Both count as
@@ -290,6 +291,22 @@ def hit_rates(rec: Record) -> dict[str, float | None]:
     return {k: (sum(hits[k]) / len(hits[k]) if hits[k] else None) for k in ("affinity", "random")}
 
 
+def turn_routing(rec: Record) -> dict[str, dict[str, float | int]]:
+    """Why a later turn missed its prefix, per routing: ``stayed``, the share that ran where the trajectory's previous
+    turn ran (placement kept it home); ``retried``, the share that took more than one attempt (an executor refused it,
+    failed, or was revoked under it: the first attempt's cache does not count)."""
+    out: dict[str, dict[str, float | int]] = {}
+    for routing in ("affinity", "random"):
+        pairs = [(prev, turn) for t in rec.trajectories.values() if t.routing == routing for prev, turn in zip(t.turns, t.turns[1:])]
+        n = max(1, len(pairs))
+        out[routing] = {
+            "turns": len(pairs),
+            "stayed": sum(turn.executor_id == prev.executor_id for prev, turn in pairs) / n,
+            "retried": sum(turn.attempts > 1 for _, turn in pairs) / n,
+        }
+    return out
+
+
 def plot(path: Path, rec: Record, serving: list[str], leases, t0: float, end: float) -> None:
     import matplotlib
 
@@ -497,6 +514,7 @@ def _report(
         "slo_alerts": len([a for a in rec.alerts if a[2] != "recovered"]),
         "alert_bus_latency_ms_p99": p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
         "prefix_hit_rate": hit_rates(rec),
+        "turn_routing": turn_routing(rec),
         "tasks_published": len(rec.published),
         "tasks_lost": len(lost),
         "trajectories_failed": failed,
@@ -528,6 +546,7 @@ def _report(
         "leases_granted",
         "leases_revoked",
         "prefix_hit_rate",
+        "turn_routing",
         "tasks_published",
         "tasks_lost",
         "timeline_png",

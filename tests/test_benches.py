@@ -167,6 +167,40 @@ def test_bench_elastic_counts_own_burst_alerts_outside_bursts_as_false_alarms():
     assert false_alarms_per_hour(rec, ["ex-a", "ex-b"], window_s=1800.0) == pytest.approx(2.0)  # 2 in 1 executor-hour
 
 
+def test_bench_elastic_says_why_later_turns_missed_their_prefix():
+    """A later turn that moved executors, or whose first attempt was refused, ran without its cached prefix:
+    the breakdown counts both per routing, beside the hit rate."""
+    from rose.bench.elastic import Record, hit_rates, turn_routing
+    from rose.contracts.rollout import Trajectory, TurnRecord
+
+    def turn(i: int, ex: str, cached: int, attempts: int = 1) -> TurnRecord:
+        return TurnRecord(
+            turn_index=i,
+            prompt_token_ids=[1],
+            token_ids=[2],
+            logprobs=[0.0],
+            policy_version=0,
+            executor_id=ex,
+            prefix_cached_tokens=cached,
+            attempts=attempts,
+        )
+
+    rec = Record()
+    rec.trajectories["a"] = Trajectory(
+        task_id="a", trajectory_id="a", env="e", status="completed", routing="affinity", turns=[turn(0, "d", 0), turn(1, "d", 9), turn(2, "s", 0)]
+    )
+    rec.trajectories["b"] = Trajectory(
+        task_id="b", trajectory_id="b", env="e", status="completed", routing="affinity", turns=[turn(0, "d", 0), turn(1, "d", 0, attempts=2)]
+    )
+    rec.trajectories["c"] = Trajectory(
+        task_id="c", trajectory_id="c", env="e", status="completed", routing="random", turns=[turn(0, "s", 0), turn(1, "d", 0)]
+    )
+    assert hit_rates(rec) == {"affinity": pytest.approx(1 / 3), "random": 0.0}
+    r = turn_routing(rec)
+    assert r["affinity"] == {"turns": 3, "stayed": pytest.approx(2 / 3), "retried": pytest.approx(1 / 3)}
+    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0}
+
+
 def test_bench_elastic_detection_bound_follows_the_information_in_the_burst():
     """Lorden's bound for a Poisson rate step: 8 -> 24 req/s carries 24 ln 3 - 16 = 10.37 nats/s; one false
     alarm an hour needs ln(3600 x 10.37) = 10.5 nats: about a second. A larger step is found sooner,
