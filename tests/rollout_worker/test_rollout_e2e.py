@@ -107,7 +107,11 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     async def until_done(n: int) -> None:  # or a minute passed: the checks after it say what happened
         await within(lambda: done() >= n, 60)
 
-    await until_done(1)  # episodes are mid-flight on both executors
+    def serving_took_a_turn() -> bool:
+        return any(r.executor_id == SERVING for t in fleet.trajectories[before:] if t.task_id in ids for r in t.turns)
+
+    # the chaos must meet work on both executors: a finished episode with a turn on the opportunistic one
+    assert await within(serving_took_a_turn, 60), "the serving executor took no turn of these tasks in a minute"
     fleet.proc("serving").kill()  # kill -9 the opportunistic executor mid-rollout
     fleet.proc("worker").kill()  # and the worker holding unacked tasks
     assert done() < total, "the chaos came too late: every task had finished"
@@ -126,7 +130,6 @@ async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
         _check_trajectory(t, turns, max_tokens=16)
     mine = [t for t in fleet.trajectories[before:] if t.task_id in ids]
     assert len(mine) == len({t.trajectory_id for t in mine}), "a trajectory was published twice"
-    assert any(r.attempts > 1 for t in got.values() for r in t.turns) or any(r.executor_id == SERVING for t in got.values() for r in t.turns)
 
 
 async def test_agents_through_the_gateway_survive_its_kill(fleet):
