@@ -13,8 +13,8 @@ Figures: ``slo_attainment`` (client-measured TTFT and TPOT of every serving requ
 the SLO), ``rollout_tokens_per_s``, ``reclaim_latency_ms_p99`` (burst onset on an executor
 holding a lease -> the revocation is on the bus: the SLO alert the executor acts on at once,
 yielding within one quantum, or the lease revoked in the bucket; ``reclaim_confirmed_ms_p99``
-adds the first metrics snapshot showing no rollout running there, so its resolution is the
-metrics interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
+adds the first metrics snapshot showing no rollout computing there (none running and no lease, or
+the lease parked: its turns keep their KV and compute nothing), so its resolution is the metrics interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
 its first observable evidence, which no detector can beat, ``reclaim_floor_ms_p99_poisson`` the
 same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
 ``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival;
@@ -91,7 +91,7 @@ class Record:
     alerts: list[tuple[float, str, str, float]] = field(default_factory=list)  # (t, executor, severity, the monitor's `at`)
     own_bursts: list[tuple[float, str]] = field(default_factory=list)  # (t, executor) of each executor's own burst alert
     lease_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # (at, executor, kind, lease id)
-    snapshots: list[tuple[float, str, float, int, str]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id)
+    snapshots: list[tuple[float, str, float, int, str, bool]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id, parked)
     trajectories: dict[str, Trajectory] = field(default_factory=dict)
     duplicates: int = 0
     published: dict[str, str] = field(default_factory=dict)  # task id -> routing
@@ -168,7 +168,7 @@ async def _back_up(proc: ServiceProcess, bus: Bus, down: set[str], urls: dict[st
 async def observe(bus: Bus, rec: Record, tag: str) -> None:
     async def on_metrics(s, _d):
         p99 = float(from_contract(s.ttft_ms).get_quantile_value(0.99) or 0.0) if s.ttft_ms.count else float("nan")
-        rec.snapshots.append((time.time(), s.executor_id, p99, s.rollout_running, s.lease_id))
+        rec.snapshots.append((time.time(), s.executor_id, p99, s.rollout_running, s.lease_id, s.rollout_parked))
 
     async def on_alert(a, _d):
         rec.alerts.append((time.time(), a.executor_id, a.severity, a.at))
@@ -237,7 +237,7 @@ def reclaim(
         if first_arrival is not None:
             after_ms.append((first - first_arrival) * 1e3)
         if confirm:
-            idle = [t for t, e, _, running, lease in rec.snapshots if e == ex and t >= first and running == 0 and not lease]
+            idle = [t for t, e, _, running, lease, parked in rec.snapshots if e == ex and t >= first and (parked or (running == 0 and not lease))]
             if idle:
                 confirmed_ms.append((min(idle) - start) * 1e3)
     return {

@@ -136,3 +136,6 @@ class MetricsSnapshot(Message):
     policy_version: NonNegInt = 0
     lease_id: str = ""
     device: DeviceTelemetry | None = None
+    # a burst parked the lease (`Lease.park_until`): the rollout sequences counted above keep their KV and compute
+    # nothing until a new lease resumes them or the park ends
+    rollout_parked: bool = False

@@ -149,8 +149,12 @@ def test_bench_elastic_reclaim_splits_at_the_bursts_first_arrival():
     rec.lease_events += [(200.3, "ex-a", "revoked", "l-2")]
     leases = {"ex-a": [(90.0, 100.5), (150.0, 200.3)]}  # ex-b held no lease at its burst: nothing to reclaim
     arrivals = {"ex-a": [99.9, 100.15, 100.2, 200.05], "ex-b": [300.01]}
+    # what the executors' metrics showed after each signal: ex-a's first burst parked its turns (KV kept, no
+    # compute) at 100.6, its second left a turn running until 201.5
+    rec.snapshots += [(100.6, "ex-a", 80.0, 3, "l-1", True), (200.6, "ex-a", 80.0, 1, "l-2", False), (201.5, "ex-a", 80.0, 0, "", False)]
     r = reclaim(rec, leases, arrivals)
     assert r["samples"] == 2 and r["missed"] == 0
+    assert r["confirmed_p99"] == pytest.approx(1490.0, abs=15.0)  # p99 of {600, 1500}
     assert r["all_ms"] == [400.0, 300.0]
     assert r["floor_p99"] == pytest.approx(150.0, abs=1.0)  # p99 of {150, 50}
     assert r["after_first_arrival_p99"] == pytest.approx(250.0, abs=1.0)  # p99 of {250, 250}

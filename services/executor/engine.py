@@ -649,6 +649,7 @@ class Engine:
             max_swap_pause_ms=self.metrics.max_swap_pause_ms,
             policy_version=self.policy_version,
             lease_id=lease.lease_id if lease else "",
+            rollout_parked=lease is not None and not lease.admits,
             lease_budget_bytes=lease.budget_bytes if lease else 0,
             device=device,
             slo_guard=self._guard_state(now),

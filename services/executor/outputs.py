@@ -46,6 +46,7 @@ class EngineStats:
     lane_failures: int = 0  # all-time: iterations that raised (logged; their running requests aborted)
     slo_guard: GuardState | None = None  # the closed loop's state at the snapshot (slo_guard.py)
     serving_queue_wait_ms: float | None = None  # the queue's last first token, projected (None: unknown)
+    rollout_parked: bool = False  # a burst parked the lease: rollout keeps its KV here and computes nothing
 
 
 class RequestHandle:

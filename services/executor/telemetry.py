@@ -129,6 +129,7 @@ class Telemetry:
             preemptions=stats.preemptions,
             policy_version=stats.policy_version,
             lease_id=stats.lease_id,
+            rollout_parked=stats.rollout_parked,
             device=msgspec.convert(stats.device, DeviceTelemetry) if stats.device else None,
         )
 

@@ -231,11 +231,13 @@ async def test_a_burst_revocation_parks_the_turn_and_a_new_lease_resumes_it_in_p
     await asyncio.sleep(0.3)
     parked = serving.engine.stats()
     assert parked.rollout_tokens_per_s * parked.interval_s == 0 and parked.rollout_running == 1 and not turn.done()
+    assert parked.rollout_parked  # what the metrics say: resident, computing nothing (a reclaim confirmed)
     refused = await bus.request(GENERATE, _late(prompt), timeout=30.0, executor_id=SERVING)
     assert refused.status == "rejected" and refused.reject_reason == "lease_revoked" and not refused.token_ids
     regrant = msgspec.structs.replace(_lease("active"), lease_id="tc-lease-e2", epoch=2)
     await bus.kv_put(LEASE, regrant, executor_id=SERVING)
     record = await asyncio.wait_for(turn, timeout=60.0)
+    assert not serving.engine.stats().rollout_parked
     assert record.executor_id == SERVING and record.attempts == 1 and runner.stats["resumed"] == 0
     assert record.token_ids == reference.token_ids and not any(r.trajectory_id == "tc-park" for r in dedicated.requests)
     assert [r.status for r in serving.replies if r.request_id != "tc-late"] == ["ok"]
