@@ -286,9 +286,10 @@ async def test_a_bus_request_gets_its_reply_after_cancelled_flushes(bus_config, 
 
 async def test_kv_watch_hears_a_change_made_after_a_server_restart(tmp_path):
     """A watch starts over from the current values when the bus reconnects. nats.py's ordered consumer alone
-    notices its consumer is gone only after two missed idle heartbeats (10-20 s): an executor's lease watch was
-    that stale after a NATS restart in `rose bench elastic`, and the executor refused every turn routed to it
-    under a lease it had not heard of. The wait below is shorter than that fallback, so only the re-watch passes."""
+        notices its consumer is gone only after two missed idle heartbeats (10-20 s): an executor's lease watch was
+        that stale after a NATS restart in `rose bench elastic`, and the executor refused every turn routed to it
+        under a lease it had not heard of. Here the fallback comes ~20 s after the watch started (its first check finds
+    the consumer active as created); the 9 s wait below ends before it, so only the re-watch passes."""
     seen: list[Lease | None] = []
 
     async def on_lease(_key: str, value: Lease | None) -> None:
@@ -316,6 +317,6 @@ async def test_kv_watch_hears_a_change_made_after_a_server_restart(tmp_path):
             assert await within(lambda: lease(1) in seen, timeout=5.0)
             server.restart()
             await retrying(lambda: writer.kv_put(LEASE, lease(2), executor_id="ex-1"), timeout=10.0, what="a put after the restart")
-            assert await within(lambda: lease(2) in seen, timeout=6.0), f"the watch heard {seen} only"
+            assert await within(lambda: lease(2) in seen, timeout=9.0), f"the watch heard {seen} only"
             await writer.kv_delete(LEASE, executor_id="ex-1")
             assert await within(lambda: seen[-1] is None, timeout=5.0)  # and it goes on hearing changes
