@@ -91,7 +91,9 @@ class Record:
     alerts: list[tuple[float, str, str, float]] = field(default_factory=list)  # (t, executor, severity, the monitor's `at`)
     own_bursts: list[tuple[float, str]] = field(default_factory=list)  # (t, executor) of each executor's own burst alert
     lease_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # (at, executor, kind, lease id)
-    snapshots: list[tuple[float, str, float, int, str, bool]] = field(default_factory=list)  # (t, executor, ttft p99, rollout running, lease id, parked)
+    snapshots: list[tuple[float, str, float, int, str, bool]] = field(
+        default_factory=list
+    )  # (t, executor, ttft p99, rollout running, lease id, parked)
     trajectories: dict[str, Trajectory] = field(default_factory=dict)
     duplicates: int = 0
     published: dict[str, str] = field(default_factory=dict)  # task id -> routing
@@ -291,18 +293,25 @@ def hit_rates(rec: Record) -> dict[str, float | None]:
     return {k: (sum(hits[k]) / len(hits[k]) if hits[k] else None) for k in ("affinity", "random")}
 
 
-def turn_routing(rec: Record) -> dict[str, dict[str, float | int]]:
-    """Why a later turn missed its prefix, per routing: ``stayed``, the share that ran where the trajectory's previous
+def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float | int]]:
+    """Per routing. Why a later turn missed its prefix: ``stayed``, the share that ran where the trajectory's previous
     turn ran (placement kept it home); ``retried``, the share that took more than one attempt (an executor refused it,
-    failed, or was revoked under it: the first attempt's cache does not count)."""
+    failed, or was revoked under it: the first attempt's cache does not count). And what its turns cost, every turn
+    counted: ``on_leases``, the share that ran on a serving executor, ``turn_s_mean``, their mean seconds. The run's
+    rollout tokens/s is about the tasks it runs at once x a turn's tokens / the mean turn time over both routings, so
+    random's turns weigh on it as much as placement's."""
     out: dict[str, dict[str, float | int]] = {}
     for routing in ("affinity", "random"):
-        pairs = [(prev, turn) for t in rec.trajectories.values() if t.routing == routing for prev, turn in zip(t.turns, t.turns[1:])]
-        n = max(1, len(pairs))
+        turns = [t.turns for t in rec.trajectories.values() if t.routing == routing]
+        pairs = [(prev, turn) for ts in turns for prev, turn in zip(ts, ts[1:])]
+        every = [turn for ts in turns for turn in ts]
+        n, m = max(1, len(pairs)), max(1, len(every))
         out[routing] = {
             "turns": len(pairs),
             "stayed": sum(turn.executor_id == prev.executor_id for prev, turn in pairs) / n,
             "retried": sum(turn.attempts > 1 for _, turn in pairs) / n,
+            "on_leases": sum(turn.executor_id in serving for turn in every) / m,
+            "turn_s_mean": sum(turn.finished_at - turn.started_at for turn in every) / m,
         }
     return out
 
@@ -514,7 +523,7 @@ def _report(
         "slo_alerts": len([a for a in rec.alerts if a[2] != "recovered"]),
         "alert_bus_latency_ms_p99": p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
         "prefix_hit_rate": hit_rates(rec),
-        "turn_routing": turn_routing(rec),
+        "turn_routing": turn_routing(rec, serving),
         "tasks_published": len(rec.published),
         "tasks_lost": len(lost),
         "trajectories_failed": failed,

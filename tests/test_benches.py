@@ -173,12 +173,15 @@ def test_bench_elastic_counts_own_burst_alerts_outside_bursts_as_false_alarms():
 
 def test_bench_elastic_says_why_later_turns_missed_their_prefix():
     """A later turn that moved executors, or whose first attempt was refused, ran without its cached prefix:
-    the breakdown counts both per routing, beside the hit rate."""
+    the breakdown counts both per routing, beside the hit rate, and what every turn of a routing cost."""
     from rose.bench.elastic import Record, hit_rates, turn_routing
     from rose.contracts.rollout import Trajectory, TurnRecord
 
     def turn(i: int, ex: str, cached: int, attempts: int = 1) -> TurnRecord:
+        seconds = 2.0 if ex == "s" else 1.0
         return TurnRecord(
+            started_at=100.0,
+            finished_at=100.0 + seconds,
             turn_index=i,
             prompt_token_ids=[1],
             token_ids=[2],
@@ -200,9 +203,15 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
         task_id="c", trajectory_id="c", env="e", status="completed", routing="random", turns=[turn(0, "s", 0), turn(1, "d", 0)]
     )
     assert hit_rates(rec) == {"affinity": pytest.approx(1 / 3), "random": 0.0}
-    r = turn_routing(rec)
-    assert r["affinity"] == {"turns": 3, "stayed": pytest.approx(2 / 3), "retried": pytest.approx(1 / 3)}
-    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0}
+    r = turn_routing(rec, serving=["s"])
+    assert r["affinity"] == {
+        "turns": 3,
+        "stayed": pytest.approx(2 / 3),
+        "retried": pytest.approx(1 / 3),
+        "on_leases": pytest.approx(1 / 5),  # every turn counts here, the first ones too
+        "turn_s_mean": pytest.approx(6 / 5),
+    }
+    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5}
 
 
 def test_bench_elastic_detection_bound_follows_the_information_in_the_burst():
