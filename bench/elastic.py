@@ -14,7 +14,8 @@ the SLO), ``rollout_tokens_per_s``, ``reclaim_latency_ms_p99`` (burst onset on a
 holding a lease -> the revocation is on the bus: the SLO alert the executor acts on at once,
 yielding within one quantum, or the lease revoked in the bucket; ``reclaim_confirmed_ms_p99``
 adds the first metrics snapshot showing no rollout computing there (none running and no lease, or
-the lease parked: its turns keep their KV and compute nothing), so its resolution is the metrics interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
+the lease parked: its turns keep their KV and compute nothing), so its resolution is the metrics
+interval; ``reclaim_floor_ms_p99`` is onset -> the burst's first serving arrival there,
 its first observable evidence, which no detector can beat, ``reclaim_floor_ms_p99_poisson`` the
 same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
 ``reclaim_after_first_arrival_ms_p99`` the detection and bus time after that arrival;
@@ -23,7 +24,8 @@ have at one false alarm per hour from arrivals alone, ``detection_delay_bound_ms
 detector also sees its queue, which can beat it when a burst outruns capacity;
 ``burst_false_alarms_per_hour`` counts its alerts outside every burst), lease counts,
 ``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix) with
-``turn_routing`` (why they missed: the share that stayed where the previous turn ran, the share retried), ``tasks_lost``, and a timeline PNG.
+``turn_routing`` (why they missed: the share that stayed where the previous turn ran, the share retried;
+and per routing the share of turns on leases and their mean seconds), ``tasks_lost``, and a timeline PNG.
 
 Bursts: each serving executor detects its own (``executor.burst``, shared/bursts.py)
 and publishes the alert at once; the monitor's alerts come later from the metrics. Both count as
@@ -91,9 +93,8 @@ class Record:
     alerts: list[tuple[float, str, str, float]] = field(default_factory=list)  # (t, executor, severity, the monitor's `at`)
     own_bursts: list[tuple[float, str]] = field(default_factory=list)  # (t, executor) of each executor's own burst alert
     lease_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # (at, executor, kind, lease id)
-    snapshots: list[tuple[float, str, float, int, str, bool]] = field(
-        default_factory=list
-    )  # (t, executor, ttft p99, rollout running, lease id, parked)
+    # (t, executor, ttft p99, rollout running, lease id, parked)
+    snapshots: list[tuple[float, str, float, int, str, bool]] = field(default_factory=list)
     trajectories: dict[str, Trajectory] = field(default_factory=dict)
     duplicates: int = 0
     published: dict[str, str] = field(default_factory=dict)  # task id -> routing
