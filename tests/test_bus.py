@@ -157,11 +157,12 @@ async def test_stream_event_is_persisted(bus):
     assert msg.data and b'"burst"' in msg.data
 
 
-async def test_kv_put_get_delete(bus):
-    lease = Lease(
-        lease_id="l1",
+def _lease(epoch: int) -> Lease:
+    """An active lease on ex-1 (its id names its epoch)."""
+    return Lease(
+        lease_id=f"l{epoch}",
         executor_id="ex-1",
-        epoch=3,
+        epoch=epoch,
         state="active",
         granted_at=1.0,
         expires_at=2.0,
@@ -169,6 +170,10 @@ async def test_kv_put_get_delete(bus):
         compute_share=0.5,
         max_rollout_batch=4,
     )
+
+
+async def test_kv_put_get_delete(bus):
+    lease = _lease(3)
     await bus.kv_put(LEASE, lease, executor_id="ex-1")
     assert await bus.kv_get(LEASE, executor_id="ex-1") == lease
     await bus.kv_delete(LEASE, executor_id="ex-1")
@@ -286,37 +291,24 @@ async def test_a_bus_request_gets_its_reply_after_cancelled_flushes(bus_config, 
 
 async def test_kv_watch_hears_a_change_made_after_a_server_restart(tmp_path):
     """A watch starts over from the current values when the bus reconnects. nats.py's ordered consumer alone
-        notices its consumer is gone only after two missed idle heartbeats (10-20 s): an executor's lease watch was
-        that stale after a NATS restart in `rose bench elastic`, and the executor refused every turn routed to it
-        under a lease it had not heard of. Here the fallback comes ~20 s after the watch started (its first check finds
+    notices its consumer is gone only after two missed idle heartbeats (10-20 s): an executor's lease watch was
+    that stale after a NATS restart in `rose bench elastic`, and the executor refused every turn routed to it
+    under a lease it had not heard of. Here the fallback comes ~20 s after the watch started (its first check finds
     the consumer active as created); the 9 s wait below ends before it, so only the re-watch passes."""
     seen: list[Lease | None] = []
 
     async def on_lease(_key: str, value: Lease | None) -> None:
         seen.append(value)
 
-    def lease(epoch: int) -> Lease:
-        return Lease(
-            lease_id=f"l{epoch}",
-            executor_id="ex-1",
-            epoch=epoch,
-            state="active",
-            granted_at=1.0,
-            expires_at=2.0,
-            kv_bytes=10,
-            compute_share=0.5,
-            max_rollout_batch=4,
-        )
-
     with NatsServer(tmp_path / "nats") as server:
         config = BusConfig(url=server.url, initial_connect_deadline_s=10.0, request_timeout_s=5.0)
         async with Bus(config, service="scheduler", instance="s-1") as writer, Bus(config, service="executor", instance="ex-1") as executor:
             await provision(writer.js)
-            await writer.kv_put(LEASE, lease(1), executor_id="ex-1")
+            await writer.kv_put(LEASE, _lease(1), executor_id="ex-1")
             await executor.kv_watch(LEASE, on_lease, executor_id="ex-1")
-            assert await within(lambda: lease(1) in seen, timeout=5.0)
+            assert await within(lambda: _lease(1) in seen, timeout=5.0)
             server.restart()
-            await retrying(lambda: writer.kv_put(LEASE, lease(2), executor_id="ex-1"), timeout=10.0, what="a put after the restart")
-            assert await within(lambda: lease(2) in seen, timeout=9.0), f"the watch heard {seen} only"
+            await retrying(lambda: writer.kv_put(LEASE, _lease(2), executor_id="ex-1"), timeout=10.0, what="a put after the restart")
+            assert await within(lambda: _lease(2) in seen, timeout=9.0), f"the watch heard {seen} only"
             await writer.kv_delete(LEASE, executor_id="ex-1")
             assert await within(lambda: seen[-1] is None, timeout=5.0)  # and it goes on hearing changes
