@@ -254,6 +254,38 @@ def reclaim(
     }
 
 
+def slo_misses_in_context(rec: Record, leases: dict[str, list[tuple[float, float]]], t0: float) -> dict:
+    """Every serving request that failed or missed the SLO, with where its executor stood when it was sent:
+    ``burst`` (from a burst's onset on that executor to RECLAIM_GRACE_S after its end), ``chaos`` (in flight
+    at a chaos step or sent within RESTART_AFTER_S + 10 s after one), ``lease`` (a rollout lease held: rollout
+    beside serving), else ``calm``. Says whose a miss is: a burst's, lent capacity's, a fault's, or the fleet's own."""
+
+    def context(r: dict) -> str:
+        at, ex = r.get("sent_at", r["t"]), r["executor"]
+        if any(start <= at <= end + RECLAIM_GRACE_S for start, end, e in rec.serving.bursts if e == ex):
+            return "burst"
+        if any(at <= at_c + RESTART_AFTER_S + 10.0 and r["t"] >= at_c for at_c, _ in rec.chaos):
+            return "chaos"
+        if any(a <= at < b for a, b in leases.get(ex, [])):
+            return "lease"
+        return "calm"
+
+    missed = [r for r in rec.serving.requests if not r["ok"] or r["ttft_ms"] > SLO_TTFT_MS or r["tpot_ms"] > SLO_TPOT_MS]
+    records = [
+        {
+            "sent_s": round(r.get("sent_at", r["t"]) - t0, 3),
+            "executor": r["executor"],
+            "context": context(r),
+            "ttft_ms": round(r["ttft_ms"], 1) if r["ok"] else None,
+            "tpot_ms": round(r["tpot_ms"], 2) if r["ok"] else None,
+            "error": r.get("error"),
+        }
+        for r in missed
+    ]
+    by_context = {c: sum(m["context"] == c for m in records) for c in ("burst", "lease", "chaos", "calm")}
+    return {"by_context": by_context, "records": records}
+
+
 def samples_so_far(rec: Record, arrivals: dict[str, list[float]], now: float) -> int:
     """Reclaim samples from the bursts already over (their grace for a late signal included), as the run goes."""
     over = [b for b in rec.serving.bursts if b[1] + RECLAIM_GRACE_S < now]
@@ -503,6 +535,7 @@ def _report(
         "serving_requests": len(rec.serving.requests),
         "slo_attainment": (sum(met) / len(met)) if met else None,
         "slo_misses": misses,
+        "slo_misses_in_context": slo_misses_in_context(rec, leases, t0),
         "serving_ttft_p99_ms": p99([r["ttft_ms"] for r in rec.serving.requests if r["ok"]]),
         "serving_tpot_p99_ms": p99([r["tpot_ms"] for r in rec.serving.requests if r["ok"]]),
         "rollout_tokens_per_s": sum(in_window) / max(1e-9, window_end - t0),
@@ -563,6 +596,8 @@ def _report(
     ):
         value = result[key]
         table.add_row(key, json.dumps(value) if not isinstance(value, float) else f"{value:.4g}")
+        if key == "slo_misses":
+            table.add_row("slo_misses_in_context", json.dumps(result["slo_misses_in_context"]["by_context"]))
     console.print(table)
     console.print(f"JSON: {out}")
     return result

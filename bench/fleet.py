@@ -54,7 +54,7 @@ class FleetSpec:
 class ServingLog:
     """Every serving request as the client saw it, and the bursts the trace contained."""
 
-    requests: list[dict] = field(default_factory=list)  # {executor, t, ttft_ms, tpot_ms, ok}
+    requests: list[dict] = field(default_factory=list)  # {executor, sent_at, t (finished), ttft_ms, tpot_ms, ok, error (None if ok)}
     bursts: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, executor), unix time
 
     def met(self, spec: FleetSpec) -> list[bool]:
@@ -269,10 +269,11 @@ async def serve_one(
     """One streamed completion; TTFT and TPOT as the client sees them. TPOT is the time from the first chunk
     to the last over the tokens between them (the usage chunk counts them), so an executor that streams
     several tokens per chunk (`http.stream_interval`) is measured the same."""
-    sent = time.monotonic()
+    sent, sent_at = time.monotonic(), time.time()
     times: list[float] = []
     tokens = 0
     ok = False
+    error = None
     try:
         body = {
             "model": "rose-serving",
@@ -291,12 +292,14 @@ async def serve_one(
                 else:
                     times.append(time.monotonic())
             ok = resp.status == 200 and bool(times)
-    except (TimeoutError, aiohttp.ClientError):
-        ok = False
+            if not ok:
+                error = f"HTTP {resp.status}" if resp.status != 200 else "no token streamed"
+    except (TimeoutError, aiohttp.ClientError) as e:
+        ok, error = False, f"{type(e).__name__}: {e}"[:200]
     ttft = (times[0] - sent) * 1e3 if times else float("inf")
     gaps = (tokens or len(times)) - 1
     tpot = (times[-1] - times[0]) * 1e3 / gaps if len(times) > 1 and gaps > 0 else 0.0
-    log.requests.append({"executor": ex, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok})
+    log.requests.append({"executor": ex, "sent_at": sent_at, "t": time.time(), "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok, "error": error})
 
 
 async def drive_serving(

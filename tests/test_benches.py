@@ -171,6 +171,36 @@ def test_bench_elastic_counts_own_burst_alerts_outside_bursts_as_false_alarms():
     assert false_alarms_per_hour(rec, ["ex-a", "ex-b"], window_s=1800.0) == pytest.approx(2.0)  # 2 in 1 executor-hour
 
 
+def test_bench_elastic_says_whose_each_slo_miss_is():
+    """Each failed or late serving request is placed by when it was sent: in a burst on its executor (onset to
+    the grace after its end), after a chaos step, beside a lease, or in calm; requests within the SLO are not listed."""
+    from rose.bench.elastic import RECLAIM_GRACE_S, SLO_TPOT_MS, SLO_TTFT_MS, Record, slo_misses_in_context
+
+    rec = Record()
+    rec.serving.bursts += [(100.0, 102.0, "ex-a")]
+    rec.chaos += [(200.0, "kill -9 ex-b")]
+    leases = {"ex-a": [(300.0, 320.0)]}
+
+    def req(ex: str, sent: float, ttft: float = 10.0, tpot: float = 1.0, ok: bool = True, error: str | None = None) -> dict:
+        return {"executor": ex, "sent_at": sent, "t": sent + 1.0, "ttft_ms": ttft, "tpot_ms": tpot, "ok": ok, "error": error}
+
+    late = SLO_TTFT_MS + 1.0
+    rec.serving.requests += [
+        req("ex-a", 101.0, ttft=late),  # in the burst
+        req("ex-a", 102.0 + RECLAIM_GRACE_S - 0.1, tpot=SLO_TPOT_MS + 1.0),  # in its grace
+        req("ex-b", 101.0, ttft=late),  # ex-b had no burst: calm
+        req("ex-b", 205.0, ok=False, ttft=float("inf"), error="ServerDisconnectedError: gone"),  # after the kill
+        req("ex-a", 199.5, ok=False, ttft=float("inf"), error="ClientOSError: reset"),  # in flight at the kill
+        req("ex-a", 310.0, ttft=late),  # beside a lease
+        req("ex-a", 310.0),  # within the SLO: not a miss
+    ]
+    r = slo_misses_in_context(rec, leases, t0=100.0)
+    assert r["by_context"] == {"burst": 2, "lease": 1, "chaos": 2, "calm": 1}
+    assert [m["context"] for m in r["records"]] == ["burst", "burst", "calm", "chaos", "chaos", "lease"]
+    failed = r["records"][3]
+    assert failed["error"].startswith("ServerDisconnectedError") and failed["ttft_ms"] is None and failed["sent_s"] == 105.0
+
+
 def test_bench_elastic_says_why_later_turns_missed_their_prefix():
     """A later turn that moved executors, or whose first attempt was refused, ran without its cached prefix:
     the breakdown counts both per routing, beside the hit rate, and what every turn of a routing cost."""
