@@ -230,6 +230,8 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
                     "hedges",
                     "hedge_wins",
                     "prefix_hit_rate",
+                    "reprefill_share",
+                    "reprefill_moved_share",
                     "elastic_lends",
                     "elastic_reclaims",
                     "unlendable_reasons",
@@ -363,9 +365,10 @@ def priced_shares(rose_rows: list[dict]) -> dict:
             continue
         label = r["model"] if r.get("policy_model", r["model"]) == r["model"] else f"{r['model']} serving / {r['policy_model']} policy"
         label += f", over-provision {r['over_provision']:g}" if r.get("over_provision") else ""
-        entry = out.setdefault(label, dict(rows=0, shares=[], fleet_shares=[], speedups=[], no_gain_to_take=0))
+        entry = out.setdefault(label, dict(rows=0, shares=[], fleet_shares=[], speedups=[], reprefill=[], no_gain_to_take=0))
         entry["rows"] += 1
         entry["speedups"].append(r["speedup_vs_static"])
+        entry["reprefill"].append(r.get("detail", {}).get("reprefill_share", 0.0))
         share = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_kv"))
         if share is None:
             entry["no_gain_to_take"] += 1
@@ -381,6 +384,8 @@ def priced_shares(rose_rows: list[dict]) -> dict:
         entry["median_fleet_share"] = _median(fleet)  # of the fleet ceiling's gain (sim/ceiling.py)
         entry["min_fleet_share"] = min(fleet) if fleet else None
         entry["median_speedup"] = _median(entry.pop("speedups"))
+        # the prefill that prefix-cache misses redid, as a share of rollout's device time (sim/counters.py)
+        entry["max_reprefill_share"] = max(entry.pop("reprefill"), default=None)
     return out
 
 
@@ -762,7 +767,8 @@ def _print_report(console, report: dict, out: Path) -> None:
         console.print(
             f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
             f"least {fmt(e['min_share'])}; of the fleet ceiling's gain: median {fmt(e['median_fleet_share'])}, least "
-            f"{fmt(e['min_fleet_share'])}; rose/static median {fmt(e['median_speedup'])}"
+            f"{fmt(e['min_fleet_share'])}; rose/static median {fmt(e['median_speedup'])}; prefill redone by prefix-cache "
+            f"misses at most {fmt(e['max_reprefill_share'])} of rollout's device time"
         )
     for n in notes:
         console.print(f"- {n}")

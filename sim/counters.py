@@ -27,6 +27,7 @@ class RolloutTally:
     rollout_tokens: float = 0.0
     serving_tokens: float = 0.0  # rollout tokens generated on serving instances
     rollout_work_s: float = 0.0  # seconds with a rollout turn queued or running somewhere
+    device_s: float = 0.0  # instance-seconds of rollout forwards (prefill and decode), summed over instances
     lane_ceiling_s: float = 0.0  # over those seconds, the serving instances' lane shares at full quanta, summed (instance-seconds)
     turn_durations: list[float] = field(default_factory=list)  # every turn, route to result (rose bench e2e's turn_s_p50)
     ded_snapshots_tps: list[float] = field(default_factory=list)  # dedicated executors' snapshots while running rollout
@@ -41,6 +42,10 @@ class TurnOutcomes:
     bounced: int = 0
     prefix_hits: int = 0
     prefix_misses: int = 0
+    # prefill a later turn's first attempt redid because its prefix was not cached where it ran (moved
+    # elsewhere, or evicted), priced alone on that instance's roofline: at most what a cache hit would save
+    reprefill_s: float = 0.0
+    reprefill_moved_s: float = 0.0  # the part of it whose turn ran elsewhere than the previous one (placement's, not eviction's)
     hedges: int = 0
     hedge_wins: int = 0
 

@@ -470,6 +470,7 @@ class Simulation:
         T = share * dt
         n_mix = np.where(PF > 0, np.minimum(PF / np.maximum(c, 1e-30), T / np.maximum(tau_mix, 1e-30)), 0.0)
         n_it = n_mix + np.where(nb > 0, np.maximum(T - n_mix * tau_mix, 0.0) / tau, 0.0)
+        acc.rollout.device_s += float(np.where(nb > 0, T, np.minimum(T, n_mix * tau_mix)).sum())  # decode fills the tick
         # the chunks go to the prefilling turns in admission order, as the engine's budget does (scheduling.py)
         ids = np.flatnonzero(pre)
         ids = ids[np.lexsort((t.seq[run][ids], dr[ids]))]
@@ -730,6 +731,12 @@ class Simulation:
                     self.counts.turns.prefix_hits += 1
                 else:
                     self.counts.turns.prefix_misses += 1
+            if k > 0 and done_tokens == 0 and not cached:
+                perf = self.sized.shape.pperf_d if self.inst.is_ded[d] else self.sized.shape.pperf_s
+                redone = float(perf.prefill_s(ctx) - perf.prefill_s(new_tokens, ctx - new_tokens))
+                self.counts.turns.reprefill_s += redone
+                if ids[d] != prev:
+                    self.counts.turns.reprefill_moved_s += redone
             t.drop_cache(i)
             pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
             typical = self.worker.typical()
@@ -1137,6 +1144,9 @@ class Simulation:
             hedges=a.turns.hedges,
             hedge_wins=a.turns.hedge_wins,
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            # the prefill that prefix-cache misses redid, over every rollout forward's device time
+            reprefill_share=a.turns.reprefill_s / a.rollout.device_s if a.rollout.device_s > 0 else 0.0,
+            reprefill_moved_share=a.turns.reprefill_moved_s / a.rollout.device_s if a.rollout.device_s > 0 else 0.0,
             simulated_s=sim_s,
         )
 

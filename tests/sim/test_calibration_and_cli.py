@@ -86,6 +86,8 @@ def test_bench_sim_end_to_end(tmp_path):
     assert rose["speedup_ceiling_fleet"] is not None and rose["speedup_ceiling_fleet"] > 1.0
     (entry,) = report["targets"]["all"]["per_model"].values()
     assert entry["median_fleet_share"] == pytest.approx((rose["speedup_vs_static"] - 1.0) / (rose["speedup_ceiling_fleet"] - 1.0))
+    # what prefix-cache misses cost: the prefill they redid, as a share of rollout's device time (the median seed's row)
+    assert entry["max_reprefill_share"] == rose["detail"]["reprefill_share"] and 0.0 < entry["max_reprefill_share"] < 1.0
 
 
 def _fits(text: str, columns: int = 80) -> None:
