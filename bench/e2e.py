@@ -29,8 +29,9 @@ Only these settings differ between the policies:
 The scheduler's `elastic_baseline` mode lends whole executors after an idle window, revokes every
 loan on any alert, then cools down.
 
-Figures per policy (under `policies`): `rl_steps_per_hour` (GRPO steps from the first to the
-last TrainingStep event, per hour: the warm start is left out), `rollout_s_per_step` (median
+Figures per policy (under `policies`): `rl_steps_per_hour` (GRPO steps per hour from the first
+TrainingStep event to the last, the warm start left out; asynchronous, from the step that trained the
+last batch handed out with the first: shared/workload.py ``steady_step_rate``), `rollout_s_per_step` (median
 rollout time of a step's batch of trajectories: its first turn's start to its last trajectory's
 end; the trainer's own wait, step interval - train_s - publish_s, is `calibration.trainer_wait_s_per_step`:
 with one step prefetched it hides rollout behind training),
@@ -62,9 +63,10 @@ from rich.table import Table
 
 from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
 from rose.services.executor.config import EngineSettings
+from rose.services.trainer.config import GrpoSettings
 from rose.shared.bus import Bus
 from rose.shared.models import init_models
-from rose.shared.workload import ROLLOUT_DOMINATED_JOB, TRAINER
+from rose.shared.workload import ROLLOUT_DOMINATED_JOB, TRAINER, steady_step_rate
 from rose.sim import POLICIES
 from rose.sim.calibration import time_steps
 
@@ -182,14 +184,19 @@ def trajectories_per_step(trainer: dict[str, str]) -> int:
     return int(trainer["ROSE_GRPO__GROUPS_PER_STEP"]) * int(trainer["ROSE_GRPO__GROUP_SIZE"])
 
 
-def step_figures(steps: list) -> dict:
-    """Steady-state step rate and the trainer's wait for rollouts, from TrainingStep events (in step order)."""
+def prefetch_steps(trainer: dict[str, str]) -> int:
+    """Batches the trainer hands out ahead of the one it trains, from its settings (its default where unset)."""
+    return int(trainer.get("ROSE_GRPO__PREFETCH_STEPS", GrpoSettings().prefetch_steps))
+
+
+def step_figures(steps: list, prefetch: int = 0) -> dict:
+    """Steady-state step rate (shared/workload.py ``steady_step_rate``: after the ``prefetch`` batches handed out
+    with the first) and the trainer's wait for rollouts, from TrainingStep events (in step order)."""
     steps = sorted(steps, key=lambda s: s.step)
     intervals = [b.at - a.at for a, b in zip(steps, steps[1:])]
     waits = [max(0.0, dt - b.train_s - b.publish_s) for dt, b in zip(intervals, steps[1:])]
-    span = steps[-1].at - steps[0].at if len(steps) >= 2 else 0.0
     return {
-        "rl_steps_per_hour": (len(steps) - 1) / span * 3600.0 if span > 0 else 0.0,
+        "rl_steps_per_hour": steady_step_rate([s.at for s in steps], prefetch),
         "trainer_wait_s_per_step": _median(waits),
         "step_s": _median(intervals),
         "step_s_all": [round(x, 3) for x in intervals],
@@ -253,7 +260,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     # pinned core: executor and forward child) was; well under 1, rollout is bound elsewhere and more devices add little
     rolling_out = [s for s in extra.snapshots if s["role"] == "dedicated" and s["rollout_running"] > 0]
     arrivals = [s["serving_arrivals"] / s["interval_s"] for s in extra.snapshots if s["role"] == "serving" and s["interval_s"] > 0]
-    steps = step_figures(obs.steps)
+    steps = step_figures(obs.steps, prefetch_steps(summary["job"]["trainer"]))
     per_step = trajectories_per_step(summary["job"]["trainer"])  # the settings the trainer ran with
     spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
     return {

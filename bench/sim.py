@@ -505,7 +505,9 @@ def model_pairs(models, serving_models=(), policy_models=()) -> list[tuple[str, 
 def grid_configs(
     *, models, fleets, demands, ratios, modes, policies, steps: int, serving_models=(), policy_models=(), over_provision=(0.0,), **common
 ) -> list[SimConfig]:
-    """The grid's configurations; async runs one step more (its rate is measured between training steps)."""
+    """The grid's configurations; async runs 1 + ASYNC_PREFETCH steps more: its rate is measured between training
+    steps, from the one that trained the last batch handed out with the first (shared/workload.py
+    ``steady_step_rate``), so that ``steps`` intervals count in both modes."""
     out = []
     for m, pm in model_pairs(models, serving_models, policy_models):
         for g, op in [(g, op) for g in fleets for op in over_provision]:
@@ -523,7 +525,7 @@ def grid_configs(
                                     rollout=replace(RolloutSpec(), oversubscription=d),
                                     rollout_gpu_ratio=q,
                                     prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0,
-                                    steps=steps + (1 if mode == "async" else 0),
+                                    steps=steps + (1 + ASYNC_PREFETCH if mode == "async" else 0),
                                     **common,
                                 )
                             )

@@ -84,7 +84,7 @@ from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
 from rose.shared.devices import sync_seconds, train_seconds
 from rose.shared.turns.hedging import hedge_ask_again_after
-from rose.shared.workload import batch_trajectories, bundle_size, sample_batch
+from rose.shared.workload import batch_trajectories, bundle_size, sample_batch, steady_step_rate
 
 from . import POLICIES
 from .ceiling import rollout_capacity_ceiling
@@ -1069,9 +1069,9 @@ class Simulation:
         if tr.pipelined:
             tr.batches_done_stats()
             rollouts = tr.batch_spans
-            if len(steps) >= 2:  # steady state, as rose bench e2e measures it: first to last training step
-                step_s = (steps[-1]["done"] - steps[0]["done"]) / (len(steps) - 1)
-                rate = 3600.0 / step_s
+            if len(steps) >= 2:  # steady state, as rose bench e2e measures it (shared/workload.py)
+                rate = steady_step_rate([s["done"] for s in steps], tr.effective_prefetch)
+                step_s = 3600.0 / rate if rate > 0 else float("nan")
         rollout_s = float(np.mean([s["rollout_s"] for s in rollouts])) if rollouts else float("nan")
         gen = sum(s["generated"] for s in rollouts)
         roll_total = sum(s["rollout_s"] for s in rollouts)

@@ -22,7 +22,17 @@ from types import SimpleNamespace
 import pytest
 
 from rose.bench.demo import SPEC
-from rose.bench.e2e import DEDICATED_ROLLOUT_SLOTS, batch_rollout_spans, demand_settings, lent_fraction, max_in_flight, max_lent_at_once, step_figures
+from rose.bench.e2e import (
+    DEDICATED_ROLLOUT_SLOTS,
+    batch_rollout_spans,
+    demand_settings,
+    lent_fraction,
+    max_in_flight,
+    max_lent_at_once,
+    prefetch_steps,
+    step_figures,
+)
+from rose.services.trainer.config import GrpoSettings
 from rose.shared.workload import TRAINER
 
 DURATION_S = 20  # GRPO seconds after the warm start (not part of the window): rates need two steps (static: ~5 s each)
@@ -48,6 +58,17 @@ def test_step_figures_leave_out_the_warm_start_and_subtract_training():
     assert f["rl_steps_per_hour"] == pytest.approx(3 / 30 * 3600)
     assert f["trainer_wait_s_per_step"] == pytest.approx(7.0) and f["step_s"] == pytest.approx(10.0)
     assert step_figures(steps[:1])["rl_steps_per_hour"] == 0.0 and step_figures([])["trainer_wait_s_per_step"] is None
+
+
+def test_an_asynchronous_trainers_rate_leaves_out_its_pipeline_fill():
+    """With a batch handed out ahead, the second step's rollout was under way from the start: it comes sooner
+    than any later one, and the steady rate counts from it. The trainer's settings say how many went ahead."""
+    at = [100.0, 104.0, 114.0, 124.0]  # the prefetched batch makes step 2 come 4 s after step 1, the rest 10 s
+    steps = [SimpleNamespace(step=i + 1, at=t, train_s=2.0, publish_s=1.0) for i, t in enumerate(at)]
+    assert step_figures(steps, prefetch=1)["rl_steps_per_hour"] == pytest.approx(2 / 20 * 3600)
+    assert step_figures(steps)["rl_steps_per_hour"] == pytest.approx(3 / 24 * 3600)  # synchronous: from the first
+    assert step_figures(steps[:2], prefetch=1)["rl_steps_per_hour"] == pytest.approx(3600 / 4)  # too few: from the first
+    assert prefetch_steps({"ROSE_GRPO__PREFETCH_STEPS": "0"}) == 0 and prefetch_steps({}) == GrpoSettings().prefetch_steps == 1
 
 
 def test_batch_rollout_spans_from_first_turn_to_last_trajectory():

@@ -10,7 +10,7 @@ import pytest
 
 from rose.services.executor import policies as executor_policies
 from rose.shared.devices import MeasuredSteps
-from rose.shared.workload import RolloutSpec
+from rose.shared.workload import RolloutSpec, steady_step_rate
 from rose.sim import calibration as cal
 from rose.sim import config, engine
 from rose.sim.coserve import rollout_interference, serving_tick
@@ -69,6 +69,16 @@ def test_prefetch_shortens_the_step_period():
     assert pre["step_s"] < 0.75 * sync["step_s"]
     assert pre["step_s"] == pytest.approx(max(pre["train_s_per_step"], pre["rollout_s_per_step"]), rel=0.15)
     assert pre["groups_per_trained_step"] == 2 and pre["trainer_wait_s_per_step"] < 0.5
+
+
+def test_the_asynchronous_rate_counts_from_the_step_after_the_pipeline_fill():
+    """The batch handed out with the first makes the second step come sooner than later ones; the simulated
+    rate is the services' steady rate (shared/workload.py), from that step on, as rose bench e2e measures it."""
+    sim = engine.Simulation(e2e_config())
+    out = sim.run()
+    done = [s["done"] for s in sim.trainer.steps]
+    assert out["complete"] and len(done) == 8
+    assert out["rl_steps_per_hour"] == pytest.approx(steady_step_rate(done, 1)) == pytest.approx(3600 * 6 / (done[-1] - done[1]))
 
 
 def test_the_trainer_takes_one_steps_worth_of_groups_oldest_first():
