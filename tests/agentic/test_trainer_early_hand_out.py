@@ -128,6 +128,9 @@ async def test_a_step_goes_out_early_only_while_capacity_idles_and_within_the_st
                     assert sorted(tasks) == [0, 1, 2] and not steps  # not step 3: 3 ahead of 0 steps taken
 
                     queue["ded-0"] = 3
+                    # the trainer decides its next hand-out as soon as step 1 trains: the queue must have reached it
+                    # by then (a report still saying 0 was a race on a loaded box: step 3 went out early)
+                    await asyncio.sleep(QUIET_S)
                     await roll(bus, 0, 1)
                     await until(lambda: steps, TIMEOUT_S, "step 1 trained")
                     await weights.published(2, timeout=TIMEOUT_S)
