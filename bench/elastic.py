@@ -261,7 +261,7 @@ def slo_misses_in_context(rec: Record, leases: dict[str, list[tuple[float, float
     beside serving), else ``calm``. Says whose a miss is: a burst's, lent capacity's, a fault's, or the fleet's own."""
 
     def context(r: dict) -> str:
-        at, ex = r.get("sent_at", r["t"]), r["executor"]
+        at, ex = r["sent_at"], r["executor"]
         if any(start <= at <= end + RECLAIM_GRACE_S for start, end, e in rec.serving.bursts if e == ex):
             return "burst"
         if any(at <= at_c + RESTART_AFTER_S + 10.0 and r["t"] >= at_c for at_c, _ in rec.chaos):
@@ -270,10 +270,10 @@ def slo_misses_in_context(rec: Record, leases: dict[str, list[tuple[float, float
             return "lease"
         return "calm"
 
-    missed = [r for r in rec.serving.requests if not r["ok"] or r["ttft_ms"] > SLO_TTFT_MS or r["tpot_ms"] > SLO_TPOT_MS]
+    missed = [r for r, ok in zip(rec.serving.requests, rec.serving.met(SPEC)) if not ok]
     records = [
         {
-            "sent_s": round(r.get("sent_at", r["t"]) - t0, 3),
+            "sent_s": round(r["sent_at"] - t0, 3),
             "executor": r["executor"],
             "context": context(r),
             "ttft_ms": round(r["ttft_ms"], 1) if r["ok"] else None,
@@ -512,7 +512,7 @@ def _report(
     arrivals: dict[str, list[float]],
     console,
 ) -> dict:
-    met = [r["ok"] and r["ttft_ms"] <= SLO_TTFT_MS and r["tpot_ms"] <= SLO_TPOT_MS for r in rec.serving.requests]
+    met = rec.serving.met(SPEC)
     misses = {
         "failed": sum(not r["ok"] for r in rec.serving.requests),
         "ttft": sum(r["ok"] and r["ttft_ms"] > SLO_TTFT_MS for r in rec.serving.requests),

@@ -370,7 +370,10 @@ def rescale(obs: Observed, t0: float, scale: float) -> Observed:
         return msgspec.structs.replace(u, started_at=at(u.started_at), finished_at=at(u.finished_at))
 
     out = Observed()
-    out.serving.requests = [{**r, "t": at(r["t"]), "ttft_ms": r["ttft_ms"] / scale, "tpot_ms": r["tpot_ms"] / scale} for r in obs.serving.requests]
+    out.serving.requests = [
+        {**r, **{k: at(r[k]) for k in ("sent_at", "t") if k in r}, "ttft_ms": r["ttft_ms"] / scale, "tpot_ms": r["tpot_ms"] / scale}
+        for r in obs.serving.requests
+    ]
     out.serving.bursts = [(at(a), at(b), e) for a, b, e in obs.serving.bursts]
     out.snapshots = [(at(t), e, q / scale, r, lease) for t, e, q, r, lease in obs.snapshots]
     out.lease_events = [(at(t), e, k) for t, e, k in obs.lease_events]

@@ -62,13 +62,13 @@ def test_wall_time_becomes_the_fleets_time():
             run_id="r", step=1, version=1, reward_mean=0.5, groups=1, trajectories=8, trained_sequences=8, train_s=8.0, publish_s=4.0, at=120.0
         )
     )
-    obs.serving.requests.append({"executor": "e", "t": 140.0, "ttft_ms": 400.0, "tpot_ms": 40.0, "ok": True})
+    obs.serving.requests.append({"executor": "e", "sent_at": 132.0, "t": 140.0, "ttft_ms": 400.0, "tpot_ms": 40.0, "ok": True, "error": None})
     obs.lease_events.append((116.0, "e", "granted"))
     e = rescale(obs, t0=100.0, scale=4.0)
     u = e.trajectories["t"].turns[0]
     assert (u.started_at, u.finished_at, e.trajectories["t"].finished_at) == (101.0, 102.0, 103.0)
     assert (e.steps[0].at, e.steps[0].train_s, e.steps[0].publish_s) == (105.0, 2.0, 1.0)
-    assert e.serving.requests[0] == {"executor": "e", "t": 110.0, "ttft_ms": 100.0, "tpot_ms": 10.0, "ok": True}
+    assert e.serving.requests[0] == {"executor": "e", "sent_at": 108.0, "t": 110.0, "ttft_ms": 100.0, "tpot_ms": 10.0, "ok": True, "error": None}
     assert e.lease_events == [(104.0, "e", "granted")] and obs.steps[0].at == 120.0  # the original is untouched
 
 
