@@ -133,6 +133,9 @@ class MetricsSnapshot(Message):
     prefix_hits: NonNegInt = 0
     prefix_misses: NonNegInt = 0
     preemptions: NonNegInt = 0
+    # of prefix_misses (the device's), the turns whose prefix the host tier restored; and the bytes it holds now
+    prefix_host_hits: NonNegInt = 0
+    host_kv_bytes: NonNegInt = 0
     policy_version: NonNegInt = 0
     lease_id: str = ""
     device: DeviceTelemetry | None = None

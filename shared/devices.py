@@ -3,13 +3,17 @@
 Device figures are the public spec-sheet numbers (SXM form factor, dense BF16 tensor-core
 throughput, i.e. *without* the 2:4 sparsity figure NVIDIA quotes alongside):
 
-=======  ========  ============  ===============  ==========  ==========================================
-kind     HBM       bandwidth     BF16 dense       NVLink      source
-=======  ========  ============  ===============  ==========  ==========================================
-A100     80 GB     2.039 TB/s    312 TFLOP/s      600 GB/s    NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)
-H100     80 GB     3.35 TB/s     989 TFLOP/s      900 GB/s    NVIDIA H100 Tensor Core GPU datasheet (SXM5)
-H200     141 GB    4.8 TB/s      989 TFLOP/s      900 GB/s    NVIDIA H200 Tensor Core GPU datasheet (SXM)
-=======  ========  ============  ===============  ==========  ==========================================
+=======  ========  ============  ===============  ==========  ==========  ==========================================
+kind     HBM       bandwidth     BF16 dense       NVLink      PCIe        source
+=======  ========  ============  ===============  ==========  ==========  ==========================================
+A100     80 GB     2.039 TB/s    312 TFLOP/s      600 GB/s    32 GB/s     NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)
+H100     80 GB     3.35 TB/s     989 TFLOP/s      900 GB/s    64 GB/s     NVIDIA H100 Tensor Core GPU datasheet (SXM5)
+H200     141 GB    4.8 TB/s      989 TFLOP/s      900 GB/s    64 GB/s     NVIDIA H200 Tensor Core GPU datasheet (SXM)
+=======  ========  ============  ===============  ==========  ==========  ==========================================
+
+PCIe is the host link, one direction: the datasheets quote both directions together (PCIe Gen4 x16:
+64 GB/s on the A100, Gen5 x16: 128 GB/s on the H100 and H200). It prices restoring a retained prefix's
+KV from host memory (``Roofline.host_load_s``, the executor's host tier).
 
 Model shapes are the published ``config.json`` of each checkpoint on the Hugging Face Hub
 (all bf16, head_dim 128, grouped-query attention):
@@ -46,6 +50,8 @@ Assumptions (not spec-sheet figures; change them with ``Roofline(...)``):
   with CUDA graphs (vLLM/SGLang-class);
 - ``allreduce_latency_s = 8 us`` per all-reduce on NVLink (two per layer with tensor
   parallelism; the payload term uses the NVLink bandwidth above);
+- ``eff_host_bw = 0.80``: the share of the PCIe figure a pinned host-to-device copy reaches
+  (measured cudaMemcpy from pinned memory: ~25 of 32 GB/s on Gen4, ~50-55 of 64 on Gen5);
 - ``memory_utilization = 0.90`` of HBM given to the engine (vLLM's default
   ``gpu_memory_utilization``), less ``workspace_bytes = 2 GB`` per GPU for activations.
 
@@ -74,6 +80,7 @@ class DeviceSpec:
     hbm_bw: float  # bytes/s
     bf16_flops: float  # dense FLOP/s
     nvlink_bw: float  # bytes/s per GPU
+    host_bw: float  # bytes/s per GPU, host to device (PCIe, one direction)
     source: str
 
     @property
@@ -82,9 +89,9 @@ class DeviceSpec:
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "A100": DeviceSpec("A100", 80 * GB, 2.039e12, 312e12, 600 * GB, "NVIDIA A100 datasheet, SXM4 80GB"),
-    "H100": DeviceSpec("H100", 80 * GB, 3.35e12, 989e12, 900 * GB, "NVIDIA H100 datasheet, SXM5"),
-    "H200": DeviceSpec("H200", 141 * GB, 4.8e12, 989e12, 900 * GB, "NVIDIA H200 datasheet, SXM"),
+    "A100": DeviceSpec("A100", 80 * GB, 2.039e12, 312e12, 600 * GB, 32 * GB, "NVIDIA A100 datasheet, SXM4 80GB"),
+    "H100": DeviceSpec("H100", 80 * GB, 3.35e12, 989e12, 900 * GB, 64 * GB, "NVIDIA H100 datasheet, SXM5"),
+    "H200": DeviceSpec("H200", 141 * GB, 4.8e12, 989e12, 900 * GB, 64 * GB, "NVIDIA H200 datasheet, SXM"),
 }
 
 
@@ -132,6 +139,7 @@ class Roofline:
     tp: int = 1
     eff_bw: float = 0.80
     eff_flops: float = 0.70
+    eff_host_bw: float = 0.80
     overhead_s: float = 1.5e-3
     allreduce_latency_s: float = 8e-6
     name: str = field(default="")
@@ -161,6 +169,12 @@ class Roofline:
         """Seconds of one decode step of ``batch`` sequences at mean context ``ctx`` (arrays broadcast)."""
         comp, mem = self.decode_bounds(batch, ctx)
         return self._fixed_s + self._allreduce_payload_s(batch) + np.maximum(comp, mem)
+
+    def host_load_s(self, tokens):
+        """Seconds to copy ``tokens`` tokens' KV from host memory to the instance: each of its ``tp`` GPUs
+        loads its shard over its own PCIe link (a copy engine's work: the SMs keep computing meanwhile)."""
+        nbytes = np.asarray(tokens, dtype=float) * self.model.kv_bytes_per_token
+        return nbytes / (self.tp * self.device.host_bw * self.eff_host_bw)
 
     def prefill_s(self, tokens, cached=0.0):
         """Seconds to prefill ``tokens`` new tokens after ``cached`` tokens already in the KV cache."""
@@ -236,7 +250,13 @@ class MeasuredSteps:
     prefill_base_s: float
     prefill_per_token_s: float
     decode_per_ctx_token_s: float = 0.0
+    host_load_per_token_s: float = 0.0  # restoring a prefix from the host tier (not measured: 0)
     name: str = "measured"
+
+    def host_load_s(self, tokens):
+        """The measured engines are CPU ones, whose KV pool is host memory already: a restore copies within RAM, at
+        ``host_load_per_token_s`` (calibration does not measure it: 0 unless given)."""
+        return np.asarray(tokens, dtype=float) * self.host_load_per_token_s
 
     def decode_s(self, batch, ctx):
         b = np.asarray(batch, dtype=float)

@@ -9,10 +9,22 @@ import time
 import pytest
 
 from rose.services.executor.backend import CoServingEngine
+from rose.services.executor.emulated import EmulationSpec
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, RolloutRejected, WorkClass
 
 PROMPT = "Question: what is 12+7? <tool>calc: 12+7</tool>"
 FAR_S = 3600.0  # a lease that outlives the test
+# a 7B serving model and policy on an emulated H100, as the emulated-device tests run them
+EMULATED_7B_H100 = EmulationSpec(
+    device="H100",
+    serving_model="7B",
+    policy_model="7B",
+    tp=1,
+    dedicated=False,
+    serving_kv_bytes=4 << 30,
+    rollout_kv_bytes=8 << 30,
+    quantum_s=0.01,
+)
 
 
 def req(engine, rid, cls=WorkClass.ROLLOUT, prompt=PROMPT, **kw):

@@ -15,6 +15,7 @@ from .policies import DEFAULT_QUANTUM_MS
 MIB = 1 << 20
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class ModelsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -37,6 +38,10 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
     serving_kv_mib: Positive = 64.0
     rollout_kv_mib: Positive = 128.0
+    # the rollout pool's host-memory tier (SGLang's --hicache-ratio, default 2): it holds copies of retained
+    # trajectory prefixes, written when they are retained, so an evicted prefix or a released pool (a revoked
+    # lease) is restored from host instead of prefilled again; its bytes = this x the rollout pool's; 0: off
+    host_kv_ratio: NonNegative = 2.0
     serving_max_batch: PositiveInt = 32
     rollout_max_batch: PositiveInt = 32
     quantum_ms: Positive = DEFAULT_QUANTUM_MS

@@ -40,7 +40,8 @@ output length. Tokens are uniform over the tokenizer's ordinary ids, drawn from 
 sequence's seed and draw count (the sampler's stream position, so preemption never changes them);
 logprobs are ``log(u)`` of the same hash. Policy weights are the small stand-in model's, really
 swapped by version; their transfer is priced as the real model's bytes over the link the simulator
-prices (``weight_transfer_s``).
+prices (``weight_transfer_s``). A trajectory prefix restored from the host tier (prefix_cache.HostTier) copies
+nothing, its pool having no storage, and is priced as its KV's bytes over PCIe (``EmulatedRunner.host_load``).
 
 Fidelity: every forward's lateness (how long after its planned end its lane woke) is recorded as a
 share of the forward and reported in the device telemetry (``forward_lag``); a host that cannot keep
@@ -330,6 +331,7 @@ class EmulatedRunner:
         self.accelerator, self.steps, self.work_class, self.model, self.pool = accelerator, steps, work_class, model, pool
         self.time_scale = time_scale
         self._last_end = 0.0  # monotonic end of this lane's last forward (the host's work since counts toward the next step)
+        self.pending_load_s = 0.0  # host-tier restores since this lane's last forward, which its next forward carries
         self.vocab_size = len(tokenizer)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 32768))
         self.max_positions = max(self.max_positions, 32768)  # the emulated model's context (Qwen2.5 and Llama 3.1: >= 32k)
@@ -355,7 +357,8 @@ class EmulatedRunner:
             if should_stop():
                 return None
             should_stop = None
-        seconds = self.steps.forward_s(decodes, chunks) * self.time_scale
+        seconds = self.steps.forward_s(decodes, chunks) * self.time_scale + self.pending_load_s
+        self.pending_load_s = 0.0
         ran = self.accelerator.run(self.work_class, seconds, should_stop, host_s, prefill=bool(chunks))
         self._last_end = time.monotonic()
         if not ran:
@@ -366,6 +369,12 @@ class EmulatedRunner:
             tokens.append(token)
             logprobs.append(lp)
         return tokens, logprobs
+
+    def host_load(self, tokens: int) -> None:
+        """``tokens`` tokens' KV were restored from the host tier into this lane's pool: the copy over PCIe
+        (``Roofline.host_load_s`` x the time scale) is charged to the lane's next forward on the device timeline.
+        An upper bound: a GPU's copy engines overlap such a load with compute; here it holds the device."""
+        self.pending_load_s += float(self.steps.host_load_s(tokens)) * self.time_scale
 
     def _sample(self, item: ForwardItem, state: SamplerState) -> tuple[int, float]:
         """A token and its logprob from a hash of the sequence's seed and draw count (greedy: of its

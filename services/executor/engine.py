@@ -42,7 +42,7 @@ from .metrics import EngineMetrics
 from .model_runner import PagedModelRunner
 from .outputs import EngineStats, RequestHandle
 from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_STATIC_SHARE, Signals, make_policy
-from .prefix_cache import PrefixCache
+from .prefix_cache import HostEntry, HostTier, PrefixCache
 from .protocol import (
     SERVING_MODEL_VERSION,
     EngineLease,
@@ -117,6 +117,7 @@ class EngineConfig:
 
     serving_kv_bytes: int = int(_SERVICE.serving_kv_mib * MIB)
     rollout_kv_bytes: int = int(_SERVICE.rollout_kv_mib * MIB)  # the most a lease can grant; the lease bounds actual use
+    host_kv_ratio: float = _SERVICE.host_kv_ratio  # the host tier's bytes over the rollout pool's (SGLang's --hicache-ratio); 0: off
     block_size: int = DEFAULT_BLOCK_SIZE
     serving_max_batch: int = _SERVICE.serving_max_batch
     rollout_max_batch: int = _SERVICE.rollout_max_batch
@@ -147,6 +148,7 @@ class EngineConfig:
         return cls(
             serving_kv_bytes=int(settings.serving_kv_mib * MIB),
             rollout_kv_bytes=int(settings.rollout_kv_mib * MIB),
+            host_kv_ratio=settings.host_kv_ratio,
             serving_max_batch=settings.serving_max_batch,
             rollout_max_batch=settings.rollout_max_batch,
             quantum_ms=settings.quantum_ms,
@@ -265,6 +267,7 @@ class Engine:
                 if isinstance(rt.runner, PagedModelRunner):  # (the CPU's child-process runner never sees CUDA)
                     rt.runner.use_cuda_graphs(rt.limits.max_batch)
         self.prefix_cache = PrefixCache()
+        self.host_tier = HostTier(int(config.host_kv_ratio * r_pool.capacity_bytes))  # copies of its entries in host memory
         self.metrics = EngineMetrics()
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = config.slo_ttft_ms, config.slo_tpot_ms
@@ -536,7 +539,8 @@ class Engine:
         rt.wakeup.set()
 
     def flush_prefix_cache(self) -> concurrent.futures.Future:
-        """Drop every retained trajectory prefix; resolves with the number of blocks freed."""
+        """Drop every retained trajectory prefix, on the device and in the host tier (SGLang's /flush_cache: a user
+        asked); resolves with the number of device blocks freed."""
         return self._control(lambda: self._flush_now())
 
     def release_rollout_memory(self, tags: tuple[str, ...]) -> concurrent.futures.Future:
@@ -583,6 +587,12 @@ class Engine:
         return affected
 
     def _flush_now(self) -> int:
+        """Drop every retained prefix, on the device and in the host tier; the number of device blocks freed."""
+        self.host_tier.clear()
+        return self._drop_device_prefixes()
+
+    def _drop_device_prefixes(self) -> int:
+        """Free the blocks of every prefix retained on the device; the number freed."""
         blocks = self.prefix_cache.clear()
         self._rollout.pool.free(blocks)
         return len(blocks)
@@ -597,7 +607,7 @@ class Engine:
             for seq in rt.waiting:  # a waiting turn may hold its retained prefix
                 if seq.blocks:
                     rt.pool.free(seq.drop_kv())
-            self._flush_now()
+            self._drop_device_prefixes()  # the host tier keeps its copies: turns after the resume restore from them
             freed["kv_cache"] = rt.pool.release()
         if "weights" in tags:
             freed["weights"] = self.device.offload(rt.model)
@@ -642,6 +652,8 @@ class Engine:
             rollout_pool=self._rollout.pool.usage(self.prefix_cache.cached_blocks),
             prefix_hits=self.prefix_cache.hits,
             prefix_misses=self.prefix_cache.misses,
+            prefix_host_hits=self.host_tier.hits,
+            host_kv_bytes=self.host_tier.bytes_held,
             preemptions=self.metrics.preemptions,
             compute_yields=self.metrics.compute_yields,
             lane_failures=self.metrics.lane_failures,
@@ -858,7 +870,7 @@ class Engine:
     def _swap(self, staged: StagedWeights) -> float:
         pause_ms = self._rollout.runner.apply_weights(staged)
         self.policy_version = staged.version
-        self._rollout.pool.free(self.prefix_cache.clear())  # KV of the old version is stale
+        self._flush_now()  # KV of the old version is stale, on the device and in host memory
         self.metrics.swap_pause(pause_ms)
         return pause_ms
 
@@ -898,10 +910,28 @@ class Engine:
             rt.waiting.append(seq)
 
     def _attach_prefix(self, rt: _ClassRuntime, seq: Sequence, trajectory_id: str) -> None:
-        hit, to_free = self.prefix_cache.take(trajectory_id, tuple(seq.tokens), self.policy_version, rt.pool.block_size)
+        """Hand the trajectory's retained prefix to its new turn: the device's entry, else the host tier's copy."""
+        prompt = tuple(seq.tokens)
+        hit, to_free = self.prefix_cache.take(trajectory_id, prompt, self.policy_version, rt.pool.block_size)
         rt.pool.free(to_free)
         if hit is not None:
             seq.blocks, seq.num_cached, seq.prefix_cached_tokens = hit.blocks, hit.reused_tokens, hit.reused_tokens
+        else:
+            self._restore_from_host(rt, seq, trajectory_id, prompt)
+
+    def _restore_from_host(self, rt: _ClassRuntime, seq: Sequence, trajectory_id: str, prompt: tuple[int, ...]) -> None:
+        """Write the host tier's copy of the prefix into newly allocated blocks, only where the pool has them free
+        within its budget now: a restore saves a prefill, which is not worth an eviction or a preemption (the
+        entry then stays for a later turn). The runner prices the copy where the device is emulated."""
+        pool = rt.pool
+        room = 0 if pool.released else pool.free_blocks * pool.block_size
+        hit = self.host_tier.take(trajectory_id, prompt, self.policy_version, room_tokens=room)
+        if hit is None:
+            return
+        blocks = pool.allocate(pool.blocks_for(hit.reused_tokens))
+        pool.write_blocks(blocks, hit.payload.head(len(blocks)) if hit.payload is not None else None)
+        rt.runner.host_load(hit.reused_tokens)
+        seq.blocks, seq.num_cached, seq.prefix_cached_tokens = blocks, hit.reused_tokens, hit.reused_tokens
 
     def _iterate(self, rt: _ClassRuntime, admit: bool) -> None:
         limits = rt.limits
@@ -1048,10 +1078,18 @@ class Engine:
             cached = tuple(seq.tokens[: seq.num_cached])
             keep = rt.pool.blocks_for(seq.num_cached)
             rt.pool.free(seq.blocks[keep:])
+            self._write_through(rt, seq.request.trajectory_id, cached, seq.blocks[:keep])
             rt.pool.free(self.prefix_cache.put(seq.request.trajectory_id, cached, seq.blocks[:keep], self.policy_version))
         else:
             rt.pool.free(seq.blocks)
         seq.blocks = []
+
+    def _write_through(self, rt: _ClassRuntime, trajectory_id: str, tokens: tuple[int, ...], blocks: list[int]) -> None:
+        """Copy a prefix being retained to the host tier now (SGLang's write_through): its eviction and the pool's
+        release, both on latency-critical paths, then have nothing to copy."""
+        nbytes = len(blocks) * rt.pool.block_bytes
+        if self.host_tier.fits(nbytes):
+            self.host_tier.put(trajectory_id, HostEntry(tokens, self.policy_version, nbytes, rt.pool.read_blocks(blocks)))
 
     def _finish(self, rt: _ClassRuntime, seq: Sequence, reason: FinishReason, deliver: bool = True):
         seq.finish_reason = reason

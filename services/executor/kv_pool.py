@@ -9,7 +9,9 @@ block. The rollout pool is preallocated at its maximum and then *bounded* by a b
 
 Isolation: a block is zeroed when it is freed, so whoever is handed it next (another user's
 request, another trajectory) never finds the previous owner's keys and values in it. No
-block ever changes class: each pool is its own tensor, allocated once.
+block ever changes class: each pool is its own tensor, allocated once. Copies leave a pool
+and come back only through ``read_blocks`` / ``write_blocks`` (the rollout pool's host tier),
+into blocks just allocated for the same owner.
 """
 
 from __future__ import annotations
@@ -60,6 +62,23 @@ class PoolUsage:
     @property
     def total_bytes(self) -> int:
         return self.total_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVPayload:
+    """Copies of some blocks' K and V, every layer, in host memory (``KVPool.read_blocks``): each
+    ``[layers, blocks, block_size, kv_heads, head_dim]``, the blocks in the order they were read."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    def head(self, n: int) -> KVPayload:
+        """The first ``n`` blocks (a restore that reuses a shorter prefix than was retained)."""
+        return KVPayload(self.k[:, :n], self.v[:, :n])
 
 
 class PagedKV(Protocol):
@@ -143,9 +162,37 @@ class KVPool:
         if not self._storage:
             return
         index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
-        layers, _, heads, dim = self.k.shape
         for tensor in (self.k, self.v):
-            tensor.view(layers, self.num_blocks, self.block_size, heads, dim).index_fill_(1, index, 0)
+            self._by_block(tensor).index_fill_(1, index, 0)
+
+    # -- copies to and from host memory (the executor's host tier, prefix_cache.HostTier)
+    def read_blocks(self, blocks: list[int]) -> KVPayload | None:
+        """Copies of ``blocks``' K and V, every layer, on the CPU; None for a pool without storage (nothing to copy:
+        an emulated device prices the copy instead)."""
+        if not self._storage:
+            return None
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        k, v = (self._by_block(t).index_select(1, index).to("cpu") for t in (self.k, self.v))
+        return KVPayload(k, v)
+
+    def write_blocks(self, blocks: list[int], payload: KVPayload | None) -> None:
+        """Write ``payload`` (``read_blocks``' copies) into ``blocks``, which the caller has just allocated: a block
+        restored here receives only what the caller read for the same owner (the engine matches the trajectory's
+        tokens first), and is zeroed again when freed, as every block is."""
+        if payload is None or not self._storage:
+            return
+        if payload.num_blocks != len(blocks):
+            raise ValueError(f"{self.name} KV pool: a payload of {payload.num_blocks} blocks written into {len(blocks)}")
+        if not set(blocks).isdisjoint(self._free):
+            raise ValueError(f"{self.name} KV pool: a payload written into blocks nobody holds")
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        for tensor, copy in ((self.k, payload.k), (self.v, payload.v)):
+            self._by_block(tensor).index_copy_(1, index, copy.to(device=tensor.device, dtype=tensor.dtype))
+
+    def _by_block(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (``k`` or ``v``) viewed as ``[layers, blocks, block_size, kv_heads, head_dim]``."""
+        layers, _, heads, dim = tensor.shape
+        return tensor.view(layers, self.num_blocks, self.block_size, heads, dim)
 
     # -- lending the storage itself (SGLang's release/resume_memory_occupation)
     @property

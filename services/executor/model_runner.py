@@ -295,6 +295,10 @@ class PagedModelRunner:
             return [], []
         return sample_batch(logits[[row for row, _ in samples]], [state for _, state in samples])
 
+    def host_load(self, tokens: int) -> None:
+        """``tokens`` tokens' KV were just restored into this runner's pool from host memory (``KVPool.write_blocks``):
+        a real copy, already paid for, so nothing to model (an emulated runner prices it instead)."""
+
     @staticmethod
     def _layer_weights(weights: ModelWeights, prefix: str) -> _LayerWeights:
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"

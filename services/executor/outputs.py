@@ -47,6 +47,8 @@ class EngineStats:
     slo_guard: GuardState | None = None  # the closed loop's state at the snapshot (slo_guard.py)
     serving_queue_wait_ms: float | None = None  # the queue's last first token, projected (None: unknown)
     rollout_parked: bool = False  # a burst parked the lease: rollout keeps its KV here and computes nothing
+    prefix_host_hits: int = 0  # all-time: of prefix_misses (the device's), those the host tier restored
+    host_kv_bytes: int = 0  # what the host tier holds now
 
 
 class RequestHandle:

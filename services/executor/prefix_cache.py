@@ -1,4 +1,4 @@
-"""Prefix-cache retention for multi-turn rollouts.
+"""Prefix-cache retention for multi-turn rollouts, on the device and in host memory.
 
 When a rollout turn finishes, its KV blocks stay in the rollout pool keyed by trajectory
 id, with the exact tokens they hold and the policy version that computed them. The next
@@ -6,12 +6,39 @@ turn of that trajectory takes them over if its prompt starts with those tokens (
 token by token, not trusted from the id) and the policy version is unchanged; then only
 the new tokens are prefilled. Entries are evicted least-recently-used first when the
 rollout pool must shrink.
+
+The host tier (SGLang's HiCache, ``--enable-hierarchical-cache --hicache-write-policy
+write_through``) keeps a copy of each retained entry in host memory, written when the
+device entry is retained, so that neither an eviction nor a released pool (a revoked
+lease) loses it and neither copies on its latency-critical path::
+
+    Engine._retire_kv ──put──▶ PrefixCache (pool blocks)      evicted LRU / released: gone
+                     └─put──▶ HostTier (KVPayload on the CPU) evicted LRU within its bytes
+    Engine._attach_prefix ──take──▶ PrefixCache hit, else HostTier hit ──▶ KVPool.write_blocks
+
+The engine owns both (one of each, rollout only) and calls them on the rollout lane alone.
+Both apply one matching rule (``reusable_tokens``); a weight swap clears both.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from .kv_pool import KVPayload
+
+
+def reusable_tokens(held: tuple[int, ...], held_version: int, prompt: tuple[int, ...], version: int) -> int:
+    """How many leading tokens of ``prompt`` a retained prefix serves: 0 unless it was computed by ``version``;
+    else the tokens equal to ``held``'s, position by position, leaving at least one prompt token to compute
+    (the new turn needs its logits)."""
+    if held_version != version:
+        return 0
+    limit = min(len(held), len(prompt) - 1)
+    reused = 0
+    while reused < limit and held[reused] == prompt[reused]:
+        reused += 1
+    return reused
 
 
 @dataclass
@@ -60,13 +87,7 @@ class PrefixCache:
         if entry is None:
             self.misses += 1
             return None, []
-        if entry.version != version:
-            self.misses += 1
-            return None, entry.blocks
-        limit = min(len(entry.tokens), len(prompt) - 1)
-        reused = 0
-        while reused < limit and entry.tokens[reused] == prompt[reused]:
-            reused += 1
+        reused = reusable_tokens(entry.tokens, entry.version, prompt, version)
         if reused == 0:
             self.misses += 1
             return None, entry.blocks
@@ -85,3 +106,80 @@ class PrefixCache:
         blocks = [b for e in self._entries.values() for b in e.blocks]
         self._entries.clear()
         return blocks
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    tokens: tuple[int, ...]  # the tokens whose KV the payload holds, positions 0..len-1
+    version: int
+    nbytes: int  # what it takes of the tier: its blocks x the pool's block bytes
+    payload: KVPayload | None  # None: a pool without storage (an emulated device), where only bytes and time are real
+
+
+@dataclass(frozen=True)
+class HostHit:
+    reused_tokens: int
+    payload: KVPayload | None  # the whole entry's: the caller writes the blocks the reused tokens span
+
+
+class HostTier:
+    """Copies of retained prefixes in host memory, by trajectory id, least recently put first out,
+    never more than ``capacity_bytes`` (0: off). Its entries outlive the device's: they go on an
+    eviction of their own, a weight swap or a flush, never when the pool is evicted or released."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"host KV tier capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[str, HostEntry] = OrderedDict()
+        self.bytes_held = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> dict[str, HostEntry]:
+        """The entries by trajectory id, least recently put first (the order eviction takes them): a copy, to read."""
+        return dict(self._entries)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` can be held at all (asked before copying one off the device)."""
+        return 0 < nbytes <= self.capacity_bytes
+
+    def put(self, key: str, entry: HostEntry) -> None:
+        """Hold ``entry`` for ``key`` in place of the one before (whose turn has moved on), evicting the least
+        recently put until it fits; one larger than the whole tier is not held."""
+        self._drop(key)
+        if not self.fits(entry.nbytes):
+            return
+        while self.bytes_held + entry.nbytes > self.capacity_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = entry
+        self.bytes_held += entry.nbytes
+
+    def take(self, key: str, prompt: tuple[int, ...], version: int, room_tokens: int | None = None) -> HostHit | None:
+        """Hand a matching entry to a new turn (``reusable_tokens``' rule, as ``PrefixCache.take``): a hit takes
+        it out; a stale version or a prompt that diverges at once drops it. ``room_tokens``: the most the caller
+        can restore now; a longer match misses and the entry stays for a later turn."""
+        entry = self._entries.get(key)
+        reused = 0 if entry is None else reusable_tokens(entry.tokens, entry.version, prompt, version)
+        if entry is None or reused == 0:
+            self._drop(key)
+            self.misses += 1
+            return None
+        if room_tokens is not None and reused > room_tokens:
+            self.misses += 1
+            return None
+        self._drop(key)
+        self.hits += 1
+        return HostHit(reused, entry.payload)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes_held = 0
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes_held -= entry.nbytes

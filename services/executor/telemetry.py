@@ -51,6 +51,9 @@ class ExecutorInstruments:
         )
         self.prefix_hits = m.create_counter(metric_name("executor.prefix_cache_hits"), unit="{hit}", description="Rollout prefix-cache hits.")
         self.prefix_misses = m.create_counter(metric_name("executor.prefix_cache_misses"), unit="{miss}", description="Rollout prefix-cache misses.")
+        self.prefix_host_hits = m.create_counter(
+            metric_name("executor.prefix_cache_host_hits"), unit="{hit}", description="Rollout prefix-cache misses restored from the host tier."
+        )
         self.preemptions = m.create_counter(
             metric_name("executor.rollout_preemptions"),
             unit="{preemption}",
@@ -103,7 +106,7 @@ class Telemetry:
         self.interval_s = interval_s
         self.last: EngineStats | None = None
         self.instruments = ExecutorInstruments()
-        self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "preemptions": 0, "lane_failures": 0}
+        self._cumulative = {"prefix_hits": 0, "prefix_misses": 0, "prefix_host_hits": 0, "preemptions": 0, "lane_failures": 0}
 
     def snapshot(self, stats: EngineStats) -> MetricsSnapshot:
         return MetricsSnapshot(
@@ -126,6 +129,8 @@ class Telemetry:
             rollout_pool=PoolUsage(**vars(stats.rollout_pool)),
             prefix_hits=stats.prefix_hits,
             prefix_misses=stats.prefix_misses,
+            prefix_host_hits=stats.prefix_host_hits,
+            host_kv_bytes=stats.host_kv_bytes,
             preemptions=stats.preemptions,
             policy_version=stats.policy_version,
             lease_id=stats.lease_id,
@@ -176,9 +181,11 @@ class Telemetry:
         for pool_name, pool in (("serving", stats.serving_pool), ("rollout", stats.rollout_pool)):
             i.kv_used.set(pool.used_blocks * pool.block_bytes, self._attrs(pool=pool_name))
             i.kv_capacity.set(pool.total_blocks * pool.block_bytes, self._attrs(pool=pool_name))
+        i.kv_used.set(stats.host_kv_bytes, self._attrs(pool="host"))  # the rollout pool's host tier
         for key, counter, value in (
             ("prefix_hits", i.prefix_hits, stats.prefix_hits),
             ("prefix_misses", i.prefix_misses, stats.prefix_misses),
+            ("prefix_host_hits", i.prefix_host_hits, stats.prefix_host_hits),
             ("preemptions", i.preemptions, stats.preemptions),
             ("lane_failures", i.lane_failures, stats.lane_failures),
         ):  # the engine counts since start: add what is new

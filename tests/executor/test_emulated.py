@@ -20,18 +20,9 @@ from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, 
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
-from rose.testing.engine import CoServingEngineTestcase
+from rose.testing.engine import EMULATED_7B_H100, CoServingEngineTestcase
 
-SPEC_7B = EmulationSpec(
-    device="H100",
-    serving_model="7B",
-    policy_model="7B",
-    tp=1,
-    dedicated=False,
-    serving_kv_bytes=4 << 30,
-    rollout_kv_bytes=8 << 30,
-    quantum_s=0.01,
-)
+SPEC_7B = EMULATED_7B_H100
 
 
 @pytest.fixture
