@@ -230,6 +230,7 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
                     "hedges",
                     "hedge_wins",
                     "prefix_hit_rate",
+                    "prefix_host_share",
                     "reprefill_share",
                     "reprefill_moved_share",
                     "elastic_lends",
@@ -570,6 +571,7 @@ def run_sim_bench(
     serving_models=(),
     policy_models=(),
     over_provision=(0.0,),
+    host_kv_ratio: float | None = None,
     fleets=FLEETS,
     demands=DEMANDS,
     ratios=RATIOS,
@@ -595,6 +597,7 @@ def run_sim_bench(
     started = time.perf_counter()
     jobs = jobs if jobs is not None else min(2, os.cpu_count() or 1)
     seeds = tuple(seeds) or (seed,)
+    host = {} if host_kv_ratio is None else {"host_kv_ratio": host_kv_ratio}  # default: SimConfig's, the executor's
     configs = [
         c
         for s in seeds
@@ -615,6 +618,7 @@ def run_sim_bench(
             slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms,
             quantum_ms=quantum_ms,
+            **host,
         )
     ]
     if what_if:  # rose again with the what-if inputs (engine.SimConfig.what_if), as extra rows
@@ -680,6 +684,7 @@ def run_sim_bench(
             "models": list(models),
             "model_pairs": [list(p) for p in model_pairs(models, serving_models, policy_models)],
             "over_provision": list(over_provision),
+            "host_kv_ratio": configs[0].host_kv_ratio if configs else host_kv_ratio,
             "fleets": list(fleets),
             "rollout_demands": list(demands),
             "dedicated_ratios": list(ratios),

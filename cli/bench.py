@@ -398,6 +398,12 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
         help="partial rollouts: hand a step's batch out with this share of its groups more, train on the first complete, carry the rest "
         "(grpo.over_provision; default: 0, none)",
     )
+    b.add_argument(
+        "--host-kv-ratio",
+        type=float,
+        default=None,
+        help="the executors' host tier for retained prefixes, x each instance's rollout KV (engine.host_kv_ratio; 0: none; default: the executor's)",
+    )
     b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
     b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
     b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
@@ -466,6 +472,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         serving_models=tuple(args.serving_model or ()),
         policy_models=tuple(args.policy_model or ()),
         over_provision=tuple(args.over_provision or (0.0,)),
+        host_kv_ratio=args.host_kv_ratio,
         fleets=fleets,
         demands=demands,
         ratios=ratios,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rose.services.executor.config import EngineSettings
 from rose.shared.devices import TRAIN_MFU, SyncSpec
 from rose.shared.workload import RolloutSpec
 
@@ -64,6 +65,8 @@ class SimConfig:
     # into the next steps (their tokens keep the versions they were sampled with), dropped past max_staleness, counted;
     # > 0 also in synchronous mode (``_trainer_pipelined`` with no prefetch)
     over_provision: float = 0.0
+    # the executors' host tier for retained prefixes, x each instance's rollout KV (engine.host_kv_ratio; 0: none)
+    host_kv_ratio: float = EngineSettings().host_kv_ratio
     early_hand_out: bool = True  # grpo.early_hand_out: one more batch out while a step waits and no executor has a rollout queue
     worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
     trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)

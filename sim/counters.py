@@ -46,6 +46,8 @@ class TurnOutcomes:
     # elsewhere, or evicted), priced alone on that instance's roofline: at most what a cache hit would save
     reprefill_s: float = 0.0
     reprefill_moved_s: float = 0.0  # the part of it whose turn ran elsewhere than the previous one (placement's, not eviction's)
+    host_hits: int = 0  # of prefix_hits, restored from the instance's host tier
+    host_load_s: float = 0.0  # the copies' seconds (each delays its turn; the device computes meanwhile)
     hedges: int = 0
     hedge_wins: int = 0
 

@@ -32,8 +32,11 @@ its tokens (recompute), a refused one goes elsewhere, a straggler past the route
 ``hedge_after_s`` (a turn on a lease) or max(2 s, 1.5 x the typical turn) asks the scheduler
 for a hedge (``should_hedge``) and the first result wins. The scheduler's ``Fleet`` reads a
 finished trajectory's turns (model error of its placement predictions) as the service does.
-Batches and prefix-cache draws have random streams of their own, so every policy rolls out
-the same batches.
+Batches have a random stream of their own, so every policy rolls out the same batches. Prefix
+caches follow the executor's (``TurnTable``): one entry per trajectory and instance, evicted
+oldest first, written through to a host tier of ``host_kv_ratio`` x the instance's rollout KV
+(a restore delays its turn by the copy, ``Roofline.host_load_s``), missed once the instance has
+a newer policy version (``TrainerState.version_at``).
 
 Partial rollouts (``over_provision``, grpo.over_provision): the first batch goes out with k
 groups more, each step trains on the first N complete groups and the rest roll on into the next
@@ -52,8 +55,8 @@ changing part has one owner, which the processes below update):
   and its request sizes, one instance's SLO capacity) and the rollout figures;
 - ``Simulation.serving`` (sizing.py ``ServingSetup``, fixed per policy): co-hosting or not, the
   serving KV pool, the lane ceiling, the serving-alone baseline;
-- ``Simulation.streams`` (``RandomStreams``): serving arrivals, the RL job's batches and the
-  prefix-cache draws, each its own stream (the router draws from its own);
+- ``Simulation.streams`` (``RandomStreams``): serving arrivals and the RL job's batches, each its
+  own stream (the router draws from its own);
 - ``inst`` (instances.py ``Instances``): per instance, what its rollout lane may hold now (lease
   caps, a burst's park), when it has the current weights, each serving instance's queue;
 - ``turns`` (turns.py ``TurnTable``): the turns in flight, their prefix caches, ``bundle``;
@@ -111,7 +114,7 @@ TRAINER_FETCH_BATCH = 64
 
 
 class RandomStreams:
-    """The run's random streams, one per use: serving arrivals, the RL job's batches and the prefix-cache draws.
+    """The run's random streams, one per use: serving arrivals and the RL job's batches.
 
     Separate streams so that every policy rolls out the same batches: a shared stream would shift with
     the ticks and the draws a policy's rollout takes."""
@@ -119,7 +122,6 @@ class RandomStreams:
     def __init__(self, seed: int) -> None:
         self.arrivals = np.random.default_rng(seed)
         self.batches = np.random.default_rng([seed, 1])
-        self.prefix_cache = np.random.default_rng([seed, 2])
 
 
 class Simulation:
@@ -259,7 +261,7 @@ class Simulation:
             else:
                 self.counts.turns.aborted += 1
                 t.events[i].succeed(("aborted", 0.0))
-        t.drop_instance_cache(d)
+        t.drop_instance_cache(d, keep_host=self.cfg.host_kv_ratio > 0)
 
     def _headroom_role(self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
         slots = int(self.inst.slots[d]) if role == "dedicated" else 0
@@ -496,7 +498,7 @@ class Simulation:
             frac_t = np.clip(left[fin_mask] / np.maximum(adv[fin_mask], 1e-12), 0.0, 1.0)
             at = now + dt * frac_t
             for i, t_fin in zip(fins, at):
-                t.finish(i, kvb)
+                t.finish(i, kvb, self.trainer.version_at(bool(inst.is_ded[t.dev[i]]), float(t_fin)), float(t_fin))
                 t.events[i].succeed(("done", float(t_fin)))
         return tokens
 
@@ -720,24 +722,23 @@ class Simulation:
                 yield env.timeout(retry)
                 continue
             d, hint = routed
-            cached = 0.0
-            if k > 0 and done_tokens == 0 and ids[d] == prev:
-                if t.cache_dev[i] == d:
-                    free = max(0.0, self.inst.kvcap[d] - t.kv_in_use(d, self.sized.memory.kvb_p))
-                    p_hit = 1.0 if t.retained[d] <= free else free / max(t.retained[d], 1.0)
-                    if self.streams.prefix_cache.random() < p_hit:
-                        cached = float(ctx - new_tokens)
+            cached, load_s = self._cached(i, d, ctx + done_tokens)
+            if load_s > 0:  # the prefix comes back from the host tier before the turn is admitted
+                self.counts.turns.host_hits += 1
+                self.counts.turns.host_load_s += load_s
+                yield env.timeout(load_s)
+            if k > 0 and done_tokens == 0:
                 if cached:
                     self.counts.turns.prefix_hits += 1
                 else:
                     self.counts.turns.prefix_misses += 1
-            if k > 0 and done_tokens == 0 and not cached:
+                # the prefill this turn redoes beyond its new tokens: the context its cache no longer holds
                 perf = self.sized.shape.pperf_d if self.inst.is_ded[d] else self.sized.shape.pperf_s
-                redone = float(perf.prefill_s(ctx) - perf.prefill_s(new_tokens, ctx - new_tokens))
-                self.counts.turns.reprefill_s += redone
-                if ids[d] != prev:
-                    self.counts.turns.reprefill_moved_s += redone
-            t.drop_cache(i)
+                redone = float(perf.prefill_s(ctx - cached, cached) - perf.prefill_s(new_tokens, ctx - new_tokens))
+                if redone > 0:
+                    self.counts.turns.reprefill_s += redone
+                    if ids[d] != prev:
+                        self.counts.turns.reprefill_moved_s += redone
             pending = {i: (self._submit(i, d, ctx + done_tokens - cached, cached, gen - done_tokens, ctx + done_tokens), d)}
             typical = self.worker.typical()
             leased = self.router.fleet.role_of(ids[d]) != "dedicated"
@@ -774,9 +775,31 @@ class Simulation:
                     if h is not None:
                         self.counts.turns.hedges += 1
                         slot = t.N + i
-                        pending[slot] = (self._submit(slot, h, ctx + done_tokens, 0.0, gen - done_tokens, ctx + done_tokens), h)
+                        hc, _ = self._cached(i, h, ctx + done_tokens, host=False)  # the hedge takes the trajectory's entry there
+                        pending[slot] = (self._submit(slot, h, ctx + done_tokens - hc, hc, gen - done_tokens, ctx + done_tokens), h)
             exclude += [e for e in failed if e not in exclude]  # the worker's exclude list grows until no route is left
             prev = ""
+
+    def _cached(self, i: int, d: int, prompt: float, host: bool = True) -> tuple[float, float]:
+        """(prompt tokens of trajectory row ``i`` that instance ``d`` still holds, seconds to copy them back from its
+        host tier). As the executor's ``PrefixCache.take`` and ``HostTier.take``: the entry an earlier turn left there,
+        taken (hit or miss), if the instance's policy version is the one that computed it and eviction (oldest first,
+        ``TurnTable.where``) has not taken it from the device, else from the host tier too; at least one prompt token
+        is left to compute. ``host=False`` (a hedge: its primary may finish before a copy would) leaves a host copy."""
+        t, m = self.turns, self.sized.memory
+        ded = bool(self.inst.is_ded[d])
+        host_cap = self.cfg.host_kv_ratio * (m.dedicated_kv if ded else max(0.0, m.cohost_free_bytes))
+        where = t.where(i, d, t.kv_in_use(d, m.kvb_p), float(self.inst.kvcap[d]), host_cap)
+        if where == "host" and not host:
+            return 0.0, 0.0
+        held, version = t.take(i, d)
+        if not where or version != self.trainer.version_at(ded, self.env.now):
+            return 0.0, 0.0
+        cached = float(min(held, prompt - 1.0))
+        if where == "device":
+            return cached, 0.0
+        perf = self.sized.shape.pperf_d if ded else self.sized.shape.pperf_s
+        return cached, float(perf.host_load_s(cached)) * t.bundle
 
     def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
         """Turn-table row ``i`` goes to instance ``d``; the event its worker waits on."""
@@ -840,6 +863,8 @@ class Simulation:
             t0 = env.now
             sync_ded = sync_seconds(wp, "full", c.sync, cross_cluster=False)
             sync_srv = sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
+            if step > 0:  # the version trained last step (every prefix cache went with its batch: t.alloc below)
+                self.trainer.published(t0 + sync_ded, t0 + sync_srv)
             yield env.timeout(sync_ded)  # the batch starts once the dedicated pool has the version
             t_roll = env.now
             self.inst.ready_at[: self.inst.n_serv] = t0 + sync_srv
@@ -961,6 +986,7 @@ class Simulation:
             tokens = sum(t for _, _, t in taken)
             train_s = self._train_seconds(tokens)
             yield env.timeout(train_s)
+            tr.published(env.now + sync_ded, env.now + sync_srv)
             if not tr.pipelined:
                 self.inst.ready_at[: self.inst.n_serv] = env.now + sync_srv
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
@@ -1143,7 +1169,9 @@ class Simulation:
             bounced_turns=a.turns.bounced,
             hedges=a.turns.hedges,
             hedge_wins=a.turns.hedge_wins,
+            # later turns' first attempts that found part of their prompt cached where they ran (`rose bench elastic`'s)
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            prefix_host_share=a.turns.host_hits / (hits + misses) if hits + misses else 0.0,  # of them, from the host tier
             # the prefill that prefix-cache misses redid, over every rollout forward's device time
             reprefill_share=a.turns.reprefill_s / a.rollout.device_s if a.rollout.device_s > 0 else 0.0,
             reprefill_moved_share=a.turns.reprefill_moved_s / a.rollout.device_s if a.rollout.device_s > 0 else 0.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,19 @@ class TrainerState:
         self.trained_trajectories = 0
         self.trained_lags: list[int] = []  # per trained group: versions between its hand-out and the step that trained it
         self.stale_groups = 0  # complete groups dropped past max_staleness (GroupCollector.expire)
+        # when each trained version reached the dedicated pool and the serving instances: an executor's
+        # retained prefixes were computed by the version it had (a new one misses them, PrefixCache.take)
+        self.versions_dedicated: list[float] = []
+        self.versions_serving: list[float] = []
+
+    def published(self, dedicated_at: float, serving_at: float) -> None:
+        """A trained version reaches the dedicated pool at ``dedicated_at``, the serving instances at ``serving_at``."""
+        self.versions_dedicated.append(dedicated_at)
+        self.versions_serving.append(serving_at)
+
+    def version_at(self, dedicated: bool, now: float) -> int:
+        """The policy version an instance has at ``now``: the versions that reached it by then."""
+        return bisect.bisect_right(self.versions_dedicated if dedicated else self.versions_serving, now)
 
     def deliver(self, k: int) -> None:
         """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""

@@ -12,16 +12,21 @@ class TurnTable:
 
     It exists because the rollout model advances every turn on every instance each tick with
     numpy, so a turn is a row (state, instance, prefill and decode left, context, admission order,
-    the event its worker waits on) rather than an object. It also keeps the prefix cache a
-    finished turn leaves on its instance for the trajectory's next turn, and how many bytes of
-    such caches each instance holds. Each simulated trajectory stands for ``bundle`` sequences.
+    the event its worker waits on) rather than an object. It also keeps the prefix caches finished
+    turns leave behind, as the executor's ``PrefixCache`` and ``HostTier`` do
+    (services/executor/prefix_cache.py): one entry per trajectory and instance, its tokens and the
+    policy version that computed them, kept when the trajectory's next turn runs elsewhere (a later
+    turn back there reuses it in part) and taken by the next turn that runs there. An entry is
+    written through to the instance's host tier when it is retained; its device copy goes first
+    when running turns need the memory (least recently retained first) and with the rollout pool
+    when a lease is revoked, its host copy when the host tier is full (the same order).
+    Each simulated trajectory stands for ``bundle`` sequences.
     """
 
     def __init__(self, D: int) -> None:
         self.D = D  # instances (Instances.D)
         self.bundle = 1  # sequences per simulated trajectory (the batch's bundle)
         self.seq_counter = 0  # submissions so far: the admission order (FIFO per instance)
-        self.retained = np.zeros(D)  # prefix-cache bytes retained by idle trajectories per instance
         self.alloc(0)
 
     def alloc(self, n: int) -> None:
@@ -37,11 +42,15 @@ class TurnTable:
         self.gen_turn = np.zeros(n)
         self.ctx = np.zeros(n)
         self.seq = np.zeros(n, dtype=np.int64)
-        self.cache_dev = np.full(n, -1, dtype=np.int64)
-        self.cache_bytes = np.zeros(n)
+        # the prefix-cache entries, per row and instance: tokens (0: none), bytes, policy version, when retained,
+        # and whether the device copy is still there (else only the host tier's)
+        self.cache_tokens = np.zeros((n, self.D))
+        self.cache_bytes = np.zeros((n, self.D))
+        self.cache_version = np.zeros((n, self.D), dtype=np.int64)
+        self.cache_at = np.zeros((n, self.D))
+        self.cache_on_device = np.zeros((n, self.D), dtype=bool)
         self.events: list = [None] * n
         self.finished_at = np.zeros(n)
-        self.retained[:] = 0.0
 
     def submit(self, i: int, d: int, ev: Any, pf_tokens: float, cached: float, gen_left: float, ctx_now: float) -> None:
         """Row ``i`` queues on instance ``d``; ``ev`` fires with the outcome."""
@@ -57,13 +66,38 @@ class TurnTable:
         """The slower copy of a hedged turn: the worker ignores it; the executor drops it."""
         self.state[i], self.dev[i] = 0, -1
 
-    def finish(self, i: int, kvb: float) -> None:
-        """Row ``i``'s turn is done: its context stays cached on its instance for the next turn."""
+    def finish(self, i: int, kvb: float, version: int, at: float) -> None:
+        """Row ``i``'s turn is done at ``at``: its context stays cached on its instance, computed by ``version``."""
         d = int(self.dev[i])
         self.state[i], self.dev[i] = 0, -1
-        self.cache_dev[i] = d
-        self.cache_bytes[i] = self.bundle * self.ctx[i] * kvb
-        self.retained[d] += self.cache_bytes[i]
+        self.take(i, d)  # replaced, as PrefixCache.put replaces the trajectory's entry
+        self.cache_tokens[i, d] = self.ctx[i]
+        self.cache_bytes[i, d] = self.bundle * self.ctx[i] * kvb
+        self.cache_version[i, d] = version
+        self.cache_at[i, d] = at
+        self.cache_on_device[i, d] = True
+
+    def where(self, i: int, d: int, kv_in_use: float, kv_capacity: float, host_capacity: float) -> str:
+        """Where row ``i``'s entry on ``d`` is now: "device", "host" or "" (evicted from both, or none). Eviction
+        takes the least recently retained first, so the entry is on the device while the running turns' KV and the
+        device copies retained since it (itself included) fit the instance's rollout KV, and in the host tier while
+        every entry retained since it fits that."""
+        if self.cache_tokens[i, d] <= 0:
+            return ""
+        since = (self.cache_tokens[:, d] > 0) & (self.cache_at[:, d] >= self.cache_at[i, d])
+        if self.cache_on_device[i, d] and kv_in_use + float(self.cache_bytes[since & self.cache_on_device[:, d], d].sum()) <= kv_capacity:
+            return "device"
+        if float(self.cache_bytes[since, d].sum()) <= host_capacity:
+            return "host"
+        return ""
+
+    def take(self, i: int, d: int) -> tuple[float, int]:
+        """Row ``i``'s entry on instance ``d``, removed (a turn sent there takes it, hit or miss, as
+        ``PrefixCache.take``): (tokens, version); (0, 0) when there is none."""
+        tokens, version = float(self.cache_tokens[i, d]), int(self.cache_version[i, d])
+        self.cache_tokens[i, d] = self.cache_bytes[i, d] = 0.0
+        self.cache_on_device[i, d] = False
+        return tokens, version
 
     def mean_ctx(self, mask: np.ndarray) -> np.ndarray:
         """Mean context of the rows in ``mask``, per instance."""
@@ -79,19 +113,20 @@ class TurnTable:
         return float((self.bundle * (self.ctx[on] + self.dec_left[on]) * kvb).sum())
 
     def drop_cache(self, i: int) -> None:
-        d = self.cache_dev[i]
-        if d >= 0:
-            self.retained[d] = max(0.0, self.retained[d] - self.cache_bytes[i])
-        self.cache_dev[i], self.cache_bytes[i] = -1, 0.0
+        """The trajectory in row ``i`` ended: its entries go first when memory is short (LRU), so none counts."""
+        self.cache_tokens[i] = self.cache_bytes[i] = 0.0
+        self.cache_on_device[i] = False
 
     def move_cache(self, src: int, dst: int) -> None:
-        """The hedge in row ``src`` won: its prefix cache becomes row ``dst``'s."""
-        self.cache_dev[dst], self.cache_bytes[dst] = self.cache_dev[src], self.cache_bytes[src]
-        self.cache_dev[src], self.cache_bytes[src] = -1, 0.0
+        """The hedge in row ``src`` won: its entries become row ``dst``'s (the trajectory's, on those instances)."""
+        on = self.cache_tokens[src] > 0
+        for a in (self.cache_tokens, self.cache_bytes, self.cache_version, self.cache_at, self.cache_on_device):
+            a[dst, on] = a[src, on]
+        self.drop_cache(src)
 
-    def drop_instance_cache(self, d: int) -> None:
-        """Instance ``d`` lost its rollout pool: every prefix cache on it is gone."""
-        lost = self.cache_dev == d
-        self.retained[d] = 0.0
-        self.cache_dev[lost] = -1
-        self.cache_bytes[lost] = 0.0
+    def drop_instance_cache(self, d: int, keep_host: bool) -> None:
+        """Instance ``d`` lost its rollout pool (a revoked lease): every device copy there is gone; the host tier's
+        stay (``keep_host``: the executor has one) for the lease's return."""
+        self.cache_on_device[:, d] = False
+        if not keep_host:
+            self.cache_tokens[:, d] = self.cache_bytes[:, d] = 0.0

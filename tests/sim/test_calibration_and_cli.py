@@ -59,11 +59,14 @@ def test_bench_sim_end_to_end(tmp_path):
                 "--seeds",
                 "0",
                 "1",
+                "--host-kv-ratio",
+                "1.5",
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
+    assert report["settings"]["host_kv_ratio"] == 1.5  # the executors' host tier, as the runs had it
     assert report["settings"]["seeds"] == [0, 1] and len(report["rows"]) == 4  # one row per policy over both seeds
     for r in report["rows"]:
         assert r["seeds"] == [0, 1] and len(r["speedup_vs_static_by_seed"]) == 2
