@@ -16,7 +16,10 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    than the dedicated choice, waiting included; the prefix-cache executor of the previous turn
    (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
    it still beats the dedicated pool; an overloaded one (load > its concurrency x
-   `overload_factor`) is not worth its cache;
+   `overload_factor`) is not worth its cache. A dedicated prefix-cache executor with a free slot
+   keeps its turn outright: a lease could only run it faster per token, and the move would
+   prefill the whole context there and part of it again when a later turn comes back (with the
+   executors' host tier the prefix is nearly always still home);
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
@@ -197,6 +200,10 @@ def place_turn(
     )
     if ded is not None and in_tail(unfinished, dedicated):
         return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
+    if ded is not None and ded is home and has_room(home):
+        # its prefix is there and a slot is free: a lease could only run the turn faster per token, and the move
+        # would prefill the whole context there (and again, in part, when a later turn comes back)
+        return _placed(home, "prefix affinity: a free slot at home", pred[home.executor_id], turn_s, raw[home.executor_id])
     ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
     risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
     put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731

@@ -128,7 +128,20 @@ def test_affinity_wins_unless_overloaded_slower_or_excluded():
     assert place_turn(req(exclude=["ser-1", "ser-2", "ded-1"]), cands(), "", P, rng) is None
     # a dedicated home keeps its turn while it is not overloaded
     p = place_turn(req(exclude=["ser-2"]), cands(), "ded-1", P, rng)
-    assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity"
+    assert p is not None and p.executor_id == "ded-1" and p.reason.startswith("prefix affinity")
+
+
+def test_a_dedicated_home_with_a_free_slot_keeps_its_turn_from_a_faster_lease():
+    """An idle lease gives a sequence 100 tok/s against the dedicated home's 300 / 4: sooner, but only per token,
+    and the move would prefill the whole context there. With a slot free at home the turn stays; with the home
+    full (32 running, 8 queued), the lease saves the wait and takes it."""
+    rng = random.Random(0)
+    p = place_turn(req(), cands(), "ded-1", P, rng)
+    assert p is not None and p.executor_id == "ded-1" and p.reason == "prefix affinity: a free slot at home"
+    assert place_turn(req(), cands(), "", P, rng).executor_id == "ser-2"  # type: ignore[union-attr]  # a first turn: no prefix to keep
+    full = [*cands()[:2], Candidate("ded-1", "dedicated", "", 0, 300.0, 40, 32, running=32, queued=8, recent=0)]
+    p = place_turn(req(), full, "ded-1", P, rng)
+    assert p is not None and p.executor_id == "ser-2" and p.reason.startswith("leased")
 
 
 def test_weighted_by_measured_throughput():
