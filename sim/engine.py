@@ -733,7 +733,7 @@ class Simulation:
                 else:
                     self.counts.turns.prefix_misses += 1
                 # the prefill this turn redoes beyond its new tokens: the context its cache no longer holds
-                perf = self.sized.shape.pperf_d if self.inst.is_ded[d] else self.sized.shape.pperf_s
+                perf = self._policy_steps(d)
                 redone = float(perf.prefill_s(ctx - cached, cached) - perf.prefill_s(new_tokens, ctx - new_tokens))
                 if redone > 0:
                     self.counts.turns.reprefill_s += redone
@@ -787,6 +787,8 @@ class Simulation:
         ``TurnTable.where``) has not taken it from the device, else from the host tier too; at least one prompt token
         is left to compute. ``host=False`` (a hedge: its primary may finish before a copy would) leaves a host copy."""
         t, m = self.turns, self.sized.memory
+        if t.cache_tokens[i, d] <= 0:  # none there (most routes of a moved turn): nothing to take, no KV to sum
+            return 0.0, 0.0
         ded = bool(self.inst.is_ded[d])
         host_cap = self.cfg.host_kv_ratio * (m.dedicated_kv if ded else max(0.0, m.cohost_free_bytes))
         where = t.where(i, d, t.kv_in_use(d, m.kvb_p), float(self.inst.kvcap[d]), host_cap)
@@ -798,8 +800,11 @@ class Simulation:
         cached = float(min(held, prompt - 1.0))
         if where == "device":
             return cached, 0.0
-        perf = self.sized.shape.pperf_d if ded else self.sized.shape.pperf_s
-        return cached, float(perf.host_load_s(cached)) * t.bundle
+        return cached, float(self._policy_steps(d).host_load_s(cached)) * t.bundle
+
+    def _policy_steps(self, d: int):
+        """The policy's step model on instance ``d`` (``_pol_perf`` picks it per instance for arrays)."""
+        return self.sized.shape.pperf_d if self.inst.is_ded[d] else self.sized.shape.pperf_s
 
     def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
         """Turn-table row ``i`` goes to instance ``d``; the event its worker waits on."""
