@@ -136,6 +136,8 @@ class MetricsSnapshot(Message):
     # of prefix_misses (the device's), the turns whose prefix the host tier restored; and the bytes it holds now
     prefix_host_hits: NonNegInt = 0
     host_kv_bytes: NonNegInt = 0
+    # prompt tokens/s of its recent rollout forwards that prefilled (0: none yet): what a moved turn's prefill costs here
+    rollout_prefill_tokens_per_s: NonNegFloat = 0.0
     policy_version: NonNegInt = 0
     lease_id: str = ""
     device: DeviceTelemetry | None = None

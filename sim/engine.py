@@ -263,7 +263,19 @@ class Simulation:
                 t.events[i].succeed(("aborted", 0.0))
         t.drop_instance_cache(d, keep_host=self.cfg.host_kv_ratio > 0)
 
-    def _headroom_role(self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0) -> None:
+    def _prefill_rates(self) -> np.ndarray:
+        """Per instance, the prompt tokens/s of a rollout forward that carries a prefill chunk beside the decode steps
+        running there (what an executor reports as ``rollout_prefill_tokens_per_s``), from its step model."""
+        t, D, shape = self.turns, self.inst.D, self.sized.shape
+        run = t.state == 2
+        rows = np.bincount(t.dev[run], minlength=D).astype(float)
+        ctx = np.bincount(t.dev[run], weights=t.ctx[run], minlength=D) / np.maximum(rows, 1.0)
+        chunk = np.where(self.inst.is_ded, shape.pperf_d.rollout_prefill_tokens, shape.pperf_s.rollout_prefill_tokens).astype(float)
+        return chunk / np.maximum(self._pol_perf(np.arange(D), "mixed_s", rows * t.bundle, np.maximum(ctx, 1.0), chunk), 1e-12)
+
+    def _headroom_role(
+        self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0, prefill_rate: float = 0.0
+    ) -> None:
         slots = int(self.inst.slots[d]) if role == "dedicated" else 0
         if role == "dedicated" and "kv_slots" in self.cfg.what_if:
             slots = min(slots, self.sized.kv_slots(self.inst.kvcap[d]))
@@ -287,6 +299,7 @@ class Simulation:
                 rollout_running=int(running),
                 rollout_queue=int(queued),
                 rollout_tokens_per_s=float(tps),
+                rollout_prefill_tokens_per_s=float(prefill_rate),
             )
         )
 
@@ -403,8 +416,9 @@ class Simulation:
         # (what rose bench e2e averages into calibration.dedicated_rollout_tokens_per_s)
         self.counts.rollout.ded_snapshots_tps.extend(self.mon.close_dedicated_interval(nr[self.inst.n_serv :]))
         peak_tps = self.mon.ring_tps.max(axis=1)
+        prefill = self._prefill_rates()
         for d in range(self.inst.n_serv, D):
-            self._headroom_role(d, "dedicated", now, nr[d] * t.bundle, nq[d] * t.bundle, peak_tps[d])
+            self._headroom_role(d, "dedicated", now, nr[d] * t.bundle, nq[d] * t.bundle, peak_tps[d], prefill[d])
 
     # ------------------------------------------------------------------ rollout progress
     def _pol_perf(self, d: np.ndarray, fn: str, *args):
@@ -531,6 +545,7 @@ class Simulation:
         qmask = t.state == 1
         queued = L(np.bincount(t.dev[qmask], minlength=D)) if qmask.any() else [0] * D
         c, bundle = self.cfg, t.bundle
+        prefill = L(self._prefill_rates())
         for d in range(self.inst.n_serv):
             eid = self.inst.ids[d]
             short = WindowStats(
@@ -636,6 +651,7 @@ class Simulation:
                     rollout_running=int(br_now[d]),
                     rollout_queue=queued[d] * bundle,
                     rollout_tokens_per_s=m.reported_tps(d, tps_peak[d]),
+                    rollout_prefill_tokens_per_s=prefill[d],
                     device_kind="cuda",
                     device_name=shape.device.name,
                     device_memory_bytes=int(memory.total_s),

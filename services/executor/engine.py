@@ -648,6 +648,7 @@ class Engine:
             rollout_running=len(self._rollout.running),
             serving_tokens_per_s=interval.serving_tokens / span,
             rollout_tokens_per_s=interval.rollout_tokens / span,
+            rollout_prefill_tokens_per_s=self.metrics.rollout_prefill_tokens_per_s,
             serving_pool=self._serving.pool.usage(),
             rollout_pool=self._rollout.pool.usage(self.prefix_cache.cached_blocks),
             prefix_hits=self.prefix_cache.hits,
@@ -966,7 +967,11 @@ class Engine:
         rt.count_unprefilled()
         if not work:
             return
+        prefill = sum(n for sid, n in plan.prefill) if rt is self._rollout else 0
+        started = time.perf_counter()
         ready = self._run(rt, work)  # prefill chunks and decode steps in one packed forward
+        if prefill and ready is not None:
+            self.metrics.rollout_prefilled(prefill, time.perf_counter() - started)
         if ready is not None:  # None: abandoned at a layer safepoint, rollout yields to serving now
             self._process(rt, ready)
         rt.count_unprefilled()

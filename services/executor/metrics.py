@@ -17,6 +17,7 @@ from ddsketch import DDSketch
 from rose.shared.sketch import new_sketch
 
 MAX_RECLAIM_SAMPLES = 10_000
+PREFILL_RATE_EMA = 0.2  # weight of the latest forward in the rollout prefill rate
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,9 @@ class EngineMetrics:
         self.serving_tokens_total = 0  # all-time generated tokens per lane (rates: sglang:gen_throughput)
         self.rollout_tokens_total = 0
         self._last_failure_of: dict[str, LaneFailure] = {}
+        # prompt tokens per second of the rollout forwards that carried a prefill chunk (EMA): what a turn's prefill
+        # gets here, the price of moving a turn away from its prefix cache (services/scheduler/placement.py)
+        self.rollout_prefill_tokens_per_s = 0.0
 
     def lane_failed(self, lane: str, error: BaseException) -> None:
         with self._lock:
@@ -90,6 +94,15 @@ class EngineMetrics:
             self._interval.rollout_tokens += rollout
             self.serving_tokens_total += serving
             self.rollout_tokens_total += rollout
+
+    def rollout_prefilled(self, tokens: int, seconds: float) -> None:
+        """A rollout forward that prefilled ``tokens`` prompt tokens (beside its decode steps) took ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        with self._lock:
+            old = self.rollout_prefill_tokens_per_s
+            self.rollout_prefill_tokens_per_s = rate if old <= 0 else old + PREFILL_RATE_EMA * (rate - old)
 
     def reclaim(self, ms: float) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ class EngineStats:
     rollout_parked: bool = False  # a burst parked the lease: rollout keeps its KV here and computes nothing
     prefix_host_hits: int = 0  # all-time: of prefix_misses (the device's), those the host tier restored
     host_kv_bytes: int = 0  # what the host tier holds now
+    rollout_prefill_tokens_per_s: float = 0.0  # what a turn's prefill gets here lately (0: none measured yet)
 
 
 class RequestHandle:

@@ -125,6 +125,7 @@ class Telemetry:
             rollout_running=stats.rollout_running,
             serving_tokens_per_s=stats.serving_tokens_per_s,
             rollout_tokens_per_s=stats.rollout_tokens_per_s,
+            rollout_prefill_tokens_per_s=stats.rollout_prefill_tokens_per_s,
             serving_pool=PoolUsage(**vars(stats.serving_pool)),
             rollout_pool=PoolUsage(**vars(stats.rollout_pool)),
             prefix_hits=stats.prefix_hits,

@@ -215,13 +215,25 @@ class Fleet:
             capacity = i.capacity or median.get(i.role, 0)
             recent = sum(1 for at in i.inflight.values() if at > h.at) if h else -1
             running_queued = (h.rollout_running, h.rollout_queue, capacity, recent) if h else (0, 0, capacity, -1)
+            # a lane's forwards run in its share of the device's time: a prefill's wall-clock rate is that share of theirs
+            prefill_rate = h.rollout_prefill_tokens_per_s * h.compute_share if h else 0.0
             if i.role == "dedicated":
                 slots = h.rollout_batch_slots if h else 1
-                out.append(Candidate(i.executor_id, "dedicated", "", 0, throughput, load, slots, *running_queued))
+                out.append(Candidate(i.executor_id, "dedicated", "", 0, throughput, load, slots, *running_queued, prefill_rate=prefill_rate))
             elif is_active(i.lease, now + p.min_lease_left_s):
                 assert i.lease is not None
                 out.append(
-                    Candidate(i.executor_id, "serving", i.lease.lease_id, i.lease.epoch, throughput, load, i.lease.max_rollout_batch, *running_queued)
+                    Candidate(
+                        i.executor_id,
+                        "serving",
+                        i.lease.lease_id,
+                        i.lease.epoch,
+                        throughput,
+                        load,
+                        i.lease.max_rollout_batch,
+                        *running_queued,
+                        prefill_rate=prefill_rate,
+                    )
                 )
         return out
 

@@ -8,7 +8,9 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    at the per-sequence rate measured there (its rollout tokens/s over the sequences running),
    times the model's observed error for its role (observed / predicted turn times, kept by the
    scheduler's Fleet from the trajectories' turn records); a leased turn adds the chance of a
-   revocation while it runs times the time to finish it on the dedicated pool instead;
+   revocation while it runs times the time to finish it on the dedicated pool instead; an
+   executor other than the previous turn's adds the prefill of the turn's context there (its
+   prompt at the prefill rate measured there, ``moved_prefill_s``): the prefix cache it lacks;
 3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
    slots (the request names its batch and size), the turn goes to a dedicated executor:
    leased capacity cannot make the last turns of a step faster, only slower;
@@ -22,9 +24,9 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    executors' host tier the prefix is nearly always still home);
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
-   scheduler grants on a dedicated executor with a free slot: the first result wins. Refused,
-   a leased turn asks again as its age doubles: a burst may park it there for seconds, and the
-   lease is then gone, but the fleet still knows the executor's role.
+   scheduler grants on a dedicated executor with a free slot once a burst has parked the turn
+   (its lease is gone; the fleet still knows the executor's role): the first result wins.
+   Refused, a leased turn asks again as its age doubles.
 Without measurements (a fresh fleet), an executor counts as the median of those measured; random
 routing, the baseline, picks uniformly.
 """
@@ -54,6 +56,7 @@ class Candidate:
     queued: int = 0  # rollout sequences waiting there for a slot (its last headroom)
     capacity: int = 0  # sequences it ran at once the last time others waited (its KV limit, measured; 0: never seen)
     recent: int = -1  # turns routed there since its last headroom (-1: no headroom yet: `load` is all there is)
+    prefill_rate: float = 0.0  # prompt tokens/s a turn's prefill gets there, its lane's share counted (measured; 0: unknown)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,19 @@ def _placed(c: Candidate, reason: str, p: Prediction | None = None, turn_s: floa
     return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model)
 
 
+def moved_prefill_s(c: Candidate, prompt_tokens: int, affinity: str) -> float:
+    """What moving a turn to ``c`` costs, in seconds of its prediction there, against its previous turn's executor
+    (``affinity``, which keeps its prefix cached; 0 there or where the rate is unknown): ``c`` prefills the whole
+    context at its measured rate, and every sequence there waits that long too, the turn itself and those it
+    holds (its occupancy): an executor's prefill budget per forward is shared, and a context of thousands of
+    tokens takes it for tens of forwards. Priced as the turn's own prefill alone, a move looked nearly free and
+    the simulator's 7B/8-GPU grid moved by at most 4 %; priced as here, it kept turns home and both static and rose
+    ran faster (docs/benchmarks.md, 2026-12-05 (late night))."""
+    if c.executor_id == affinity or c.prefill_rate <= 0:
+        return 0.0
+    return prompt_tokens / c.prefill_rate * (occupancy(c) + 1)
+
+
 def leased_finish(p: Prediction, revoke_rate: float, fallback: float) -> float:
     """A leased turn's expected finish (``p`` in seconds): its prediction, plus, with the chance that its
     lease is revoked while it runs (``revoke_rate`` per lease-second), the time to finish it on the
@@ -187,6 +203,11 @@ def place_turn(
     raw = {c.executor_id: predict(c, w[c.executor_id], unit) for c in pool}  # seconds once a typical turn is known
     err = model_error or {}
     pred = {c.executor_id: Prediction(raw[c.executor_id].wait * err.get(c.role, 1.0), raw[c.executor_id].run * err.get(c.role, 1.0)) for c in pool}
+    if affinity and turn_s > 0:  # elsewhere, the turn first prefills the context its previous executor keeps cached
+        for c in pool:
+            extra = moved_prefill_s(c, req.prompt_tokens, affinity)
+            if extra > 0:
+                pred[c.executor_id] = Prediction(pred[c.executor_id].wait + extra, pred[c.executor_id].run)
     dedicated = [c for c in pool if c.role == "dedicated"]
     leased = [c for c in pool if c.role != "dedicated"]
     home = next((c for c in pool if c.executor_id == affinity), None) if affinity else None
@@ -243,29 +264,30 @@ def should_hedge(
 ) -> tuple[bool, str]:
     """Is this straggling turn worth a duplicate? (first result wins)
 
-    A turn running on leased capacity (its executor is the first of ``req.exclude`` or
-    ``req.previous_executor``) is hedged as soon as a dedicated executor has a free slot and the
-    turn is past its hint (the worker asks then) or its batch is in its tail: a dedicated slot
-    that would sit idle costs nothing and caps how late the turn can be. Otherwise, the group
-    and typical-time rules below.
+    A turn whose lease a burst revoked (its executor, the first of ``req.exclude`` or
+    ``req.previous_executor``, is a serving one no longer a candidate: ``primary_role`` is its role
+    as the fleet knows it) is parked until a new lease or the park's end; it is hedged as soon as a
+    dedicated executor has a free slot and the turn is past its hint (the worker asks then) or its
+    batch is in its tail. Judged by the group and typical-time rules alone, such turns held a
+    synchronous step for the park's seconds (`rose bench e2e`, 2026-12-04: batches of 4-7 s against
+    1 s). Not hedged at once: a new lease before the park's end resumes them in place.
 
-    ``primary_role``: the primary executor's role as the fleet knows it, for a primary that is no
-    longer a candidate: a serving executor whose lease a burst revoked (its turns parked until a new
-    lease or the park's end) is still a lease's turn, under the rules above. Judged by the group and
-    typical-time rules alone, such turns held a synchronous step for the park's seconds
-    (`rose bench e2e`, 2026-12-04: batches of 4-7 s against 1 s). Not hedged at once: a new lease
-    before the park's end resumes them in place, which a duplicate would only repeat.
+    A turn on a live lease is not hedged by these rules: it runs, at about a dedicated slot's
+    per-sequence speed, and a duplicate starts over, prefilling the whole context (the simulator's
+    7B/8-GPU grid: 5-10 % of such hedges won, and the dedicated pool ran the copies instead of
+    its own turns; without them rose was faster in 12 of 12 configurations). Otherwise, the group
+    and typical-time rules below, for any executor.
     """
     if candidates is not None:
         primary = next((c for c in candidates if c.executor_id == hedge_primary(req)), None)
         role = primary.role if primary is not None else primary_role
         dedicated = [c for c in candidates if c.role == "dedicated" and c.executor_id not in req.exclude]
         free = [c for c in dedicated if has_room(c)]
-        if role not in ("", "dedicated") and free:
+        if primary is None and role not in ("", "dedicated") and free:  # parked: its lease is gone
             if in_tail(unfinished, dedicated):
-                return True, "leased turn in the batch's tail; a dedicated slot is free"
+                return True, "parked leased turn in the batch's tail; a dedicated slot is free"
             if req.elapsed_s > 0 and req.typical_turn_s > 0 and req.elapsed_s >= req.typical_turn_s:
-                return True, f"leased turn late ({req.elapsed_s:.1f} s); a dedicated slot is free"
+                return True, f"parked leased turn late ({req.elapsed_s:.1f} s); a dedicated slot is free"
     typical = req.typical_turn_s
     if typical <= 0:
         return False, "no typical turn time yet"

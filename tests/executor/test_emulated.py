@@ -19,6 +19,7 @@ from rose.services.executor.config import EmulationSettings
 from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, default_memory, emulation_spec, instance_tp, parse_device
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
+from rose.services.executor.telemetry import Telemetry
 from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
 from rose.testing.engine import EMULATED_7B_H100, CoServingEngineTestcase
 
@@ -219,6 +220,25 @@ def test_the_rollout_prefill_chunk_is_the_policys_roofline_ridge(emulated, make_
     assert roof.forward_s([], [(2.0 * ridge, 0.0)]) > 1.5 * roof.forward_s([], [(float(ridge), 0.0)])
     assert emulated()._rollout.limits.prefill_tokens == ridge
     assert make_engine()._rollout.limits.prefill_tokens == 64
+
+
+async def test_the_measured_rollout_prefill_rate_is_the_step_models_at_most(emulated):
+    """What the scheduler prices a moved turn's prefill at (``rollout_prefill_tokens_per_s``): the prompt tokens of the
+    rollout forwards that prefilled over their seconds. On an emulated H100 it is positive and never above the step
+    model's rate for the chunks the engine ran (the host can be late, never early); decode steps leave it alone."""
+    engine = emulated()
+    engine.set_rollout_lease(SPEC_7B.rollout_kv_bytes, time.monotonic() + 3600)
+    assert engine.stats().rollout_prefill_tokens_per_s == 0.0  # nothing prefilled yet: unknown
+    roof = SPEC_7B.roofline(WorkClass.ROLLOUT)
+    ridge = engine._rollout.limits.prefill_tokens
+    prompt = list(range(10, 10 + 2 * ridge + 20))  # chunks of ridge, ridge and 20 tokens
+    result = await engine.submit(_request("r", WorkClass.ROLLOUT, prompt, 30)).result()
+    assert len(result.token_ids) == 30
+    fastest = max(ridge / roof.forward_s([], [(float(ridge), 0.0)]), ridge / roof.forward_s([], [(float(ridge), float(ridge))]))
+    measured = engine.stats().rollout_prefill_tokens_per_s
+    assert 0.0 < measured <= fastest * (1 + 1e-9)
+    snapshot = Telemetry(engine, "executor-1", "serving", 1.0).snapshot(engine.stats())  # what the monitor receives
+    assert snapshot.rollout_prefill_tokens_per_s == measured
 
 
 def test_emulation_settings_are_checked_and_sized_as_the_simulator_sizes():

@@ -3,6 +3,7 @@ dedicated executors, revocation risk, hedging of late leased turns, and the flee
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -83,18 +84,51 @@ def test_revocation_risk_and_model_error_can_turn_a_lease_down():
     assert slow is not None and slow.role == "dedicated"
 
 
-def test_hedge_a_late_leased_turn_on_a_free_dedicated_slot():
+def test_a_turn_on_a_live_lease_is_not_hedged_by_the_lease_rules():
+    """Late against the typical turn, or in its batch's tail, with a dedicated slot free: the lease still runs the
+    turn, and a duplicate would start over there (the whole context's prefill) for the 5-10 % of copies that won
+    in the simulator. The group and typical-time rules still apply to it, as to any turn."""
     pool = [ded(running=10, capacity=64), lease()]
     late = req(hedge=True, exclude=["ser-1"], elapsed_s=12.0, typical_turn_s=10.0, group_size=8)
-    assert should_hedge(late, 0, P, pool)[0] is True
-    assert should_hedge(msgspec.structs.replace(late, elapsed_s=5.0), 0, P, pool)[0] is False
-    assert should_hedge(msgspec.structs.replace(late, elapsed_s=5.0), 0, P, pool, unfinished=20)[0] is True  # the batch's tail
-    full = [ded(running=64, queued=3), lease()]
-    assert should_hedge(late, 0, P, full)[0] is False  # no free dedicated slot: a duplicate would only queue
-    on_dedicated = [ded(running=10, capacity=64), ded("ded-2", running=10, capacity=64)]
-    assert should_hedge(msgspec.structs.replace(late, exclude=["ded-2"]), 0, P, on_dedicated)[0] is False
-    h = place_turn(late, pool, "ser-1", P, random.Random(0))
+    assert should_hedge(late, 0, P, pool) == (False, "not a straggler")
+    assert should_hedge(late, 0, P, pool, unfinished=20)[0] is False  # the batch's tail
+    group = msgspec.structs.replace(late, elapsed_s=16.0)
+    assert should_hedge(group, 0, P, pool)[0] is False
+    assert should_hedge(group, 7, P, pool)[0] is True  # 7 of its 8 siblings done and the turn at 1.6x typical: the group rule
+    far = msgspec.structs.replace(late, elapsed_s=45.0)
+    assert should_hedge(far, 0, P, pool)[0] is True  # 4.5x typical: hedged wherever it runs
+    h = place_turn(far, pool, "ser-1", P, random.Random(0))
     assert h is not None and h.executor_id == "ded-1"
+
+
+def fleet_of(*executors: tuple[str, str]) -> Fleet:
+    """A scheduler's fleet that heard, at t=100, a heartbeat from each (executor id, role)."""
+    from rose.contracts.service import Heartbeat
+
+    fleet = Fleet(SchedulerConfig())
+    for ex, role in executors:
+        fleet.on_heartbeat(
+            Heartbeat(
+                service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9, labels={"role": role}
+            ),
+            now=100.0,
+        )
+    return fleet
+
+
+def active_lease(ex: str, *, expires_at: float, compute_share: float, max_rollout_batch: int) -> Lease:
+    """The first lease of serving executor ``ex``, granted at t=100."""
+    return Lease(
+        lease_id=f"{ex}-e1",
+        executor_id=ex,
+        epoch=1,
+        state="active",
+        granted_at=100.0,
+        expires_at=expires_at,
+        kv_bytes=1,
+        compute_share=compute_share,
+        max_rollout_batch=max_rollout_batch,
+    )
 
 
 def headroom(ex: str, at: float, role: str, running: int, queued: int, tps: float, slots: int = 256) -> Headroom:
@@ -119,16 +153,7 @@ def headroom(ex: str, at: float, role: str, running: int, queued: int, tps: floa
 
 
 def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
-    from rose.contracts.service import Heartbeat
-
-    fleet = Fleet(SchedulerConfig())
-    for ex, role in (("d0", "dedicated"), ("d1", "dedicated"), ("s0", "serving")):
-        fleet.on_heartbeat(
-            Heartbeat(
-                service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9, labels={"role": role}
-            ),
-            now=100.0,
-        )
+    fleet = fleet_of(("d0", "dedicated"), ("d1", "dedicated"), ("s0", "serving"))
     fleet.on_headroom(headroom("d0", 100.0, "dedicated", 40, 5, 4000.0))
     fleet.on_headroom(headroom("d1", 100.0, "dedicated", 10, 0, 1000.0))
     cands = {c.executor_id: c for c in fleet.candidates(100.0)}
@@ -145,17 +170,7 @@ def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
     fleet.on_turn_result("b", 0, int(fleet.turn_tokens), 20.0)
     assert fleet.model_error["dedicated"] > 1.5
     # a revoked lease is a revocation; re-sending the revoked record is not another one
-    active = Lease(
-        lease_id="s0-e1",
-        executor_id="s0",
-        epoch=1,
-        state="active",
-        granted_at=100.0,
-        expires_at=110.0,
-        kv_bytes=1,
-        compute_share=0.1,
-        max_rollout_batch=4,
-    )
+    active = active_lease("s0", expires_at=110.0, compute_share=0.1, max_rollout_batch=4)
     fleet.on_lease(active, 100.0)
     revoked = msgspec.structs.replace(active, state="revoked")
     fleet.on_lease(revoked, 105.0)
@@ -218,3 +233,42 @@ async def test_a_turn_parked_by_a_burst_gets_a_dedicated_duplicate(bus):
     # a primary the scheduler never heard of: judged by the group and typical-time rules alone (1.2x is not a straggler)
     unknown = msgspec.structs.replace(late, trajectory_id="tr-pk-2", exclude=["ex-pk-unknown"])
     assert (await s.route(unknown, d)).executor_id == ""
+
+
+def test_a_move_pays_the_prefill_of_the_context_its_home_keeps_cached():
+    """A queue at home against a free lease: the lease wins while prefilling the 30,000-token context there (at the
+    prefill rate it measured, for the turn and the 4 sequences there that wait for it) costs less than the wait at
+    home, and loses once it costs more."""
+    home = ded(running=32, queued=16, tps=3200.0)  # a typical 300-token turn: 3 s there after 1.6 s of wait
+    long_context = req(prompt_tokens=30_000)
+    fast = place_turn(
+        long_context, [home, dataclasses.replace(lease(tps=800.0), prefill_rate=60_000.0)], "ded-1", P, random.Random(0), turn_tokens=300.0
+    )
+    assert fast is not None and fast.role == "serving"  # 1.5 s there, 0.5 s of prefill x 5 sequences: 4.0 s against 4.6 s
+    slow = place_turn(
+        long_context, [home, dataclasses.replace(lease(tps=800.0), prefill_rate=3_000.0)], "ded-1", P, random.Random(0), turn_tokens=300.0
+    )
+    assert slow is not None and slow.executor_id == "ded-1" and slow.reason == "prefix affinity"  # 10 s of prefill x 5
+    # the first turn has no home: every executor prefills the prompt alike, so the rate does not count
+    first = place_turn(
+        msgspec.structs.replace(long_context, turn_index=0),
+        [home, dataclasses.replace(lease(tps=800.0), prefill_rate=3_000.0)],
+        "",
+        P,
+        random.Random(0),
+        turn_tokens=300.0,
+    )
+    assert first is not None and first.role == "serving"
+    # unknown rate (an SGLang backend, or nothing prefilled there yet): no price, as before
+    unknown = place_turn(long_context, [home, lease(tps=800.0)], "ded-1", P, random.Random(0), turn_tokens=300.0)
+    assert unknown is not None and unknown.role == "serving"
+
+
+def test_the_fleet_prices_a_lane_s_prefill_at_its_share_of_the_device():
+    """An executor reports its rollout forwards' prefill rate; a lane runs them in its compute share of the device."""
+    fleet = fleet_of(("d0", "dedicated"), ("s0", "serving"))
+    fleet.on_headroom(msgspec.structs.replace(headroom("d0", 100.0, "dedicated", 40, 0, 4000.0), rollout_prefill_tokens_per_s=20_000.0))
+    lane = headroom("s0", 100.0, "serving", 4, 0, 400.0, slots=16)
+    fleet.on_headroom(msgspec.structs.replace(lane, compute_share=0.25, rollout_prefill_tokens_per_s=20_000.0))
+    fleet.on_lease(active_lease("s0", expires_at=160.0, compute_share=0.25, max_rollout_batch=16), 100.0)
+    assert {c.executor_id: c.prefill_rate for c in fleet.candidates(100.0)} == {"d0": 20_000.0, "s0": 5_000.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from ddsketch import DDSketch
 
 from rose.services.executor.slo_guard import SETPOINT
@@ -166,6 +167,9 @@ def test_monitor_headroom_for_serving_and_dedicated():
     assert h.device_kind == "cpu" and h.device_memory_bytes == 8 << 30
     d = m.headroom("ded-1", 2.0)
     assert d.role == "dedicated" and d.rollout_tokens_per_s == 400.0
+    assert h.rollout_prefill_tokens_per_s == d.rollout_prefill_tokens_per_s == 0.0  # none reported: unknown
+    m.observe(msgspec.structs.replace(snap(20 * INTERVAL, ex="ded-1", role="dedicated", arrivals=0), rollout_prefill_tokens_per_s=9000.0), now=2.0)
+    assert m.headroom("ded-1", 2.0).rollout_prefill_tokens_per_s == 9000.0  # the latest snapshot's
     assert set(m.live(2.5)) == {"ex-1", "ded-1"} and m.live(100.0) == []
     assert m.fleet_load()["executors"] == 2.0
 
