@@ -102,17 +102,10 @@ def test_a_turn_on_a_live_lease_is_not_hedged_by_the_lease_rules():
 
 
 def fleet_of(*executors: tuple[str, str]) -> Fleet:
-    """A scheduler's fleet that heard, at t=100, a heartbeat from each (executor id, role)."""
-    from rose.contracts.service import Heartbeat
-
+    """A scheduler's fleet that heard, at t=100, a heartbeat from each (executor id, role) that keeps it alive."""
     fleet = Fleet(SchedulerConfig())
     for ex, role in executors:
-        fleet.on_heartbeat(
-            Heartbeat(
-                service="executor", instance=ex, version="t", host="h", pid=1, started_at=0.0, sent_at=0.0, interval_s=1e9, labels={"role": role}
-            ),
-            now=100.0,
-        )
+        fleet.on_heartbeat(beat(ex, role, interval_s=1e9), now=100.0)
     return fleet
 
 
