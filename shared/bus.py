@@ -616,6 +616,7 @@ class Bus:
         deliver_new: bool = False,
         batch: int = CONSUME_BATCH,
         manual_ack: bool = False,
+        keep_alive: bool = False,
         **tokens: str,
     ) -> None:
         """Consume a JetStream channel with a durable pull consumer and explicit acks.
@@ -628,6 +629,12 @@ class Bus:
         `manual_ack=True`: a handler that returns has taken the message over; it acks it later
         with `delivery.ack()` (and keeps it with `delivery.in_progress()` within `ack_wait_s`),
         e.g. once what it computed from the message is durable. Unacked, it is redelivered.
+
+        `keep_alive=True`: while the handler runs, the message's ack deadline is renewed (every third of
+        `ack_wait_s`), so only a consumer that stopped (its process gone, its connection lost) has its
+        message redelivered, however long the work takes. For handlers bounded by their own deadlines
+        (a rollout episode: its turns'): without it, an episode longer than `ack_wait_s` ran twice, both
+        copies to the end (18 % of the turns of an emulated static run, docs/benchmarks.md 2026-12-05 (evening 2)).
         """
         if channel.stream is None:
             raise TypeError(f"channel {channel.name!r} is not backed by a stream")
@@ -644,10 +651,19 @@ class Bus:
         with self.permission_errors(stream=channel.stream.name):
             sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=channel.stream.name, config=config)
         self._pull_subs.append(sub)
-        self._tasks.append(asyncio.create_task(self._consume_loop(channel, handler, sub, max_deliver, batch, manual_ack), name=f"consume:{durable}"))
+        beat_s = ack_wait_s / 3 if keep_alive else 0.0
+        loop = self._consume_loop(channel, handler, sub, max_deliver, batch, manual_ack, beat_s)
+        self._tasks.append(asyncio.create_task(loop, name=f"consume:{durable}"))
 
     async def _consume_loop(
-        self, channel: Channel, handler: Handler, sub: Any, max_deliver: int, batch: int = CONSUME_BATCH, manual_ack: bool = False
+        self,
+        channel: Channel,
+        handler: Handler,
+        sub: Any,
+        max_deliver: int,
+        batch: int = CONSUME_BATCH,
+        manual_ack: bool = False,
+        beat_s: float = 0.0,
     ) -> None:
         while not self._closing:
             try:
@@ -661,9 +677,21 @@ class Bus:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._consume_one(channel, handler, msg, max_deliver, manual_ack)
+                await self._consume_one(channel, handler, msg, max_deliver, manual_ack, beat_s)
 
-    async def _consume_one(self, channel: Channel, handler: Handler, msg: Msg, max_deliver: int, manual_ack: bool = False) -> None:
+    @staticmethod
+    async def _keep_alive(msg: Msg, beat_s: float) -> None:
+        """Renew ``msg``'s ack deadline every ``beat_s`` until cancelled (a beat lost while reconnecting: the next one)."""
+        while True:
+            await asyncio.sleep(beat_s)
+            try:
+                await msg.in_progress()
+            except Exception as exc:
+                log.info("keeping %s alive failed: %r", msg.subject, exc)
+
+    async def _consume_one(
+        self, channel: Channel, handler: Handler, msg: Msg, max_deliver: int, manual_ack: bool = False, beat_s: float = 0.0
+    ) -> None:
         headers = msg.headers or {}
         try:
             message = await self._accept(channel, msg.data, msg.subject, headers)
@@ -672,6 +700,7 @@ class Bus:
             return
         attempt = msg.metadata.num_delivered
         with incoming_span("process", msg.subject, channel.template, headers, periodic=not traced(channel.name)):
+            keeper = asyncio.create_task(self._keep_alive(msg, beat_s)) if beat_s > 0 else None
             try:
                 delivery = Delivery(msg.subject, headers, channel.parse(msg.subject), attempt, msg if manual_ack else None)
                 await handler(message, delivery)
@@ -683,6 +712,9 @@ class Bus:
                 else:
                     await msg.nak(delay=min(0.2 * 2**attempt, 10.0))
                 return
+            finally:
+                if keeper is not None:
+                    keeper.cancel()
         if not manual_ack:
             await msg.ack()
 

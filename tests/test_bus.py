@@ -110,6 +110,51 @@ async def test_jetstream_consume_acks_and_retries(bus_config, bus, task_queue):
     assert attempts["task-1"] == 2
 
 
+async def test_a_long_handler_keeps_its_message_and_a_stopped_one_loses_it(bus_config, bus, task_queue):
+    """A rollout episode runs as long as its turns take: with ``keep_alive`` its task is delivered once however much
+    longer than ``ack_wait_s`` it runs (without, it was redelivered meanwhile and both copies ran to the end); a worker
+    that stops mid-episode renews nothing, and the task goes to another worker."""
+    deliveries: dict[str, list[str]] = {}
+    finished = asyncio.Event()
+
+    def worker_handler(name: str, hold_s: float):
+        async def handle(task: RolloutTask, d: Delivery) -> None:
+            deliveries.setdefault(task.task_id, []).append(name)
+            await asyncio.sleep(hold_s)
+            if task.task_id == "long-kept":
+                finished.set()
+
+        return handle
+
+    for keep_alive, task_id in ((False, "long-unkept"), (True, "long-kept")):
+        durable = f"keep-{keep_alive}".lower()
+        async with Bus(bus_config, service="rollout_worker", instance="w1") as w1, Bus(bus_config, service="rollout_worker", instance="w2") as w2:
+            for w, name in ((w1, "w1"), (w2, "w2")):
+                await w.consume(ROLLOUT_TASK, worker_handler(name, 2.5), durable=durable, ack_wait_s=1.0, batch=1, keep_alive=keep_alive)
+            await bus.publish(ROLLOUT_TASK, RolloutTask(task_id=task_id, env="arith", prompt="2+2"))
+            await asyncio.sleep(3.2)  # 2.5 s of work against a 1 s ack deadline
+        await bus.js.delete_consumer("ROSE_TASKS", durable)  # a work queue allows one consumer per subject
+    assert len(deliveries["long-unkept"]) >= 2  # redelivered while the first delivery still ran
+    assert len(deliveries["long-kept"]) == 1 and finished.is_set()
+
+    durable = "keep-stopped"
+    async with Bus(bus_config, service="rollout_worker", instance="w3") as w3:
+        stopping = Bus(bus_config, service="rollout_worker", instance="w4")
+        await stopping.connect()
+        await stopping.consume(ROLLOUT_TASK, worker_handler("w4", 3600.0), durable=durable, ack_wait_s=1.0, batch=1, keep_alive=True)
+        await bus.publish(ROLLOUT_TASK, RolloutTask(task_id="stopped", env="arith", prompt="2+2"))
+        while not deliveries.get("stopped"):
+            await asyncio.sleep(0.05)
+        await w3.consume(ROLLOUT_TASK, worker_handler("w3", 0.0), durable=durable, ack_wait_s=1.0, batch=1, keep_alive=True)
+        await stopping.close()  # mid-episode: its renewals stop with it
+        for _ in range(100):
+            if len(deliveries["stopped"]) > 1:
+                break
+            await asyncio.sleep(0.1)
+    await bus.js.delete_consumer("ROSE_TASKS", durable)
+    assert deliveries["stopped"] == ["w4", "w3"]
+
+
 async def test_consumers_that_have_fetched_close_without_waiting_out_the_drain(bus_config, bus):
     """nats.py's drain waits for a pull subscription's pending queue to join(), and a fetch that reads a
     reply left over from the previous fetch (the server's 408 arriving just after the client's own

@@ -29,5 +29,5 @@ class RolloutWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)  # ROSE_SANDBOX__BACKEND
     concurrency: PositiveInt = 8  # episodes in flight per worker process
     durable: str = "rollout_workers"  # the shared work-queue consumer
-    ack_wait_s: PositiveSeconds = 30.0  # an episode unacked this long is redelivered (a dead worker)
+    ack_wait_s: PositiveSeconds = 30.0  # a worker that stopped renewing its episode this long ago is taken as dead: redelivered
     max_deliver: Annotated[int, msgspec.Meta(ge=2)] = 20  # the last delivery publishes a failed trajectory

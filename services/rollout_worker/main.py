@@ -33,7 +33,13 @@ async def run(config: RolloutWorkerConfig) -> None:
         episodes = InstrumentedEpisodes(rt.bus, turns, tokenizer, rt.instance, max_tokens=config.turns.max_tokens, max_deliver=config.max_deliver)
         for _ in range(config.concurrency):  # one pull loop per episode slot: nothing waits out its ack deadline
             await rt.bus.consume(
-                ROLLOUT_TASK, episodes.handle, durable=config.durable, max_deliver=config.max_deliver, ack_wait_s=config.ack_wait_s, batch=1
+                ROLLOUT_TASK,
+                episodes.handle,
+                durable=config.durable,
+                max_deliver=config.max_deliver,
+                ack_wait_s=config.ack_wait_s,
+                batch=1,
+                keep_alive=True,  # an episode runs as long as its turns take; only a stopped worker's is redelivered
             )
         rt.ready()
         while not rt.stopping:
