@@ -92,6 +92,10 @@ class PlacementEvent(Message):
     lease_id: str = ""
     lease_epoch: NonNegInt = 0
     hedge: bool = False
+    # a typical turn's predicted seconds there, the model's error per role corrected, and before the correction
+    # (0: no prediction: a hedge, or no typical turn measured yet); an audit of placement against the turn it placed
+    predicted_s: NonNegFloat = 0.0
+    model_s: NonNegFloat = 0.0
 
 
 class ToolCall(msgspec.Struct, kw_only=True):

@@ -44,7 +44,8 @@ class Headroom(Message):
     rollout_running: NonNegInt = 0
     rollout_queue: NonNegInt = 0
     rollout_tokens_per_s: NonNegFloat = 0.0
-    rollout_prefill_tokens_per_s: NonNegFloat = 0.0  # the executor's latest (its forwards' device rate, before compute_share)
+    # the executor's latest, timed by the wall clock (a lane's holds the serving forwards its rollout yielded to)
+    rollout_prefill_tokens_per_s: NonNegFloat = 0.0
     device_kind: str = ""
     device_name: str = ""
     device_memory_bytes: NonNegInt = 0

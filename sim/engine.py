@@ -82,6 +82,7 @@ import simpy
 
 from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapshot
 from rose.contracts.slo import Headroom, SloAlert
+from rose.services.executor.metrics import PREFILL_RATE_EMA
 from rose.services.scheduler.fleet import Fleet
 from rose.services.slo_monitor.windows import WindowStats
 from rose.services.trainer.capacity import RolloutCapacity
@@ -147,6 +148,10 @@ class Simulation:
         self.capacity = RolloutCapacity()  # the trainer's view of the same headroom (grpo.early_hand_out)
         # the clock
         self.tick_no = 0
+        # per instance, rollout turns running and queued as its last admission left them (``_rollout_tick``)
+        self.admitted_view = (np.zeros(self.inst.D, dtype=np.int64), np.zeros(self.inst.D, dtype=np.int64))
+        # per instance, the share of its device rollout's forwards got lately (a moving mean, as the executor's prefill rate)
+        self.rollout_share_seen = np.ones(self.inst.D)
         self.k_sched = max(1, int(round(SCHEDULER_TICK_S / cfg.dt)))  # ticks per scheduler tick
         # the monitor
         used = memory.total_s - max(0.0, memory.cohost_free_bytes)
@@ -265,13 +270,17 @@ class Simulation:
 
     def _prefill_rates(self) -> np.ndarray:
         """Per instance, the prompt tokens/s of a rollout forward that carries a prefill chunk beside the decode steps
-        running there (what an executor reports as ``rollout_prefill_tokens_per_s``), from its step model."""
+        running there, from its step model, at the share of the device its rollout got lately: what an executor
+        reports as ``rollout_prefill_tokens_per_s``, timing its forwards by the wall clock, serving's turns between
+        included (services/executor/emulated.py yields a rollout forward to serving ones). The device's rate alone
+        read a lane 2.4x its measured rate (docs/benchmarks.md, 2026-12-05 (evening 2))."""
         t, D, shape = self.turns, self.inst.D, self.sized.shape
         run = t.state == 2
         rows = np.bincount(t.dev[run], minlength=D).astype(float)
         ctx = np.bincount(t.dev[run], weights=t.ctx[run], minlength=D) / np.maximum(rows, 1.0)
         chunk = np.where(self.inst.is_ded, shape.pperf_d.rollout_prefill_tokens, shape.pperf_s.rollout_prefill_tokens).astype(float)
-        return chunk / np.maximum(self._pol_perf(np.arange(D), "mixed_s", rows * t.bundle, np.maximum(ctx, 1.0), chunk), 1e-12)
+        alone = chunk / np.maximum(self._pol_perf(np.arange(D), "mixed_s", rows * t.bundle, np.maximum(ctx, 1.0), chunk), 1e-12)
+        return alone * self.rollout_share_seen
 
     def _headroom_role(
         self, d: int, role: ExecutorRole, now: float, running: float = 0.0, queued: float = 0.0, tps: float = 0.0, prefill_rate: float = 0.0
@@ -380,6 +389,8 @@ class Simulation:
             if serving.lane_ceiling is not None:
                 acc.rollout.lane_ceiling_s += float(serving.lane_ceiling[min(len(serving.lane_ceiling) - 1, int(now))]) * n * dt
         tokens = self._rollout_tick(now, dt, share)
+        rolling = self.admitted_view[0] > 0  # the device share its forwards got, where rollout ran this tick
+        self.rollout_share_seen[rolling] += PREFILL_RATE_EMA * (share[rolling] - self.rollout_share_seen[rolling])
         mon.record_rollout(self.tick_no, tokens)
         mon.record_serving(self.tick_no, serving_mode, st, extra, arrivals, inst.queue, br)
         self.tick_no += 1
@@ -407,17 +418,14 @@ class Simulation:
             tl["violating"].append(int(violating.sum()))
 
     def _dedicated_headroom(self, now: float) -> None:
-        t, D = self.turns, self.inst.D
-        running = t.state == 2
-        queued = t.state == 1
-        nr = np.bincount(t.dev[running], minlength=D) if running.any() else np.zeros(D, dtype=np.int64)
-        nq = np.bincount(t.dev[queued], minlength=D) if queued.any() else np.zeros(D, dtype=np.int64)
+        t = self.turns
+        nr, nq = self.admitted_view
         # each dedicated executor's metrics snapshot: rollout tokens/s over the interval, kept when rollout is running
         # (what rose bench e2e averages into calibration.dedicated_rollout_tokens_per_s)
         self.counts.rollout.ded_snapshots_tps.extend(self.mon.close_dedicated_interval(nr[self.inst.n_serv :]))
-        peak_tps = self.mon.ring_tps.max(axis=1)
+        peak_tps = self.mon.peak_interval_tps(self.tick_no)
         prefill = self._prefill_rates()
-        for d in range(self.inst.n_serv, D):
+        for d in range(self.inst.n_serv, self.inst.D):
             self._headroom_role(d, "dedicated", now, nr[d] * t.bundle, nq[d] * t.bundle, peak_tps[d], prefill[d])
 
     # ------------------------------------------------------------------ rollout progress
@@ -426,12 +434,20 @@ class Simulation:
         b = getattr(self.sized.shape.pperf_s, fn)(*args)
         return np.where(self.inst.is_ded[d], a, b)
 
+    def _turns_by_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per instance, rollout turns (rows) running and queued now."""
+        t, D = self.turns, self.inst.D
+        if t.N == 0:
+            return np.zeros(D, dtype=np.int64), np.zeros(D, dtype=np.int64)
+        return np.bincount(t.dev[t.state == 2], minlength=D), np.bincount(t.dev[t.state == 1], minlength=D)
+
     def _rollout_tick(self, now: float, dt: float, share: np.ndarray) -> np.ndarray:
         inst, t, acc, D = self.inst, self.turns, self.counts, self.inst.D
         sized = self.sized
         shape = sized.shape
         tokens: np.ndarray = np.zeros(D)
         if t.N == 0 or not t.state.any():
+            self.admitted_view = self._turns_by_state()
             return tokens
         bundle, kvb = t.bundle, sized.memory.kvb_p
         # --- admission, FIFO per device under the slot and KV caps
@@ -464,6 +480,7 @@ class Simulation:
             if adm.size:
                 t.state[adm] = 2
                 t.pf_left[adm] = bundle * t.pf_tokens[adm]  # prefill tokens left
+        self.admitted_view = self._turns_by_state()
         # --- progress, as the executor iterates: each iteration one packed forward, the decode step of the running
         # turns plus a prefill chunk (the executor's rollout chunk) for the turns still prefilling; once the prefills
         # are done, decode steps alone
@@ -535,15 +552,13 @@ class Simulation:
         q_now = L(r["queue"][:, last[0]])
         q_wait = L(r["queue_wait"][:, last[0]])
         q_prev = L(r["queue"][:, last[1]]) if filled > 1 else [0.0] * self.inst.n_serv
-        br_now = L(r["br"][:, last[0]])
-        tps_peak = L(m.ring_tps[: self.inst.n_serv, long_idx].max(axis=1))
+        tps_peak = L(m.peak_interval_tps(self.tick_no)[: self.inst.n_serv])
         kv_util = L(np.minimum(1.0, st.batch * (traffic.prompt_mean + traffic.output_mean) / max(1.0, serving.kv_tokens)))
         util = L(1.0 - np.exp(-st.batch))
         span_s, span_l, span_b, span_r = len(short_idx) * dt, filled * dt, len(base_idx) * dt, len(recent_idx) * dt
         refit = m.refit_due(self.tick_no)
-        t, D = self.turns, self.inst.D
-        qmask = t.state == 1
-        queued = L(np.bincount(t.dev[qmask], minlength=D)) if qmask.any() else [0] * D
+        t = self.turns
+        running_now, queued = L(self.admitted_view[0] * t.bundle), L(self.admitted_view[1])
         c, bundle = self.cfg, t.bundle
         prefill = L(self._prefill_rates())
         for d in range(self.inst.n_serv):
@@ -648,7 +663,7 @@ class Simulation:
                     tpot_p99_long_ms=tpot_l[d],
                     arrival_rate_long_rps=arr_l[d] / span_l,
                     kv_utilisation=kv_util[d],
-                    rollout_running=int(br_now[d]),
+                    rollout_running=int(running_now[d]),
                     rollout_queue=queued[d] * bundle,
                     rollout_tokens_per_s=m.reported_tps(d, tps_peak[d]),
                     rollout_prefill_tokens_per_s=prefill[d],

@@ -87,6 +87,21 @@ class MonitorState:
         self.ded_window_tokens[:] = 0.0
         return out
 
+    def peak_interval_tps(self, tick_no: int) -> np.ndarray:
+        """Per instance, the highest rollout tokens/s of a metrics interval in the long window: what the monitor's
+        ``rollout_tokens_per_s_peak`` takes (services/slo_monitor/windows.py), each snapshot reporting its interval's
+        mean. The peak of single ticks instead read a lane about 3x its sustained rate (a tick without serving
+        work runs rollout alone), and placement then sent the turns there that the dedicated executor had room for
+        (docs/benchmarks.md, 2026-12-05 (evening 2))."""
+        filled = min(tick_no, self.W)
+        if filled == 0:
+            return np.zeros(self.ring_tps.shape[0])
+        intervals = filled // self.k_snap
+        if intervals == 0:  # no whole interval yet: the ticks so far, as one
+            return self.ring_tps[:, (tick_no - 1 - np.arange(filled)) % self.W].mean(axis=1)
+        newest = (tick_no - 1 - np.arange(intervals * self.k_snap)) % self.W  # newest first, whole intervals
+        return self.ring_tps[:, newest].reshape(-1, intervals, self.k_snap).mean(axis=2).max(axis=1)
+
     def reported_tps(self, d: int, peak: float) -> float:
         """The rollout tokens/s executor ``d``'s headroom reports."""
         if self.sticky_throughput:

@@ -96,7 +96,7 @@ class Router:
         if placement is None:
             return None
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
-        self.fleet.on_prediction(tid, k, placement.role, placement.model_s)
+        self.fleet.on_prediction(tid, k, placement.role, placement.model_s, placement.model_wait_s)
         self.placed(placement.executor_id)
         return self.index[placement.executor_id], placement.hedge_after_s
 

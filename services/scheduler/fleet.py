@@ -54,7 +54,8 @@ class Fleet:
         self.batch_done: OrderedDict[str, int] = OrderedDict()
         self.turn_tokens = 0.0  # generated tokens per turn, a moving mean over finished trajectories (0: none yet)
         self.revocations: deque[float] = deque(maxlen=10_000)  # when active leases ended early or expired
-        self.predictions: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()  # (trajectory, turn) -> (role, model s)
+        # (trajectory, turn) -> (role, model s, of which the wait for a slot)
+        self.predictions: OrderedDict[tuple[str, int], tuple[str, float, float]] = OrderedDict()
         self.model_error: dict[str, float] = {}  # role -> observed / predicted turn time (placement's correction)
 
     def info(self, executor_id: str) -> ExecutorInfo:
@@ -109,18 +110,22 @@ class Fleet:
 
     def on_turn_result(self, trajectory_id: str, turn_index: int, tokens: int, seconds: float) -> None:
         """A finished turn (from a trajectory's turn records) against the time placement predicted for a typical
-        turn where it was placed, scaled to its tokens: the model's error per role, a moving mean."""
+        turn where it was placed, its run scaled to the turn's tokens (the wait for a slot is the same for a short
+        turn as for a long one: scaled too, a short turn behind a queue read as a model many times off, and one
+        burst of first turns lifted the dedicated role's error to 9x): the model's error per role, a moving mean."""
         key = (trajectory_id, turn_index)
-        role, predicted = self.predictions.pop(key, ("", 0.0))
+        role, predicted, wait = self.predictions.pop(key, ("", 0.0, 0.0))
         if not role or predicted <= 0 or seconds <= 0 or tokens <= 0 or self.turn_tokens <= 0:
             return
-        ratio = min(MAX_MODEL_ERROR, max(1.0 / MAX_MODEL_ERROR, seconds / (predicted * tokens / self.turn_tokens)))
+        expected = wait + (predicted - wait) * tokens / self.turn_tokens
+        ratio = min(MAX_MODEL_ERROR, max(1.0 / MAX_MODEL_ERROR, seconds / expected))
         old = self.model_error.get(role, 0.0)
         self.model_error[role] = ratio if old <= 0 else (1 - TURN_EMA) * old + TURN_EMA * ratio
 
-    def on_prediction(self, trajectory_id: str, turn_index: int, role: str, model_s: float) -> None:
+    def on_prediction(self, trajectory_id: str, turn_index: int, role: str, model_s: float, wait_s: float = 0.0) -> None:
+        """Placement's model of a typical turn where it placed this one (``model_s``, of which ``wait_s`` waiting)."""
         if model_s > 0:
-            self.predictions[(trajectory_id, turn_index)] = (role, model_s)
+            self.predictions[(trajectory_id, turn_index)] = (role, model_s, min(wait_s, model_s))
             _bound(self.predictions)
 
     def on_route(self, trajectory_id: str, executor_id: str, now: float, hedge: bool = False, batch_id: str = "", batch_size: int = 0) -> None:
@@ -215,8 +220,9 @@ class Fleet:
             capacity = i.capacity or median.get(i.role, 0)
             recent = sum(1 for at in i.inflight.values() if at > h.at) if h else -1
             running_queued = (h.rollout_running, h.rollout_queue, capacity, recent) if h else (0, 0, capacity, -1)
-            # a lane's forwards run in its share of the device's time: a prefill's wall-clock rate is that share of theirs
-            prefill_rate = h.rollout_prefill_tokens_per_s * h.compute_share if h else 0.0
+            # as measured there: the executor times its forwards by the wall clock, so a lane's rate already holds the
+            # serving forwards its rollout yielded to (scaling it by the lease's compute share counted the share twice)
+            prefill_rate = h.rollout_prefill_tokens_per_s if h else 0.0
             if i.role == "dedicated":
                 slots = h.rollout_batch_slots if h else 1
                 out.append(Candidate(i.executor_id, "dedicated", "", 0, throughput, load, slots, *running_queued, prefill_rate=prefill_rate))

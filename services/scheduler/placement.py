@@ -69,6 +69,7 @@ class Placement:
     predicted_s: float = 0.0  # a typical turn's predicted seconds there, the model's error corrected (0: no prediction)
     hedge_after_s: float = 0.0  # ask for a hedge if the turn still runs after this long (0: no hint)
     model_s: float = 0.0  # the same before the correction: what the observed turn is compared with (``Fleet.on_turn_result``)
+    model_wait_s: float = 0.0  # of ``model_s``, the wait for a slot (which a turn's tokens do not lengthen)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ def _placed(c: Candidate, reason: str, p: Prediction | None = None, turn_s: floa
     predicted = p.finish if p is not None and turn_s > 0 else 0.0
     hedge_after = predicted if c.role != "dedicated" else 0.0
     model = raw.finish if raw is not None and turn_s > 0 else 0.0
-    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model)
+    wait = raw.wait if raw is not None and turn_s > 0 else 0.0
+    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model, wait)
 
 
 def moved_prefill_s(c: Candidate, prompt_tokens: int, affinity: str) -> float:

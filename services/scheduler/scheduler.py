@@ -204,7 +204,7 @@ class Scheduler:
             span.set_attribute("rose.reason", placement.reason)
             self.fleet.on_route(req.trajectory_id, placement.executor_id, now, hedge=req.hedge, batch_id=req.batch_id, batch_size=req.batch_size)
             if not req.hedge:
-                self.fleet.on_prediction(req.trajectory_id, req.turn_index, placement.role, placement.model_s)
+                self.fleet.on_prediction(req.trajectory_id, req.turn_index, placement.role, placement.model_s, placement.model_wait_s)
             self.counts["hedged" if req.hedge else "routed"] += 1
             self.metrics.routed_turn(placement.executor_id, placement.role, req.hedge, affinity, req.routing)
             event = PlacementEvent(
@@ -216,6 +216,8 @@ class Scheduler:
                 lease_id=placement.lease_id,
                 lease_epoch=placement.lease_epoch,
                 hedge=req.hedge,
+                predicted_s=placement.predicted_s,
+                model_s=placement.model_s,
             )
             self._spawn(self.bus.publish(PLACEMENT, event, executor_id=placement.executor_id))
             # the span's whole time against this thread's CPU in it (no await inside): a long span with little CPU

@@ -8,6 +8,7 @@ import random
 import time
 
 import msgspec
+import pytest
 
 from rose.contracts.lease import Lease
 from rose.contracts.registry import LEASE
@@ -171,6 +172,21 @@ def test_the_fleet_learns_capacity_batches_model_error_and_revocations():
     assert len(fleet.revocations) == 1 and fleet.revoke_rate(106.0) > 0 and fleet.revoke_rate(106.0 + 1000.0) == 0.0
 
 
+def test_a_short_turn_behind_a_queue_is_not_read_as_a_model_many_times_off():
+    """The wait for a slot is the same for a short turn as for a long one: only the run scales to the turn's tokens.
+    A tenth of a typical turn that waited as predicted and ran as predicted is the model exactly right."""
+    fleet = fleet_of(("d0", "dedicated"))
+    fleet.on_trajectory("x", "g", [300])  # a typical turn: 300 tokens
+    typical = fleet.turn_tokens
+    fleet.on_prediction("short", 0, "dedicated", 10.0, wait_s=8.0)  # 8 s waiting, then 2 s for a typical turn
+    fleet.on_turn_result("short", 0, int(typical / 10), 8.0 + 0.2)
+    assert fleet.model_error["dedicated"] == pytest.approx(1.0, rel=0.05)
+    fleet.on_prediction("late", 0, "dedicated", 10.0, wait_s=8.0)  # a typical turn that took twice the whole prediction
+    fleet.on_turn_result("late", 0, int(typical), 20.0)
+    assert fleet.model_error["dedicated"] > 1.0
+    assert place_turn(req(), [lease(tps=800.0)], "", P, random.Random(0), turn_tokens=300.0).model_wait_s == 0.0  # a free slot: no wait
+
+
 def test_route_messages_evolve_with_defaults():
     """A worker built before the batch fields and a reader of the hedge hint both still work (msgspec schema evolution)."""
     old = msgspec.json.encode({"trajectory_id": "t-1", "turn_index": 0, "prompt_tokens": 5})
@@ -257,11 +273,12 @@ def test_a_move_pays_the_prefill_of_the_context_its_home_keeps_cached():
     assert unknown is not None and unknown.role == "serving"
 
 
-def test_the_fleet_prices_a_lane_s_prefill_at_its_share_of_the_device():
-    """An executor reports its rollout forwards' prefill rate; a lane runs them in its compute share of the device."""
+def test_the_fleet_prices_a_lane_s_prefill_at_the_rate_measured_there():
+    """An executor reports its rollout forwards' prefill rate by the wall clock, the serving forwards its rollout
+    yielded to included: the fleet takes it as it is, whatever share of the device the lease names."""
     fleet = fleet_of(("d0", "dedicated"), ("s0", "serving"))
     fleet.on_headroom(msgspec.structs.replace(headroom("d0", 100.0, "dedicated", 40, 0, 4000.0), rollout_prefill_tokens_per_s=20_000.0))
     lane = headroom("s0", 100.0, "serving", 4, 0, 400.0, slots=16)
-    fleet.on_headroom(msgspec.structs.replace(lane, compute_share=0.25, rollout_prefill_tokens_per_s=20_000.0))
+    fleet.on_headroom(msgspec.structs.replace(lane, compute_share=0.25, rollout_prefill_tokens_per_s=8_000.0))
     fleet.on_lease(active_lease("s0", expires_at=160.0, compute_share=0.25, max_rollout_batch=16), 100.0)
-    assert {c.executor_id: c.prefill_rate for c in fleet.candidates(100.0)} == {"d0": 20_000.0, "s0": 5_000.0}
+    assert {c.executor_id: c.prefill_rate for c in fleet.candidates(100.0)} == {"d0": 20_000.0, "s0": 8_000.0}
