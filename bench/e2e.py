@@ -153,19 +153,43 @@ def _mean(values: list[float]) -> float | None:
     return float(statistics.fmean(values)) if values else None
 
 
-def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
-    """Rollout time of each step's batch (the trainer's groups `{run}-s{step}-g{i}`): from the first
-    turn of its first trajectory starting to its last trajectory finishing; incomplete batches left out."""
+def _complete_batches(trajectories: list, per_step: int) -> list[list]:
+    """Each step's batch (the trainer's groups `{run}-s{step}-g{i}`) in step order, incomplete ones left out."""
     batches: dict[str, list] = {}
     for t in trajectories:
         match = re.search(r"-s(\d+)-g\d+$", t.group_id)
         if match and t.turns:
             batches.setdefault(match.group(1), []).append(t)
-    return [
-        max(t.finished_at for t in ts) - min(t.turns[0].started_at for t in ts)
-        for _, ts in sorted(batches.items(), key=lambda kv: int(kv[0]))
-        if len(ts) >= per_step
-    ]
+    return [ts for _, ts in sorted(batches.items(), key=lambda kv: int(kv[0])) if len(ts) >= per_step]
+
+
+def batch_rollout_spans(trajectories: list, per_step: int) -> list[float]:
+    """Rollout time of each step's batch: from the first turn of its first trajectory starting to its last
+    trajectory finishing; incomplete batches left out."""
+    return [max(t.finished_at for t in ts) - min(t.turns[0].started_at for t in ts) for ts in _complete_batches(trajectories, per_step)]
+
+
+def batch_tails(trajectories: list, per_step: int) -> list[float]:
+    """Each complete batch's tail: from the time 90 % of its trajectories had finished to its last one's finish
+    (the simulator's ``tail_s_per_step``, sim/trainer_state.py ``took``): what more capacity does not shorten."""
+    tails = []
+    for ts in _complete_batches(trajectories, per_step):
+        fins = sorted(t.finished_at for t in ts)
+        tails.append(fins[-1] - fins[int(0.9 * (len(fins) - 1))])
+    return tails
+
+
+def later_turns(trajectories: list) -> dict[str, float | None]:
+    """Of the turns after a trajectory's first (the ones a prefix cache can serve): ``prefix_hit_rate``, the share
+    that found their prefix cached where they ran (the simulator's ``prefix_hit_rate``), and ``moved``, the share
+    that ran on another executor than the turn before (a move re-prefills unless a cache followed it)."""
+    pairs = [(prev, turn) for t in trajectories for prev, turn in zip(t.turns, t.turns[1:])]
+    if not pairs:
+        return {"prefix_hit_rate": None, "moved": None}
+    return {
+        "prefix_hit_rate": sum(turn.prefix_cached_tokens > 0 for _, turn in pairs) / len(pairs),
+        "moved": sum(turn.executor_id != prev.executor_id for prev, turn in pairs) / len(pairs),
+    }
 
 
 def max_in_flight(trajectories: list) -> int:
@@ -263,11 +287,13 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
     steps = step_figures(obs.steps, prefetch_steps(summary["job"]["trainer"]))
     per_step = trajectories_per_step(summary["job"]["trainer"])  # the settings the trainer ran with
     spans = batch_rollout_spans(list(obs.trajectories.values()), per_step)
+    later = later_turns(trajectories)
     return {
         "rl_steps_per_hour": steps["rl_steps_per_hour"],
         "rollout_s_per_step": _median(spans),
         # rollout time of a step's batch / the step interval (medians): with synchronous steps the rest is training and publishing
         "rollout_share_of_step": _ratio(_median(spans), steps["step_s"]),
+        "tail_s_per_step": _median(batch_tails(list(obs.trajectories.values()), per_step)),
         "serving_slo_attainment": summary["serving"]["slo_attainment"],
         "rollout_tokens_per_s": summary["rollout"]["tokens_per_s"],
         "steps": summary["training"]["steps"],
@@ -293,6 +319,8 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "discarded_tokens": int(extra.worker_load.get("discarded_tokens", 0)),
         "hedged_turns": int(extra.worker_load.get("hedges", 0)),  # duplicates started (placed with the route or asked for when late)
         "hedge_wins": int(extra.worker_load.get("hedge_wins", 0)),  # ... of which the duplicate finished first (the other copy was aborted)
+        "prefix_hit_rate": later["prefix_hit_rate"],
+        "later_turns_moved": later["moved"],
         "calibration": {
             **{k: steps[k] for k in ("step_s", "step_s_all", "trainer_wait_s_per_step", "train_s_per_step", "publish_s_per_step")},
             "rollout_s_per_batch_all": [round(x, 3) for x in spans],

@@ -19,7 +19,13 @@ for the spread a few steps' rate has), and the JSON holds both:
   planned time), the box's CPU utilization over the window, and ``starved``: whether the host kept up
   (lag p99 <= 5 % and CPU <= 70 %), and by how much it did not; the CPU is the whole box's (other
   policies' fleets and anything else running included), ``fleet_cpu_cores`` this policy's own processes;
-- ``wall_phases_s`` per policy: where the wall time went (start, warm-up, trainer start, window, drain, stop).
+- ``wall_phases_s`` per policy: where the wall time went (start, warm-up, trainer start, window, drain, stop);
+- ``sim_vs_real.*.how``: how each side got there (the tail, tokens on leases, prefix hits, hedges, turn times,
+  the dedicated executor's tokens/s), real beside simulated, printed as a second table.
+
+Under each policy's report folder, in emulated time, for reading a run after it: ``trajectories.jsonl`` (every
+trajectory observed, its turns with where they ran and what they found cached), ``placements.jsonl`` (every
+placement decision with its predicted seconds) and ``snapshots.jsonl`` (every executor metrics snapshot).
 
 A live table shows each run as it goes; a PNG plots rollout tokens per second by executor role over time.
 """
@@ -36,13 +42,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
 from rose.contracts.executor import LatencySketch
-from rose.contracts.registry import LEASE_EVENT
+from rose.contracts.registry import LEASE_EVENT, PLACEMENT
+from rose.contracts.rollout import PlacementEvent
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import start_all, stop_all
@@ -64,6 +72,16 @@ LAG_P99_TARGET = 5.0  # percent of a forward: the emulation kept up (issue 44's 
 CPU_TARGET = 0.70  # the box's CPU over the window: headroom left for the host's own jitter
 SIM_SEEDS = 8  # the simulator's steps per hour at this many seeds from the job's: the spread a few steps' rate has
 SIM_FIGURES = ("rl_steps_per_hour", "rollout_s_per_step", "serving_slo_attainment", "rollout_tokens_on_serving_fraction", "staleness_mean")
+# how each side got there, real beside simulated (the real run's name, the simulator's): where they part, one of them is wrong
+HOW_FIGURES = (
+    ("tail_s_per_step", "tail_s_per_step"),
+    ("harvested_fraction", "rollout_tokens_on_serving_fraction"),
+    ("prefix_hit_rate", "prefix_hit_rate"),
+    ("hedged_turns", "hedges"),
+    ("hedge_wins", "hedge_wins"),
+    ("turn_s_p50", "turn_s_p50"),
+    ("dedicated_rollout_tokens_per_s", "dedicated_rollout_tokens_per_s"),
+)
 
 
 def cpu_times() -> tuple[float, float]:
@@ -104,6 +122,11 @@ def rescale_snapshots(snapshots: list[dict], t0: float, scale: float) -> list[di
         }
         for s in snapshots
     ]
+
+
+def rescale_placements(placements: list[PlacementEvent], t0: float, scale: float) -> list[PlacementEvent]:
+    """Placement decisions in emulated time: the instant and the predicted seconds over ``scale``."""
+    return [msgspec.structs.replace(e, at=t0 + (e.at - t0) / scale, predicted_s=e.predicted_s / scale, model_s=e.model_s / scale) for e in placements]
 
 
 def live_view(policy: str, job: EmulatedJob, obs: Observed, elapsed_wall: float, phase: str, cpu: float | None) -> Group:
@@ -215,6 +238,12 @@ async def run_policy(
             lease_reasons[f"{e.kind}: {re.sub(r'[0-9.]+', 'N', e.reason or e.lease.reason or '-')}"] += 1
 
     await bus.subscribe(LEASE_EVENT, on_lease)
+    placements: list[PlacementEvent] = []  # every placement decision, for reading the run after it
+
+    async def on_placement(e: PlacementEvent, _d) -> None:
+        placements.append(e)
+
+    await bus.subscribe(PLACEMENT, on_placement)
     env = POLICY_ENV[policy]
     in_flight = job.in_flight()
     procs = fleet_processes(logs, server.url, models, creds, job, env, in_flight)
@@ -326,6 +355,10 @@ async def run_policy(
         if ended_early:
             figures["trainer_log_tail"] = trainer.log_tail(1500)
         figures["report"] = str(root / policy)
+        # every trajectory observed, in emulated time, for reading a run after it (which turn ran where, what it cached)
+        (root / policy / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in eobs.trajectories.values()))
+        (root / policy / "snapshots.jsonl").write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in extra.snapshots))
+        (root / policy / "placements.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in rescale_placements(placements, t0, k)))
         figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
         figures["wall_phases_s"] = phases
         figures["lease_end_reasons"] = dict(lease_reasons.most_common())
@@ -386,7 +419,8 @@ def sim_figures(job: EmulatedJob, policy: str, steps: int, seeds: int = SIM_SEED
     long-tailed workload varies by seed, and the real run's batches are another draw of the same workload."""
     cfg = job.sim_config(policy, steps=max(2, steps))
     r = simulate(cfg)
-    out = {key: r.get(key) for key in SIM_FIGURES} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
+    keys = SIM_FIGURES + tuple(sim for _, sim in HOW_FIGURES)
+    out = {key: r.get(key) for key in keys} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
     rates = [r["rl_steps_per_hour"]] + [simulate(dataclasses.replace(cfg, seed=job.seed + i))["rl_steps_per_hour"] for i in range(1, seeds)]
     seeds_used = [job.seed + i for i in range(seeds)]
     out["rl_steps_per_hour_by_seed"] = {"seeds": seeds_used, "mean": float(np.mean(rates)), "min": min(rates), "max": max(rates)}
@@ -479,6 +513,7 @@ def run_emulated_e2e(
         result["sim"][policy]["wall_s"] = time.monotonic() - started
         real, simulated = figures, result["sim"][policy]
         result["sim_vs_real"][policy] = {key: _ratio(real.get(key), simulated.get(key)) for key in ("rl_steps_per_hour", "rollout_s_per_step")}
+        result["sim_vs_real"][policy]["how"] = how_figures(real, simulated)
         spread = simulated["rl_steps_per_hour_by_seed"]
         result["sim_vs_real"][policy] |= {
             "rl_steps_per_hour_vs_seed_mean": _ratio(real.get("rl_steps_per_hour"), spread["mean"]),
@@ -496,6 +531,15 @@ def run_emulated_e2e(
     print_table(result, console)
     console.print(f"JSON: {path}; plot: {result['plot']}; per-policy logs under {root}")
     return result
+
+
+def how_figures(real: dict, simulated: dict) -> dict[str, dict[str, float | None]]:
+    """``HOW_FIGURES`` as {name: {"real": ..., "sim": ...}}; the real run keeps some under ``calibration``."""
+    out = {}
+    for real_key, sim_key in HOW_FIGURES:
+        value = real.get(real_key, real.get("calibration", {}).get(real_key))
+        out[real_key] = {"real": value, "sim": simulated.get(sim_key)}
+    return out
 
 
 def sim_range(sim: dict) -> str:
@@ -540,6 +584,14 @@ def print_table(result: dict, console: Console) -> None:
             f"{fid['cpu_utilization']:.0%}" + (" starved" if fid["starved"] else ""),
         )
     console.print(table)
+    how = Table(title="how each side got there: real (simulator, seed 0)")
+    how.add_column("policy", justify="left")
+    for real_key, _ in HOW_FIGURES:
+        how.add_column(real_key.replace("_", " "), justify="right")
+    for name in result["policies"]:
+        cells = result["sim_vs_real"][name]["how"]
+        how.add_row(name, *(f"{_fmt(c['real'], '.3g')} ({_fmt(c['sim'], '.3g')})" for c in cells.values()))
+    console.print(how)
     for name, f in result["policies"].items():
         phases = ", ".join(f"{k} {v:.0f}" for k, v in f.get("wall_phases_s", {}).items())
         fid = f["fidelity"]

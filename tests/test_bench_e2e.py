@@ -25,7 +25,9 @@ from rose.bench.demo import SPEC
 from rose.bench.e2e import (
     DEDICATED_ROLLOUT_SLOTS,
     batch_rollout_spans,
+    batch_tails,
     demand_settings,
+    later_turns,
     lent_fraction,
     max_in_flight,
     max_lent_at_once,
@@ -77,6 +79,28 @@ def test_batch_rollout_spans_from_first_turn_to_last_trajectory():
 
     trajectories = [traj(0, 10.0, 12.0), traj(0, 11.0, 15.0), traj(1, 14.0, 20.0), traj(1, 16.0, 18.0), traj(2, 30.0, 31.0)]
     assert batch_rollout_spans(trajectories, per_step=2) == [5.0, 6.0]  # step 2 is incomplete
+
+
+def test_batch_tails_from_the_ninetieth_percentile_finish_to_the_last():
+    def traj(step: int, end: float):
+        return SimpleNamespace(group_id=f"job-7-s{step}-g0", turns=[SimpleNamespace(started_at=0.0)], finished_at=end)
+
+    batch = [traj(0, float(end)) for end in range(1, 11)] + [traj(0, 30.0)]  # 11 trajectories: the 90th percentile is the 10th
+    assert batch_tails(batch + [traj(1, 5.0)], per_step=11) == [20.0]  # step 1 is incomplete
+
+
+def test_later_turns_count_hits_and_moves_from_the_second_turn_on():
+    def turn(executor: str, cached: int):
+        return SimpleNamespace(executor_id=executor, prefix_cached_tokens=cached)
+
+    # the first turns never count (nothing to cache yet); of the 4 later turns: 2 hits, 2 moved (one move kept a cache)
+    trajectories = [
+        SimpleNamespace(turns=[turn("a", 0), turn("a", 90), turn("b", 0)]),
+        SimpleNamespace(turns=[turn("b", 0), turn("a", 40), turn("a", 0)]),
+        SimpleNamespace(turns=[turn("a", 0)]),
+    ]
+    assert later_turns(trajectories) == {"prefix_hit_rate": 0.5, "moved": 0.5}
+    assert later_turns(trajectories[2:]) == {"prefix_hit_rate": None, "moved": None}
 
 
 def test_max_in_flight_counts_overlapping_trajectories():

@@ -11,14 +11,15 @@ The rescaling of wall time into the fleet's time is checked on made-up events.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from rose.bench.demo import Observed
-from rose.bench.e2e_emulated import run_emulated_e2e
+from rose.bench.e2e_emulated import HOW_FIGURES, run_emulated_e2e
 from rose.bench.emulated import EmulatedJob, rescale, serving_requests, trainer_process
-from rose.contracts.rollout import Trajectory, TurnRecord
+from rose.contracts.rollout import PlacementEvent, Trajectory, TurnRecord
 from rose.contracts.training import TrainingStep
 from rose.shared.security import init_credentials
 
@@ -127,6 +128,15 @@ def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(t
         assert result["sim"][policy]["steps"] == f["steps"]  # as many simulated steps as the real run took
         assert [e["step"] for e in f["step_events"]] == list(range(1, f["steps"] + 1))
         assert {"start", "warmup", "trainer_start", "window", "drain", "stop"} <= set(f["wall_phases_s"])
+        how = result["sim_vs_real"][policy]["how"]  # how each side got there, real beside simulated
+        assert set(how) == {real for real, _ in HOW_FIGURES} and all(c["sim"] is not None for c in how.values())
+        assert 0 <= how["prefix_hit_rate"]["real"] <= 1 and how["tail_s_per_step"]["real"] >= 0
+        dumped = [msgspec.json.decode(line, type=Trajectory) for line in (Path(f["report"]) / "trajectories.jsonl").read_bytes().splitlines()]
+        assert dumped and len({t.task_id for t in dumped}) == len(dumped) and all(u.executor_id for t in dumped for u in t.turns)
+        placed = [msgspec.json.decode(line, type=PlacementEvent) for line in (Path(f["report"]) / "placements.jsonl").read_bytes().splitlines()]
+        routed = {(p.trajectory_id, p.turn_index) for p in placed if not p.hedge}  # every turn that ran was placed
+        assert {(t.trajectory_id, u.turn_index) for t in dumped for u in t.turns} <= routed
+        assert (Path(f["report"]) / "snapshots.jsonl").stat().st_size > 0
     assert result["side_by_side"]  # both fleets ran at once, each on its own nats-server
     assert result["policies"]["static"]["rollout_tokens_on_serving"] == 0  # static never lends a serving executor
     assert result["policies"]["static"]["rollout_tokens_by_executor"]  # the dedicated executor did the rollout
