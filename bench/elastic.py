@@ -67,6 +67,7 @@ from rose.shared.security import OPERATOR, Credentials, init_credentials
 from rose.shared.sketch import from_contract
 
 from .bus import refuses_anonymous
+from .e2e import later_turns
 from .fleet import PROMPTS, FleetSpec, ServingLog, assign_credentials, drive_serving, executor_instances, fleet_processes, p99, serving_trace
 
 SPEC = FleetSpec()
@@ -319,11 +320,8 @@ def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
 
 
 def hit_rates(rec: Record) -> dict[str, float | None]:
-    hits: dict[str, list[int]] = defaultdict(list)
-    for t in rec.trajectories.values():
-        for turn in t.turns[1:]:
-            hits[t.routing].append(int(turn.prefix_cached_tokens > 0))
-    return {k: (sum(hits[k]) / len(hits[k]) if hits[k] else None) for k in ("affinity", "random")}
+    """Per routing, the later turns' prefix hit rate (bench/e2e.py ``later_turns``)."""
+    return {k: later_turns([t for t in rec.trajectories.values() if t.routing == k])["prefix_hit_rate"] for k in ("affinity", "random")}
 
 
 def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float | int]]:

@@ -634,7 +634,7 @@ class Bus:
         `ack_wait_s`), so only a consumer that stopped (its process gone, its connection lost) has its
         message redelivered, however long the work takes. For handlers bounded by their own deadlines
         (a rollout episode: its turns'): without it, an episode longer than `ack_wait_s` ran twice, both
-        copies to the end (18 % of the turns of an emulated static run, docs/benchmarks.md 2026-12-05 (evening 2)).
+        copies to the end (15 % of the turn placements of an emulated static run, docs/benchmarks.md 2026-12-05 (evening 2)).
         """
         if channel.stream is None:
             raise TypeError(f"channel {channel.name!r} is not backed by a stream")
