@@ -89,13 +89,13 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     r = _bench(
         "coserve",
         "--duration",
-        "3",
+        "2",
         "--loads",
         "0.2,0.3",
         "--slo-basis",
         "run",
         "--reclaim-probes",
-        "6",
+        "4",
         "--dedicated-s",
         "2",
         "--models",
@@ -134,7 +134,7 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     assert r["policies"]["serving_only"]["rollout_tokens_per_s"] == 0
     rounds = r["serving_capacity_rounds_rps"]  # the trace's rate is set by their median
     assert len(rounds) == 3 and r["serving_capacity_rps"] == sorted(rounds)[1]
-    assert r["reclaim_samples"] >= 3  # half the 6 lull probes at least: serving arrivals that found rollout on serving's cores and took them back
+    assert r["reclaim_samples"] >= 2  # half the 4 lull probes at least: serving arrivals that found rollout on serving's cores and took them back
     assert (tmp_path / "coserve.png").exists()
 
 
