@@ -11,7 +11,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from rose.bench.sim import combine_seeds, config_key, grid_configs, grown_pool_configs, rows_of, run_grid, targets_of
+from rose.bench.sim import (
+    ASYNC_FLEET_CEILING_MIN_INTERVALS,
+    combine_seeds,
+    config_key,
+    counted_intervals,
+    grid_configs,
+    grown_pool_configs,
+    rows_of,
+    run_grid,
+    targets_of,
+)
 from rose.services.scheduler import placement
 from rose.shared.workload import RolloutSpec, sample_batch
 from rose.sim.ceiling import fleet_ceiling, grown_pools, lane_value, speedup_ceiling
@@ -135,12 +145,48 @@ def test_a_latency_bound_synchronous_step_gains_less_from_capacity_than_amdahl_s
     results = run_grid(configs, jobs=1)
     runs = grown_pool_configs(configs, results)
     static, lanes = (next(r for r in results if r["policy"] == p and r["mode"] == "sync") for p in ("static", "rose"))
-    assert {key[5] for key, _, _ in runs} == {"sync"}  # the asynchronous rate jumps with its phase: no fleet ceiling
+    assert {key[5] for key, _, _ in runs} == {"sync"}  # one step: the asynchronous rate jumps with its phase, no fleet ceiling
     assert [k for _, k, _ in runs] == list(grown_pools(static["dedicated_instances"], lanes["rollout_capacity_ceiling_kv"])) != []
     assert all(c.policy == "static" and c.n_dedicated == k and c.trajectories == static["trajectories_per_step"] for _, k, c in runs)
     grown = {runs[0][0]: {k: r["rl_steps_per_hour"] for (_, k, _), r in zip(runs, run_grid([c for *_, c in runs], jobs=1))}}
     rose = next(r for r in rows_of(results, grown) if r["policy"] == "rose" and r["mode"] == "sync")
     assert 1.0 < rose["speedup_ceiling_fleet"] < rose["speedup_ceiling_kv"]
+
+
+def test_an_asynchronous_configuration_gets_a_fleet_ceiling_once_its_rate_is_counted_over_enough_steps():
+    """Which configurations the fleet ceiling's runs are for: both modes, but an asynchronous one only where its
+    rate spans ASYNC_FLEET_CEILING_MIN_INTERVALS step intervals (over fewer it jumps with the pipeline's phase)."""
+
+    def grid(steps: int) -> list[SimConfig]:
+        return grid_configs(
+            models=("7B",), fleets=(8,), demands=(4.0,), ratios=(0.25,), modes=("sync", "async"), policies=("static", "rose"), steps=steps, seed=0
+        )
+
+    def results(configs: list[SimConfig]) -> list[dict]:  # what run_grid returns for them, reduced to what the selection reads
+        mode = {False: "sync", True: "async"}
+        return [
+            dict(
+                model="7B",
+                gpus=8,
+                policy=c.policy,
+                rollout_demand=4.0,
+                dedicated_ratio=0.25,
+                mode=mode[c.prefetch_steps > 0],
+                seed=0,
+                dedicated_instances=2,
+                trajectories_per_step=128,
+                rollout_capacity_ceiling_kv=1.9 if c.policy == "rose" else None,
+            )
+            for c in configs
+        ]
+
+    few, enough = grid(ASYNC_FLEET_CEILING_MIN_INTERVALS - 1), grid(ASYNC_FLEET_CEILING_MIN_INTERVALS)
+    assert {counted_intervals(c) for c in few} == {ASYNC_FLEET_CEILING_MIN_INTERVALS - 1}  # async's pipeline fill not counted
+    assert {key[5] for key, _, _ in grown_pool_configs(few, results(few))} == {"sync"}
+    runs = grown_pool_configs(enough, results(enough))
+    assert sorted((key[5], k) for key, k, _ in runs) == [("async", 3), ("async", 4), ("sync", 3), ("sync", 4)]  # 2 x 1.9 = 3.8 instances
+    assert all(c.policy == "static" and c.n_dedicated == k and c.trajectories == 128 for _, k, c in runs)
+    assert all(c.prefetch_steps > 0 for key, _, c in runs if key[5] == "async")  # the grown pool runs the same pipeline
 
 
 def test_seeds_combine_into_medians_of_paired_ratios():
