@@ -633,7 +633,7 @@ class Bus:
         `keep_alive=True`: while the handler runs, the message's ack deadline is renewed (every third of
         `ack_wait_s`), so only a consumer that stopped (its process gone, its connection lost) has its
         message redelivered, however long the work takes. For handlers bounded by their own deadlines
-        (a rollout episode: its turns'): without it, an episode longer than `ack_wait_s` ran twice, both
+        (a rollout episode, an agent's): without it, an episode longer than `ack_wait_s` ran twice, both
         copies to the end (15 % of the turn placements of an emulated static run, docs/benchmarks.md 2026-12-05 (evening 2)).
         """
         if channel.stream is None:

@@ -68,7 +68,7 @@ async def run(config: GatewayConfig) -> None:
                 max_deliver=config.max_deliver,
                 ack_wait_s=config.ack_wait_s,
                 batch=1,
-                manual_ack=True,
+                keep_alive=True,  # an episode runs as long as its agent takes; only a stopped gateway's is redelivered
             )
         rt.ready(endpoints={"http": episodes.base_url})
         log.info("gateway at %s, policy %s, tool calls: %s", episodes.base_url, config.model_name, fmt.calls.name)

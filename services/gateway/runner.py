@@ -156,8 +156,9 @@ class Episodes:
     # ---- the work queue ------------------------------------------------------------------------
 
     async def handle(self, task: RolloutTask, delivery: Delivery) -> None:
-        """One agent task: run its episode to its end, publish the trajectory, ack. Raising naks it (another delivery
-        resumes from the checkpoints); the last delivery publishes a failed trajectory instead."""
+        """One agent task: run its episode to its end and publish the trajectory (the bus keeps the task alive
+        meanwhile, and acks it on return). Raising naks it (another delivery resumes from the checkpoints); the
+        last delivery publishes a failed trajectory instead."""
         episode = await self.open(task)
         run: AgentRun | None = None
         try:
@@ -166,7 +167,7 @@ class Episodes:
             else:
                 log_path = self.logs_dir / f"{episode.episode_id}.log"
                 run = await self.launcher.launch(episode.episode_id, self.agent_env(episode), [task.prompt], log_path)
-                await self._watch(episode, run, delivery)
+                await self._watch(episode, run)
         except Exception as exc:
             if run is not None and self.launcher is not None:
                 await self.launcher.kill(run)  # its episode closes here: the next delivery launches it again
@@ -177,11 +178,9 @@ class Episodes:
             if episode.ending is None:
                 self.end(episode, "failed", f"gave up after {delivery.attempt} deliveries: {exc!r}")
         await self.publish(episode)
-        await delivery.ack()
 
-    async def _watch(self, episode: Episode, run: AgentRun, delivery: Delivery) -> None:
-        """Until the episode ends: the agent's exit, a posted reward, the deadline; the task is kept alive meanwhile."""
-        beat = self.config.ack_wait_s / 3
+    async def _watch(self, episode: Episode, run: AgentRun) -> None:
+        """Until the episode ends: the agent's exit, a posted reward, the deadline."""
         while episode.ending is None:
             left = episode.deadline - time.monotonic()
             if left <= 0:
@@ -189,9 +188,8 @@ class Episodes:
                     self.end(episode, "truncated", f"deadline: the episode ran {self.config.episodes.deadline_s:g} s", scored=True)
                 break
             waiter: asyncio.Future = asyncio.ensure_future(episode.woken.wait())
-            await asyncio.wait({waiter, run.exited}, timeout=min(left, beat), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, run.exited}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
-            await delivery.in_progress()
             if run.exited.done() and episode.ending is None:
                 async with episode.lock:
                     if episode.ending is None:
