@@ -321,8 +321,8 @@ def notes_of(rows: list[dict]) -> list[str]:
             why.append(
                 f"serving instances held leases {d['lent_instance_fraction']:.0%} of the time but produced only "
                 f"{d['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens: a busy serving instance gives its rollout lane "
-                f"(1 - prefill share) x quantum / (iteration + quantum) of its time, and a lease lends half of the {d['cohost_free_gb']:.0f} GB left "
-                f"after both models and the serving pool"
+                f"(1 - prefill share) x quantum / (iteration + quantum) of its time, and a lease holds at most the rollout pool of "
+                f"{d['cohost_free_gb']:.0f} GB left after both models and the serving pool"
             )
         if row.get("speedup_ceiling") is not None:
             why.append(

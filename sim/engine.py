@@ -80,7 +80,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapshot
+from rose.contracts.executor import ExecutorRole
 from rose.contracts.slo import Headroom, SloAlert
 from rose.services.executor.metrics import PREFILL_RATE_EMA
 from rose.services.scheduler.fleet import Fleet
@@ -97,7 +97,7 @@ from .coserve import rollout_interference, rollout_share, serving_tick
 from .counters import Counters
 from .instances import Instances
 from .monitor import MonitorState
-from .policies import executor_signals, make_fleet_policy, monitor_settings
+from .policies import executor_signals, make_fleet_policy, monitor_settings, serving_snapshot
 from .routing import Router
 from .sizing import Infeasible as Infeasible  # re-exported: bench/sim.py, plan.py and tests catch it from here
 from .sizing import serving_setup, size_fleet
@@ -154,21 +154,13 @@ class Simulation:
         self.rollout_share_seen = np.ones(self.inst.D)
         self.k_sched = max(1, int(round(SCHEDULER_TICK_S / cfg.dt)))  # ticks per scheduler tick
         # the monitor
-        used = memory.total_s - max(0.0, memory.cohost_free_bytes)
         self.mon = MonitorState(
             monitor_settings(cfg.slo_ttft_ms, cfg.slo_tpot_ms, sized.max_rollout_batch, int(max(0.0, memory.cohost_free_bytes))),
             cfg.dt,
             shape.n_serv,
             shape.n_ded,
             max(0.0, float(shape.sperf.decode_s(1.0, sized.traffic.prompt_mean)) * 1e3),
-            MetricsSnapshot(
-                executor_id="s0",
-                at=0.0,
-                interval_s=cfg.dt,
-                device=DeviceTelemetry(
-                    kind="cuda", name=shape.device.name, memory_total_bytes=int(memory.total_s), memory_used_bytes=int(max(0.0, used))
-                ),
-            ),
+            serving_snapshot(shape.device.name, memory.total_s, memory.cohost_free_bytes, memory.kvb_p),
             "sticky_throughput" in cfg.what_if,
         )
         self.worker = RolloutWorker()

@@ -50,7 +50,7 @@ from rose.shared.workload import RolloutSpec, mean_context
 from .ceiling import share_of_gain, speedup_ceiling_over
 from .config import MAX_ROLLOUT_BATCH
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
-from .policies import executor_signals, monitor_settings
+from .policies import executor_signals, monitor_settings, serving_snapshot
 from .sizing import SERVING_POOL_MARGIN
 from .traces import Trace, load_azure_csv, requests_to_trace
 
@@ -133,15 +133,7 @@ def plan(
     pool_tokens = min(alone_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt + output))
     free = usable_bytes(device, tp_s) - 2 * m.weight_bytes - pool_tokens * kvb
     _, _, hcfg = monitor_settings(slo_ttft_ms, slo_tpot_ms, MAX_ROLLOUT_BATCH, int(max(0.0, free)))
-    from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot
-
-    total = tp_s * device.hbm_bytes
-    latest = MetricsSnapshot(
-        executor_id="plan",
-        at=0.0,
-        interval_s=60.0,
-        device=DeviceTelemetry(kind="cuda", name=device.name, memory_total_bytes=int(total), memory_used_bytes=int(total - max(0.0, free))),
-    )
+    latest = serving_snapshot(device.name, tp_s * device.hbm_bytes, free, kvb)
     ctx = mean_context(RolloutSpec())
     ep = make_policy("rose", quantum_ms=quantum_ms)
     # the step model the monitor would fit: serving iteration (+ the rollout quantum) over batch compositions

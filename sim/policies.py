@@ -34,12 +34,13 @@ The policies, as ``rose bench e2e`` runs them:
 
 GPU-scale settings (the shipped defaults size a CPU executor): the monitor's
 ``max_rollout_slots`` and the lending's ``whole_batch`` are 256 sequences (vLLM's default
-``max_num_seqs``); ``max_lend_kv_bytes`` and ``whole_kv_mib`` are the instance's free HBM
-(the executor clamps a lease to its rollout pool). Everything else is the services' default.
+``max_num_seqs``); ``max_lend_kv_bytes`` and ``whole_kv_mib`` are the instance's free HBM,
+which its rollout pool holds (``serving_snapshot``). Everything else is the services' default.
 """
 
 from __future__ import annotations
 
+from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage
 from rose.contracts.slo import SloAlert
 from rose.services.executor.policies import Signals, make_policy
 from rose.services.scheduler.config import LeaseSettings, LendingSettings
@@ -124,6 +125,21 @@ def monitor_settings(
         HeadroomSettings(
             slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, max_rollout_slots=max_rollout_slots, max_lend_kv_bytes=max(0, max_lend_kv_bytes)
         ),
+    )
+
+
+def serving_snapshot(device_name: str, total_bytes: float, rollout_pool_bytes: float, kv_bytes_per_token: float) -> MetricsSnapshot:
+    """The memory figures a co-hosting serving executor reports: its device, and the rollout pool it preallocated
+    (what the monitor lends, services/slo_monitor/headroom.py ``lendable_kv_bytes``); the device's memory all
+    taken by the engine's weights, pools and margins, as an engine that preallocates reports it."""
+    block = max(1, int(kv_bytes_per_token))
+    pool = max(0.0, rollout_pool_bytes)
+    return MetricsSnapshot(
+        executor_id="s0",
+        at=0.0,
+        interval_s=1.0,
+        rollout_pool=PoolUsage(block_bytes=block, total_blocks=int(pool // block), used_blocks=0),
+        device=DeviceTelemetry(kind="cuda", name=device_name, memory_total_bytes=int(total_bytes), memory_used_bytes=int(total_bytes)),
     )
 
 

@@ -35,7 +35,7 @@ class HeadroomSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     ttft_grant_fraction: Share = 0.8
     max_rollout_slots: Annotated[int, msgspec.Meta(ge=1)] = 32
     max_lend_kv_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MIB
-    lend_memory_fraction: Share = 0.5  # of the device memory not in use
+    lend_memory_fraction: Share = 0.5  # of the device memory not in use, where an executor reserves no rollout pool
     kv_high_water: Share = 0.8  # serving KV use above this halves what is lent
     max_serving_queue: Annotated[int, msgspec.Meta(ge=0)] = 2  # only where an executor cannot project its queue's wait
 

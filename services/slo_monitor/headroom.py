@@ -22,8 +22,9 @@ x SLO and p99 TTFT under `ttft_grant_fraction` x SLO (the executor's own TTFT se
 lease adds at most a quantum to a first token, and the executor pauses rollout before a first
 token passes its setpoint), the serving queue's last first token is projected under that same
 gate (``serving_queue_long``) and the model leaves at least one slot.
-KV lent is the smaller of `max_lend_kv_bytes` and `lend_memory_fraction` of the device
-memory not in use, halved when the serving pool is above its high-water mark.
+KV lent is the smaller of `max_lend_kv_bytes` and the executor's rollout pool (or, where it reserves
+none, `lend_memory_fraction` of the device memory not in use), halved when the serving pool is above its
+high-water mark (``lendable_kv_bytes``).
 """
 
 from __future__ import annotations
@@ -98,9 +99,17 @@ class HeadroomVerdict:
 
 
 def lendable_kv_bytes(latest: MetricsSnapshot | None, kv_utilisation: float, cfg: HeadroomSettings) -> int:
+    """KV a lease may hold there: the rollout pool the executor reserved, whole (an engine preallocates it inside
+    its memory budget, which already keeps the activation workspace and the allocator's margin out: shared/devices.py
+    ``usable_bytes``); where it reserves none (an SGLang policy server between leases has released its memory),
+    ``lend_memory_fraction`` of the device memory not in use, which an allocation must fit into beside its
+    workspace. Capped by ``max_lend_kv_bytes``; halved while the serving pool is above its high-water mark."""
     kv = cfg.max_lend_kv_bytes
+    pool = latest.rollout_pool if latest else None
     device = latest.device if latest else None
-    if device and device.memory_total_bytes:
+    if pool is not None and pool.total_blocks > 0:
+        kv = min(kv, pool.total_blocks * pool.block_bytes)
+    elif device and device.memory_total_bytes:
         free = max(0, device.memory_total_bytes - device.memory_used_bytes)
         kv = min(kv, int(free * cfg.lend_memory_fraction))
     if kv_utilisation > cfg.kv_high_water:

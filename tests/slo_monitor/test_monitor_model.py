@@ -5,10 +5,11 @@ from __future__ import annotations
 import msgspec
 from ddsketch import DDSketch
 
+from rose.contracts.executor import PoolUsage
 from rose.services.executor.slo_guard import SETPOINT
 from rose.services.slo_monitor.bursts import BurstDetector
 from rose.services.slo_monitor.config import HeadroomSettings, SloMonitorConfig
-from rose.services.slo_monitor.headroom import assess, fit_step_model, observations, rollout_slots
+from rose.services.slo_monitor.headroom import assess, fit_step_model, lendable_kv_bytes, observations, rollout_slots
 from rose.services.slo_monitor.monitor import Monitor
 from rose.services.slo_monitor.windows import ExecutorWindow, fleet_stats
 from rose.shared.bursts import BurstSettings
@@ -51,6 +52,19 @@ def test_step_model_recovers_batch_coefficients_and_bounds_slots():
     assert rollout_slots(model, 7, 40.0, 0.7, 32) == 32
     assert rollout_slots(model, 7, 20.0, 0.7, 32) == int((14.0 - 11.4) / model.per_rollout_ms)
     assert rollout_slots(model, 30, 20.0, 0.7, 32) == 0  # serving alone eats the budget
+
+
+def test_a_reserved_rollout_pool_is_lent_whole_and_free_memory_only_in_part():
+    """An engine preallocates its rollout pool inside a budget that already keeps the workspace out: lending half of
+    it priced a lane at half what it holds (docs/benchmarks.md). Free device memory still needs an allocation's margin."""
+    cfg = HeadroomSettings(max_lend_kv_bytes=64 << 30, lend_memory_fraction=0.5)
+    reserved = msgspec.structs.replace(snap(0.0), rollout_pool=PoolUsage(block_bytes=1 << 20, total_blocks=3000, used_blocks=7))
+    assert lendable_kv_bytes(reserved, 0.1, cfg) == 3000 << 20
+    assert lendable_kv_bytes(reserved, 0.9, cfg) == (3000 << 20) // 2  # serving above its high-water mark
+    assert lendable_kv_bytes(reserved, 0.1, msgspec.structs.replace(cfg, max_lend_kv_bytes=1 << 30)) == 1 << 30
+    none_reserved = snap(0.0)  # its rollout pool holds no block: 8 GiB total, 2 GiB used
+    assert lendable_kv_bytes(none_reserved, 0.1, cfg) == 3 << 30
+    assert lendable_kv_bytes(None, 0.1, cfg) == cfg.max_lend_kv_bytes
 
 
 def test_thin_data_falls_back_to_the_prior():
