@@ -429,7 +429,9 @@ def run_e2e_bench(
     warm_start_steps: int | None = None,
     pin: str = "auto",
     rollout_demand: int = 1,
+    until_steps: int | None = None,
 ) -> dict:
+    """``until_steps``: each policy's window ends after that many trainer steps, at most ``duration_s``."""
     console = console or Console()
     worker_env, demand_job = demand_settings(rollout_demand, dedicated)
     job = {**ROLLOUT_DOMINATED_JOB, **demand_job}
@@ -461,6 +463,7 @@ def run_e2e_bench(
     result: dict = {
         "seed": seed,
         "duration_s": duration,
+        "until_steps": until_steps,
         "serving_executors": serving,
         "dedicated_executors": dedicated,
         "fleet": {
@@ -520,6 +523,7 @@ def run_e2e_bench(
                 on_bus=extra.subscribe,
                 obs=obs,
                 warm_start_steps=warm_start_steps,
+                until_steps=until_steps,
                 job=job,
                 devices=devices,
             )

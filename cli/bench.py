@@ -311,6 +311,7 @@ def _run_e2e(args: argparse.Namespace) -> int:
         warm_start_steps=args.warm_start_steps,
         pin="none" if args.unpinned else args.pin,
         rollout_demand=args.rollout_demand,
+        until_steps=args.until_steps,
     )
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 

@@ -292,6 +292,8 @@ def test_bench_e2e_static_on_a_pinned_fleet(tmp_path):
         assert cores == r["devices"] == static["devices"]
     else:
         assert r["pin"] == "none"
+    # the window ended on the trainer's steps (one more may land while the trainer stops), not on --duration's
+    assert r["until_steps"] == UNTIL_STEPS and UNTIL_STEPS <= static["steps"] <= UNTIL_STEPS + 1, static["steps"]
     # the job trained: a rate between steps, and the share of a step its rollout took
     assert static["rl_steps_per_hour"] > 0 and 0.0 < static["rollout_share_of_step"] < 1.0, static
     # static: the dedicated executor only; no serving executor is ever lent
