@@ -95,6 +95,15 @@ def test_over_provisioning_reaches_the_trainer_and_the_simulator_as_one_share(tm
         EmulatedJob(over_provision=-0.1)
 
 
+def short_serving_trace(path: Path, rate_rps: float = 3.0, seconds: int = 600) -> str:
+    """A replayed serving trace (Azure's format) of short requests: the run waits for every serving request sent in
+    its window to finish, and the synthetic trace's longest (2,048 tokens) would hold the drain for 15 s."""
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"{i / rate_rps:.3f},{200 + 37 * i % 600},{8 + 13 * i % 56}" for i in range(int(seconds * rate_rps))]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(tmp_path, models_dir):
@@ -108,6 +117,7 @@ def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(t
         workload=TINY_WORKLOAD,
         warmup_s=2.0,
         over_provision=0.5,
+        trace=short_serving_trace(tmp_path / "serving.csv"),
     )
     out = tmp_path / "e2e.json"
     run_emulated_e2e(out_json=str(out), job=job, policies=["static", "rose"], duration_s=40.0, until_steps=2, model_dir=str(models_dir), drain_s=30.0)
