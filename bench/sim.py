@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 
 from rose.shared.workload import RolloutSpec
-from rose.sim import POLICIES
+from rose.sim import MODEL_SIZES, POLICIES
 from rose.sim.calibration import calibrate_e2e, fit_error, measure_step_times, relative_error, step_models
 from rose.sim.ceiling import fleet_ceiling, grown_pools, share_of_gain, speedup_ceiling_over
 from rose.sim.engine import Infeasible, SimConfig, simulate
 
-MODELS = ("7B", "14B", "32B", "70B")
+MODELS = MODEL_SIZES  # the default grid: every size
 FLEETS = (8, 16, 32, 64)
 DEMANDS = (1.0, 2.0, 4.0)
 RATIOS = (0.125, 0.25, 0.5)

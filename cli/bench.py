@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from rose.bench.options import add_coserve_arguments, number_list
-from rose.sim import POLICIES
+from rose.sim import MODEL_SIZES, POLICIES
 
 E2E_JSON = "bench-out/e2e.json"
 EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
@@ -374,21 +374,21 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
         "--models",
         nargs="+",
         default=None,
-        choices=["7B", "14B", "32B", "70B"],
+        choices=MODEL_SIZES,
         help="model sizes, each as serving model and policy (default: all four)",
     )
     b.add_argument(
         "--serving-model",
         nargs="+",
         default=None,
-        choices=["7B", "14B", "32B", "70B"],
+        choices=MODEL_SIZES,
         help="the serving fleet's model sizes, each with every --policy-model (default: --models)",
     )
     b.add_argument(
         "--policy-model",
         nargs="+",
         default=None,
-        choices=["7B", "14B", "32B", "70B"],
+        choices=MODEL_SIZES,
         help="the RL policy's sizes, each beside every --serving-model (default: --models)",
     )
     b.add_argument(

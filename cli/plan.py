@@ -8,13 +8,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rose.sim import MODEL_SIZES
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `rose plan` to `rose`'s commands."""
     p = commands.add_parser("plan", help="how much rollout a serving fleet can lend, hour by hour, and at what SLO risk (from a trace)")
     p.add_argument("--trace", required=True, help="CSV in the Azure LLM inference trace format: TIMESTAMP,ContextTokens,GeneratedTokens")
     p.add_argument("--fleet", required=True, help="COUNTxKIND, e.g. 64xH100 (KIND: A100, H100, H200)")
-    p.add_argument("--model", required=True, choices=["7B", "14B", "32B", "70B"], help="size of the serving model and of the RL policy")
+    p.add_argument("--model", required=True, choices=MODEL_SIZES, help="size of the serving model (and of the RL policy, unless --policy-model)")
+    p.add_argument(
+        "--policy-model",
+        default=None,
+        choices=MODEL_SIZES,
+        help="size of the RL policy trained beside it (default: --model's); the serving fleet runs a product model, not the policy",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
     p.add_argument("--scale", default="auto", help="multiply the trace's request rate (auto: its busiest hour at 45%% of the fleet's SLO capacity)")
@@ -41,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             trace=args.trace,
             fleet=args.fleet,
             model=args.model,
+            policy_model=args.policy_model,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             scale=args.scale,

@@ -3,3 +3,5 @@
 # The four fleet policies (policies.py says what each is), here so that `rose --help` lists them
 # without importing the simulator.
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
+# The model sizes the simulator and the planner know (shared/devices.py MODELS; a test keeps the two alike).
+MODEL_SIZES = ("7B", "14B", "32B", "70B")

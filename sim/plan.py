@@ -94,20 +94,26 @@ def plan(
     quantum_ms: float = 10.0,
     demands=DEMANDS,
     dedicated_ratio: float = 0.25,
+    policy_model: str | None = None,
 ) -> dict:
+    """``model`` is the serving fleet's (a company's product model); ``policy_model`` the RL policy trained beside it
+    (default: the same size), as the simulator takes them (sim/sizing.py)."""
     n_gpus, device = parse_fleet(fleet)
-    m = model_spec(model)
+    serving_spec, policy_spec = model_spec(model), model_spec(policy_model or model)
     req = load_azure_csv(trace_path)
     trace = requests_to_trace(req)
-    tp_s, tp_r = serving_tp(m, m, device), rollout_tp(m, device)
+    tp_s, tp_r = serving_tp(serving_spec, policy_spec, device), rollout_tp(policy_spec, device)
     n = n_gpus // tp_s
     if n < 1:
-        raise ValueError(f"{model} on {fleet}: one serving instance needs {tp_s} GPUs (serving model + policy copy in 65 % of HBM)")
-    sperf, pperf_s, pperf_d = Roofline(device, m, tp_s), Roofline(device, m, tp_s), Roofline(device, m, tp_r)
+        raise ValueError(
+            f"{serving_spec.name} serving beside a {policy_spec.name} policy on {fleet}: one serving instance needs {tp_s} GPUs "
+            "(serving model + policy copy in 65 % of HBM)"
+        )
+    sperf, pperf_s, pperf_d = Roofline(device, serving_spec, tp_s), Roofline(device, policy_spec, tp_s), Roofline(device, policy_spec, tp_r)
     prompt, output = float(np.mean(req.context)), float(np.mean(req.generated))
     p99 = float(trace.prompt_p99)
-    kvb = m.kv_bytes_per_token
-    alone_tokens = (usable_bytes(device, tp_s) - m.weight_bytes) / kvb
+    kvb_s, kvb = serving_spec.kv_bytes_per_token, policy_spec.kv_bytes_per_token  # serving's KV per token, and the policy's (rollout's)
+    alone_tokens = (usable_bytes(device, tp_s) - serving_spec.weight_bytes) / kvb_s
     cap = slo_capacity_rps(sperf, prompt, output, p99, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, alone_tokens)
     minutes = max(1, len(trace.rate) // 60)
     # smooth over a window holding ~20 requests (>= 1 minute): scaling up a sparse trace must not
@@ -131,7 +137,7 @@ def plan(
     q = quantum_ms / 1e3
     at_peak = serving_tick(sperf, np.array([float(rate_peak.max())]), prompt, output, p99, q, q, 0.0, 1.0, alone_tokens)
     pool_tokens = min(alone_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt + output))
-    free = usable_bytes(device, tp_s) - 2 * m.weight_bytes - pool_tokens * kvb
+    free = usable_bytes(device, tp_s) - serving_spec.weight_bytes - policy_spec.weight_bytes - pool_tokens * kvb_s
     _, _, hcfg = monitor_settings(slo_ttft_ms, slo_tpot_ms, MAX_ROLLOUT_BATCH, int(max(0.0, free)))
     latest = serving_snapshot(device.name, tp_s * device.hbm_bytes, free, kvb)
     ctx = mean_context(RolloutSpec())
@@ -176,7 +182,7 @@ def plan(
         sp = serving_tick(sperf, rate_peak[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
         risk_with[i] = bool(sp.ttft_p99_s[0] > slo_ttft_ms / 1e3 or sp.tpot_p99_s[0] > slo_tpot_ms / 1e3 or sp.queue[0] > 0)
     risk_alone = (alone_peak.ttft_p99_s > slo_ttft_ms / 1e3) | (alone_peak.tpot_p99_s > slo_tpot_ms / 1e3) | (alone_peak.queue > 0)
-    ded_kv = usable_bytes(device, tp_r) - m.weight_bytes
+    ded_kv = usable_bytes(device, tp_r) - policy_spec.weight_bytes
     ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * kvb)))
     ded_tps = ded_batch / float(pperf_d.decode_s(ded_batch, ctx))
 
@@ -212,7 +218,7 @@ def plan(
         busiest = int(np.argmax(hourly_mean)) * 3600
         rate = np.roll(smooth * factor, -busiest)
         sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan")
-        demand = speedup_by_demand(sim_trace, fleet, model, slo_ttft_ms, slo_tpot_ms, demands, dedicated_ratio)
+        demand = speedup_by_demand(sim_trace, fleet, model, slo_ttft_ms, slo_tpot_ms, demands, dedicated_ratio, policy_model=policy_spec.name)
     no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
     return {
         "speedup_by_demand": demand,
@@ -223,7 +229,8 @@ def plan(
         "scale": factor,
         "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
         "fleet": fleet,
-        "model": m.name,
+        "model": serving_spec.name,  # the serving model
+        "policy_model": policy_spec.name,
         "serving_instances": n,
         "serving_tp": tp_s,
         "slo_ttft_ms": slo_ttft_ms,
@@ -251,6 +258,7 @@ def speedup_by_demand(
     dedicated_ratio: float = 0.25,
     steps: int = 2,
     seed: int = 0,
+    policy_model: str | None = None,
 ) -> list[dict]:
     """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s."""
     from dataclasses import replace
@@ -268,6 +276,7 @@ def speedup_by_demand(
             for policy in ("static", "rose"):
                 cfg = SimConfig(
                     model=model,
+                    policy_model=policy_model,
                     device=kind,
                     gpus=n_gpus,
                     policy=policy,
@@ -321,6 +330,12 @@ def speedup_by_demand(
     return out
 
 
+def models_label(result: dict) -> str:
+    """ "7B" when the policy is the serving model's size, else "70B serving, 7B policy"."""
+    serving, policy = result["model"], result.get("policy_model", result["model"])
+    return serving if policy == serving else f"{serving} serving, {policy} policy"
+
+
 def _risk(x: float) -> str:
     return "low" if x < 0.01 else ("medium" if x < 0.1 else "high")
 
@@ -344,7 +359,7 @@ def _plot(path: Path, result: dict) -> None:
     b.set_ylabel("lendable rollout tok/s")
     b.set_xticks(x, labels, rotation=90 if len(hrs) > 12 else 0)
     b.set_xlabel(f"start of each {result['bin_minutes']}-minute bin (bar colour: SLO risk with rollout, green low / orange medium / red high)")
-    fig.suptitle(f"rose plan: {result['model']} on {result['fleet']} ({result['serving_instances']} instances of TP{result['serving_tp']})")
+    fig.suptitle(f"rose plan: {models_label(result)} on {result['fleet']} ({result['serving_instances']} instances of TP{result['serving_tp']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -360,7 +375,7 @@ def plan_tables(result: dict, fleet: str, width: int) -> Group:
 
     unit = f"{result['bin_minutes'] // 60} h" if result["bin_minutes"] >= 60 else f"{result['bin_minutes']} min"
     table = Table(
-        title=f"rose plan: {result['model']} on {fleet}, SLO TTFT {result['slo_ttft_ms']:g} ms / TPOT {result['slo_tpot_ms']:g} ms "
+        title=f"rose plan: {models_label(result)} on {fleet}, SLO TTFT {result['slo_ttft_ms']:g} ms / TPOT {result['slo_tpot_ms']:g} ms "
         f"(trace x{result['scale']:.3g}; bins of {unit})",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -448,9 +463,18 @@ def run_plan(
     console,
     demands=DEMANDS,
     dedicated_ratio: float = 0.25,
+    policy_model: str | None = None,
 ) -> dict:
     result = plan(
-        trace, fleet, model, slo_ttft_ms, slo_tpot_ms, scale if scale == "auto" else float(scale), demands=demands, dedicated_ratio=dedicated_ratio
+        trace,
+        fleet,
+        model,
+        slo_ttft_ms,
+        slo_tpot_ms,
+        scale if scale == "auto" else float(scale),
+        demands=demands,
+        dedicated_ratio=dedicated_ratio,
+        policy_model=policy_model,
     )
     console.print(plan_tables(result, fleet, console.width))
     out = Path(out_json or "bench-out/plan.json")

@@ -139,6 +139,41 @@ def test_plan_bins_an_hour_long_trace_in_minutes_and_fits_80_columns(tmp_path, c
     assert "COLUMNS=80" in capsys.readouterr().out
 
 
+def test_plan_sizes_the_serving_fleet_by_its_own_model_and_the_policy_by_its_own(tmp_path, capsys, monkeypatch):
+    """A company's 70B product model serving, a 7B policy trained beside it: the serving instances hold a 70B and a 7B
+    (TP4 on H100, not the TP8 two 70Bs need), the dedicated instances a 7B (TP1), and the simulator runs that pair."""
+    from rose.shared.devices import DEVICES, model_spec, rollout_tp, serving_tp
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = tmp_path / "plan.json"
+    args = ["plan", "--trace", str(SAMPLE_CSV), "--fleet", "16xH100", "--model", "70B", "--json", str(out)]
+    assert main([*args, "--policy-model", "7B", "--demand", "4"]) == 0
+    mixed = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "70B serving, 7B policy" in printed
+    _fits(printed)
+    h100, big, small = DEVICES["H100"], model_spec("70B"), model_spec("7B")
+    assert (mixed["model"], mixed["policy_model"]) == ("70B", "7B")
+    assert mixed["serving_tp"] == serving_tp(big, small, h100) == 4 and mixed["serving_instances"] == 16 // 4
+    assert mixed["dedicated_tp"] == rollout_tp(small, h100) == 1
+    assert main([*args, "--demand", "4"]) == 0  # the same fleet training a 70B policy: two 70Bs per serving instance
+    same = json.loads(out.read_text())
+    assert "70B serving" not in capsys.readouterr().out
+    assert (same["model"], same["policy_model"]) == ("70B", "70B") and same["serving_tp"] == serving_tp(big, big, h100) == 8
+    assert same["dedicated_tp"] == rollout_tp(big, h100) == 4
+    # the simulator ran each pair: four 7B dedicated instances (TP1) hand out a larger batch than one 70B one (TP4)
+    (level,), (level_same,) = mixed["speedup_by_demand"], same["speedup_by_demand"]
+    assert level["speedup"] is not None and level_same["speedup"] is not None
+    assert level["trajectories_per_step"] > level_same["trajectories_per_step"]
+
+
+def test_the_command_lines_offer_the_model_sizes_the_devices_define():
+    from rose.shared.devices import MODELS
+    from rose.sim import MODEL_SIZES
+
+    assert MODEL_SIZES == tuple(MODELS)
+
+
 def test_plan_bad_trace_names_the_line(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,100,10\n2,lots,10\n")
