@@ -171,7 +171,7 @@ def test_the_command_lines_offer_the_model_sizes_the_devices_define():
     from rose.shared.devices import MODELS
     from rose.sim import MODEL_SIZES
 
-    assert MODEL_SIZES == tuple(MODELS)
+    assert tuple(MODELS) == MODEL_SIZES
 
 
 def test_plan_bad_trace_names_the_line(tmp_path, capsys):
