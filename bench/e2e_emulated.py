@@ -124,6 +124,18 @@ def rescale_snapshots(snapshots: list[dict], t0: float, scale: float) -> list[di
     ]
 
 
+def placement_rules(placements: list[PlacementEvent]) -> dict[str, int]:
+    """Placements by the executor's role and the rule that made them ("serving: leased"), as the simulator counts
+    them (sim/routing.py ``Router.rules``), most first."""
+    return dict(Counter(f"{'serving' if SERVING_PREFIX in e.executor_id else 'dedicated'}: {e.rule}" for e in placements).most_common())
+
+
+def rule_shares(counts: dict[str, int] | None) -> dict[str, float]:
+    """Each rule's share of the placements: the real run and the simulator place different numbers of turns."""
+    total = sum((counts or {}).values())
+    return {rule: n / total for rule, n in (counts or {}).items()} if total else {}
+
+
 def rescale_placements(placements: list[PlacementEvent], t0: float, scale: float) -> list[PlacementEvent]:
     """Placement decisions in emulated time: the instant and the predicted seconds over ``scale``."""
     return [msgspec.structs.replace(e, at=t0 + (e.at - t0) / scale, predicted_s=e.predicted_s / scale, model_s=e.model_s / scale) for e in placements]
@@ -359,6 +371,7 @@ async def run_policy(
         (root / policy / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in eobs.trajectories.values()))
         (root / policy / "snapshots.jsonl").write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in extra.snapshots))
         (root / policy / "placements.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in rescale_placements(placements, t0, k)))
+        figures["placement_rules"] = placement_rules(placements)
         figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
         figures["wall_phases_s"] = phases
         figures["lease_end_reasons"] = dict(lease_reasons.most_common())
@@ -419,7 +432,7 @@ def sim_figures(job: EmulatedJob, policy: str, steps: int, seeds: int = SIM_SEED
     long-tailed workload varies by seed, and the real run's batches are another draw of the same workload."""
     cfg = job.sim_config(policy, steps=max(2, steps))
     r = simulate(cfg)
-    keys = SIM_FIGURES + tuple(sim for _, sim in HOW_FIGURES)
+    keys = SIM_FIGURES + tuple(sim for _, sim in HOW_FIGURES) + ("placement_rules",)
     out = {key: r.get(key) for key in keys} | {"steps": r.get("steps"), "simulated_s": r.get("simulated_s")}
     rates = [r["rl_steps_per_hour"]] + [simulate(dataclasses.replace(cfg, seed=job.seed + i))["rl_steps_per_hour"] for i in range(1, seeds)]
     seeds_used = [job.seed + i for i in range(seeds)]
@@ -514,6 +527,11 @@ def run_emulated_e2e(
         real, simulated = figures, result["sim"][policy]
         result["sim_vs_real"][policy] = {key: _ratio(real.get(key), simulated.get(key)) for key in ("rl_steps_per_hour", "rollout_s_per_step")}
         result["sim_vs_real"][policy]["how"] = how_figures(real, simulated)
+        # the same rules placed the turns on both sides (placement.py RULES): how often each fired, real beside simulated
+        real_rules, sim_rules = rule_shares(real.get("placement_rules")), rule_shares(simulated.get("placement_rules"))
+        result["sim_vs_real"][policy]["placement_rule_shares"] = {
+            rule: {"real": real_rules.get(rule, 0.0), "sim": sim_rules.get(rule, 0.0)} for rule in sorted(set(real_rules) | set(sim_rules))
+        }
         spread = simulated["rl_steps_per_hour_by_seed"]
         result["sim_vs_real"][policy] |= {
             "rl_steps_per_hour_vs_seed_mean": _ratio(real.get("rl_steps_per_hour"), spread["mean"]),

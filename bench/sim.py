@@ -245,8 +245,6 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
                     "prefix_host_share",
                     "reprefill_share",
                     "reprefill_moved_share",
-                    "elastic_lends",
-                    "elastic_reclaims",
                     "unlendable_reasons",
                     "sync_serving_s",
                     "serving_capacity_rps_per_instance",
@@ -258,7 +256,7 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
                     "tail_s_per_step",
                     "early_hand_outs",
                     "trainer_wait_s_per_step",
-                    "placements",
+                    "placement_rules",
                 )
                 if k in r
             },

@@ -96,6 +96,8 @@ class PlacementEvent(Message):
     # (0: no prediction: a hedge, or no typical turn measured yet); an audit of placement against the turn it placed
     predicted_s: NonNegFloat = 0.0
     model_s: NonNegFloat = 0.0
+    # which rule of the placement placed it (services/scheduler/placement.py RULES; "": an older scheduler)
+    rule: str = ""
 
 
 class ToolCall(msgspec.Struct, kw_only=True):

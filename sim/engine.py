@@ -1197,6 +1197,8 @@ class Simulation:
             bounced_turns=a.turns.bounced,
             hedges=a.turns.hedges,
             hedge_wins=a.turns.hedge_wins,
+            # every placement by the executor's role and the rule that made it (placement.py RULES), most first
+            placement_rules=dict(self.router.rules.most_common()),
             # later turns' first attempts that found part of their prompt cached where they ran (`rose bench elastic`'s)
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
             prefix_host_share=a.turns.host_hits / (hits + misses) if hits + misses else 0.0,  # of them, from the host tier

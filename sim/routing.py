@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 from rose.contracts.rollout import TurnRouteRequest
@@ -53,6 +54,9 @@ class Router:
             )
         self.settings = self.fleet.config.placement
         self.cands = CandidateCache(self.fleet)
+        # placements by the executor's role and the rule that placed them ("serving: leased"), as the scheduler's
+        # PlacementEvents count them (bench/e2e_emulated.py)
+        self.rules: collections.Counter[str] = collections.Counter()
 
     def route(
         self,
@@ -95,6 +99,7 @@ class Router:
         )
         if placement is None:
             return None
+        self.rules[f"{placement.role}: {placement.rule}"] += 1
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
         self.fleet.on_prediction(tid, k, placement.role, placement.model_s, placement.model_wait_s)
         self.placed(placement.executor_id)
@@ -140,6 +145,7 @@ class Router:
         placement = self.policy.place_turn(req, candidates, affinity, self.settings, self.rng)
         if placement is None:
             return None
+        self.rules[f"{placement.role}: {placement.rule}"] += 1
         self.fleet.on_route(tid, placement.executor_id, now, hedge=True)
         self.placed(placement.executor_id)
         return self.index[placement.executor_id]

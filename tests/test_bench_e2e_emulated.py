@@ -21,6 +21,7 @@ from rose.bench.e2e_emulated import HOW_FIGURES, run_emulated_e2e
 from rose.bench.emulated import EmulatedJob, rescale, serving_requests, trainer_process
 from rose.contracts.rollout import PlacementEvent, Trajectory, TurnRecord
 from rose.contracts.training import TrainingStep
+from rose.services.scheduler.placement import RULES
 from rose.shared.security import init_credentials
 
 TINY_WORKLOAD = {
@@ -147,8 +148,14 @@ def test_a_small_emulated_fleet_runs_static_and_rose_with_the_simulator_beside(t
         routed = {(p.trajectory_id, p.turn_index) for p in placed if not p.hedge}  # every turn that ran was placed
         assert {(t.trajectory_id, u.turn_index) for t in dumped for u in t.turns} <= routed
         assert (Path(f["report"]) / "snapshots.jsonl").stat().st_size > 0
+        # each placement names its rule, on the real scheduler and in the simulator alike, and the shares sit side by side
+        assert sum(f["placement_rules"].values()) == len(placed) and all(p.rule in RULES for p in placed)
+        shares = result["sim_vs_real"][policy]["placement_rule_shares"]
+        assert set(shares) == set(f["placement_rules"]) | set(result["sim"][policy]["placement_rules"])
+        assert sum(c["real"] for c in shares.values()) == pytest.approx(1.0) and sum(c["sim"] for c in shares.values()) == pytest.approx(1.0)
     assert result["side_by_side"]  # both fleets ran at once, each on its own nats-server
     assert result["policies"]["static"]["rollout_tokens_on_serving"] == 0  # static never lends a serving executor
+    assert not any(rule.startswith("serving: ") for rule in result["policies"]["static"]["placement_rules"])
     assert result["policies"]["static"]["rollout_tokens_by_executor"]  # the dedicated executor did the rollout
     assert "speedup_vs_static" in result and (tmp_path / "e2e.png").stat().st_size > 0
     assert msgspec.json.decode(out.read_bytes())  # plain JSON throughout

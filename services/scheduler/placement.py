@@ -42,6 +42,20 @@ from rose.contracts.rollout import TurnRouteRequest
 
 from .config import PlacementSettings
 
+# Which rule of ``place_turn`` placed a turn (``Placement.rule``): the reason's words without its figures, so that
+# the scheduler's placements and the simulator's can be counted and compared rule by rule.
+RULES = (
+    "random",  # the baseline routing: uniform
+    "hedge",  # a duplicate of a straggling turn, on a dedicated executor when one is there
+    "tail",  # the batch's unfinished trajectories fit the dedicated pool's free slots
+    "home slot",  # its dedicated prefix-cache executor has a free slot
+    "home lease",  # its leased prefix-cache executor still beats the dedicated choice
+    "leased",  # a leased executor predicted to finish it sooner than the dedicated choice
+    "home queue",  # its dedicated prefix-cache executor, no slot free yet, still the soonest
+    "overloaded home",  # its prefix-cache executor is overloaded or gone: the soonest dedicated one
+    "dedicated",  # no lease would be sooner
+)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -70,6 +84,7 @@ class Placement:
     hedge_after_s: float = 0.0  # ask for a hedge if the turn still runs after this long (0: no hint)
     model_s: float = 0.0  # the same before the correction: what the observed turn is compared with (``Fleet.on_turn_result``)
     model_wait_s: float = 0.0  # of ``model_s``, the wait for a slot (which a turn's tokens do not lengthen)
+    rule: str = ""  # which of RULES placed it
 
 
 @dataclass(frozen=True)
@@ -140,13 +155,14 @@ def _least_loaded(candidates: list[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: ((c.load + 1) / w[c.executor_id], c.executor_id))
 
 
-def _placed(c: Candidate, reason: str, p: Prediction | None = None, turn_s: float = 0.0, raw: Prediction | None = None) -> Placement:
+def _placed(c: Candidate, rule: str, reason: str, p: Prediction | None = None, turn_s: float = 0.0, raw: Prediction | None = None) -> Placement:
     """``p`` (corrected) and ``raw`` (the model's) in seconds when ``turn_s`` > 0 (else in turn units: no figure to hand out)."""
+    assert rule in RULES, rule
     predicted = p.finish if p is not None and turn_s > 0 else 0.0
     hedge_after = predicted if c.role != "dedicated" else 0.0
     model = raw.finish if raw is not None and turn_s > 0 else 0.0
     wait = raw.wait if raw is not None and turn_s > 0 else 0.0
-    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model, wait)
+    return Placement(c.executor_id, c.lease_id, c.lease_epoch, c.role, reason, predicted, hedge_after, model, wait, rule)
 
 
 def moved_prefill_s(c: Candidate, prompt_tokens: int, affinity: str) -> float:
@@ -195,9 +211,9 @@ def place_turn(
     if req.hedge:  # the primary is in req.exclude; the previous turn's executor (affinity) is welcome: it has the prefix
         dedicated = [c for c in pool if c.role == "dedicated"]
         choice = dedicated or pool
-        return _placed(_least_loaded(choice), "hedge on dedicated" if dedicated else "hedge")
+        return _placed(_least_loaded(choice), "hedge", "hedge on dedicated" if dedicated else "hedge")
     if req.routing == "random":
-        return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random")
+        return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random", "random")
     w = weights(pool)
     measured = sorted(c.throughput for c in pool if c.throughput > 0)
     turn_s = turn_tokens / measured[len(measured) // 2] if measured and turn_tokens > 0 else 0.0  # a typical turn at weight 1
@@ -222,14 +238,15 @@ def place_turn(
         else (min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
     )
     if ded is not None and in_tail(unfinished, dedicated):
-        return _placed(ded, f"tail: {unfinished} unfinished fit the dedicated pool's free slots", pred[ded.executor_id], turn_s, raw[ded.executor_id])
+        why = f"tail: {unfinished} unfinished fit the dedicated pool's free slots"
+        return _placed(ded, "tail", why, pred[ded.executor_id], turn_s, raw[ded.executor_id])
     if ded is not None and ded is home and has_room(home):
         # its prefix is there and a slot is free: a lease could only run the turn faster per token, and the move
         # would prefill the whole context there (and again, in part, when a later turn comes back)
-        return _placed(home, "prefix affinity: a free slot at home", pred[home.executor_id], turn_s, raw[home.executor_id])
+        return _placed(home, "home slot", "prefix affinity: a free slot at home", pred[home.executor_id], turn_s, raw[home.executor_id])
     ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
     risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
-    put = lambda c, why: _placed(c, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
+    put = lambda c, rule, why: _placed(c, rule, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
     # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
     lease = (
         home
@@ -237,18 +254,16 @@ def place_turn(
         else (min(leased, key=lambda c: (risky[c.executor_id], c.executor_id)) if leased else None)
     )
     if lease is not None and lease is home:
-        return put(lease, "prefix affinity")
+        return put(lease, "home lease", "prefix affinity")
     if lease is not None and risky[lease.executor_id] < ded_finish:
         lead = "no dedicated executor" if ded is None else f"predicted {risky[lease.executor_id]:.2f} vs {ded_finish:.2f} on dedicated"
-        return put(lease, f"leased: {lead}")
+        return put(lease, "leased", f"leased: {lead}")
     assert ded is not None  # pool is not empty: without a leased choice there is a dedicated one
     if ded is home:
-        why = "prefix affinity"
-    elif affinity and home is None:
-        why = "affinity executor overloaded or unavailable; dedicated"
-    else:
-        why = "dedicated: sooner than any lease" if leased else "dedicated"
-    return put(ded, why)
+        return put(ded, "home queue", "prefix affinity")
+    if affinity and home is None:
+        return put(ded, "overloaded home", "affinity executor overloaded or unavailable; dedicated")
+    return put(ded, "dedicated", "dedicated: sooner than any lease" if leased else "dedicated")
 
 
 def hedge_primary(req: TurnRouteRequest) -> str:

@@ -218,6 +218,7 @@ class Scheduler:
                 hedge=req.hedge,
                 predicted_s=placement.predicted_s,
                 model_s=placement.model_s,
+                rule=placement.rule,
             )
             self._spawn(self.bus.publish(PLACEMENT, event, executor_id=placement.executor_id))
             # the span's whole time against this thread's CPU in it (no await inside): a long span with little CPU

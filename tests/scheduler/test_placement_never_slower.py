@@ -16,7 +16,7 @@ from rose.contracts.rollout import TurnRoute, TurnRouteRequest
 from rose.contracts.slo import Headroom, SloAlert
 from rose.services.scheduler.config import PlacementSettings, SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
-from rose.services.scheduler.placement import Candidate, concurrency, in_tail, place_turn, should_hedge
+from rose.services.scheduler.placement import RULES, Candidate, concurrency, in_tail, place_turn, should_hedge
 from rose.services.scheduler.scheduler import Scheduler
 from rose.shared.bus import Delivery
 from rose.testing.messages import beat
@@ -42,13 +42,13 @@ def lease(ex: str = "ser-1", *, running: int = 4, queued: int = 0, tps: float = 
 def test_a_dedicated_slot_beats_a_slower_lease():
     """The dedicated executor has room: 100 tok/s per sequence there against 50 on the lease."""
     p = place_turn(req(), [ded(running=32, capacity=64), lease()], "", P, random.Random(0))
-    assert p is not None and p.role == "dedicated"
+    assert p is not None and p.role == "dedicated" and p.rule == "dedicated"
 
 
 def test_a_lease_only_when_the_dedicated_queue_makes_it_sooner():
     # full (KV-bound at 32 running) with 64 queued: a turn waits 65/32 turns there, ~3x a turn; the lease's 2x turn is sooner
     p = place_turn(req(), [ded(running=32, queued=64), lease()], "", P, random.Random(0))
-    assert p is not None and p.role == "serving" and p.reason.startswith("leased")
+    assert p is not None and p.role == "serving" and p.reason.startswith("leased") and p.rule == "leased"
     # a short queue (8 ahead, 1.3 turns in all) is still sooner than a lease twice as slow per sequence
     p = place_turn(req(), [ded(running=32, queued=8), lease()], "", P, random.Random(0))
     assert p is not None and p.role == "dedicated"
@@ -67,10 +67,10 @@ def test_the_tail_goes_to_dedicated_even_from_a_lease_home():
     # a pool full of another batch's turns (74 there, 5 of this batch at most) has no room for this one's tail
     assert not in_tail(5, [ded(running=64, queued=10)])
     p = place_turn(req(), pool, "ser-1", P, random.Random(0), unfinished=30)
-    assert p is not None and p.role == "dedicated" and p.reason.startswith("tail")
+    assert p is not None and p.role == "dedicated" and p.reason.startswith("tail") and p.rule == "tail"
     # unknown batch: no tail rule
     p = place_turn(req(), [ded(running=64, queued=64), lease(running=1)], "ser-1", P, random.Random(0), unfinished=None)
-    assert p is not None and p.executor_id == "ser-1"
+    assert p is not None and p.executor_id == "ser-1" and p.rule == "home lease"
 
 
 def test_revocation_risk_and_model_error_can_turn_a_lease_down():
@@ -215,7 +215,7 @@ def test_a_hedge_may_go_to_the_previous_turn_s_executor():
     goes to that dedicated executor, not nowhere (it was excluded as if it were the primary)."""
     hedge = req(hedge=True, turn_index=2, previous_executor="ded-1", exclude=["ser-1"], elapsed_s=1.0, typical_turn_s=0.5)
     h = place_turn(hedge, [ded(running=10, capacity=64)], "ded-1", P, random.Random(0))
-    assert h is not None and h.executor_id == "ded-1" and h.reason == "hedge on dedicated"
+    assert h is not None and h.executor_id == "ded-1" and h.reason == "hedge on dedicated" and h.rule == "hedge"
 
 
 async def test_a_turn_parked_by_a_burst_gets_a_dedicated_duplicate(bus):
@@ -258,6 +258,7 @@ def test_a_move_pays_the_prefill_of_the_context_its_home_keeps_cached():
         long_context, [home, dataclasses.replace(lease(tps=800.0), prefill_rate=3_000.0)], "ded-1", P, random.Random(0), turn_tokens=300.0
     )
     assert slow is not None and slow.executor_id == "ded-1" and slow.reason == "prefix affinity"  # 10 s of prefill x 5
+    assert slow.rule == "home queue"  # its home has no free slot: it waits there
     # the first turn has no home: every executor prefills the prompt alike, so the rate does not count
     first = place_turn(
         msgspec.structs.replace(long_context, turn_index=0),
@@ -282,3 +283,16 @@ def test_the_fleet_prices_a_lane_s_prefill_at_the_rate_measured_there():
     fleet.on_headroom(msgspec.structs.replace(lane, compute_share=0.25, rollout_prefill_tokens_per_s=8_000.0))
     fleet.on_lease(active_lease("s0", expires_at=160.0, compute_share=0.25, max_rollout_batch=16), 100.0)
     assert {c.executor_id: c.prefill_rate for c in fleet.candidates(100.0)} == {"d0": 20_000.0, "s0": 8_000.0}
+
+
+def test_each_placement_names_the_rule_that_made_it():
+    """``Placement.rule``: the reason without its figures, one of RULES, so placements count by rule (the simulator's
+    ``placement_rules``, the scheduler's PlacementEvent.rule)."""
+    rng = random.Random(0)
+    assert place_turn(req(routing="random"), [ded(), lease()], "", P, rng).rule == "random"
+    assert place_turn(req(turn_index=1), [ded(running=10, capacity=64), lease()], "ded-1", P, rng).rule == "home slot"
+    # home overloaded (its load far past what it runs at once): the soonest dedicated one, not its cache
+    overloaded = dataclasses.replace(ded(running=32, queued=64), load=1000)
+    p = place_turn(req(turn_index=1), [overloaded, lease(running=64, queued=64, tps=10.0)], "ded-1", P, rng)
+    assert p.rule == "overloaded home" and "overloaded" in p.reason
+    assert {"random", "home slot", "overloaded home"} <= set(RULES)

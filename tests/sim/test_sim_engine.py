@@ -57,6 +57,21 @@ def test_rose_at_least_static_where_the_pool_is_short():
     assert sum(ratios) / len(ratios) >= 1.0, ratios
 
 
+def test_placements_count_by_role_and_the_rule_that_made_them(small_run):
+    """Each simulated placement went through the scheduler's place_turn and is counted under "role: rule"
+    (placement.py RULES), as the scheduler's PlacementEvents name them; static never places on a serving executor."""
+    from rose.services.scheduler.placement import RULES
+
+    for name, run in small_run.items():
+        rules = run["placement_rules"]
+        assert rules and all(n > 0 for n in rules.values()), name
+        for key in rules:
+            role, rule = key.split(": ")
+            assert role in ("dedicated", "serving") and rule in RULES, key
+    assert not any(k.startswith("serving: ") for k in small_run["static"]["placement_rules"])
+    assert any(k.startswith("serving: ") for k in small_run["rose"]["placement_rules"])  # it lent, and turns went there
+
+
 def test_naive_share_breaks_the_slo(small_run):
     naive = small_run["naive_share"]
     assert naive["slo_violations"] > 0 and naive["serving_slo_attainment"] < 0.9
