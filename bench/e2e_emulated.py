@@ -51,6 +51,7 @@ from rich.table import Table
 from rose.contracts.executor import LatencySketch
 from rose.contracts.registry import LEASE_EVENT, PLACEMENT
 from rose.contracts.rollout import PlacementEvent
+from rose.services.scheduler.placement import rule_key
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import start_all, stop_all
@@ -127,7 +128,7 @@ def rescale_snapshots(snapshots: list[dict], t0: float, scale: float) -> list[di
 def placement_rules(placements: list[PlacementEvent]) -> dict[str, int]:
     """Placements by the executor's role and the rule that made them ("serving: leased"), as the simulator counts
     them (sim/routing.py ``Router.rules``), most first."""
-    return dict(Counter(f"{'serving' if SERVING_PREFIX in e.executor_id else 'dedicated'}: {e.rule}" for e in placements).most_common())
+    return dict(Counter(rule_key("serving" if SERVING_PREFIX in e.executor_id else "dedicated", e.rule) for e in placements).most_common())
 
 
 def rule_shares(counts: dict[str, int] | None) -> dict[str, float]:

@@ -9,7 +9,7 @@ from rose.contracts.rollout import TurnRouteRequest
 from rose.contracts.service import Heartbeat
 from rose.services.scheduler.config import SchedulerConfig
 from rose.services.scheduler.fleet import Fleet
-from rose.services.scheduler.placement import Candidate
+from rose.services.scheduler.placement import Candidate, rule_key
 
 from .candidates import CandidateCache
 from .instances import Instances
@@ -99,7 +99,7 @@ class Router:
         )
         if placement is None:
             return None
-        self.rules[f"{placement.role}: {placement.rule}"] += 1
+        self.rules[rule_key(placement.role, placement.rule)] += 1
         self.fleet.on_route(tid, placement.executor_id, now, batch_id=req.batch_id, batch_size=req.batch_size)
         self.fleet.on_prediction(tid, k, placement.role, placement.model_s, placement.model_wait_s)
         self.placed(placement.executor_id)
@@ -145,7 +145,7 @@ class Router:
         placement = self.policy.place_turn(req, candidates, affinity, self.settings, self.rng)
         if placement is None:
             return None
-        self.rules[f"{placement.role}: {placement.rule}"] += 1
+        self.rules[rule_key(placement.role, placement.rule)] += 1
         self.fleet.on_route(tid, placement.executor_id, now, hedge=True)
         self.placed(placement.executor_id)
         return self.index[placement.executor_id]

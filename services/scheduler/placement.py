@@ -57,6 +57,12 @@ RULES = (
 )
 
 
+def rule_key(role: str, rule: str) -> str:
+    """How placements are counted, by the executor's role and the rule ("serving: leased"): the simulator's
+    ``placement_rules`` and a real run's (bench/e2e_emulated.py) use this one key, so the two compare."""
+    return f"{role}: {rule}"
+
+
 @dataclass(frozen=True)
 class Candidate:
     executor_id: str
