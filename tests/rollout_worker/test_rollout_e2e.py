@@ -51,12 +51,14 @@ def _check_trajectory(t, turns: int, max_tokens: int = 8) -> None:
         assert r.executor_id in (SERVING, DEDICATED) and 1 <= len(r.token_ids) <= max_tokens and len(r.logprobs) == len(r.token_ids)
 
 
-async def test_multi_turn_episodes_run_on_leased_and_dedicated_executors(fleet):
-    async def active_lease():  # the scheduler lends the idle serving executor to rollout
-        lease = await fleet.bus.kv_get(LEASE, executor_id=SERVING)
-        return lease is not None and lease.state == "active"
+async def _active_lease(bus) -> bool:
+    """The scheduler lends the idle serving executor to rollout."""
+    lease = await bus.kv_get(LEASE, executor_id=SERVING)
+    return lease is not None and lease.state == "active"
 
-    await until(active_lease, 30, "a lease on the idle serving executor", step=0.2)
+
+async def test_multi_turn_episodes_run_on_leased_and_dedicated_executors(fleet):
+    await until(lambda: _active_lease(fleet.bus), 30, "a lease on the idle serving executor", step=0.2)
     ids = await _publish_tasks(fleet.bus, 8, 3, f"basic-{uuid.uuid4().hex[:6]}")
     got = await fleet.wait_trajectories(ids, TRAJECTORY_TIMEOUT_S)
     assert set(got) == ids
@@ -97,8 +99,11 @@ async def test_revoked_lease_interrupts_the_turn_with_its_tokens(fleet):
 
 async def test_chaos_kill_executor_and_worker_restart_nats_nothing_lost(fleet):
     tag = f"chaos-{uuid.uuid4().hex[:6]}"
-    total, turns = 24, 6
-    ids = await _publish_tasks(fleet.bus, total, turns, tag, max_tokens=16)
+    total, turns = 12, 6
+    await until(lambda: _active_lease(fleet.bus), 30, "a lease on the idle serving executor", step=0.2)
+    # random routing spreads the turns over both executors whatever their load: the placement rules would keep
+    # them all on the dedicated one while it has room (its prefix cache), and the kill must meet leased work
+    ids = await _publish_tasks(fleet.bus, total, turns, tag, routing="random", max_tokens=16)
     before = len(fleet.trajectories)
 
     def done() -> int:
