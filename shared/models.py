@@ -2,8 +2,10 @@
 
 Why this module exists: the executor must host two *different* real models on one device
 (the production serving model and the policy being trained), and a user must be able to
-point it at any local Hugging Face directory instead. So there is exactly one way to load
-a model (``load_model`` / ``load_tokenizer``: local files only, never a download), and
+point it at any local Hugging Face directory instead. So there is one way to load a model
+for each use, local files only, never a download: ``load_model`` (transformers' model, to
+train and to check logits against), ``load_for_inference`` (its parameters for the paged
+forward, without transformers' modeling code) and ``load_tokenizer``; and
 ``init_models`` builds a small default pair in that same format so everything runs on a
 laptop CPU: Qwen2 weights saved as safetensors by ``save_pretrained`` and a byte-level BPE
 tokenizer trained here with the ``tokenizers`` library on a generated corpus (arithmetic,
@@ -347,13 +349,118 @@ def _load_model(directory: str | Path, device: str | torch.device, dtype: torch.
 
     _quiet_transformers()
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{directory}: model_type {config.model_type!r} is not supported; use a Qwen2 or Llama checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    _check_model_type(directory, config.model_type)
     # Typed as a Module: transformers' wrapper of `to` types its own `self` wrongly.
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     return model.to(device).eval()
+
+
+def _check_model_type(directory: str | Path, model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{directory}: model_type {model_type!r} is not supported; use a Qwen2 or Llama checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def load_for_inference(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model as an inference engine reads it (``ModelWeights``): its parameters under the HF model's names,
+    its config and the rotary ``inv_freq``, read from config.json and safetensors without transformers' modeling code.
+
+    Why: importing that code (the Qwen2 / Llama module and all it pulls in) was most of what loading cost: 1.5 s of
+    CPU per executor start alone, and the largest single part of a fleet's start under load (py-spy, `rose bench
+    faults`: 14 % of the fleet's CPU until ready). The module has no forward; ``load_model`` gives the HF model, to
+    train or to check logits against. A checkpoint this cannot read exactly as transformers would (no safetensors,
+    a rope type other than the default, a field the config leaves to transformers' defaults) goes through
+    ``load_model``: slower, the same parameters."""
+    directory = Path(directory)
+    config = _read_config(directory)
+    if config is None:
+        return load_model(directory, device, dtype)
+    tensors = _read_safetensors(directory)
+    if tensors is None:
+        return load_model(directory, device, dtype)
+    tied = bool(config.get("tie_word_embeddings", "lm_head.weight" not in tensors))
+    if "lm_head.weight" not in tensors and not tied:
+        return load_model(directory, device, dtype)  # transformers decides what an untied model without a head means
+    return InferenceModel(config, tensors, tied, dtype).to(device).eval()
+
+
+# config.json fields the paged forward reads, which a checkpoint for the light load must state (else: ``load_model``)
+_STATED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+
+
+def _read_config(directory: Path) -> dict | None:
+    """config.json as the light load can take it, or None to leave it to transformers."""
+    import json
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (a local Hugging Face model directory has one)")
+    config = json.loads(path.read_text())
+    _check_model_type(directory, config.get("model_type"))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if any(k not in config for k in _STATED) or rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        return None
+    return config
+
+
+def _read_safetensors(directory: Path) -> dict[str, torch.Tensor] | None:
+    """Every tensor of a single or sharded safetensors checkpoint by name, or None when it has none."""
+    import json
+
+    from safetensors.torch import load_file
+
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(directory / shard))
+        return tensors
+    return None
+
+
+class _Rotary(torch.nn.Module):
+    """The rotary embedding's inverse frequencies, as HF's default rope computes them (not saved: HF's neither)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        rope = config.get("rope_parameters") or {}
+        base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), persistent=False)
+        self.attention_scaling = 1.0
+
+
+class InferenceModel(torch.nn.Module):
+    """A causal LM's parameters under the names HF's Qwen2 / Llama model gives them (``model.layers.0.self_attn.
+    q_proj.weight``, ..., ``lm_head.weight``, tied to the embedding when the checkpoint ties them), so its
+    ``state_dict`` and a weight update's names are the trainer's; ``config`` answers as an HF config for the
+    fields the engine reads."""
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        fields = {"num_key_value_heads": config["num_attention_heads"], "use_sliding_window": False, **config, "tie_word_embeddings": tied}
+        self.config = SimpleNamespace(**fields)
+        for name, tensor in tensors.items():
+            self._put(name, torch.nn.Parameter(tensor.to(dtype), requires_grad=False))
+        if tied:
+            self._put("lm_head.weight", self.get_parameter("model.embed_tokens.weight"))
+        self.get_submodule("model").add_module("rotary_emb", _Rotary(config))
+
+    def _put(self, name: str, param: torch.nn.Parameter) -> None:
+        *path, leaf = name.split(".")
+        module: torch.nn.Module = self
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, torch.nn.Module())
+            module = module._modules[part]  # type: ignore[assignment]
+        module.register_parameter(leaf, param)
 
 
 def load_tokenizer(directory: str | Path):

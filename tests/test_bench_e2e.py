@@ -38,7 +38,7 @@ from rose.services.trainer.config import GrpoSettings
 from rose.shared.workload import TRAINER
 
 DURATION_S = 20  # GRPO seconds after the warm start (not part of the window), at most: UNTIL_STEPS ends it sooner
-UNTIL_STEPS = 3  # rates need two steps (static: about 2 s each alone, 5 under the suite's load)
+UNTIL_STEPS = 2  # a rate needs two steps (static: about 2 s each alone, 5 under the suite's load)
 # The demo's is 200. At 20 the policy never answered right (reward 0 in every group): the trainer stopped the
 # job for degenerate groups after 8 steps without training one, and the rates this test reads were absent.
 WARM_START_STEPS = 60

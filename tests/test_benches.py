@@ -89,7 +89,7 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     r = _bench(
         "coserve",
         "--duration",
-        "2",
+        "1",
         "--loads",
         "0.2,0.3",
         "--slo-basis",
@@ -97,7 +97,7 @@ def test_bench_coserve_fields(tmp_path, models_dir):
         "--reclaim-probes",
         "4",
         "--dedicated-s",
-        "2",
+        "1",
         "--models",
         str(models_dir),
         out=tmp_path / "coserve.json",

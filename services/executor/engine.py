@@ -301,12 +301,12 @@ class Engine:
 
     @classmethod
     def from_dirs(cls, serving_dir: str, policy_dir: str, config: EngineConfig = EngineConfig(), policy: str = "rose") -> Engine:
-        from rose.shared.models import load_model, load_tokenizer
+        from rose.shared.models import load_for_inference, load_tokenizer
 
         return cls(
-            load_model(serving_dir, "cpu", config.dtype),
+            load_for_inference(serving_dir, "cpu", config.dtype),
             load_tokenizer(serving_dir),
-            load_model(policy_dir, "cpu", config.dtype),
+            load_for_inference(policy_dir, "cpu", config.dtype),
             load_tokenizer(policy_dir),
             config,
             policy,

@@ -102,10 +102,10 @@ def group_configs(base: ExecutorConfig, fleet: EmulatedFleet, names: list[str]) 
 
 
 def import_model_code() -> None:
-    """Import transformers' model classes once, before the executors load their models in threads at once:
+    """Import transformers' tokenizer classes once, before the executors load their tokenizers in threads at once:
     its lazily loaded module raised ImportError when several threads imported it for the first time together
-    (the loads themselves take turns: shared.models.load_model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    (the models need no transformers: shared.models.load_for_inference; its fallback, load_model, takes turns)."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
 # How long a thread may hold the interpreter before another that is ready gets it (Python's default: 5 ms).

@@ -336,7 +336,7 @@ class SGLangBackend:
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
     ) -> None:
-        from rose.shared.models import load_model, load_tokenizer
+        from rose.shared.models import load_for_inference, load_tokenizer
 
         self.settings = settings
         self.serving_url = settings.serving_url.rstrip("/")
@@ -347,7 +347,7 @@ class SGLangBackend:
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         self._tokenizers = {WorkClass.SERVING: load_tokenizer(serving_dir), WorkClass.ROLLOUT: load_tokenizer(policy_dir)}
-        self._mirror = load_model(policy_dir, "cpu", dtype)  # the policy as the rollout server should have it
+        self._mirror = load_for_inference(policy_dir, "cpu", dtype)  # the policy as the rollout server should have it
         self._models = {WorkClass.SERVING: ModelInfo.of(serving_dir, dtype), WorkClass.ROLLOUT: ModelInfo.of(policy_dir, dtype)}
         from rose.shared.nats_server import state_dir
 

@@ -45,6 +45,15 @@ def _dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
+def _hf_last_logits(model_dirs, engine_policy: torch.nn.Module, ids: list[int], device: str) -> torch.Tensor:
+    """HF's forward over the engine's current policy weights (the engine holds parameters only): the reference
+    the paged forward must match."""
+    hf = load_model(model_dirs.policy, device, next(engine_policy.parameters()).dtype)
+    hf.load_state_dict(engine_policy.state_dict())
+    with torch.inference_mode():
+        return hf(torch.tensor(ids, device=device)[None]).logits[0, -1].float()
+
+
 def _engine(model_dirs, device: str, policy: str = "rose") -> Engine:
     config = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device=device, dtype=_dtype(device), seed=0)
     return Engine.from_dirs(str(model_dirs.serving), str(model_dirs.policy), config, policy)
@@ -175,8 +184,7 @@ def test_rollout_memory_given_back_and_taken_again_is_device_memory(model_dirs, 
         assert restored["weights"] == weight_bytes and allocated() - before >= -MIB  # all of it back on the device
     # and the restored policy still computes what it did
     runner = PagedModelRunner(policy, KVPool("after", kv_shape_of(policy), 2 * MIB, 16, torch.device(device)))
-    with torch.inference_mode():
-        ref = policy(torch.arange(5, 14, device=device)[None]).logits[0, -1].float()
+    ref = _hf_last_logits(model_dirs, policy, list(range(5, 14)), device)
     out = runner.forward([ForwardItem(runner.pool.allocate(1), 0, list(range(5, 14)))])[0]
     assert _relative_error(out, ref) < (3e-2 if device == "cuda" else 1e-5)
 
@@ -203,8 +211,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     assert all(torch.equal(t, serving_before[n]) for n, t in serving.state_dict().items())
     # the paged forward reads the new weights, as HF's forward does
     runner = engine.runner_for(WorkClass.ROLLOUT)
-    with torch.inference_mode():
-        ref = policy(torch.arange(3, 15, device=device)[None]).logits[0, -1].float()
+    ref = _hf_last_logits(model_dirs, policy, list(range(3, 15)), device)
     runner.pool.set_budget_bytes(runner.pool.block_bytes)
     out = runner.forward([ForwardItem(runner.pool.allocate(1), 0, list(range(3, 15)))])[0]
     assert _relative_error(out, ref) < (3e-2 if device == "cuda" else 1e-5)
