@@ -51,7 +51,7 @@ from .ceiling import share_of_gain, speedup_ceiling_over
 from .config import MAX_ROLLOUT_BATCH
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .policies import executor_signals, monitor_settings, serving_snapshot
-from .sizing import SERVING_POOL_MARGIN
+from .sizing import serving_pool_tokens
 from .traces import Trace, load_azure_csv, requests_to_trace
 
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity
@@ -127,16 +127,16 @@ def plan(
     else:
         factor = float(scale)
     rate_mean = per_min.mean(axis=1) * factor / n  # per instance
-    # the minute's busiest 10 s (when the trace is dense enough to tell), then a busy second at one
-    # instance on top of it: Poisson noise at the instance's rate (+2.33 sigma: its p99)
+    # the minute's busiest 10 s (when the trace is dense enough to tell); no Poisson noise on top: serving_tick's
+    # p99 TTFT already waits for a Poisson arrival's queue, as the simulator's monitor reads it (noise at one
+    # instance's rate on top, +2.33 sigma, counted it twice: at 70B TP4, ~2 req/s, it was most of the peak)
     per10 = per_min.reshape(minutes, 6, 10).mean(axis=2)
     dense = float(per10.mean()) * 10 >= 5.0
-    peak = (per10.max(axis=1) if dense else per_min.mean(axis=1)) * factor / n
-    rate_peak = peak + 2.33 * np.sqrt(np.maximum(peak, 0.0))
-    # serving pool sized for the trace's peak (as the simulator sizes it), the rest of HBM after both models is the rollout pool
+    rate_peak = (per10.max(axis=1) if dense else per_min.mean(axis=1)) * factor / n
+    # serving pool sized for the trace's peak as the simulator sizes it, the rest of HBM after both models is the rollout pool
+    instance_rate = smooth[: minutes * 60] * factor / n
     q = quantum_ms / 1e3
-    at_peak = serving_tick(sperf, np.array([float(rate_peak.max())]), prompt, output, p99, q, q, 0.0, 1.0, alone_tokens)
-    pool_tokens = min(alone_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt + output))
+    pool_tokens = serving_pool_tokens(sperf, float(np.percentile(instance_rate, 99.9)), prompt, output, p99, q, alone_tokens, trace.request_sizes)
     free = usable_bytes(device, tp_s) - serving_spec.weight_bytes - policy_spec.weight_bytes - pool_tokens * kvb_s
     _, _, hcfg = monitor_settings(slo_ttft_ms, slo_tpot_ms, MAX_ROLLOUT_BATCH, int(max(0.0, free)))
     latest = serving_snapshot(device.name, tp_s * device.hbm_bytes, free, kvb)
@@ -217,8 +217,19 @@ def plan(
     if demands:
         busiest = int(np.argmax(hourly_mean)) * 3600
         rate = np.roll(smooth * factor, -busiest)
-        sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan")
-        demand = speedup_by_demand(sim_trace, fleet, model, slo_ttft_ms, slo_tpot_ms, demands, dedicated_ratio, policy_model=policy_spec.name)
+        sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan", trace.request_sizes)
+        # the simulation runs on the pool sized here, for the whole trace's peak (its window alone has a lower one)
+        demand = speedup_by_demand(
+            sim_trace,
+            fleet,
+            model,
+            slo_ttft_ms,
+            slo_tpot_ms,
+            demands,
+            dedicated_ratio,
+            policy_model=policy_spec.name,
+            serving_pool_tokens=pool_tokens,
+        )
     no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
     return {
         "speedup_by_demand": demand,
@@ -236,6 +247,7 @@ def plan(
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
         "slo_capacity_rps_per_instance": cap,
+        "serving_pool_tokens_per_instance": pool_tokens,
         "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
         "smoothing_window_s": window,
         "dedicated_instance_tokens_per_s": ded_tps,
@@ -259,8 +271,10 @@ def speedup_by_demand(
     steps: int = 2,
     seed: int = 0,
     policy_model: str | None = None,
+    serving_pool_tokens: float | None = None,
 ) -> list[dict]:
-    """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s."""
+    """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s;
+    ``serving_pool_tokens``: a serving instance's pool (None: sized from the simulated window, sizing.py)."""
     from dataclasses import replace
 
     from rose.shared.devices import DEVICES
@@ -287,6 +301,7 @@ def speedup_by_demand(
                     slo_tpot_ms=slo_tpot_ms,
                     steps=steps,
                     seed=seed,
+                    memory={"serving_pool_tokens": serving_pool_tokens} if serving_pool_tokens is not None else None,
                 )
                 runs[policy] = simulate(cfg)
         except Infeasible as exc:

@@ -25,9 +25,10 @@ from .ceiling import lane_value
 from .config import SimConfig
 from .coserve import lane_share_ceiling, serving_tick, slo_capacity_rps
 from .policies import FleetPolicy
-from .traces import diurnal_bursty
+from .traces import SIZE_SAMPLE, diurnal_bursty
 
-SERVING_POOL_MARGIN = 1.25  # a co-hosting serving pool holds 1.25 x its concurrency at the trace's peak rate, rollout running
+SERVING_POOL_QUANTILE = 0.999  # a co-hosting serving pool holds every request in flight at this share of instants, at the peak rate
+POOL_SNAPSHOTS = 20_000  # instants drawn to read that quantile (at p99.9: the 20 largest decide it)
 
 StepTimes = Roofline | MeasuredSteps  # a model's step times on one instance (``SimConfig.perf`` gives measured ones)
 
@@ -114,6 +115,46 @@ class ServingSetup:
     alone_bad: np.ndarray
 
 
+def serving_pool_tokens(
+    perf: StepTimes,
+    rate: float,
+    prompt: float,
+    output: float,
+    prompt_p99: float,
+    quantum_s: float,
+    kv_tokens_cap: float,
+    request_sizes: tuple[np.ndarray, np.ndarray] | None,
+) -> float:
+    """The KV tokens a co-hosting serving instance's pool needs: what its requests in flight hold at
+    ``SERVING_POOL_QUANTILE`` of instants, ``rate`` requests/s arriving (Poisson), rollout running beside them
+    (one ``quantum_s`` per iteration makes each request stay longer); at most ``kv_tokens_cap``.
+
+    M/G/inf, as ``serving_tick``'s mean batch has it (Little's law): the number in flight is Poisson with that
+    mean; a request in flight is one of ``request_sizes`` (prompt, output tokens; None: every request the
+    means), drawn in proportion to its life (the prefill, then its output at the iteration's pace), holding its
+    prompt and the part of its output decoded so far. Why not a margin over the mean batch (1.25 x batch x
+    (prompt + output) before): replaying Poisson arrivals with the Azure-format sample's sizes, that pool was
+    0.41-0.91 of the p99.9 held (0.41 at a 70B TP4 instance's 6 requests in flight, where a full pool makes a
+    request wait for one of few to finish); the planner's (the same at a rate 2.33 sigma above the peak) was
+    1.45-6.1 of it (docs/benchmarks.md, 2026-12-06)."""
+    t = serving_tick(perf, np.array([rate]), prompt, output, prompt_p99, quantum_s, quantum_s, 0.0, 1.0, kv_tokens_cap)
+    batch = float(t.batch[0])
+    if rate <= 0 or batch <= 0:
+        return 0.0
+    prompts, outputs = request_sizes if request_sizes is not None else (np.array([prompt]), np.array([output]))
+    prompts, outputs = np.asarray(prompts, dtype=float), np.maximum(np.asarray(outputs, dtype=float), 1.0)
+    prefill_s = float(perf.prefill_s(prompt))
+    per_token_s = max(1e-9, batch / rate - prefill_s) / float(outputs.mean())  # the mean life is batch / rate
+    life = prefill_s + outputs * per_token_s
+    rng = np.random.default_rng(0)
+    in_flight = rng.poisson(batch, POOL_SNAPSHOTS)
+    drawn = rng.choice(len(life), size=int(in_flight.sum()), p=life / life.sum())
+    since = rng.random(len(drawn)) * life[drawn]  # how long ago each arrived
+    held = prompts[drawn] + np.clip((since - prefill_s) / per_token_s, 0.0, outputs[drawn])
+    totals = np.bincount(np.repeat(np.arange(POOL_SNAPSHOTS), in_flight), weights=held, minlength=POOL_SNAPSHOTS)
+    return min(kv_tokens_cap, float(np.quantile(totals, SERVING_POOL_QUANTILE)))
+
+
 def size_fleet(c: SimConfig) -> SizedFleet:
     """The fleet ``c`` describes; raises ``Infeasible`` where its models do not fit it."""
     smodel, pmodel = model_spec(c.model), model_spec(c.policy_model or c.model)
@@ -163,13 +204,13 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     else:
         trace = diurnal_bursty(horizon, c.start_hour, c.trace_shape, c.seed + 7)
         fleet_rate = trace.rate * c.load * n_serv * cap_rps
-    # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate) with
-    # rollout running beside it (one quantum per serving iteration makes requests stay longer)
+    # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
     peak = float(np.percentile(fleet_rate, 99.9)) / n_serv
-    q = c.quantum_ms / 1e3
-    at_peak = serving_tick(sperf, np.array([peak]), prompt_mean, output_mean, prompt_p99, q, q, 0.0, 1.0, alone_kv_tokens)
-    pool_tokens = min(alone_kv_tokens, SERVING_POOL_MARGIN * float(at_peak.batch[0]) * (prompt_mean + output_mean))
-    pool_tokens = mem.get("serving_pool_tokens", pool_tokens)
+    sizes = c.trace.request_sizes if c.trace is not None else c.trace_shape.sizes.sample(np.random.default_rng(12345), SIZE_SAMPLE)
+    pool_tokens = mem.get(
+        "serving_pool_tokens",
+        serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes),
+    )
     cohost_free_bytes = usable_s - ws - wp - pool_tokens * kvb_s
     dedicated_kv = usable_r - wp
     max_rollout_batch = c.max_rollout_batch

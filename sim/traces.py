@@ -37,6 +37,7 @@ from rose.shared.errors import RoseError
 
 SAMPLE_CSV = Path(__file__).parent / "data" / "azure_format_sample_synthetic.csv"
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+SIZE_SAMPLE = 20_000  # requests drawn from a synthetic trace's size distribution (Trace.request_sizes)
 
 
 class TraceError(RoseError, ValueError):
@@ -75,13 +76,15 @@ class Trace:
     prompt_p99: float
     start_s: float = 0.0  # seconds since midnight of the first bin (for hour-of-day)
     source: str = "synthetic"
+    # the requests' (prompt, output) tokens, or a sample of their distribution; None: every request has the mean sizes
+    request_sizes: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def duration_s(self) -> int:
         return len(self.rate)
 
     def scaled(self, factor: float) -> Trace:
-        return Trace(self.rate * factor, self.prompt_mean, self.output_mean, self.prompt_p99, self.start_s, self.source)
+        return Trace(self.rate * factor, self.prompt_mean, self.output_mean, self.prompt_p99, self.start_s, self.source, self.request_sizes)
 
     def at(self, t: float) -> int:
         """Index of second ``t`` (the trace repeats past its end)."""
@@ -130,7 +133,8 @@ def diurnal_bursty(duration_s: int, start_hour: float, spec: DiurnalBursty, seed
             burst[int(at) : int(at + length)] = spec.burst_factor
             at += length + rng.exponential(spec.burst_every_s)
     p, o, p99 = spec.sizes.means()
-    return Trace(shape * burst, np.full(duration_s, p), np.full(duration_s, o), p99, start_hour * 3600.0, "synthetic diurnal + bursts")
+    sizes = spec.sizes.sample(np.random.default_rng(12345), SIZE_SAMPLE)
+    return Trace(shape * burst, np.full(duration_s, p), np.full(duration_s, o), p99, start_hour * 3600.0, "synthetic diurnal + bursts", sizes)
 
 
 # ---- the Azure LLM inference trace format -----------------------------------------------------
@@ -218,7 +222,8 @@ def requests_to_trace(req: Requests, bin_s: float = 1.0) -> Trace:
     with np.errstate(invalid="ignore", divide="ignore"):
         pm = np.where(count > 0, ctx_sum / np.maximum(count, 1), float(req.context.mean()))
         om = np.where(count > 0, gen_sum / np.maximum(count, 1), float(req.generated.mean()))
-    return Trace(count / bin_s, pm, np.maximum(om, 1.0), float(np.percentile(req.context, 99)), req.start_s, req.source)
+    sizes = (req.context, np.maximum(req.generated, 1))
+    return Trace(count / bin_s, pm, np.maximum(om, 1.0), float(np.percentile(req.context, 99)), req.start_s, req.source, sizes)
 
 
 def write_sample_csv(path: str | Path, hours: float = 24.0, mean_rps: float = 0.04, seed: int = 0, spec: DiurnalBursty | None = None) -> int:

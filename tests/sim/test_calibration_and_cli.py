@@ -156,13 +156,19 @@ def test_plan_sizes_the_serving_fleet_by_its_own_model_and_the_policy_by_its_own
     assert (mixed["model"], mixed["policy_model"]) == ("70B", "7B")
     assert mixed["serving_tp"] == serving_tp(big, small, h100) == 4 and mixed["serving_instances"] == 16 // 4
     assert mixed["dedicated_tp"] == rollout_tp(small, h100) == 1
+    # the hourly table and the simulation lend from one serving pool (sizing.py), and agree that lending happens:
+    # they disagreed here before (the table: a 0 GB rollout pool and no lendable minute; the simulation: a fifth of
+    # the rollout tokens on leases)
+    (level,) = mixed["speedup_by_demand"]
+    assert mixed["serving_pool_tokens_per_instance"] > 0 and mixed["rollout_pool_gb_per_instance"] > 0
+    assert level["rollout_tokens_on_serving_fraction"] > 0 and max(h["lendable_fraction"] for h in mixed["hours"]) > 0.5
     assert main([*args, "--demand", "4"]) == 0  # the same fleet training a 70B policy: two 70Bs per serving instance
     same = json.loads(out.read_text())
     assert "70B serving" not in capsys.readouterr().out
     assert (same["model"], same["policy_model"]) == ("70B", "70B") and same["serving_tp"] == serving_tp(big, big, h100) == 8
     assert same["dedicated_tp"] == rollout_tp(big, h100) == 4
     # the simulator ran each pair: four 7B dedicated instances (TP1) hand out a larger batch than one 70B one (TP4)
-    (level,), (level_same,) = mixed["speedup_by_demand"], same["speedup_by_demand"]
+    (level_same,) = same["speedup_by_demand"]
     assert level["speedup"] is not None and level_same["speedup"] is not None
     assert level["trajectories_per_step"] > level_same["trajectories_per_step"]
 
