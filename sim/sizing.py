@@ -12,6 +12,7 @@ these figures alone, and because the engine reads them everywhere and writes the
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -137,6 +138,26 @@ def serving_pool_tokens(
     0.41-0.91 of the p99.9 held (0.41 at a 70B TP4 instance's 6 requests in flight, where a full pool makes a
     request wait for one of few to finish); the planner's (the same at a rate 2.33 sigma above the peak) was
     1.45-6.1 of it (docs/benchmarks.md, 2026-12-06)."""
+    sizes_key = None if request_sizes is None else hashlib.blake2b(b"".join(np.ascontiguousarray(a).tobytes() for a in request_sizes)).digest()
+    key = (perf, rate, prompt, output, prompt_p99, quantum_s, kv_tokens_cap, sizes_key)
+    if key not in _POOL_TOKENS:  # a grid sizes the same instance for every policy and seed: 0.4 s each
+        _POOL_TOKENS[key] = _held_quantile(perf, rate, prompt, output, prompt_p99, quantum_s, kv_tokens_cap, request_sizes)
+    return _POOL_TOKENS[key]
+
+
+_POOL_TOKENS: dict[tuple, float] = {}
+
+
+def _held_quantile(
+    perf: StepTimes,
+    rate: float,
+    prompt: float,
+    output: float,
+    prompt_p99: float,
+    quantum_s: float,
+    kv_tokens_cap: float,
+    request_sizes: tuple[np.ndarray, np.ndarray] | None,
+) -> float:
     t = serving_tick(perf, np.array([rate]), prompt, output, prompt_p99, quantum_s, quantum_s, 0.0, 1.0, kv_tokens_cap)
     batch = float(t.batch[0])
     if rate <= 0 or batch <= 0:

@@ -73,9 +73,12 @@ def test_placements_count_by_role_and_the_rule_that_made_them(small_run):
 
 
 def test_naive_share_breaks_the_slo(small_run):
+    """It lends every serving instance and its lanes make rollout tokens, at the SLO's cost. (Whether that beats
+    static in one step is the step's tail: 1.02x static's tokens/s with the 1.25 x mean-batch serving pool, 0.99x
+    with the pool holding its p99.9, whose lanes have 8 % less KV.)"""
     naive = small_run["naive_share"]
     assert naive["slo_violations"] > 0 and naive["serving_slo_attainment"] < 0.9
-    assert naive["rollout_tokens_per_s"] > small_run["static"]["rollout_tokens_per_s"]
+    assert naive["lent_instance_fraction"] > 0.9 and naive["rollout_tokens_on_serving_fraction"] > 0.2
 
 
 def test_elastic_baseline_preempts_whole_jobs(small_run):
