@@ -379,14 +379,14 @@ def load_for_inference(directory: str | Path, device: str | torch.device = "cpu"
     tensors = _read_safetensors(directory)
     if tensors is None:
         return load_model(directory, device, dtype)
-    tied = bool(config.get("tie_word_embeddings", "lm_head.weight" not in tensors))
+    tied = bool(config["tie_word_embeddings"])
     if "lm_head.weight" not in tensors and not tied:
         return load_model(directory, device, dtype)  # transformers decides what an untied model without a head means
     return InferenceModel(config, tensors, tied, dtype).to(device).eval()
 
 
 # config.json fields the paged forward reads, which a checkpoint for the light load must state (else: ``load_model``)
-_STATED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+_STATED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
 
 
 def _read_config(directory: Path) -> dict | None:

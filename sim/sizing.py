@@ -228,9 +228,10 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
     peak = float(np.percentile(fleet_rate, 99.9)) / n_serv
     sizes = c.trace.request_sizes if c.trace is not None else c.trace_shape.sizes.sample(np.random.default_rng(12345), SIZE_SAMPLE)
-    pool_tokens = mem.get(
-        "serving_pool_tokens",
-        serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes),
+    pool_tokens = (
+        mem["serving_pool_tokens"]  # measured (calibration) or given (the planner's, for the whole trace)
+        if "serving_pool_tokens" in mem
+        else serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes)
     )
     cohost_free_bytes = usable_s - ws - wp - pool_tokens * kvb_s
     dedicated_kv = usable_r - wp

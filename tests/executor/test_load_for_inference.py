@@ -99,3 +99,12 @@ def test_an_unsupported_model_type_is_refused_by_name(tmp_path):
         load_for_inference(directory)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_for_inference(tmp_path / "nowhere")
+
+
+def test_a_field_left_to_transformers_defaults_goes_through_transformers(tmp_path):
+    """Without ``tie_word_embeddings`` in config.json the tie is transformers' default to decide, not ours."""
+    directory = _llama(tmp_path, tie=True)
+    config = json.loads((directory / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (directory / "config.json").write_text(json.dumps(config))
+    assert not isinstance(load_for_inference(directory), InferenceModel)
