@@ -19,12 +19,14 @@ scheduling, weight sync — not for answering questions.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import torch
@@ -391,8 +393,6 @@ _STATED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_siz
 
 def _read_config(directory: Path) -> dict | None:
     """config.json as the light load can take it, or None to leave it to transformers."""
-    import json
-
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (a local Hugging Face model directory has one)")
@@ -408,8 +408,6 @@ def _read_config(directory: Path) -> dict | None:
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor of a single or sharded safetensors checkpoint by name, or None when it has none."""
-    import json
-
     from safetensors.torch import load_file
 
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
@@ -443,8 +441,6 @@ class InferenceModel(torch.nn.Module):
 
     def __init__(self, config: dict, tensors: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        from types import SimpleNamespace
-
         fields = {"num_key_value_heads": config["num_attention_heads"], "use_sliding_window": False, **config, "tie_word_embeddings": tied}
         self.config = SimpleNamespace(**fields)
         for name, tensor in tensors.items():

@@ -26,7 +26,7 @@ from .ceiling import lane_value
 from .config import SimConfig
 from .coserve import lane_share_ceiling, serving_tick, slo_capacity_rps
 from .policies import FleetPolicy
-from .traces import SIZE_SAMPLE, diurnal_bursty
+from .traces import diurnal_bursty
 
 SERVING_POOL_QUANTILE = 0.999  # a co-hosting serving pool holds every request in flight at this share of instants, at the peak rate
 POOL_SNAPSHOTS = 20_000  # instants drawn to read that quantile (at p99.9: the 20 largest decide it)
@@ -140,28 +140,12 @@ def serving_pool_tokens(
     1.45-6.1 of it (docs/benchmarks.md, 2026-12-06)."""
     sizes_key = None if request_sizes is None else hashlib.blake2b(b"".join(np.ascontiguousarray(a).tobytes() for a in request_sizes)).digest()
     key = (perf, rate, prompt, output, prompt_p99, quantum_s, kv_tokens_cap, sizes_key)
-    if key not in _POOL_TOKENS:  # a grid sizes the same instance for every policy and seed: 0.4 s each
-        _POOL_TOKENS[key] = _held_quantile(perf, rate, prompt, output, prompt_p99, quantum_s, kv_tokens_cap, request_sizes)
-    return _POOL_TOKENS[key]
-
-
-_POOL_TOKENS: dict[tuple, float] = {}
-
-
-def _held_quantile(
-    perf: StepTimes,
-    rate: float,
-    prompt: float,
-    output: float,
-    prompt_p99: float,
-    quantum_s: float,
-    kv_tokens_cap: float,
-    request_sizes: tuple[np.ndarray, np.ndarray] | None,
-) -> float:
+    if key in _POOL_TOKENS:  # a grid sizes the same instance for every policy and seed: 0.4 s each
+        return _POOL_TOKENS[key]
     t = serving_tick(perf, np.array([rate]), prompt, output, prompt_p99, quantum_s, quantum_s, 0.0, 1.0, kv_tokens_cap)
     batch = float(t.batch[0])
     if rate <= 0 or batch <= 0:
-        return 0.0
+        return _POOL_TOKENS.setdefault(key, 0.0)
     prompts, outputs = request_sizes if request_sizes is not None else (np.array([prompt]), np.array([output]))
     prompts, outputs = np.asarray(prompts, dtype=float), np.maximum(np.asarray(outputs, dtype=float), 1.0)
     prefill_s = float(perf.prefill_s(prompt))
@@ -173,7 +157,10 @@ def _held_quantile(
     since = rng.random(len(drawn)) * life[drawn]  # how long ago each arrived
     held = prompts[drawn] + np.clip((since - prefill_s) / per_token_s, 0.0, outputs[drawn])
     totals = np.bincount(np.repeat(np.arange(POOL_SNAPSHOTS), in_flight), weights=held, minlength=POOL_SNAPSHOTS)
-    return min(kv_tokens_cap, float(np.quantile(totals, SERVING_POOL_QUANTILE)))
+    return _POOL_TOKENS.setdefault(key, min(kv_tokens_cap, float(np.quantile(totals, SERVING_POOL_QUANTILE))))
+
+
+_POOL_TOKENS: dict[tuple, float] = {}
 
 
 def size_fleet(c: SimConfig) -> SizedFleet:
@@ -222,12 +209,13 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     if c.trace is not None:
         reps = math.ceil(horizon / max(1, c.trace.duration_s))
         fleet_rate = np.tile(c.trace.rate, reps)[:horizon]
+        sizes = c.trace.request_sizes
     else:
         trace = diurnal_bursty(horizon, c.start_hour, c.trace_shape, c.seed + 7)
         fleet_rate = trace.rate * c.load * n_serv * cap_rps
+        sizes = trace.request_sizes
     # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
     peak = float(np.percentile(fleet_rate, 99.9)) / n_serv
-    sizes = c.trace.request_sizes if c.trace is not None else c.trace_shape.sizes.sample(np.random.default_rng(12345), SIZE_SAMPLE)
     pool_tokens = (
         mem["serving_pool_tokens"]  # measured (calibration) or given (the planner's, for the whole trace)
         if "serving_pool_tokens" in mem
