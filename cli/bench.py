@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from rose.bench.options import add_coserve_arguments, number_list
-from rose.sim import MODEL_SIZES, POLICIES
+from rose.sim import DEVICE_KINDS, MODEL_SIZES, POLICIES
 
 E2E_JSON = "bench-out/e2e.json"
 EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
@@ -31,6 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_faults(benches)
     _register_e2e(benches)
     _register_sim(benches)
+    _register_pool(benches)
 
 
 def _register_bus(benches: argparse._SubParsersAction) -> None:
@@ -408,7 +409,7 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
     b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
     b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
-    b.add_argument("--device", default="H100", choices=["A100", "H100", "H200"], help="GPU kind of every instance")
+    b.add_argument("--device", default="H100", choices=DEVICE_KINDS, help="GPU kind of every instance")
     b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
     b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
     b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
@@ -495,3 +496,39 @@ def _run_sim(args: argparse.Namespace) -> int:
         console=Console(),
     )
     return 0
+
+
+def _register_pool(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "pool",
+        help="a co-hosting serving instance's KV pool as `rose plan` sizes it, against scaled and unbounded pools, on emulated GPUs",
+    )
+    b.add_argument("--json", default="bench-out/pool.json", help="where to write the JSON result (the TTFT plot goes beside it)")
+    b.add_argument("--device", choices=DEVICE_KINDS, default="H100", help="GPU kind of the instance")
+    b.add_argument("--serving-model", choices=MODEL_SIZES, default="70B", help="the serving model")
+    b.add_argument("--policy-model", choices=MODEL_SIZES, default="7B", help="the RL policy beside it")
+    b.add_argument("--loads", type=number_list(float), default=[0.3, 0.6], help="arrival rates as fractions of the instance's SLO capacity")
+    b.add_argument("--pool-scales", type=number_list(float), default=[0.5, 1.0], help="pools run, x the derived one (an unbounded one always runs)")
+    b.add_argument("--duration", type=float, default=120.0, help="emulated seconds of arrivals per load")
+    b.add_argument("--seed", type=int, default=0, help="seed of the arrivals and their sizes")
+    b.add_argument("--trace", default="", help="an Azure-format CSV whose request sizes to replay (default: the simulator's synthetic sizes)")
+    b.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per emulated second (raise it if the forward lag is high)")
+    b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
+    b.set_defaults(func=_run_pool)
+
+
+def _run_pool(args: argparse.Namespace) -> int:
+    from rose.bench.pool import PoolCheck, exit_code, run_pool_bench
+
+    check = PoolCheck(
+        device=args.device,
+        serving_model=args.serving_model,
+        policy_model=args.policy_model,
+        loads=tuple(args.loads),
+        pool_scales=tuple(args.pool_scales),
+        duration_s=args.duration,
+        seed=args.seed,
+        trace=args.trace,
+        time_scale=args.time_scale,
+    )
+    return exit_code(run_pool_bench(check, args.json, models_dir=args.models or ""))

@@ -5,3 +5,5 @@
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 # The model sizes the simulator and the planner know (shared/devices.py MODELS; a test keeps the two alike).
 MODEL_SIZES = ("7B", "14B", "32B", "70B")
+# The GPU kinds they know (shared/devices.py DEVICES; the same test).
+DEVICE_KINDS = ("A100", "H100", "H200")

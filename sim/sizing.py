@@ -84,6 +84,7 @@ class ServingTraffic:
     prompt_p99: float
     cap_rps: float  # SLO capacity of one serving instance alone
     fleet_rate: np.ndarray
+    request_sizes: tuple[np.ndarray, np.ndarray] | None  # (prompt, output tokens) of the trace's requests (None: the means)
 
 
 @dataclass(frozen=True, eq=False)
@@ -244,7 +245,7 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     return SizedFleet(
         shape=FleetShape(smodel, pmodel, device, tp_s, tp_r, n_serv, n_ded, trainer_gpus, sperf, pperf_s, pperf_d),
         memory=MemorySplit(wp, kvb_s, kvb_p, total_s, alone_kv_tokens, pool_tokens, cohost_free_bytes, cohost_free_bytes > 0, dedicated_kv),
-        traffic=ServingTraffic(prompt_mean, output_mean, prompt_p99, cap_rps, fleet_rate),
+        traffic=ServingTraffic(prompt_mean, output_mean, prompt_p99, cap_rps, fleet_rate, sizes),
         max_rollout_batch=max_rollout_batch,
         turn_p90=turn_length_quantile(c.rollout, 0.9),
         mean_rollout_ctx=mean_rollout_ctx,

@@ -174,10 +174,11 @@ def test_plan_sizes_the_serving_fleet_by_its_own_model_and_the_policy_by_its_own
 
 
 def test_the_command_lines_offer_the_model_sizes_the_devices_define():
-    from rose.shared.devices import MODELS
-    from rose.sim import MODEL_SIZES
+    from rose.shared.devices import DEVICES, MODELS
+    from rose.sim import DEVICE_KINDS, MODEL_SIZES
 
     assert tuple(MODELS) == MODEL_SIZES
+    assert tuple(DEVICES) == DEVICE_KINDS
 
 
 def test_plan_bad_trace_names_the_line(tmp_path, capsys):
