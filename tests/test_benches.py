@@ -172,12 +172,13 @@ def test_bench_elastic_counts_own_burst_alerts_outside_bursts_as_false_alarms():
 
 
 def test_bench_elastic_says_whose_each_slo_miss_is():
-    """Each failed or late serving request is placed by when it was sent: in a burst on its executor (onset to
-    the grace after its end), after a chaos step, beside a lease, or in calm; requests within the SLO are not listed."""
+    """Each failed or late serving request is placed by when it was sent: after a chaos step (first: a killed
+    executor's traffic goes to the others), in a burst on its executor (onset to the grace after its end), beside
+    a lease, or in calm; requests within the SLO are not listed."""
     from rose.bench.elastic import RECLAIM_GRACE_S, SLO_TPOT_MS, SLO_TTFT_MS, Record, slo_misses_in_context
 
     rec = Record()
-    rec.serving.bursts += [(100.0, 102.0, "ex-a")]
+    rec.serving.bursts += [(100.0, 102.0, "ex-a"), (201.0, 203.0, "ex-a")]
     rec.chaos += [(200.0, "kill -9 ex-b")]
     leases = {"ex-a": [(300.0, 320.0)]}
 
@@ -191,12 +192,13 @@ def test_bench_elastic_says_whose_each_slo_miss_is():
         req("ex-b", 101.0, ttft=late),  # ex-b had no burst: calm
         req("ex-b", 205.0, ok=False, ttft=float("inf"), error="ServerDisconnectedError: gone"),  # after the kill
         req("ex-a", 199.5, ok=False, ttft=float("inf"), error="ClientOSError: reset"),  # in flight at the kill
+        req("ex-a", 202.0, ttft=late),  # a burst on ex-a while ex-b's traffic comes to it: the fault's
         req("ex-a", 310.0, ttft=late),  # beside a lease
         req("ex-a", 310.0),  # within the SLO: not a miss
     ]
     r = slo_misses_in_context(rec, leases, t0=100.0)
-    assert r["by_context"] == {"burst": 2, "lease": 1, "chaos": 2, "calm": 1}
-    assert [m["context"] for m in r["records"]] == ["burst", "burst", "calm", "chaos", "chaos", "lease"]
+    assert r["by_context"] == {"burst": 2, "lease": 1, "chaos": 3, "calm": 1}
+    assert [m["context"] for m in r["records"]] == ["burst", "burst", "calm", "chaos", "chaos", "chaos", "lease"]
     failed = r["records"][3]
     assert failed["error"].startswith("ServerDisconnectedError") and failed["ttft_ms"] is None and failed["sent_s"] == 105.0
 
