@@ -248,7 +248,7 @@ async def run_load(check: PoolCheck, fleet: SizedFleet, paths, load: float) -> d
     rate = load * fleet.traffic.cap_rps
     derived = derived_pool(check, fleet, rate)
     memory = fleet.memory
-    rollout_kv = memory.alone_kv_tokens * memory.kvb_s - memory.policy_weight_bytes - derived * memory.kvb_s
+    rollout_kv = memory.cohost_free_bytes + (memory.pool_tokens - derived) * memory.kvb_s  # the sizing's split, at this pool
     pools: dict[str, float] = {f"{s:g}x": s * derived for s in check.pool_scales}
     pools[UNBOUNDED] = memory.alone_kv_tokens
     sizes = fleet.traffic.request_sizes or (np.array([fleet.traffic.prompt_mean]), np.array([fleet.traffic.output_mean]))
@@ -310,6 +310,8 @@ def run_pool_bench(check: PoolCheck, out_json: str, models_dir: str = "") -> dic
             loads.append(row)
     verdicts = [r["derived_pool_holds"] for r in loads if r["derived_pool_holds"] is not None]
     derived_holds = None if not verdicts else all(verdicts)  # None when --pool-scales leaves the derived pool (1) out
+    lags = [run["forward_lag_p99_percent"] for r in loads for run in r["runs"].values() if run["forward_lag_p99_percent"] is not None]
+    starved = any(lag > LAG_P99_TARGET for lag in lags)
     result = {
         "settings": {
             "device": check.device,
@@ -327,16 +329,12 @@ def run_pool_bench(check: PoolCheck, out_json: str, models_dir: str = "") -> dic
         },
         "loads": loads,
         "derived_pool_holds": derived_holds,
-        "starved": any((run["forward_lag_p99_percent"] or 0.0) > LAG_P99_TARGET for r in loads for run in r["runs"].values()),
+        "starved": starved,
         "wall_s": time.monotonic() - started,
     }
-    lags = [run["forward_lag_p99_percent"] for r in loads for run in r["runs"].values() if run["forward_lag_p99_percent"] is not None]
     if lags:
         late = f"the host woke late; before trusting a TTFT near the SLO, rerun with --time-scale > {check.time_scale:g}"
-        print(
-            f"forward lag p99 up to {max(lags):.0f} % of a forward (target {LAG_P99_TARGET:g} %): "
-            + ("the host kept up" if not result["starved"] else late)
-        )
+        print(f"forward lag p99 up to {max(lags):.0f} % of a forward (target {LAG_P99_TARGET:g} %): " + ("the host kept up" if not starved else late))
     holds = {None: "not run (add 1 to --pool-scales)", True: "holds at every load", False: "DOES NOT hold"}[derived_holds]
     print(f"the derived pool: {holds}; JSON {out_json}")
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -84,7 +84,7 @@ class Trace:
         return len(self.rate)
 
     def scaled(self, factor: float) -> Trace:
-        return Trace(self.rate * factor, self.prompt_mean, self.output_mean, self.prompt_p99, self.start_s, self.source, self.request_sizes)
+        return replace(self, rate=self.rate * factor)  # every other field kept, request_sizes among them
 
     def at(self, t: float) -> int:
         """Index of second ``t`` (the trace repeats past its end)."""
