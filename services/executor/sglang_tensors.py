@@ -52,7 +52,7 @@ import torch.multiprocessing  # registers torch's ForkingPickler reductions
 import torch.multiprocessing.reductions as torch_reductions
 
 from rose.shared.errors import RoseError
-from rose.shared.weight_layout import DTYPES, fits_live
+from rose.shared.weight_layout import fits_live, torch_dtypes
 
 SHM_DIR = "/dev/shm"
 SHM_HEADER = 64  # torch's RefcountedMapAllocator keeps the segment's refcount in its first 64 bytes (c10's alignment); data follows
@@ -100,7 +100,7 @@ _CLASS_REFS = {
     ("torch", "TypedStorage"): _TYPED,
 }
 _VALUES = {("torch", "Size"): torch.Size, ("torch", "device"): torch.device, ("collections", "OrderedDict"): OrderedDict}
-_DTYPES = {name: dtype for name, dtype in DTYPES.items()}
+_DTYPES = torch_dtypes()
 
 
 @dataclass(frozen=True)

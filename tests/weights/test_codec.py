@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -10,7 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rose.shared.weight_codec import CodecError, ShardDecoder, decode_shard, encode_shard, topk_sparsify
-from rose.shared.weight_layout import ALIGN, layout_of, pack_shards, parse_safetensors, plan_layout, safetensors_blob, state_bytes
+from rose.shared.weight_layout import (
+    ALIGN,
+    ITEMSIZES,
+    itemsize,
+    layout_of,
+    pack_shards,
+    parse_safetensors,
+    plan_layout,
+    safetensors_blob,
+    state_bytes,
+    torch_dtypes,
+)
 from rose.testing.weights import make_state, rl_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -142,3 +156,16 @@ def test_safetensors_blob_matches_the_library():
     assert all(torch.equal(loaded[n], state[n]) for n in state)
     parsed = parse_safetensors(safetensors.torch.save(state))
     assert {n: (d, s) for n, (d, s, _) in parsed.items()} == {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in state.items()}
+
+
+def test_the_layouts_dtype_widths_are_torchs():
+    assert set(torch_dtypes()) == set(ITEMSIZES)
+    for name, dtype in torch_dtypes().items():
+        assert dtype == getattr(torch, name) and itemsize(name) == torch.empty((), dtype=dtype).element_size(), name
+
+
+def test_the_weight_publisher_runs_without_torch():
+    """It lays out and packs bytes; torch would cost each start ~1.8 s of CPU and ~300 MB (shared/weight_layout.py)."""
+    code = "import sys, rose.services.weight_publisher.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
