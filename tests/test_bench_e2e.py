@@ -37,12 +37,14 @@ from rose.bench.e2e import (
 from rose.services.trainer.config import GrpoSettings
 from rose.shared.workload import TRAINER
 
-DURATION_S = 20  # GRPO seconds after the warm start (not part of the window), at most: UNTIL_STEPS ends it sooner
-UNTIL_STEPS = 2  # a rate needs two steps (static: about 2 s each alone, 5 under the suite's load)
+# GRPO seconds after the warm start (not part of the window), at most: UNTIL_STEPS ends it sooner. A cap far from
+# the steps' time: at 20 s, four suite workers on 2 cores once left the run one step (2026-12-06).
+DURATION_S = 120
+UNTIL_STEPS = 2  # a rate needs two steps (static: about 2 s each alone, 5-10 under the suite's load)
 # The demo's is 200. At 20 the policy never answered right (reward 0 in every group): the trainer stopped the
 # job for degenerate groups after 8 steps without training one, and the rates this test reads were absent.
 WARM_START_STEPS = 60
-RUN_TIMEOUT_S = 300  # one policy: start-up, warm start, DURATION_S of job, drain and report
+RUN_TIMEOUT_S = 420  # one policy: start-up, warm start, DURATION_S of job, drain and report
 POLICY_FIELDS = (
     "rl_steps_per_hour",
     "rollout_s_per_step",
