@@ -255,6 +255,12 @@ def reclaim(
     }
 
 
+def near_chaos(start: float, end: float, chaos: list[tuple[float, str]]) -> bool:
+    """Whether [start, end] overlaps a chaos step or the RESTART_AFTER_S + 10 s after it (the killed executor
+    restarting, the others taking its traffic, clients reconnecting to the restarted server)."""
+    return any(start <= at + RESTART_AFTER_S + 10.0 and end >= at for at, _ in chaos)
+
+
 def slo_misses_in_context(rec: Record, leases: dict[str, list[tuple[float, float]]], t0: float) -> dict:
     """Every serving request that failed or missed the SLO, with where its executor stood when it was sent:
     ``chaos`` (in flight at a chaos step or sent within RESTART_AFTER_S + 10 s after one), ``burst`` (from a
@@ -267,7 +273,7 @@ def slo_misses_in_context(rec: Record, leases: dict[str, list[tuple[float, float
 
     def context(r: dict) -> str:
         at, ex = r["sent_at"], r["executor"]
-        if any(at <= at_c + RESTART_AFTER_S + 10.0 and r["t"] >= at_c for at_c, _ in rec.chaos):
+        if near_chaos(at, r["t"], rec.chaos):
             return "chaos"
         if any(start <= at <= end + RECLAIM_GRACE_S for start, end, e in rec.serving.bursts if e == ex):
             return "burst"
@@ -331,7 +337,9 @@ def hit_rates(rec: Record) -> dict[str, float | None]:
 def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float | int]]:
     """Per routing. Why a later turn missed its prefix: ``stayed``, the share that ran where the trajectory's previous
     turn ran (placement kept it home); ``retried``, the share that took more than one attempt (an executor refused it,
-    failed, or was revoked under it: the first attempt's cache does not count). And what its turns cost, every turn
+    failed, or was revoked under it: the first attempt's cache does not count), and ``retried_outside_chaos``, those
+    that ran clear of the chaos steps (``near_chaos``): what revocations and refusals cost, not the kill -9 and the
+    NATS restart the bench injects. And what its turns cost, every turn
     counted: ``on_leases``, the share that ran on a serving executor, ``turn_s_mean``, their mean seconds. The run's
     rollout tokens/s is about the tasks it runs at once x a turn's tokens / the mean turn time over both routings, so
     random's turns weigh on it as much as placement's."""
@@ -345,6 +353,7 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
             "turns": len(pairs),
             "stayed": sum(turn.executor_id == prev.executor_id for prev, turn in pairs) / n,
             "retried": sum(turn.attempts > 1 for _, turn in pairs) / n,
+            "retried_outside_chaos": sum(turn.attempts > 1 and not near_chaos(turn.started_at, turn.finished_at, rec.chaos) for _, turn in pairs) / n,
             "on_leases": sum(turn.executor_id in serving for turn in every) / m,
             "turn_s_mean": sum(turn.finished_at - turn.started_at for turn in every) / m,
         }

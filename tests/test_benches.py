@@ -209,11 +209,11 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
     from rose.bench.elastic import Record, hit_rates, turn_routing
     from rose.contracts.rollout import Trajectory, TurnRecord
 
-    def turn(i: int, ex: str, cached: int, attempts: int = 1) -> TurnRecord:
+    def turn(i: int, ex: str, cached: int, attempts: int = 1, at: float = 100.0) -> TurnRecord:
         seconds = 2.0 if ex == "s" else 1.0
         return TurnRecord(
-            started_at=100.0,
-            finished_at=100.0 + seconds,
+            started_at=at,
+            finished_at=at + seconds,
             turn_index=i,
             prompt_token_ids=[1],
             token_ids=[2],
@@ -240,10 +240,19 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
         "turns": 3,
         "stayed": pytest.approx(2 / 3),
         "retried": pytest.approx(1 / 3),
+        "retried_outside_chaos": pytest.approx(1 / 3),  # no chaos step in this run
         "on_leases": pytest.approx(1 / 5),  # every turn counts here, the first ones too
         "turn_s_mean": pytest.approx(6 / 5),
     }
-    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5}
+    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0, "retried_outside_chaos": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5}
+    # a retry whose turn ran across a kill -9 is the fault's; one well after the restart window is not
+    rec.chaos.append((100.5, "kill -9 s"))
+    rec.trajectories["d"] = Trajectory(
+        task_id="d", trajectory_id="d", env="e", status="completed", routing="random", turns=[turn(0, "d", 0), turn(1, "d", 0, attempts=2, at=200.0)]
+    )
+    r = turn_routing(rec, serving=["s"])
+    assert r["affinity"]["retried"] == pytest.approx(1 / 3) and r["affinity"]["retried_outside_chaos"] == 0.0
+    assert r["random"]["retried"] == pytest.approx(1 / 2) and r["random"]["retried_outside_chaos"] == pytest.approx(1 / 2)
 
 
 def test_bench_elastic_detection_bound_follows_the_information_in_the_burst():
