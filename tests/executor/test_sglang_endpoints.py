@@ -150,9 +150,10 @@ async def test_admin_endpoints_need_the_key_or_an_explicit_opt_in(serve):
 async def test_pause_abort_returns_partial_outputs_and_continue_resumes(serve):
     session, base, engine, _ = await serve()
     long = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    before = engine.metrics.rollout_tokens_total
     pending = asyncio.create_task(post(session, f"{base}/generate", {"text": "Go", "sampling_params": long, "return_logprob": True}))
-    await until(lambda: engine.stats().rollout_running, 30, "the request running", step=0.01)
-    await asyncio.sleep(0.1)
+    # a token out, not a fixed sleep: a loaded box took over 0.1 s to the first (2026-12-06, three suite workers)
+    await until(lambda: engine.metrics.rollout_tokens_total > before, 30, "the request's first token", step=0.01)
     status, out = await post(session, f"{base}/pause_generation")  # AReaL sends no body: SGLang's default mode is abort
     assert status == 200
     status, partial = await pending
