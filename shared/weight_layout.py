@@ -16,6 +16,7 @@ needs it (importing it cost each publisher start about 1.8 s of CPU and ~300 MB)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -77,8 +78,9 @@ def fits_live(published: str, live: str) -> bool:
     return published == live or (published, live) in LOSSLESS_UPCASTS
 
 
+@functools.cache
 def torch_dtypes() -> dict[str, torch.dtype]:
-    """Our dtype names -> torch's dtypes (the names are torch's own)."""
+    """Our dtype names -> torch's dtypes (the names are torch's own); built once, on the first tensor."""
     import torch
 
     return {name: getattr(torch, name) for name in ITEMSIZES}

@@ -92,7 +92,7 @@ def test_up_with_auth_on_status_and_a_clean_ctrl_c(tmp_path, models_dir):
 
 def test_up_uses_nats_url_instead_of_starting_a_server(tmp_path, models_dir, nats_server):
     """Only the executor (`--services`): what is checked is where the services connect, and the fleet above ran
-    every service already (the other four cost the suite their start-up, two of them importing torch)."""
+    every service already (the other four cost the suite their start-up, the rollout worker's importing torch)."""
     state = tmp_path / "state"
     shutil.copytree(models_dir, state / "models")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_")}
