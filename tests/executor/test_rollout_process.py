@@ -194,18 +194,24 @@ def test_a_held_forward_is_asked_again_at_the_serving_pace_not_every_poll(loaded
     params = EngineSampling(temperature=1.0)
     free = runner.forward_sample(items, [(0, SamplerState(params, 3))])
     runner.held_poll_s = lambda: 0.02
-    asked: list[float] = []
-    start = time.monotonic()
-
-    def burst() -> bool:  # held for the first 0.3 s
-        asked.append(time.monotonic())
-        return asked[-1] - start < 0.3
-
+    asked: list[tuple[float, bool]] = []  # (when, held) per ask
     before = runner.held_polls
+    held_since: list[float] = []
+
+    def burst() -> bool:
+        """Held until the child has held at a safepoint, then 0.3 s more. Not 0.3 s from the call: on a
+        loaded host the child (at idle priority) may not reach a safepoint within it."""
+        now = time.monotonic()
+        if not held_since and runner.held_polls > before:
+            held_since.append(now)
+        asked.append((now, not held_since or now - held_since[0] < 0.3))
+        return asked[-1][1]
+
     held = runner.forward_sample(items, [(0, SamplerState(params, 3))], should_hold=burst)
     assert runner.held_polls > before and held == free
-    during = [t for t in asked if t - start < 0.3]
-    assert len(during) <= 0.3 / 0.02 + 3, len(during)  # ~15 asks, not ~300 at POLL_S
+    held_at = [t for t, h in asked if h]
+    window_s = held_at[-1] - held_at[0]
+    assert len(held_at) <= window_s / 0.02 + 3, (len(held_at), window_s)  # one per 20 ms, not one per POLL_S
 
 
 def test_the_child_answers_through_a_descriptor_above_1024(loaded, make_engine):
