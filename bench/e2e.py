@@ -181,15 +181,32 @@ def batch_tails(trajectories: list, per_step: int) -> list[float]:
 
 def later_turns(trajectories: list) -> dict[str, float | None]:
     """Of the turns after a trajectory's first (the ones a prefix cache can serve): ``prefix_hit_rate``, the share
-    that found their prefix cached where they ran (the simulator's ``prefix_hit_rate``), and ``moved``, the share
-    that ran on another executor than the turn before (a move re-prefills unless a cache followed it)."""
+    that found any of their prefix cached where they ran (the simulator's ``prefix_hit_rate``); ``prefix_reuse``, of
+    the context the turn before computed (``reusable_context``), the share found cached where the turn ran (the
+    simulator's): one minus the share prefilled again; and ``moved``, the share that ran on another executor than the
+    turn before (a move re-prefills unless a cache followed it). A turn that finds only its first turn's prompt cached
+    counts whole in the first and in part in the second: random placement scores such partial hits often (any earlier
+    turn's executor can serve one). vLLM's and SGLang's cache hit rate (cached / prompt tokens) also counts the
+    turn's new tokens, which no cache holds: its ceiling is the workload's, not placement's."""
     pairs = [(prev, turn) for t in trajectories for prev, turn in zip(t.turns, t.turns[1:])]
     if not pairs:
-        return {"prefix_hit_rate": None, "moved": None}
+        return {"prefix_hit_rate": None, "prefix_reuse": None, "moved": None}
+    reusable = [reusable_context(prev, turn) for prev, turn in pairs]
+    cached = sum(min(turn.prefix_cached_tokens, r) for (_, turn), r in zip(pairs, reusable))
     return {
         "prefix_hit_rate": sum(turn.prefix_cached_tokens > 0 for _, turn in pairs) / len(pairs),
+        "prefix_reuse": cached / sum(reusable) if sum(reusable) else None,
         "moved": sum(turn.executor_id != prev.executor_id for prev, turn in pairs) / len(pairs),
     }
+
+
+def reusable_context(prev, turn) -> int:
+    """The tokens of ``turn``'s prompt a cache could serve: what the executor retains of ``prev`` (its prompt and
+    output, all but the last token, whose KV was never computed), matched by the executor's own rule."""
+    from rose.services.executor.prefix_cache import reusable_tokens  # imports torch: only when a run is read
+
+    held = (*prev.prompt_token_ids, *prev.token_ids[:-1])
+    return reusable_tokens(held, 0, tuple(turn.prompt_token_ids), 0)
 
 
 def max_in_flight(trajectories: list) -> int:
@@ -320,6 +337,7 @@ def policy_figures(summary: dict, obs: Observed, extra: Extra) -> dict:
         "hedged_turns": int(extra.worker_load.get("hedges", 0)),  # duplicates started (placed with the route or asked for when late)
         "hedge_wins": int(extra.worker_load.get("hedge_wins", 0)),  # ... of which the duplicate finished first (the other copy was aborted)
         "prefix_hit_rate": later["prefix_hit_rate"],
+        "prefix_reuse": later["prefix_reuse"],
         "later_turns_moved": later["moved"],
         "calibration": {
             **{k: steps[k] for k in ("step_s", "step_s_all", "trainer_wait_s_per_step", "train_s_per_step", "publish_s_per_step")},

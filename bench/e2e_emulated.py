@@ -78,6 +78,7 @@ HOW_FIGURES = (
     ("tail_s_per_step", "tail_s_per_step"),
     ("harvested_fraction", "rollout_tokens_on_serving_fraction"),
     ("prefix_hit_rate", "prefix_hit_rate"),
+    ("prefix_reuse", "prefix_reuse"),
     ("hedged_turns", "hedges"),
     ("hedge_wins", "hedge_wins"),
     ("turn_s_p50", "turn_s_p50"),

@@ -23,7 +23,8 @@ same floor for Poisson arrivals at the burst rate, ln(100) / rate, and
 have at one false alarm per hour from arrivals alone, ``detection_delay_bound_ms``; the executor's
 detector also sees its queue, which can beat it when a burst outruns capacity;
 ``burst_false_alarms_per_hour`` counts its alerts outside every burst), lease counts,
-``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix) with
+``prefix_hit_rate.{affinity,random}`` (later turns whose prompt hit the executor's retained prefix) and
+``prefix_reuse`` (of the context the turn before computed, the share found cached: bench/e2e.py ``later_turns``) with
 ``turn_routing`` (why they missed: the share that stayed where the previous turn ran, the share retried;
 and per routing the share of turns on leases and their mean seconds), ``tasks_lost``, and a timeline PNG.
 
@@ -55,6 +56,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import msgspec
 
 from rose.contracts.registry import EXECUTOR_BURST, EXECUTOR_METRICS, LEASE_EVENT, ROLLOUT_TASK, SLO_ALERT, TRAJECTORY
 from rose.contracts.rollout import RolloutTask, Trajectory
@@ -329,9 +332,9 @@ def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
     return math.log(100.0) / rate_rps * 1e3
 
 
-def hit_rates(rec: Record) -> dict[str, float | None]:
-    """Per routing, the later turns' prefix hit rate (bench/e2e.py ``later_turns``)."""
-    return {k: later_turns([t for t in rec.trajectories.values() if t.routing == k])["prefix_hit_rate"] for k in ("affinity", "random")}
+def hit_rates(rec: Record, figure: str = "prefix_hit_rate") -> dict[str, float | None]:
+    """Per routing, one of the later turns' prefix figures (bench/e2e.py ``later_turns``)."""
+    return {k: later_turns([t for t in rec.trajectories.values() if t.routing == k])[figure] for k in ("affinity", "random")}
 
 
 def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float | int]]:
@@ -339,10 +342,23 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
     turn ran (placement kept it home); ``retried``, the share that took more than one attempt (an executor refused it,
     failed, or was revoked under it: the first attempt's cache does not count), and ``retried_outside_chaos``, those
     that ran clear of the chaos steps (``near_chaos``): what revocations and refusals cost, not the kill -9 and the
-    NATS restart the bench injects. And what its turns cost, every turn
+    NATS restart the bench injects. ``to_lease``, ``to_dedicated`` and ``between_leases``: the moves by the two
+    executors' roles (a dedicated home left for a lease; a lease left, revoked or no longer the sooner, for the
+    dedicated pool; one lease for another); ``left_ended_lease``, of those leaving a lease, the moves whose lease
+    ended (revoked or expired) between the previous turn's start and this one's end (under the previous turn, between
+    the two, or under this one's first attempt there, which a hedge then won elsewhere): the bench's bursts forced
+    them, placement did not choose them. And what its turns cost, every turn
     counted: ``on_leases``, the share that ran on a serving executor, ``turn_s_mean``, their mean seconds. The run's
     rollout tokens/s is about the tasks it runs at once x a turn's tokens / the mean turn time over both routings, so
     random's turns weigh on it as much as placement's."""
+    ended: dict[str, list[float]] = defaultdict(list)
+    for at, ex, kind, _ in rec.lease_events:
+        if kind in ("revoked", "expired"):
+            ended[ex].append(at)
+
+    def left_ended(prev, turn) -> bool:
+        return prev.executor_id != turn.executor_id and any(prev.started_at <= at <= turn.finished_at for at in ended[prev.executor_id])
+
     out: dict[str, dict[str, float | int]] = {}
     for routing in ("affinity", "random"):
         turns = [t.turns for t in rec.trajectories.values() if t.routing == routing]
@@ -354,6 +370,15 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
             "stayed": sum(turn.executor_id == prev.executor_id for prev, turn in pairs) / n,
             "retried": sum(turn.attempts > 1 for _, turn in pairs) / n,
             "retried_outside_chaos": sum(turn.attempts > 1 and not near_chaos(turn.started_at, turn.finished_at, rec.chaos) for _, turn in pairs) / n,
+            **{
+                kind: sum(
+                    prev.executor_id != turn.executor_id and (prev.executor_id in serving, turn.executor_id in serving) == roles
+                    for prev, turn in pairs
+                )
+                / n
+                for kind, roles in (("to_lease", (False, True)), ("to_dedicated", (True, False)), ("between_leases", (True, True)))
+            },
+            "left_ended_lease": sum(prev.executor_id in serving and left_ended(prev, turn) for prev, turn in pairs) / n,
             "on_leases": sum(turn.executor_id in serving for turn in every) / m,
             "turn_s_mean": sum(turn.finished_at - turn.started_at for turn in every) / m,
         }
@@ -539,6 +564,8 @@ def _report(
     png = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(png, rec, serving, leases, t0, end)
+    dump = out.with_suffix(".trajectories.jsonl")  # every turn, to read the routing figures again
+    dump.write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in rec.trajectories.values()))
     result = {
         **params,
         "duration_s": duration_s,
@@ -568,6 +595,7 @@ def _report(
         "slo_alerts": len([a for a in rec.alerts if a[2] != "recovered"]),
         "alert_bus_latency_ms_p99": p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
         "prefix_hit_rate": hit_rates(rec),
+        "prefix_reuse": hit_rates(rec, "prefix_reuse"),
         "turn_routing": turn_routing(rec, serving),
         "tasks_published": len(rec.published),
         "tasks_lost": len(lost),
@@ -575,6 +603,7 @@ def _report(
         "trajectories_duplicated": rec.duplicates,
         "chaos": [what for _, what in rec.chaos],
         "timeline_png": str(png),
+        "trajectories_jsonl": str(dump),
         "auth": auth,
     }
     out.write_text(json.dumps(result, indent=2))
@@ -600,6 +629,7 @@ def _report(
         "leases_granted",
         "leases_revoked",
         "prefix_hit_rate",
+        "prefix_reuse",
         "turn_routing",
         "tasks_published",
         "tasks_lost",

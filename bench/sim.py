@@ -242,6 +242,7 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
                     "hedges",
                     "hedge_wins",
                     "prefix_hit_rate",
+                    "prefix_reuse",
                     "prefix_host_share",
                     "reprefill_share",
                     "reprefill_moved_share",

@@ -42,6 +42,8 @@ class TurnOutcomes:
     bounced: int = 0
     prefix_hits: int = 0
     prefix_misses: int = 0
+    prefix_cached_tokens: float = 0.0  # of the later turns' first attempts: their prompt tokens found cached
+    prefix_reusable_tokens: float = 0.0  # ... of the context the turn before computed (what a cache could serve)
     # prefill a later turn's first attempt redid because its prefix was not cached where it ran (moved
     # elsewhere, or evicted), priced alone on that instance's roofline: at most what a cache hit would save
     reprefill_s: float = 0.0

@@ -755,6 +755,8 @@ class Simulation:
                     self.counts.turns.prefix_hits += 1
                 else:
                     self.counts.turns.prefix_misses += 1
+                self.counts.turns.prefix_cached_tokens += cached
+                self.counts.turns.prefix_reusable_tokens += min(ctx - new_tokens, ctx - 1)
                 # the prefill this turn redoes beyond its new tokens: the context its cache no longer holds
                 perf = self._policy_steps(d)
                 redone = float(perf.prefill_s(ctx - cached, cached) - perf.prefill_s(new_tokens, ctx - new_tokens))
@@ -1201,6 +1203,8 @@ class Simulation:
             placement_rules=dict(self.router.rules.most_common()),
             # later turns' first attempts that found part of their prompt cached where they ran (`rose bench elastic`'s)
             prefix_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            # of the context their turn before computed, the share found cached (bench/e2e.py ``later_turns``)
+            prefix_reuse=a.turns.prefix_cached_tokens / a.turns.prefix_reusable_tokens if a.turns.prefix_reusable_tokens else 0.0,
             prefix_host_share=a.turns.host_hits / (hits + misses) if hits + misses else 0.0,  # of them, from the host tier
             # the prefill that prefix-cache misses redid, over every rollout forward's device time
             reprefill_share=a.turns.reprefill_s / a.rollout.device_s if a.rollout.device_s > 0 else 0.0,

@@ -32,6 +32,7 @@ from rose.bench.e2e import (
     max_in_flight,
     max_lent_at_once,
     prefetch_steps,
+    reusable_context,
     step_figures,
 )
 from rose.services.trainer.config import GrpoSettings
@@ -94,18 +95,36 @@ def test_batch_tails_from_the_ninetieth_percentile_finish_to_the_last():
     assert batch_tails(batch + [traj(1, 5.0)], per_step=11) == [20.0]  # step 1 is incomplete
 
 
-def test_later_turns_count_hits_and_moves_from_the_second_turn_on():
-    def turn(executor: str, cached: int):
-        return SimpleNamespace(executor_id=executor, prefix_cached_tokens=cached)
+def _conversation(executors: list[str], cached: list[int]) -> SimpleNamespace:
+    """Turns as a worker records them: a 50-token first prompt; each turn samples 16 tokens and the next prompt is
+    the last one, those 16 and a 10-token observation."""
+    turns, prompt = [], list(range(50))
+    for k, (executor, hit) in enumerate(zip(executors, cached)):
+        out = [1000 + 100 * k + j for j in range(16)]
+        turns.append(SimpleNamespace(executor_id=executor, prefix_cached_tokens=hit, prompt_token_ids=prompt, token_ids=out))
+        prompt = prompt + out + [2000 + 100 * k + j for j in range(10)]
+    return SimpleNamespace(turns=turns)
 
-    # the first turns never count (nothing to cache yet); of the 4 later turns: 2 hits, 2 moved (one move kept a cache)
+
+def test_later_turns_count_hits_reuse_and_moves_from_the_second_turn_on():
+    # the first turns never count (nothing to cache yet). A turn's reusable context is what the executor retained of
+    # the turn before: its prompt and all but its last sampled token (turn 1: 50 + 15; turn 2: 76 + 15)
     trajectories = [
-        SimpleNamespace(turns=[turn("a", 0), turn("a", 90), turn("b", 0)]),
-        SimpleNamespace(turns=[turn("b", 0), turn("a", 40), turn("a", 0)]),
-        SimpleNamespace(turns=[turn("a", 0)]),
+        _conversation(["a", "a", "b"], [0, 65, 0]),  # stayed, whole context cached; moved, none
+        _conversation(["a", "b", "a"], [0, 0, 65]),  # moved; back to a, which holds turn 0's context only
+        _conversation(["a"], [0]),
     ]
-    assert later_turns(trajectories) == {"prefix_hit_rate": 0.5, "moved": 0.5}
-    assert later_turns(trajectories[2:]) == {"prefix_hit_rate": None, "moved": None}
+    got = later_turns(trajectories)
+    assert got == {"prefix_hit_rate": 0.5, "prefix_reuse": 130 / (65 + 91 + 65 + 91), "moved": 0.75}
+    assert later_turns(trajectories[2:]) == {"prefix_hit_rate": None, "prefix_reuse": None, "moved": None}
+
+
+def test_the_reusable_context_is_what_the_executors_matching_rule_serves():
+    """A chat template that renders the sampled answer differently leaves only the tokens before it reusable."""
+    prev, turn = _conversation(["a", "a"], [0, 65]).turns
+    assert reusable_context(prev, turn) == 65
+    rerendered = SimpleNamespace(prompt_token_ids=prev.prompt_token_ids + [7] * 26)
+    assert reusable_context(prev, rerendered) == 50
 
 
 def test_max_in_flight_counts_overlapping_trajectories():

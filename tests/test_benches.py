@@ -232,7 +232,7 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
         task_id="b", trajectory_id="b", env="e", status="completed", routing="affinity", turns=[turn(0, "d", 0), turn(1, "d", 0, attempts=2)]
     )
     rec.trajectories["c"] = Trajectory(
-        task_id="c", trajectory_id="c", env="e", status="completed", routing="random", turns=[turn(0, "s", 0), turn(1, "d", 0)]
+        task_id="c", trajectory_id="c", env="e", status="completed", routing="random", turns=[turn(0, "s", 0), turn(1, "d", 0, at=103.0)]
     )
     assert hit_rates(rec) == {"affinity": pytest.approx(1 / 3), "random": 0.0}
     r = turn_routing(rec, serving=["s"])
@@ -241,10 +241,21 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
         "stayed": pytest.approx(2 / 3),
         "retried": pytest.approx(1 / 3),
         "retried_outside_chaos": pytest.approx(1 / 3),  # no chaos step in this run
+        "to_lease": pytest.approx(1 / 3),
+        "to_dedicated": 0.0,
+        "between_leases": 0.0,
+        "left_ended_lease": 0.0,
         "on_leases": pytest.approx(1 / 5),  # every turn counts here, the first ones too
         "turn_s_mean": pytest.approx(6 / 5),
     }
-    assert r["random"] == {"turns": 1, "stayed": 0.0, "retried": 0.0, "retried_outside_chaos": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5}
+    assert r["random"] == {
+        **{"turns": 1, "stayed": 0.0, "retried": 0.0, "retried_outside_chaos": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5},
+        **{"to_lease": 0.0, "to_dedicated": 1.0, "between_leases": 0.0, "left_ended_lease": 0.0},
+    }
+    rec.lease_events.append((110.0, "s", "revoked", "l2"))  # after c's second turn ended: not why it moved
+    assert turn_routing(rec, serving=["s"])["random"]["left_ended_lease"] == 0.0
+    rec.lease_events.append((100.5, "s", "revoked", "l1"))  # s's lease ended while c's first turn ran there: the move was forced
+    assert turn_routing(rec, serving=["s"])["random"]["left_ended_lease"] == 1.0
     # a retry whose turn ran across a kill -9 is the fault's; one well after the restart window is not
     rec.chaos.append((100.5, "kill -9 s"))
     rec.trajectories["d"] = Trajectory(

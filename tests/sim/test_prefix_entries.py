@@ -130,3 +130,4 @@ def test_the_host_tier_redoes_less_prefill_than_the_device_alone(policy):
     assert out[0.0]["prefix_host_share"] == 0.0 and out[2.0]["prefix_host_share"] > 0
     assert out[2.0]["reprefill_share"] < out[0.0]["reprefill_share"]
     assert out[2.0]["prefix_hit_rate"] > out[0.0]["prefix_hit_rate"]
+    assert 0 < out[0.0]["prefix_reuse"] < out[2.0]["prefix_reuse"] <= 1  # what is prefilled again falls too
