@@ -344,10 +344,11 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
     that ran clear of the chaos steps (``near_chaos``): what revocations and refusals cost, not the kill -9 and the
     NATS restart the bench injects. ``to_lease``, ``to_dedicated`` and ``between_leases``: the moves by the two
     executors' roles (a dedicated home left for a lease; a lease left, revoked or no longer the sooner, for the
-    dedicated pool; one lease for another); ``left_ended_lease``, of those leaving a lease, the moves whose lease
-    ended (revoked or expired) between the previous turn's start and this one's end (under the previous turn, between
-    the two, or under this one's first attempt there, which a hedge then won elsewhere): the bench's bursts forced
-    them, placement did not choose them. And what its turns cost, every turn
+    dedicated pool; one lease for another). Of the moves off a lease, those whose lease ended (revoked or expired):
+    ``left_lease_ended_before``, between the previous turn's start and this one's (placement found it gone, or
+    revoked lately), and ``left_lease_ended_during``, while this turn ran (its first attempt there was parked by the
+    burst and a hedge won on the dedicated pool): the bench's bursts forced those, placement did not choose them.
+    And what its turns cost, every turn
     counted: ``on_leases``, the share that ran on a serving executor, ``turn_s_mean``, their mean seconds. The run's
     rollout tokens/s is about the tasks it runs at once x a turn's tokens / the mean turn time over both routings, so
     random's turns weigh on it as much as placement's."""
@@ -356,8 +357,9 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
         if kind in ("revoked", "expired"):
             ended[ex].append(at)
 
-    def left_ended(prev, turn) -> bool:
-        return prev.executor_id != turn.executor_id and any(prev.started_at <= at <= turn.finished_at for at in ended[prev.executor_id])
+    def left_ended(prev, turn, during: bool) -> bool:
+        a, b = (turn.started_at, turn.finished_at) if during else (prev.started_at, turn.started_at)
+        return prev.executor_id in serving and prev.executor_id != turn.executor_id and any(a < at <= b for at in ended[prev.executor_id])
 
     out: dict[str, dict[str, float | int]] = {}
     for routing in ("affinity", "random"):
@@ -378,7 +380,8 @@ def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float |
                 / n
                 for kind, roles in (("to_lease", (False, True)), ("to_dedicated", (True, False)), ("between_leases", (True, True)))
             },
-            "left_ended_lease": sum(prev.executor_id in serving and left_ended(prev, turn) for prev, turn in pairs) / n,
+            "left_lease_ended_before": sum(left_ended(prev, turn, during=False) for prev, turn in pairs) / n,
+            "left_lease_ended_during": sum(left_ended(prev, turn, during=True) for prev, turn in pairs) / n,
             "on_leases": sum(turn.executor_id in serving for turn in every) / m,
             "turn_s_mean": sum(turn.finished_at - turn.started_at for turn in every) / m,
         }
@@ -604,6 +607,7 @@ def _report(
         "chaos": [what for _, what in rec.chaos],
         "timeline_png": str(png),
         "trajectories_jsonl": str(dump),
+        "lease_events": sorted(rec.lease_events),  # (at, executor, kind, lease id): with the dump, turn_routing again
         "auth": auth,
     }
     out.write_text(json.dumps(result, indent=2))

@@ -244,18 +244,22 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
         "to_lease": pytest.approx(1 / 3),
         "to_dedicated": 0.0,
         "between_leases": 0.0,
-        "left_ended_lease": 0.0,
+        "left_lease_ended_before": 0.0,
+        "left_lease_ended_during": 0.0,
         "on_leases": pytest.approx(1 / 5),  # every turn counts here, the first ones too
         "turn_s_mean": pytest.approx(6 / 5),
     }
     assert r["random"] == {
         **{"turns": 1, "stayed": 0.0, "retried": 0.0, "retried_outside_chaos": 0.0, "on_leases": 0.5, "turn_s_mean": 1.5},
-        **{"to_lease": 0.0, "to_dedicated": 1.0, "between_leases": 0.0, "left_ended_lease": 0.0},
+        **{"to_lease": 0.0, "to_dedicated": 1.0, "between_leases": 0.0, "left_lease_ended_before": 0.0, "left_lease_ended_during": 0.0},
     }
-    rec.lease_events.append((110.0, "s", "revoked", "l2"))  # after c's second turn ended: not why it moved
-    assert turn_routing(rec, serving=["s"])["random"]["left_ended_lease"] == 0.0
-    rec.lease_events.append((100.5, "s", "revoked", "l1"))  # s's lease ended while c's first turn ran there: the move was forced
-    assert turn_routing(rec, serving=["s"])["random"]["left_ended_lease"] == 1.0
+    ended = lambda: {k: v for k, v in turn_routing(rec, serving=["s"])["random"].items() if k.startswith("left_")}  # noqa: E731
+    rec.lease_events.append((110.0, "s", "revoked", "l3"))  # after c's second turn ended: not why it moved
+    assert ended() == {"left_lease_ended_before": 0.0, "left_lease_ended_during": 0.0}
+    rec.lease_events.append((103.5, "s", "expired", "l2"))  # while c's second turn ran (on d): its first attempt's lease
+    assert ended() == {"left_lease_ended_before": 0.0, "left_lease_ended_during": 1.0}
+    rec.lease_events.append((100.5, "s", "revoked", "l1"))  # while c's first turn ran there: gone when the second was placed
+    assert ended() == {"left_lease_ended_before": 1.0, "left_lease_ended_during": 1.0}
     # a retry whose turn ran across a kill -9 is the fault's; one well after the restart window is not
     rec.chaos.append((100.5, "kill -9 s"))
     rec.trajectories["d"] = Trajectory(
