@@ -11,6 +11,7 @@ from rose.services.executor.policies import POLICY_NAMES
 from rose.services.executor.protocol import InvalidRequest, RolloutRejected, WorkClass
 from rose.services.executor.weights import WeightUpdateError
 from rose.testing.engine import CoServingEngineTestcase, generate, req
+from rose.testing.polling import until
 
 MIB = 1 << 20
 TEST_CONFIG = EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)  # as in conftest
@@ -188,8 +189,13 @@ async def test_lease_expiry_is_enforced_by_the_engine(make_engine):
     assert no_lease.value.reason == "no_lease"
     engine.set_rollout_lease(TEST_CONFIG.rollout_kv_bytes, time.monotonic() + 0.3)
     handle = engine.submit(req(engine, "long", temperature=0, max_tokens=1500, ignore_eos=True, stream=False))
-    await asyncio.sleep(0.6)
-    stats = engine.stats()
+    await asyncio.sleep(0.6)  # past the lease's expiry; the engine then parks its turn at its next iteration
+
+    def released():
+        stats = engine.stats()
+        return stats if stats.rollout_pool.total_blocks == 0 else None
+
+    stats = await until(released, 10, "the expired lease's pool released")
     assert stats.rollout_pool.total_blocks == 0 and stats.rollout_pool.used_blocks == 0
     assert stats.rollout_queue == 1 and stats.rollout_running == 0  # parked, tokens kept
     with pytest.raises(RolloutRejected) as expired:

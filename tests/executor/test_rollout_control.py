@@ -7,6 +7,7 @@ import pytest
 
 from rose.services.executor.protocol import InvalidRequest, WorkClass
 from rose.testing.engine import generate, req
+from rose.testing.polling import until
 
 PARAMS = dict(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -52,8 +53,7 @@ async def test_pause_abort_finishes_everything_with_abort_and_queues_new_request
     assert result.finish_reason == "abort" and len(result.token_ids) >= len(seen)
     assert (await queued.result()).finish_reason == "abort"
     later = engine.submit(req(engine, "later", **PARAMS))  # accepted while paused, runs after continue
-    await asyncio.sleep(0.2)
-    assert engine.stats().rollout_queue == 1
+    await until(lambda: engine.stats().rollout_queue == 1, 10, "the turn queued while paused")
     engine.continue_rollout()
     assert (await later.result()).finish_reason == "length"
 
@@ -105,8 +105,9 @@ async def test_bad_control_arguments_are_refused(make_engine):
 async def test_rollout_may_queue_without_a_lease_when_asked(make_engine):
     engine = make_engine(lease=False)
     handle = engine.submit(req(engine, "wait", **PARAMS), require_lease=False)
+    await until(lambda: engine.stats().rollout_queue == 1, 10, "the turn queued")  # queued, not run: no lease
     await asyncio.sleep(0.2)
-    assert engine.stats().rollout_queue == 1  # queued, not run: no lease
+    assert engine.stats().rollout_queue == 1 and engine.stats().rollout_running == 0  # and it stays there
     import time
 
     engine.set_rollout_lease(16 << 20, time.monotonic() + 60)

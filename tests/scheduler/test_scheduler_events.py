@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
+
+from nats.js.errors import NotFoundError
 
 from rose.contracts.registry import EVENTS_STREAM, LEASE, LEASE_EVENT, PLACEMENT
 from rose.contracts.rollout import TurnRouteRequest
@@ -13,6 +14,7 @@ from rose.services.scheduler.scheduler import Scheduler
 from rose.shared.bus import Delivery
 from rose.shared.codec import decode
 from rose.testing.messages import beat, headroom
+from rose.testing.polling import until
 
 
 async def test_grant_place_revoke_are_events_and_spans(bus, spans):
@@ -28,10 +30,17 @@ async def test_grant_place_revoke_are_events_and_spans(bus, spans):
 
     route = await s.route(TurnRouteRequest(trajectory_id="tr-ev", turn_index=0, prompt_tokens=4), d)
     assert route.executor_id == "ex-ev1" and route.lease_id == lease.lease_id
-    await asyncio.sleep(0.2)  # the placement event is published off the reply path
-    placed = await bus.js.get_last_msg(EVENTS_STREAM.name, PLACEMENT.subject(executor_id="ex-ev1"))
-    event = decode(placed.data, PLACEMENT.payload)
-    assert event.trajectory_id == "tr-ev" and event.lease_id == lease.lease_id
+
+    async def placed():  # the event is published off the reply path
+        try:
+            msg = await bus.js.get_last_msg(EVENTS_STREAM.name, PLACEMENT.subject(executor_id="ex-ev1"))
+        except NotFoundError:
+            return None
+        event = decode(msg.data, PLACEMENT.payload)
+        return event if event.trajectory_id == "tr-ev" else None
+
+    event = await until(placed, 10, "the placement event")
+    assert event.lease_id == lease.lease_id
 
     await s.on_alert(SloAlert(executor_id="ex-ev1", at=time.time(), severity="burst", reason="test"), d)
     revoked = await bus.kv_get(LEASE, executor_id="ex-ev1")
