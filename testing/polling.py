@@ -6,6 +6,11 @@ import asyncio
 import inspect
 import time
 
+from rose.contracts.executor import MetricsSnapshot
+from rose.contracts.lease import Lease
+from rose.contracts.registry import EXECUTOR_METRICS, LEASE
+from rose.shared.codec import decode
+
 
 async def within(predicate, timeout: float = 15.0, step: float = 0.05):
     """Poll `predicate()` (plain or async) until it returns something truthy, and return that; None at `timeout`
@@ -43,6 +48,27 @@ async def retrying(
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what} still failing after {timeout:.0f} s: {exc!r}") from exc
         await asyncio.sleep(step)
+
+
+async def put_lease(bus, executor_id: str, lease: Lease | None, timeout: float = 20.0) -> None:
+    """Write (or, with None, delete) an executor's lease in the bucket, then wait until the executor's metrics show it
+    applied: its watcher runs in its own process, and a fixed wait can be too short on a loaded host."""
+    want = lease.lease_id if lease is not None and lease.state == "active" else ""
+    sub = await bus.nc.subscribe(EXECUTOR_METRICS.subject(executor_id=executor_id))
+    try:
+        if lease is None:
+            await bus.kv_delete(LEASE, executor_id=executor_id)
+        else:
+            await bus.kv_put(LEASE, lease, executor_id=executor_id)
+        sent = time.time()
+
+        async def applied() -> bool:
+            snap = decode((await sub.next_msg(timeout=5)).data, MetricsSnapshot)
+            return snap.at >= sent and snap.lease_id == want
+
+        await until(applied, timeout, f"executor {executor_id} applying lease {want or '(none)'}")
+    finally:
+        await sub.unsubscribe()
 
 
 def within_sync(predicate, timeout: float = 15.0, step: float = 0.3):

@@ -76,8 +76,8 @@ async def test_budget_shrink_evicts_lru_prefix_then_preempts(make_engine):
     pool = engine.stats().rollout_pool
     assert pool.cached_blocks == pool.used_blocks > 0
     per_entry = pool.cached_blocks // 3
-    engine.set_rollout_budget((pool.used_blocks - per_entry) * pool.block_bytes)
-    await asyncio.sleep(0.05)
+    engine.set_rollout_budget((pool.used_blocks - per_entry) * pool.block_bytes)  # applied within one quantum
+    await until(lambda: len(list(engine.prefix_cache.entries())) < 3, 10, "an entry evicted")
     assert list(engine.prefix_cache.entries()) == ["traj1", "traj2"]  # the oldest went first
     serving_before = engine.stats().serving_pool
     assert serving_before.used_blocks == 0 and serving_before.total_blocks == TEST_CONFIG.serving_kv_bytes // serving_before.block_bytes

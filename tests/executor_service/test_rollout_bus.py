@@ -11,6 +11,7 @@ from rose.contracts import GenerateRequest, Lease, MetricsSnapshot, SamplingPara
 from rose.contracts.registry import EXECUTOR_METRICS, GENERATE, LEASE
 from rose.shared.codec import decode
 from rose.testing.messages import lease_for
+from rose.testing.polling import put_lease, until
 
 
 def _turn(lease: Lease | None, i: int = 0, **kw) -> GenerateRequest:
@@ -26,22 +27,14 @@ def _turn(lease: Lease | None, i: int = 0, **kw) -> GenerateRequest:
     )
 
 
-async def _set_lease(bus, executor_id: str, lease: Lease | None) -> None:
-    if lease is None:
-        await bus.kv_delete(LEASE, executor_id=executor_id)
-    else:
-        await bus.kv_put(LEASE, lease, executor_id=executor_id)
-    await asyncio.sleep(0.3)  # the executor's watcher applies it
-
-
 async def test_lease_lifecycle_admission(bus, executor):
     ex, _ = executor
-    await _set_lease(bus, ex, None)
+    await put_lease(bus, ex, None)
     reply = await bus.request(GENERATE, _turn(None), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason in ("no_lease", "lease_revoked")
 
     lease = lease_for(ex, epoch=1)
-    await _set_lease(bus, ex, lease)
+    await put_lease(bus, ex, lease)
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex, timeout=30)
     assert reply.status == "ok", reply.error
     assert 1 <= len(reply.token_ids) <= 6 and len(reply.logprobs) == len(reply.token_ids)
@@ -51,21 +44,26 @@ async def test_lease_lifecycle_admission(bus, executor):
     reply = await bus.request(GENERATE, stale, executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "stale_lease_epoch"
 
-    await _set_lease(bus, ex, lease_for(ex, epoch=1, state="revoked"))
+    await put_lease(bus, ex, lease_for(ex, epoch=1, state="revoked"))
     reply = await bus.request(GENERATE, _turn(lease), executor_id=ex)
     assert reply.status == "rejected" and reply.reject_reason == "lease_revoked"
 
     short = lease_for(ex, epoch=2, ttl=0.5)
-    await _set_lease(bus, ex, short)
+    await bus.kv_put(LEASE, short, executor_id=ex)  # expired before a metrics snapshot could show it applied
+
+    async def refused_as_expired():  # once the executor's watcher has it
+        reply = await bus.request(GENERATE, _turn(short), executor_id=ex)
+        return reply if reply.reject_reason == "lease_expired" else None
+
     await asyncio.sleep(0.6)
-    reply = await bus.request(GENERATE, _turn(short), executor_id=ex)
-    assert reply.status == "rejected" and reply.reject_reason == "lease_expired"
+    reply = await until(refused_as_expired, 10, "the short lease refused as expired")
+    assert reply.status == "rejected"
 
 
 async def test_second_turn_hits_the_retained_prefix(bus, executor):
     ex, _ = executor
     lease = lease_for(ex, epoch=3)
-    await _set_lease(bus, ex, lease)
+    await put_lease(bus, ex, lease)
     first = await bus.request(GENERATE, _turn(lease, 0), executor_id=ex, timeout=30)
     assert first.status == "ok", first.error
     second_prompt = [5, 6, 7, 8, *first.token_ids, 9, 10]
@@ -85,7 +83,7 @@ async def test_second_turn_hits_the_retained_prefix(bus, executor):
 async def test_invalid_turn_is_rejected_with_reason(bus, executor):
     ex, _ = executor
     lease = lease_for(ex, epoch=4)
-    await _set_lease(bus, ex, lease)
+    await put_lease(bus, ex, lease)
     too_long = GenerateRequest(
         request_id="too-long",
         trajectory_id="traj-2",

@@ -251,8 +251,9 @@ async def test_rollout_only_under_a_lease_and_lending_drives_the_server(servers,
         assert refused.value.reason == "no_lease"
         state = await until(lambda: _paused_and_released(url), 10, "the rollout server paused and released")
         waiting = backend.submit(_request(WorkClass.ROLLOUT, 4, stream=False), require_lease=False)  # waits for a lease here
+        await until(lambda: backend.stats().rollout_queue >= 1, 10, "the turn queued")
         await asyncio.sleep(0.3)
-        assert not waiting.done() and backend.stats().rollout_queue >= 1
+        assert not waiting.done() and backend.stats().rollout_queue >= 1  # and it stays queued
 
         backend.set_rollout_lease(8 << 20, time.monotonic() + FAR, "lease-1")
         state = await until(lambda: _lent(url), 10, "the rollout server resumed and continued")

@@ -14,10 +14,10 @@ import torch
 
 from rose.client import WeightsClient
 from rose.contracts import DeadLetter, GenerateRequest, Lease, SamplingParams, WeightApplied, WeightFailed
-from rose.contracts.registry import DEAD_LETTER, GENERATE, LEASE, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST
+from rose.contracts.registry import DEAD_LETTER, GENERATE, WEIGHT_APPLIED, WEIGHT_FAILED, WEIGHT_MANIFEST
 from rose.shared.bus import Delivery
 from rose.shared.models import load_model
-from rose.testing.polling import retrying
+from rose.testing.polling import put_lease, retrying
 
 TIMEOUT_S = 60.0
 
@@ -79,8 +79,7 @@ async def test_executor_applies_published_versions_and_refuses_a_bad_one(bus, ex
             compute_share=0.5,
             max_rollout_batch=4,
         )
-        await bus.kv_put(LEASE, lease, executor_id=ex)
-        await asyncio.sleep(0.3)
+        await put_lease(bus, ex, lease)
         turn = GenerateRequest(
             request_id="wv-1",
             trajectory_id="wtraj",

@@ -19,6 +19,7 @@ from rose.shared.config import ConfigError, RuntimeConfig, load_config
 from rose.shared.metrics import MetricsServer, meter, metric_name
 from rose.shared.service import ServiceRuntime
 from rose.testing.otlp_receiver import otlp_receiver
+from rose.testing.polling import until
 
 
 async def test_runtime_serves_and_advertises_its_metrics_endpoint(bus_config, bus):
@@ -28,9 +29,8 @@ async def test_runtime_serves_and_advertises_its_metrics_endpoint(bus_config, bu
         counter.add(3, {"case": "advertised"})
         rt.ready()
         url = rt.endpoints["metrics"]
-        await asyncio.sleep(0.3)
-        beat = await bus.kv_get(SERVICE_REGISTRY, service="scheduler", instance="metrics-probe")
-        assert beat is not None and beat.endpoints["metrics"] == url
+        beat = await until(lambda: bus.kv_get(SERVICE_REGISTRY, service="scheduler", instance="metrics-probe"), 10, "the runtime's heartbeat")
+        assert beat.endpoints["metrics"] == url
         async with aiohttp.ClientSession() as http, http.get(url) as r:
             text = await r.text()
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
