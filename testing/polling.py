@@ -6,6 +6,8 @@ import asyncio
 import inspect
 import time
 
+import nats.errors
+
 from rose.contracts.executor import MetricsSnapshot
 from rose.contracts.lease import Lease
 from rose.contracts.registry import EXECUTOR_METRICS, LEASE
@@ -63,7 +65,10 @@ async def put_lease(bus, executor_id: str, lease: Lease | None, timeout: float =
         sent = time.time()
 
         async def applied() -> bool:
-            snap = decode((await sub.next_msg(timeout=5)).data, MetricsSnapshot)
+            try:
+                snap = decode((await sub.next_msg(timeout=1)).data, MetricsSnapshot)
+            except nats.errors.TimeoutError:  # no snapshot this second: ask again, until's deadline says when to stop
+                return False
             return snap.at >= sent and snap.lease_id == want
 
         await until(applied, timeout, f"executor {executor_id} applying lease {want or '(none)'}")

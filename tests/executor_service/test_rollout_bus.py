@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
@@ -55,7 +54,6 @@ async def test_lease_lifecycle_admission(bus, executor):
         reply = await bus.request(GENERATE, _turn(short), executor_id=ex)
         return reply if reply.reject_reason == "lease_expired" else None
 
-    await asyncio.sleep(0.6)
     reply = await until(refused_as_expired, 10, "the short lease refused as expired")
     assert reply.status == "rejected"
 
