@@ -64,7 +64,7 @@ from rose.shared.tracing import tracer
 from rose.shared.turns.settings import TurnSettings
 from rose.shared.weight_store import WeightStore
 from rose.shared.weight_sync import WeightFollower
-from rose.testing.polling import until
+from rose.testing.polling import until, within
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "grafana" / "dashboards"
 START_TIMEOUT_S = 120.0
@@ -212,8 +212,8 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
             await late.start(late_state, 0)
             assert late.version == 1
             await late.stop()
-            await asyncio.sleep(0.6)  # one more telemetry interval and headroom round
-            healthy = await _scrape_all(endpoints)
+            # the services export on their telemetry interval, each in its own process: every panel's gauges and counters
+            healthy = await _scrape_once_shown(endpoints, [s for s in _dashboard_selectors() if not s[2].endswith("_bucket")])
             # now the faults: an HTTP error, a task for an unknown environment (a failed trajectory)
             async with (
                 aiohttp.ClientSession() as http,
@@ -239,8 +239,8 @@ async def observed(tmp_path_factory, models_dir, spans) -> Observed:
         nowhere = await bus.request(ROUTE_TURN, TurnRouteRequest(trajectory_id="obs-unroutable", turn_index=0, prompt_tokens=1))
         assert nowhere.executor_id == "", nowhere  # the only executor has no lease now
 
-        await asyncio.sleep(0.6)  # one more telemetry interval and headroom round
-
+        # a histogram of a rare event (the revocation's reclaim) has its first series once the scheduler exports again
+        await _scrape_once_shown(endpoints, [s for s in _dashboard_selectors() if s[2].endswith("_bucket")])
         scrapes = {}
         async with aiohttp.ClientSession() as http:
             for service, eps in endpoints.items():
@@ -274,6 +274,25 @@ async def _scrape_all(endpoints: dict[str, dict[str, str]]) -> str:
             async with http.get(eps["metrics"]) as r:
                 texts.append(await r.text())
     return "\n".join(texts)
+
+
+async def _scrape_once_shown(endpoints: dict[str, dict[str, str]], shown: list[tuple[str, str, str, list[tuple[str, str, str]]]]) -> str:
+    """Every service's /metrics once each of these panel selectors has a series, or the last scrape after
+    STEP_TIMEOUT_S: the test that reads it then names the panels still without one."""
+    last = ""
+
+    async def all_shown() -> bool:
+        nonlocal last
+        last = await _scrape_all(endpoints)
+        have = _series(last)
+        return all(any(n == name and _matches(labels, matchers) for n, labels in have) for _, _, name, matchers in shown)
+
+    await within(all_shown, STEP_TIMEOUT_S, step=0.2)
+    return last
+
+
+def _series(text: str) -> list[tuple[str, dict[str, str]]]:
+    return [(sample.name, sample.labels) for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 async def _has(d: dict, keys: set[str]) -> bool:
@@ -517,10 +536,7 @@ def test_every_panel_selector_has_a_series_on_a_healthy_fleet(observed):
     the SDK exports none, and a quantile of nothing is rightly "No data". Those are checked on the
     final scrape, after the fixture's faults (a lease revoked: a reclaim)."""
 
-    def series(text: str) -> list[tuple[str, dict[str, str]]]:
-        return [(sample.name, sample.labels) for family in text_string_to_metric_families(text) for sample in family.samples]
-
-    healthy, final = series(observed.healthy), series("\n".join(observed.scrapes.values()))
+    healthy, final = _series(observed.healthy), _series("\n".join(observed.scrapes.values()))
     empty = [
         (f, title, name, matchers)
         for f, title, name, matchers in _dashboard_selectors()
