@@ -25,9 +25,7 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
 5. a turn placed on leased capacity carries a hedge hint: ``hedge_after_s``, the time it is
    predicted to take there; past it, the worker asks for a hedge (``should_hedge``), which the
    scheduler grants on a dedicated executor with a free slot once a burst has parked the turn
-   (its lease is gone; the fleet still knows the executor's role): the first result wins. The
-   previous turn's executor takes the hedge when it is a dedicated one with a free slot (its prefix
-   cache), else the least loaded dedicated one.
+   (its lease is gone; the fleet still knows the executor's role): the first result wins.
    Refused, a leased turn asks again as its age doubles.
 Without measurements (a fresh fleet), an executor counts as the median of those measured; random
 routing, the baseline, picks uniformly.
@@ -216,13 +214,11 @@ def place_turn(
     pool = [c for c in candidates if c.executor_id not in req.exclude]
     if not pool:
         return None
-    if req.hedge:  # the primary is in req.exclude
+    if req.hedge:  # the primary is in req.exclude; the previous turn's executor is not (it may be the least loaded)
+        # preferring the previous turn's executor for its prefix was tried and left out (docs/benchmarks.md, 2026-12-06 (5))
         dedicated = [c for c in pool if c.role == "dedicated"]
-        # the previous turn's dedicated executor, with a free slot, holds the context: the duplicate prefills only the
-        # turn's new tokens there, and the next turn comes back to its prefix wherever the first result came from
-        home = next((c for c in dedicated if c.executor_id == affinity and has_room(c)), None)
-        choice = home or _least_loaded(dedicated or pool)
-        return _placed(choice, "hedge", "hedge on dedicated" if dedicated else "hedge")
+        choice = dedicated or pool
+        return _placed(_least_loaded(choice), "hedge", "hedge on dedicated" if dedicated else "hedge")
     if req.routing == "random":
         return _placed(rng.choice(sorted(pool, key=lambda c: c.executor_id)), "random", "random")
     w = weights(pool)

@@ -218,20 +218,6 @@ def test_a_hedge_may_go_to_the_previous_turn_s_executor():
     assert h is not None and h.executor_id == "ded-1" and h.reason == "hedge on dedicated" and h.rule == "hedge"
 
 
-def test_a_hedge_goes_where_the_previous_turn_left_its_prefix_while_a_slot_is_free_there():
-    """Of two dedicated executors, the busier one ran the previous turn: the duplicate goes there (its prefix cache),
-    not to the idler one, which would prefill the whole context; once that executor is full, to the idler one."""
-    hedge = req(hedge=True, turn_index=3, previous_executor="ded-2", exclude=["ser-1"], elapsed_s=1.0, typical_turn_s=0.5)
-    idle, home = ded("ded-1", running=2, capacity=64), ded("ded-2", running=40, capacity=64)
-    h = place_turn(hedge, [idle, home], "ded-2", P, random.Random(0))
-    assert h is not None and h.executor_id == "ded-2" and h.rule == "hedge"
-    full = ded("ded-2", running=64, queued=5)
-    h = place_turn(hedge, [idle, full], "ded-2", P, random.Random(0))
-    assert h is not None and h.executor_id == "ded-1"
-    h = place_turn(hedge, [idle, home], "", P, random.Random(0))  # a first turn's hedge: no prefix anywhere
-    assert h is not None and h.executor_id == "ded-1"
-
-
 async def test_a_turn_parked_by_a_burst_gets_a_dedicated_duplicate(bus):
     """The scheduler's route, on the real bus: a burst revokes the lease (its turns park until a new lease or the
     park's end); a second turn stuck there past its typical time, whose first turn ran on the dedicated executor, is
