@@ -26,8 +26,9 @@ async def test_preempted_rollout_resumes_to_the_uninterrupted_tokens(make_engine
     async for delta in handle:
         seen.extend(delta.token_ids)
         if len(seen) >= 3 and engine.stats().rollout_running:
-            engine.set_rollout_budget(0)  # memory pressure: the sequence loses its KV
-            await asyncio.sleep(0.05)
+            before = engine.stats().preemptions
+            engine.set_rollout_budget(0)  # memory pressure: the sequence loses its KV (at the engine's next iteration)
+            await until(lambda before=before: engine.stats().preemptions > before, 30, "the preemption under a zero budget", step=0.005)
             engine.set_rollout_budget(TEST_CONFIG.rollout_kv_bytes)
             break
     result = await handle.result()
@@ -43,9 +44,8 @@ async def test_seeded_sampling_survives_revoke_and_new_lease(make_engine):
     reference = await generate(engine, req(engine, "ref", **params))
     handle = engine.submit(req(engine, "rev", **params))
     async for _delta in handle:
-        engine.revoke_rollout()
-        await asyncio.sleep(0.05)
-        assert engine.stats().rollout_pool.used_blocks == 0
+        engine.revoke_rollout()  # rollout yields within a quantum and frees its KV
+        await until(lambda: engine.stats().rollout_pool.used_blocks == 0, 30, "the revoked rollout's KV freed", step=0.005)
         engine.set_rollout_lease(TEST_CONFIG.rollout_kv_bytes, time.monotonic() + 60)
         break
     result = await handle.result()

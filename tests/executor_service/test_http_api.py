@@ -6,6 +6,8 @@ import aiohttp
 import openai
 import pytest
 
+from rose.testing.polling import until
+
 MODEL = "rose-serving"
 
 
@@ -101,12 +103,16 @@ async def test_openai_client_raises_on_unknown_model(client):
 
 async def test_prometheus_metrics(client, executor):
     await client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
-    import asyncio
 
-    await asyncio.sleep(1.2)  # one telemetry interval folds the request into the totals
-    async with aiohttp.ClientSession() as s, s.get(f"{executor[1]}/metrics") as r:
-        text = await r.text()
-    assert r.status == 200
+    async def counted() -> str:
+        """The scrape once a telemetry interval has folded the request into the totals ("" before: asked again)."""
+        async with aiohttp.ClientSession() as s, s.get(f"{executor[1]}/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+        done = any(line.startswith("rose_executor_ttft_seconds_count") and float(line.split()[-1]) >= 1 for line in text.splitlines())
+        return text if done else ""
+
+    text = await until(counted, 15, "the request in the executor's metrics", step=0.2)
     for name in ("rose_executor_ttft_seconds", "rose_executor_serving_requests_total", "rose_executor_kv_used_bytes", "rose_executor_queue_length"):
         assert f"# TYPE {name}" in text
     count = [line for line in text.splitlines() if line.startswith("rose_executor_ttft_seconds_count")]
