@@ -215,7 +215,8 @@ def place_turn(
     if not pool:
         return None
     if req.hedge:  # the primary is in req.exclude; the previous turn's executor is not (it may be the least loaded)
-        # preferring the previous turn's executor for its prefix was tried and left out (docs/benchmarks.md, 2026-12-06 (session 5))
+        # the previous turn's executor for its prefix, and the soonest by prediction with the move priced, were tried
+        # and left out: neutral over 28 simulated configurations (docs/benchmarks.md, 2026-12-06 (session 5))
         dedicated = [c for c in pool if c.role == "dedicated"]
         choice = dedicated or pool
         return _placed(_least_loaded(choice), "hedge", "hedge on dedicated" if dedicated else "hedge")
