@@ -192,10 +192,10 @@ def later_turns(trajectories: list) -> dict[str, float | None]:
     if not pairs:
         return {"prefix_hit_rate": None, "prefix_reuse": None, "moved": None}
     reusable = [reusable_context(prev, turn) for prev, turn in pairs]
-    cached = sum(min(turn.prefix_cached_tokens, r) for (_, turn), r in zip(pairs, reusable))
+    cached, context = sum(min(turn.prefix_cached_tokens, r) for (_, turn), r in zip(pairs, reusable)), sum(reusable)
     return {
         "prefix_hit_rate": sum(turn.prefix_cached_tokens > 0 for _, turn in pairs) / len(pairs),
-        "prefix_reuse": cached / sum(reusable) if sum(reusable) else None,
+        "prefix_reuse": cached / context if context else None,
         "moved": sum(turn.executor_id != prev.executor_id for prev, turn in pairs) / len(pairs),
     }
 

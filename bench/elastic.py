@@ -332,9 +332,11 @@ def poisson_first_arrival_p99_ms(rate_rps: float) -> float:
     return math.log(100.0) / rate_rps * 1e3
 
 
-def hit_rates(rec: Record, figure: str = "prefix_hit_rate") -> dict[str, float | None]:
-    """Per routing, one of the later turns' prefix figures (bench/e2e.py ``later_turns``)."""
-    return {k: later_turns([t for t in rec.trajectories.values() if t.routing == k])[figure] for k in ("affinity", "random")}
+def prefix_figures(rec: Record) -> dict[str, dict[str, float | None]]:
+    """The later turns' prefix figures (bench/e2e.py ``later_turns``), each per routing: ``prefix_hit_rate`` and
+    ``prefix_reuse``. One ``later_turns`` per routing: it matches every later turn's prompt against the turn before."""
+    later = {k: later_turns([t for t in rec.trajectories.values() if t.routing == k]) for k in ("affinity", "random")}
+    return {figure: {k: v[figure] for k, v in later.items()} for figure in ("prefix_hit_rate", "prefix_reuse")}
 
 
 def turn_routing(rec: Record, serving: list[str]) -> dict[str, dict[str, float | int]]:
@@ -597,8 +599,7 @@ def _report(
         "leases_expired": sum(1 for e in rec.lease_events if e[2] == "expired"),
         "slo_alerts": len([a for a in rec.alerts if a[2] != "recovered"]),
         "alert_bus_latency_ms_p99": p99([(t - at) * 1e3 for t, _, sev, at in rec.alerts if sev != "recovered"]),
-        "prefix_hit_rate": hit_rates(rec),
-        "prefix_reuse": hit_rates(rec, "prefix_reuse"),
+        **prefix_figures(rec),
         "turn_routing": turn_routing(rec, serving),
         "tasks_published": len(rec.published),
         "tasks_lost": len(lost),

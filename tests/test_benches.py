@@ -206,7 +206,7 @@ def test_bench_elastic_says_whose_each_slo_miss_is():
 def test_bench_elastic_says_why_later_turns_missed_their_prefix():
     """A later turn that moved executors, or whose first attempt was refused, ran without its cached prefix:
     the breakdown counts both per routing, beside the hit rate, and what every turn of a routing cost."""
-    from rose.bench.elastic import Record, hit_rates, turn_routing
+    from rose.bench.elastic import Record, prefix_figures, turn_routing
     from rose.contracts.rollout import Trajectory, TurnRecord
 
     def turn(i: int, ex: str, cached: int, attempts: int = 1, at: float = 100.0) -> TurnRecord:
@@ -234,7 +234,7 @@ def test_bench_elastic_says_why_later_turns_missed_their_prefix():
     rec.trajectories["c"] = Trajectory(
         task_id="c", trajectory_id="c", env="e", status="completed", routing="random", turns=[turn(0, "s", 0), turn(1, "d", 0, at=103.0)]
     )
-    assert hit_rates(rec) == {"affinity": pytest.approx(1 / 3), "random": 0.0}
+    assert prefix_figures(rec)["prefix_hit_rate"] == {"affinity": pytest.approx(1 / 3), "random": 0.0}
     r = turn_routing(rec, serving=["s"])
     assert r["affinity"] == {
         "turns": 3,
