@@ -148,11 +148,10 @@ def counted_intervals(cfg: SimConfig) -> int:
     return cfg.steps - (1 + cfg.prefetch_steps if cfg.prefetch_steps > 0 else 0)
 
 
-def grown_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tuple[tuple, int, SimConfig]]:
-    """The fleet ceiling's runs (sim/ceiling.py): per configuration with a static and a rose run, static's job
-    (its batch) on its dedicated pool grown to each of ``grown_pools``' sizes: (config key, pool size, config).
-    Asynchronous configurations only where their rate is counted over ``ASYNC_FLEET_CEILING_MIN_INTERVALS``
-    intervals or more: over fewer its phase jumps with the pool."""
+def static_runs_to_compare(configs: list[SimConfig], results: list[dict]) -> list[tuple[SimConfig, dict, dict]]:
+    """(config, static's result, rose's) for each configuration whose static job the fleet ceiling and the lane
+    pool rerun on another pool. Asynchronous configurations only where their rate is counted over
+    ``ASYNC_FLEET_CEILING_MIN_INTERVALS`` intervals or more: over fewer its phase jumps with the pool."""
     by = {(*config_key(r), r["policy"]): r for r in results}
     out = []
     for cfg, r in zip(configs, results):
@@ -161,17 +160,38 @@ def grown_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tu
         if mode_of(cfg) == "async" and counted_intervals(cfg) < ASYNC_FLEET_CEILING_MIN_INTERVALS:
             continue
         rose = by.get((*config_key(r), "rose"))
-        if rose is None or "infeasible" in rose:
-            continue
-        for k in grown_pools(r["dedicated_instances"], rose.get("rollout_capacity_ceiling_kv")):
-            out.append((config_key(r), k, replace(cfg, n_dedicated=k, trajectories=r["trajectories_per_step"])))
+        if rose is not None and "infeasible" not in rose:
+            out.append((cfg, r, rose))
     return out
 
 
-def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = None) -> list[dict]:
+def grown_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tuple[tuple, int, SimConfig]]:
+    """The fleet ceiling's runs (sim/ceiling.py): static's job (its batch) on its dedicated pool grown to each of
+    ``grown_pools``' sizes: (config key, pool size, config)."""
+    return [
+        (config_key(static), k, replace(cfg, n_dedicated=k, trajectories=static["trajectories_per_step"]))
+        for cfg, static, rose in static_runs_to_compare(configs, results)
+        for k in grown_pools(static["dedicated_instances"], rose.get("rollout_capacity_ceiling_kv"))
+    ]
+
+
+def lane_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tuple[tuple, SimConfig]]:
+    """The lane pool's runs (sim/ceiling.py): static's job (its batch) with every serving instance's lane in its
+    pool: (config key, config)."""
+    return [
+        (config_key(static), replace(cfg, lane_pool=True, trajectories=static["trajectories_per_step"]))
+        for cfg, static, _ in static_runs_to_compare(configs, results)
+    ]
+
+
+LANE_POOL_FIGURES = ("speedup_lane_pool", "speedup_over_lane_pool")  # a row's figures from the lane pool's run (``--lane-pool``)
+
+
+def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = None, lanes: dict[tuple, float] | None = None) -> list[dict]:
     """One row per result, its ratios against its configuration's static and elastic runs; ``grown``
-    (config key -> dedicated pool size -> static's steps/h there) adds the fleet ceiling."""
-    grown = grown or {}
+    (config key -> dedicated pool size -> static's steps/h there) adds the fleet ceiling, ``lanes`` (config
+    key -> static's steps/h on the lane pool) the lane pool's speedup."""
+    grown, lanes = grown or {}, lanes or {}
     by = {(*config_key(r), r["policy"]): r for r in results}
     rows = []
     for r in results:
@@ -212,6 +232,9 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
             speedup_ceiling_fleet=fleet_ceiling(static_rate, static["dedicated_instances"], capacity_kv, grown[key])
             if static is not None and key in grown
             else None,
+            speedup_lane_pool=lanes[key] / static_rate if key in lanes and static_rate > 0 else None,
+            # rose's steps/h over the lane pool's, paired within the seed (None for the other policies)
+            speedup_over_lane_pool=r["rl_steps_per_hour"] / lanes[key] if r["policy"] == "rose" and lanes.get(key) else None,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -282,8 +305,10 @@ def combine_seeds(rows: list[dict]) -> list[dict]:
         base = {k: v for k, v in median_seed.items() if k != "seed"}  # the median seed's figures and detail ...
         base["seeds"] = [r.get("seed") for r in group]
         if ok:
-            for key in ("speedup_vs_static", "rollout_time_ratio_vs_elastic"):
+            for key in ("speedup_vs_static", "rollout_time_ratio_vs_elastic", "speedup_lane_pool", "speedup_over_lane_pool"):
                 values = [r[key] for r in ok]
+                if key in LANE_POOL_FIGURES and all(v is None for v in values):
+                    continue  # no lane pool ran (``--lane-pool``): the row keeps its None
                 base[f"{key}_by_seed"] = values
                 known = [v for v in values if v is not None]
                 base[key] = _median(known) if known else None  # ... and the medians over seeds
@@ -377,7 +402,7 @@ def priced_shares(rose_rows: list[dict]) -> dict:
             continue
         label = r["model"] if r.get("policy_model", r["model"]) == r["model"] else f"{r['model']} serving / {r['policy_model']} policy"
         label += f", over-provision {r['over_provision']:g}" if r.get("over_provision") else ""
-        entry = out.setdefault(label, dict(rows=0, shares=[], fleet_shares=[], speedups=[], reprefill=[], no_gain_to_take=0))
+        entry = out.setdefault(label, dict(rows=0, shares=[], fleet_shares=[], over_lanes=[], speedups=[], reprefill=[], no_gain_to_take=0))
         entry["rows"] += 1
         entry["speedups"].append(r["speedup_vs_static"])
         entry["reprefill"].append(r.get("detail", {}).get("reprefill_share", 0.0))
@@ -389,12 +414,17 @@ def priced_shares(rose_rows: list[dict]) -> dict:
         fleet = share_of_gain(r["speedup_vs_static"], r.get("speedup_ceiling_fleet"))
         if fleet is not None:
             entry["fleet_shares"].append(fleet)
+        if r.get("speedup_over_lane_pool") is not None:
+            entry["over_lanes"].append(r["speedup_over_lane_pool"])
     for entry in out.values():
         shares, fleet = entry.pop("shares"), entry.pop("fleet_shares")
         entry["median_share"] = _median(shares)
         entry["min_share"] = min(shares) if shares else None
         entry["median_fleet_share"] = _median(fleet)  # of the fleet ceiling's gain (sim/ceiling.py)
         entry["min_fleet_share"] = min(fleet) if fleet else None
+        over_lanes = entry.pop("over_lanes")  # rose's steps/h over the lane pool's (sim/ceiling.py)
+        entry["median_over_lane_pool"] = _median(over_lanes)
+        entry["min_over_lane_pool"] = min(over_lanes) if over_lanes else None
         entry["median_speedup"] = _median(entry.pop("speedups"))
         # the prefill that prefix-cache misses redid, as a share of rollout's device time (sim/counters.py)
         entry["max_reprefill_share"] = max(entry.pop("reprefill"), default=None)
@@ -601,6 +631,7 @@ def run_sim_bench(
     calibrate: bool = False,
     measure_steps: bool = True,
     fleet_ceilings: bool = True,
+    lane_pool: bool = False,
     console=None,
 ) -> dict:
     from rich.progress import Progress
@@ -659,13 +690,20 @@ def run_sim_bench(
             for (key, k, _), r in zip(grown_runs, run_grid([c for _, _, c in grown_runs], jobs, lambda _: progress.advance(task))):
                 if "infeasible" not in r:
                     grown[key][k] = r["rl_steps_per_hour"]
+        lane_runs = lane_pool_configs(configs, results) if lane_pool else []
+        lanes: dict[tuple, float] = {}
+        if lane_runs:
+            task = progress.add_task(f"the lane pool: static with the serving lanes in its pool, {len(lane_runs)} runs", total=len(lane_runs))
+            for (key, _), r in zip(lane_runs, run_grid([c for _, c in lane_runs], jobs, lambda _: progress.advance(task))):
+                if "infeasible" not in r:
+                    lanes[key] = r["rl_steps_per_hour"]
     grid_s = time.perf_counter() - started
     if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
         e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
     if calibrate and not (e2e or coserve):
         coserve = _fresh_coserve(out_json, seed, console)
     cal = run_calibration(e2e=e2e, coserve=coserve, measure=measure_steps and bool(coserve), seed=seed, console=console)
-    rows = combine_seeds(rows_of(results, grown))
+    rows = combine_seeds(rows_of(results, grown, lanes))
     notes = notes_of(rows)
     targets = targets_of(rows)
     rose = [r["speedup_vs_static"] for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static")]
@@ -702,6 +740,7 @@ def run_sim_bench(
             "modes": list(modes),
             "async_prefetch_steps": ASYNC_PREFETCH,
             "what_if": list(what_if),
+            "lane_pool": lane_pool,
             "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None,
             "jobs": jobs,
         },
@@ -739,6 +778,7 @@ def _print_report(console, report: dict, out: Path) -> None:
         "RL steps/h",
         "vs static",
         "ceiling: kv / fleet",
+        "lane pool",
         "rollout vs elastic",
         "SLO-viol inst-s",
         "SLO attain",
@@ -749,7 +789,7 @@ def _print_report(console, report: dict, out: Path) -> None:
     for r in rows:
         axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
         if r.get("infeasible"):
-            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "-", "infeasible")
+            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "-", "-", "infeasible")
             continue
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         table.add_row(
@@ -760,6 +800,7 @@ def _print_report(console, report: dict, out: Path) -> None:
             f(r["rl_steps_per_hour"], ".2f"),
             f(r["speedup_vs_static"], ".2f") + "x" + _seed_range(r.get("speedup_vs_static_by_seed")),
             f"{f(r.get('speedup_ceiling_kv'), '.2f')} / {f(r.get('speedup_ceiling_fleet'), '.2f')}",
+            f(r.get("speedup_lane_pool"), ".2f"),
             f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
             f(r["slo_violations"], ".0f"),
             f(r["serving_slo_attainment"], ".4f"),
@@ -785,7 +826,13 @@ def _print_report(console, report: dict, out: Path) -> None:
         console.print(
             f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
             f"least {fmt(e['min_share'])}; of the fleet ceiling's gain: median {fmt(e['median_fleet_share'])}, least "
-            f"{fmt(e['min_fleet_share'])}; rose/static median {fmt(e['median_speedup'])}; prefill redone by prefix-cache "
+            f"{fmt(e['min_fleet_share'])}; "
+            + (
+                f"rose over the lane pool: median {fmt(e['median_over_lane_pool'])}, least {fmt(e['min_over_lane_pool'])}; "
+                if e.get("median_over_lane_pool") is not None
+                else ""
+            )
+            + f"rose/static median {fmt(e['median_speedup'])}; prefill redone by prefix-cache "
             f"misses at most {fmt(e['max_reprefill_share'])} of rollout's device time"
         )
     for n in notes:

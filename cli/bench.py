@@ -454,6 +454,13 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the fleet ceiling's runs (static on its dedicated pool grown by the lanes' capacity; 10-40 %% of the grid's time)",
     )
+    b.add_argument(
+        "--lane-pool",
+        action="store_true",
+        help="also run the lane pool: static with every serving instance's rollout lane in its pool, at the lane's SLO-safe "
+        "share and lent KV (what the lent capacity buys as lanes, beside the fleet ceiling's whole GPUs; one static run more "
+        "per configuration)",
+    )
     b.set_defaults(func=_run_sim)
 
 
@@ -493,6 +500,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         calibrate=args.calibrate,
         measure_steps=not args.no_measure,
         fleet_ceilings=not args.no_fleet_ceiling,
+        lane_pool=args.lane_pool,
         console=Console(),
     )
     return 0

@@ -19,6 +19,14 @@ ceiling says 1.40x). The fleet ceiling (``grown_pools``, ``fleet_ceiling``) asks
 static's own job on a dedicated pool grown by the fleet's lane capacity, so latency, tools, staleness
 and the batch's shape count as they do for rose. It is what the lent capacity buys as whole GPUs;
 lanes are worth less (they alternate with serving), so it is the fairer bar, not a bound.
+
+The lane pool (``SimConfig.lane_pool``, ``rose bench sim --lane-pool``) asks what the same capacity buys as
+lanes: static's job with each serving instance's lane added to its pool as an instance of its own, at the
+share of each second rose's executor leaves a lane at full quanta and with the KV it lends, serving paying
+nothing. Where a synchronous step waits on its slowest trajectories, a whole GPU speeds their tokens (a
+smaller batch per instance) and a lane does not (its token takes a loaded dedicated instance's time or more:
+docs/benchmarks.md, 2026-12-06 session 6), so the two differ most there. It is placed as the pool places,
+which keeps a trajectory on a slow instance once it started there, so it is a comparison, not a ceiling.
 """
 
 from __future__ import annotations

@@ -47,6 +47,10 @@ class SimConfig:
     perf: tuple | None = None  # (serving, policy on a serving instance, policy on a dedicated instance) step models
     n_serving: int | None = None  # override the instance counts (calibration runs)
     n_dedicated: int | None = None
+    # the lane pool's run (sim/ceiling.py; static only): every serving instance's rollout lane also as an instance of the
+    # rollout pool, at the share of each second rose's executor leaves it at full quanta and with the KV it lends,
+    # placed on as the dedicated pool is; serving pays nothing for it
+    lane_pool: bool = False
     memory: dict | None = None  # override memory figures (calibration runs)
     record_timeline: bool = False
     # what-if changes to the services' inputs (not their logic), to measure two gaps the simulator

@@ -26,6 +26,7 @@ class RolloutTally:
 
     rollout_tokens: float = 0.0
     serving_tokens: float = 0.0  # rollout tokens generated on serving instances
+    lane_pool_tokens: float = 0.0  # the lane pool's run: rollout tokens its lane instances generated
     rollout_work_s: float = 0.0  # seconds with a rollout turn queued or running somewhere
     device_s: float = 0.0  # instance-seconds of rollout forwards (prefill and decode), summed over instances
     lane_ceiling_s: float = 0.0  # over those seconds, the serving instances' lane shares at full quanta, summed (instance-seconds)

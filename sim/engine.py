@@ -100,7 +100,7 @@ from .monitor import MonitorState
 from .policies import executor_signals, make_fleet_policy, monitor_settings, serving_snapshot
 from .routing import Router
 from .sizing import Infeasible as Infeasible  # re-exported: bench/sim.py, plan.py and tests catch it from here
-from .sizing import serving_setup, size_fleet
+from .sizing import lane_shares, serving_setup, size_fleet
 from .trainer_state import TrainerState
 from .turns import TurnTable
 from .worker import RolloutWorker
@@ -140,9 +140,16 @@ class Simulation:
         shape, memory = sized.shape, sized.memory
         self.policy = make_fleet_policy(cfg.policy, cfg.quantum_ms, cfg.max_rollout_batch, max(0.0, memory.cohost_free_bytes))
         self.serving = serving_setup(cfg, sized, self.policy)
-        self.inst = Instances(shape.n_serv, shape.n_ded)
+        if cfg.lane_pool and cfg.policy != "static":
+            raise ValueError(f"lane_pool runs static's job on the lane pool, not {cfg.policy!r}")
+        # the lane pool's instances, where a serving instance has memory to lend (else the lane pool is static itself)
+        self.inst = Instances(shape.n_serv, shape.n_ded, shape.n_serv if cfg.lane_pool and memory.can_cohost else 0)
         for d in range(shape.n_serv, self.inst.D):
-            self.inst.set_caps(d, sized.max_rollout_batch, memory.dedicated_kv)
+            lane = bool(self.inst.is_lane[d])
+            self.inst.set_caps(d, sized.max_rollout_batch, max(0.0, memory.cohost_free_bytes) if lane else memory.dedicated_kv)
+        # the lane pool's run: per second, the share of its serving instance's time each lane instance gets
+        lanes = lane_shares(sized, make_fleet_policy("rose", cfg.quantum_ms).executor_policy, memory.pool_tokens) if cfg.lane_pool else None
+        self.lane_pool_share = lanes if lanes is not None else np.zeros(1)
         self.turns = TurnTable(self.inst.D)  # sized per step by the trainer
         self.router = Router(self.policy, self.inst, self.turns, cfg.rollout.group_size, cfg.seed)
         self.capacity = RolloutCapacity()  # the trainer's view of the same headroom (grpo.early_hand_out)
@@ -158,7 +165,7 @@ class Simulation:
             monitor_settings(cfg.slo_ttft_ms, cfg.slo_tpot_ms, sized.max_rollout_batch, int(max(0.0, memory.cohost_free_bytes))),
             cfg.dt,
             shape.n_serv,
-            shape.n_ded,
+            self.inst.D - shape.n_serv,  # the dedicated pool and any lane instances
             max(0.0, float(shape.sperf.decode_s(1.0, sized.traffic.prompt_mean)) * 1e3),
             serving_snapshot(shape.device.name, memory.total_s, memory.cohost_free_bytes, memory.kvb_p),
             "sticky_throughput" in cfg.what_if,
@@ -270,7 +277,7 @@ class Simulation:
         run = t.state == 2
         rows = np.bincount(t.dev[run], minlength=D).astype(float)
         ctx = np.bincount(t.dev[run], weights=t.ctx[run], minlength=D) / np.maximum(rows, 1.0)
-        chunk = np.where(self.inst.is_ded, shape.pperf_d.rollout_prefill_tokens, shape.pperf_s.rollout_prefill_tokens).astype(float)
+        chunk = np.where(self.inst.on_serving_gpus, shape.pperf_s.rollout_prefill_tokens, shape.pperf_d.rollout_prefill_tokens).astype(float)
         alone = chunk / np.maximum(self._pol_perf(np.arange(D), "mixed_s", rows * t.bundle, np.maximum(ctx, 1.0), chunk), 1e-12)
         return alone * self.rollout_share_seen
 
@@ -372,6 +379,7 @@ class Simulation:
         # what each instance's rollout lane gets this second
         share = np.zeros(inst.D)
         share[n:] = (inst.ready_at[n:] <= now).astype(float)
+        share[inst.is_lane] *= float(self.lane_pool_share[min(len(self.lane_pool_share) - 1, int(now))])
         if ep is not None and serving.cohosting:
             share[:n] = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0)
         if serving.cohosting:
@@ -424,7 +432,7 @@ class Simulation:
     def _pol_perf(self, d: np.ndarray, fn: str, *args):
         a = getattr(self.sized.shape.pperf_d, fn)(*args)
         b = getattr(self.sized.shape.pperf_s, fn)(*args)
-        return np.where(self.inst.is_ded[d], a, b)
+        return np.where(self.inst.on_serving_gpus[d], b, a)
 
     def _turns_by_state(self) -> tuple[np.ndarray, np.ndarray]:
         """Per instance, rollout turns (rows) running and queued now."""
@@ -488,7 +496,7 @@ class Simulation:
         ndec = np.bincount(dr[dec], minlength=D)
         nb = ndec * bundle
         ctx_d = np.maximum(np.bincount(dr[dec], weights=t.ctx[run][dec], minlength=D) / np.maximum(ndec, 1), 1.0)
-        chunk = np.where(inst.is_ded, shape.pperf_d.rollout_prefill_tokens, shape.pperf_s.rollout_prefill_tokens)
+        chunk = np.where(inst.on_serving_gpus, shape.pperf_s.rollout_prefill_tokens, shape.pperf_d.rollout_prefill_tokens)
         c = np.minimum(chunk, PF)
         tau_mix = self._pol_perf(np.arange(D), "mixed_s", nb, ctx_d, c, cached_d)
         tau = self._pol_perf(np.arange(D), "decode_s", np.maximum(nb, 1), ctx_d)
@@ -515,13 +523,14 @@ class Simulation:
         tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=D)
         acc.rollout.rollout_tokens += float(tokens.sum())
         acc.rollout.serving_tokens += float(tokens[: self.inst.n_serv].sum())
+        acc.rollout.lane_pool_tokens += float(tokens[inst.is_lane].sum())
         fin_mask = dec & (left - adv <= 1e-9) & (adv > 0)
         if fin_mask.any():
             fins = run[fin_mask]
             frac_t = np.clip(left[fin_mask] / np.maximum(adv[fin_mask], 1e-12), 0.0, 1.0)
             at = now + dt * frac_t
             for i, t_fin in zip(fins, at):
-                t.finish(i, kvb, self.trainer.version_at(bool(inst.is_ded[t.dev[i]]), float(t_fin)), float(t_fin))
+                t.finish(i, kvb, self.trainer.version_at(not inst.on_serving_gpus[t.dev[i]], float(t_fin)), float(t_fin))
                 t.events[i].succeed(("done", float(t_fin)))
         return tokens
 
@@ -814,7 +823,7 @@ class Simulation:
         t, m = self.turns, self.sized.memory
         if t.cache_tokens[i, d] <= 0:  # none there (most routes of a moved turn): nothing to take, no KV to sum
             return 0.0, 0.0
-        ded = bool(self.inst.is_ded[d])
+        ded = not self.inst.on_serving_gpus[d]  # the pool's KV and weights, else a serving GPU's lent KV and link
         host_cap = self.cfg.host_kv_ratio * (m.dedicated_kv if ded else max(0.0, m.cohost_free_bytes))
         where = t.where(i, d, t.kv_in_use(d, m.kvb_p), float(self.inst.kvcap[d]), host_cap)
         if where == "host" and not host:
@@ -829,7 +838,7 @@ class Simulation:
 
     def _policy_steps(self, d: int):
         """The policy's step model on instance ``d`` (``_pol_perf`` picks it per instance for arrays)."""
-        return self.sized.shape.pperf_d if self.inst.is_ded[d] else self.sized.shape.pperf_s
+        return self.sized.shape.pperf_s if self.inst.on_serving_gpus[d] else self.sized.shape.pperf_d
 
     def _submit(self, i: int, d: int, pf_tokens: float, cached: float, gen_left: float, ctx_now: float):
         """Turn-table row ``i`` goes to instance ``d``; the event its worker waits on."""
@@ -897,7 +906,7 @@ class Simulation:
                 self.trainer.published(t0 + sync_ded, t0 + sync_srv)
             yield env.timeout(sync_ded)  # the batch starts once the dedicated pool has the version
             t_roll = env.now
-            self.inst.ready_at[: self.inst.n_serv] = t0 + sync_srv
+            self.inst.ready_at[self.inst.on_serving_gpus] = t0 + sync_srv
             batch = sample_batch(c.rollout, trajectories, self.streams.batches, bundle)
             critical_s = float(self._critical_paths(batch).max()) if batch.n else 0.0
             t.bundle = batch.bundle
@@ -989,7 +998,7 @@ class Simulation:
         last_done = started if not tr.pipelined else None
         yield env.timeout(sync_ded)  # the first version reaches the dedicated pool
         if not tr.pipelined:  # synchronous: serving lanes roll out once they have the step's version, as ``_trainer``
-            self.inst.ready_at[: self.inst.n_serv] = started + sync_srv
+            self.inst.ready_at[self.inst.on_serving_gpus] = started + sync_srv
         for b in range(p + 1):
             yield from self._hand_out(b, trajectories + (extra * bundle if b == 0 else 0), bundle, n + extra, slots, group_rows)
         handed = p + 1
@@ -1018,7 +1027,7 @@ class Simulation:
             yield env.timeout(train_s)
             tr.published(env.now + sync_ded, env.now + sync_srv)
             if not tr.pipelined:
-                self.inst.ready_at[: self.inst.n_serv] = env.now + sync_srv
+                self.inst.ready_at[self.inst.on_serving_gpus] = env.now + sync_srv
             yield env.timeout(sync_ded)  # publish: the dedicated pool has the new version
             batches = sorted({b for b, _, _ in taken})
             # versions between the one a group's batch was handed out at and the one trained on
@@ -1182,6 +1191,8 @@ class Simulation:
             dedicated_rollout_tokens_per_s=float(np.mean(a.rollout.ded_snapshots_tps)) if a.rollout.ded_snapshots_tps else 0.0,
             tail_fraction=sum(s["tail_s"] for s in rollouts) / roll_total if roll_total else 0.0,
             rollout_tokens_on_serving_fraction=a.rollout.serving_tokens / max(1.0, a.rollout.rollout_tokens),
+            lane_pool_instances=int(self.inst.is_lane.sum()),
+            rollout_tokens_on_lane_pool_fraction=a.rollout.lane_pool_tokens / max(1.0, a.rollout.rollout_tokens),
             lane_share_ceiling=lane,
             rollout_capacity_ceiling=rollout_capacity_ceiling(lane, shape.n_serv * shape.tp_s, shape.n_ded * shape.tp_r),
             lane_value=sized.lane_value,

@@ -253,25 +253,21 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     )
 
 
+def lane_shares(fleet: SizedFleet, executor_policy, kv_tokens: float) -> np.ndarray | None:
+    """Per second of the trace, the most a serving instance's rollout lane can have beside serving under
+    ``executor_policy`` with a serving pool of ``kv_tokens`` (``coserve.lane_share_ceiling``; None: no bounded lane)."""
+    shape, traffic = fleet.shape, fleet.traffic
+    return lane_share_ceiling(
+        executor_policy, shape.sperf, traffic.fleet_rate / shape.n_serv, traffic.prompt_mean, traffic.output_mean, traffic.prompt_p99, kv_tokens
+    )
+
+
 def serving_setup(c: SimConfig, fleet: SizedFleet, policy: FleetPolicy) -> ServingSetup:
     """How ``policy`` runs serving on ``fleet``, and the same trace on the fleet serving alone."""
     shape, memory, traffic = fleet.shape, fleet.memory, fleet.traffic
     cohosting = policy.hosts_policy_on_serving and memory.can_cohost
     serving_kv_tokens = memory.pool_tokens if cohosting else memory.alone_kv_tokens
-    # per second of the trace, the most a serving instance's rollout lane can have (None: no bounded lane there)
-    lane_ceiling = (
-        lane_share_ceiling(
-            policy.executor_policy,
-            shape.sperf,
-            traffic.fleet_rate / shape.n_serv,
-            traffic.prompt_mean,
-            traffic.output_mean,
-            traffic.prompt_p99,
-            serving_kv_tokens,
-        )
-        if cohosting and not policy.drains_lent
-        else None
-    )
+    lane_ceiling = lane_shares(fleet, policy.executor_policy, serving_kv_tokens) if cohosting and not policy.drains_lent else None
     # the whole fleet serving alone, second by second (what static sees), for attribution
     alone = serving_tick(
         shape.sperf,

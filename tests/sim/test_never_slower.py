@@ -18,6 +18,7 @@ from rose.bench.sim import (
     counted_intervals,
     grid_configs,
     grown_pool_configs,
+    lane_pool_configs,
     rows_of,
     run_grid,
     targets_of,
@@ -25,7 +26,7 @@ from rose.bench.sim import (
 from rose.services.scheduler import placement
 from rose.shared.workload import RolloutSpec, sample_batch
 from rose.sim.ceiling import fleet_ceiling, grown_pools, lane_value, speedup_ceiling
-from rose.sim.engine import SimConfig, Simulation
+from rose.sim.engine import SimConfig, Simulation, simulate
 
 
 def small(policy: str, demand: float, **kw) -> SimConfig:
@@ -151,6 +152,50 @@ def test_a_latency_bound_synchronous_step_gains_less_from_capacity_than_amdahl_s
     grown = {runs[0][0]: {k: r["rl_steps_per_hour"] for (_, k, _), r in zip(runs, run_grid([c for *_, c in runs], jobs=1))}}
     rose = next(r for r in rows_of(results, grown) if r["policy"] == "rose" and r["mode"] == "sync")
     assert 1.0 < rose["speedup_ceiling_fleet"] < rose["speedup_ceiling_kv"]
+
+
+def test_the_lane_pool_adds_each_serving_lane_to_statics_pool_at_roses_lane_share():
+    """The lane pool (sim/ceiling.py): static's job with one more pool instance per serving instance, on serving
+    GPUs (their step model), at the share of each second rose's executor leaves a lane at full quanta, with the KV
+    a lease lends; placed on as the pool is, while the serving instances themselves lend nothing."""
+    rose = Simulation(small("rose", 4.0))
+    lanes = Simulation(replace(small("static", 4.0), lane_pool=True))
+    n_serv, n_ded = lanes.n_serv, lanes.n_ded
+    lane = np.arange(n_serv + n_ded, n_serv + n_ded + n_serv)
+    assert [lanes.ids[d] for d in lane] == [f"l{k}" for k in range(n_serv)] and len(lanes.ids) == lanes.inst.D
+    assert np.array_equal(lanes.lane_pool_share, rose.serving.lane_ceiling)  # one definition of a lane's share
+    assert all(lanes.fleet.role_of(lanes.ids[d]) == "dedicated" for d in lane)
+    assert all(lanes._policy_steps(int(d)) is lanes.sized.shape.pperf_s for d in lane)  # a serving instance's TP
+    assert (lanes.inst.kvcap[lane] == lanes.cohost_free_bytes).all() and lanes.cohost_free_bytes < lanes.dedicated_kv
+    out = lanes.run()
+    assert out["complete"] and out["lane_pool_instances"] == n_serv
+    assert out["rollout_tokens_on_lane_pool_fraction"] > 0.0 and out["rollout_tokens_on_serving_fraction"] == 0.0
+
+
+def test_where_serving_has_no_memory_to_lend_the_lane_pool_is_static_itself():
+    full = {"serving_pool_tokens": 1e9}  # a serving pool that leaves no memory for a policy copy
+    static = simulate(replace(small("static", 4.0), memory=full))
+    lanes = simulate(replace(small("static", 4.0), memory=full, lane_pool=True))
+    assert lanes["lane_pool_instances"] == 0 and lanes["rl_steps_per_hour"] == static["rl_steps_per_hour"]
+    with pytest.raises(ValueError, match="lane pool, not 'rose'"):
+        Simulation(replace(small("rose", 4.0), lane_pool=True))
+
+
+def test_the_grid_reruns_statics_job_on_the_lane_pool_and_divides_rose_by_it():
+    configs = grid_configs(models=("7B",), fleets=(8,), demands=(4.0,), ratios=(0.25,), modes=("sync",), policies=("static", "rose"), steps=1, seed=0)
+    results = run_grid(configs, jobs=1)
+    static, rose = (next(r for r in results if r["policy"] == p) for p in ("static", "rose"))
+    ((key, cfg),) = lane_pool_configs(configs, results)
+    assert cfg.lane_pool and cfg.policy == "static" and cfg.trajectories == static["trajectories_per_step"] and key == config_key(static)
+    lanes = {key: run_grid([cfg], jobs=1)[0]["rl_steps_per_hour"]}
+    rows = {r["policy"]: r for r in combine_seeds(rows_of(results, lanes=lanes))}
+    assert rows["rose"]["speedup_lane_pool"] == rows["static"]["speedup_lane_pool"] == pytest.approx(lanes[key] / static["rl_steps_per_hour"])
+    assert rows["rose"]["speedup_over_lane_pool"] == pytest.approx(rose["rl_steps_per_hour"] / lanes[key])
+    assert rows["static"]["speedup_over_lane_pool"] is None
+    share = targets_of(list(rows.values()))["sync"]["per_model"]["7B"]
+    assert share["median_over_lane_pool"] == pytest.approx(rows["rose"]["speedup_over_lane_pool"])
+    without = {r["policy"]: r for r in combine_seeds(rows_of(results))}  # no lane pool ran: the figures stay None, no seed lists
+    assert without["rose"]["speedup_lane_pool"] is None and "speedup_lane_pool_by_seed" not in without["rose"]
 
 
 def test_an_asynchronous_configuration_gets_a_fleet_ceiling_once_its_rate_is_counted_over_enough_steps():
