@@ -147,9 +147,10 @@ class Simulation:
         for d in range(shape.n_serv, self.inst.D):
             lane = bool(self.inst.is_lane[d])
             self.inst.set_caps(d, sized.max_rollout_batch, max(0.0, memory.cohost_free_bytes) if lane else memory.dedicated_kv)
-        # the lane pool's run: per second, the share of its serving instance's time each lane instance gets
-        lanes = lane_shares(sized, make_fleet_policy("rose", cfg.quantum_ms).executor_policy, memory.pool_tokens) if cfg.lane_pool else None
-        self.lane_pool_share = lanes if lanes is not None else np.zeros(1)
+        # the lane pool's run: per second, the share of its serving instance's time each lane instance gets (None: no lanes)
+        self.lane_pool_share = (
+            lane_shares(sized, make_fleet_policy("rose", cfg.quantum_ms).executor_policy, memory.pool_tokens) if self.inst.is_lane.any() else None
+        )
         self.turns = TurnTable(self.inst.D)  # sized per step by the trainer
         self.router = Router(self.policy, self.inst, self.turns, cfg.rollout.group_size, cfg.seed)
         self.capacity = RolloutCapacity()  # the trainer's view of the same headroom (grpo.early_hand_out)
@@ -379,7 +380,8 @@ class Simulation:
         # what each instance's rollout lane gets this second
         share = np.zeros(inst.D)
         share[n:] = (inst.ready_at[n:] <= now).astype(float)
-        share[inst.is_lane] *= float(self.lane_pool_share[min(len(self.lane_pool_share) - 1, int(now))])
+        if self.lane_pool_share is not None:
+            share[inst.is_lane] *= float(self.lane_pool_share[min(len(self.lane_pool_share) - 1, int(now))])
         if ep is not None and serving.cohosting:
             share[:n] = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0)
         if serving.cohosting:
@@ -523,7 +525,8 @@ class Simulation:
         tokens = np.bincount(dr, weights=step_tokens * bundle, minlength=D)
         acc.rollout.rollout_tokens += float(tokens.sum())
         acc.rollout.serving_tokens += float(tokens[: self.inst.n_serv].sum())
-        acc.rollout.lane_pool_tokens += float(tokens[inst.is_lane].sum())
+        if self.lane_pool_share is not None:
+            acc.rollout.lane_pool_tokens += float(tokens[inst.is_lane].sum())
         fin_mask = dec & (left - adv <= 1e-9) & (adv > 0)
         if fin_mask.any():
             fins = run[fin_mask]
