@@ -145,7 +145,7 @@ def emulation(check: PoolCheck, fleet: SizedFleet, pool_tokens: float, rollout_k
 async def run_instance(engine: Engine, requests: list[Arrival], check: PoolCheck, rollout_prompt: int, t0: float) -> dict:
     """One engine through the arrivals, a rollout backlog beside; figures in emulated time."""
     k = check.time_scale
-    serving_pool = engine.pool_for(WorkClass.SERVING)
+    serving_pool = engine.work_for(WorkClass.SERVING).pool
     tokenizer = engine.tokenizer_for(WorkClass.SERVING)
     rng = random.Random(check.seed)
     held: list[float] = []
@@ -210,7 +210,7 @@ async def run_instance(engine: Engine, requests: list[Arrival], check: PoolCheck
     served = await asyncio.gather(*(serve(i, a) for i, a in enumerate(requests)))
     window_s = (time.monotonic() - t0) / k
     stop.set()
-    engine.abort_rollout()  # the backlog's turns in flight end now ("abort"); none starts after `stop`
+    engine.control.abort()  # the backlog's turns in flight end now ("abort"); none starts after `stop`
     await asyncio.gather(sampler, *lanes)  # a backlog lane ends on its aborted turn or a refused one
     device = engine.device
     assert isinstance(device, EmulatedDevice), device  # run_load builds every engine on an emulated device

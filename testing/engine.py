@@ -11,6 +11,7 @@ import pytest
 from rose.services.executor.backend import CoServingEngine
 from rose.services.executor.emulated import EmulationSpec
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, RolloutRejected, WorkClass
+from rose.testing.polling import until
 
 PROMPT = "Question: what is 12+7? <tool>calc: 12+7</tool>"
 FAR_S = 3600.0  # a lease that outlives the test
@@ -123,6 +124,22 @@ class CoServingEngineTestcase:
         engine.set_rollout_lease(self.lease_bytes, time.monotonic() + FAR_S, "lease-2")
         done = await asyncio.wait_for(parked.result(), 120)
         assert done.finish_reason == "length" and len(done.token_ids) == self.long_tokens
+
+    async def test_a_parked_lease_that_runs_out_ends_as_revoked_and_a_new_lease_resumes_its_turn(self, engine):
+        """A burst parks the lease; the park runs out before a new lease comes. The lease ended because it was
+        revoked (the engine and the SGLang backend once disagreed: one said revoked, the other expired); the turn
+        it held is not lost: a new lease finishes it."""
+        engine.set_rollout_lease(self.lease_bytes, time.monotonic() + FAR_S, "lease-1")
+        turn = engine.submit(self.request(WorkClass.ROLLOUT, self.long_tokens, stream=False))
+        await asyncio.sleep(0.2)
+        engine.park_rollout(time.monotonic() + 0.3)
+        await until(lambda: engine.lease.current is None or time.monotonic() >= engine.lease.current.expires_at, what="the park to run out")
+        assert await self.refusal(engine) == "lease_revoked"
+        assert not turn.done()
+        engine.set_rollout_lease(self.lease_bytes, time.monotonic() + FAR_S, "lease-2")
+        done = await asyncio.wait_for(turn.result(), 120)
+        assert done.finish_reason == "length" and len(done.token_ids) == self.long_tokens
+        assert engine.lease.ended == "lease_revoked" and engine.stats().lease_id == "lease-2"
 
     async def test_a_cancelled_request_finishes_with_abort(self, engine):
         engine.set_rollout_lease(self.lease_bytes, time.monotonic() + FAR_S, "lease-1")

@@ -2,18 +2,25 @@
 
 Why: the executor can run on our own engine (``engine.Engine``) or front real SGLang servers
 (``sglang_backend.SGLangBackend``); main.py, the OpenAI API, the rollout bus endpoint, the
-lease guard, telemetry and policy updates are written once against this surface. Anything
-beyond it (the SGLang-compatible admin API in ``sglang_api.py`` uses read-outs and controls
-only ``Engine`` has) is our own engine's business. The values it hands back are in ``outputs.py``.
+lease guard, telemetry and policy updates are written once against this surface, and never ask
+which engine they have. The lease is one object both hold (``lease_state.LeaseState``). The
+SGLang-compatible admin API (sglang_api.py) needs more: rollout control and read-outs of the
+rollout batch, which an engine offers by being an ``sglang_api.SGLangServable`` (our own engine
+is; the SGLang backend is not: its servers answer those calls themselves). The values an
+engine hands back are in ``outputs.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rose.shared.bursts import BurstTrip
+
+from .lease_state import LeaseState
 from .metrics import EngineMetrics
 from .outputs import EngineStats, RequestHandle
 from .protocol import GenerationRequest, WorkClass
@@ -25,9 +32,15 @@ class DeviceInfo(Protocol):
     @property
     def kind(self) -> str: ...
 
+    @property
+    def torch_device(self) -> torch.device: ...  # where this process keeps its tensors for the device
+
     def telemetry(self) -> Any: ...  # a dataclass with contracts.executor.DeviceTelemetry's fields
 
     def weight_transfer_s(self) -> float: ...  # an emulated device's priced weight arrival (emulated.py); 0 elsewhere
+
+    @property
+    def emulates(self) -> str | None: ...  # what an emulated device stands for ("1xH100 emulated (7B+7B)"); None on real hardware
 
 
 class CoServingPolicy(Protocol):
@@ -49,6 +62,8 @@ class CoServingEngine(Protocol):
 
     policy_version: int  # the live policy version (rollout results carry it)
     metrics: EngineMetrics  # lane failures for /health (the SGLang backend's lanes are remote: its servers report their own)
+    lease: LeaseState  # the rollout lease held now and why the last one ended (written through set_/park_/revoke_rollout)
+    on_burst: list[Callable[[BurstTrip], None]]  # called on the event loop when the engine's own burst detector trips
 
     @property
     def device(self) -> DeviceInfo: ...
@@ -56,8 +71,15 @@ class CoServingEngine(Protocol):
     @property
     def policy(self) -> CoServingPolicy: ...
 
-    def start(self) -> None:
-        """Start working; called from the running event loop."""
+    @property
+    def lendable_kv_bytes(self) -> int:
+        """The most KV a rollout lease can grant here (what the lease guard caps a lease's budget at)."""
+
+    async def __aenter__(self) -> CoServingEngine:
+        """Start working (it may take seconds: a rollout forward process, the servers' first answers)."""
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Stop; unfinished requests finish with finish_reason "abort"."""
 
     async def stop(self) -> None:
         """Stop; unfinished requests finish with finish_reason "abort"."""

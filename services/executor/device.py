@@ -141,6 +141,8 @@ class RealHardware:
         """A new policy version's transfer beyond what the weight follower really fetched: none."""
         return 0.0
 
+    emulates: str | None = None  # real hardware stands for itself
+
 
 class CpuDevice(RealHardware):
     kind = "cpu"
@@ -289,6 +291,11 @@ class EmulatedDevice:
         self.accelerator = EmulatedAccelerator(max(spec.serving.layers, spec.policy.layers), spec.quantum_s)
         self._offloaded = False
         self._last = (time.monotonic(), 0.0)
+
+    @property
+    def emulates(self) -> str | None:
+        """What this device stands for (the executor's ``emulated`` label)."""
+        return self.spec.label()
 
     def lane(self, name: str, priority: int) -> Lane:
         return Lane(name)

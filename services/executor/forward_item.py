@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ForwardItem:
-    """One sequence in a batch: compute ``token_ids`` at positions ``start .. start+len-1``."""
+    """One sequence in a batch: compute ``token_ids`` at positions ``start .. start+len-1``.
+
+    ``pool``: which of the runner's KV pools holds its blocks (a co-batched forward carries serving's rows in
+    pool 0 and rollout's in pool 1; a lane's own forward has one pool). ``adapter``: the adapter slot its rows
+    go through (lora.py), None for the base weights alone."""
 
     block_table: list[int]  # must cover start + len(token_ids) positions
     start: int  # tokens already in the KV cache
     token_ids: list[int]
+    pool: int = 0
+    adapter: int | None = None

@@ -34,9 +34,8 @@ from .engine import Engine, EngineConfig
 from .http_api import OpenAIApi
 from .leases import LeaseGuard
 from .policy_updates import PolicyUpdates
-from .protocol import WorkClass
 from .rollout_api import RolloutApi
-from .sglang_api import SGLangApi
+from .sglang_api import SGLangApi, SGLangServable
 from .sglang_backend import SGLangBackend
 from .telemetry import Telemetry
 
@@ -76,6 +75,9 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
             device=e.device,
             slo_ttft_ms=e.slo_ttft_ms,
             slo_tpot_ms=e.slo_tpot_ms,
+            rollout_kv_bytes=int(e.rollout_kv_mib * MIB),
+            bursts=config.bursts,
+            burst_baseline_s=config.burst_baseline_s,
         )
     emulation = (
         emulation_spec(e.device, config.emulation, dedicated=config.role == "dedicated", quantum_ms=e.quantum_ms)
@@ -129,7 +131,7 @@ async def follow_weights(rt: ServiceRuntime, engine: CoServingEngine, config: Ex
     return follower
 
 
-def publish_bursts(engine: Engine, bus: Bus, executor_id: str, telemetry: Telemetry) -> None:
+def publish_bursts(engine: CoServingEngine, bus: Bus, executor_id: str, telemetry: Telemetry) -> None:
     """When the engine's own burst detector trips (shared/bursts.py), publish the alert for this executor
     at once: the scheduler stops routing turns here and revokes the lease (the engine yields on its own)."""
     pending: set[asyncio.Task] = set()
@@ -166,24 +168,18 @@ async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], 
     runtime = ServiceRuntime("executor", bus=config.bus, runtime=config.runtime, load=telemetry.load, handle_signals=on_runtime is None)
     if on_runtime is not None:
         on_runtime(runtime)
-    async with runtime as rt:
+    async with runtime as rt, engine:
         telemetry.bind(rt.instance)
-        if isinstance(engine, Engine):  # off the loop: it may wait seconds for its rollout forward process
-            await asyncio.to_thread(engine.start)
-        else:
-            engine.start()
-        # what a lease may grant: the rollout pool (an emulated device's is sized in its own memory)
-        lendable = engine.pool_for(WorkClass.ROLLOUT).capacity_bytes if isinstance(engine, Engine) else int(config.engine.rollout_kv_mib * MIB)
-        guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=lendable)
+        guard = LeaseGuard(engine, rt.instance, dedicated=config.role == "dedicated", rollout_kv_bytes=engine.lendable_kv_bytes)
         await guard.start(rt.bus)
-        if isinstance(engine, Engine) and config.role != "dedicated":
+        if config.role != "dedicated":
             publish_bursts(engine, rt.bus, rt.instance, telemetry)
         await rt.bus.serve(GENERATE, RolloutApi(engine, guard, rt.instance, telemetry).generate, executor_id=rt.instance)
         follower = await follow_weights(rt, engine, config)
         openai_api = OpenAIApi(engine, telemetry, config.models.serving_name, config.http.max_body_bytes, config.http.stream_interval)
         # SGLang's RL admin API on the policy model, for frameworks written against SGLang (our engine only:
         # behind the sglang backend, the SGLang servers answer these calls themselves)
-        if config.sglang_api.enabled and isinstance(engine, Engine):
+        if config.sglang_api.enabled and isinstance(engine, SGLangServable):
             SGLangApi(
                 engine,
                 config.sglang_api,
@@ -195,8 +191,8 @@ async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], 
         runner, base_url = await serve_http(openai_api, config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
         rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
-        if isinstance(engine, Engine) and engine.config.emulation is not None:
-            rt.labels["emulated"] = engine.config.emulation.label()
+        if engine.device.emulates is not None:
+            rt.labels["emulated"] = engine.device.emulates
         rt.ready(endpoints={"http": base_url, "openai": f"{base_url}/v1", "metrics": f"{base_url}/metrics"})
         log.info("executor %s serving on %s (%s)", rt.instance, base_url, config.role)
         try:
@@ -205,8 +201,7 @@ async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], 
             metrics_task.cancel()
             if follower is not None:
                 await follower.stop()
-            await runner.cleanup()  # stop taking HTTP traffic, let in-flight responses finish
-            await engine.stop()
+            await runner.cleanup()  # stop taking HTTP traffic, let in-flight responses finish (the engine stops after)
 
 
 def main(argv: list[str]) -> int:

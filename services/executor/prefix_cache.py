@@ -12,11 +12,12 @@ write_through``) keeps a copy of each retained entry in host memory, written whe
 device entry is retained, so that neither an eviction nor a released pool (a revoked
 lease) loses it and neither copies on its latency-critical path::
 
-    Engine._retire_kv ──put──▶ PrefixCache (pool blocks)      evicted LRU / released: gone
-                     └─put──▶ HostTier (KVPayload on the CPU) evicted LRU within its bytes
-    Engine._attach_prefix ──take──▶ PrefixCache hit, else HostTier hit ──▶ KVPool.write_blocks
+    RetainedPrefixes.retain ──put──▶ PrefixCache (pool blocks)      evicted LRU / released: gone
+                           └─put──▶ HostTier (KVPayload on the CPU) evicted LRU within its bytes
+    RetainedPrefixes.attach ──take──▶ PrefixCache hit, else HostTier hit ──▶ KVPool.write_blocks
 
-The engine owns both (one of each, rollout only) and calls them on the rollout lane alone.
+``RetainedPrefixes`` owns both (one of each, for the rollout pool only); the rollout batcher
+(batcher.py) calls it on the thread that runs rollout iterations, and nothing else does.
 Both apply one matching rule (``reusable_tokens``); a weight swap clears both.
 """
 
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
-from .kv_pool import KVPayload
+from .kv_pool import KVPayload, KVPool
+from .sequence import Sequence
 
 
 def reusable_tokens(held: tuple[int, ...], held_version: int, prompt: tuple[int, ...], version: int) -> int:
@@ -183,3 +186,81 @@ class HostTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes_held -= entry.nbytes
+
+
+class HostLoads(Protocol):
+    """What a runner is told of a restore from the host tier (an emulated one prices the copy)."""
+
+    def host_load(self, tokens: int) -> None: ...
+
+
+class RetainedPrefixes:
+    """The rollout pool's retained trajectory prefixes: entries on the device and their write-through copies
+    in host memory (``host_bytes`` of it; 0: no host tier)."""
+
+    def __init__(self, pool: KVPool, runner: HostLoads, host_bytes: int) -> None:
+        self.pool, self.runner = pool, runner
+        self.device = PrefixCache()
+        self.host = HostTier(host_bytes)
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.device.cached_blocks
+
+    def entry_blocks(self) -> list[int]:
+        """Each device entry's block count, least recently retained first (the order eviction takes them)."""
+        return [len(e.blocks) for e in self.device.entries().values()]
+
+    def attach(self, seq: Sequence, trajectory_id: str, version: int) -> None:
+        """Hand the trajectory's retained prefix to its new turn: the device's entry, else the host tier's copy."""
+        prompt = tuple(seq.tokens)
+        hit, to_free = self.device.take(trajectory_id, prompt, version, self.pool.block_size)
+        self.pool.free(to_free)
+        if hit is not None:
+            seq.blocks, seq.num_cached, seq.prefix_cached_tokens = hit.blocks, hit.reused_tokens, hit.reused_tokens
+        else:
+            self._restore_from_host(seq, trajectory_id, prompt, version)
+
+    def _restore_from_host(self, seq: Sequence, trajectory_id: str, prompt: tuple[int, ...], version: int) -> None:
+        """Write the host tier's copy of the prefix into newly allocated blocks, only where the pool has them free
+        within its budget now: a restore saves a prefill, which is not worth an eviction or a preemption (the
+        entry then stays for a later turn). The runner prices the copy where the device is emulated."""
+        pool = self.pool
+        room = 0 if pool.released else pool.free_blocks * pool.block_size
+        hit = self.host.take(trajectory_id, prompt, version, room_tokens=room)
+        if hit is None:
+            return
+        blocks = pool.allocate(pool.blocks_for(hit.reused_tokens))
+        pool.write_blocks(blocks, hit.payload.head(len(blocks)) if hit.payload is not None else None)
+        self.runner.host_load(hit.reused_tokens)
+        seq.blocks, seq.num_cached, seq.prefix_cached_tokens = blocks, hit.reused_tokens, hit.reused_tokens
+
+    def retain(self, seq: Sequence, trajectory_id: str, version: int) -> None:
+        """Keep a finished turn's computed prefix for the trajectory's next turn (and copy it to the host tier
+        now, SGLang's write_through: its eviction and the pool's release, both on latency-critical paths, then
+        have nothing to copy); the blocks past it are freed."""
+        cached = tuple(seq.tokens[: seq.num_cached])
+        keep = self.pool.blocks_for(seq.num_cached)
+        self.pool.free(seq.blocks[keep:])
+        blocks = seq.blocks[:keep]
+        nbytes = len(blocks) * self.pool.block_bytes
+        if self.host.fits(nbytes):
+            self.host.put(trajectory_id, HostEntry(cached, version, nbytes, self.pool.read_blocks(blocks)))
+        self.pool.free(self.device.put(trajectory_id, cached, blocks, version))
+
+    def evict_lru(self) -> int:
+        """Free the least recently retained device entry's blocks; how many."""
+        blocks = self.device.evict_lru()
+        self.pool.free(blocks)
+        return len(blocks)
+
+    def drop_device(self) -> int:
+        """Free the blocks of every prefix retained on the device (the host tier keeps its copies); how many."""
+        blocks = self.device.clear()
+        self.pool.free(blocks)
+        return len(blocks)
+
+    def flush(self) -> int:
+        """Drop every retained prefix, on the device and in the host tier; the number of device blocks freed."""
+        self.host.clear()
+        return self.drop_device()

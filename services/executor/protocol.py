@@ -210,18 +210,6 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
         raise InvalidRequest("top_logprobs is for serving requests only (rollout returns the sampled token's logprob)")
 
 
-def check_lease_admits(admits_rollout: bool, policy_name: str, lease: EngineLease | None, ended_reason: RejectReason) -> None:
-    """Raise RolloutRejected unless rollout may be admitted now under `lease`."""
-    if not admits_rollout:
-        raise RolloutRejected("no_lease", f"policy {policy_name} runs no rollout")
-    if lease is None:
-        raise RolloutRejected(ended_reason, "no valid rollout lease on this executor")
-    if not lease.admits:
-        raise RolloutRejected("lease_revoked", "the rollout lease was revoked on a burst: the turns here are parked, no new one is taken")
-    if time.monotonic() >= lease.expires_at:
-        raise RolloutRejected("lease_expired", "the rollout lease has expired")
-
-
 def next_delta(
     request: GenerationRequest,
     token_ids: list[int],

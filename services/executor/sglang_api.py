@@ -44,7 +44,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from aiohttp import web
@@ -55,12 +55,14 @@ from rose.shared.http_server import read_body, same_secret
 from rose.shared.openai_api import ApiError, unicode_text
 
 from . import http_api
+from .backend import CoServingEngine
+from .batcher import Batcher
 from .config import SGLangApiSettings
-from .engine import Engine
 from .http_api import MODEL_CARDS
 from .outputs import RequestHandle
 from .policy_updates import PolicyUpdates
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, WorkClass
+from .rollout_control import RolloutControl
 from .sglang_tensors import PolicyMismatch, UnsafePayload, deserialize_named_tensors
 from .weights import WeightUpdateError
 
@@ -184,9 +186,33 @@ class OutputOptions:
     sampling: EngineSampling
 
 
+@runtime_checkable
+class SGLangServable(CoServingEngine, Protocol):
+    """An engine this API can front: a co-serving engine that also offers SGLang-style rollout control
+    (``control``: pause, abort, flush, memory) and its rollout batch to read (``work_for``: queue lengths, pool,
+    batch limit), with the liveness of its lanes. Our own engine (engine.Engine) is one."""
+
+    control: RolloutControl
+
+    def work_for(self, work_class: WorkClass) -> Batcher: ...
+
+    @property
+    def lanes_alive(self) -> bool: ...
+
+    @property
+    def holds_rollout_lease(self) -> bool: ...
+
+
 class SGLangApi:
     def __init__(
-        self, engine: Engine, settings: SGLangApiSettings, *, model_dir: str, served_name: str, follows_bus_weights: bool, executor_id: str = ""
+        self,
+        engine: SGLangServable,
+        settings: SGLangApiSettings,
+        *,
+        model_dir: str,
+        served_name: str,
+        follows_bus_weights: bool,
+        executor_id: str = "",
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -303,8 +329,8 @@ class SGLangApi:
         return label[1] if label is not None and label[0] == version else str(version)
 
     def scheduler_state(self) -> dict[str, Any]:
-        running, queued = self.engine.queue_lengths(WorkClass.ROLLOUT)  # a scrape may be a little stale
-        pool = self.engine.pool_for(WorkClass.ROLLOUT)
+        running, queued = self.engine.work_for(WorkClass.ROLLOUT).queue_lengths()  # a scrape may be a little stale
+        pool = self.engine.work_for(WorkClass.ROLLOUT).pool
         return {
             "num_running_reqs": running,
             "num_queue_reqs": queued,
@@ -595,7 +621,7 @@ class SGLangApi:
         body = await self._optional_body(request)
         mode = self._field(body, "mode", str, "abort")
         try:
-            await asyncio.wrap_future(self.engine.pause_rollout(mode))
+            await asyncio.wrap_future(self.engine.control.pause_generation(mode))
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="mode") from None
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -603,7 +629,7 @@ class SGLangApi:
     async def continue_generation(self, request: web.Request) -> web.Response:
         self._admin(request)
         await self._optional_body(request)
-        self.engine.continue_rollout()
+        self.engine.control.continue_generation()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -611,10 +637,10 @@ class SGLangApi:
         body = await self._optional_body(request)
         rid = self._field(body, "rid", str, "")
         if self._field(body, "abort_all", bool, False):
-            self.engine.abort_rollout(None)
+            self.engine.control.abort(None)
         elif rid:
             for active in [r for r in self.active if r.startswith(rid)] or [rid]:  # SGLang matches rid prefixes (a batch's items)
-                self.engine.abort_rollout(active)
+                self.engine.control.abort(active)
         return web.Response(status=200)
 
     # ---- weights ---------------------------------------------------------------------------
@@ -636,7 +662,7 @@ class SGLangApi:
 
     async def _apply(self, state: dict[str, torch.Tensor], label: str | None, body: dict[str, Any]) -> web.Response:
         if self._field(body, "abort_all_requests", bool, False):
-            self.engine.abort_rollout(None)
+            self.engine.control.abort(None)
         version = self._version_for(label)
         async with self._weights_lock:
             try:
@@ -647,7 +673,7 @@ class SGLangApi:
                 )
             self._label = (version, label) if label is not None else None
             if self._field(body, "flush_cache", bool, True):
-                await asyncio.wrap_future(self.engine.flush_prefix_cache())
+                await asyncio.wrap_future(self.engine.control.flush_cache())
         message = "Succeeded to update model weights."
         if label is not None:
             message += f" Weight version updated to {label}."
@@ -727,7 +753,7 @@ class SGLangApi:
         if not new:
             raise ApiError(400, "`new_version` is required (a string)", param="new_version")
         if self._field(body, "abort_all_requests", bool, True):
-            self.engine.abort_rollout(None)
+            self.engine.control.abort(None)
         self._label = (self.engine.policy_version, new)
         return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
 
@@ -744,10 +770,10 @@ class SGLangApi:
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Give the rollout side's KV cache and/or weights memory back (rollout holds still meanwhile)."""
-        return await self._memory(request, self.engine.release_rollout_memory, releasing=True)
+        return await self._memory(request, self.engine.control.release_memory, releasing=True)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        return await self._memory(request, self.engine.resume_rollout_memory, releasing=False)
+        return await self._memory(request, self.engine.control.resume_memory, releasing=False)
 
     async def _memory(self, request: web.Request, action, *, releasing: bool) -> web.Response:
         self._admin(request)
@@ -771,7 +797,7 @@ class SGLangApi:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self._admin(request)
-        await asyncio.wrap_future(self.engine.flush_prefix_cache())  # retained prefixes only: in-use KV is never touched
+        await asyncio.wrap_future(self.engine.control.flush_cache())  # retained prefixes only: in-use KV is never touched
         return web.Response(text=FLUSH_CACHE_TEXT)
 
     # ---- information -------------------------------------------------------------------------
@@ -826,15 +852,16 @@ class SGLangApi:
             "enable_metrics": True,
             "disaggregation_mode": "null",
             "load_format": "auto",
-            "max_running_requests": self.engine.max_batch(WorkClass.ROLLOUT),
+            "max_running_requests": self.engine.work_for(WorkClass.ROLLOUT).max_batch,
             "stream_output": False,
             "hostname": socket.gethostname(),
         }
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         engine = self.engine
-        pool = engine.pool_for(WorkClass.ROLLOUT)
-        lease = engine.rollout_lease
+        rollout = engine.work_for(WorkClass.ROLLOUT)
+        pool = rollout.pool
+        lease = engine.lease.current
         return web.json_response(
             {
                 **self.server_args(request),
@@ -845,15 +872,15 @@ class SGLangApi:
                 "internal_states": [
                     {
                         **self.scheduler_state(),
-                        "paused": engine.rollout_paused,
-                        "released_memory": sorted(engine.released_memory),
+                        "paused": engine.control.paused,
+                        "released_memory": sorted(engine.control.released),
                         "kv_cache_released": pool.released,
                         "policy_version": engine.policy_version,
                         "lease_id": lease.lease_id if lease else None,
                         "lease_expires_in_s": (
                             None if lease is None or math.isinf(lease.expires_at) else max(0.0, lease.expires_at - time.monotonic())
                         ),
-                        "prefix_cached_blocks": engine.prefix_cache.cached_blocks,
+                        "prefix_cached_blocks": rollout.prefixes.cached_blocks if rollout.prefixes is not None else 0,
                         "executor_id": self.executor_id,
                     }
                 ],

@@ -45,7 +45,7 @@ import torch
 from ddsketch import DDSketch
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.contracts.executor import RejectReason
+from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip
 from rose.shared.errors import RoseError
 from rose.shared.sketch import sketch_to_dict
 from rose.shared.weight_layout import save_safetensors
@@ -53,6 +53,7 @@ from rose.shared.weight_layout import save_safetensors
 from .config import SGLangBackendSettings
 from .device import select_device
 from .kv_pool import PoolUsage
+from .lease_state import LeaseState
 from .metrics import EngineMetrics, IntervalCounters
 from .outputs import EngineStats, RequestHandle
 from .policies import make_policy
@@ -67,7 +68,6 @@ from .protocol import (
     StreamDelta,
     TopLogprobs,
     WorkClass,
-    check_lease_admits,
     next_delta,
     timings_since,
     validate_request,
@@ -335,6 +335,9 @@ class SGLangBackend:
         device: str = "auto",
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
+        rollout_kv_bytes: int = 0,
+        bursts: BurstSettings | None = None,
+        burst_baseline_s: float = BURST_BASELINE_S,
     ) -> None:
         from rose.shared.models import load_for_inference, load_tokenizer
 
@@ -346,6 +349,12 @@ class SGLangBackend:
         self.device = select_device(device)
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+        # what a lease may grant: SGLang cannot bound its pool at run time, so this is the executor's setting, reported
+        self.lendable_kv_bytes = rollout_kv_bytes
+        self.bursts = ArrivalBurstDetector(
+            bursts or BurstSettings(), burst_baseline_s
+        )  # the same detector as the home engine's, on serving arrivals here
+        self.on_burst: list[Callable[[BurstTrip], None]] = []
         self._tokenizers = {WorkClass.SERVING: load_tokenizer(serving_dir), WorkClass.ROLLOUT: load_tokenizer(policy_dir)}
         self._mirror = load_for_inference(policy_dir, "cpu", dtype)  # the policy as the rollout server should have it
         self._models = {WorkClass.SERVING: ModelInfo.of(serving_dir, dtype), WorkClass.ROLLOUT: ModelInfo.of(policy_dir, dtype)}
@@ -355,11 +364,10 @@ class SGLangBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._jobs: dict[str, _Job] = {}
-        self._lease: EngineLease | None = None
-        self._lease_ended: RejectReason = "no_lease"
+        self.lease = LeaseState()
         self._expiry: asyncio.TimerHandle | None = None
         self._ops: asyncio.Queue | None = None
-        self._pending_ops: list[tuple[str, float | None]] = []
+        self._pending_ops: list[str] = []
         self._kv_tokens: dict[WorkClass, int] = {}  # each server's KV capacity in tokens (/get_server_info)
         self._server_lent: bool | None = None  # what the rollout server was last told successfully (None: unknown)
         self._server_parked = False  # paused in place by a burst's revocation (KV kept), not yet continued
@@ -396,12 +404,12 @@ class SGLangBackend:
         )
         self._ops = asyncio.Queue()
         if not self._pending_ops:  # no lease yet: the rollout server must not hold KV memory serving may need
-            self._pending_ops.append(("revoke", None))
+            self._pending_ops.append("revoke")
         for op in self._pending_ops:
             self._ops.put_nowait(op)
         self._pending_ops.clear()
-        if self._lease is not None:
-            self._arm_expiry(self._lease)
+        if self.lease.current is not None:
+            self._arm_expiry(self.lease.current)
         self._tasks = [
             self._loop.create_task(self._lending_worker(), name="sglang-lending"),
             self._loop.create_task(self._scrape_loop(), name="sglang-scrape"),
@@ -428,7 +436,7 @@ class SGLangBackend:
         if self._server_lent is not False and self.policy.admits_rollout:
             try:
                 async with asyncio.timeout(self.settings.connect_timeout_s):
-                    await self._reclaim(None)
+                    await self._reclaim()
             except (TimeoutError, Exception) as exc:
                 log.warning("could not pause the rollout server while stopping: %s", exc)
         if self._session is not None:
@@ -454,7 +462,7 @@ class SGLangBackend:
         self._validate(request)
         rollout = request.work_class is WorkClass.ROLLOUT
         if rollout and (require_lease or not self.policy.admits_rollout):
-            self._check_lease_admits()
+            self.lease.check_admits(self.policy.admits_rollout, self.policy.name)
         loop = asyncio.get_running_loop()
         # the abort closes over `job`, bound on the next line (a closure reads it when called)
         handle = RequestHandle(request.request_id, loop, cancel=lambda _rid: self._on_loop(lambda: self._cancel(job)))
@@ -464,37 +472,51 @@ class SGLangBackend:
         if not rollout:
             with self._lock:
                 self._interval.serving_arrivals += 1
+            self._serving_arrived()
         return handle
+
+    def _serving_arrived(self) -> None:
+        """The burst detector sees every serving arrival, with the requests still before their first token; a trip
+        goes to ``on_burst`` (the executor publishes the alert; the scheduler revokes the lease)."""
+        pending = sum(1 for j in self._jobs.values() if not j.rollout and not j.done and not j.token_times)
+        trip = self.bursts.arrival(time.monotonic(), pending, None, self.slo_ttft_ms)
+        if trip is not None and self.policy.admits_rollout:
+            for listener in self.on_burst:
+                listener(trip)
+
+    async def __aenter__(self) -> SGLangBackend:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None:
         """Grant (or renew) the lease. SGLang cannot bound its KV pool at run time, so the budget is
         reported, not enforced: the rollout server's share of the GPU is its --mem-fraction-static."""
-        lease = EngineLease(max(0, int(budget_bytes)), expires_at_monotonic, lease_id)
-        self._lease = lease
+        lease = self.lease.grant(budget_bytes, expires_at_monotonic, lease_id)
         self._on_loop(lambda: self._arm_expiry(lease))
         if self.policy.admits_rollout:
-            self._enqueue(("grant", None))
+            self._enqueue("grant")
 
     def set_rollout_budget(self, budget_bytes: int) -> None:
-        if self._lease is not None:
-            self.set_rollout_lease(budget_bytes, self._lease.expires_at, self._lease.lease_id)
+        lease = self.lease.current
+        if lease is not None:
+            self.set_rollout_lease(budget_bytes, lease.expires_at, lease.lease_id)
 
     def park_rollout(self, until_monotonic: float) -> None:
         """The lease was revoked on a burst: refuse new rollout and pause the rollout server in place
         (its requests keep their KV) until a new lease continues it or ``until_monotonic`` ends the
         lease as an expiry does (pause with retract, KV released)."""
-        if self._lease is not None:
-            lease = self._lease = self._lease.parked(until_monotonic)
-            self._lease_ended = "lease_revoked"
+        lease = self.lease.park(until_monotonic)
+        if lease is not None:
             self._on_loop(lambda: self._arm_expiry(lease))
-            self._enqueue(("park", time.monotonic()))
+            self._enqueue("park")
 
     def revoke_rollout(self) -> None:
         """Take the lease back now: the rollout server pauses (retract) and releases its KV cache."""
-        had = self._lease is not None
-        self._lease = None
-        self._lease_ended = "lease_revoked"
-        self._enqueue(("revoke", time.monotonic() if had else None))
+        self.lease.revoke()
+        self._enqueue("revoke")
 
     def set_slo(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
         self.slo_ttft_ms, self.slo_tpot_ms = ttft_ms, tpot_ms
@@ -524,7 +546,6 @@ class SGLangBackend:
             interval, self._interval = self._interval, IntervalCounters(started=now)
         span = max(1e-9, now - interval.started)
         serving, rollout = self._last_scrape.get("serving", Scrape()), self._last_scrape.get("rollout", Scrape())
-        lease = self._lease
         waiting_here = sum(1 for j in self._jobs.values() if j.rollout and not j.posted and not j.done)
         try:
             device = vars(self.device.telemetry())
@@ -552,8 +573,9 @@ class SGLangBackend:
             reclaim_latency_ms=interval.reclaim_ms,
             max_swap_pause_ms=self._max_swap_pause_ms,
             policy_version=self.policy_version,
-            lease_id=lease.lease_id if lease else "",
-            lease_budget_bytes=lease.budget_bytes if lease else 0,
+            lease_id=self.lease.lease_id,
+            lease_budget_bytes=self.lease.budget_bytes,
+            rollout_parked=self.lease.parked,
             device=device,
         )
 
@@ -561,9 +583,6 @@ class SGLangBackend:
     def _validate(self, request: GenerationRequest) -> None:
         info = self._models[request.work_class]
         validate_request(request, info.vocab_size, info.max_positions)
-
-    def _check_lease_admits(self) -> None:
-        check_lease_admits(self.policy.admits_rollout, self.policy.name, self._lease, self._lease_ended)
 
     # ------------------------------------------------------------------ loop plumbing
     def _on_loop(self, fn: Callable[[], object]) -> None:
@@ -580,8 +599,9 @@ class SGLangBackend:
         elif not loop.is_closed():
             loop.call_soon_threadsafe(fn)
 
-    def _enqueue(self, op: tuple[str, float | None]) -> None:
-        if op[0] == "revoke":
+    def _enqueue(self, op: str) -> None:
+        """Queue a lending call for the rollout server: ``grant``, ``park`` or ``revoke``, carried out in order."""
+        if op == "revoke":
             self._on_loop(self._lent.clear)
         if self._ops is None:
             self._pending_ops.append(op)
@@ -598,9 +618,9 @@ class SGLangBackend:
         self._expiry = self._loop.call_later(max(0.0, lease.expires_at - time.monotonic()), self._expire, lease)
 
     def _expire(self, lease: EngineLease) -> None:
-        if self._lease is lease:
-            self._lease, self._lease_ended = None, "lease_expired"
-            self._enqueue(("revoke", time.monotonic()))
+        """The lease's time is up (``LeaseState.expire_if_due`` says how it ended: expired, or revoked if parked)."""
+        if self.lease.current is lease and self.lease.expire_if_due():
+            self._enqueue("revoke")
 
     async def _probe_servers(self) -> None:
         """Once at start: each server's KV capacity (for the pool stats), and whether the rollout server runs
@@ -654,24 +674,25 @@ class SGLangBackend:
     async def _lending_worker(self) -> None:
         assert self._ops is not None
         while True:
-            kind, revoked_at = await self._ops.get()
-            if kind == "grant" and self._lease is None:
+            kind = await self._ops.get()
+            lease = self.lease.current
+            if kind == "grant" and lease is None:
                 continue  # revoked or expired before its turn: nothing to lend
-            if kind == "park" and (self._lease is None or self._lease.admits):
+            if kind == "park" and (lease is None or lease.admits):
                 continue  # ended, or granted again, before its turn
             try:
                 if kind == "grant":
                     await self._lend()
                 elif kind == "park":
-                    await self._park(revoked_at)
+                    await self._park()
                 else:
-                    await self._reclaim(revoked_at)
+                    await self._reclaim()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._server_lent = None  # unknown now: the next grant or revoke sends its calls again
                 log.warning("rollout server %s: %s failed: %s", self.rollout_url, kind, exc)
-                if kind == "grant" and self._lease is not None:
+                if kind == "grant" and self.lease.current is not None:
                     self._lent.set()  # let rollout requests go and fail (abort) rather than wait forever
 
     async def _lend(self) -> None:
@@ -684,33 +705,33 @@ class SGLangBackend:
             await self._call(self.rollout_url, "/continue_generation", {})
             self._server_parked = False
             log.info("rollout server %s lent again: its parked requests continue where they were", self.rollout_url)
-        if self._lease is not None:
+        if self.lease.current is not None:
             self._lent.set()
 
-    async def _park(self, parked_at: float | None) -> None:
+    async def _park(self) -> None:
         """Pause generation in place: the requests keep their KV for a new lease to continue."""
         self._lent.clear()
         if self._server_lent is False:
             return
         await self._call(self.rollout_url, "/pause_generation", {"mode": "in_place"})
         self._server_parked = True
-        self._reclaimed(parked_at)
+        self._reclaimed()
         log.info("rollout server %s parked: generation paused in place, KV kept", self.rollout_url)
 
-    def _reclaimed(self, since: float | None) -> None:
-        """A reclaim sample: the rollout server stopped generating ``since`` the lease ended (or was parked)."""
+    def _reclaimed(self) -> None:
+        """A reclaim sample: the rollout server stopped generating; from when the lease ended (or was parked), once."""
+        since = self.lease.take_reclaim_start()
         if since is not None:
             with self._lock:
                 self._interval.reclaim_ms.append((time.monotonic() - since) * 1000.0)
                 self._compute_yields += 1
 
-    async def _reclaim(self, revoked_at: float | None) -> None:
+    async def _reclaim(self) -> None:
         self._lent.clear()
         if self._server_lent is False:
             return
         await self._call(self.rollout_url, "/pause_generation", {"mode": "retract"})
-        if not self._server_parked:  # a park already counted this reclaim
-            self._reclaimed(revoked_at)
+        self._reclaimed()  # (a park already took this reclaim's sample: none is left)
         await self._call(self.rollout_url, "/release_memory_occupation", {"tags": KV_TAGS})
         self._server_lent, self._server_parked = False, False
         log.info("rollout server %s reclaimed: generation paused (retract), KV cache released", self.rollout_url)

@@ -218,36 +218,37 @@ async def test_a_rollout_iteration_told_not_to_prefill_only_decodes(loaded):
     config = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", rollout_process=False)
     engine = Engine(*loaded["serving"], *loaded["policy"], config, "rose")  # not started: this test drives the rollout lane
     engine.set_rollout_lease(config.rollout_kv_bytes, time.monotonic() + 600)
-    engine._between_quanta(engine._rollout)
-    rt = engine._rollout
+    lane = engine._rollout_loop
+    lane._between_quanta()
+    rt = engine.rollout
     for i in range(2):
         engine.submit(_rollout(i))
-    engine._receive(rt)
-    engine._iterate(rt, admit=True)  # both prompts prefilled, a first token each
+    rt.receive()
+    lane._iterate(admit=True)  # both prompts prefilled, a first token each
     assert [len(s.tokens) - s.prompt_len for s in rt.running] == [1, 1]
     engine.submit(_rollout(2))
-    engine._receive(rt)
+    rt.receive()
     engine.policy.may_prefill_rollout = lambda s: False
-    engine._iterate(rt, admit=True)
+    lane._iterate(admit=True)
     assert [len(s.tokens) - s.prompt_len for s in rt.running] == [2, 2] and len(rt.waiting) == 1
     del engine.policy.may_prefill_rollout
-    engine._iterate(rt, admit=True)
+    lane._iterate(admit=True)
     assert [len(s.tokens) - s.prompt_len for s in rt.running] == [3, 3, 1] and not rt.waiting
 
 
 async def test_the_rollout_lane_sees_how_long_the_oldest_serving_first_token_has_waited(loaded):
     """The signal behind the guard above: serving requests queued, waiting or admitted but not yet
     prefilled are counted once each, and the longest wait among them is reported."""
-    from rose.services.executor.engine import Engine, EngineConfig, _oldest_wait_ms
+    from rose.services.executor.engine import Engine, EngineConfig
 
     config = EngineConfig(serving_kv_bytes=8 << 20, rollout_kv_bytes=16 << 20, device="cpu", rollout_process=False)
     engine = Engine(*loaded["serving"], *loaded["policy"], config, "rose")  # not started: the queues stay as set here
     engine.set_slo(100.0, 40.0)
-    signals = engine._signals()
+    signals = engine._rollout_loop.signals()
     assert (signals.serving_prefill_pending, signals.serving_oldest_wait_ms, signals.slo_ttft_ms) == (0, 0.0, 100.0)
     for i in range(3):
         engine.submit(_serving(i))
-    rt = engine._serving
+    rt = engine.serving
     admitted, waiting, queued = rt.inbox
     rt.inbox.clear()
     rt.running.append(admitted)
@@ -255,15 +256,15 @@ async def test_the_rollout_lane_sees_how_long_the_oldest_serving_first_token_has
     rt.inbox.append(queued)
     admitted.arrival, waiting.arrival, queued.arrival = 10.0, 10.2, 10.1
     rt.count_unprefilled()
-    assert engine._signals().serving_prefill_pending == 3
-    assert _oldest_wait_ms(rt, 10.5) == pytest.approx(500.0)
+    assert engine._rollout_loop.signals().serving_prefill_pending == 3
+    assert rt.oldest_wait_ms(10.5) == pytest.approx(500.0)
     admitted.num_cached = admitted.prompt_len  # prefilled: its first token is out of danger
     rt.count_unprefilled()
-    assert engine._signals().serving_prefill_pending == 2
-    assert _oldest_wait_ms(rt, 10.5) == pytest.approx(400.0)  # the queued one, older than the waiting one
+    assert engine._rollout_loop.signals().serving_prefill_pending == 2
+    assert rt.oldest_wait_ms(10.5) == pytest.approx(400.0)  # the queued one, older than the waiting one
     rt.inbox.clear()
     rt.waiting.clear()
-    assert _oldest_wait_ms(rt, 10.5) == 0.0
+    assert rt.oldest_wait_ms(10.5) == 0.0
 
 
 async def test_an_idle_rollout_lane_never_holds_the_serving_core(make_engine):

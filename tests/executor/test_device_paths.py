@@ -66,7 +66,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("device", DEVICES)
 def test_serving_and_rollout_lanes_get_prioritised_streams_on_cuda_and_threads_on_cpu(model_dirs, device):
     engine = _engine(model_dirs, device)
-    serving, rollout = engine.lane_for(WorkClass.SERVING), engine.lane_for(WorkClass.ROLLOUT)
+    serving, rollout = engine.work_for(WorkClass.SERVING).lane, engine.work_for(WorkClass.ROLLOUT).lane
     assert serving is not rollout
     if device == "cuda":
         assert serving.stream.device.type == rollout.stream.device.type == "cuda"
@@ -75,7 +75,7 @@ def test_serving_and_rollout_lanes_get_prioritised_streams_on_cuda_and_threads_o
     else:
         assert serving.stream is None and rollout.stream is None  # each lane is its own thread on its own core
     for work_class in WorkClass:
-        pool = engine.pool_for(work_class)
+        pool = engine.work_for(work_class).pool
         assert pool.k.device.type == device and pool.k.dtype == _dtype(device)
 
 
@@ -109,7 +109,7 @@ def test_the_packed_paged_forward_matches_hf_on_the_device(model_dirs, device, d
 @pytest.mark.parametrize("device", DEVICES)
 def test_both_classes_generate_on_the_device_and_telemetry_reports_it(model_dirs, device):
     engine = _engine(model_dirs, device)
-    vocab = min(engine.model_for(work_class).config.vocab_size for work_class in WorkClass)
+    vocab = min(engine.work_for(work_class).model.config.vocab_size for work_class in WorkClass)
 
     async def run():
         engine.start()
@@ -151,9 +151,9 @@ def test_both_classes_generate_on_the_device_and_telemetry_reports_it(model_dirs
     assert 0.0 <= telemetry["utilization"] <= 1.0 and telemetry["process_rss_bytes"] > 0
     if device == "cuda":
         assert "NVIDIA" in telemetry["name"] or torch.cuda.get_device_name() in telemetry["name"]  # from nvidia-ml-py
-        for runner in map(engine.runner_for, WorkClass):  # decode steps were graph replays, on both lanes
+        for runner in (engine.work_for(wc).runner for wc in WorkClass):  # decode steps were graph replays, on both lanes
             assert runner.graphs is not None and runner.graphs.replays > 0
-        for runner in map(engine.runner_for, WorkClass):  # each lane captured its common buckets before its first request
+        for runner in (engine.work_for(wc).runner for wc in WorkClass):  # each lane captured its common buckets before its first request
             assert runner.graphs.captures >= len(runner.graphs.batch_buckets) and runner.graph_failures == 0
     else:
         assert engine.cuda_graph_stats() == {"serving": None, "rollout": None}
@@ -164,12 +164,12 @@ def test_rollout_memory_given_back_and_taken_again_is_device_memory(model_dirs, 
     """``release_rollout_memory`` reports the bytes it gave back; on a GPU the allocator shows the
     same bytes leaving the device (KV pool storage; policy weights moved to pinned host memory)."""
     engine = _engine(model_dirs, device)  # not started: controls run at once
-    pool, policy = engine.pool_for(WorkClass.ROLLOUT), engine.model_for(WorkClass.ROLLOUT)
+    pool, policy = engine.work_for(WorkClass.ROLLOUT).pool, engine.work_for(WorkClass.ROLLOUT).model
     pool_bytes = pool.num_blocks * pool.block_bytes
     weight_bytes = sum(t.numel() * t.element_size() for t in list(policy.parameters()) + list(policy.buffers()))
     allocated = torch.cuda.memory_allocated if device == "cuda" else (lambda: 0)
     before = allocated()
-    freed = engine.release_rollout_memory(("kv_cache", "weights")).result(timeout=60)
+    freed = engine.control.release_memory(("kv_cache", "weights")).result(timeout=60)
     assert freed["kv_cache"] == pool_bytes and pool.released
     if device == "cuda":
         assert freed["weights"] == weight_bytes
@@ -177,7 +177,7 @@ def test_rollout_memory_given_back_and_taken_again_is_device_memory(model_dirs, 
         assert before - allocated() >= pool_bytes + weight_bytes
     else:
         assert freed["weights"] == 0  # host memory already: nothing leaves a device
-    restored = engine.resume_rollout_memory(("kv_cache", "weights")).result(timeout=60)
+    restored = engine.control.resume_memory(("kv_cache", "weights")).result(timeout=60)
     assert restored["kv_cache"] == pool_bytes and not pool.released
     assert next(policy.parameters()).device.type == device
     if device == "cuda":
@@ -195,7 +195,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     in on the device between iterations; the serving model is never touched; a misfit update
     leaves the old version serving."""
     engine = _engine(model_dirs, device)  # not started: the swap runs at once
-    policy, serving = engine.model_for(WorkClass.ROLLOUT), engine.model_for(WorkClass.SERVING)
+    policy, serving = engine.work_for(WorkClass.ROLLOUT).model, engine.work_for(WorkClass.SERVING).model
     serving_before = {n: t.clone() for n, t in serving.state_dict().items()}
     gen = torch.Generator().manual_seed(7)
     name = "model.layers.0.mlp.down_proj.weight"
@@ -210,7 +210,7 @@ def test_a_policy_weight_update_from_host_memory_lands_on_the_device_whole(model
     assert swapped.device.type == device and torch.equal(swapped.cpu(), new)
     assert all(torch.equal(t, serving_before[n]) for n, t in serving.state_dict().items())
     # the paged forward reads the new weights, as HF's forward does
-    runner = engine.runner_for(WorkClass.ROLLOUT)
+    runner = engine.work_for(WorkClass.ROLLOUT).runner
     ref = _hf_last_logits(model_dirs, policy, list(range(3, 15)), device)
     runner.pool.set_budget_bytes(runner.pool.block_bytes)
     out = runner.forward([ForwardItem(runner.pool.allocate(1), 0, list(range(3, 15)))])[0]

@@ -52,7 +52,7 @@ def _request(rid: str, work_class: WorkClass, prompt: list[int], max_tokens: int
 
 def test_pools_are_sized_in_the_emulated_devices_memory(emulated):
     engine = emulated()
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     kv_per_token = MODELS["7B"].kv_bytes_per_token  # 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes
     assert pool.block_bytes == kv_per_token * pool.block_size
     assert pool.num_blocks == SPEC_7B.rollout_kv_bytes // pool.block_bytes
@@ -193,7 +193,7 @@ def test_a_decode_forward_is_a_graph_replay_and_a_prefill_one_stops_at_a_layer(e
     from rose.services.executor.sampling import SamplerState
 
     engine = emulated()
-    runner = engine._rollout.runner
+    runner = engine.rollout.runner
     sampler = SamplerState(EngineSampling(max_tokens=4), seed=1)
     decodes = [ForwardItem([0], 100 + i, [7]) for i in range(8)]
     calls: list[int] = []
@@ -218,8 +218,8 @@ def test_the_rollout_prefill_chunk_is_the_policys_roofline_ridge(emulated, make_
     ridge = roof.ridge_tokens()
     assert roof.forward_s([], [(float(ridge), 0.0)]) == pytest.approx(roof.forward_s([], [(1.0, 0.0)]), rel=0.01)
     assert roof.forward_s([], [(2.0 * ridge, 0.0)]) > 1.5 * roof.forward_s([], [(float(ridge), 0.0)])
-    assert emulated()._rollout.limits.prefill_tokens == ridge
-    assert make_engine()._rollout.limits.prefill_tokens == 64
+    assert emulated().rollout.limits.prefill_tokens == ridge
+    assert make_engine().rollout.limits.prefill_tokens == 64
 
 
 async def test_the_measured_rollout_prefill_rate_is_the_step_models_at_most(emulated):
@@ -230,7 +230,7 @@ async def test_the_measured_rollout_prefill_rate_is_the_step_models_at_most(emul
     engine.set_rollout_lease(SPEC_7B.rollout_kv_bytes, time.monotonic() + 3600)
     assert engine.stats().rollout_prefill_tokens_per_s == 0.0  # nothing prefilled yet: unknown
     roof = SPEC_7B.roofline(WorkClass.ROLLOUT)
-    ridge = engine._rollout.limits.prefill_tokens
+    ridge = engine.rollout.limits.prefill_tokens
     prompt = list(range(10, 10 + 2 * ridge + 20))  # chunks of ridge, ridge and 20 tokens
     result = await engine.submit(_request("r", WorkClass.ROLLOUT, prompt, 30)).result()
     assert len(result.token_ids) == 30

@@ -123,11 +123,11 @@ async def test_a_stream_interval_sends_fewer_deltas_with_the_same_tokens_and_tex
 
 
 def test_the_fast_decoder_is_the_tokenizers_decode(loaded):
-    """The engine decodes with the Rust tokenizer directly (engine.text_decoder): the same text as transformers'
+    """The engine decodes with the Rust tokenizer directly (batcher.text_decoder): the same text as transformers'
     decode with skip_special_tokens, over random ids including special ones and partial UTF-8."""
     import random
 
-    from rose.services.executor.engine import text_decoder
+    from rose.services.executor.batcher import text_decoder
 
     tokenizer = loaded["serving"][1]
     decode = text_decoder(tokenizer)
@@ -158,7 +158,7 @@ async def test_invalid_requests_raise_before_queueing(make_engine, kw, words):
 
 async def test_weight_update_is_atomic_and_validated(make_engine):
     engine = make_engine(fresh_policy=True)
-    model = engine.model_for(WorkClass.ROLLOUT)
+    model = engine.work_for(WorkClass.ROLLOUT).model
     params = dict(temperature=0, max_tokens=10, ignore_eos=True)
     before = await generate(engine, req(engine, "b", **params))
     serving_before = await generate(engine, req(engine, "sb", WorkClass.SERVING, **params))
@@ -228,12 +228,12 @@ async def test_public_read_outs(make_engine):
     engine = make_engine()
     assert engine.lanes_alive and not engine.stopping
     assert engine.rollout_lease is not None and engine.rollout_lease.budget_bytes == TEST_CONFIG.rollout_kv_bytes
-    assert engine.max_batch(WorkClass.ROLLOUT) == TEST_CONFIG.rollout_max_batch
-    assert engine.pool_for(WorkClass.ROLLOUT).block_size == TEST_CONFIG.block_size
-    assert engine.queue_lengths(WorkClass.SERVING) == (0, 0)
+    assert engine.work_for(WorkClass.ROLLOUT).max_batch == TEST_CONFIG.rollout_max_batch
+    assert engine.work_for(WorkClass.ROLLOUT).pool.block_size == TEST_CONFIG.block_size
+    assert engine.work_for(WorkClass.SERVING).queue_lengths() == (0, 0)
     assert engine.cuda_graph_stats() == {"serving": None, "rollout": None}  # CPU: no graphs
     handle = engine.submit(req(engine, "ro", max_tokens=4))
-    assert sum(engine.queue_lengths(WorkClass.ROLLOUT)) == 1
+    assert sum(engine.work_for(WorkClass.ROLLOUT).queue_lengths()) == 1
     await handle.result()
     await engine.stop()
     assert engine.stopping and not engine.lanes_alive

@@ -49,8 +49,8 @@ def _retained(result, prompt: tuple[int, ...]) -> int:
 
 async def _drop_device_prefixes(engine: Engine) -> None:
     """Release and resume the rollout KV pool, as a revoked lease and its return do: the device's entries go."""
-    await asyncio.wrap_future(engine.release_rollout_memory(("kv_cache",)))
-    await asyncio.wrap_future(engine.resume_rollout_memory(("kv_cache",)))
+    await asyncio.wrap_future(engine.control.release_memory(("kv_cache",)))
+    await asyncio.wrap_future(engine.control.resume_memory(("kv_cache",)))
     assert len(engine.prefix_cache) == 0
 
 
@@ -171,7 +171,7 @@ async def test_a_turn_restored_from_host_is_the_turn_on_the_device_and_the_turn_
 async def test_a_prefix_evicted_from_the_device_is_restored_from_host(make_engine):
     pool_bytes = 8 * 16 * 4096  # 8 blocks of 16 tokens of the tiny policy's 4 KiB per token
     engine = make_engine(config=replace(TEST_CONFIG, rollout_kv_bytes=pool_bytes))
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     assert pool.num_blocks == 8
     first = _turn(engine, "a-1", PROMPT, "a", GREEDY)
     result = await generate(engine, first)
@@ -193,11 +193,11 @@ async def test_released_and_resumed_rollout_memory_keeps_the_host_entries(make_e
     first = _turn(engine, "t-1", PROMPT, "traj", GREEDY)
     result = await generate(engine, first)
     held = engine.stats().host_kv_bytes
-    assert held == engine.prefix_cache.cached_blocks * engine.pool_for(WorkClass.ROLLOUT).block_bytes > 0
-    await asyncio.wrap_future(engine.release_rollout_memory(("kv_cache",)))
-    assert engine.pool_for(WorkClass.ROLLOUT).released and len(engine.prefix_cache) == 0
+    assert held == engine.prefix_cache.cached_blocks * engine.work_for(WorkClass.ROLLOUT).pool.block_bytes > 0
+    await asyncio.wrap_future(engine.control.release_memory(("kv_cache",)))
+    assert engine.work_for(WorkClass.ROLLOUT).pool.released and len(engine.prefix_cache) == 0
     assert engine.stats().host_kv_bytes == held  # the lease went, the host copy stays
-    await asyncio.wrap_future(engine.resume_rollout_memory(("kv_cache",)))
+    await asyncio.wrap_future(engine.control.resume_memory(("kv_cache",)))
     again = await generate(engine, _turn(engine, "t-2", _next_prompt(first, result), "traj", GREEDY))
     assert again.prefix_cached_tokens == _retained(result, PROMPT)
     assert engine.stats().prefix_host_hits == 1
@@ -217,7 +217,7 @@ async def test_a_weight_swap_misses_the_host_tier_and_a_flush_clears_it(make_eng
     first = _turn(engine, "b-1", PROMPT, "b", GREEDY)
     result = await generate(engine, first)
     assert "b" in engine.host_tier.entries()
-    await asyncio.wrap_future(engine.flush_prefix_cache())
+    await asyncio.wrap_future(engine.control.flush_cache())
     assert len(engine.host_tier) == 0 and len(engine.prefix_cache) == 0
     after_flush = await generate(engine, _turn(engine, "b-2", _next_prompt(first, result), "b", GREEDY))
     assert after_flush.prefix_cached_tokens == 0 and engine.stats().prefix_host_hits == 0
@@ -303,13 +303,13 @@ async def test_an_emulated_restore_holds_the_device_for_the_host_load(loaded):
 
         on_device, device_s = await planned_s("device-2", "device")
         await _drop_device_prefixes(engine)
-        pool = engine.pool_for(WorkClass.ROLLOUT)
+        pool = engine.work_for(WorkClass.ROLLOUT).pool
         entry = engine.host_tier.entries()["host"]
         assert entry.payload is None and entry.nbytes == pool.blocks_for(_retained(firsts[1], prompt1)) * pool.block_bytes
         from_host, host_s = await planned_s("host-2", "host")
         reused = from_host.prefix_cached_tokens
         assert reused == on_device.prefix_cached_tokens == _retained(firsts[1], prompt1)
-        assert engine.stats().prefix_host_hits == 1 and engine.runner_for(WorkClass.ROLLOUT).pending_load_s == 0.0
+        assert engine.stats().prefix_host_hits == 1 and engine.work_for(WorkClass.ROLLOUT).runner.pending_load_s == 0.0
         load_s = float(Roofline(DEVICES["H100"], MODELS["7B"], 1).host_load_s(reused)) * SPEC_7B.time_scale
         assert load_s > 0 and host_s - device_s == pytest.approx(load_s, rel=1e-6)
     finally:

@@ -66,7 +66,7 @@ def test_scratch_blocks_beyond_the_budget_only_when_asked_and_never_more_than_th
 async def test_kv_written_by_rollout_is_zero_before_anyone_is_handed_it_again(make_engine):
     """While a rollout turn runs its blocks hold K/V; once it finishes, every byte of both pools is zero."""
     engine = make_engine()
-    rollout, serving = engine.pool_for(WorkClass.ROLLOUT), engine.pool_for(WorkClass.SERVING)
+    rollout, serving = engine.work_for(WorkClass.ROLLOUT).pool, engine.work_for(WorkClass.SERVING).pool
     assert rollout.k.untyped_storage().data_ptr() != serving.k.untyped_storage().data_ptr()  # one tensor per class
     seen_while_running: set[int] = set()
     handle = engine.submit(request("r1", WorkClass.ROLLOUT, max_tokens=48))
@@ -87,7 +87,7 @@ async def test_kv_written_by_rollout_is_zero_before_anyone_is_handed_it_again(ma
 
 async def test_retained_prefix_blocks_are_zeroed_when_evicted(make_engine):
     engine = make_engine()
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     await engine.submit(request("t1", WorkClass.ROLLOUT, trajectory_id="traj")).result()
     cached = set(engine.prefix_cache.entries()["traj"].blocks)
     assert cached and nonzero_blocks(pool) == cached  # only the retained prefix holds data
@@ -106,8 +106,8 @@ async def test_the_prefix_cache_is_never_shared_with_serving(make_engine):
     s = await engine.submit(request("s1", WorkClass.SERVING, prompt=PROMPT + r1.token_ids)).result()
     assert s.prefix_cached_tokens == 0 and (cache.hits, cache.misses) == (hits, misses)
     assert cache.entries() == {"traj": entry} and cache.entries()["traj"] is entry  # serving neither took nor added entries
-    assert engine.pool_for(WorkClass.SERVING).used_blocks == 0
-    assert engine.pool_for(WorkClass.ROLLOUT).used_blocks == len(entry.blocks) == cache.cached_blocks  # cached blocks are rollout blocks
+    assert engine.work_for(WorkClass.SERVING).pool.used_blocks == 0
+    assert engine.work_for(WorkClass.ROLLOUT).pool.used_blocks == len(entry.blocks) == cache.cached_blocks  # cached blocks are rollout blocks
     with pytest.raises(InvalidRequest, match="rollout requests only"):
         engine.submit(request("s2", WorkClass.SERVING, trajectory_id="traj"))
 
@@ -120,7 +120,7 @@ async def _watch(pool: KVPool, handles: list, peak: list[int]) -> None:
 
 async def test_rollout_never_holds_more_kv_than_its_lease(make_engine):
     engine = make_engine()
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     budget_blocks = 5  # each turn needs 3 blocks (24 + 24 tokens): 4 turns at once cannot fit
     engine.set_rollout_lease(budget_blocks * pool.block_bytes, time.monotonic() + LONG_LEASE_S)
     await asyncio.sleep(0.05)
@@ -130,7 +130,7 @@ async def test_rollout_never_holds_more_kv_than_its_lease(make_engine):
     results = [await h.result() for h in handles]
     assert all(len(r.token_ids) == 24 for r in results)  # everything finished within the budget
     assert 0 < peak[0] <= budget_blocks and pool.used_blocks == 0
-    assert engine.pool_for(WorkClass.SERVING).used_blocks == 0
+    assert engine.work_for(WorkClass.SERVING).pool.used_blocks == 0
     with pytest.raises(MemoryError):
         pool.allocate(budget_blocks + 1)
 
@@ -139,7 +139,7 @@ async def test_serving_never_holds_more_kv_than_its_pool(make_engine, loaded):
     block_bytes = kv_shape_of(loaded["serving"][0]).bytes_per_token() * 16
     config = EngineConfig(serving_kv_bytes=5 * block_bytes, rollout_kv_bytes=16 * MIB, device="cpu", seed=0)
     engine = make_engine(config=config)
-    pool = engine.pool_for(WorkClass.SERVING)
+    pool = engine.work_for(WorkClass.SERVING).pool
     assert pool.num_blocks == 5
     with pytest.raises(InvalidRequest, match="serving KV pool"):
         engine.submit(request("big", WorkClass.SERVING, max_tokens=5 * 16))  # more than the whole pool
@@ -149,4 +149,4 @@ async def test_serving_never_holds_more_kv_than_its_pool(make_engine, loaded):
     results = [await h.result() for h in handles]
     assert all(len(r.token_ids) == 24 for r in results)  # they queued for blocks; none was refused
     assert 0 < peak[0] <= pool.num_blocks and pool.used_blocks == 0
-    assert engine.pool_for(WorkClass.ROLLOUT).used_blocks == 0  # serving pressure never spills into the rollout pool
+    assert engine.work_for(WorkClass.ROLLOUT).pool.used_blocks == 0  # serving pressure never spills into the rollout pool

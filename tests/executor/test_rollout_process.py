@@ -58,7 +58,7 @@ def _same(a, b) -> bool:
 
 
 def _runner(engine) -> ProcessRunner:
-    runner = engine.runner_for(WorkClass.ROLLOUT)
+    runner = engine.work_for(WorkClass.ROLLOUT).runner
     assert isinstance(runner, ProcessRunner) and runner.child_pid != os.getpid()
     return runner
 
@@ -120,9 +120,9 @@ async def test_released_and_restored_kv_is_handed_to_the_child(make_engine):
     here = make_engine(config=HERE, fresh_policy=True)
     there = make_engine(config=IN_CHILD, fresh_policy=True)
     await _generate(there, _turns("r0", 2))
-    freed = await asyncio.wrap_future(there.release_rollout_memory(("kv_cache",)))
+    freed = await asyncio.wrap_future(there.control.release_memory(("kv_cache",)))
     assert freed["kv_cache"] > 0
-    await asyncio.wrap_future(there.resume_rollout_memory(("kv_cache",)))
+    await asyncio.wrap_future(there.control.resume_memory(("kv_cache",)))
     assert _same(await _generate(there, _turns("r1")), await _generate(here, _turns("r1")))
 
 
@@ -144,7 +144,7 @@ def _long_prefill(make_engine) -> tuple[ProcessRunner, list[ForwardItem]]:
     """An in-child engine's runner and a 4k-token prefill (16 x 256): it outlasts the engine's 1 ms
     polls, so the child meets the engine's stop or hold at one of its layer safepoints."""
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
     tokens = 256
     return _runner(engine), [ForwardItem(pool.allocate(pool.blocks_for(tokens)), 0, list(range(10, 10 + tokens))) for _ in range(16)]
@@ -248,7 +248,7 @@ def test_holding_in_process_waits_and_stop_still_wins():
 def test_the_child_takes_the_width_core_lending_asks_for(loaded, make_engine):
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
     runner = _runner(engine)
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
     items = [ForwardItem(pool.allocate(1), 0, [11, 12, 13])]
     runner.set_width(2)  # idle child: nothing to wait for
@@ -269,7 +269,7 @@ def test_a_guest_rollout_child_runs_at_idle_priority_with_every_thread_it_starts
     for policy, guest, expected in cases:
         engine = make_engine(policy, config=dataclasses.replace(IN_CHILD, rollout_is_guest=guest), fresh_policy=True)
         runner = _runner(engine)
-        pool = engine.pool_for(WorkClass.ROLLOUT)
+        pool = engine.work_for(WorkClass.ROLLOUT).pool
         pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)
         runner.set_width(2)
         runner.forward_sample([ForwardItem(pool.allocate(1), 0, [11, 12, 13])], [])
@@ -296,7 +296,7 @@ def test_too_little_shared_memory_keeps_the_forwards_in_process(make_engine, mon
 
     monkeypatch.setattr(rollout_process, "SHM_DIR", str(tmp_path / "no-tmpfs-here"))
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
-    assert not isinstance(engine.runner_for(WorkClass.ROLLOUT), ProcessRunner)
+    assert not isinstance(engine.work_for(WorkClass.ROLLOUT).runner, ProcessRunner)
     assert "shared memory lacks" in caplog.text
 
 
@@ -320,8 +320,8 @@ async def test_the_rollout_lane_outlives_a_child_that_dies_twice(make_engine, mo
     assert "an iteration failed" in caplog.text and runner.restarts == 1
     after = await engine.submit(_turns("alive", 1)[0]).result()
     assert after.finish_reason == "length" and len(after.token_ids) == 12
-    assert engine.queue_lengths(WorkClass.ROLLOUT) == (0, 0)  # nothing left running: the pool holds the retained prefixes alone
-    assert engine.pool_for(WorkClass.ROLLOUT).usage().used_blocks == engine.prefix_cache.cached_blocks
+    assert engine.work_for(WorkClass.ROLLOUT).queue_lengths() == (0, 0)  # nothing left running: the pool holds the retained prefixes alone
+    assert engine.work_for(WorkClass.ROLLOUT).pool.usage().used_blocks == engine.prefix_cache.cached_blocks
     health = await _health(engine)
     assert health[0] == 200, health  # production traffic never touches the rollout lane
     assert health[1]["status"] == "degraded" and health[1]["lane_failures"] == 1
@@ -352,7 +352,7 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
 
     engine = make_engine(config=HERE)
     assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 0})
-    runner, failures = engine.runner_for(WorkClass.SERVING), []
+    runner, failures = engine.work_for(WorkClass.SERVING).runner, []
     real = runner.forward_sample
 
     def fails_once(*args, **kwargs):  # fault injection: one serving forward raises
@@ -398,7 +398,7 @@ def _fresh_child_forward(runner: ProcessRunner, items) -> torch.Tensor:
 async def test_a_flip_serves_the_new_version_whole_and_bit_exact(make_engine):
     engine = make_engine(config=IN_CHILD, fresh_policy=True)
     runner = _runner(engine)
-    pool = engine.pool_for(WorkClass.ROLLOUT)
+    pool = engine.work_for(WorkClass.ROLLOUT).pool
     pool.set_budget_bytes(pool.num_blocks * pool.block_bytes)  # as the lease does (the idle lane may not have yet)
     items = [
         ForwardItem(pool.allocate(pool.blocks_for(24)), 0, list(range(40, 64))),

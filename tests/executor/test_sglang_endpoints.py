@@ -141,9 +141,9 @@ async def test_admin_endpoints_need_the_key_or_an_explicit_opt_in(serve):
     assert status == 403 and "admin_api_key" in out["error"]["message"]
     session, base, engine, _ = await serve(SGLangApiSettings(admin_api_key="s3cret"))
     status, out = await post(session, f"{base}/pause_generation", {}, headers={"Authorization": "Bearer wrong"})
-    assert status == 401 and engine.rollout_paused is None
+    assert status == 401 and engine.control.paused is None
     status, out = await post(session, f"{base}/pause_generation", {"mode": "in_place"}, headers={"Authorization": "Bearer s3cret"})
-    assert status == 200 and out == {"message": "Generation paused successfully.", "status": "ok"} and engine.rollout_paused == "in_place"
+    assert status == 200 and out == {"message": "Generation paused successfully.", "status": "ok"} and engine.control.paused == "in_place"
     assert "s3cret" not in repr(SGLangApiSettings(admin_api_key="s3cret"))
 
 

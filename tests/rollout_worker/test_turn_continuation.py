@@ -211,14 +211,14 @@ async def _parked_turn(bus, executors, trajectory: str, park_s: float):
     serving.engine.stats()
     turn = asyncio.ensure_future(runner.run(_spec(trajectory, prompt)))
     await _tokens_on(serving, 3, turn)
-    await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))
+    await asyncio.wrap_future(serving.engine.control.pause_generation("in_place"))
     try:
         park_until = time.time() + park_s
         await bus.kv_put(LEASE, _parked(park_until), executor_id=SERVING)
         await within(lambda: serving.guard.parked_until is not None, 5, step=0.01)
         assert serving.guard.parked_until == park_until and not turn.done()
     finally:
-        serving.engine.continue_rollout()  # the hold ends; the park alone keeps rollout from running now
+        serving.engine.control.continue_generation()  # the hold ends; the park alone keeps rollout from running now
     return turn, runner, prompt, reference
 
 
@@ -275,7 +275,7 @@ async def test_hedge_from_the_route_wins_and_the_other_copy_is_aborted(bus, exec
     routes: list[TurnRouteRequest] = []
     await _scheduler(bus, hedge=hedge, seen=routes)
     await _grant(bus, serving)
-    await asyncio.wrap_future(serving.engine.pause_rollout("in_place"))  # the leased copy is held: a straggler
+    await asyncio.wrap_future(serving.engine.control.pause_generation("in_place"))  # the leased copy is held: a straggler
     try:
         runner = TurnRunner(bus, msgspec.structs.replace(SETTINGS, hedge=True))  # no typical turn time yet: only the route's hint
         record = await asyncio.wait_for(runner.run(_spec("tc-hedge", prompt)), timeout=60.0)
@@ -295,9 +295,9 @@ async def test_hedge_from_the_route_wins_and_the_other_copy_is_aborted(bus, exec
             lambda: next((r for r in serving.replies if r.request_id == primary.request_id), None), 10, "the held copy's reply", step=0.02
         )
         assert dropped.status == "failed" and dropped.finish_reason == "abort" and "aborted by its worker" in dropped.error
-        assert serving.engine.rollout_paused == "in_place"
+        assert serving.engine.control.paused == "in_place"
         stats = serving.engine.stats()
         assert stats.rollout_running == 0 and stats.rollout_queue == 0
         assert runner.stats["aborted"] == 1
     finally:
-        serving.engine.continue_rollout()
+        serving.engine.control.continue_generation()
