@@ -55,6 +55,9 @@ class Batcher:
         version: Callable[[], int],
         guard: SloGuard | None = None,
         prefixes: RetainedPrefixes | None = None,
+        wakeup: threading.Event | None = None,
+        pool_index: int = 0,
+        adapter_slot: Callable[[], int | None] | None = None,
     ) -> None:
         self.work_class = work_class
         self.model, self.tokenizer, self.pool, self.runner, self.limits, self.lane = model, tokenizer, pool, runner, limits, lane
@@ -66,7 +69,9 @@ class Batcher:
         self.aborts: deque[str] = deque()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.wakeup = threading.Event()
+        self.wakeup = wakeup or threading.Event()  # set on new work; the co-batched mode's two batchers share one thread's
+        self.pool_index = pool_index  # which of the runner's KV pools holds this class's blocks (co-batched rollout: 1)
+        self.adapter_slot = adapter_slot or _no_adapter  # the adapter slot this class's rows go through now (a LoRA policy)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.decode = text_decoder(tokenizer)
         self.iteration_ms = 0.0  # EMA of this class's iterations
@@ -135,15 +140,24 @@ class Batcher:
                 self.prefixes.attach(seq, seq.request.trajectory_id, self.version())
             self.waiting.append(seq)
 
-    def plan(self, admit: bool, limits: Limits | None = None) -> Work:
+    def plan(self, admit: bool, limits: Limits | None = None, rows: int | None = None) -> Work:
         """Plan this iteration (``scheduling.plan_iteration``) and carry out its bookkeeping: preempt, evict
-        retained prefixes, admit, allocate blocks. Returns the work to forward."""
+        retained prefixes, admit, allocate blocks. Returns the work to forward.
+
+        ``rows``: the most sequences this iteration may step (the co-batched budget): the oldest running ones
+        first, then admissions while rows are left; the running ones left out keep their KV and wait."""
+        limits = limits or self.limits
+        running = self.running
+        if rows is not None:
+            running = self.running[:rows]
+            room = limits.max_batch - len(self.running)  # the batch cap still holds for every running sequence
+            limits = replace(limits, max_batch=len(running) + max(0, min(rows - len(running), room)))
         plan = plan_iteration(
-            [s.view() for s in self.running],
+            [s.view() for s in running],
             [s.view() for s in self.waiting],
             self.pool.free_blocks,
             self.prefixes.cached_blocks if self.prefixes is not None else 0,
-            limits or self.limits,
+            limits,
             admit,
         )
         by_id = {s.seq_id: s for s in itertools.chain(self.running, self.waiting)}
@@ -163,10 +177,10 @@ class Batcher:
             by_id[seq_id].blocks.extend(self.pool.allocate(n))
         return [(by_id[sid], n) for sid, n in plan.prefill] + [(by_id[sid], 1) for sid in plan.decode]
 
-    @staticmethod
-    def forward_items(work: Work, pool: int = 0, adapter: int | None = None) -> list[ForwardItem]:
-        """The forward's slice of each sequence: its new tokens after those cached, in pool ``pool`` of the runner,
-        through adapter slot ``adapter`` (None: the base weights alone)."""
+    def forward_items(self, work: Work) -> list[ForwardItem]:
+        """The forward's slice of each sequence: its new tokens after those cached, in this class's pool of the
+        runner, through this class's adapter slot now (None: the base weights alone)."""
+        pool, adapter = self.pool_index, self.adapter_slot()
         return [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n], pool, adapter) for s, n in work]
 
     @staticmethod
@@ -372,6 +386,10 @@ class Batcher:
     def limited(self, **changes: int) -> Limits:
         """This class's limits with some changed (a rollout iteration that may not prefill: ``prefill_tokens=0``)."""
         return replace(self.limits, **changes)
+
+
+def _no_adapter() -> None:
+    return None
 
 
 def _delta_due(seq: Sequence) -> bool:

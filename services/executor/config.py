@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -13,6 +13,11 @@ from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 from .policies import DEFAULT_QUANTUM_MS
 
 MIB = 1 << 20
+# How rollout shares a serving device (engine.py): "two_model", the policy a model of its own, rollout in quanta
+# between serving's iterations (rollout_loop.py); "co_batched", the policy a LoRA adapter of the serving model,
+# rollout rows inside serving's own iterations (co_batched.py).
+RolloutMode = Literal["two_model", "co_batched"]
+ROLLOUT_MODES: tuple[str, ...] = get_args(RolloutMode)
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -36,6 +41,8 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: Literal["rose", "sglang"] = "rose"
     device: str = "auto"  # auto | cpu | cuda | cuda:N | emulated:KIND (an emulated accelerator: [emulation])
     policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
+    # two_model | co_batched (RolloutMode above); co_batched needs a policy that is a LoRA adapter of the serving model
+    rollout_mode: RolloutMode = "two_model"
     serving_kv_mib: Positive = 64.0
     rollout_kv_mib: Positive = 128.0
     # the rollout pool's host-memory tier (SGLang's --hicache-ratio, default 2): it holds copies of retained

@@ -31,6 +31,7 @@ import torch
 from rose.shared.devices import DEVICES, HOST_ROLLOUT_PREFILL_TOKENS, sync_seconds
 from rose.shared.sketch import sketch_to_dict
 
+from .adapters import AdapterBank
 from .emulated import EMULATED_PREFIX, EmulatedAccelerator, EmulatedRunner, EmulationSpec
 from .kv_pool import KVPool, KVShape
 from .model_runner import PagedModelRunner, kv_shape_of
@@ -134,8 +135,10 @@ class RealHardware:
     def kv_bytes(self, work_class: WorkClass, configured: int) -> int:
         return configured
 
-    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> PagedModelRunner:
-        return PagedModelRunner(model, pool)
+    def runner(
+        self, model: torch.nn.Module, pool: KVPool | list[KVPool], work_class: WorkClass, tokenizer: Any, adapters: AdapterBank | None = None
+    ) -> PagedModelRunner:
+        return PagedModelRunner(model, pool, adapters=adapters)
 
     def weight_transfer_s(self) -> float:
         """A new policy version's transfer beyond what the weight follower really fetched: none."""
@@ -327,8 +330,16 @@ class EmulatedDevice:
         """The pool a lane gets: the emulated device's split (``configured`` sizes are the host's, for real models)."""
         return self.spec.serving_kv_bytes if work_class is WorkClass.SERVING else self.spec.rollout_kv_bytes
 
-    def runner(self, model: torch.nn.Module, pool: KVPool, work_class: WorkClass, tokenizer: Any) -> EmulatedRunner:
-        return EmulatedRunner(self.accelerator, self.spec.roofline(work_class), work_class, model, tokenizer, pool, self.spec.time_scale)
+    def runner(
+        self, model: torch.nn.Module, pool: KVPool | list[KVPool], work_class: WorkClass, tokenizer: Any, adapters: AdapterBank | None = None
+    ) -> EmulatedRunner:
+        """A lane's emulated forward: priced on its work class's roofline, with the adapter's kernels where its rows
+        take one (the LoRA policy's shape: ``adapters``)."""
+        pools = pool if isinstance(pool, list) else [pool]
+        lora = adapters.shape if adapters is not None else None
+        return EmulatedRunner(
+            self.accelerator, self.spec.roofline(work_class), work_class, model, tokenizer, pools[0], self.spec.time_scale, lora=lora
+        )
 
     def offload(self, model: torch.nn.Module) -> int:
         """The policy's weights leave the emulated device (the stand-in stays in host memory)."""

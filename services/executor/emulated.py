@@ -62,6 +62,7 @@ from ddsketch import DDSketch
 
 from rose.shared.clock import time_scale
 from rose.shared.devices import DEVICES, ModelSpec, Roofline, SyncSpec, model_spec, rollout_tp, serving_tp, usable_bytes
+from rose.shared.lora import LoraShape
 from rose.shared.sketch import new_sketch
 
 from .config import EmulationSettings
@@ -327,8 +328,10 @@ class EmulatedRunner:
         tokenizer: Any,
         pool: KVPool,
         time_scale: float = 1.0,
+        lora: LoraShape | None = None,
     ) -> None:
         self.accelerator, self.steps, self.work_class, self.model, self.pool = accelerator, steps, work_class, model, pool
+        self.lora = lora  # a LoRA policy's shape: its rows (items naming an adapter slot) add the adapter's kernels
         self.time_scale = time_scale
         self._last_end = 0.0  # monotonic end of this lane's last forward (the host's work since counts toward the next step)
         self.pending_load_s = 0.0  # host-tier restores since this lane's last forward, which its next forward carries
@@ -357,7 +360,8 @@ class EmulatedRunner:
             if should_stop():
                 return None
             should_stop = None
-        seconds = self.steps.forward_s(decodes, chunks) * self.time_scale + self.pending_load_s
+        adapted = float(sum(len(it.token_ids) for it in items if it.adapter is not None))
+        seconds = self.steps.forward_s(decodes, chunks, adapted_tokens=adapted, lora=self.lora) * self.time_scale + self.pending_load_s
         self.pending_load_s = 0.0
         ran = self.accelerator.run(self.work_class, seconds, should_stop, host_s, prefill=bool(chunks))
         self._last_end = time.monotonic()

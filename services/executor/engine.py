@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +30,14 @@ from collections.abc import Callable
 import torch
 
 from rose.shared.bursts import ArrivalBurstDetector, BurstTrip, first_token_wait_ms
+from rose.shared.errors import RoseError
+from rose.shared.lora import Adapter, base_dir_of, check_base, is_adapter_dir, read_adapter
 from rose.shared.sketch import sketch_to_dict
 
+from .adapters import POLICY_SLOTS, AdapterBank
 from .batcher import Batcher
+from .co_batched import CoBatchedLoop
+from .config import ROLLOUT_MODES
 from .core_lending import CoreLending
 from .device import ROLLOUT_PRIORITY, SERVING_PRIORITY, select_device
 from .engine_config import DEFAULT_CONFIG, HEAP_FREEZE, EngineConfig
@@ -49,20 +55,37 @@ from .sampling import SamplerState
 from .scheduling import Limits
 from .sequence import Sequence
 from .slo_guard import GuardState, SloGuard
-from .weights import StagedWeights, stage
+from .weights import AdapterPolicyWeights, FullPolicyWeights
 
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger("rose.executor.engine")
 
 
+class EngineModeError(RoseError, ValueError):
+    """The engine's rollout mode does not fit its policy (co-batched needs a LoRA adapter of the serving model)."""
+
+
 class Engine:
-    """Hosts both models on one device and schedules serving and rollout work."""
+    """Hosts the serving model and the RL policy on one device and schedules serving and rollout work.
+
+    The policy is a model of its own (``policy_model``), or a LoRA adapter (``adapter``) of a base: of the
+    serving model itself in the co-batched mode (``rollout_mode``), where rollout rows ride in serving's own
+    batches; of ``policy_model``, a copy of that base, in the two-model mode."""
 
     def __init__(
-        self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, config: EngineConfig = DEFAULT_CONFIG, policy: str = "rose"
+        self,
+        serving_model,
+        serving_tokenizer,
+        policy_model,
+        policy_tokenizer,
+        config: EngineConfig = DEFAULT_CONFIG,
+        policy: str = "rose",
+        *,
+        adapter: Adapter | None = None,
     ) -> None:
         self.config = config
+        self.mode = config.rollout_mode
         self.policy = make_policy(policy, config.quantum_ms, config.guard_fraction, config.static_share)
         self.device = select_device(config.device, config.emulation)
         self.metrics = EngineMetrics()
@@ -76,17 +99,49 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._threads: list = []
         self._stopping = self._started = False
-        self._init_batchers(serving_model, serving_tokenizer, policy_model, policy_tokenizer)
+        co_batched = self.mode == "co_batched"
+        self._check_mode(adapter)
+        base = serving_model if co_batched else policy_model
+        base.to(self.device.torch_device)
+        bank = self._adapter_bank(adapter, base) if adapter is not None else None
+        self.adapter_weights = AdapterPolicyWeights(bank) if bank is not None else None
+        if co_batched:
+            self._init_co_batched(serving_model, serving_tokenizer, policy_tokenizer, bank)
+        else:
+            self._init_two_model(serving_model, serving_tokenizer, policy_model, policy_tokenizer, bank)
+        self.weights = self.adapter_weights or FullPolicyWeights(self.rollout.model, self.rollout.runner)
         self.control = RolloutControl(
             self.rollout,
-            offload_weights=lambda: self.device.offload(self.rollout.model),
-            reload_weights=lambda: self.device.reload(self.rollout.model),
+            offload_weights=None if co_batched else lambda: self.device.offload(self.rollout.model),
+            reload_weights=None if co_batched else lambda: self.device.reload(self.rollout.model),
             runs_now=lambda: not self._started or not self.policy.admits_rollout or self._stopping,
         )
-        self._init_rollout_loop()
+        self._watch = ServingWatch(self.serving, self.slo_guard, lambda: (self.slo_ttft_ms, self.slo_tpot_ms), self.bursts.rate)
+        self._init_lanes()
 
-    def _init_batchers(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer) -> None:
-        """The two work classes: each its model on the device, its KV pool, its forward runner and its lane."""
+    def _check_mode(self, adapter: Adapter | None) -> None:
+        if self.mode not in ROLLOUT_MODES:
+            raise EngineModeError(f"unknown rollout mode {self.mode!r}; use one of {', '.join(ROLLOUT_MODES)}")
+        if self.mode == "co_batched" and adapter is None:
+            raise EngineModeError(
+                "rollout_mode co_batched runs rollout rows in the serving model's own batches, so the policy must be a LoRA "
+                "adapter of the serving model; this one is a model of its own (build one: `rose models init DIR --lora`, "
+                'or set engine.rollout_mode = "two_model")'
+            )
+        if self.mode == "co_batched" and self.policy.name == "static_partition":
+            raise EngineModeError("static_partition is a duty cycle of a rollout lane: it runs in the two_model mode only")
+
+    def _adapter_bank(self, adapter: Adapter, base) -> AdapterBank:
+        """The LoRA policy's slots beside ``base`` (the serving model, co-batched), version 0 in slot 0; refused
+        (AdapterError, saying which model and why) unless ``base`` is the model the adapter was built on."""
+        check_base(adapter, base.state_dict(), "this executor's serving model" if self.mode == "co_batched" else "the policy's base")
+        dtype = next(base.parameters()).dtype
+        bank = AdapterBank.for_adapter(adapter, slots=POLICY_SLOTS, device=self.device.torch_device, dtype=dtype)
+        bank.load(0, {n: t.to(dtype) for n, t in adapter.tensors.items()}, version=0)
+        return bank
+
+    def _init_two_model(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, bank: AdapterBank | None) -> None:
+        """Two models, two lanes: each class its model on the device, its KV pool and its forward runner."""
         config, dev = self.config, self.device.torch_device
         serving_model.to(dev)
         policy_model.to(dev)
@@ -95,18 +150,9 @@ class Engine:
         s_pool = self._pool("serving", WorkClass.SERVING, serving_model, config.serving_kv_bytes)
         r_pool = self._pool("rollout", WorkClass.ROLLOUT, policy_model, config.rollout_kv_bytes)
         r_pool.set_budget_bytes(0)  # no lease yet
-        r_runner = self._rollout_runner(policy_model, policy_tokenizer, r_pool)
-        self.serving = Batcher(
-            WorkClass.SERVING,
-            serving_model,
-            serving_tokenizer,
-            s_pool,
-            self.device.runner(serving_model, s_pool, WorkClass.SERVING, serving_tokenizer),
-            Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size),
-            serving_lane,
-            metrics=self.metrics,
-            version=lambda: SERVING_MODEL_VERSION,
-            guard=self.slo_guard,
+        r_runner = self._rollout_runner(policy_model, policy_tokenizer, r_pool, bank)
+        self.serving = self._serving_batcher(
+            serving_model, serving_tokenizer, s_pool, self.device.runner(serving_model, s_pool, WorkClass.SERVING, serving_tokenizer), serving_lane
         )
         self.rollout = Batcher(
             WorkClass.ROLLOUT,
@@ -119,11 +165,56 @@ class Engine:
             metrics=self.metrics,
             version=lambda: self.policy_version,
             prefixes=RetainedPrefixes(r_pool, r_runner, int(config.host_kv_ratio * r_pool.capacity_bytes)),
+            adapter_slot=self.adapter_weights.slot if self.adapter_weights is not None else None,
         )
         if config.cuda_graphs:
             for rt in (self.serving, self.rollout):
                 if hasattr(rt.runner, "use_cuda_graphs") and not isinstance(rt.runner, ProcessRunner):  # (the CPU's child never sees CUDA)
                     rt.runner.use_cuda_graphs(rt.limits.max_batch)
+
+    def _init_co_batched(self, serving_model, serving_tokenizer, policy_tokenizer, bank: AdapterBank | None) -> None:
+        """One model, one lane, one runner over two KV pools: serving's rows in pool 0, rollout's (through the
+        adapter's live slot) in pool 1, each pool its own tensor of the serving model's shape."""
+        config = self.config
+        lane = self.device.lane("serving", SERVING_PRIORITY)
+        s_pool = self._pool("serving", WorkClass.SERVING, serving_model, config.serving_kv_bytes)
+        r_pool = self._pool("rollout", WorkClass.ROLLOUT, serving_model, config.rollout_kv_bytes)
+        r_pool.set_budget_bytes(0)  # no lease yet
+        runner = self.device.runner(serving_model, [s_pool, r_pool], WorkClass.SERVING, serving_tokenizer, adapters=bank)
+        self.serving = self._serving_batcher(serving_model, serving_tokenizer, s_pool, runner, lane)
+        assert self.adapter_weights is not None  # _check_mode: co-batched runs an adapter
+        self.rollout = Batcher(
+            WorkClass.ROLLOUT,
+            serving_model,
+            policy_tokenizer,
+            r_pool,
+            runner,
+            Limits(config.rollout_max_batch, config.rollout_prefill_tokens or self.device.rollout_prefill_tokens, config.block_size),
+            lane,
+            metrics=self.metrics,
+            version=lambda: self.policy_version,
+            prefixes=RetainedPrefixes(r_pool, runner, int(config.host_kv_ratio * r_pool.capacity_bytes)),
+            wakeup=self.serving.wakeup,  # one thread runs both classes' iterations: either's work wakes it
+            pool_index=1,
+            adapter_slot=self.adapter_weights.slot,
+        )
+        if config.cuda_graphs and hasattr(runner, "use_cuda_graphs"):
+            runner.use_cuda_graphs(self.serving.limits.max_batch)  # serving-only decode steps; adapted ones run eagerly
+
+    def _serving_batcher(self, model, tokenizer, pool: KVPool, runner, lane) -> Batcher:
+        config = self.config
+        return Batcher(
+            WorkClass.SERVING,
+            model,
+            tokenizer,
+            pool,
+            runner,
+            Limits(config.serving_max_batch, config.serving_prefill_tokens, config.block_size),
+            lane,
+            metrics=self.metrics,
+            version=lambda: SERVING_MODEL_VERSION,
+            guard=self.slo_guard,
+        )
 
     def _pool(self, name: str, work_class: WorkClass, model, configured_bytes: int) -> KVPool:
         return KVPool(
@@ -135,7 +226,7 @@ class Engine:
             storage=self.device.backs_kv,
         )
 
-    def _rollout_runner(self, policy_model, policy_tokenizer, pool: KVPool):
+    def _rollout_runner(self, policy_model, policy_tokenizer, pool: KVPool, bank: AdapterBank | None):
         """Rollout's forwards: in a child process off this interpreter's lock (CPU, where configured and shared
         memory allows), else on the device's own runner."""
         narrow = self.config.rollout_threads or self.device.threads_per_lane
@@ -148,19 +239,37 @@ class Engine:
             )
             in_child = False
         if not in_child:
-            return self.device.runner(policy_model, pool, WorkClass.ROLLOUT, policy_tokenizer)
-        runner = ProcessRunner(policy_model, pool, narrow, idle_priority=self.policy.rollout_cpu_idle and self.config.rollout_is_guest)
+            return self.device.runner(policy_model, pool, WorkClass.ROLLOUT, policy_tokenizer, adapters=bank)
+        idle = self.policy.rollout_cpu_idle and self.config.rollout_is_guest
+        runner = ProcessRunner(policy_model, pool, narrow, idle_priority=idle, adapters=bank)
         runner.held_poll_s = lambda: max(PAUSE_POLL_S, self.serving.iteration_ms / 1000.0)  # a held forward asks again once per serving iteration
         return runner
 
-    def _init_rollout_loop(self) -> None:
-        """The two-model mode's rollout lane: its core lending (CPU) and its thread's loop."""
+    def _init_lanes(self) -> None:
+        """The threads' loops, chosen once: the two-model mode's rollout lane (with its CPU core lending), or the
+        co-batched mode's one loop over both classes."""
         narrow = self.config.rollout_threads or self.device.threads_per_lane
         runner = self.rollout.runner
-        wide = self.device.max_lane_width(narrow) if self.policy.widens_when_serving_idle and self.config.lend_serving_core else narrow
+        lends = self.mode == "two_model" and self.policy.widens_when_serving_idle and self.config.lend_serving_core
+        wide = self.device.max_lane_width(narrow) if lends else narrow
         set_width = runner.set_width if isinstance(runner, ProcessRunner) else self.device.set_thread_width
         self.core_lending = CoreLending(narrow, wide, set_width)  # CPU: the serving core lent while serving has no work
-        self._watch = ServingWatch(self.serving, self.slo_guard, lambda: (self.slo_ttft_ms, self.slo_tpot_ms), self.bursts.rate)
+        self._rollout_loop: RolloutLoop | None = None
+        self._co_batched: CoBatchedLoop | None = None
+        if self.mode == "co_batched":
+            self._co_batched = CoBatchedLoop(
+                serving=self.serving,
+                rollout=self.rollout,
+                watch=self._watch,
+                lease=self.lease,
+                control=self.control,
+                policy=self.policy,
+                device=self.device,
+                metrics=self.metrics,
+                stopping=lambda: self._stopping,
+                idle_bound_s=self.policy.quantum_ms / 1000.0 if self.config.rollout_is_guest and self.policy.quantum_ms else math.inf,
+            )
+            return
         self._rollout_loop = RolloutLoop(
             rollout=self.rollout,
             serving=self.serving,
@@ -180,16 +289,20 @@ class Engine:
 
     @classmethod
     def from_dirs(cls, serving_dir: str, policy_dir: str, config: EngineConfig = DEFAULT_CONFIG, policy: str = "rose") -> Engine:
+        """An engine over local model directories. A policy directory that holds a LoRA adapter (peft's files) is a
+        LoRA policy: of the serving model in the co-batched mode, of its own base (loaded as a second copy) in the
+        two-model mode."""
         from rose.shared.models import load_for_inference, load_tokenizer
 
-        return cls(
-            load_for_inference(serving_dir, "cpu", config.dtype),
-            load_tokenizer(serving_dir),
-            load_for_inference(policy_dir, "cpu", config.dtype),
-            load_tokenizer(policy_dir),
-            config,
-            policy,
-        )
+        serving = load_for_inference(serving_dir, "cpu", config.dtype)
+        adapter = read_adapter(policy_dir) if is_adapter_dir(policy_dir) else None
+        if adapter is None:
+            policy_model = load_for_inference(policy_dir, "cpu", config.dtype)
+        elif config.rollout_mode == "co_batched":
+            policy_model = None  # the serving model is the base: its weights, read once for both classes
+        else:
+            policy_model = load_for_inference(str(base_dir_of(policy_dir, adapter)), "cpu", config.dtype)
+        return cls(serving, load_tokenizer(serving_dir), policy_model, load_tokenizer(policy_dir), config, policy, adapter=adapter)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -198,11 +311,14 @@ class Engine:
             return
         self._started = True
         HEAP_FREEZE.hold()
-        self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
-        if isinstance(self.rollout.runner, ProcessRunner):
-            self.rollout.runner.start()
-        if self.policy.admits_rollout:
-            self._threads.append(threading.Thread(target=self._rollout_loop.run, name="rose-rollout", daemon=True))
+        if self._co_batched is not None:
+            self._threads = [threading.Thread(target=self._co_batched.run, name="rose-serving", daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._serving_loop, name="rose-serving", daemon=True)]
+            if isinstance(self.rollout.runner, ProcessRunner):
+                self.rollout.runner.start()
+            if self.policy.admits_rollout and self._rollout_loop is not None:
+                self._threads.append(threading.Thread(target=self._rollout_loop.run, name="rose-rollout", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -216,7 +332,8 @@ class Engine:
         await asyncio.to_thread(self._join_threads)
         if isinstance(self.rollout.runner, ProcessRunner):
             await asyncio.to_thread(self.rollout.runner.close)
-        self._rollout_loop.prioritise_serving(False)
+        if self._rollout_loop is not None:
+            self._rollout_loop.prioritise_serving(False)
         for rt in (self.serving, self.rollout):
             rt.finish_all()
 
@@ -262,7 +379,7 @@ class Engine:
     def rollout_shares_interpreter(self) -> bool:
         """True where rollout's ops run on this process's interpreter beside serving's (a host device, no rollout
         child process): only then does the policy guard the interpreter lock serving's lane waits for."""
-        return self._rollout_loop.shares_interpreter
+        return self._rollout_loop is not None and self._rollout_loop.shares_interpreter
 
     @property
     def prefix_cache(self) -> PrefixCache:
@@ -326,7 +443,8 @@ class Engine:
         if trip is not None and self.policy.admits_rollout:
             for listener in self.on_burst:  # the alert that tells the scheduler (every realert_s)
                 listener(trip)
-        self._rollout_loop.serving_arrived()
+        if self._rollout_loop is not None:
+            self._rollout_loop.serving_arrived()
 
     # ------------------------------------------------------------------ the lease (leases.py's LeaseGuard writes it)
     def set_rollout_lease(self, budget_bytes: int, expires_at_monotonic: float, lease_id: str = "") -> None:
@@ -370,21 +488,21 @@ class Engine:
         Returns a future resolved with the swap pause in ms once the new version is live
         (``await asyncio.wrap_future(f)`` from asyncio).
         """
-        staged = stage(self.rollout.model, state_dict, version)
-        self.rollout.runner.prepare_weights(staged)  # here, not in the rollout lane's pause (rollout_process: the standby bank)
-        return self.control.between_iterations(lambda: self._swap(staged))
+        swap = self.weights.prepare(state_dict, version)  # here, not in the lane's pause (a standby bank or slot is filled)
+        return self.control.between_iterations(lambda: self._swap(swap, version))
 
-    def _swap(self, staged: StagedWeights) -> float:
-        pause_ms = self.rollout.runner.apply_weights(staged)
-        self.policy_version = staged.version
+    def _swap(self, swap: Callable[[], float], version: int) -> float:
+        pause_ms = swap()
+        self.policy_version = version
         if self.rollout.prefixes is not None:
             self.rollout.prefixes.flush()  # KV of the old version is stale, on the device and in host memory
         self.metrics.swap_pause(pause_ms)
         return pause_ms
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The live policy parameters (read-only use: a weight follower's base, a digest)."""
-        return self.rollout.model.state_dict()
+        """The live policy parameters, or the live adapter's tensors by peft name (read-only use: a weight
+        follower's base, a digest)."""
+        return self.weights.state_dict()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:

@@ -12,7 +12,7 @@ import torch
 
 from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
 
-from .config import MIB, EngineSettings
+from .config import MIB, EngineSettings, RolloutMode
 from .emulated import EmulationSpec
 from .kv_pool import DEFAULT_BLOCK_SIZE
 from .policies import DEFAULT_GUARD_FRACTION, DEFAULT_STATIC_SHARE
@@ -81,6 +81,7 @@ class EngineConfig:
     seed: int = _SERVICE.seed
     device: str = _SERVICE.device
     dtype: torch.dtype = getattr(torch, _SERVICE.dtype)
+    rollout_mode: RolloutMode = _SERVICE.rollout_mode  # two_model, or co_batched (a LoRA policy's rows in serving's batches)
     emulation: EmulationSpec | None = None  # device "emulated:KIND": the emulated models and memory (emulated.py)
     bursts: BurstSettings = BurstSettings()  # the executor's own burst detector (shared/bursts.py)
     burst_baseline_s: float = BURST_BASELINE_S
@@ -95,6 +96,7 @@ class EngineConfig:
             serving_max_batch=settings.serving_max_batch,
             rollout_max_batch=settings.rollout_max_batch,
             quantum_ms=settings.quantum_ms,
+            rollout_mode=settings.rollout_mode,
             lend_serving_core=settings.lend_serving_core,
             rollout_process=settings.rollout_process,
             cuda_graphs=settings.cuda_graphs,

@@ -56,6 +56,7 @@ class EngineMetrics:
         self.reclaim_ms: list[float] = []  # arrival/revoke -> rollout yielded, all-time (bounded)
         self.max_swap_pause_ms = 0.0
         self.lane_failures = 0  # iterations that raised: their running requests were aborted, the lane went on
+        self.co_batched_iterations = 0  # all-time: forwards that carried serving's rows and rollout's (co_batched.py)
         self.serving_tokens_total = 0  # all-time generated tokens per lane (rates: sglang:gen_throughput)
         self.rollout_tokens_total = 0
         self._last_failure_of: dict[str, LaneFailure] = {}

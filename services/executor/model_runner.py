@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from .adapters import NO_LORA, AdapterBank, LoraSegments
 from .cuda_graphs import DecodeGraphs, DecodeInputs
 from .forward_item import ForwardItem
 from .kv_pool import KVShape, PagedKV, key_slots
@@ -156,6 +157,7 @@ class _AttentionGroup:
     targets: torch.Tensor | None
     gather: torch.Tensor  # [items * max_k] cache slot of each key position
     mask: torch.Tensor  # [items, 1, max_q, max_k]: key visible to query
+    pool: int = 0  # which of the runner's KV pools the group's items are in
 
     @classmethod
     def of(cls, items: list[ForwardItem], qlens: list[int], offsets: list[int], members: list[int], bs: int, dev) -> _AttentionGroup:
@@ -179,6 +181,7 @@ class _AttentionGroup:
                 targets=None,
                 gather=gather,
                 mask=mask,
+                pool=items[members[0]].pool,
             )
         rows = [offsets[i] + min(j, qlens[i] - 1) for i in members for j in range(max_q)]
         valid = [k * max_q + j for k, i in enumerate(members) for j in range(qlens[i])]
@@ -193,6 +196,7 @@ class _AttentionGroup:
             targets=as_index(targets),
             gather=gather,
             mask=mask,
+            pool=items[members[0]].pool,
         )
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -234,13 +238,23 @@ class _LayerWeights:
 
 
 class PagedModelRunner:
-    """Runs one HF Qwen2/Llama model (or its ``ModelWeights``) against one KV pool."""
+    """Runs one HF Qwen2/Llama model (or its ``ModelWeights``) against its KV pools, with LoRA adapters on the rows
+    that name one (``adapters``, adapters.py).
 
-    def __init__(self, model: torch.nn.Module | ModelWeights, pool: PagedKV) -> None:
+    ``pool``: the KV pool its items are in (``ForwardItem.pool`` 0), or several: a co-batched forward carries
+    serving's rows in pool 0 and rollout's in pool 1 (co_batched.py); each pool is its own tensor, read and written
+    only through the items in it. ``adapters``: the adapter slots items may name (None: base weights alone)."""
+
+    def __init__(self, model: torch.nn.Module | ModelWeights, pool: PagedKV | Sequence[PagedKV], adapters: AdapterBank | None = None) -> None:
         weights = model if isinstance(model, ModelWeights) else ModelWeights.of(model)
         self.model = None if isinstance(model, ModelWeights) else model
         self.weights = weights
-        self.pool = pool
+        pools: list[PagedKV] = list(pool) if isinstance(pool, list | tuple) else [cast(PagedKV, pool)]
+        if len({p.block_size for p in pools}) != 1:
+            raise ValueError("a runner's KV pools must share one block size (a forward's block tables are addressed alike)")
+        self.pool: PagedKV = pools[0]
+        self.extra_pools: list[PagedKV] = pools[1:]
+        self.adapters = adapters
         arch = weights.arch
         self.num_heads = arch.num_heads
         self.eps = arch.eps
@@ -272,6 +286,11 @@ class PagedModelRunner:
             log.exception("CUDA graph capture failed; decode steps run eagerly")
             self.graphs, self.graph_failures = None, self.graph_failures + 1
             return 0
+
+    @property
+    def pools(self) -> list[PagedKV]:
+        """The KV pools by ``ForwardItem.pool`` index (``pool`` first: a rollout process may re-point it)."""
+        return [self.pool, *self.extra_pools]
 
     def storage_fingerprint(self) -> tuple[int, ...]:
         """Addresses of every weight and of the KV storage: what a captured graph reads."""
@@ -345,7 +364,8 @@ class PagedModelRunner:
         dev = self.device
         bs = self.pool.block_size
         qlens = [len(it.token_ids) for it in items]
-        if self.graphs is not None and max(qlens) == 1 and (key := self.graphs.fits(items)) is not None:
+        plain = all(it.pool == 0 and it.adapter is None for it in items)  # what a captured graph runs: one pool, no adapter
+        if self.graphs is not None and plain and max(qlens) == 1 and (key := self.graphs.fits(items)) is not None:
             if should_stop is not None and should_stop():  # a replay runs whole: its one safepoint is before it
                 return None
             try:
@@ -366,13 +386,17 @@ class PagedModelRunner:
             tokens.extend(it.token_ids)
             positions.extend(range(it.start, it.start + q))
             write_slots.extend(it.block_table[p // bs] * bs + p % bs for p in range(it.start, it.start + q))
-        decode = [i for i, q in enumerate(qlens) if q == 1]
-        prefill = [i for i, q in enumerate(qlens) if q > 1]
-        groups = [_AttentionGroup.of(items, qlens, offsets, g, bs, dev) for g in (prefill, decode) if g]
+        groups = []
+        for pool in sorted({it.pool for it in items}):
+            for wanted in (lambda q: q > 1, lambda q: q == 1):  # prefill chunks, then decodes: each its own padded batch
+                members = [i for i, q in enumerate(qlens) if items[i].pool == pool and wanted(q)]
+                if members:
+                    groups.append(_AttentionGroup.of(items, qlens, offsets, members, bs, dev))
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
+        writes = _KVWrites.of(items, qlens, offsets, write_slots, dev)
+        lora = LoraSegments.of(items, offsets, dev) if self.adapters is not None else NO_LORA
 
-        x = self._decoder(torch.tensor(tokens, dtype=torch.long, device=dev), positions_t, slots, groups, should_stop)
+        x = self._decoder(torch.tensor(tokens, dtype=torch.long, device=dev), positions_t, writes, groups, should_stop, lora)
         if x is None:
             return None
         if all_logits:
@@ -389,21 +413,22 @@ class PagedModelRunner:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
+        writes: _KVWrites,
         groups: list[_AttentionGroup],
         should_stop: Callable[[], bool] | None = None,
+        lora: LoraSegments = NO_LORA,
     ) -> torch.Tensor | None:
-        """Embedding, every layer (writing K/V at ``slots``) and the final norm: ``[tokens, hidden]``,
-        or None when ``should_stop`` says so at a safepoint."""
+        """Embedding, every layer (writing K/V where ``writes`` says) and the final norm: ``[tokens, hidden]``,
+        or None when ``should_stop`` says so at a safepoint. ``lora``: the rows that also go through an adapter."""
         x = F.embedding(tokens, self._embed)  # [tokens, hidden]
         cos, sin = self._rope(positions, x.dtype)
         for li, layer in enumerate(self._layers):
             if should_stop is not None and should_stop():
                 return None
-            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, slots, groups)
+            x = x + self._attention(layer, li, _rms_norm(x, layer.input_norm, self.eps), cos, sin, writes, groups, lora)
             if should_stop is not None and should_stop():  # a second safepoint, between attention and MLP
                 return None
-            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.eps))
+            x = x + self._mlp(layer, li, _rms_norm(x, layer.post_norm, self.eps), lora)
         return _rms_norm(x, self._norm, self.eps)
 
     @torch.inference_mode()
@@ -412,7 +437,7 @@ class PagedModelRunner:
         new index tensors): what ``cuda_graphs`` captures. Float32 logits ``[batch, vocab]``."""
         batch = inputs.tokens.shape[0]
         group = _AttentionGroup(batch=batch, max_q=1, span=(0, batch), rows=None, valid=None, targets=None, gather=inputs.gather, mask=inputs.mask)
-        x = self._decoder(inputs.tokens, inputs.positions, inputs.slots, [group])
+        x = self._decoder(inputs.tokens, inputs.positions, _KVWrites(((0, None, inputs.slots),)), [group])
         assert x is not None  # no should_stop: it runs to the end
         return _linear(self._lm_head, x).float()
 
@@ -423,25 +448,56 @@ class PagedModelRunner:
         scale = self.weights.arch.attention_scaling
         return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
-    def _attention(self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, slots, groups: list[_AttentionGroup]) -> torch.Tensor:
+    def _proj(self, li: int, module: str, weight_bias: tuple, x: torch.Tensor, lora: LoraSegments) -> torch.Tensor:
+        """One linear layer over the packed rows, and its adapter on the rows that take one."""
+        y = _linear(weight_bias, x)
+        if lora and self.adapters is not None:
+            y = self.adapters.add_delta(li, module, x, y, lora)
+        return y
+
+    def _attention(
+        self, layer: _LayerWeights, li: int, h: torch.Tensor, cos, sin, writes: _KVWrites, groups: list[_AttentionGroup], lora: LoraSegments
+    ) -> torch.Tensor:
         n = h.shape[0]
         hd, kvh, heads = self.shape.head_dim, self.shape.num_kv_heads, self.num_heads
-        q = _linear(layer.q, h).view(n, heads, hd)
-        k = _linear(layer.k, h).view(n, kvh, hd)
-        v = _linear(layer.v, h).view(n, kvh, hd)
+        q = self._proj(li, "q_proj", layer.q, h, lora).view(n, heads, hd)
+        k = self._proj(li, "k_proj", layer.k, h, lora).view(n, kvh, hd)
+        v = self._proj(li, "v_proj", layer.v, h, lora).view(n, kvh, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_cache, v_cache = self.pool.k[li], self.pool.v[li]
-        k_cache.index_copy_(0, slots, k)
-        v_cache.index_copy_(0, slots, v)
+        pools = self.pools
+        for pool, rows, slots in writes.by_pool:
+            pools[pool].k[li].index_copy_(0, slots, k if rows is None else k.index_select(0, rows))
+            pools[pool].v[li].index_copy_(0, slots, v if rows is None else v.index_select(0, rows))
         if len(groups) == 1 and groups[0].rows is None:  # its padded rows are the packed batch: no copy
-            out = groups[0].attend(q, k_cache, v_cache)
+            g = groups[0]
+            out = g.attend(q, pools[g.pool].k[li], pools[g.pool].v[li])
         else:
             out = q.new_empty(n, heads * hd)
-            for group in groups:
-                group.attend_into(out, q, k_cache, v_cache)
-        return _linear(layer.o, out)
+            for g in groups:
+                g.attend_into(out, q, pools[g.pool].k[li], pools[g.pool].v[li])
+        return self._proj(li, "o_proj", layer.o, out, lora)
 
-    @staticmethod
-    def _mlp(layer: _LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        return _linear(layer.down, F.silu(_linear(layer.gate, h)) * _linear(layer.up, h))
+    def _mlp(self, layer: _LayerWeights, li: int, h: torch.Tensor, lora: LoraSegments) -> torch.Tensor:
+        gate, up = self._proj(li, "gate_proj", layer.gate, h, lora), self._proj(li, "up_proj", layer.up, h, lora)
+        return self._proj(li, "down_proj", layer.down, F.silu(gate) * up, lora)
+
+
+@dataclass(frozen=True)
+class _KVWrites:
+    """Where one forward writes its new tokens' K and V: per pool, its packed rows (None: all of them) and their
+    cache slots."""
+
+    by_pool: tuple[tuple[int, torch.Tensor | None, torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, items: list[ForwardItem], qlens: list[int], offsets: list[int], write_slots: list[int], dev) -> _KVWrites:
+        pools = sorted({it.pool for it in items})
+        if len(pools) == 1:
+            return cls(((pools[0], None, torch.tensor(write_slots, dtype=torch.long, device=dev)),))
+        writes = []
+        for pool in pools:
+            rows = [offsets[i] + j for i, it in enumerate(items) if it.pool == pool for j in range(qlens[i])]
+            as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+            writes.append((pool, as_index(rows), as_index([write_slots[r] for r in rows])))
+        return cls(tuple(writes))

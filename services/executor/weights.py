@@ -7,12 +7,17 @@ token is produced by exactly one version: ``StagedWeights.apply`` re-points the 
 (in process), ``copy_into`` copies in place (captured CUDA graphs), and the CPU's forward
 process flips between two shared-memory banks (rollout_process.py). Partial state dicts (a
 subset of names) are allowed: a delta sync may only change some tensors.
+
+Which of the two a policy is, the engine decides once: ``FullPolicyWeights`` (a model of its own) or
+``AdapterPolicyWeights`` (a LoRA adapter whose versions flip between slots of an adapter bank).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,3 +91,60 @@ def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: 
         raise WeightUpdateError("state dict does not match the policy model: " + "; ".join(problems[:5]))
     device = next(iter(live.values())).device
     return StagedWeights({n: t.detach().to(device, copy=True).contiguous() for n, t in state_dict.items()}, version)
+
+
+class FullPolicyWeights:
+    """A policy that is a model of its own: a version is staged against it (``stage``), prepared by its runner on the
+    caller's thread (a rollout process fills its standby bank) and swapped in by the runner between iterations."""
+
+    def __init__(self, model: torch.nn.Module, runner: Any) -> None:
+        self.model, self.runner = model, runner
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> Callable[[], float]:
+        """Check and stage now (WeightUpdateError: nothing changed); returns the swap, which gives its pause in ms."""
+        staged = stage(self.model, state_dict, version)
+        self.runner.prepare_weights(staged)
+        return lambda: self.runner.apply_weights(staged)
+
+
+class AdapterPolicyWeights:
+    """A policy that is a LoRA adapter: its versions live in an ``AdapterBank``'s slots (adapters.py). A version is
+    written into the spare slot on the caller's thread, over a copy of the live one (a delta names only what
+    changed); the swap, between iterations, moves ``live`` to it: every later row names the new slot, so the
+    pause is a pointer move whatever the adapter's size."""
+
+    def __init__(self, bank: Any) -> None:
+        self.bank = bank
+        self.live = 0
+        self._pending: int | None = None  # a slot written and not yet swapped to
+
+    def slot(self) -> int:
+        """The slot the policy's rows use now."""
+        return self.live
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.bank.state_dict(self.live)
+
+    def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> Callable[[], float]:
+        if not isinstance(version, int) or version < 0:
+            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+        if not state_dict:
+            raise WeightUpdateError("empty state dict: nothing to update")
+        if self._pending is not None:
+            raise WeightUpdateError("an adapter version is still being swapped in: apply the next one once it is live")
+        spare = (self.live + 1) % self.bank.slots
+        try:
+            self.bank.load(spare, state_dict, version, base_slot=self.live)
+        except ValueError as exc:  # AdapterError: names or shapes that are not the live adapter's
+            raise WeightUpdateError(f"state dict does not match the policy's adapter: {exc}") from None
+        self._pending = spare
+
+        def swap() -> float:
+            start = time.perf_counter()
+            self.live, self._pending = spare, None
+            return (time.perf_counter() - start) * 1000.0
+
+        return swap
