@@ -12,11 +12,13 @@ iterations, and each iteration is
 
 The threshold is the SLO guard's (slo_guard.py): while serving has running requests, a serving iteration
 stays under ``share x setpoint x the TPOT SLO`` (the share falls when serving's own tails near the
-setpoint, and is 0 while the executor's burst detector holds); with no serving work, rollout's rows all
-ride and only its prefill is bounded, by the quantum, so an arrival waits at most one iteration. The
-budget is ``shared.co_batch.co_batch_rows`` (the simulator prices the same rule) over this executor's
-own measured fit of an iteration's time against its tokens (``IterationFit``): a closed loop on what a
-serving iteration really takes here, not a device constant.
+setpoint, and is 0 while the executor's burst detector holds). The budget is
+``shared.co_batch.co_batch_rows`` (the simulator prices the same rule) over this executor's own measured
+fit of an iteration's time against its tokens (``IterationFit``): a closed loop on what a serving
+iteration really takes here, not a device constant. With no serving request running, rollout runs as a
+rollout lane's iteration would: its batch and its prefill chunk (``rollout_prefill_tokens``: the
+roofline's ridge on a GPU, a chunk that costs about a decode step), so a serving arrival waits at most
+that one iteration before its prefill goes first.
 
 Reclaim is the next iteration leaving rollout rows out: a revoked lease stops them within one
 iteration, a parked one keeps their KV. Controls and weight swaps (an adapter version flips slots) run
@@ -107,12 +109,10 @@ class CoBatchedLoop:
         device: Any,
         metrics: EngineMetrics,
         stopping: Callable[[], bool],
-        idle_bound_s: float,
     ) -> None:
         self.serving, self.rollout, self.watch, self.lease, self.control = serving, rollout, watch, lease, control
         self.policy, self.device, self.metrics = policy, device, metrics
         self._stopping = stopping
-        self.idle_bound_s = idle_bound_s  # with no serving work: an iteration's bound (the quantum; inf on a dedicated executor)
         self.fit = IterationFit()
         self.last_budget = CoBatchBudget(0, 0)  # the last iteration's, to read (tests, telemetry)
 
@@ -169,23 +169,25 @@ class CoBatchedLoop:
         serving_tokens = sum(n for _, n in s_work)
         waiting_prompt = sum(len(sq.tokens) - sq.num_cached for sq in r.waiting)
         unprefilled = sum(len(sq.tokens) - sq.num_cached - 1 for sq in r.running if len(sq.tokens) - sq.num_cached > 1)
-        budget = co_batch_rows(
-            lambda rows, prefill: self.fit.seconds(serving_tokens + rows + prefill),
-            threshold_s=self._threshold_s(),
-            max_rows=min(r.max_batch, len(r.running) + len(r.waiting)),
-            max_prefill_tokens=min(r.limits.prefill_tokens, waiting_prompt + unprefilled),
-            serving_busy=bool(s.running),
-        )
+        max_rows = min(r.max_batch, len(r.running) + len(r.waiting))
+        max_prefill = min(r.limits.prefill_tokens, waiting_prompt + unprefilled)
+        if not s.running:  # nothing of serving's to slow down: the batch and its chunk, as a rollout lane's iteration
+            budget = CoBatchBudget(max_rows, max_prefill)
+        else:
+            budget = co_batch_rows(
+                lambda rows, prefill: self.fit.seconds(serving_tokens + rows + prefill),
+                threshold_s=self._threshold_s(),
+                max_rows=max_rows,
+                max_prefill_tokens=max_prefill,
+            )
         self.last_budget = budget
         if budget.rows <= 0:
             return []
         return r.plan(admit=True, limits=r.limited(prefill_tokens=budget.prefill_tokens), rows=budget.rows)
 
     def _threshold_s(self) -> float:
-        """The guard's bound on this iteration: ``share x setpoint x TPOT SLO`` while serving runs (the quantum
-        without a TPOT SLO; no bound where the policy ignores the SLO), else the idle bound."""
-        if not self.serving.running:
-            return self.idle_bound_s
+        """The guard's bound on an iteration while serving runs: ``share x setpoint x TPOT SLO`` (the quantum
+        without a TPOT SLO; no bound where the policy ignores the SLO)."""
         if not self.policy.yields_to_alerts:
             return math.inf  # naive_share: the SLO is not its business
         signals = self.watch.signals(lanes_overlap=True, shares_interpreter=True, priority_streams=True, rollout_graphs=True)

@@ -358,7 +358,9 @@ class EmulatedDevice:
         """How long a new policy version takes to reach this instance, priced as the simulator prices it:
         the real model's bytes as a delta over the inter-cluster link (a serving instance) or the training
         cluster's fabric (a dedicated one, beside the trainer): shared.devices.sync_seconds."""
-        priced = sync_seconds(self.spec.policy.weight_bytes, "delta", self.spec.sync, cross_cluster=not self.spec.dedicated)
+        # a LoRA version is priced whole: an adapter's elements nearly all move each step (unlike a full model's 2-4 %)
+        mode = "full" if self.spec.lora is not None else "delta"
+        priced = sync_seconds(self.spec.version_bytes, mode, self.spec.sync, cross_cluster=not self.spec.dedicated)
         return priced * self.spec.time_scale
 
     def telemetry(self, child_pid: int | None = None) -> Telemetry:

@@ -50,6 +50,7 @@ up shows there first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -91,6 +92,8 @@ class EmulationSpec:
     quantum_s: float  # wall seconds (settings are scaled when loaded)
     time_scale: float = 1.0  # wall seconds per emulated second (shared/clock.py): forwards and transfers take this x their time
     sync: SyncSpec = SyncSpec()
+    lora: LoraShape | None = None  # the policy is a LoRA adapter of the serving model, of this shape (its base: ``policy_model``)
+    co_batched: bool = False  # its rows ride in serving's batches: a serving instance hosts no copy of the base
 
     @property
     def serving(self) -> ModelSpec:
@@ -104,38 +107,58 @@ class EmulationSpec:
         model = self.serving if work_class is WorkClass.SERVING else self.policy
         return Roofline(DEVICES[self.device], model, self.tp)
 
+    @property
+    def adapter_bytes(self) -> float:
+        """A LoRA policy's adapter on the emulated model (0: the policy is a model of its own)."""
+        return self.policy.lora_params(self.lora) * self.policy.bytes_per_param if self.lora is not None else 0.0
+
+    @property
+    def version_bytes(self) -> float:
+        """What one policy version is: its adapter, or the whole policy's weights."""
+        return self.adapter_bytes if self.lora is not None else self.policy.weight_bytes
+
     def weight_bytes(self) -> float:
-        """What the instance's weights take: the policy always, the serving model on a serving instance."""
-        return self.policy.weight_bytes + (0.0 if self.dedicated else self.serving.weight_bytes)
+        """What the instance's weights take: the serving model on a serving instance; the policy's own weights
+        (a co-batched serving instance has none: its base is the serving model) and its adapter."""
+        shares_base = self.co_batched and not self.dedicated
+        return (0.0 if shares_base else self.policy.weight_bytes) + self.adapter_bytes + (0.0 if self.dedicated else self.serving.weight_bytes)
 
     def label(self) -> str:
         models = self.policy_model if self.dedicated else f"{self.serving_model}+{self.policy_model}"
         return f"{self.tp}x{self.device} emulated ({models})"
 
 
-def emulation_spec(device: str, settings: EmulationSettings, *, dedicated: bool, quantum_ms: float) -> EmulationSpec:
+def emulation_spec(
+    device: str, settings: EmulationSettings, *, dedicated: bool, quantum_ms: float, lora: LoraShape | None = None, co_batched: bool = False
+) -> EmulationSpec:
     """The executor's ``[emulation]`` settings for ``engine.device = "emulated:KIND"``, checked and completed
-    (a ValueError names what is wrong: an unknown kind or model, weights that leave no room for KV)."""
+    (a ValueError names what is wrong: an unknown kind or model, weights that leave no room for KV). ``lora``: the
+    policy is an adapter of this shape (of the serving model: its base is the serving model's shape)."""
     kind = parse_device(device)
     serving = model_spec(settings.model).name
     policy = model_spec(settings.policy_model or settings.model).name
+    if lora is not None and policy != serving:
+        raise ValueError(f"a LoRA policy adapts the serving model: emulation.policy_model is {policy}, the serving model {serving}")
     tp = settings.tp or instance_tp(kind, serving, policy, dedicated)
-    serving_kv, rollout_kv = default_memory(kind, serving, policy, tp, dedicated)
-    if settings.serving_kv_gib:
-        serving_kv = int(settings.serving_kv_gib * 2**30)
-    if settings.rollout_kv_gib:
-        rollout_kv = int(settings.rollout_kv_gib * 2**30)
-    return EmulationSpec(
+    spec = EmulationSpec(
         device=kind,
         serving_model=serving,
         policy_model=policy,
         tp=tp,
         dedicated=dedicated,
-        serving_kv_bytes=serving_kv,
-        rollout_kv_bytes=rollout_kv,
+        serving_kv_bytes=0,
+        rollout_kv_bytes=0,
         quantum_s=quantum_ms / 1e3,
         time_scale=time_scale(),
+        lora=lora,
+        co_batched=co_batched,
     )
+    serving_kv, rollout_kv = default_memory(kind, tp, spec.weight_bytes(), dedicated)
+    if settings.serving_kv_gib:
+        serving_kv = int(settings.serving_kv_gib * 2**30)
+    if settings.rollout_kv_gib:
+        rollout_kv = int(settings.rollout_kv_gib * 2**30)
+    return dataclasses.replace(spec, serving_kv_bytes=serving_kv, rollout_kv_bytes=rollout_kv)
 
 
 def parse_device(name: str) -> str:
@@ -146,14 +169,12 @@ def parse_device(name: str) -> str:
     return kind
 
 
-def default_memory(device: str, serving: str, policy: str, tp: int, dedicated: bool) -> tuple[int, int]:
+def default_memory(device: str, tp: int, weights: float, dedicated: bool) -> tuple[int, int]:
     """(serving KV bytes, rollout KV bytes) when the launcher gave none: what the engine may use
-    (shared.devices.usable_bytes) less the weights, split evenly between serving and what a lease can
-    lend; a dedicated instance keeps a token serving pool and gives rollout the rest. Launchers that
-    know the serving trace size the serving pool as the simulator does (cli/emulate.py)."""
-    spec, s, p = DEVICES[device], model_spec(serving), model_spec(policy)
-    weights = p.weight_bytes + (0.0 if dedicated else s.weight_bytes)
-    kv = usable_bytes(spec, tp) - weights
+    (shared.devices.usable_bytes) less the instance's ``weights`` (``EmulationSpec.weight_bytes``), split evenly
+    between serving and what a lease can lend; a dedicated instance keeps a token serving pool and gives rollout
+    the rest. Launchers that know the serving trace size the serving pool as the simulator does (cli/emulate.py)."""
+    kv = usable_bytes(DEVICES[device], tp) - weights
     if kv <= 0:
         raise ValueError(f"{tp}x{device} cannot hold the weights ({weights / 1e9:.0f} GB) with room for a KV cache: use a larger tp")
     serving_kv = min(kv / 2, 2**30) if dedicated else kv / 2

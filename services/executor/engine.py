@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -267,7 +266,6 @@ class Engine:
                 device=self.device,
                 metrics=self.metrics,
                 stopping=lambda: self._stopping,
-                idle_bound_s=self.policy.quantum_ms / 1000.0 if self.config.rollout_is_guest and self.policy.quantum_ms else math.inf,
             )
             return
         self._rollout_loop = RolloutLoop(

@@ -22,6 +22,7 @@ from rose.contracts.slo import SloAlert
 from rose.shared.bursts import BurstTrip
 from rose.shared.bus import Bus
 from rose.shared.http_server import HardenedAppRunner
+from rose.shared.lora import is_adapter_dir, read_adapter
 from rose.shared.models import POLICY_DIRNAME, SERVING_DIRNAME, init_models, models_root
 from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
@@ -79,8 +80,16 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
             bursts=config.bursts,
             burst_baseline_s=config.burst_baseline_s,
         )
+    lora = read_adapter(policy_dir).shape if is_adapter_dir(policy_dir) else None  # a LoRA policy: the emulated model takes its shape
     emulation = (
-        emulation_spec(e.device, config.emulation, dedicated=config.role == "dedicated", quantum_ms=e.quantum_ms)
+        emulation_spec(
+            e.device,
+            config.emulation,
+            dedicated=config.role == "dedicated",
+            quantum_ms=e.quantum_ms,
+            lora=lora,
+            co_batched=e.rollout_mode == "co_batched",
+        )
         if e.device.startswith(EMULATED_PREFIX)
         else None
     )

@@ -95,7 +95,9 @@ async def test_the_two_model_mode_runs_the_same_lora_policy_to_the_same_tokens(m
     base, tok = loaded["serving"]
     adapter = trained_adapter(base, seed=4)
     co = make_co_batched(adapter=adapter)
-    two = Engine(base, tok, copy.deepcopy(base), tok, EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu"), adapter=adapter)
+    two = Engine(
+        base, tok, copy.deepcopy(base), tok, EngineConfig(serving_kv_bytes=8 * MIB, rollout_kv_bytes=16 * MIB, device="cpu"), adapter=adapter
+    )
     two.start()
     try:
         two.set_rollout_lease(16 * MIB, time.monotonic() + FAR_S)

@@ -10,6 +10,7 @@ under a time scale. A duration is only ever bounded from below (the host can be 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -20,7 +21,8 @@ from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, 
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.telemetry import Telemetry
-from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, sync_seconds
+from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, model_spec, sync_seconds
+from rose.shared.lora import LoraShape
 from rose.testing.engine import EMULATED_7B_H100, CoServingEngineTestcase
 
 SPEC_7B = EMULATED_7B_H100
@@ -247,13 +249,21 @@ def test_emulation_settings_are_checked_and_sized_as_the_simulator_sizes():
         parse_device("emulated:B200")
     assert instance_tp("H100", "70B", "70B", dedicated=False) == 8 and instance_tp("H100", "70B", "70B", dedicated=True) == 4
     spec = emulation_spec("emulated:H100", EmulationSettings(model="7B"), dedicated=False, quantum_ms=10.0)
-    assert (spec.serving_kv_bytes, spec.rollout_kv_bytes) == default_memory("H100", "7B", "7B", 1, False)
+    assert (spec.serving_kv_bytes, spec.rollout_kv_bytes) == default_memory("H100", 1, spec.weight_bytes(), False)
     sized = emulation_spec("emulated:H100", EmulationSettings(model="7B", rollout_kv_gib=20.0), dedicated=True, quantum_ms=10.0)
     assert sized.rollout_kv_bytes == 20 << 30 and sized.dedicated
     with pytest.raises(ValueError, match="choose one of"):
         emulation_spec("emulated:H100", EmulationSettings(model="9B"), dedicated=False, quantum_ms=10.0)
     with pytest.raises(ValueError, match="cannot hold the weights"):
-        default_memory("A100", "70B", "70B", 1, False)
+        default_memory("A100", 1, 2 * model_spec("70B").weight_bytes, False)
+    # a co-batched serving instance hosts the serving model and the adapter, no copy of the base: more KV to lend
+    lora = LoraShape(rank=8, alpha=16.0)
+    co = emulation_spec("emulated:H100", EmulationSettings(model="7B"), dedicated=False, quantum_ms=10.0, lora=lora, co_batched=True)
+    assert co.weight_bytes() == pytest.approx(model_spec("7B").weight_bytes + co.adapter_bytes)
+    assert co.rollout_kv_bytes - spec.rollout_kv_bytes == pytest.approx((model_spec("7B").weight_bytes - co.adapter_bytes) / 2, rel=1e-6)
+    assert co.version_bytes == co.adapter_bytes < 3e-3 * model_spec("7B").weight_bytes  # rank 8: 0.27 % of 7B's weights
+    with pytest.raises(ValueError, match="adapts the serving model"):
+        emulation_spec("emulated:H100", EmulationSettings(model="7B", policy_model="14B"), dedicated=False, quantum_ms=10.0, lora=lora)
 
 
 def test_a_new_version_arrives_as_the_simulator_prices_it(loaded):
@@ -277,3 +287,25 @@ class TestEmulatedEngine(CoServingEngineTestcase):
     @pytest.fixture
     def engine(self, emulated):
         return emulated()
+
+
+class TestEmulatedCoBatchedEngine(CoServingEngineTestcase):
+    """The shared engine test case on the emulated accelerator in the co-batched mode: a rank-8 LoRA policy of the 7B
+    serving model, its rows priced inside serving's forwards (``Roofline.forward_s`` with the adapter's kernels)."""
+
+    long_tokens = 120
+    lease_bytes = 1 << 30
+
+    @pytest.fixture
+    def engine(self, loaded):
+        from rose.shared.lora import Adapter, model_fingerprint, new_adapter
+
+        model, tok = loaded["serving"]
+        shape = LoraShape(rank=8, alpha=16.0)
+        adapter = Adapter(shape=shape, tensors=new_adapter(model, shape), base="", base_fingerprint=model_fingerprint(model.state_dict()))
+        spec = dataclasses.replace(SPEC_7B, lora=shape, co_batched=True)
+        config = EngineConfig(device="emulated:H100", emulation=spec, rollout_mode="co_batched")
+        engine = Engine(model, tok, None, tok, config, adapter=adapter)
+        engine.start()
+        yield engine
+        asyncio.run(engine.stop())
