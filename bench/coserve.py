@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +84,60 @@ def bench_config(device: str = "auto", dtype: str = "auto") -> EngineConfig:
     return config
 
 
-def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = "tiny"):
+CO_BATCHED = "rose+co_batched"  # rose in the co-batched mode (``--lora``): its rollout rows inside serving's own batches
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One row of the bench: a co-serving policy in a rollout mode (services/executor/config.py ROLLOUT_MODES)."""
+
+    label: str
+    policy: str
+    mode: str = "two_model"
+
+
+def contenders(lora: bool) -> list[Contender]:
+    """The four policies in the two-model mode, and with a LoRA policy rose in the co-batched mode beside them."""
+    rows = [Contender(name, name) for name in POLICIES]
+    return rows + ([Contender(CO_BATCHED, "rose", "co_batched")] if lora else [])
+
+
+@dataclass(frozen=True)
+class BenchModels:
+    """The serving model, the policy (a model of its own, or with ``adapter`` a copy of the serving model's base) and
+    the policy's adapter (``--lora``: version 0 of a LoRA adapter of the serving model; None: a full-weight policy)."""
+
+    serving: tuple[Any, Any]  # (model, tokenizer)
+    policy: tuple[Any, Any]
+    adapter: Any = None  # shared.lora.Adapter
+
+    def engine(self, contender: Contender, config: EngineConfig) -> Engine:
+        (s_model, s_tok), (p_model, p_tok) = self.serving, self.policy
+        co_batched = contender.mode == "co_batched"
+        cfg = replace(config, rollout_mode=contender.mode)
+        return Engine(s_model, s_tok, None if co_batched else p_model, p_tok, cfg, contender.policy, adapter=self.adapter)
+
+    @property
+    def vocab(self) -> int:
+        return min(self.serving[0].config.vocab_size, self.policy[0].config.vocab_size)
+
+
+def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = "tiny", lora: bool = False) -> BenchModels:
+    """The models of ``preset`` (built on the spot unless ``model_dir`` holds them); with ``lora`` the policy is
+    an adapter of the serving model (its shape ``rose models init --lora`` builds: shared.lora DEFAULT_LORA)."""
+    from rose.shared.lora import DEFAULT_LORA, Adapter, model_fingerprint, new_adapter
     from rose.shared.models import init_models, load_model, load_tokenizer
 
     root = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="rose-bench-models-"))
     if not (root / "serving" / "config.json").exists():
         init_models(root, seed, preset=preset)
-    return [(load_model(root / name, dtype=dtype), load_tokenizer(root / name)) for name in ("serving", "policy")]
+    serving = (load_model(root / "serving", dtype=dtype), load_tokenizer(root / "serving"))
+    if not lora:
+        return BenchModels(serving, (load_model(root / "policy", dtype=dtype), load_tokenizer(root / "policy")))
+    base = serving[0]
+    tensors = new_adapter(base, DEFAULT_LORA, seed=seed)  # version 0: B = 0 (computes as any version does)
+    adapter = Adapter(shape=DEFAULT_LORA, tensors=tensors, base="serving", base_fingerprint=model_fingerprint(base.state_dict()))
+    return BenchModels(serving, (load_model(root / "serving", dtype=dtype), serving[1]), adapter)
 
 
 def _trace(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -160,8 +207,8 @@ class _Backlog:
 
 
 async def _run_policy(
-    policy: str,
-    models,
+    contender: Contender,
+    models: BenchModels,
     config: EngineConfig,
     arrivals: list[float],
     seed: int,
@@ -170,12 +217,12 @@ async def _run_policy(
     progress=None,
     reclaim_probes: int = RECLAIM_PROBES,
 ) -> dict:
-    (s_model, s_tok), (p_model, p_tok) = models
-    engine = Engine(s_model, s_tok, p_model, p_tok, config, policy)
+    engine = models.engine(contender, config)
+    policy = contender.label
     if slo:
         engine.set_slo(*slo)
     engine.start()
-    vocab = min(s_model.config.vocab_size, p_model.config.vocab_size)
+    vocab = models.vocab
     rng = np.random.default_rng(seed)
     await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, f"warm-{policy}"))) for i in range(WARMUP_REQUESTS)])
     backlog = None
@@ -209,6 +256,7 @@ async def _run_policy(
     results = await asyncio.gather(*tasks)
     if backlog and engine.policy.yields_on_arrival:
         await _reclaim_probes(engine, rng, vocab, policy, reclaim_probes)
+    co_batched_iterations = engine.metrics.co_batched_iterations
     await engine.stop()  # stopping at once: the backlog stops refilling
     if backlog:
         await asyncio.gather(*backlog.tasks, return_exceptions=True)
@@ -228,6 +276,8 @@ async def _run_policy(
         "lane_failures": engine.metrics.lane_failures,
         "guard_trace": guard_trace,
         "arrivals_s": list(arrivals),
+        "mode": contender.mode,
+        "co_batched_iterations": co_batched_iterations,
     }
 
 
@@ -273,17 +323,16 @@ async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str, probes: int
         await _consume(engine.submit(_serving_request(i, rng, vocab, f"{tag}-probe")))
 
 
-async def _capacity(models, config: EngineConfig, seed: int) -> list[float]:
+async def _capacity(models: BenchModels, config: EngineConfig, seed: int) -> list[float]:
     """Serving requests/s the serving model sustains when saturated (serving only), once per round.
 
     The median of the rounds sets the trace's rate. Why rounds: one round is ~1.5 s on the
     2-core VM, and a stall of the VM in it moved the rate (so every policy's operating point,
     bursts near saturation or not) by up to a quarter between runs of the same seed."""
-    (s_model, s_tok), (p_model, p_tok) = models
-    engine = Engine(s_model, s_tok, p_model, p_tok, config, "serving_only")
+    engine = models.engine(Contender("serving_only", "serving_only"), config)
     engine.start()
     rng = np.random.default_rng(seed)
-    vocab = s_model.config.vocab_size
+    vocab = models.serving[0].config.vocab_size
     await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, "cap-warm"))) for i in range(WARMUP_REQUESTS)])
     rounds = []
     for r in range(CAPACITY_ROUNDS):
@@ -294,7 +343,7 @@ async def _capacity(models, config: EngineConfig, seed: int) -> list[float]:
     return rounds
 
 
-async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) -> dict[int, float]:
+async def _dedicated(models: BenchModels, config: EngineConfig, seconds: float, seed: int) -> dict[int, float]:
     """Rollout tokens/s of the policy model alone, with one thread and with all cores (the best is the baseline)."""
     by_threads: dict[int, float] = {}
     from rose.services.executor.device import select_device
@@ -304,11 +353,10 @@ async def _dedicated(models, config: EngineConfig, seconds: float, seed: int) ->
     for n in threads:
         # exactly n threads, in this process: the policy alone has no lock to share, and no pipe to pay
         cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False, "rollout_process": False})
-        (s_model, s_tok), (p_model, p_tok) = models
-        engine = Engine(s_model, s_tok, p_model, p_tok, cfg, "rose")
+        engine = models.engine(Contender("rose", "rose"), cfg)  # the policy alone (a LoRA policy: base copy + adapter)
         engine.start()
         engine.set_rollout_lease(cfg.rollout_kv_bytes, time.monotonic() + 3600)
-        backlog = _Backlog(engine, p_model.config.vocab_size, seed, f"ded{n}")
+        backlog = _Backlog(engine, models.policy[0].config.vocab_size, seed, f"ded{n}")
         backlog.fill()
         await asyncio.sleep(0.5)
         engine.stats()
@@ -441,14 +489,30 @@ def _cell(runs: dict, slo: tuple[float, float], dedicated_by_threads: dict[int, 
         out["policies"][name] = {
             k: p[k] for k in ("slo_attainment", "slo_attainment_runs", "ttft_p99_ms", "tpot_p99_ms", "rollout_tokens_per_s", "aborted_requests")
         }
+        out["policies"][name]["mode"] = run.get("mode", "two_model")
         out["policies"][name]["harvest"] = p["rollout_tokens_per_s"] / max(1e-9, dedicated)
         out["policies"][name]["harvest_vs_one_thread"] = p["rollout_tokens_per_s"] / max(1e-9, one_thread)
         out["policies"][name]["slo_misses"] = round((1.0 - p["slo_attainment"]) * len(run["ttft_ms"]))
-    rose, base = out["policies"]["rose"], out["policies"]["serving_only"]
-    out["rose_meets_slo_target"] = rose["slo_attainment"] >= 0.99 and rose["slo_attainment"] >= base["slo_attainment"] - SLO_TOLERANCE
+    base = out["policies"]["serving_only"]
+
+    def meets(name: str) -> bool:
+        p = out["policies"][name]
+        return p["slo_attainment"] >= 0.99 and p["slo_attainment"] >= base["slo_attainment"] - SLO_TOLERANCE
+
+    rose = out["policies"]["rose"]
+    out["rose_meets_slo_target"] = meets("rose")
     out["rose_extra_misses"] = rose["slo_misses"] - base["slo_misses"]
     out["tolerated_extra_misses"] = SLO_TOLERANCE * requests  # below 1, one request decides the cell: too few to resolve the tolerance
     out["rose_reclaim_ms_p99"] = _p(runs["rose"]["reclaim_ms"], 99)
+    if CO_BATCHED in runs:  # issue 65's CPU target: >= 2x two-model rose's harvest, >= 1.5x static partition's, at the SLO target
+        co = out["policies"][CO_BATCHED]
+        out["co_batched"] = {
+            "over_two_model_rose": co["rollout_tokens_per_s"] / max(1e-9, rose["rollout_tokens_per_s"]),
+            "over_static_partition": co["rollout_tokens_per_s"] / max(1e-9, out["policies"]["static_partition"]["rollout_tokens_per_s"]),
+            "meets_slo_target": meets(CO_BATCHED),
+            "extra_misses": co["slo_misses"] - base["slo_misses"],
+            "iterations_with_both": runs[CO_BATCHED].get("co_batched_iterations", 0),
+        }
     return out
 
 
@@ -511,19 +575,20 @@ def _run_cell(
     policy's runs pooled (``_pooled``). ``slo``: the run's SLO; None: this cell's own (from its first
     serving_only run, the ``cell`` basis). ``done``: policies already run on this very trace and noise
     (the run-wide calibration's serving_only), reused as their first round, not run again."""
-    runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+    rows = contenders(models.adapter is not None)
+    runs: dict[str, list[dict]] = {c.label: [] for c in rows}
     with Noise(noise):
         for round_ in range(repeats):
-            for name in POLICIES:
-                on_policy(name)
-                if round_ == 0 and done and name in done:
-                    runs[name].append(done[name])
+            for c in rows:
+                on_policy(c.label)
+                if round_ == 0 and done and c.label in done:
+                    runs[c.label].append(done[c.label])
                 else:
-                    runs[name].append(asyncio.run(_run_policy(name, models, config, arrivals, seed, slo, reclaim_probes=reclaim_probes)))
-                if name == "serving_only" and slo is None:
-                    slo = _slo_from(runs[name][0])
+                    runs[c.label].append(asyncio.run(_run_policy(c, models, config, arrivals, seed, slo, reclaim_probes=reclaim_probes)))
+                if c.label == "serving_only" and slo is None:
+                    slo = _slo_from(runs[c.label][0])
     assert slo is not None
-    return {name: _pooled(runs[name]) for name in POLICIES}, slo
+    return {label: _pooled(r) for label, r in runs.items()}, slo
 
 
 def _pooled(runs: list[dict]) -> dict:
@@ -566,8 +631,10 @@ def run_coserve_bench(
     repeats: int = 1,
     reclaim_probes: int = RECLAIM_PROBES,
     dedicated_s: float | None = None,
+    lora: bool = False,
 ) -> dict:
-    """The policies on one trace, or on each cell of loads x seeds x noises, ``repeats`` rounds per cell
+    """The policies on one trace (``lora``: the policy a LoRA adapter of the serving model, and rose in the co-batched
+    mode beside the four, each row saying its mode), or on each cell of loads x seeds x noises, ``repeats`` rounds per cell
     (``_run_cell``: figures pooled over the rounds). ``min_requests``: each cell's trace
     is long enough for that many serving requests (at least ``duration_s``), so that the SLO target's
     tolerance (SLO_TOLERANCE of the requests) is finer than one request: 200 for 0.005, 1,000 to resolve it.
@@ -592,8 +659,8 @@ def run_coserve_bench(
     seed, serving_load, first_noise = grid[0][2], grid[0][1], grid[0][0]
     with Progress(console=console, transient=True) as progress:
         calibrate = slo_ms is None and slo_basis == "run"
-        task = progress.add_task("loading models", total=len(POLICIES) * len(grid) * repeats + 3 + calibrate)
-        models = _models(model_dir, seed, config.dtype, preset)
+        task = progress.add_task("loading models", total=len(contenders(lora)) * len(grid) * repeats + 3 + calibrate)
+        models = _models(model_dir, seed, config.dtype, preset, lora)
         progress.update(task, description="measuring serving capacity")
         capacity_rounds = asyncio.run(_capacity(models, config, seed))
         capacity = float(np.median(capacity_rounds))
@@ -606,7 +673,7 @@ def run_coserve_bench(
             _, c_load, c_seed = calibration_cell
             progress.update(task, description=f"SLO: serving_only at load {c_load:g} seed {c_seed} without noise")
             c_trace = _trace(c_load * capacity, cell_duration_s(duration_s, min_requests, c_load * capacity), c_seed)
-            calibration = asyncio.run(_run_policy("serving_only", models, config, c_trace, c_seed, None))
+            calibration = asyncio.run(_run_policy(Contender("serving_only", "serving_only"), models, config, c_trace, c_seed, None))
             run_slo = _slo_from(calibration)
             progress.advance(task)
         cell_runs = []
@@ -667,7 +734,9 @@ def run_coserve_bench(
         "seed": seed,
         "device": _device_name(config.device),
         "dtype": str(config.dtype).removeprefix("torch."),
-        "models": {name: _model_summary(model) for name, (model, _) in zip(("serving", "policy"), models)},
+        "models": {name: _model_summary(model) for name, (model, _) in (("serving", models.serving), ("policy", models.policy))},
+        "lora": {"rank": models.adapter.shape.rank, "alpha": models.adapter.shape.alpha} if models.adapter is not None else None,
+        "co_batched": _co_batched_summary(cells),
         "quantum_ms": config.quantum_ms,
         "reclaim_samples": len(rose_reclaim),
         "noise": first_noise,
@@ -689,6 +758,21 @@ def run_coserve_bench(
     return report
 
 
+def _co_batched_summary(cells: list[dict]) -> dict | None:
+    """Across the cells: co-batched rose's harvest over two-model rose's and static partition's (least and median), and
+    the cells where it met the SLO target (None without ``--lora``)."""
+    rows = [c["co_batched"] for c in cells if "co_batched" in c]
+    if not rows:
+        return None
+    over_rose, over_static = [r["over_two_model_rose"] for r in rows], [r["over_static_partition"] for r in rows]
+    return {
+        "over_two_model_rose": {"min": min(over_rose), "median": float(np.median(over_rose))},
+        "over_static_partition": {"min": min(over_static), "median": float(np.median(over_static))},
+        "cells_meeting_slo_target": sum(r["meets_slo_target"] for r in rows),
+        "cells": len(rows),
+    }
+
+
 def _print_report(console, report: dict, out: Path) -> None:
     """The console's view of a written report: the models, the SLO, the policies' table, the cells' table, the harvest."""
     from rich.table import Table
@@ -707,11 +791,13 @@ def _print_report(console, report: dict, out: Path) -> None:
         f"(capacity {capacity:.1f} req/s, load {serving_load:g} -> {rate:.1f} req/s, {n_requests} requests)"
     )
     table = Table(title="rose bench coserve")
-    for col in ("policy", "SLO attain", "TTFT p99 ms", "TPOT p99 ms", "aborted", "serving tok/s", "rollout tok/s", "vs dedicated"):
+    for col in ("policy", "mode", "SLO attain", "TTFT p99 ms", "TPOT p99 ms", "aborted", "serving tok/s", "rollout tok/s", "vs dedicated"):
         table.add_column(col, justify="right")
+    modes = report["cells"][0]["policies"]
     for name, p in policies.items():
         table.add_row(
             name,
+            modes[name]["mode"],
             f"{p['slo_attainment']:.4f}",
             f"{p['ttft_p99_ms']:.1f}",
             f"{p['tpot_p99_ms']:.2f}",
@@ -753,6 +839,12 @@ def _print_report(console, report: dict, out: Path) -> None:
                 ("ok" if c["rose_meets_slo_target"] else "MISS") + _resolution_note(c),
             )
         console.print(grid_table)
+    if (co := report.get("co_batched")) is not None:
+        console.print(
+            f"co-batched rose (LoRA rank {report['lora']['rank']}): rollout tokens over two-model rose x{co['over_two_model_rose']['median']:.2f} "
+            f"(least x{co['over_two_model_rose']['min']:.2f}), over static partition x{co['over_static_partition']['median']:.2f} "
+            f"(least x{co['over_static_partition']['min']:.2f}); SLO target met in {co['cells_meeting_slo_target']} of {co['cells']} cells"
+        )
     console.print(
         f"dedicated rollout {dedicated:.0f} tok/s (one thread {one_thread:.0f}), harvest ratio "
         f"{report['harvest_ratio']:.2f} (vs one thread {report['harvest_ratio_vs_one_thread']:.2f}), "
@@ -792,6 +884,7 @@ def command(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         reclaim_probes=RECLAIM_PROBES if args.reclaim_probes is None else args.reclaim_probes,
         dedicated_s=args.dedicated_s,
+        lora=args.lora,
     )
     return 0
 

@@ -74,6 +74,12 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--slo-ms", type=number_list(float), default=None, help="the SLO given as TTFT,TPOT in ms (instead of calibrating it)")
     b.add_argument(
+        "--lora",
+        action="store_true",
+        help="the policy a LoRA adapter of the serving model (rose models init --lora's shape): the four policies run it in the two-model "
+        "mode, and rose also in the co-batched mode (its rollout rows in serving's own batches); each row says its mode",
+    )
+    b.add_argument(
         "--noise",
         type=number_list(float),
         default=None,

@@ -85,9 +85,11 @@ async def test_bench_elastic_nats_keeps_auth_across_its_restart(tmp_path):
 
 
 def test_bench_coserve_fields(tmp_path, models_dir):
-    """Two cells, one SLO: serving_only at the highest load sets it once and is that cell's serving_only."""
+    """Two cells, one SLO: serving_only at the highest load sets it once and is that cell's serving_only. With a LoRA
+    policy of the serving model (``--lora``): the four policies in the two-model mode and rose co-batched beside them."""
     r = _bench(
         "coserve",
+        "--lora",
         "--duration",
         "1",
         "--loads",
@@ -126,7 +128,12 @@ def test_bench_coserve_fields(tmp_path, models_dir):
     assert r["repeats"] == 1 and all(c["repeats"] == 1 for c in r["cells"])  # one round per cell unless --repeats
     for c in r["cells"]:
         assert all(p["slo_attainment_runs"] == [p["slo_attainment"]] for p in c["policies"].values())
-    assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose"}
+    assert set(r["policies"]) == {"serving_only", "naive_share", "static_partition", "rose", "rose+co_batched"}
+    assert {name: p["mode"] for name, p in r["cells"][0]["policies"].items()}["rose+co_batched"] == "co_batched"
+    assert r["lora"]["rank"] >= 1 and r["co_batched"]["cells"] == 2
+    for c in r["cells"]:  # the co-batched row's ratios are its tokens over two-model rose's and static partition's
+        co, rose, static = (c["policies"][n]["rollout_tokens_per_s"] for n in ("rose+co_batched", "rose", "static_partition"))
+        assert c["co_batched"]["over_static_partition"] == pytest.approx(co / static) and co > 0
     for p in r["policies"].values():
         assert set(p) >= {"slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "serving_tokens_per_s", "rollout_tokens_per_s"}
     for field in ("dedicated_rollout_tokens_per_s", "harvest_ratio", "reclaim_latency_ms_p99", "executor_rss_mb"):

@@ -109,15 +109,19 @@ class CoBatchedLoop:
         device: Any,
         metrics: EngineMetrics,
         stopping: Callable[[], bool],
+        lane_threads: int | None = None,
     ) -> None:
         self.serving, self.rollout, self.watch, self.lease, self.control = serving, rollout, watch, lease, control
         self.policy, self.device, self.metrics = policy, device, metrics
         self._stopping = stopping
+        self.lane_threads = lane_threads
         self.fit = IterationFit()
         self.last_budget = CoBatchBudget(0, 0)  # the last iteration's, to read (tests, telemetry)
 
     def run(self) -> None:
-        self.device.init_thread()
+        # CPU: the one lane's torch threads (``EngineConfig.rollout_threads``, default one: on the 2-core VM two intra-op
+        # threads per forward spun 30x slower whenever another process wanted a core, docs/benchmarks.md 2026-12-07)
+        self.device.init_thread(self.lane_threads)
         s, r = self.serving, self.rollout
         warm_graphs(s)
         while not self._stopping():

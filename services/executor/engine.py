@@ -266,6 +266,7 @@ class Engine:
                 device=self.device,
                 metrics=self.metrics,
                 stopping=lambda: self._stopping,
+                lane_threads=self.config.rollout_threads,
             )
             return
         self._rollout_loop = RolloutLoop(

@@ -71,7 +71,7 @@ class EngineConfig:
     static_share: float = DEFAULT_STATIC_SHARE
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane (default 1)
+    rollout_threads: int | None = None  # CPU only: torch threads of the rollout lane, or of the co-batched mode's one lane (default 1)
     lend_serving_core: bool = _SERVICE.lend_serving_core  # CPU, rose: the rollout lane widens over the serving lane's core while serving has no work
     rollout_process: bool = False  # CPU: rollout forwards run in a child process, off this interpreter's lock (rollout_process.py)
     # rollout borrows a serving executor's host: where the policy says so (rose), its forward process runs at the OS's
