@@ -11,8 +11,6 @@ from typing import Any
 
 import msgspec
 from nats.js.errors import BucketNotFoundError
-from rich.console import Console
-from rich.table import Table
 
 from rose.contracts.registry import SERVICE_REGISTRY
 from rose.contracts.service import Heartbeat
@@ -73,23 +71,81 @@ async def status(args: argparse.Namespace) -> int:
     except (ConnectionError, ConfigError) as exc:
         print(f"rose status: {exc}")
         return 2
+    if args.name:
+        chosen = [b for b in beats if args.name in (b.service, b.instance)]
+        if not chosen:
+            print(f"rose status: no live service or instance named {args.name!r} on {url}")
+            return 1
+        beats = chosen
     if args.json:
         rows: list[dict[str, Any]] = [msgspec.to_builtins(b) for b in beats]
         print(json.dumps({"nats_url": url, "services": rows}, indent=2))
         return 0
-    table = Table(title=f"ROSE services on {url}")
-    for col in ("service", "instance", "state", "version", "age", "endpoints", "load"):
-        table.add_column(col)
-    now = time.time()
-    for b in beats:
-        table.add_row(
-            b.service,
-            b.instance,
-            b.state,
-            b.version,
-            f"{now - b.started_at:.0f}s",
-            " ".join(f"{k}={v}" for k, v in b.endpoints.items()),
-            " ".join(f"{k}={v:g}" for k, v in sorted(b.load.items())),
-        )
-    Console().print(table if beats else f"no live services on {url}")
+    if not beats:
+        print(f"no live services on {url}")
+        return 0
+    lines = service_details(beats, time.time()) if args.name else fleet_view(beats, time.time(), endpoints=args.endpoints)
+    print(f"ROSE on {url}: {len(beats)} services, {sum(b.state == 'ready' for b in beats)} ready")
+    print("\n".join(lines))
     return 0
+
+
+# The fleet view's columns: (title, width); one line per service within VIEW_WIDTH, whatever the fleet.
+VIEW_WIDTH = 80
+COLUMNS = (("SERVICE", 8), ("INSTANCE", 19), ("STATE", 5), ("ROLE", 9), ("LEASE", 6), ("SRV TOK/S", 9), ("RL TOK/S", 8), ("QUEUE", 5))
+SHORT_NAMES = {"slo_monitor": "slo", "scheduler": "sched", "rollout_worker": "worker", "weight_publisher": "weights"}  # the rest fit
+STATES = {"ready": "ready", "starting": "start", "draining": "drain"}
+# what the fleet view says of a service that is not an executor: (label, load key), the first ones it reports
+SUMMARIES = {
+    "slo_monitor": (("ttft p99 ms", "ttft_p99_ms"), ("tpot p99 ms", "tpot_p99_ms"), ("executors", "executors")),
+    "scheduler": (("granted", "granted"), ("routed", "routed"), ("revoked", "revoked")),
+    "trainer": (("step", "steps"), ("version", "version"), ("reward", "reward_last")),
+    "weight_publisher": (("published", "published"), ("queued", "queued")),
+    "rollout_worker": (("episodes", "episodes"), ("failed", "failed"), ("resumed turns", "resumed_turns")),
+    "gateway": (("episodes", "episodes"), ("open", "active_episodes"), ("turns", "turns")),
+}
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "~"
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:.1f}"
+
+
+def fleet_view(beats: list[Heartbeat], now: float, *, endpoints: bool = False) -> list[str]:
+    """One line per service at most ``VIEW_WIDTH`` columns: an executor's role, lease, serving and rollout tokens/s,
+    its queue (serving + rollout) and policy version; another service's state and its own figures in their place.
+    ``endpoints``: each service's endpoints below it, one per line."""
+    widths = [w for _, w in COLUMNS]
+    lines = [" ".join(title.ljust(w) for title, w in COLUMNS).rstrip() + " VER"]
+    for b in beats:
+        head = [_cut(SHORT_NAMES.get(b.service, b.service), widths[0]), _cut(b.instance, widths[1]), STATES.get(b.state, b.state)[: widths[2]]]
+        if b.service == "executor":
+            load = b.load
+            lease = "parked" if load.get("lease_parked") else "lent" if load.get("lease_held") else "-"
+            role = b.labels.get("role", "-")
+            queue = _number(load["serving_queue"] + load.get("rollout_queue", 0.0)) if "serving_queue" in load else "-"
+            cells = [_cut(role, widths[3]), lease, _number(load.get("serving_tokens_per_s")), _number(load.get("rollout_tokens_per_s")), queue]
+            line = " ".join(c.ljust(w) for c, w in zip(head + cells, widths)) + " " + _number(load.get("policy_version"))
+        else:
+            summary = ", ".join(f"{label} {_number(b.load[key])}" for label, key in SUMMARIES.get(b.service, ()) if key in b.load)
+            line = " ".join(c.ljust(w) for c, w in zip(head, widths)) + " " + (summary or f"up {now - b.started_at:.0f}s")
+        lines.append(_cut(line.rstrip(), VIEW_WIDTH))
+        if endpoints:
+            lines += [f"    {name} {address}" for name, address in sorted(b.endpoints.items())]
+    return lines
+
+
+def service_details(beats: list[Heartbeat], now: float) -> list[str]:
+    """`rose status NAME`: everything one service (or each instance of it) reports: state, age, endpoints, labels, load."""
+    lines: list[str] = []
+    for b in beats:
+        lines.append(f"{b.service} {b.instance}: {b.state}, version {b.version}, pid {b.pid} on {b.host}, up {now - b.started_at:.0f}s")
+        lines += [f"  endpoint {name}: {address}" for name, address in sorted(b.endpoints.items())]
+        lines += [f"  label {name}: {value}" for name, value in sorted(b.labels.items())]
+        lines += [f"  load {name}: {value:g}" for name, value in sorted(b.load.items())]
+    return lines

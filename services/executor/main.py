@@ -199,7 +199,7 @@ async def run(config: ExecutorConfig, *, on_runtime: Callable[[ServiceRuntime], 
             ).mount(openai_api.app)
         runner, base_url = await serve_http(openai_api, config)
         metrics_task = asyncio.create_task(telemetry.run(rt.bus), name="telemetry")
-        rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name})
+        rt.labels.update({"role": config.role, "device": engine.device.kind, "model": config.models.serving_name, "mode": config.engine.rollout_mode})
         if engine.device.emulates is not None:
             rt.labels["emulated"] = engine.device.emulates
         rt.ready(endpoints={"http": base_url, "openai": f"{base_url}/v1", "metrics": f"{base_url}/metrics"})

@@ -221,8 +221,12 @@ class Telemetry:
         return {
             "serving_queue": float(last.serving_queue),
             "serving_running": float(last.serving_running),
+            "rollout_queue": float(last.rollout_queue),
             "rollout_running": float(last.rollout_running),
             "rollout_tokens_per_s": round(last.rollout_tokens_per_s, 1),
             "serving_tokens_per_s": round(last.serving_tokens_per_s, 1),
+            "policy_version": float(last.policy_version),
+            "lease_held": 1.0 if last.lease_id and not last.rollout_parked else 0.0,
+            "lease_parked": 1.0 if last.rollout_parked else 0.0,
             **({"rollout_share": round(last.slo_guard.share, 3)} if last.slo_guard is not None else {}),
         }
