@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from rose import __version__
+from rose.shared.errors import RoseError
 
 from . import bench, contracts, demo, events_forward_args, health, models, plan, provision_args, run, security, status_args, up_args
 
@@ -39,8 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A ``RoseError`` (a bad input, a refused configuration, a mode that cannot run) is one line on
+    stderr and exit code 1, not a traceback: it says what to change; anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except RoseError as exc:
+        print(f"rose {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

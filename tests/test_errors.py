@@ -25,10 +25,15 @@ def _base_name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ""
 
 
+def project_sources(root: Path) -> list[Path]:
+    """The package's modules, and the deploy checks beside them (deploy/ is no package, but ships with it)."""
+    return [*package_modules(root, "rose").values(), *sorted((root / "deploy").rglob("*.py"))]
+
+
 def exception_classes(root: Path) -> dict[str, tuple[str, list[str]]]:
-    """Class name -> (where, base names), for every class in the package deriving from an exception."""
+    """Class name -> (where, base names), for every class in the project deriving from an exception."""
     classes: dict[str, tuple[str, list[str]]] = {}
-    for path in package_modules(root, "rose").values():
+    for path in project_sources(root):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ClassDef):
                 classes[node.name] = (f"{path.relative_to(root)}:{node.lineno}", [_base_name(b) for b in node.bases])
@@ -45,7 +50,7 @@ def exception_classes(root: Path) -> dict[str, tuple[str, list[str]]]:
 
 def test_every_project_exception_derives_from_rose_error():
     found = exception_classes(ROOT)
-    assert "RemoteError" in found and "InvalidRequest" in found  # the scan sees the package's exceptions
+    assert {"RemoteError", "InvalidRequest", "CheckFailed"} <= set(found)  # the scan sees the package's exceptions and deploy's
     rooted = {"RoseError"}
     changed = True
     while changed:
@@ -65,3 +70,18 @@ def test_a_rose_error_is_still_the_builtin_it_refines():
     assert issubclass(ConfigError, ValueError) and issubclass(RequestRefused, ValueError) and issubclass(PermissionDenied, PermissionError)
     err = WeightError("corrupt", "object x: truncated")
     assert isinstance(err, RoseError) and err.kind == "corrupt" and str(err) == "object x: truncated"
+
+
+def test_the_cli_turns_a_rose_error_into_one_line_and_an_exit_code(models_dir):
+    """An executor told to co-batch a policy that is a model of its own refuses to start: one line that says why
+    and what to change, exit code 1, no traceback (the CLI catches RoseError, and only it)."""
+    import os
+
+    from rose.testing.rose_cli import rose
+
+    env = {**os.environ, "ROSE_MODELS__DIR": str(models_dir), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched", "ROSE_ENGINE__DEVICE": "cpu"}
+    out = rose("run", "executor", env=env, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("rose run: EngineModeError: ") and "LoRA adapter of the serving model" in line and "rose models init" in line

@@ -38,6 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rose.shared.errors import RoseError  # (the check runs in the project's .venv: scripts/compose-check)
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "compose"
 COMPOSE_FILES = [REPO / "docker-compose.yml", DEPLOY / "host-network.yml"]
@@ -124,8 +126,8 @@ def log(msg: str) -> None:
     print(f"[compose-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class CheckFailed(RuntimeError):
-    pass
+class CheckFailed(RoseError, RuntimeError):
+    """A step of the compose check did not hold: what, and the logs that show why."""
 
 
 def need(ok: bool, what: str) -> None:
