@@ -13,6 +13,7 @@ from .base import Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
 from .rollout import TrajectoryStatus, TurnRecord
 
 EpisodeEventKind = Literal["opened", "ended"]
+Api = Literal["chat", "completion"]  # which of the OpenAI APIs an agent's turn came through
 
 
 class EpisodeTurn(Message):
@@ -26,7 +27,7 @@ class EpisodeTurn(Message):
     episode_id: Identifier
     task_id: Identifier
     turn: TurnRecord
-    api: Literal["chat", "completion"] = "chat"
+    api: Api = "chat"
     # the turn whose prompt + tokens this turn's prompt extends token for token; -1: it starts a segment
     extends: int = -1
     segment_reason: str = ""  # why a segment starts here (empty for the episode's first turn)

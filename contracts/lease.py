@@ -6,6 +6,13 @@ from typing import Literal
 
 from .base import Fraction, Identifier, Message, NonNegInt, UnixSeconds
 
+LeaseState = Literal["active", "revoked"]
+LeaseEventKind = Literal["granted", "renewed", "revoked", "expired"]
+# Why a lease ended before (or at) its time, for code to branch on (``reason`` is the words for people): the executor
+# stopped reporting; its headroom went (unhealthy); an SLO alert (burst: parked; violation: interrupted); lending was
+# turned off; elastic_baseline's whole-job preemption; it ran out without renewal.
+RevokeCause = Literal["executor_gone", "unhealthy", "burst", "violation", "lending_off", "preemption", "expired"]
+
 
 class Lease(Message):
     """The value kept per executor in the leases KV bucket.
@@ -25,7 +32,7 @@ class Lease(Message):
     lease_id: Identifier
     executor_id: Identifier
     epoch: NonNegInt
-    state: Literal["active", "revoked"]
+    state: LeaseState
     granted_at: UnixSeconds
     expires_at: UnixSeconds
     kv_bytes: NonNegInt
@@ -33,12 +40,13 @@ class Lease(Message):
     max_rollout_batch: NonNegInt
     reason: str = ""
     park_until: UnixSeconds = 0.0
+    cause: RevokeCause | None = None  # a revoked lease's (None while active, and in leases written before this field)
 
 
 class LeaseEvent(Message):
     """A lease was granted, renewed, revoked or let expire."""
 
-    kind: Literal["granted", "renewed", "revoked", "expired"]
+    kind: LeaseEventKind
     lease: Lease
     at: UnixSeconds
     reason: str = ""

@@ -7,10 +7,9 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Literal
 
 from rose.contracts.executor import DeviceTelemetry, ExecutorRole, MetricsSnapshot, PoolUsage
-from rose.contracts.lease import Lease
+from rose.contracts.lease import Lease, LeaseState
 from rose.contracts.service import Heartbeat
 from rose.contracts.slo import Headroom
 from rose.shared.sketch import new_sketch, to_contract
@@ -54,7 +53,7 @@ def headroom(at: float, *, ttft: float = 50.0, tpot: float = 10.0, lendable: boo
     )
 
 
-def lease_for(executor_id: str, epoch: int = 1, *, state: Literal["active", "revoked"] = "active", ttl: float = 60.0) -> Lease:
+def lease_for(executor_id: str, epoch: int = 1, *, state: LeaseState = "active", ttl: float = 60.0) -> Lease:
     """A lease of `executor_id` at `epoch`, granted now for `ttl` seconds."""
     now = time.time()
     return Lease(

@@ -22,16 +22,14 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from rose.contracts.gateway import EpisodeTurn
-from rose.contracts.rollout import RolloutTask, SegmentBreak, ToolCall, TurnRecord
+from rose.contracts.gateway import Api, EpisodeTurn
+from rose.contracts.rollout import RolloutTask, SegmentBreak, ToolCall, TrajectoryStatus, TurnRecord
 
 from .chat import Break, ChatFormat, Message, conversation_digest, digest
-
-Api = Literal["chat", "completion"]
 
 
 @dataclass
@@ -78,7 +76,7 @@ class Plan:
 
 @dataclass
 class Ending:
-    status: Literal["completed", "failed", "truncated"]
+    status: TrajectoryStatus
     reason: str
     reward: float = 0.0
 

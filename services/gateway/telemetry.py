@@ -10,16 +10,17 @@ spans (shared/turns) and the executor's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
+from rose.contracts.rollout import TrajectoryStatus
 from rose.shared.metrics import meter, metric_name
 from rose.shared.tracing import tracer
 
-STATUSES = ("completed", "failed", "truncated")
+STATUSES = get_args(TrajectoryStatus)
 OWN_TIME_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 

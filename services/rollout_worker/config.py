@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
+from rose.shared.agentic.sandbox import BackendChoice
 from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
 from rose.shared.models import PolicyModelRef
 from rose.shared.turns.settings import TurnSettings
@@ -18,7 +19,7 @@ class SandboxSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kernel namespaces ("subprocess"); neither: the code env refuses episodes, saying what to enable.
     "unsafe" runs model-written code WITHOUT isolation: development machines only."""
 
-    backend: Literal["auto", "docker", "subprocess", "unsafe"] = "auto"
+    backend: BackendChoice = "auto"
 
 
 class RolloutWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -22,17 +22,15 @@ back at once on any alert (see config.LendingSettings).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 
-from rose.contracts.lease import Lease
+from rose.contracts.lease import Lease, LeaseEventKind, RevokeCause
 from rose.contracts.slo import Headroom, SloAlert
 
 from .config import LeaseSettings, LendingSettings
 
-ActionKind = Literal["granted", "renewed", "revoked", "expired"]
-PREEMPTION = "whole-job preemption"  # the end of an elastic_baseline revocation's reason
+PREEMPTION = "whole-job preemption"  # the words of an elastic_baseline revocation's reason (its cause is "preemption")
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class ExecutorView:
 
 @dataclass(frozen=True)
 class LeaseAction:
-    kind: ActionKind
+    kind: LeaseEventKind
     lease: Lease
     reason: str
 
@@ -90,8 +88,8 @@ def _grant(view: ExecutorView, h: Headroom, now: float, s: LeaseSettings) -> Lea
     )
 
 
-def _revoked(lease: Lease, reason: str) -> Lease:
-    return msgspec.structs.replace(lease, state="revoked", reason=reason)
+def _revoked(lease: Lease, cause: RevokeCause, reason: str) -> Lease:
+    return msgspec.structs.replace(lease, state="revoked", cause=cause, reason=reason)
 
 
 def plan_one(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction | None:
@@ -101,12 +99,12 @@ def plan_one(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction | 
     if is_active(lease, now):
         assert lease is not None
         if not view.alive:
-            return LeaseAction("revoked", _revoked(lease, "executor gone"), "executor gone")
+            return LeaseAction("revoked", _revoked(lease, "executor_gone", "executor gone"), "executor gone")
         if h is None:
             return None  # no fresh measurement: neither renew nor revoke; expiry ends it
         ok, why = _healthy(h, s)
         if not ok:
-            return LeaseAction("revoked", _revoked(lease, why), why)
+            return LeaseAction("revoked", _revoked(lease, "unhealthy", why), why)
         if lease.expires_at - now <= s.renew_before_s:
             renewed = msgspec.structs.replace(
                 lease, expires_at=now + s.ttl_s, kv_bytes=h.kv_bytes, compute_share=h.compute_share, max_rollout_batch=h.rollout_batch_slots
@@ -114,7 +112,7 @@ def plan_one(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction | 
             return LeaseAction("renewed", renewed, "healthy")
         return None
     if lease is not None and lease.state == "active":  # past its expiry, never renewed
-        return LeaseAction("expired", _revoked(lease, "expired"), "expired without renewal")
+        return LeaseAction("expired", _revoked(lease, "expired", "expired"), "expired without renewal")
     if not view.alive or h is None or not h.lendable:
         return None
     if now - view.last_alert_at < s.cooldown_s:
@@ -141,7 +139,7 @@ def revoke_for_alert(view: ExecutorView, alert: SloAlert, now: float) -> LeaseAc
         return None
     assert view.lease is not None
     why = f"{alert.severity}: {alert.reason}"
-    revoked = _revoked(view.lease, why)
+    revoked = _revoked(view.lease, "burst" if alert.severity == "burst" else "violation", why)
     if alert.severity == "burst":
         revoked = msgspec.structs.replace(revoked, park_until=view.lease.expires_at)
     return LeaseAction("revoked", revoked, why)
@@ -173,12 +171,12 @@ def _keep_whole(view: ExecutorView, now: float, s: LeaseSettings) -> LeaseAction
     if is_active(lease, now):
         assert lease is not None
         if not view.alive:
-            return LeaseAction("revoked", _revoked(lease, "executor gone"), "executor gone")
+            return LeaseAction("revoked", _revoked(lease, "executor_gone", "executor gone"), "executor gone")
         if lease.expires_at - now <= s.renew_before_s:
             return LeaseAction("renewed", msgspec.structs.replace(lease, expires_at=now + s.ttl_s), "held whole")
         return None
     if lease is not None and lease.state == "active":
-        return LeaseAction("expired", _revoked(lease, "expired"), "expired without renewal")
+        return LeaseAction("expired", _revoked(lease, "expired", "expired"), "expired without renewal")
     return None
 
 
@@ -192,7 +190,7 @@ def plan_lending(now: float, views: list[ExecutorView], s: LeaseSettings, lendin
         for v in serving:  # nothing is lent: a lease left over from another mode goes
             if is_active(v.lease, now):
                 assert v.lease is not None
-                actions.append(LeaseAction("revoked", _revoked(v.lease, "lending off"), "lending off"))
+                actions.append(LeaseAction("revoked", _revoked(v.lease, "lending_off", "lending off"), "lending off"))
         return actions
     held = set()
     for v in serving:
@@ -223,7 +221,7 @@ def plan_lending(now: float, views: list[ExecutorView], s: LeaseSettings, lendin
 def last_preemption(views: list[ExecutorView]) -> float:
     """When the last whole-job preemption happened (its revoked leases end at that moment), 0 if never."""
     return max(
-        (v.lease.expires_at for v in views if v.lease is not None and v.lease.state == "revoked" and v.lease.reason.endswith(PREEMPTION)), default=0.0
+        (v.lease.expires_at for v in views if v.lease is not None and v.lease.state == "revoked" and v.lease.cause == "preemption"), default=0.0
     )
 
 
@@ -238,7 +236,7 @@ def revoke_on_alert(views: list[ExecutorView], alert: SloAlert, now: float, lend
         return []
     why = f"{alert.severity} on {alert.executor_id}: {alert.reason}; {PREEMPTION}"
     return [
-        LeaseAction("revoked", msgspec.structs.replace(_revoked(v.lease, why), expires_at=now), why)
+        LeaseAction("revoked", msgspec.structs.replace(_revoked(v.lease, "preemption", why), expires_at=now), why)
         for v in views
         if v.role == "serving" and is_active(v.lease, now) and v.lease is not None
     ]
