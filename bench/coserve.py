@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from rose.bench.options import SLO_BASES
+from rose.services.executor.config import RolloutMode
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.policies import POLICY_NAMES as POLICIES
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, GenerationResult, WorkClass
@@ -93,7 +94,7 @@ class Contender:
 
     label: str
     policy: str
-    mode: str = "two_model"
+    mode: RolloutMode = "two_model"
 
 
 def contenders(lora: bool) -> list[Contender]:
