@@ -26,6 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_coserve(benches)
     _register_weights(benches)
     _register_gateway(benches)
+    _register_openapi(benches)
     _register_control_plane(benches)
     _register_elastic(benches)
     _register_faults(benches)
@@ -117,6 +118,24 @@ def _run_gateway(args: argparse.Namespace) -> int:
 
     out = run_gateway_bench(out_json=args.json, pairs=args.pairs, turns=args.turns, models=args.models)
     return 0 if out["fidelity"]["tokens_differing"] == 0 and out["fidelity"]["segment_breaks_without_reason"] == 0 else 1
+
+
+def _register_openapi(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "openapi", help="OpenAI's published OpenAPI description fuzzed against the executor's and the gateway's OpenAI APIs (schema violations: 0)"
+    )
+    b.add_argument("--json", default="bench-out/openapi.json", help="where to write the JSON result")
+    b.add_argument("--requests", type=int, default=3000, help="generated requests per target (executor, gateway)")
+    b.add_argument("--seed", type=int, default=0, help="hypothesis seed: the same requests for the same seed")
+    b.set_defaults(func=_run_openapi)
+
+
+def _run_openapi(args: argparse.Namespace) -> int:
+    from rose.bench.openapi_fuzz import run_openapi_bench
+
+    out = run_openapi_bench(out_json=args.json, requests=args.requests, seed=args.seed)
+    clean = [r["schema_violations"] == 0 and r["dropped_connections"] == 0 and r["still_serving"] for r in (out["executor"], out["gateway"])]
+    return 0 if all(clean) and not any(int(s) >= 500 for r in (out["executor"], out["gateway"]) for s in r["statuses"]) else 1
 
 
 def _register_control_plane(benches: argparse._SubParsersAction) -> None:

@@ -322,7 +322,8 @@ class OpenAIApi:
 
         def final(index: int, result: GenerationResult) -> dict[str, Any]:
             lp = self._chat_logprobs(result.token_ids, result.logprobs, result.top_logprobs) if want_logprobs else None
-            return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": lp, "finish_reason": result.finish_reason}
+            message = {"role": "assistant", "content": result.text, "refusal": None}  # the spec requires `refusal` (null: none)
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": result.finish_reason}
 
         def chunk(index: int, delta: StreamDelta, first: bool) -> dict[str, Any]:
             piece = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}

@@ -277,6 +277,7 @@ class ChatFormat:
             HermesCalls() if "<tool_call>" in template else RoseCalls() if rose_tools.TOOL_OPEN in template else NoCalls()
         )
         vocab = tokenizer.get_vocab()
+        self.vocab_size = len(tokenizer)  # a prompt's token ids are below this (special tokens included)
         ends = [vocab[t] for t in END_OF_MESSAGE_TOKENS if t in vocab]
         self.stop_token_ids = sorted({t for t in (*ends, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0})
         self.end_of_message = self._end_of_message()

@@ -8,20 +8,23 @@
     GET  /health, /metrics
 
 Every route under /episodes/{id} needs `Authorization: Bearer <key>`, the key handed to that episode's
-agent (compared in constant time); any other key, or the key of an episode that has ended, is refused
-(401; 403 naming why it ended). The server is the executor's hardened one (shared/http_server.py:
-request heads within 10 s, bodies within 60 s, body size `http.max_body_bytes`).
+agent (compared in constant time); any other key, or the key of an episode that has ended (from the moment
+it ends, before its trajectory is published), is refused (401; 403 naming why it ended). The server is
+the executor's hardened one (shared/http_server.py: request heads within 10 s, bodies within 60 s, body
+size `http.max_body_bytes`).
 
 What differs from OpenAI on purpose is a 4xx naming the parameter (docs/gateway.md): the policy samples
 at the RL job's temperature with top_p 1 (anything else would make the trajectory off-policy), one
 choice, no stop strings, no alternatives' logprobs, no forced tool call, no structured output. With
 `"return_token_ids": true` an answer carries `prompt_token_ids` and each choice `token_ids` (and
-`prompt_token_ids`), as vLLM and SGLang return them. A streamed answer sends its first chunk at once and
-the rest when the turn is done (an executor returns a rollout turn whole).
+`prompt_token_ids`), as vLLM and SGLang return them. An answer's id names the turn that answered (a retry
+or a replay carries the id of the turn it repeats). A streamed answer sends its first chunk once the turn
+is planned and the rest when the turn is done (an executor returns a rollout turn whole).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -46,8 +49,8 @@ from rose.shared.openai_api import (
 )
 
 from .chat import ChatFormat, normalize_messages, normalize_tools, tool_choice
-from .episode import Episode, Turn
-from .runner import Answer, Ask, Episodes
+from .episode import Ending, Episode, Turn
+from .runner import Answer, Ask, Ended, Episodes
 from .telemetry import traced
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,15 @@ def _finish_reason(turn: Turn) -> str:
     if turn.reply.get("tool_calls"):
         return "tool_calls"
     return "stop" if turn.record.finish_reason == "stop" else "length"
+
+
+def answer_id(prefix: str, episode: Episode, index: int) -> str:
+    """An answer's id: its episode and the turn that answered, so a retry or a replay gets the id of the answer it repeats."""
+    return f"{prefix}-{episode.episode_id}-{index}"
+
+
+def _token_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _wire_calls(turn: Turn) -> list[dict[str, Any]]:
@@ -125,9 +137,14 @@ class GatewayApi:
         key = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
         episode = self.episodes.active.get(eid)
         if episode is not None and key and same_secret(key, episode.key):
-            return episode
-        ended = self.episodes.ended.get(eid)
-        if ended is not None and key and same_secret(key, ended.key):
+            if episode.ending is None:
+                return episode
+            ended: Ended | Ending | None = episode.ending  # ended, not yet published (its agent has `agent.exit_grace_s` to exit)
+        else:
+            ended = self.episodes.ended.get(eid)
+            if ended is not None and not (key and same_secret(key, ended.key)):
+                ended = None
+        if ended is not None:
             raise ApiError(403, f"episode {eid} has ended ({ended.status}: {ended.reason}); its key opens nothing now", code="episode_ended")
         raise ApiError(
             401, "this key opens no episode here: send `Authorization: Bearer <key>` with the key handed to this episode", code="invalid_api_key"
@@ -193,19 +210,24 @@ class GatewayApi:
         ids = self._flag(body, "return_token_ids")
         stream = self._flag(body, "stream")
         options = stream_options(body, stream)
-        cid = f"chatcmpl-{episode.episode_id}-{len(episode.turns)}"
         if not stream:
             answer = await self.episodes.turn(episode, ask)
-            answered = web.json_response(self._chat_body(answer, cid, want_logprobs, ids))
+            answered = web.json_response(self._chat_body(answer, answer_id("chatcmpl", episode, answer.index), want_logprobs, ids))
             self._own_time(started, answer)
             return answered
+        planned: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        running = asyncio.ensure_future(self.episodes.turn(episode, ask, planned))
+        either: set[asyncio.Future[Any]] = {planned, running}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        # refused before it was planned (the episode ended, the turn limit): an ordinary error response, raised here
+        index = planned.result() if planned.done() else (await running).index
         response = await self._sse(request)
-        head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+        head = {"id": answer_id("chatcmpl", episode, index), "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         await self._send(
             response, {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
         )
         try:
-            answer = await self.episodes.turn(episode, ask)
+            answer = await running
         except ApiError as err:  # after the stream began: in-band, as OpenAI's streams report errors
             self._count(err.status)
             await self._send(response, {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}})
@@ -232,7 +254,7 @@ class GatewayApi:
         turn = answer.turn
         calls = _wire_calls(turn)
         content = turn.reply.get("content") or ""
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(turn)}
@@ -268,10 +290,14 @@ class GatewayApi:
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
             wire: dict[str, Any] = {"text": unicode_text(prompt, "prompt")}
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(_token_id(t, self.fmt.vocab_size) for t in prompt):
             wire = {"ids": prompt}
         else:
-            raise ApiError(400, "`prompt` must be a non-empty string or list of token ids (one prompt: each call is one turn)", param="prompt")
+            raise ApiError(
+                400,
+                f"`prompt` must be a non-empty string or list of token ids in [0, {self.fmt.vocab_size}) (one prompt: each call is one turn)",
+                param="prompt",
+            )
         ids = self._flag(body, "return_token_ids")
         stream = self._flag(body, "stream")
         options = stream_options(body, stream)
@@ -293,7 +319,7 @@ class GatewayApi:
         if ids:
             choice.update(self._token_ids(turn))
         head = {
-            "id": f"cmpl-{episode.episode_id}-{turn.record.turn_index}",
+            "id": answer_id("cmpl", episode, answer.index),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,

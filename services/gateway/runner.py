@@ -89,6 +89,7 @@ class Ask:
 @dataclass(frozen=True)
 class Answer:
     turn: Turn
+    index: int  # the turn's position in its episode: with the episode id, what the answer's id names
     replayed: bool  # answered from the record of an earlier identical request
     sampling_s: float = 0.0  # in the turn runner (route, generate): the rest of the request's time is the gateway's own
 
@@ -213,14 +214,16 @@ class Episodes:
 
     # ---- turns ---------------------------------------------------------------------------------
 
-    async def turn(self, episode: Episode, ask: Ask) -> Answer:
-        """Answer one request; the turn runs to its end (and is checkpointed) even if the caller leaves meanwhile."""
-        task = asyncio.ensure_future(self._turn(episode, ask))
+    async def turn(self, episode: Episode, ask: Ask, planned: asyncio.Future[int] | None = None) -> Answer:
+        """Answer one request; the turn runs to its end (and is checkpointed) even if the caller leaves meanwhile.
+        `planned` gets the index of the turn that will answer as soon as it is known (a stream's first chunk
+        carries the answer's id), and nothing if the request is refused first."""
+        task = asyncio.ensure_future(self._turn(episode, ask, planned))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return await asyncio.shield(task)
 
-    async def _turn(self, episode: Episode, ask: Ask) -> Answer:
+    async def _turn(self, episode: Episode, ask: Ask, planned: asyncio.Future[int] | None) -> Answer:
         async with episode.lock:
             if episode.ending is not None:
                 raise EpisodeClosed(episode)
@@ -232,10 +235,12 @@ class Episodes:
                 episode.replays += 1
                 self.stats["replayed_turns"] += 1
                 self.metrics.replayed.add(1)
-                return Answer(episode.turns[plan.replay], replayed=True)
+                _tell(planned, plan.replay)
+                return Answer(episode.turns[plan.replay], plan.replay, replayed=True)
             if len(episode.turns) >= episode.max_turns:
                 self.end(episode, "truncated", f"turn limit: the agent asked for turn {len(episode.turns) + 1} of {episode.max_turns}", scored=True)
                 raise EpisodeClosed(episode)
+            _tell(planned, len(episode.turns))
             started = time.perf_counter()
             record = await self._sample(episode, plan, ask)
             sampling_s = time.perf_counter() - started
@@ -252,7 +257,7 @@ class Episodes:
             if len(episode.turns) > 1 and turn.extends != len(episode.turns) - 2:
                 self.stats["segment_breaks"] += 1
                 self.metrics.breaks.add(1)
-            return Answer(turn, replayed=False, sampling_s=sampling_s)
+            return Answer(turn, len(episode.turns) - 1, replayed=False, sampling_s=sampling_s)
 
     async def _sample(self, episode: Episode, plan: Plan, ask: Ask) -> TurnRecord:
         _, cap = self._limits(episode.task)
@@ -376,6 +381,11 @@ class Episodes:
             await self.bus.publish(EPISODE_EVENT, event, kind=kind, episode_id=episode.episode_id)
         except Exception as exc:  # an event is for integrators: never the reason an episode fails
             log.warning("episode event %s of %s not published: %r", kind, episode.episode_id, exc)
+
+
+def _tell(planned: asyncio.Future[int] | None, index: int) -> None:
+    if planned is not None and not planned.done():
+        planned.set_result(index)
 
 
 def _call_id(episode_id: str, turn: int, j: int) -> str:

@@ -1,9 +1,10 @@
 """Bad input against the real executor's HTTP API (hypothesis): every answer is 2xx, or a 4xx with an OpenAI-style error body.
 
-There is no OpenAPI document to hand to schemathesis, so the requests are generated here: any
-method and path, random bytes, random JSON, and completion / chat bodies whose fields take
-valid and invalid values (NaN, Infinity, lone surrogates, huge integers, wrong types). Never a
-5xx, and the executor keeps serving. The number of requests tried is printed at the end.
+The requests are hand-written strategies of what a spec does not describe: any method and path,
+random bytes, random JSON, and completion / chat bodies whose fields take valid and invalid values
+(NaN, Infinity, lone surrogates, huge integers, wrong types). Never a 5xx, and the executor keeps
+serving. The number of requests tried is printed at the end. Requests drawn from OpenAI's published
+OpenAPI description, with every answer checked against its schemas, are test_openapi_spec.py's.
 """
 
 from __future__ import annotations

@@ -290,3 +290,69 @@ async def test_a_streamed_tool_call_and_a_full_context(gateway, fleet):
     finally:
         gateway.episodes.max_positions = 0
     assert full.ending is not None and full.ending.status == "truncated" and full.turns == []
+
+
+async def test_an_ended_episodes_key_opens_no_route(gateway):
+    """Once the agent posts its reward, its key gets 403 on every route, the read routes included, before the
+    episode is published (the agent may take `agent.exit_grace_s` to exit) and after."""
+    task = arithmetic_task(42, "api-ended-key")
+    episode, client = await _client(gateway, task)
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": _question(task)[0]}], tools=CALC)
+    root, base = gateway.episodes.urls(episode)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {episode.key}"}) as http:
+        async with http.get(root) as r:
+            assert r.status == 200 and (await r.json())["status"] == "open"
+        async with http.post(f"{root}/reward", json={"reward": 1.0}) as r:
+            assert r.status == 200
+        for published in (False, True):
+            assert (episode.episode_id in gateway.episodes.active) is not published
+            for method, url, body in (
+                ("GET", root, None),
+                ("GET", f"{base}/models", None),
+                ("POST", f"{root}/reward", {"reward": 0.0}),
+                ("POST", f"{base}/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                ("POST", f"{base}/completions", {"model": MODEL, "prompt": "hi"}),
+            ):
+                async with http.request(method, url, json=body) as r:
+                    error = (await r.json())["error"]
+                    assert r.status == 403 and error["code"] == "episode_ended" and "completed" in error["message"], (published, method, url)
+            with pytest.raises(openai.PermissionDeniedError, match="has ended"):
+                await client.models.list()
+            if not published:
+                await gateway.episodes.publish(episode)
+    assert len(episode.turns) == 1
+
+
+async def test_each_answer_has_an_id_of_its_own(gateway):
+    """A completion's id names one answer: a retry and a replay get the id of the turn they repeat, a new turn a new
+    id, and a streamed answer the same id as the same answer unstreamed."""
+    task = arithmetic_task(43, "api-ids", max_turns=6)
+    episode, client = await _client(gateway, task)
+    first_ask = [{"role": "user", "content": _question(task)[0]}]
+    first = await client.chat.completions.create(model=MODEL, messages=first_ask, tools=CALC)
+    call = first.choices[0].message.tool_calls[0]
+    second_ask = [*first_ask, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+    second = await client.chat.completions.create(model=MODEL, messages=second_ask, tools=CALC)
+    retried = await client.chat.completions.create(model=MODEL, messages=second_ask, tools=CALC)
+    streamed_retry = [c.id async for c in await client.chat.completions.create(model=MODEL, messages=second_ask, tools=CALC, stream=True)]
+    replayed = await client.chat.completions.create(model=MODEL, messages=first_ask, tools=CALC)
+    third_ask = [*second_ask, second.choices[0].message, {"role": "user", "content": "Sure?"}]
+    streamed_third = [c.id async for c in await client.chat.completions.create(model=MODEL, messages=third_ask, tools=CALC, stream=True)]
+    third = await client.chat.completions.create(model=MODEL, messages=third_ask, tools=CALC)
+    assert len(episode.turns) == 3, "a retry or a replay was sampled again"
+    assert len({first.id, second.id, third.id}) == 3, (first.id, second.id, third.id)
+    assert retried.id == second.id and set(streamed_retry) == {second.id} and replayed.id == first.id
+    assert set(streamed_third) == {third.id}
+    texts = [await client.completions.create(model=MODEL, prompt=p) for p in ("What is 1+1? ", "What is 2+2? ", "What is 1+1? ")]
+    assert texts[0].id == texts[2].id and len({texts[0].id, texts[1].id, first.id, second.id, third.id}) == 5
+
+
+async def test_completion_token_ids_outside_the_vocabulary_are_refused(gateway, fmt):
+    """A token id the policy does not have is the agent's mistake: a 400 naming `prompt`, nothing sent to an executor
+    (where it used to fail the turn on every try; found by the fuzz of OpenAI's spec, whose `prompt` ids are any integers)."""
+    episode, client = await _client(gateway, arithmetic_task(45, "api-token-range"))
+    for prompt in ([len(fmt.tokenizer)], [5, 2**40], [-1]):
+        with pytest.raises(openai.BadRequestError) as err:
+            await asyncio.wait_for(client.completions.create(model=MODEL, prompt=prompt), 10.0)
+        assert err.value.body["param"] == "prompt" and str(len(fmt.tokenizer)) in err.value.message
+    assert episode.turns == []
