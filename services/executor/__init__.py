@@ -22,7 +22,7 @@ How a generation flows through the home engine (engine.py), and who owns each st
   the id to the class's ``aborts`` and wakes the lane, which finishes the sequence as "abort".
 
 The SGLang backend (sglang_backend.py) keeps the same ends: ``GenerationRequest`` in,
-``RequestHandle`` out, but a ``_Job`` (its request, handle and HTTP stream) in place of
+``RequestHandle`` out, but a ``Job`` (sglang_requests.py: its request, handle and HTTP stream) in place of
 ``Sequence``, owned by the event loop that called ``start()``; SGLang's servers own the batches.
 
 The lease, as the engine holds it (``EngineLease``, protocol.py), is written on the caller's loop

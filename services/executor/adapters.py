@@ -14,21 +14,31 @@ written into a free slot on the caller's thread while forwards read another (dou
 process's weight banks); the engine then flips the policy's live slot between iterations, and each ``ForwardItem``
 names the slot its rows use. So a swap's pause is a pointer move, and a row never sees half a version. The bank's
 tensors may live in shared memory (``share_memory``): a rollout forward process reads the same slots.
+
+Beside the policy's own slots, the co-batched mode holds adapters *by name* (``NamedAdapters``, SGLang's
+``/load_lora_adapter``): each in a slot of the same bank, named by the requests that run on it (``lora_path``), and
+freed only once no request in flight names it, so a slot is never rewritten under a row that reads it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from rose.shared.errors import RoseError
 from rose.shared.lora import Adapter, AdapterError, LoraShape, adapter_targets, adapter_tensor_name
 
 from .forward_item import ForwardItem
 
 POLICY_SLOTS = 2  # the live version and the one being written: enough to double-buffer the policy's updates
+# Adapters held by name at once (co-batched mode): SGLang's --max-loras-per-batch default (server_args.py), the adapters
+# one of its batches can hold; every one is resident here, so one more is refused, never swapped in silently.
+NAMED_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -135,3 +145,94 @@ class AdapterBank:
             else:
                 y = y.index_add(0, rows, F.linear(F.linear(x.index_select(0, rows), a[slot]), b[slot]), alpha=self.scale)
         return y
+
+
+class NamedAdapterError(RoseError, ValueError):
+    """A named adapter that cannot be loaded or found: the name is taken, unknown, or every named slot is in use.
+    The message is SGLang's own for the case (sglang_api.py answers it as SGLang does)."""
+
+
+@dataclass
+class NamedAdapter:
+    """One adapter loaded by name: its slot, the version label its tokens record, where it came from, and the
+    requests in flight that name it (their handles: an unload waits for each result)."""
+
+    name: str
+    slot: int
+    version: int
+    source: str
+    users: list[Any] = field(default_factory=list)
+
+
+class NamedAdapters:
+    """Adapters held by name in the policy bank's slots from ``first_slot`` on (the module doc).
+
+    Loaded (``load``), named by requests at submit (``acquire``), then ``unregister``-ed (new requests naming it are
+    refused) and ``release``-d once its requests are done, as SGLang's registry unregisters an adapter and then waits
+    for the requests that use it before it unloads. A lock guards the names and free slots: ``load`` may run on a
+    worker thread (it writes a slot) while the event loop submits."""
+
+    def __init__(self, bank: AdapterBank, first_slot: int) -> None:
+        self.bank = bank
+        self.capacity = bank.slots - first_slot
+        self._free = list(range(first_slot, bank.slots))
+        self._loaded: dict[str, NamedAdapter] = {}
+        self._lock = threading.Lock()
+
+    def sources(self) -> dict[str, str]:
+        """Every loaded name and where its adapter came from (SGLang's ``loaded_adapters``)."""
+        with self._lock:
+            return {name: entry.source for name, entry in self._loaded.items()}
+
+    def load(self, name: str, adapter: Adapter, version: int, source: str) -> NamedAdapter:
+        """Write ``adapter`` into a free slot under ``name``; NamedAdapterError (name taken, no slot) or AdapterError
+        (not this bank's shape) leave everything as it was."""
+        if adapter.shape != self.bank.shape:
+            raise AdapterError(
+                f"LoRA adapter {name} is rank {adapter.shape.rank}, alpha {adapter.shape.alpha:g}, targets {list(adapter.shape.targets)}; "
+                f"this executor's adapter slots hold rank {self.bank.shape.rank}, alpha {self.bank.shape.alpha:g}, targets "
+                f"{list(self.bank.shape.targets)} (the policy's shape): train the adapter in that shape"
+            )
+        with self._lock:
+            if name in self._loaded:
+                raise NamedAdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
+            if not self._free:
+                raise NamedAdapterError(
+                    f"Cannot load LoRA adapter {name} at path {source}. Maximum number of loaded LoRA adapters is {self.capacity}. "
+                    "Please unload some LoRA adapters before loading new ones."
+                )
+            slot = self._free.pop(0)  # taken before the write: a concurrent load gets another
+        try:
+            self.bank.load(slot, adapter.tensors, version)  # a free slot: no row reads it
+        except Exception:
+            with self._lock:
+                self._free.insert(0, slot)
+            raise
+        entry = NamedAdapter(name, slot, version, source)
+        with self._lock:
+            self._loaded[name] = entry
+        return entry
+
+    def acquire(self, name: str, user: Any) -> NamedAdapter:
+        """The adapter a request names, counting the request (``user``: its handle) as one that uses it."""
+        with self._lock:
+            entry = self._loaded.get(name)
+            if entry is None:
+                raise NamedAdapterError(f"no LoRA adapter named {name!r} is loaded here (loaded: {sorted(self._loaded)}): load it first")
+            entry.users = [u for u in entry.users if not u.done()]
+            entry.users.append(user)
+            return entry
+
+    def unregister(self, name: str) -> NamedAdapter:
+        """Take ``name`` out: no new request names it; its slot stays until ``release``."""
+        with self._lock:
+            entry = self._loaded.pop(name, None)
+            if entry is None:
+                raise NamedAdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self._loaded)}")
+            return entry
+
+    def release(self, entry: NamedAdapter) -> None:
+        """Free an unregistered adapter's slot (its requests are done: no row reads it)."""
+        with self._lock:
+            self.bank.version[entry.slot] = None
+            self._free.append(entry.slot)

@@ -179,9 +179,13 @@ class Batcher:
 
     def forward_items(self, work: Work) -> list[ForwardItem]:
         """The forward's slice of each sequence: its new tokens after those cached, in this class's pool of the
-        runner, through this class's adapter slot now (None: the base weights alone)."""
+        runner, through the named adapter's slot it was given, else this class's adapter slot now (None: the base
+        weights alone)."""
         pool, adapter = self.pool_index, self.adapter_slot()
-        return [ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n], pool, adapter) for s, n in work]
+        return [
+            ForwardItem(s.blocks, s.num_cached, s.tokens[s.num_cached : s.num_cached + n], pool, adapter if s.adapter is None else s.adapter[0])
+            for s, n in work
+        ]
 
     @staticmethod
     def sample_rows(work: Work, offset: int = 0) -> list[tuple[int, SamplerState]]:
@@ -228,7 +232,7 @@ class Batcher:
         for seq, token, lp in ready:
             seq.tokens.append(token)
             seq.logprobs.append(lp)
-            seq.versions.append(version)
+            seq.versions.append(version if seq.adapter is None else seq.adapter[1])
             seq.token_times.append(now)
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -329,7 +333,7 @@ class Batcher:
             text=seq.text,
             finish_reason=reason,
             token_versions=versions,
-            policy_version=versions[-1] if versions else self.version(),
+            policy_version=versions[-1] if versions else self.version() if seq.adapter is None else seq.adapter[1],
             prefix_cached_tokens=seq.prefix_cached_tokens,
             timings=timings,
             top_logprobs=tuple(seq.sampler.top_logprobs),

@@ -121,6 +121,12 @@ class SGLangApiSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     max_waiting_requests: PositiveInt = 4096  # rollout requests queued before /generate answers 503
     # how long /generate waits for a rollout lease before a 503 (a serving executor lends only while its SLO allows)
     lease_wait_s: PositiveSeconds = 120.0
+    # co-batched mode (the policy a LoRA adapter of the serving model): what /generate runs for a request that names
+    # no `lora_path`. "policy": the policy's live adapter, as rollout work under the lease (what slime, verl and AReaL
+    # expect of an SGLang server that runs their policy); "base": the base model, the serving model, as serving work
+    # (what SGLang itself runs; the sglang backend's LoRA mode sends its serving requests so). Either way a request
+    # naming the policy (`lora_path` = weights.model) runs the policy. "base" in the two-model mode is refused at start.
+    generate_without_lora: Literal["policy", "base"] = "policy"
 
     def __repr__(self) -> str:  # the key never reaches a log line through a config dump
         return (

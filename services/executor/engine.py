@@ -33,7 +33,7 @@ from rose.shared.errors import RoseError
 from rose.shared.lora import Adapter, base_dir_of, check_base, is_adapter_dir, read_adapter
 from rose.shared.sketch import sketch_to_dict
 
-from .adapters import POLICY_SLOTS, AdapterBank
+from .adapters import POLICY_SLOTS, AdapterBank, NamedAdapterError, NamedAdapters
 from .batcher import Batcher
 from .co_batched import CoBatchedLoop
 from .config import ROLLOUT_MODES
@@ -104,6 +104,8 @@ class Engine:
         base.to(self.device.torch_device)
         bank = self._adapter_bank(adapter, base) if adapter is not None else None
         self.adapter_weights = AdapterPolicyWeights(bank) if bank is not None else None
+        # adapters loaded by name beside the policy's (co-batched: serving's own batches take any of them)
+        self.named_adapters = NamedAdapters(bank, POLICY_SLOTS) if bank is not None and co_batched and config.named_adapter_slots else None
         if co_batched:
             self._init_co_batched(serving_model, serving_tokenizer, policy_tokenizer, bank)
         else:
@@ -135,7 +137,8 @@ class Engine:
         (AdapterError, saying which model and why) unless ``base`` is the model the adapter was built on."""
         check_base(adapter, base.state_dict(), "this executor's serving model" if self.mode == "co_batched" else "the policy's base")
         dtype = next(base.parameters()).dtype
-        bank = AdapterBank.for_adapter(adapter, slots=POLICY_SLOTS, device=self.device.torch_device, dtype=dtype)
+        slots = POLICY_SLOTS + (self.config.named_adapter_slots if self.mode == "co_batched" else 0)  # co-batched: named adapters' too
+        bank = AdapterBank.for_adapter(adapter, slots=slots, device=self.device.torch_device, dtype=dtype)
         bank.load(0, {n: t.to(dtype) for n, t in adapter.tensors.items()}, version=0)
         return bank
 
@@ -419,8 +422,9 @@ class Engine:
         if rt is self.rollout and (require_lease or not self.policy.admits_rollout):
             self.lease.check_admits(self.policy.admits_rollout, self.policy.name)
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), cancel=rt.cancel)
+        named = self._named_adapter(request.lora, handle) if request.lora is not None else None
         seed = request.sampling.seed if request.sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        rt.queue(Sequence(next(self._ids), request, handle, SamplerState(request.sampling, seed)))
+        rt.queue(Sequence(next(self._ids), request, handle, SamplerState(request.sampling, seed), named))
         if rt is self.serving:
             self._serving_arrived()
         return handle
@@ -430,6 +434,16 @@ class Engine:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         if rt.pool.blocks_for(total) > rt.pool.num_blocks:
             raise InvalidRequest(f"{total} tokens exceed the {rt.work_class.value} KV pool ({rt.pool.num_blocks * rt.pool.block_size} tokens)")
+
+    def _named_adapter(self, name: str, handle: RequestHandle) -> tuple[int, int]:
+        """The (slot, version label) of the adapter a request names, the request counted as one that uses it."""
+        if self.named_adapters is None:
+            raise InvalidRequest(self._no_named_adapters(), "lora_path")
+        try:
+            entry = self.named_adapters.acquire(name, handle)
+        except NamedAdapterError as exc:
+            raise InvalidRequest(str(exc), "lora_path") from None
+        return entry.slot, entry.version
 
     def _serving_arrived(self) -> None:
         """A serving arrival: the burst detector sees it (its trip holds rollout back and alerts the scheduler),
@@ -502,6 +516,34 @@ class Engine:
         """The live policy parameters, or the live adapter's tensors by peft name (read-only use: a weight
         follower's base, a digest)."""
         return self.weights.state_dict()
+
+    # ------------------------------------------------------------------ named adapters (SGLang's /load_lora_adapter)
+    def load_adapter(self, name: str, adapter: Adapter, *, version: int = 0, source: str = "") -> None:
+        """Hold ``adapter`` under ``name`` (co-batched mode): rollout requests naming it (``GenerationRequest.lora``)
+        run through it, in serving's batches. Refused, nothing changed: EngineModeError (two-model mode), AdapterError
+        (not an adapter of the serving model, or not the policy's shape), NamedAdapterError (name taken, no slot).
+        ``version``: the label its tokens record (SGLang's adapters carry none: 0); ``source``: where it came from."""
+        if self.named_adapters is None:
+            raise EngineModeError(self._no_named_adapters())
+        check_base(adapter, self.serving.model.state_dict(), "this executor's serving model")
+        self.named_adapters.load(name, adapter, version, source)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop taking requests that name ``name`` now (NamedAdapterError: no such name), and free its slot once every
+        request in flight that names it is done (it waits for them, as SGLang's unload does). Call it on the event loop
+        that submits those requests (it awaits their handles)."""
+        if self.named_adapters is None:
+            raise EngineModeError(self._no_named_adapters())
+        entry = self.named_adapters.unregister(name)
+        await asyncio.gather(*(user.result() for user in entry.users), return_exceptions=True)
+        self.named_adapters.release(entry)
+
+    def _no_named_adapters(self) -> str:
+        return (
+            f"this engine holds no adapters by name: its rollout mode is {self.mode} with a "
+            f"{'LoRA' if self.adapter_weights is not None else 'full-weight'} policy; named adapters ride in serving's own batches, "
+            'which needs engine.rollout_mode = "co_batched" and a policy that is a LoRA adapter of the serving model'
+        )
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:

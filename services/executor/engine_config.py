@@ -12,6 +12,7 @@ import torch
 
 from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
 
+from .adapters import NAMED_SLOTS
 from .config import MIB, EngineSettings, RolloutMode
 from .emulated import EmulationSpec
 from .kv_pool import DEFAULT_BLOCK_SIZE
@@ -82,6 +83,9 @@ class EngineConfig:
     device: str = _SERVICE.device
     dtype: torch.dtype = getattr(torch, _SERVICE.dtype)
     rollout_mode: RolloutMode = _SERVICE.rollout_mode  # two_model, or co_batched (a LoRA policy's rows in serving's batches)
+    # co-batched: adapters held by name beside the policy's own (SGLang's /load_lora_adapter, its --max-loras-per-batch),
+    # each a slot of the adapter bank allocated at start (a rank-8 all-linear slot of a 7B model: ~40 MB in bf16)
+    named_adapter_slots: int = NAMED_SLOTS
     emulation: EmulationSpec | None = None  # device "emulated:KIND": the emulated models and memory (emulated.py)
     bursts: BurstSettings = BurstSettings()  # the executor's own burst detector (shared/bursts.py)
     burst_baseline_s: float = BURST_BASELINE_S

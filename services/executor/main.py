@@ -28,6 +28,7 @@ from rose.shared.service import ServiceRuntime, service_main
 from rose.shared.weight_signing import ManifestVerifier
 from rose.shared.weight_sync import WeightFollower
 
+from .adapters import NAMED_SLOTS
 from .backend import CoServingEngine
 from .config import MIB, ExecutorConfig
 from .emulated import EMULATED_PREFIX, emulation_spec
@@ -79,6 +80,7 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
             rollout_kv_bytes=int(e.rollout_kv_mib * MIB),
             bursts=config.bursts,
             burst_baseline_s=config.burst_baseline_s,
+            rollout_mode=e.rollout_mode,  # one setting picks the mode: a LoRA policy runs co_batched only when told so
         )
     lora = read_adapter(policy_dir).shape if is_adapter_dir(policy_dir) else None  # a LoRA policy: the emulated model takes its shape
     emulation = (
@@ -99,6 +101,8 @@ def build_engine(config: ExecutorConfig) -> CoServingEngine:
         emulation=emulation,
         bursts=config.bursts,
         burst_baseline_s=config.burst_baseline_s,
+        # adapters loaded by name (SGLang's /load_lora_adapter) only where the SGLang API that loads them is on
+        named_adapter_slots=NAMED_SLOTS if config.sglang_api.enabled else 0,
     )
     return Engine.from_dirs(str(serving_dir), str(policy_dir), engine_config, policy=e.policy)
 

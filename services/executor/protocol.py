@@ -113,6 +113,9 @@ class GenerationRequest:
     stream: bool = True
     # tokens per streamed delta after the first (SGLang's --stream-interval): fewer, larger deltas cost the host less
     stream_interval: int = 1
+    # rollout only: the named adapter (``Engine.load_adapter``, SGLang's ``lora_path``) its rows go through, resolved to
+    # a slot at submit; None: the work class's own weights (rollout: the policy's live version)
+    lora: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,6 +211,11 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_positions:
         raise InvalidRequest(f"stream_interval must be at least 1, got {request.stream_interval}")
     if request.sampling.top_logprobs and request.work_class is WorkClass.ROLLOUT:
         raise InvalidRequest("top_logprobs is for serving requests only (rollout returns the sampled token's logprob)")
+    if request.lora is not None:
+        if request.work_class is not WorkClass.ROLLOUT:
+            raise InvalidRequest("a named adapter (lora_path) is for rollout requests: serving runs the serving model", "lora_path")
+        if request.trajectory_id is not None:  # retained prefixes are keyed by trajectory and policy version, not by adapter
+            raise InvalidRequest("a request naming an adapter (lora_path) retains no prefix: leave trajectory_id out", "lora_path")
 
 
 def next_delta(

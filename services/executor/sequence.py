@@ -10,8 +10,11 @@ from .scheduling import SeqView
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: GenerationRequest, handle, sampler: SamplerState) -> None:
+    def __init__(self, seq_id: int, request: GenerationRequest, handle, sampler: SamplerState, adapter: tuple[int, int] | None = None) -> None:
         self.seq_id = seq_id
+        # a named adapter's (slot, version label) that this sequence's rows take (``request.lora``, resolved at submit);
+        # None: its work class's own weights and version
+        self.adapter = adapter
         self.request = request
         self.handle = handle
         self.sampler = sampler

@@ -8,12 +8,15 @@ commit 0025436e, request structs of `managers/io_struct.py` at 001067ff for the 
 `/update_weight_version`, `/release_memory_occupation`, `/resume_memory_occupation`,
 `/flush_cache`, `/abort_request`, `/get_model_info`, `/get_server_info`, `/get_weights_by_name`,
 `/health_generate`,
-and the `sglang:*` Prometheus metrics on `/metrics`.
+and the `sglang:*` Prometheus metrics on `/metrics` (sglang_metrics.py). In the co-batched mode (the policy a LoRA
+adapter of the serving model) also SGLang's adapter API: `/load_lora_adapter`, `/unload_lora_adapter` and `lora_path`
+on `/generate` (sglang_lora_api.py: the SGLang source it follows, and what `/generate` without `lora_path` runs).
 
 An SGLang server runs one model; these endpoints run the executor's *policy* model as rollout
 work: `/generate` requests queue like any rollout and run only under the executor's lease (a
-dedicated executor holds a standing one), yielding to serving traffic within a quantum. What
-differs from SGLang, on purpose:
+dedicated executor holds a standing one), yielding to serving traffic within a quantum (a request
+naming an adapter, `lora_path`, runs that adapter the same way; one that runs the base, with
+`sglang_api.generate_without_lora = "base"`, is serving work). What differs from SGLang, on purpose:
 - Admin endpoints (everything that changes weights, pauses, memory, caches or aborts) need
   `Authorization: Bearer <sglang_api.admin_api_key>`; with no key set they are refused (403)
   unless `sglang_api.allow_unauthenticated_admin` (SGLang leaves them open by default). A client
@@ -42,19 +45,18 @@ import os
 import socket
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from aiohttp import web
-from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from rose.shared.http_server import read_body, same_secret
+from rose.shared.lora import Adapter
 from rose.shared.openai_api import ApiError, unicode_text
 
 from . import http_api
+from .adapters import NamedAdapters
 from .backend import CoServingEngine
 from .batcher import Batcher
 from .config import SGLangApiSettings
@@ -63,6 +65,8 @@ from .outputs import RequestHandle
 from .policy_updates import PolicyUpdates
 from .protocol import MAX_TOP_LOGPROBS, EngineSampling, GenerationRequest, GenerationResult, InvalidRequest, RolloutRejected, WorkClass
 from .rollout_control import RolloutControl
+from .sglang_lora_api import LoraRoutes
+from .sglang_metrics import GAUGES, observe_finished
 from .sglang_tensors import PolicyMismatch, UnsafePayload, deserialize_named_tensors
 from .weights import WeightUpdateError
 
@@ -84,96 +88,11 @@ NEUTRAL_SAMPLING = {
     "structural_tag": None,
     "stop_regex": None,
 }
+MEMORY_TAGS_KEPT = ("cuda_graph",)  # SGLang memory tags this executor never releases (always resident)
+UNSET_KEY_TOKEN = "None"  # what `f"Bearer {api_key}"` sends when the client's api_key is None (slime's external mode)
 FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
 )
-
-# SGLang's metric names and default buckets (metrics/collector.py), for its Prometheus scrapers and dashboards
-_LABELS = ["model_name"]
-TTFT = Histogram(
-    "sglang:time_to_first_token_seconds",
-    "Time to first token (SGLang-compatible /generate).",
-    _LABELS,
-    buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400],
-)
-ITL = Histogram(
-    "sglang:inter_token_latency_seconds",
-    "Inter-token latency (SGLang-compatible /generate).",
-    _LABELS,
-    buckets=[
-        0.002,
-        0.004,
-        0.006,
-        0.008,
-        0.010,
-        0.015,
-        0.020,
-        0.025,
-        0.030,
-        0.035,
-        0.040,
-        0.060,
-        0.080,
-        0.100,
-        0.200,
-        0.400,
-        0.600,
-        0.800,
-        1,
-        2,
-        4,
-        6,
-        8,
-    ],
-)
-E2E = Histogram(
-    "sglang:e2e_request_latency_seconds",
-    "End-to-end request latency (SGLang-compatible /generate).",
-    _LABELS,
-    buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400],
-)
-PROMPT_TOKENS = Counter("sglang:prompt_tokens", "Prompt tokens of finished /generate requests.", _LABELS)
-GENERATION_TOKENS = Counter("sglang:generation_tokens", "Generated tokens of finished /generate requests.", _LABELS)
-REQUESTS = Counter("sglang:num_requests", "Finished /generate requests.", _LABELS)
-ABORTED = Counter("sglang:num_aborted_requests", "Aborted /generate requests.", _LABELS)
-CACHED_TOKENS = Counter("sglang:cached_tokens", "Prompt tokens of finished /generate requests served from the prefix cache.", _LABELS)
-MEMORY_TAGS_KEPT = ("cuda_graph",)  # SGLang memory tags this executor never releases (always resident)
-UNSET_KEY_TOKEN = "None"  # what `f"Bearer {api_key}"` sends when the client's api_key is None (slime's external mode)
-
-
-class _SchedulerGauges:
-    """`sglang:num_running_reqs`, `num_queue_reqs`, `token_usage` read from the live engines at scrape time."""
-
-    def __init__(self) -> None:
-        self.apis: weakref.WeakSet[SGLangApi] = weakref.WeakSet()
-
-    def collect(self):
-        running = GaugeMetricFamily("sglang:num_running_reqs", "Running rollout requests (policy model).", labels=_LABELS)
-        queued = GaugeMetricFamily("sglang:num_queue_reqs", "Queued rollout requests (policy model).", labels=_LABELS)
-        usage = GaugeMetricFamily("sglang:token_usage", "Fraction of the rollout KV pool in use.", labels=_LABELS)
-        used = GaugeMetricFamily("sglang:num_used_tokens", "Token slots of the rollout KV pool in use.", labels=_LABELS)
-        throughput = GaugeMetricFamily("sglang:gen_throughput", "Rollout tokens generated per second since the previous scrape.", labels=_LABELS)
-        hit_rate = GaugeMetricFamily("sglang:cache_hit_rate", "Cached / prompt tokens of finished /generate requests, since start.", labels=_LABELS)
-        grammar = GaugeMetricFamily(
-            "sglang:num_grammar_queue_reqs", "Requests waiting for a grammar (none: no constrained decoding).", labels=_LABELS
-        )
-        accept = GaugeMetricFamily("sglang:spec_accept_length", "Speculative decoding accept length (0: no speculative decoding).", labels=_LABELS)
-        for api in list(self.apis):
-            state = api.scheduler_state()
-            name = [api.served_name]
-            running.add_metric(name, state["num_running_reqs"])
-            queued.add_metric(name, state["num_queue_reqs"])
-            usage.add_metric(name, state["token_usage"])
-            used.add_metric(name, state["num_used_tokens"])
-            throughput.add_metric(name, api.gen_throughput())
-            hit_rate.add_metric(name, api.cache_hit_rate())
-            grammar.add_metric(name, 0)
-            accept.add_metric(name, 0.0)
-        yield from (running, queued, usage, used, throughput, hit_rate, grammar, accept)
-
-
-_GAUGES = _SchedulerGauges()
-REGISTRY.register(_GAUGES)
 
 
 @dataclass(frozen=True)
@@ -189,12 +108,18 @@ class OutputOptions:
 @runtime_checkable
 class SGLangServable(CoServingEngine, Protocol):
     """An engine this API can front: a co-serving engine that also offers SGLang-style rollout control
-    (``control``: pause, abort, flush, memory) and its rollout batch to read (``work_for``: queue lengths, pool,
-    batch limit), with the liveness of its lanes. Our own engine (engine.Engine) is one."""
+    (``control``: pause, abort, flush, memory), its rollout batch to read (``work_for``: queue lengths, pool,
+    batch limit), adapters held by name (co-batched mode), and the liveness of its lanes. Our own engine
+    (engine.Engine) is one."""
 
     control: RolloutControl
+    named_adapters: NamedAdapters | None  # adapters held by name (co-batched mode), else None
 
     def work_for(self, work_class: WorkClass) -> Batcher: ...
+
+    def load_adapter(self, name: str, adapter: Adapter, *, version: int = 0, source: str = "") -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
 
     @property
     def lanes_alive(self) -> bool: ...
@@ -220,7 +145,7 @@ class SGLangApi:
         self.served_name = served_name
         self.follows_bus_weights = follows_bus_weights
         self.executor_id = executor_id
-        self.tokenizer = engine.tokenizer_for(WorkClass.ROLLOUT)
+        self.tokenizer = engine.tokenizer_for(WorkClass.ROLLOUT)  # (co-batched: the serving model's, the base's)
         self.updates = PolicyUpdates(engine)
         self.active: dict[str, RequestHandle] = {}  # rid -> handle of this API's /generate requests
         self._label: tuple[int, str] | None = None  # (policy version it names, weight_version label)
@@ -228,7 +153,8 @@ class SGLangApi:
         self._prompt_tokens = 0  # of finished /generate requests (sglang:cache_hit_rate)
         self._cached_tokens = 0
         self._throughput_mark = (time.monotonic(), engine.metrics.rollout_tokens_total)  # (when, tokens) of the last scrape
-        _GAUGES.apis.add(self)
+        self.lora = LoraRoutes(self)  # the adapter endpoints and what a request's lora_path runs (sglang_lora_api.py)
+        GAUGES.apis.add(self)
 
     def model_card(self) -> dict[str, Any]:
         """The policy model as `/v1/models` lists it: its name, and the path its weights came from (as `/get_model_info`)."""
@@ -265,6 +191,7 @@ class SGLangApi:
                 web.get("/health_generate", self.health_generate),
             ]
         )
+        self.lora.mount(app)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -432,6 +359,7 @@ class SGLangApi:
         n = self._field(body.get("sampling_params") or {}, "n", int, 1)
         if n < 1:
             raise ApiError(400, "sampling_params.n must be >= 1", param="sampling_params")
+        targets = [t for t in await self.lora.targets(body.get("lora_path"), len(prompts)) for _ in range(n)]
         prompts = [p for p in prompts for _ in range(n)]
         batch = batch or n > 1
         return_logprob = bool(self._field(body, "return_logprob", bool, False))
@@ -453,7 +381,7 @@ class SGLangApi:
         stream = bool(self._field(body, "stream", bool, False))
         if stream and batch:
             raise ApiError(400, "streaming a batch is not supported: send one streaming request per prompt", param="stream")
-        self._field(body, "priority", int, 0)  # accepted: these requests are rollout work, below serving whatever their priority
+        self._field(body, "priority", int, 0)  # accepted: rollout work runs below serving whatever its priority
         rids = self._rids(body.get("rid"), len(prompts), batch)
         waiting = self.scheduler_state()["num_queue_reqs"]
         if waiting + len(prompts) > self.settings.max_waiting_requests:
@@ -463,18 +391,19 @@ class SGLangApi:
                 "later",
                 code="overloaded",
             )
-        await self._await_lease()
+        if any(t.work_class is WorkClass.ROLLOUT for t in targets):
+            await self._await_lease()
         handles = []
         try:
-            for rid, prompt in zip(rids, prompts):
+            for rid, prompt, target in zip(rids, prompts, targets):
                 engine_request = GenerationRequest(
-                    request_id=rid, work_class=WorkClass.ROLLOUT, prompt_token_ids=prompt, sampling=sampling, stream=stream
+                    request_id=rid, work_class=target.work_class, prompt_token_ids=prompt, sampling=sampling, stream=stream, lora=target.lora
                 )
                 handles.append(self.engine.submit(engine_request, require_lease=False))
                 self.active[rid] = handles[-1]
         except InvalidRequest as exc:
             self._abandon(handles)
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=exc.param) from None
         except RolloutRejected as exc:
             self._abandon(handles)
             raise ApiError(503, f"this executor runs no rollout now ({exc})", code=exc.reason) from None
@@ -598,21 +527,9 @@ class SGLangApi:
         return {"type": "stop", "matched": matched if matched is not None else last}
 
     def _observe(self, result: GenerationResult, prompt_tokens: int, started: float) -> None:
-        name = self.served_name
-        REQUESTS.labels(name).inc()
-        if result.finish_reason == "abort":
-            ABORTED.labels(name).inc()
-        PROMPT_TOKENS.labels(name).inc(prompt_tokens)
-        CACHED_TOKENS.labels(name).inc(result.prefix_cached_tokens)
         self._prompt_tokens += prompt_tokens
         self._cached_tokens += result.prefix_cached_tokens
-        GENERATION_TOKENS.labels(name).inc(len(result.token_ids))
-        times = result.timings.token_times_ms
-        if times:
-            TTFT.labels(name).observe(times[0] / 1000.0)
-            for a, b in zip(times, times[1:]):
-                ITL.labels(name).observe((b - a) / 1000.0)
-        E2E.labels(name).observe(time.monotonic() - started)
+        observe_finished(self.served_name, result, prompt_tokens, started)
 
     # ---- pause / continue / abort ----------------------------------------------------------
 
@@ -638,9 +555,14 @@ class SGLangApi:
         rid = self._field(body, "rid", str, "")
         if self._field(body, "abort_all", bool, False):
             self.engine.control.abort(None)
+            for handle in list(self.active.values()):  # /generate's serving work too (generate_without_lora = "base")
+                handle.cancel()
         elif rid:
-            for active in [r for r in self.active if r.startswith(rid)] or [rid]:  # SGLang matches rid prefixes (a batch's items)
-                self.engine.control.abort(active)
+            matched = [r for r in self.active if r.startswith(rid)]  # SGLang matches rid prefixes (a batch's items)
+            for active in matched:
+                self.active[active].cancel()
+            if not matched:
+                self.engine.control.abort(rid)
         return web.Response(status=200)
 
     # ---- weights ---------------------------------------------------------------------------
@@ -855,6 +777,7 @@ class SGLangApi:
             "max_running_requests": self.engine.work_for(WorkClass.ROLLOUT).max_batch,
             "stream_output": False,
             "hostname": socket.gethostname(),
+            **self.lora.server_args(),
         }
 
     async def get_server_info(self, request: web.Request) -> web.Response:
@@ -881,6 +804,7 @@ class SGLangApi:
                             None if lease is None or math.isinf(lease.expires_at) else max(0.0, lease.expires_at - time.monotonic())
                         ),
                         "prefix_cached_blocks": rollout.prefixes.cached_blocks if rollout.prefixes is not None else 0,
+                        "loaded_lora_adapters": self.lora.loaded(),  # name -> path, as /load_lora_adapter answers
                         "executor_id": self.executor_id,
                     }
                 ],

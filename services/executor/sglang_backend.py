@@ -1,4 +1,4 @@
-"""An engine backend that drives two real SGLang servers over HTTP, sharing one GPU.
+"""An engine backend that drives real SGLang servers over HTTP: two sharing one GPU, or one with LoRA.
 
 Why: SGLang's kernels, batching and radix cache are far faster than our engine on a GPU, while
 the executor's value is the co-serving control around them (leases, SLO-driven reclaim, weight
@@ -13,12 +13,24 @@ versions, telemetry). So this backend offers the executor's engine surface
   so a grant never overtakes a revoke: grant -> ``/resume_memory_occupation {kv_cache}`` then
   ``/continue_generation``; revoke or expiry -> ``/pause_generation {retract}`` then
   ``/release_memory_occupation {kv_cache}``, so the KV memory goes back to the GPU for serving.
-- weights: a host mirror of the policy (loaded from the policy directory) is the delta base the
-  bus weight follower needs; an update sends only the tensors that differ from the mirror, over
-  ``/update_weights_from_tensor`` (same host: shared-memory tensors) or as a safetensors
-  directory for ``/update_weights_from_disk`` (a volume both can see). A refusal keeps the mirror.
+- weights: a host mirror of the policy is the delta base; an update sends only the tensors that
+  changed, over ``/update_weights_from_tensor`` or ``/update_weights_from_disk`` (sglang_weights.py).
 - stats: both servers' ``/metrics`` are scraped in the background; histogram bucket deltas
-  become DDSketches, so the SLO monitor merges them like our engine's.
+  become DDSketches, so the SLO monitor merges them like our engine's (sglang_wire.py parses them).
+
+LoRA mode (the policy directory holds a LoRA adapter of the serving model, ``engine.rollout_mode =
+"co_batched"``): one server, the serving one (SGLang's ``--enable-lora``), runs both classes, as our
+engine's co-batched mode does. Serving requests name no adapter (the base); rollout requests name
+the live policy version's adapter (``lora_path``); each new version is written as a peft adapter
+directory and loaded with SGLang's ``/load_lora_adapter``, and the previous one unloaded once no
+request in flight names it (sglang_lora.py); each token records the version whose adapter made it.
+The lease still governs rollout (no rollout request goes out without one), but a reclaim cannot
+pause or release that server's memory, since serving runs on it: it stops sending rollout requests
+and aborts the ones in flight (``/abort_request``), whose partial output comes back as a revoked
+turn's does; a burst's park does the same (no in-place pause of rollout alone exists there).
+Serving's latency sketches are then measured here, per request (the server's histograms mix both
+classes). The adapter must be one of the serving model's (``check_base``, against its weights).
+Two-server mode stays for full-weight policies.
 
 Everything here runs on the event loop that called ``start()``; ``apply_policy_weights`` and the
 lease calls may come from other threads and hop onto it.
@@ -31,24 +43,20 @@ import concurrent.futures
 import json
 import logging
 import math
-import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
-from ddsketch import DDSketch
-from prometheus_client.parser import text_string_to_metric_families
 
 from rose.shared.bursts import BURST_BASELINE_S, ArrivalBurstDetector, BurstSettings, BurstTrip
 from rose.shared.errors import RoseError
+from rose.shared.lora import check_base, is_adapter_dir, read_adapter
 from rose.shared.sketch import sketch_to_dict
-from rose.shared.weight_layout import save_safetensors
 
 from .config import SGLangBackendSettings
 from .device import select_device
@@ -66,263 +74,33 @@ from .protocol import (
     InvalidRequest,
     RolloutRejected,
     StreamDelta,
-    TopLogprobs,
+    Timings,
     WorkClass,
     next_delta,
     timings_since,
     validate_request,
 )
-from .sglang_tensors import serialize_named_tensors
-from .weights import StagedWeights, WeightUpdateError, stage
+from .sglang_lora import LoraVersions
+from .sglang_requests import Job, ModelInfo
+from .sglang_weights import MirroredWeights
+from .sglang_wire import Scrape, ServerError, SSEDecoder, error_message, finish_reason_of, fold_scrape, parse_metrics, pool_usage, version_of
+from .weights import StagedWeights, WeightUpdateError
 
 log = logging.getLogger("rose.executor.sglang")
 
 KV_TAGS = ["kv_cache"]
-# labels that name one rank of a tensor/pipeline/expert-parallel group: every rank reports the same
-# batch, so series that differ only in these are one value (max), not several to add
-RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
-TTFT_METRIC = "sglang:time_to_first_token_seconds"
-ITL_METRIC = "sglang:inter_token_latency_seconds"
-TPOT_METRIC = "sglang:time_per_output_token_seconds"  # older servers (0.4.x) export this instead of ITL
-GEN_TOKENS = "sglang:generation_tokens_total"
-FINISH_TYPES: tuple[FinishReason, ...] = ("stop", "length", "abort")
 
 
-class ServerError(RoseError, RuntimeError):
-    """An SGLang server answered with an error status; ``message`` is what it said."""
-
-    def __init__(self, url: str, status: int, message: str) -> None:
-        super().__init__(f"{url} answered {status}: {message}")
-        self.url, self.status, self.message = url, status, message
-
-
-# ---------------------------------------------------------------------------- wire formats
-
-
-class SSEDecoder:
-    """Server-sent events from arbitrary byte chunks: yields each event's data (lines joined by \\n).
-
-    SGLang writes ``data: <json>\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at the end; a TCP read
-    may split an event anywhere, so bytes are buffered until the blank line that ends it.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self._buf += chunk
-        if b"\r" in self._buf:
-            keep_cr = self._buf.endswith(b"\r")  # may be half of a \r\n split across reads
-            self._buf = self._buf[:-1] if keep_cr else self._buf
-            self._buf = self._buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if keep_cr else b"")
-        events: list[str] = []
-        while True:
-            end = self._buf.find(b"\n\n")
-            if end < 0:
-                return events
-            block, self._buf = self._buf[:end], self._buf[end + 2 :]
-            data = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
-            if data:
-                events.append(b"\n".join(data).decode("utf-8", errors="replace"))
-
-
-def error_message(text: str) -> str:
-    """The human part of an SGLang error body (its several envelopes), else the text itself."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text.strip()[:1000]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        for key in ("message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return text.strip()[:1000]
-
-
-def finish_reason_of(raw: Any) -> FinishReason | None:
-    """SGLang's ``{"type": "stop"|"length"|"abort", ...}`` (or a bare string) -> ours; None while running."""
-    if raw is None:
-        return None
-    kind = raw.get("type") if isinstance(raw, dict) else raw
-    return kind if kind in FINISH_TYPES else "abort"
-
-
-# ---------------------------------------------------------------------------- Prometheus scrape
-
-
-@dataclass
-class Histogram:
-    buckets: dict[float, float]  # upper bound -> cumulative count
-    sum: float = 0.0
-    count: float = 0.0
-
-
-@dataclass
-class Scrape:
-    """One server's metrics, each name reduced to one value across label sets (see ``parse_metrics``)."""
-
-    histograms: dict[str, Histogram] = field(default_factory=dict)
-    values: dict[str, float] = field(default_factory=dict)  # gauges and counters (counters by their `_total` name)
-
-
-def _reduce(series: dict[tuple, dict[tuple, float]]) -> dict[tuple, float]:
-    """{group -> {rank labels -> value}} -> {group -> value}: max over ranks (they repeat one batch)."""
-    return {group: max(ranks.values()) for group, ranks in series.items()}
-
-
-def parse_metrics(text: str) -> Scrape:
-    """Parse Prometheus text; series of one name are added up (data-parallel ranks, label variants),
-    except series that differ only in tensor/pipeline ranks, which report the same thing (max)."""
-    hist: dict[str, dict[str, dict[tuple, dict[tuple, float]]]] = {}
-    values: dict[str, dict[tuple, dict[tuple, float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            ranks = tuple(sorted((k, v) for k, v in labels.items() if k in RANK_LABELS))
-            group = tuple(sorted((k, v) for k, v in labels.items() if k not in RANK_LABELS and k != "le"))
-            if family.type == "histogram":
-                for suffix in ("_bucket", "_sum", "_count"):
-                    if sample.name == family.name + suffix:
-                        key = f"{suffix}:{labels['le']}" if suffix == "_bucket" else suffix
-                        hist.setdefault(family.name, {}).setdefault(key, {}).setdefault(group, {})[ranks] = sample.value
-            elif family.type == "counter":
-                if sample.name.endswith("_created"):
-                    continue
-                name = sample.name if sample.name.endswith("_total") else sample.name + "_total"
-                values.setdefault(name, {}).setdefault(group, {})[ranks] = sample.value
-            elif family.type in ("gauge", "untyped", "unknown"):
-                values.setdefault(sample.name, {}).setdefault(group, {})[ranks] = sample.value
-    out = Scrape()
-    for name, parts in hist.items():
-        h = Histogram({})
-        for key, series in parts.items():
-            total = sum(_reduce(series).values())
-            if key.startswith("_bucket:"):
-                h.buckets[float(key[len("_bucket:") :])] = total
-            elif key == "_sum":
-                h.sum = total
-            else:
-                h.count = total
-        out.histograms[name] = h
-    for name, series in values.items():
-        out.values[name] = sum(_reduce(series).values())
-    return out
-
-
-def histogram_delta(prev: Histogram | None, cur: Histogram) -> tuple[list[tuple[float, float, float]], float]:
-    """Observations between two scrapes: ([(lower, upper, count) per bucket], sum of values).
-
-    A server restart resets its counters: when anything went down, the current scrape is all new.
-    """
-    bounds = sorted(cur.buckets)
-    reset = prev is None or cur.count < prev.count or any(cur.buckets[b] < prev.buckets.get(b, 0.0) for b in bounds)
-    base = Histogram({}) if reset or prev is None else prev
-    out = []
-    lower, below = 0.0, 0.0
-    for upper in bounds:
-        cumulative = cur.buckets[upper] - base.buckets.get(upper, 0.0)
-        count = cumulative - below
-        if count > 0:
-            out.append((lower, upper, count))
-        lower, below = upper, cumulative
-    return out, cur.sum - base.sum
-
-
-def add_buckets(sketch: DDSketch, buckets: list[tuple[float, float, float]], total: float, scale: float = 1000.0) -> float:
-    """Add bucketed observations to a DDSketch, each bucket's count at one representative value.
-
-    Prometheus keeps only counts per bucket, so a value inside each bucket stands for them all:
-    the mean (``total / count``) when every observation fell in one bucket (exact for that
-    interval), else the geometric midpoint ``sqrt(lower * upper)`` (DDSketch's error is relative,
-    and the geometric midpoint bounds it by ``sqrt(upper / lower)``), half the upper bound for
-    the first bucket (lower bound 0), and for the overflow bucket (upper = +Inf) what the sum
-    leaves over for it, never below its lower bound. ``scale`` converts units (s -> ms).
-    Returns the number of observations added.
-    """
-    n = sum(c for _, _, c in buckets)
-    if n <= 0:
-        return 0.0
-    if len(buckets) == 1:
-        lower, upper, count = buckets[0]
-        mean = total / count
-        sketch.add((mean if lower <= mean <= upper else _midpoint(lower, upper)) * scale, count)
-        return n
-    finite = 0.0
-    for lower, upper, count in buckets:
-        if math.isfinite(upper):
-            finite += _midpoint(lower, upper) * count
-            sketch.add(_midpoint(lower, upper) * scale, count)
-    for lower, upper, count in buckets:
-        if not math.isfinite(upper):
-            sketch.add(max(lower, (total - finite) / count) * scale, count)
-    return n
-
-
-def _midpoint(lower: float, upper: float) -> float:
-    if not math.isfinite(upper):
-        return lower
-    return upper / 2 if lower <= 0 else math.sqrt(lower * upper)
-
-
-# ---------------------------------------------------------------------------- per-request state
-
-
-@dataclass(kw_only=True)
-class _Job:
-    request: GenerationRequest
-    handle: RequestHandle
-    rid: str  # the id on the SGLang server (unique, fixed length: SGLang aborts by rid prefix)
-    arrival: float
-    task: asyncio.Task | None = None
-    posted: bool = False
-    aborted: bool = False
-    done: bool = False
-    accepted_at: float | None = None  # the server answered (headers)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when the request asked for alternatives
-    versions: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    text: str = ""
-    emitted_tokens: int = 0
-    emitted_text: int = 0
-    finish: FinishReason | None = None
-    cached_tokens: int = 0
-    retractions: int = 0
-
-    @property
-    def rollout(self) -> bool:
-        return self.request.work_class is WorkClass.ROLLOUT
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What we need of a model directory without loading its weights."""
-
-    vocab_size: int
-    max_positions: int
-    kv_bytes_per_token: int
-
-    @classmethod
-    def of(cls, directory: str, dtype: torch.dtype) -> ModelInfo:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        elem = torch.empty((), dtype=dtype).element_size()
-        return cls(cfg.vocab_size, cfg.max_position_embeddings, 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem)
+class BackendModeError(RoseError, ValueError):
+    """The rollout mode does not fit the policy on this backend (LoRA mode needs an adapter and co_batched)."""
 
 
 # ---------------------------------------------------------------------------- the backend
 
 
 class SGLangBackend:
-    """``CoServingEngine`` over a serving SGLang server and a rollout SGLang server."""
+    """``CoServingEngine`` over a serving SGLang server and a rollout SGLang server, or (LoRA mode) over one server
+    that serves the base and runs the policy's adapter versions (the module doc)."""
 
     def __init__(
         self,
@@ -338,32 +116,33 @@ class SGLangBackend:
         rollout_kv_bytes: int = 0,
         bursts: BurstSettings | None = None,
         burst_baseline_s: float = BURST_BASELINE_S,
+        rollout_mode: str | None = None,
     ) -> None:
-        from rose.shared.models import load_for_inference, load_tokenizer
+        """``rollout_mode``: "co_batched" for a LoRA policy (LoRA mode), "two_model" for a full-weight one (two
+        servers); None: as the policy directory says (logged). Refused (BackendModeError) where they do not fit."""
+        from rose.shared.models import load_tokenizer
+        from rose.shared.nats_server import state_dir
 
         self.settings = settings
         self.serving_url = settings.serving_url.rstrip("/")
         self.rollout_url = settings.rollout_url.rstrip("/")
         self.policy_dir = Path(policy_dir)
+        self.staging_dir = Path(settings.staging_dir) if settings.staging_dir else state_dir() / "sglang-weights"
         self.policy = make_policy(policy)
         self.device = select_device(device)
         self.policy_version = 0
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         # what a lease may grant: SGLang cannot bound its pool at run time, so this is the executor's setting, reported
         self.lendable_kv_bytes = rollout_kv_bytes
-        self.bursts = ArrivalBurstDetector(
-            bursts or BurstSettings(), burst_baseline_s
-        )  # the same detector as the home engine's, on serving arrivals here
+        # the same detector as the home engine's, on serving arrivals here
+        self.bursts = ArrivalBurstDetector(bursts or BurstSettings(), burst_baseline_s)
         self.on_burst: list[Callable[[BurstTrip], None]] = []
         self._tokenizers = {WorkClass.SERVING: load_tokenizer(serving_dir), WorkClass.ROLLOUT: load_tokenizer(policy_dir)}
-        self._mirror = load_for_inference(policy_dir, "cpu", dtype)  # the policy as the rollout server should have it
-        self._models = {WorkClass.SERVING: ModelInfo.of(serving_dir, dtype), WorkClass.ROLLOUT: ModelInfo.of(policy_dir, dtype)}
-        from rose.shared.nats_server import state_dir
-
-        self.staging_dir = Path(settings.staging_dir) if settings.staging_dir else state_dir() / "sglang-weights"
+        self.lora: LoraVersions | None = None  # LoRA mode: the policy's adapter versions on the one server
+        self.weights: MirroredWeights | LoraVersions = self._init_policy(serving_dir, dtype, rollout_mode)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
         self.lease = LeaseState()
         self._expiry: asyncio.TimerHandle | None = None
         self._ops: asyncio.Queue | None = None
@@ -389,6 +168,41 @@ class SGLangBackend:
     @classmethod
     def from_dirs(cls, serving_dir: str, policy_dir: str, settings: SGLangBackendSettings, **kw: Any) -> SGLangBackend:
         return cls(settings, serving_dir=serving_dir, policy_dir=policy_dir, **kw)
+
+    def _init_policy(self, serving_dir: str, dtype: torch.dtype, rollout_mode: str | None) -> MirroredWeights | LoraVersions:
+        """The policy as this backend holds it: a host mirror of the rollout server's model (two servers), or the
+        adapter's versions on the serving server (LoRA mode: refused unless the adapter is the serving model's)."""
+        from rose.shared.models import load_for_inference
+
+        lora = is_adapter_dir(self.policy_dir)
+        if rollout_mode is None:
+            rollout_mode = "co_batched" if lora else "two_model"
+            log.info(
+                "sglang backend: the policy in %s is %s, so rollout_mode %s", self.policy_dir, "a LoRA adapter" if lora else "a model", rollout_mode
+            )
+        if lora != (rollout_mode == "co_batched"):
+            raise BackendModeError(
+                f"engine.rollout_mode is {rollout_mode!r} and the policy in {self.policy_dir} is {'a LoRA adapter' if lora else 'a model'}: "
+                "on the sglang backend a LoRA policy runs co_batched (one SGLang server with --enable-lora serves the base and runs the "
+                'adapter) and a full-weight policy two_model (a rollout server of its own); set engine.rollout_mode = "co_batched" for '
+                'an adapter of the serving model (`rose models init DIR --lora`), "two_model" for a model'
+            )
+        if not lora:
+            mirror = load_for_inference(self.policy_dir, "cpu", dtype)
+            self._models = {WorkClass.SERVING: ModelInfo.of(serving_dir, dtype), WorkClass.ROLLOUT: ModelInfo.of(str(self.policy_dir), dtype)}
+            return MirroredWeights(mirror, self.policy_dir, self.staging_dir, self.rollout_url, self._call, self.settings.weight_sync)
+        adapter = read_adapter(self.policy_dir)
+        base = load_for_inference(serving_dir, "cpu", dtype).state_dict()  # its weights once, to hold the adapter against
+        check_base(adapter, base, f"{serving_dir} (this executor's serving model, the sglang server's)")
+        if self.rollout_url != self.serving_url:
+            log.info(
+                "sglang backend, LoRA mode: rollout runs on the serving server %s; rollout_url %s is not used", self.serving_url, self.rollout_url
+            )
+        self.rollout_url = self.serving_url
+        self.lora = LoraVersions(adapter, self.policy_dir, self.staging_dir, self.serving_url, self._call)
+        info = ModelInfo.of(serving_dir, dtype)
+        self._models = {WorkClass.SERVING: info, WorkClass.ROLLOUT: info}
+        return self.lora
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -417,7 +231,7 @@ class SGLangBackend:
         ]
 
     async def stop(self) -> None:
-        """Abort what is in flight (finished with "abort"), hand the rollout server's KV back, close."""
+        """Abort what is in flight (finished with "abort"), hand the rollout server's KV (LoRA mode: the adapters) back."""
         if not self._started or self._stopping:
             self._stopping = True
             return
@@ -433,12 +247,14 @@ class SGLangBackend:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._expiry is not None:
             self._expiry.cancel()
-        if self._server_lent is not False and self.policy.admits_rollout:
-            try:
-                async with asyncio.timeout(self.settings.connect_timeout_s):
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                if self.lora is not None:
+                    await self.lora.unload_all()  # LoRA mode: the server's adapter slots back
+                elif self._server_lent is not False and self.policy.admits_rollout:
                     await self._reclaim()
-            except (TimeoutError, Exception) as exc:
-                log.warning("could not pause the rollout server while stopping: %s", exc)
+        except (TimeoutError, Exception) as exc:
+            log.warning("could not pause the rollout server (or unload the policy's adapters) while stopping: %s", exc)
         if self._session is not None:
             await self._session.close()
 
@@ -466,7 +282,7 @@ class SGLangBackend:
         loop = asyncio.get_running_loop()
         # the abort closes over `job`, bound on the next line (a closure reads it when called)
         handle = RequestHandle(request.request_id, loop, cancel=lambda _rid: self._on_loop(lambda: self._cancel(job)))
-        job = _Job(request=request, handle=handle, rid=f"rose-{uuid.uuid4().hex}", arrival=time.monotonic())
+        job = Job(request=request, handle=handle, rid=f"rose-{uuid.uuid4().hex}", arrival=time.monotonic())
         self._jobs[job.rid] = job
         job.task = loop.create_task(self._run(job), name=f"sglang-{request.request_id}")
         if not rollout:
@@ -505,16 +321,16 @@ class SGLangBackend:
             self.set_rollout_lease(budget_bytes, lease.expires_at, lease.lease_id)
 
     def park_rollout(self, until_monotonic: float) -> None:
-        """The lease was revoked on a burst: refuse new rollout and pause the rollout server in place
-        (its requests keep their KV) until a new lease continues it or ``until_monotonic`` ends the
-        lease as an expiry does (pause with retract, KV released)."""
+        """The lease was revoked on a burst: refuse new rollout and pause the rollout server in place (its requests
+        keep their KV) until a new lease continues it or ``until_monotonic`` ends the lease as an expiry does (pause
+        with retract, KV released). LoRA mode: the rollout requests in flight are aborted, as on a revoke."""
         lease = self.lease.park(until_monotonic)
         if lease is not None:
             self._on_loop(lambda: self._arm_expiry(lease))
             self._enqueue("park")
 
     def revoke_rollout(self) -> None:
-        """Take the lease back now: the rollout server pauses (retract) and releases its KV cache."""
+        """Take the lease back now: the rollout server pauses (retract) and frees its KV (LoRA mode: rollout is aborted)."""
         self.lease.revoke()
         self._enqueue("revoke")
 
@@ -527,7 +343,7 @@ class SGLangBackend:
         The future resolves with the pause in ms (how long the rollout server took to load the
         update, during which its generation waits) once the server has the new version.
         """
-        staged = stage(self._mirror, state_dict, version)
+        staged = self.weights.stage(state_dict, version)
         if self._loop is None or self._stopping:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_exception(WeightUpdateError("the SGLang backend is not running: start() it first"))
@@ -535,8 +351,9 @@ class SGLangBackend:
         return asyncio.run_coroutine_threadsafe(self._update_weights(staged), self._loop)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The host mirror of the rollout server's policy (read-only use: the follower's delta base, a digest)."""
-        return self._mirror.state_dict()
+        """The host mirror of the rollout server's policy, or (LoRA mode) the live adapter's tensors by peft name
+        (read-only use: the follower's delta base, a digest)."""
+        return self.weights.state_dict()
 
     def stats(self) -> EngineStats:
         """The interval since the previous call, from the latest scrapes; never waits for a server."""
@@ -546,7 +363,7 @@ class SGLangBackend:
             interval, self._interval = self._interval, IntervalCounters(started=now)
         span = max(1e-9, now - interval.started)
         serving, rollout = self._last_scrape.get("serving", Scrape()), self._last_scrape.get("rollout", Scrape())
-        waiting_here = sum(1 for j in self._jobs.values() if j.rollout and not j.posted and not j.done)
+        s_queue, s_running, r_queue, r_running = self._queues(serving, rollout)
         try:
             device = vars(self.device.telemetry())
         except Exception as exc:  # e.g. NVML missing: telemetry goes on without device figures
@@ -558,10 +375,10 @@ class SGLangBackend:
             tpot_ms=sketch_to_dict(interval.tpot),
             serving_arrivals=interval.serving_arrivals,
             serving_completed=interval.serving_completed,
-            serving_queue=int(serving.values.get("sglang:num_queue_reqs", 0)),
-            serving_running=int(serving.values.get("sglang:num_running_reqs", 0)),
-            rollout_queue=int(rollout.values.get("sglang:num_queue_reqs", 0)) + waiting_here,
-            rollout_running=int(rollout.values.get("sglang:num_running_reqs", 0)),
+            serving_queue=s_queue,
+            serving_running=s_running,
+            rollout_queue=r_queue,
+            rollout_running=r_running,
             serving_tokens_per_s=interval.serving_tokens / span,
             rollout_tokens_per_s=interval.rollout_tokens / span,
             serving_pool=self._pool(WorkClass.SERVING, serving),
@@ -578,6 +395,22 @@ class SGLangBackend:
             rollout_parked=self.lease.parked,
             device=device,
         )
+
+    def _queues(self, serving: Scrape, rollout: Scrape) -> tuple[int, int, int, int]:
+        """(serving queued, serving running, rollout queued, rollout running): each server's gauges, and the rollout
+        requests still waiting here for a lease. LoRA mode: one server, whose gauges count both classes; rollout's
+        running requests are the ones this backend has out, the rest is serving's (its queue may hold rollout's too)."""
+        waiting_here = sum(1 for j in self._jobs.values() if j.rollout and not j.posted and not j.done)
+        s_queue, s_running = int(serving.values.get("sglang:num_queue_reqs", 0)), int(serving.values.get("sglang:num_running_reqs", 0))
+        if self.lora is None:
+            return (
+                s_queue,
+                s_running,
+                int(rollout.values.get("sglang:num_queue_reqs", 0)) + waiting_here,
+                int(rollout.values.get("sglang:num_running_reqs", 0)),
+            )
+        out = sum(1 for j in self._jobs.values() if j.rollout and j.posted and not j.done)
+        return s_queue, max(0, s_running - out), waiting_here, out
 
     # ------------------------------------------------------------------ validation and admission (as Engine)
     def _validate(self, request: GenerationRequest) -> None:
@@ -640,6 +473,13 @@ class SGLangBackend:
             if isinstance(tokens, int) and not isinstance(tokens, bool):
                 self._kv_tokens[work_class] = tokens
         info = infos.get(WorkClass.ROLLOUT)
+        if self.lora is not None:  # LoRA mode: versions are adapter names, not the server's label
+            if isinstance(info, dict) and not info.get("enable_lora", True):
+                log.warning(
+                    "SGLang server %s runs without --enable-lora: the policy's adapter cannot load there (restart it with --enable-lora)",
+                    self.serving_url,
+                )
+            return
         label = info.get("weight_version") if isinstance(info, dict) else None
         if label not in (None, "default", str(self.policy_version)):
             log.warning(
@@ -682,7 +522,9 @@ class SGLangBackend:
                 continue  # ended, or granted again, before its turn
             try:
                 if kind == "grant":
-                    await self._lend()
+                    await (self._lend_lora(self.lora) if self.lora else self._lend())
+                elif self.lora:
+                    await self._reclaim_lora()  # a park too: rollout alone cannot pause in place on the shared server
                 elif kind == "park":
                     await self._park()
                 else:
@@ -726,6 +568,21 @@ class SGLangBackend:
                 self._interval.reclaim_ms.append((time.monotonic() - since) * 1000.0)
                 self._compute_yields += 1
 
+    async def _lend_lora(self, lora: LoraVersions) -> None:
+        """LoRA mode: the policy's adapter loaded (version 0, the first time), then rollout requests may go out."""
+        await lora.load_first()
+        if self.lease.current is not None:
+            self._lent.set()
+
+    async def _reclaim_lora(self) -> None:
+        """LoRA mode: serving runs on the same server, so its memory stays; rollout stops going out, and the rollout
+        requests in flight are aborted there (each answers with what it made: a revoked turn's partial output)."""
+        self._lent.clear()
+        jobs = [j for j in self._jobs.values() if j.rollout and j.posted and not j.done]
+        await asyncio.gather(*(self._abort_on_server(j) for j in jobs), return_exceptions=True)
+        self._reclaimed()
+        log.info("SGLang server %s: rollout reclaimed, %d rollout requests aborted (serving keeps the server)", self.serving_url, len(jobs))
+
     async def _reclaim(self) -> None:
         self._lent.clear()
         if self._server_lent is False:
@@ -737,7 +594,7 @@ class SGLangBackend:
         log.info("rollout server %s reclaimed: generation paused (retract), KV cache released", self.rollout_url)
 
     # ------------------------------------------------------------------ requests
-    def _body(self, job: _Job, stream: bool) -> dict[str, Any]:
+    def _body(self, job: Job, stream: bool) -> dict[str, Any]:
         s = job.request.sampling
         params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_tokens, "ignore_eos": s.ignore_eos}
         if s.top_k != -1:
@@ -760,9 +617,11 @@ class SGLangBackend:
         priority = self.settings.rollout_priority if job.rollout else self.settings.serving_priority
         if priority is not None:
             body["priority"] = priority
+        if job.adapter is not None:
+            body["lora_path"] = job.adapter.name  # SGLang's GenerateReqInput.lora_path: the adapter's name
         return body
 
-    async def _run(self, job: _Job) -> None:
+    async def _run(self, job: Job) -> None:
         """One request from submit to its result; every way out delivers a result (or InvalidRequest)."""
         url = self.rollout_url if job.rollout else self.serving_url
         try:
@@ -770,6 +629,8 @@ class SGLangBackend:
                 await self._lent.wait()
             if job.aborted:
                 raise asyncio.CancelledError
+            if job.rollout and self.lora is not None:
+                job.adapter = self.lora.acquire()  # the live version's adapter: every token of this request is its version
             job.posted = True
             stream = job.request.stream or not job.rollout  # serving always streams: TTFT is measured here
             await (self._generate_stream(job, url) if stream else self._generate_once(job, url))
@@ -788,6 +649,8 @@ class SGLangBackend:
             self._finish(job, "abort")
         finally:
             self._jobs.pop(job.rid, None)
+            if job.adapter is not None and self.lora is not None:
+                self.lora.release(job.adapter)  # the last request on a replaced version unloads it
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         s = self.settings
@@ -801,7 +664,7 @@ class SGLangBackend:
             raise InvalidRequest(message)
         raise ServerError(url, resp.status, message)
 
-    async def _generate_stream(self, job: _Job, url: str) -> None:
+    async def _generate_stream(self, job: Job, url: str) -> None:
         assert self._session is not None
         async with self._session.post(url + "/generate", json=self._body(job, True), headers=self._headers(False), timeout=self._timeout()) as resp:
             await self._check(resp, url)
@@ -816,7 +679,7 @@ class SGLangBackend:
                         raise InvalidRequest(error_message(data))
                     self._absorb(job, event, time.monotonic())
 
-    async def _generate_once(self, job: _Job, url: str) -> None:
+    async def _generate_once(self, job: Job, url: str) -> None:
         assert self._session is not None
         async with self._session.post(url + "/generate", json=self._body(job, False), headers=self._headers(False), timeout=self._timeout()) as resp:
             await self._check(resp, url)
@@ -826,7 +689,7 @@ class SGLangBackend:
             out = out[0] if out else {}
         self._absorb(job, out, time.monotonic(), cumulative=True)
 
-    def _absorb(self, job: _Job, out: dict[str, Any], now: float, cumulative: bool | None = None) -> None:
+    def _absorb(self, job: Job, out: dict[str, Any], now: float, cumulative: bool | None = None) -> None:
         """Fold one SGLang output (cumulative by default, or incremental) into the job; stream a delta."""
         if cumulative is None:
             cumulative = self.settings.stream_output == "cumulative"
@@ -839,7 +702,10 @@ class SGLangBackend:
         new_ids = [int(t) for t in ids[start:]]
         new_lps = [float("nan") if item[0] is None else float(item[0]) for item in items[(len(job.logprobs) if cumulative else 0) :]]
         new_lps = (new_lps + [float("nan")] * len(new_ids))[: len(new_ids)]  # one logprob per token, whatever the server sent
-        version = SERVING_MODEL_VERSION if not job.rollout else _version(meta.get("weight_version"), self.policy_version)
+        if not job.rollout:
+            version = SERVING_MODEL_VERSION
+        else:  # LoRA mode: the version whose adapter the request names; two servers: the one the server reports
+            version = job.adapter.version if job.adapter is not None else version_of(meta.get("weight_version"), self.policy_version)
         job.token_ids += new_ids
         job.logprobs += new_lps
         if job.request.sampling.top_logprobs:
@@ -863,7 +729,7 @@ class SGLangBackend:
             if delta is not None:
                 job.handle.deliver(delta, None)
 
-    def _delta(self, job: _Job, final: bool) -> StreamDelta | None:
+    def _delta(self, job: Job, final: bool) -> StreamDelta | None:
         """New tokens and text since the last delta (see protocol.next_delta, as Engine)."""
         delta, job.emitted_text = next_delta(
             job.request, job.token_ids, job.logprobs, job.text, job.emitted_tokens, job.emitted_text, final, job.finish, job.top_logprobs
@@ -872,7 +738,7 @@ class SGLangBackend:
             job.emitted_tokens = len(job.token_ids)
         return delta
 
-    def _finish(self, job: _Job, reason: FinishReason) -> None:
+    def _finish(self, job: Job, reason: FinishReason) -> None:
         if job.done:
             return
         job.done = True
@@ -910,6 +776,8 @@ class SGLangBackend:
         with self._lock:
             if not job.rollout and reason != "abort":
                 self._interval.serving_completed += 1
+            if self.lora is not None:  # one server: its histograms and token counter mix both classes, so measured here
+                self._count_here(job, timings, reason)
             if job.rollout:
                 self._preemptions += job.retractions
                 if req.trajectory_id is not None and job.posted:
@@ -919,7 +787,18 @@ class SGLangBackend:
                         self._prefix_misses += 1
         job.handle.deliver(delta, result)
 
-    def _fail(self, job: _Job, exc: Exception) -> None:
+    def _count_here(self, job: Job, timings: Timings, reason: FinishReason) -> None:
+        """LoRA mode: a finished request's tokens, and a serving one's TTFT and mean TPOT (as our engine records them)."""
+        if job.rollout:
+            self._interval.rollout_tokens += len(job.token_ids)
+            return
+        self._interval.serving_tokens += len(job.token_ids)
+        if reason != "abort" and job.token_times:
+            self._interval.ttft.add(timings.ttft_ms)
+            if len(job.token_times) > 1:
+                self._interval.tpot.add(timings.tpot_ms)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
         """The server refused the request (400): ``result()`` raises it, the delta stream just ends."""
         if job.done:
             return
@@ -927,7 +806,7 @@ class SGLangBackend:
         log.info("request %s refused by the server: %s", job.request.request_id, exc)
         job.handle.fail(exc)
 
-    def _cancel(self, job: _Job) -> None:
+    def _cancel(self, job: Job) -> None:
         """Abort: on the server when the request is there (it answers with what it made, "abort"), else here."""
         if job.done or job.aborted:
             return
@@ -939,7 +818,7 @@ class SGLangBackend:
         assert self._loop is not None
         self._loop.create_task(self._abort_on_server(job))
 
-    async def _abort_on_server(self, job: _Job, grace: bool = True) -> None:
+    async def _abort_on_server(self, job: Job, grace: bool = True) -> None:
         url = self.rollout_url if job.rollout else self.serving_url
         try:
             await self._call(url, "/abort_request", {"rid": job.rid}, timeout=self.settings.connect_timeout_s)
@@ -954,74 +833,19 @@ class SGLangBackend:
                 job.task.cancel()
 
     # ------------------------------------------------------------------ weights
-    def _changed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        live = self._mirror.state_dict()
-        return {name: t for name, t in tensors.items() if not _same_bits(t, live[name])}
-
     async def _update_weights(self, staged: StagedWeights) -> float:
         version = staged.version
-        label = str(version)
-        async with self._weights_lock:  # diff against the mirror as the previous update left it
-            changed = await asyncio.to_thread(self._changed, staged.tensors)
-            staging: Path | None = None
+        async with self._weights_lock:  # against the version the previous update left
             try:
-                if not changed:
-                    started = time.perf_counter()
-                    await self._call(self.rollout_url, "/update_weight_version", {"new_version": label, "abort_all_requests": False})
-                elif self.settings.weight_sync == "tensor":
-                    named = list(changed.items())  # kept alive until the server has answered (it maps their memory)
-                    payload = await asyncio.to_thread(serialize_named_tensors, named)
-                    started = time.perf_counter()
-                    reply = await self._call(
-                        self.rollout_url,
-                        "/update_weights_from_tensor",
-                        {"serialized_named_tensors": [payload], "load_format": None, "flush_cache": True, "weight_version": label},
-                    )
-                    _check_success(reply)
-                    del named
-                else:
-                    staging = await asyncio.to_thread(self._write_staging, changed, version)
-                    started = time.perf_counter()
-                    reply = await self._call(self.rollout_url, "/update_weights_from_disk", {"model_path": str(staging), "weight_version": label})
-                    _check_success(reply)
+                pause_ms = await self.weights.update(staged)
             except ServerError as exc:
-                if staging is not None:
-                    shutil.rmtree(staging, ignore_errors=True)
-                raise WeightUpdateError(f"the rollout server refused version {version}: {exc.message}") from None
+                raise WeightUpdateError(f"the SGLang server {self.rollout_url} refused version {version}: {exc.message}") from None
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                if staging is not None:
-                    shutil.rmtree(staging, ignore_errors=True)
                 raise WeightUpdateError(f"could not send version {version} to the rollout server {self.rollout_url}: {exc!r}") from None
-            pause_ms = (time.perf_counter() - started) * 1000.0
-            if changed:
-                StagedWeights(changed, version).apply(self._mirror)
             self.policy_version = version
             with self._lock:
                 self._max_swap_pause_ms = max(self._max_swap_pause_ms, pause_ms)
-            if staging is not None:
-                self._drop_old_staging(keep=staging)
-            log.info(
-                "policy version %d on the rollout server: %d tensors sent (%s), %.1f ms", version, len(changed), self.settings.weight_sync, pause_ms
-            )
             return pause_ms
-
-    def _write_staging(self, changed: dict[str, torch.Tensor], version: int) -> Path:
-        """A complete model directory of the new version (the mirror with the changes), for /update_weights_from_disk."""
-        target = self.staging_dir / f"v{version}"
-        if target.exists():
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-        for item in self.policy_dir.iterdir():  # config, tokenizer, generation config: everything but the weights
-            if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt")):
-                shutil.copy2(item, target / item.name)
-        state = {**self._mirror.state_dict(), **changed}
-        save_safetensors(state, target / "model.safetensors")
-        return target
-
-    def _drop_old_staging(self, keep: Path) -> None:
-        for old in self.staging_dir.glob("v*"):
-            if old != keep and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ metrics
     async def _scrape_loop(self) -> None:
@@ -1036,7 +860,7 @@ class SGLangBackend:
             self._scrape_now.clear()
 
     async def _scrape_once(self) -> None:
-        names = ("serving", "rollout")
+        names = ("serving",) if self.lora else ("serving", "rollout")  # LoRA mode: one server
         texts = await asyncio.gather(
             *(self._fetch_metrics(self.serving_url if n == "serving" else self.rollout_url) for n in names), return_exceptions=True
         )
@@ -1055,7 +879,9 @@ class SGLangBackend:
             except ValueError as exc:
                 log.warning("%s/metrics is not Prometheus text: %s", url, exc)
                 continue
-            self._fold(name, self._last_scrape.get(name), scrape)
+            if self.lora is None:  # LoRA mode counts tokens and latencies per request instead (``_count_here``)
+                with self._lock:
+                    fold_scrape(self._interval, name == "rollout", self._last_scrape.get(name), scrape)
             self._last_scrape[name] = scrape
 
     async def _fetch_metrics(self, base: str) -> str:
@@ -1066,61 +892,9 @@ class SGLangBackend:
                 raise ServerError(base + "/metrics", resp.status, (await resp.text())[:200])
             return await resp.text()
 
-    def _fold(self, name: str, prev: Scrape | None, cur: Scrape) -> None:
-        """Add what happened between two scrapes of one server to the current interval.
-
-        The serving server's TTFT histogram fills the TTFT sketch; its inter-token latencies fill the
-        TPOT sketch (per token, where our engine records one mean per request: the same quantity
-        for an SLO on time per output token, weighted by tokens instead of requests).
-        """
-        if prev is None:
-            return  # the first scrape only sets the baseline: its counts are from before we looked
-        tokens = cur.values.get(GEN_TOKENS, 0.0) - prev.values.get(GEN_TOKENS, 0.0)
-        if tokens < 0:  # the server restarted
-            tokens = cur.values.get(GEN_TOKENS, 0.0)
-        with self._lock:
-            if name == "rollout":
-                self._interval.rollout_tokens += tokens
-                return
-            self._interval.serving_tokens += tokens
-            ttft = cur.histograms.get(TTFT_METRIC)
-            if ttft is not None:
-                add_buckets(self._interval.ttft, *histogram_delta(prev.histograms.get(TTFT_METRIC), ttft))
-            itl_name = ITL_METRIC if ITL_METRIC in cur.histograms else TPOT_METRIC
-            itl = cur.histograms.get(itl_name)
-            if itl is not None:
-                add_buckets(self._interval.tpot, *histogram_delta(prev.histograms.get(itl_name), itl))
-
     def _pool(self, work_class: WorkClass, scrape: Scrape) -> PoolUsage:
-        """KV use in tokens (one block = one token, SGLang's page size 1); the rollout pool is empty while not lent."""
+        """KV use in tokens; the rollout pool is empty while not lent, and in LoRA mode (one pool: serving's)."""
         info = self._models[work_class]
-        if work_class is WorkClass.ROLLOUT and self._server_lent is False:
+        if work_class is WorkClass.ROLLOUT and (self._server_lent is False or self.lora is not None):
             return PoolUsage(info.kv_bytes_per_token, 0, 0)
-        total = int(scrape.values.get("sglang:max_total_num_tokens", 0)) or self._kv_tokens.get(work_class, 0)
-        if "sglang:num_used_tokens" in scrape.values:
-            used = int(scrape.values["sglang:num_used_tokens"])
-        else:
-            usage = scrape.values.get("sglang:token_usage", 0.0)
-            used = int(round(usage * total)) if total else 0
-        return PoolUsage(info.kv_bytes_per_token, max(total, used), used)
-
-
-def _version(label: Any, default: int) -> int:
-    """SGLang's weight_version string as our integer version, when it is one."""
-    if isinstance(label, int) and not isinstance(label, bool):
-        return label
-    if isinstance(label, str) and label.isdigit():
-        return int(label)
-    return default
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN payloads and -0.0 included): a weight that did not change is not sent."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
-
-
-def _check_success(reply: Any) -> None:
-    if isinstance(reply, dict) and reply.get("success") is False:
-        raise ServerError("", 200, str(reply.get("message", "success: false")))
+        return pool_usage(scrape, info.kv_bytes_per_token, self._kv_tokens.get(work_class, 0))

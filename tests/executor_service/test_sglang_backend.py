@@ -28,16 +28,8 @@ from rose.services.executor.backend import CoServingEngine
 from rose.services.executor.config import SGLangBackendSettings
 from rose.services.executor.policy_updates import PolicyUpdates
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, InvalidRequest, RolloutRejected, WorkClass
-from rose.services.executor.sglang_backend import (
-    Histogram,
-    SGLangBackend,
-    SSEDecoder,
-    add_buckets,
-    error_message,
-    finish_reason_of,
-    histogram_delta,
-    parse_metrics,
-)
+from rose.services.executor.sglang_backend import SGLangBackend
+from rose.services.executor.sglang_wire import Histogram, SSEDecoder, add_buckets, error_message, finish_reason_of, histogram_delta, parse_metrics
 from rose.services.executor.weights import WeightUpdateError
 from rose.shared.bus import Bus
 from rose.shared.codec import decode
