@@ -18,9 +18,9 @@ fi
 cache_root="${ROSE_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rose/venvs}"
 cached="$cache_root/$want"
 
-restore() {
+restore() {  # restore "$1" (a cached install) as ./.venv
   rm -rf .venv
-  cp -al "$cached" .venv 2>/dev/null || cp -a "$cached" .venv  # hard links where the cache is on this disk
+  cp -al "$1" .venv 2>/dev/null || cp -a "$1" .venv  # hard links where the cache is on this disk
   local here
   here="$(pwd)/.venv"
   # console scripts name their interpreter by absolute path: this clone's (sed -i writes a new file,
@@ -34,22 +34,30 @@ restore() {
   # the editable install maps the package `rose` to the clone that made the cache: map it to this one
   .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . > .venv/restore.log 2>&1 \
     && .venv/bin/python -c "import rose.cli.main, torch" \
-    && rm -f "$stamp" && echo "$want" > "$stamp"  # rm first: the cached stamp is the same file
+    && rm -f "$stamp"  # the cached stamp is the same file (a hard link): a new one is written below
 }
 
 if [ "$cache_root" != off ] && [ -x "$cached/bin/python" ]; then
   echo "restoring ROSE's .venv from $cached ..." >&2
-  if restore; then
+  if restore "$cached"; then
+    echo "$want" > "$stamp"
     exit 0
   fi
   cat .venv/restore.log >&2 || true
   echo "the cached .venv did not import; installing afresh" >&2
   rm -rf .venv
 fi
+# No install for these pins yet, but one for others (pyproject.toml or constraints.txt changed since): start from the
+# newest and let pip add or change only what differs (seconds to a minute, where a fresh install takes minutes)
+newest="$(ls -1dt "$cache_root"/*/ 2>/dev/null | head -n 1 || true)"
+if [ "$cache_root" != off ] && [ -n "$newest" ] && [ -x "${newest%/}/bin/python" ] && [ ! -x .venv/bin/python ]; then
+  echo "starting ROSE's .venv from the cached install $newest (pins changed since) ..." >&2
+  restore "${newest%/}" || rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-echo "installing ROSE into .venv (first run takes a few minutes) ..." >&2
+echo "installing ROSE into .venv (a first run without a cached install takes a few minutes) ..." >&2
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
 echo "$want" > "$stamp"
