@@ -10,6 +10,7 @@ from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSec
 
 MAX_STOP_STRINGS = 16
 
+FinishReason = Literal["stop", "length", "abort"]  # why a generation ended: a stop token or string, max_tokens, or aborted
 ExecutorRole = Literal["serving", "dedicated"]  # a serving instance (rollout under a lease) or a dedicated rollout one
 
 
@@ -61,7 +62,7 @@ class GenerateReply(Message):
     error: str = ""
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] = msgspec.field(default_factory=list)
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     policy_version: NonNegInt = 0  # the version of the last token
     token_versions: list[NonNegInt] = msgspec.field(default_factory=list)  # per token, when a swap fell inside the turn
     prefix_cached_tokens: NonNegInt = 0

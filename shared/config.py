@@ -13,13 +13,15 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from rose.shared.errors import RoseError
 
 from .clock import is_duration, time_scale
+
+DTypeName = Literal["float32", "bfloat16", "float16"]  # a model's dtype as a setting names it (torch's attribute name)
 
 ENV_PREFIX = "ROSE_"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"

@@ -6,11 +6,12 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
+from rose.contracts.executor import ExecutorRole
 from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
-from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+from rose.shared.config import BusConfig, DTypeName, PositiveSeconds, RuntimeConfig
 
-from .policies import DEFAULT_QUANTUM_MS
+from .policies import DEFAULT_QUANTUM_MS, PolicyName
 
 MIB = 1 << 20
 # How rollout shares a serving device (engine.py): "two_model", the policy a model of its own, rollout in quanta
@@ -40,7 +41,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rose: our engine runs both models here; sglang: two SGLang servers do (see `sglang_backend`)
     backend: Literal["rose", "sglang"] = "rose"
     device: str = "auto"  # auto | cpu | cuda | cuda:N | emulated:KIND (an emulated accelerator: [emulation])
-    policy: Literal["rose", "serving_only", "naive_share", "static_partition"] = "rose"
+    policy: PolicyName = "rose"
     # two_model | co_batched (RolloutMode above); co_batched needs a policy that is a LoRA adapter of the serving model
     rollout_mode: RolloutMode = "two_model"
     serving_kv_mib: Positive = 64.0
@@ -64,7 +65,7 @@ class EngineSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     slo_ttft_ms: Positive = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: Positive = DEFAULT_SLO_TPOT_MS
     seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of both models on the device
+    dtype: DTypeName = "float32"  # of both models on the device
 
 
 class EmulationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -184,7 +185,7 @@ class ExecutorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     emulation: EmulationSettings = msgspec.field(default_factory=EmulationSettings)
     # serving: takes production traffic, rollout only under a scheduler's lease.
     # dedicated: a rollout executor (no serving SLO at stake) that holds a standing lease of its own.
-    role: Literal["serving", "dedicated"] = "serving"
+    role: ExecutorRole = "serving"
     metrics_interval_s: PositiveSeconds = 1.0
     # the executor's own burst detector (shared/bursts.py): the SLO monitor's test on every arrival, against
     # the arrivals of the last `burst_baseline_s` (the monitor's long window)

@@ -22,12 +22,14 @@ serving executor: ``EngineConfig.rollout_is_guest``)?
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from rose.shared.bursts import first_token_wait_ms
 
 from .slo_guard import SETPOINT
 
-POLICY_NAMES = ("serving_only", "naive_share", "static_partition", "rose")
+PolicyName = Literal["serving_only", "naive_share", "static_partition", "rose"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 DEFAULT_QUANTUM_MS = 10.0
 # rose's fast-path thresholds all derive from the SLO, the closed loop's setpoint (slo_guard.py) and
 # its share (1 while the tails are calm, smaller as they near the setpoint):

@@ -12,12 +12,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
-from rose.contracts.executor import MAX_STOP_STRINGS, RejectReason, SamplingParams
+from rose.contracts.executor import MAX_STOP_STRINGS, FinishReason, RejectReason, SamplingParams
 from rose.shared.errors import RoseError
 
-FinishReason = Literal["stop", "length", "abort"]
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI documents for chat (and vLLM's default max_logprobs)
 TopLogprobs = tuple[tuple[int, float], ...]  # one token's most likely alternatives: (token id, logprob), most likely first
 SERVING_MODEL_VERSION = 0  # the serving model is never updated; its outputs carry version 0
