@@ -256,6 +256,7 @@ async def run_job(
     devices: dict[str, frozenset[int]] | None = None,
     until_steps: int | None = None,
     agent: Path | None = None,
+    trl: bool = False,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -269,6 +270,8 @@ async def run_job(
     `until_steps` ends the window early once the trainer has taken that many GRPO steps (the
     run is then as long as the job needs, at most `duration`).
     `agent`: the tasks go to the rollout gateway, which runs this agent script for each (no rollout worker).
+    `trl`: Hugging Face TRL's GRPOTrainer is the trainer (bench/trl_trainer.py), from the policy warm-started
+    before the fleet starts (`warm_start_steps`, default the demo's; 0: the policy as it is).
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
@@ -277,6 +280,13 @@ async def run_job(
     if not (models / "policy" / "config.json").exists():
         console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
         await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
+    if trl:  # TRL's trainer has no warm start of its own: the reference trainer's, on the policy in place, once
+        from .trl_trainer import trl_trainer, warm_start_policy  # the integration's process, only when asked for
+
+        steps = int(TRAINER["ROSE_SFT__STEPS"]) if warm_start_steps is None else warm_start_steps
+        if steps:
+            console.print(f"warm-starting the policy for TRL ({steps} supervised steps on expert traces) ...")
+            await asyncio.to_thread(warm_start_policy, models / "policy", {**TRAINER, **(job or {})}, steps)
     # auth on, as in production: each process gets its own NKey, each executor one of its own instance
     creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, serving_n, dedicated_n)})
     server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
@@ -306,6 +316,8 @@ async def run_job(
         agent=agent,
         **{f"{part}_env": e for part, e in (env or {}).items()},
     )
+    if trl:
+        procs["trainer"] = trl_trainer(procs["trainer"], trainer, models / "policy")
     executors = {
         name: ("serving" if "-serving-" in name else "dedicated")
         for name in procs
@@ -355,6 +367,7 @@ async def run_job(
             dedicated_executors=dedicated_n,
             job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
             agent=str(agent) if agent else None,
+            trainer="trl" if trl else "rose",
         )
         return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
@@ -669,6 +682,7 @@ def run_demo(
     warm_start_steps: int | None = None,
     until_steps: int | None = None,
     agent: str | None = None,
+    trl: bool = False,
 ) -> dict:
     console = console or Console()
     return asyncio.run(
@@ -683,6 +697,7 @@ def run_demo(
             warm_start_steps=warm_start_steps,
             until_steps=until_steps,
             agent=Path(agent).resolve() if agent else None,
-            label=f"ROSE demo · agent {Path(agent).name}" if agent else "ROSE demo",
+            label=f"ROSE demo · agent {Path(agent).name}" if agent else "ROSE demo · TRL's GRPOTrainer" if trl else "ROSE demo",
+            trl=trl,
         )
     )

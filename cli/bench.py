@@ -31,6 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_elastic(benches)
     _register_faults(benches)
     _register_e2e(benches)
+    _register_trl(benches)
     _register_sim(benches)
     _register_pool(benches)
 
@@ -559,3 +560,18 @@ def _run_pool(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
     )
     return exit_code(run_pool_bench(check, args.json, models_dir=args.models or ""))
+
+
+def _register_trl(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser(
+        "trl", help="Hugging Face TRL's GRPOTrainer through ROSE vs ROSE's own trainer on the demo's job: steps per hour and reward per step"
+    )
+    b.add_argument("--json", default="bench-out/trl.json", help="where to write the JSON result")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0], help="task and trace seeds; each runs both trainers on fresh fleets")
+    b.add_argument("--until-steps", type=int, default=20, help="steps each run takes (its window ends there)")
+    b.add_argument("--duration", type=float, default=None, help="at most this many seconds per run (default: 3x the demo's window)")
+    b.add_argument("--serving", type=int, default=2, help="serving executors")
+    b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
+    b.add_argument("--warm-start-steps", type=int, default=None, help="supervised steps of the shared warm start (default: the demo's 200)")
+    b.add_argument("--models", default=None, help="a models directory to reuse (its policy is warm-started in place, once)")
+    b.set_defaults(func=_run_trl)

@@ -40,6 +40,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="run the job's episodes with this agent script through the rollout gateway (e.g. examples/agents/openai_loop.py) "
         "instead of the built-in environment",
     )
+    p.add_argument(
+        "--trainer",
+        choices=("rose", "trl"),
+        default="rose",
+        help="the job's trainer: ROSE's reference GRPO trainer, or Hugging Face TRL's GRPOTrainer through rose.integrations.trl (docs/trl.md)",
+    )
     g = p.add_argument_group("a dry run on emulated GPUs (bench/emulated.py): the real services, the simulator beside")
     g.add_argument("--emulate", default=None, metavar="COUNTxKIND:MODEL[+POLICY]", help="e.g. 8xH100:7B (the demo's window: 60 emulated seconds)")
     g.add_argument("--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes)")
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         warm_start_steps=args.warm_start_steps,
         until_steps=args.until_steps,
         agent=args.agent,
+        trl=args.trainer == "trl",
     )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 

@@ -172,10 +172,11 @@ def test_only_tests_import_the_test_helpers():
 
 # The layers, lowest first: a module may import its own layer and those below, never one above.
 # `rose` itself holds only the version. client sits below services (the trainer publishes through
-# client/weights.py); sim below bench (bench runs the simulator beside real runs: `rose bench sim`
+# client/weights.py); integrations (other RL frameworks driving ROSE, e.g. TRL) are clients of ROSE,
+# at the client's level; sim below bench (bench runs the simulator beside real runs: `rose bench sim`
 # calibrates it against `rose bench coserve`, the emulated benches price with it); cli and the test
 # helpers (testing/) on top.
-LAYERS = (("rose",), ("contracts",), ("shared",), ("client",), ("services",), ("sim",), ("bench",), ("cli", "testing"))
+LAYERS = (("rose",), ("contracts",), ("shared",), ("client", "integrations"), ("services",), ("sim",), ("bench",), ("cli", "testing"))
 
 
 def layer_of(module: str) -> int:
@@ -213,11 +214,13 @@ def test_the_layer_check_sees_upward_and_sideways_imports():
         "rose.shared.a": {"rose.contracts.b": 1, "rose.bench.c": 2},
         "rose.services.x.m": {"rose.services.y.n": 3, "rose.services.x.o": 4, "rose.shared.a": 5},
         "rose.cli.main": {"rose.sim.p": 6},
+        "rose.integrations.trl.q": {"rose.client.weights": 7, "rose.services.x.m": 8},
     }
     modules = {m: Path(f"{m}.py") for m in graph}
     found = layer_violations(modules, graph)
     assert sorted(f.split("  (")[0] for f in found) == [
         "one service imports another: rose.services.x.m -> rose.services.y.n",
+        "points up: rose.integrations.trl.q -> rose.services.x.m",
         "points up: rose.shared.a -> rose.bench.c",
     ]
 
