@@ -11,7 +11,10 @@ from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSec
 MAX_STOP_STRINGS = 16
 
 FinishReason = Literal["stop", "length", "abort"]  # why a generation ended: a stop token or string, max_tokens, or aborted
-ExecutorRole = Literal["serving", "dedicated"]  # a serving instance (rollout under a lease) or a dedicated rollout one
+ExecutorRole = Literal["serving", "dedicated"]
+# How rollout shares a serving device: "two_model", the policy a model of its own, rollout in quanta between serving's
+# iterations; "co_batched", the policy a LoRA adapter of the serving model, rollout rows inside serving's own iterations
+RolloutMode = Literal["two_model", "co_batched"]  # a serving instance (rollout under a lease) or a dedicated rollout one
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -145,3 +148,6 @@ class MetricsSnapshot(Message):
     # a burst parked the lease (`Lease.park_until`): the rollout sequences counted above keep their KV and compute
     # nothing until a new lease resumes them or the park ends
     rollout_parked: bool = False
+    # co_batched: rollout rows ride in serving's own iterations, so serving's TPOT runs up to the executor's guard setpoint
+    # by design (contracts/slo.py GUARD_SETPOINT), and the monitor judges its headroom against that
+    rollout_mode: RolloutMode = "two_model"

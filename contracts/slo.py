@@ -11,6 +11,9 @@ AlertSeverity = Literal["burst", "violation", "recovered"]
 # The serving SLO every service assumes unless configured: p99 time to first token and per output token.
 DEFAULT_SLO_TTFT_MS = 500.0
 DEFAULT_SLO_TPOT_MS = 100.0
+# The executor's closed loop holds serving's short-window p99 at this share of the SLO (services/executor/slo_guard.py);
+# the margin below 1 absorbs one window's reaction time. A co-batched executor's serving runs up to it by design.
+GUARD_SETPOINT = 0.8
 
 
 class Headroom(Message):

@@ -6,7 +6,7 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from rose.contracts.executor import ExecutorRole
+from rose.contracts.executor import ExecutorRole, RolloutMode
 from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.bursts import BURST_BASELINE_S, BurstSettings
 from rose.shared.config import BusConfig, DTypeName, PositiveSeconds, RuntimeConfig
@@ -14,10 +14,8 @@ from rose.shared.config import BusConfig, DTypeName, PositiveSeconds, RuntimeCon
 from .policies import DEFAULT_QUANTUM_MS, PolicyName
 
 MIB = 1 << 20
-# How rollout shares a serving device (engine.py): "two_model", the policy a model of its own, rollout in quanta
-# between serving's iterations (rollout_loop.py); "co_batched", the policy a LoRA adapter of the serving model,
-# rollout rows inside serving's own iterations (co_batched.py).
-RolloutMode = Literal["two_model", "co_batched"]
+# How rollout shares a serving device (contracts/executor.py RolloutMode): two_model (rollout_loop.py) or co_batched
+# (co_batched.py)
 ROLLOUT_MODES: tuple[str, ...] = get_args(RolloutMode)
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

@@ -586,6 +586,7 @@ class Engine:
             lease_budget_bytes=self.lease.budget_bytes,
             device=device,
             slo_guard=self._guard_state(now),
+            rollout_mode=self.mode,
         )
 
     def _serving_queue_wait_ms(self, now: float) -> float | None:

@@ -50,6 +50,7 @@ class EngineStats:
     prefix_host_hits: int = 0  # all-time: of prefix_misses (the device's), those the host tier restored
     host_kv_bytes: int = 0  # what the host tier holds now
     rollout_prefill_tokens_per_s: float = 0.0  # what a turn's prefill gets here lately (0: none measured yet)
+    rollout_mode: str = "two_model"  # contracts.executor.RolloutMode: co_batched rows raise serving's TPOT by design
 
 
 class RequestHandle:

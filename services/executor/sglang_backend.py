@@ -394,6 +394,7 @@ class SGLangBackend:
             lease_budget_bytes=self.lease.budget_bytes,
             rollout_parked=self.lease.parked,
             device=device,
+            rollout_mode="co_batched" if self.lora is not None else "two_model",
         )
 
     def _queues(self, serving: Scrape, rollout: Scrape) -> tuple[int, int, int, int]:

@@ -29,7 +29,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, replace
 
-SETPOINT = 0.8  # the target of the window's p99, as a share of the SLO (the margin below it absorbs one window's reaction time)
+from rose.contracts.slo import GUARD_SETPOINT
+
+SETPOINT = GUARD_SETPOINT  # the target of the window's p99, as a share of the SLO (contracts/slo.py: the monitor reads it too)
 TAIL_QUANTILE = 0.99
 WINDOW_TTFT_SLOS = 5.0  # the window spans this many TTFT SLOs: every request in it finished within a few SLOs of now
 RELAX_WINDOWS = 3.0  # from share 0 back to 1 takes this many windows: slower than the tightening by far

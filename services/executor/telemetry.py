@@ -136,6 +136,7 @@ class Telemetry:
             policy_version=stats.policy_version,
             lease_id=stats.lease_id,
             rollout_parked=stats.rollout_parked,
+            rollout_mode=stats.rollout_mode,  # type: ignore[arg-type]  # (the engines set a RolloutMode)
             device=msgspec.convert(stats.device, DeviceTelemetry) if stats.device else None,
         )
 

@@ -96,6 +96,28 @@ def test_assess_lends_only_well_below_slo():
     assert not assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=True).lendable
 
 
+def test_a_co_batched_executor_is_judged_against_its_guards_setpoint():
+    """Co-batched rows raise serving's TPOT to the executor's guard setpoint by design: 70 ms of a 100 ms SLO is
+    lendable there (under 0.8), where a two-model executor at 70 ms is not (over 0.5: its lease would be revoked as
+    unhealthy, and the rows it sheds would bring it back, a lease on and off every window)."""
+    cfg = HeadroomSettings(slo_ttft_ms=500.0, slo_tpot_ms=100.0)
+    verdicts = {}
+    for mode in ("two_model", "co_batched"):
+        w = ExecutorWindow(30.0)
+        for i in range(30):
+            s = snap(i * INTERVAL, ttft=[40.0], tpot=[65.0 + (i % 3) * 2], serving=2 + i % 3, rollout=8 * (i % 2))
+            w.add(msgspec.structs.replace(s, rollout_mode=mode), i * INTERVAL)
+        model = fit_step_model(observations(list(w.snapshots)), 60.0)
+        verdicts[mode] = assess(w.stats(3.0), w.stats(), model, w.latest, cfg, alerting=False)
+    assert "tpot p99" in verdicts["two_model"].reason and not verdicts["two_model"].lendable
+    assert "tpot p99" not in verdicts["co_batched"].reason
+    hot = ExecutorWindow(30.0)  # past the setpoint: refused in either mode
+    for i in range(30):
+        hot.add(msgspec.structs.replace(snap(i * INTERVAL, ttft=[40.0], tpot=[90.0]), rollout_mode="co_batched"), i * INTERVAL)
+    model = fit_step_model(observations(list(hot.snapshots)), 90.0)
+    assert "tpot p99" in assess(hot.stats(3.0), hot.stats(), model, hot.latest, cfg, alerting=False).reason
+
+
 def test_a_serving_queue_refuses_a_lease_only_when_its_first_tokens_are_projected_past_the_ttft_gate():
     cfg = HeadroomSettings(slo_ttft_ms=1000.0, slo_tpot_ms=100.0)
     gate = cfg.ttft_grant_fraction * cfg.slo_ttft_ms
