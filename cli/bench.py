@@ -575,3 +575,19 @@ def _register_trl(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--warm-start-steps", type=int, default=None, help="supervised steps of the shared warm start (default: the demo's 200)")
     b.add_argument("--models", default=None, help="a models directory to reuse (its policy is warm-started in place, once)")
     b.set_defaults(func=_run_trl)
+
+
+def _run_trl(args: argparse.Namespace) -> int:
+    from rose.bench.trl import run_trl_bench
+
+    out = run_trl_bench(
+        out_json=args.json,
+        seeds=args.seeds,
+        duration_s=args.duration,
+        until_steps=args.until_steps,
+        serving=args.serving,
+        dedicated=args.dedicated,
+        warm_start_steps=args.warm_start_steps,
+        model_dir=args.models,
+    )
+    return 0 if out["trajectories_lost"] == 0 else 1
