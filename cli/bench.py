@@ -34,6 +34,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_trl(benches)
     _register_sim(benches)
     _register_pool(benches)
+    _register_lora(benches)
 
 
 def _register_bus(benches: argparse._SubParsersAction) -> None:
@@ -591,3 +592,26 @@ def _run_trl(args: argparse.Namespace) -> int:
         model_dir=args.models,
     )
     return 0 if out["trajectories_lost"] == 0 else 1
+
+
+def _register_lora(benches: argparse._SubParsersAction) -> None:
+    b = benches.add_parser("lora", help="LoRA GRPO vs full-parameter GRPO on the demo's job from one warm base: reward gained, bytes per version")
+    b.add_argument("--json", default="bench-out/lora.json", help="where to write the JSON result")
+    b.add_argument("--seeds", type=lambda s: tuple(int(x) for x in s.split(",")), help="comma-separated task and sampling seeds (default 0,1,2)")
+    b.add_argument("--steps", type=int, help="GRPO steps per arm (default 20)")
+    b.add_argument("--lora-rank", type=int, help="the adapter's rank (default: the bench's, rose.bench.lora_learning LORA_RANK)")
+    b.add_argument("--lora-alpha", type=float, help="the adapter's alpha (default: LORA_ALPHA)")
+    b.add_argument("--lora-lr", type=float, help="the LoRA arm's GRPO lr (default: LORA_LR)")
+    b.add_argument("--full-lr", type=float, help="the full-parameter arm's GRPO lr (default: the demo job's)")
+    b.add_argument("--warm-start-steps", type=int, help="SFT steps of the base's warm start (default: the demo job's)")
+    b.set_defaults(func=_run_lora)
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from rose.bench import lora_learning as bench
+    from rose.shared.lora import LoraShape
+
+    lora = LoraShape(rank=args.lora_rank or bench.LORA_RANK, alpha=args.lora_alpha or bench.LORA_ALPHA)
+    given = {"seeds": args.seeds, "steps": args.steps, "lora_lr": args.lora_lr, "full_lr": args.full_lr, "warm_start_steps": args.warm_start_steps}
+    result = bench.run_lora_bench(args.json, lora=lora, **{k: v for k, v in given.items() if v is not None})
+    return 0 if result["meets_target"] else 1

@@ -12,6 +12,9 @@ tokenizer trained here with the ``tokenizers`` library on a generated corpus (ar
 plain English, Python snippets, tool-call markup), saved as ``tokenizer.json`` with a
 ``tokenizer_config.json`` so ``transformers.AutoTokenizer`` loads it.
 
+With ``lora``, ``init_models`` writes the policy as a LoRA adapter of the serving model (shared/lora.py:
+peft's files, version 0 equal to the base) instead of a second model.
+
 The weights are random (seeded); the models are for systems work — latency, memory,
 scheduling, weight sync — not for answering questions.
 """
@@ -33,6 +36,7 @@ import torch
 
 from .agentic.tool_env import SYSTEM_PROMPT as TOOLS_SYSTEM_PROMPT
 from .config import PositiveSeconds
+from .lora import Adapter, LoraShape, is_adapter_dir, model_fingerprint, new_adapter, write_adapter
 from .nats_server import state_dir
 
 log = logging.getLogger("rose.models")
@@ -116,16 +120,22 @@ QWEN25_POLICY_SHAPE = ModelShape(hidden_size=1536, num_layers=28, num_heads=12, 
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """A serving shape, a policy shape and the dtype the weights are saved in."""
+    """A serving shape, a policy shape and the dtype the weights are saved in.
+
+    ``lora_serving``: the serving model's shape when the policy is a LoRA adapter of it (``init_models(lora=...)``);
+    None keeps ``serving``."""
 
     serving: ModelShape
     policy: ModelShape
     dtype: str = "float32"
+    lora_serving: ModelShape | None = None
 
 
 MODEL_PRESETS = {
     "tiny": ModelPreset(SERVING_SHAPE, POLICY_SHAPE),  # the CPU default: seconds to build, ms per forward
-    "demo": ModelPreset(SERVING_SHAPE, DEMO_POLICY_SHAPE),  # `rose demo`'s models: GRPO steps in seconds on a CPU
+    # `rose demo`'s models: GRPO steps in seconds on a CPU; as a LoRA job the serving model takes the demo policy's shape,
+    # so the adapted model trains as fast as the demo's own policy does
+    "demo": ModelPreset(SERVING_SHAPE, DEMO_POLICY_SHAPE, lora_serving=DEMO_POLICY_SHAPE),
     "qwen2.5": ModelPreset(QWEN25_SERVING_SHAPE, QWEN25_POLICY_SHAPE, "bfloat16"),  # for GPU nodes
 }
 
@@ -311,11 +321,19 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: ModelShape | None = None, preset: str = "tiny") -> ModelPaths:
+def init_models(
+    directory: str | Path,
+    seed: int = DEFAULT_SEED,
+    policy_shape: ModelShape | None = None,
+    preset: str = "tiny",
+    lora: LoraShape | None = None,
+) -> ModelPaths:
     """Build a serving and a policy model (plus tokenizer) under ``directory``, of a preset's sizes.
 
     `policy_shape` overrides the preset's policy: `rose demo` uses a policy small enough to train
-    visibly in minutes on a CPU.
+    visibly in minutes on a CPU. With `lora`, policy/ is a LoRA adapter of serving/ instead of a model of its own
+    (``init_adapter``: version 0 equals the base); the serving model then takes the preset's ``lora_serving`` shape,
+    or `policy_shape` when given (the model RL trains is the serving model itself).
     """
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; use one of {', '.join(MODEL_PRESETS)}")
@@ -326,12 +344,40 @@ def init_models(directory: str | Path, seed: int = DEFAULT_SEED, policy_shape: M
     vocab = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     paths = ModelPaths(serving=root / SERVING_DIRNAME, policy=root / POLICY_DIRNAME)
+    if lora is not None:
+        _refuse_model_in(paths.policy)  # before anything is written: a refused init changes nothing
+        serving_shape = policy_shape or sizes.lora_serving or sizes.serving
+        _save_model(paths.serving, build_model(serving_shape, vocab, eos_id, seed, sizes.dtype), tokenizer)
+        init_adapter(paths.serving, paths.policy, lora, seed + 1)
+        return paths
     for offset, (path, shape) in enumerate(((paths.serving, sizes.serving), (paths.policy, policy_shape or sizes.policy))):
-        path.mkdir(parents=True, exist_ok=True)
-        model = build_model(shape, vocab, eos_id, seed + offset, sizes.dtype)
-        model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        _save_model(path, build_model(shape, vocab, eos_id, seed + offset, sizes.dtype), tokenizer)
     return paths
+
+
+def _save_model(path: Path, model, tokenizer) -> None:
+    """The model's safetensors and config, then the tokenizer (last: the services wait for tokenizer.json)."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def _refuse_model_in(policy: Path) -> None:
+    if (policy / "config.json").is_file() and not is_adapter_dir(policy):
+        raise ValueError(f"{policy} holds a model, not an adapter: remove it (or choose another directory) to write an adapter there")
+
+
+def init_adapter(serving: str | Path, policy: str | Path, shape: LoraShape, seed: int = DEFAULT_SEED + 1) -> Path:
+    """Write ``policy`` as version 0 of a LoRA adapter of the model in ``serving`` (peft's initialisation: B = 0, so the
+    policy equals the base), with the base's fingerprint and path and the base's tokenizer. Run again after the base
+    changed (a warm start), it rewrites the adapter for the new base."""
+    serving, policy = Path(serving), Path(policy)
+    _refuse_model_in(policy)
+    base = load_model(serving)
+    tensors = new_adapter(base, shape, seed)
+    write_adapter(policy, Adapter(shape=shape, tensors=tensors, base=str(serving.resolve()), base_fingerprint=model_fingerprint(base.state_dict())))
+    load_tokenizer(serving).save_pretrained(policy)
+    return policy
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

@@ -3,7 +3,7 @@
 A checkpoint is a directory written whole, then renamed into place:
 
     <checkpoint.dir>/<job key>/step-00000012/
-        policy.safetensors   the fp32 master weights (bit-exact)
+        policy.safetensors   the fp32 master weights (bit-exact); of a LoRA policy, the adapter's only (lora.py)
         optimizer.pt         torch.save of the optimizer's state_dict
         rng.json             Python, NumPy and torch (CPU, CUDA) RNG states
         state.json           run id, step, version, task cursor, open groups, counters (TrainerState)
@@ -47,6 +47,7 @@ from rose.shared.errors import RoseError
 from rose.shared.weight_layout import save_safetensors
 
 from .config import TrainerConfig
+from .lora import load_trained_state, trained_state
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class CheckpointStore:
         tmp.mkdir()
         try:
             state.written_at = time.time()
-            save_safetensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp / POLICY)
+            save_safetensors({k: v.detach().cpu() for k, v in trained_state(model).items()}, tmp / POLICY)
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
             _write_json(tmp / RNG, rng_state())
             _write_json(tmp / STATE, asdict(state))
@@ -314,13 +315,13 @@ class CheckpointStore:
                 rng = json.loads((path / RNG).read_bytes())
                 raw = json.loads((path / STATE).read_bytes())
                 state = TrainerState(**{**raw, "outstanding": [tuple(g) for g in raw.get("outstanding", [])]})
-                before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                before = {k: v.detach().clone() for k, v in trained_state(model).items()}
                 try:
-                    model.load_state_dict(weights, strict=True)
+                    load_trained_state(model, weights)
                     optimizer.load_state_dict(opt)
                     set_rng_state(rng)
                 except Exception:
-                    model.load_state_dict(before, strict=True)  # as it was: the next older one may fit
+                    load_trained_state(model, before)  # as it was: the next older one may fit
                     raise
             except CheckpointError as exc:
                 log.warning("checkpoint %s is not usable (%s): skipped, trying the previous one", path, exc)

@@ -38,6 +38,8 @@ class EmulatedStep:
         self.steps += 1
         gen = torch.Generator().manual_seed(self.steps)
         for p in self.model.parameters():
+            if not p.requires_grad:
+                continue  # a LoRA policy's frozen base: only its adapter is trained and published
             changed = torch.rand(p.shape, generator=gen) < self.s.changed_fraction
             # a step of ~2 % of each changed element's magnitude: enough to move its bf16 value
             p.add_(changed * p.abs().clamp_min(1e-3) * 0.02 * torch.randn(p.shape, generator=gen))

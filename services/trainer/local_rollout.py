@@ -92,7 +92,8 @@ def scripted_episode(model, tokens: Tokens, env: Environment, task: RolloutTask,
 
 def _cache_name(model) -> str:
     """The KV-cache argument of `forward`: `cache` in recent transformers, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it on to its base's
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The trainer service: warm start, then GRPO on trajectory groups from the bus, publishing each version.
 
-load the policy (fp32 master weights) -> connect -> resume from a checkpoint, if this job has
+load the policy (fp32 master weights; or a LoRA adapter over its frozen base, lora.py) -> connect -> resume from a checkpoint, if this job has
 one -> consume trajectories -> (fresh: SFT warm start, checkpoint and publish -> emit tasks;
 resumed: finish its publish, emit its tasks again) -> [wait for groups -> GRPO step ->
 checkpoint -> publish -> emit] ... -> drain.
@@ -22,11 +22,12 @@ from rose.shared.agentic.env_emulated import EmulatedAgentEnv
 from rose.shared.agentic.envs import ENVIRONMENTS
 from rose.shared.agentic.tool_env import ToolEnv
 from rose.shared.config import ConfigError
-from rose.shared.models import load_model, load_tokenizer, wait_for_files
+from rose.shared.models import load_tokenizer, wait_for_files
 from rose.shared.service import ServiceRuntime, service_main
 
 from .config import TasksSettings, TrainerConfig
 from .local_rollout import Tokens
+from .lora import describe_policy, load_policy
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -54,11 +55,13 @@ async def run(config: TrainerConfig) -> None:
         torch.set_num_threads(config.threads)
     envs = tool_envs(config.tasks)
     policy = config.models.policy_path()
-    await wait_for_files(policy, ("config.json", "tokenizer.json"), config.models.wait_s)
-    model = await asyncio.to_thread(load_model, policy)
+    # the tokenizer is written last, after the model's or the adapter's files (shared/models.py)
+    await wait_for_files(policy, ("tokenizer.json",), config.models.wait_s)
+    model = await asyncio.to_thread(load_policy, policy)  # a whole model, or a LoRA adapter over its base (lora.py)
     tokenizer = await asyncio.to_thread(load_tokenizer, policy)
     holder: dict[str, Trainer] = {}
     async with ServiceRuntime("trainer", bus=config.bus, runtime=config.runtime, load=lambda: holder["t"].load() if "t" in holder else {}) as rt:
+        log.info("policy %s: %s", policy, describe_policy(model))
         trainer = holder["t"] = Trainer(rt.bus, model, Tokens(tokenizer), envs, config, config.run_id or rt.instance)
         resumed = await trainer.restore()  # before consuming: the resumed run's open groups must be known
         await trainer.start()

@@ -22,6 +22,9 @@ The public API a user's own trainer calls (everything else is ROSE's business):
            await weights.publish(model.state_dict(), version=v)   # or a safetensors dir path
            await weights.published(v)
 
+   A LoRA policy (an adapter of the serving model, lora.py) publishes its adapter's tensors the same way:
+   `get_peft_model_state_dict(model)`, under the names of its `adapter_model.safetensors`.
+
 That is all: leasing serving GPUs, routing turns, shipping weight deltas and applying them
 between iterations happen behind these three calls. This module does exactly that, with
 GRPO (grpo.py), a staleness bound (groups.py) and an expert warm start (sft.py).
@@ -68,6 +71,7 @@ import torch
 
 from rose.client.weights import WeightsClient
 from rose.contracts.registry import AGENT_TASK, HEADROOM, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY
+from rose.contracts.rollout import RolloutTask
 from rose.contracts.slo import Headroom
 from rose.contracts.training import TrainingStep
 from rose.contracts.weights import VERSION_NOT_NEWER
@@ -84,13 +88,13 @@ from .groups import GroupCollector, partial_rollout_costs
 from .grpo import grpo_step
 from .ledger import TRAJECTORY_MAX_DELIVER, AckLedger, group_id
 from .local_rollout import Tokens
+from .lora import trainable_parameters, trained_state
 from .resume import Checkpoints, last_published
-from .sft import expert_sequences, warm_start
+from .sft import SFT_EVAL_SEEDS, expert_sequences, warm_start
 
 log = logging.getLogger(__name__)
 
 GROUP_POLL_S = 0.1
-SFT_EVAL_SEEDS = range(1_000_000, 1_000_032)  # held out from the training traces
 DEGENERATE_STEPS_LIMIT = 8  # skipped steps in a row (every group's rewards equal) that end a job: see `_degenerate_job_ends`
 
 
@@ -101,6 +105,23 @@ def warmed_up_lr(lr: float, warmup_steps: int, step: int) -> float:
 
 def task_seed(base: int, step: int, group: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}:{step}:{group}".encode()).digest()[:4], "little")
+
+
+def group_tasks(config: TrainerConfig, envs: list[ToolEnv], run_id: str, step: int, group: int) -> list[RolloutTask]:
+    """The `group_size` tasks of group `group` of step `step`: its environment and problem depend only on the run id,
+    the step and the task settings (so handing a step out again repeats it; `rose bench lora` samples the same job).
+    With a fixed problem set (`tasks.problems`) the first step's extra groups repeat step 1's first problems."""
+    g, t = config.grpo, config.tasks
+    index = step * g.groups_per_step + group
+    env = envs[index % len(envs)]
+    seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, group)
+    gid = group_id(run_id, step, group)
+    tasks = []
+    for j in range(g.group_size):
+        task = env.task(seed, task_id=f"{gid}-{j}", group_id=gid, group_size=g.group_size, max_turns=t.max_turns)
+        task.env_args["max_tokens"] = str(t.max_tokens)
+        tasks.append(task)
+    return tasks
 
 
 class Trainer:
@@ -116,7 +137,8 @@ class Trainer:
             description="Members of groups trained on after the group timeout without them (lost or too late).",
         )
         self.missing_counter.add(0)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
+        # a LoRA policy's optimizer steps the adapter only (lora.py)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=g.lr, weight_decay=0.0)
         self.weights = WeightsClient(bus, config.publish.model, staging_dir=config.publish.staging_dir or None)
         self.ledger = AckLedger(
             self.collector, group_size=g.group_size, groups_per_step=g.groups_per_step, ack_wait_s=c.ack_wait_s, over_provision=g.over_provision
@@ -199,16 +221,11 @@ class Trainer:
         g, t = self.config.grpo, self.config.tasks
         groups = self.ledger.groups_in(step)
         for i in range(groups):
-            index = step * g.groups_per_step + i  # (with a fixed problem set the first step's extra groups repeat step 1's first problems)
-            env = self.envs[index % len(self.envs)]
             gid = group_id(self.run_id, step, i)
-            seed = task_seed(t.seed, -1, index % t.problems) if t.problems else task_seed(t.seed, step, i)
             if gid in self.ledger.used:
                 continue
             self.ledger.open(gid)
-            for j in range(g.group_size):
-                task = env.task(seed, task_id=f"{gid}-{j}", group_id=gid, group_size=g.group_size, max_turns=t.max_turns)
-                task.env_args["max_tokens"] = str(t.max_tokens)
+            for task in group_tasks(self.config, self.envs, self.run_id, step, i):
                 task.routing, task.created_at = t.routing, time.time()
                 # the step's batch, for the scheduler's tail rule (placement.in_tail)
                 task.batch_id, task.batch_size = f"{self.run_id}-s{step}", groups * g.group_size
@@ -218,7 +235,7 @@ class Trainer:
 
     async def publish(self) -> None:
         dtype = getattr(torch, self.config.publish.dtype)
-        state = {k: v.detach().to(dtype).contiguous().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().to(dtype).contiguous().clone() for k, v in trained_state(self.model).items()}  # a LoRA policy: its adapter
         for attempt in range(50):  # the publisher may still be starting
             try:
                 await self.weights.publish(state, self.version)
