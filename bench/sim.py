@@ -18,6 +18,11 @@ reports the share of each gain rose took per model size.
 the issue's bars (rose >= static everywhere; demand >= 2: median >= 1.3x, best >= 2x; rollout
 time >= 1.2x better than elastic_baseline's in the median; no SLO-violating second for rose).
 
+``--rollout-modes two_model co_batched`` runs every configuration in both rollout modes on the same seeds: a policy
+copy on a lane of its own, and the policy a LoRA adapter of the serving model whose sequences ride serving's own
+iterations (sim/co_batched.py); every row says which (``rollout_mode``), a co-batched rose row reads its steps/h over
+two-model rose's (``speedup_over_two_model``), and ``targets.co_batched`` judges issue 65's bars (bench/sim_co_batched.py).
+
 ``--seeds A B C`` runs every configuration at each seed (its own trace, batches and routing) and
 reports per configuration the median over seeds of the paired per-seed ratios (each seed's policy
 against that seed's static run), with every seed's ratio beside it: at 5 steps one seed's ratio
@@ -37,13 +42,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
+from rose.bench.sim_calibration import fresh_coserve, run_calibration, within_tolerance
+from rose.bench.sim_co_batched import co_batched_targets
+from rose.bench.sim_report import PAPER_RANGE, TWO_MODEL, plot, print_report
 from rose.shared.workload import RolloutSpec
 from rose.sim import MODEL_SIZES, POLICIES
-from rose.sim.calibration import calibrate_e2e, fit_error, measure_step_times, relative_error, step_models
 from rose.sim.ceiling import fleet_ceiling, grown_pools, share_of_gain, speedup_ceiling_over
 from rose.sim.engine import Infeasible, SimConfig, simulate
 
@@ -61,9 +65,6 @@ ASYNC_PREFETCH = 1  # async mode: the reference trainer's grpo.prefetch_steps (i
 # instances: 28 -> 41 steps/h at 5 % more tokens/s), so two bracketing pools do not interpolate; over 5 the
 # bracketing runs moved by at most 5 % against the pool's trend (7B/8, 5 seeds: docs/benchmarks.md, 2026-12-05).
 ASYNC_FLEET_CEILING_MIN_INTERVALS = 5
-PAPER_RANGE = (1.3, 3.3)
-CALIBRATION_TOLERANCE = 0.15  # the issue's bar: predicted within ±15 % of the real run, per policy and figure
-PAPER_ROLLOUT_RANGE = (1.2, 1.5)
 DEFAULT_E2E = "bench-out/e2e.json"  # where `rose bench e2e` writes by default
 
 
@@ -103,6 +104,7 @@ def _axes(cfg: SimConfig, out: dict) -> dict:
         dedicated_ratio=cfg.rollout_gpu_ratio,
         mode=mode_of(cfg),
         over_provision=cfg.over_provision,
+        rollout_mode=cfg.rollout_mode,
         seed=cfg.seed,
     )
     return out
@@ -118,8 +120,14 @@ def config_key(r: dict) -> tuple:
         r.get("dedicated_ratio"),
         r.get("mode"),
         r.get("over_provision", 0.0),
+        r.get("rollout_mode", TWO_MODEL),
         r.get("seed"),
     )
+
+
+def two_model_key(key: tuple) -> tuple:
+    """The same configuration (``config_key``) in two-model mode: a co-batched row's comparison."""
+    return (*key[:-2], TWO_MODEL, key[-1])
 
 
 def run_grid(configs: list[SimConfig], jobs: int, progress=None) -> list[dict]:
@@ -177,14 +185,18 @@ def grown_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tu
 
 def lane_pool_configs(configs: list[SimConfig], results: list[dict]) -> list[tuple[tuple, SimConfig]]:
     """The lane pool's runs (sim/ceiling.py): static's job (its batch) with every serving instance's lane in its
-    pool: (config key, config)."""
+    pool: (config key, config). Two-model lanes only: a co-batched row compares with its configuration's two-model
+    lane pool (``rows_of``)."""
     return [
         (config_key(static), replace(cfg, lane_pool=True, trajectories=static["trajectories_per_step"]))
         for cfg, static, _ in static_runs_to_compare(configs, results)
+        if cfg.rollout_mode == TWO_MODEL
     ]
 
 
 LANE_POOL_FIGURES = ("speedup_lane_pool", "speedup_over_lane_pool")  # a row's figures from the lane pool's run (``--lane-pool``)
+# figures a row has only with some runs beside it (the lane pool's; co-batched rose's two-model twin): None otherwise
+PAIRED_FIGURES = (*LANE_POOL_FIGURES, "speedup_over_two_model")
 
 
 def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = None, lanes: dict[tuple, float] | None = None) -> list[dict]:
@@ -207,6 +219,7 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
             "dedicated_ratio": r.get("dedicated_ratio"),
             "mode": r.get("mode"),
             "over_provision": r.get("over_provision", 0.0),
+            "rollout_mode": r.get("rollout_mode", TWO_MODEL),
             "seed": r.get("seed"),
         }
         if "infeasible" in r:
@@ -218,6 +231,9 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
         static_rate = static["rl_steps_per_hour"] if static is not None and "infeasible" not in static else 0.0
         capacity, capacity_kv = r.get("rollout_capacity_ceiling"), r.get("rollout_capacity_ceiling_kv")
         elastic_rollout_s = elastic["rollout_s_per_step"] if elastic is not None and "infeasible" not in elastic else 0.0
+        # a co-batched row beside its configuration's two-model one: rose there, and the two-model lane pool
+        twin = by.get((*two_model_key(key), r["policy"])) if row["rollout_mode"] != TWO_MODEL else None
+        lane_key = two_model_key(key)
         row.update(
             rl_steps_per_hour=r["rl_steps_per_hour"],
             speedup_vs_static=r["rl_steps_per_hour"] / static_rate if static_rate > 0 else None,
@@ -234,7 +250,11 @@ def rows_of(results: list[dict], grown: dict[tuple, dict[int, float]] | None = N
             else None,
             speedup_lane_pool=lanes[key] / static_rate if key in lanes and static_rate > 0 else None,
             # rose's steps/h over the lane pool's, paired within the seed (None for the other policies)
-            speedup_over_lane_pool=r["rl_steps_per_hour"] / lanes[key] if r["policy"] == "rose" and lanes.get(key) else None,
+            speedup_over_lane_pool=r["rl_steps_per_hour"] / lanes[lane_key] if r["policy"] == "rose" and lanes.get(lane_key) else None,
+            # co-batched rose's steps/h over two-model rose's, paired within the seed (None elsewhere)
+            speedup_over_two_model=r["rl_steps_per_hour"] / twin["rl_steps_per_hour"]
+            if r["policy"] == "rose" and twin is not None and twin.get("rl_steps_per_hour")
+            else None,
             slo_violations_serving_alone=r["slo_violations_serving_alone"],
             serving_slo_attainment=r["serving_slo_attainment"],
             rollout_s_per_step=r["rollout_s_per_step"],
@@ -305,10 +325,10 @@ def combine_seeds(rows: list[dict]) -> list[dict]:
         base = {k: v for k, v in median_seed.items() if k != "seed"}  # the median seed's figures and detail ...
         base["seeds"] = [r.get("seed") for r in group]
         if ok:
-            for key in ("speedup_vs_static", "rollout_time_ratio_vs_elastic", "speedup_lane_pool", "speedup_over_lane_pool"):
+            for key in ("speedup_vs_static", "rollout_time_ratio_vs_elastic", *PAIRED_FIGURES):
                 values = [r[key] for r in ok]
-                if key in LANE_POOL_FIGURES and all(v is None for v in values):
-                    continue  # no lane pool ran (``--lane-pool``): the row keeps its None
+                if key in PAIRED_FIGURES and all(v is None for v in values):
+                    continue  # no run beside it (``--lane-pool``, ``--rollout-modes``): the row keeps its None
                 base[f"{key}_by_seed"] = values
                 known = [v for v in values if v is not None]
                 base[key] = _median(known) if known else None  # ... and the medians over seeds
@@ -340,6 +360,13 @@ def notes_of(rows: list[dict]) -> list[str]:
             why.append(
                 f"serving instances held a lease {d['lent_instance_fraction']:.0%} of the time (the monitor's verdict: {reasons}; "
                 f"a lease needs p99 latency under its grant fraction of the SLO)"
+            )
+        elif row.get("rollout_mode", TWO_MODEL) != TWO_MODEL:
+            why.append(
+                f"serving instances held leases {d['lent_instance_fraction']:.0%} of the time and produced "
+                f"{d['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens as rows of serving's decode iterations "
+                f"(as many as the guard's threshold and the rollout pool of {d['cohost_free_gb']:.0f} GB left after the serving "
+                "model, its pool and the adapter hold; none in iterations that carry serving's prefill)"
             )
         else:
             why.append(
@@ -377,13 +404,8 @@ def notes_of(rows: list[dict]) -> list[str]:
 def _axes_label(row: dict) -> str:
     if row.get("rollout_demand") is None:
         return ""
-    return f"demand {row['rollout_demand']:g}x, dedicated {row['dedicated_ratio']:g}, {row['mode']}"
-
-
-def _seed_range(values: list[float | None] | None) -> str:
-    """`` (lo-hi)`` of the per-seed ratios when there are several, for the console table."""
-    known = [v for v in values or [] if v is not None]
-    return f" ({min(known):.2f}-{max(known):.2f})" if len(known) > 1 else ""
+    co_batched = row.get("rollout_mode", TWO_MODEL) != TWO_MODEL
+    return f"demand {row['rollout_demand']:g}x, dedicated {row['dedicated_ratio']:g}, {row['mode']}" + (", co-batched" if co_batched else "")
 
 
 def _median(xs: list[float]) -> float | None:
@@ -432,9 +454,10 @@ def priced_shares(rose_rows: list[dict]) -> dict:
 
 
 def targets_of(rows: list[dict]) -> dict:
-    """The issue's bars over rose's rows, per mode and overall, with the figures they are judged on."""
+    """The issue's bars over rose's two-model rows, per mode and overall, with the figures they are judged on, and the
+    co-batched mode's (bench/sim_co_batched.py) under ``co_batched`` where the grid ran it."""
     out: dict = {}
-    rose = [r for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static") is not None]
+    rose = [r for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static") is not None and r.get("rollout_mode", TWO_MODEL) == TWO_MODEL]
     for mode in ("sync", "async", "all"):
         rs = [r for r in rose if mode == "all" or r.get("mode") == mode]
         if not rs:
@@ -480,60 +503,10 @@ def targets_of(rows: list[dict]) -> dict:
             small_pool_at_least_2_where_ceiling_2_4=all(x["rose"] >= 2.0 for x in fig["small_pool_at_high_ceiling"]),
         )
         out[mode] = fig
+    co_batched = co_batched_targets(rows)
+    if co_batched is not None:
+        out["co_batched"] = co_batched
     return out
-
-
-def _plot(path: Path, rows: list[dict]) -> None:
-    """One point per configuration and policy: speedup over static and rollout time against elastic by
-    rollout demand (x), dedicated ratio (colour) and mode (marker); SLO-violating seconds per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if not r.get("infeasible")]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    markers = {"sync": "o", "async": "s", None: "o"}
-    ratios = sorted({r["dedicated_ratio"] for r in ok if r.get("dedicated_ratio") is not None}) or [None]
-    colours = {q: f"C{i}" for i, q in enumerate(ratios)}
-    offset = {p: (k - 1.5) * 0.08 for k, p in enumerate(POLICIES)}
-    for r in ok:
-        if r["policy"] not in ("rose", "elastic_baseline"):
-            continue
-        x = (r.get("rollout_demand") or 2.0) * (1.0 + offset[r["policy"]] if r["policy"] in offset else 1.0)
-        style = dict(
-            marker=markers.get(r.get("mode"), "o"),
-            color=colours.get(r.get("dedicated_ratio"), "C0"),
-            alpha=1.0 if r["policy"] == "rose" else 0.25,
-            s=25 if r["policy"] == "rose" else 12,
-        )
-        if r.get("speedup_vs_static") is not None:
-            axes[0].scatter(x, r["speedup_vs_static"], **style)
-        if r["policy"] == "rose" and r.get("rollout_time_ratio_vs_elastic") is not None:
-            axes[1].scatter(x, r["rollout_time_ratio_vs_elastic"], **style)
-    for q in ratios:
-        for mode in ("sync", "async"):
-            axes[0].scatter([], [], marker=markers[mode], color=colours[q], label=f"rose, dedicated {q}, {mode}")
-    axes[0].axhspan(*PAPER_RANGE, color="green", alpha=0.1, label="paper 1.3-3.3x")
-    axes[0].axhline(1.0, color="black", lw=0.8)
-    axes[0].set_xscale("log", base=2)
-    axes[0].set_xlabel("rollout demand (x what the dedicated pool runs at once); faint: elastic_baseline")
-    axes[0].set_ylabel("RL steps/h vs static")
-    axes[0].legend(fontsize=7)
-    axes[1].axhspan(*PAPER_ROLLOUT_RANGE, color="green", alpha=0.1, label="paper 1.2-1.5x")
-    axes[1].axhline(1.0, color="black", lw=0.8)
-    axes[1].set_xscale("log", base=2)
-    axes[1].set_xlabel("rollout demand")
-    axes[1].set_ylabel("rose rollout time: elastic / rose")
-    axes[1].legend(fontsize=7)
-    totals = [sum(r.get("slo_violations") or 0.0 for r in ok if r["policy"] == p) for p in POLICIES]
-    axes[2].bar(list(POLICIES), [max(0.5, t) for t in totals], color=[f"C{i}" for i in range(len(POLICIES))])
-    axes[2].set_yscale("log")
-    axes[2].set_ylabel("SLO-violating instance-s over the grid (0 shown as 0.5)")
-    fig.suptitle("rose bench sim (simulated fleet; roofline step times; the services' decision functions)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def model_pairs(models, serving_models=(), policy_models=()) -> list[tuple[str, str]]:
@@ -545,43 +518,55 @@ def model_pairs(models, serving_models=(), policy_models=()) -> list[tuple[str, 
 
 
 def grid_configs(
-    *, models, fleets, demands, ratios, modes, policies, steps: int, serving_models=(), policy_models=(), over_provision=(0.0,), **common
+    *,
+    models,
+    fleets,
+    demands,
+    ratios,
+    modes,
+    policies,
+    steps: int,
+    serving_models=(),
+    policy_models=(),
+    over_provision=(0.0,),
+    rollout_modes=(TWO_MODEL,),
+    **common,
 ) -> list[SimConfig]:
-    """The grid's configurations; async runs 1 + ASYNC_PREFETCH steps more: its rate is measured between training
-    steps, from the one that trained the last batch handed out with the first (shared/workload.py
-    ``steady_step_rate``), so that ``steps`` intervals count in both modes."""
+    """The grid's configurations, each in every rollout mode (sim.ROLLOUT_MODES); async runs 1 + ASYNC_PREFETCH steps
+    more: its rate is measured between training steps, from the one that trained the last batch handed out with the
+    first (shared/workload.py ``steady_step_rate``), so that ``steps`` intervals count in both modes."""
     out = []
     for m, pm in model_pairs(models, serving_models, policy_models):
         for g, op in [(g, op) for g in fleets for op in over_provision]:
-            for d in demands:
-                for q in ratios:
-                    for mode in modes:
-                        for p in policies:
-                            out.append(
-                                SimConfig(
-                                    model=m,
-                                    policy_model=pm,
-                                    over_provision=op,
-                                    gpus=g,
-                                    policy=p,
-                                    rollout=replace(RolloutSpec(), oversubscription=d),
-                                    rollout_gpu_ratio=q,
-                                    prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0,
-                                    steps=steps + (1 + ASYNC_PREFETCH if mode == "async" else 0),
-                                    **common,
-                                )
-                            )
+            for d, q, mode, rollout_mode in [(d, q, mode, rm) for d in demands for q in ratios for mode in modes for rm in rollout_modes]:
+                for p in policies:
+                    out.append(
+                        SimConfig(
+                            model=m,
+                            policy_model=pm,
+                            over_provision=op,
+                            gpus=g,
+                            policy=p,
+                            rollout=replace(RolloutSpec(), oversubscription=d),
+                            rollout_gpu_ratio=q,
+                            prefetch_steps=ASYNC_PREFETCH if mode == "async" else 0,
+                            steps=steps + (1 + ASYNC_PREFETCH if mode == "async" else 0),
+                            rollout_mode=rollout_mode,
+                            **common,
+                        )
+                    )
     return out
 
 
 def _config_line(key: tuple, done: dict[str, dict], many_seeds: bool) -> str:
     """One configuration's console line once its policies are all in: rose against static and elastic, the ceilings."""
     rose, static, elastic = done.get("rose"), done.get("static"), done.get("elastic_baseline")
-    serving, policy, gpus, demand, ratio, mode, over, seed = key
+    serving, policy, gpus, demand, ratio, mode, over, rollout_mode, seed = key
     models = serving if policy == serving else f"{serving} serving, {policy} policy,"
     label = (
         f"{models:>4} {gpus:>3} GPUs, demand {demand:g}x, dedicated {ratio:g}, {mode:<5}"
         + (f", over-provision {over:g}" if over else "")
+        + (f", {rollout_mode.replace('_', '-')}" if rollout_mode != TWO_MODEL else "")
         + (f", seed {seed}" if many_seeds else "")
     )
     if rose is None or "infeasible" in rose or static is None or "infeasible" in static:
@@ -632,6 +617,7 @@ def run_sim_bench(
     measure_steps: bool = True,
     fleet_ceilings: bool = True,
     lane_pool: bool = False,
+    rollout_modes: tuple[str, ...] = (TWO_MODEL,),
     console=None,
 ) -> dict:
     from rich.progress import Progress
@@ -660,6 +646,7 @@ def run_sim_bench(
             slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms,
             quantum_ms=quantum_ms,
+            rollout_modes=rollout_modes,
             **host,
         )
     ]
@@ -701,7 +688,7 @@ def run_sim_bench(
     if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
         e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
     if calibrate and not (e2e or coserve):
-        coserve = _fresh_coserve(out_json, seed, console)
+        coserve = fresh_coserve(out_json, seed, console)
     cal = run_calibration(e2e=e2e, coserve=coserve, measure=measure_steps and bool(coserve), seed=seed, console=console)
     rows = combine_seeds(rows_of(results, grown, lanes))
     notes = notes_of(rows)
@@ -741,6 +728,7 @@ def run_sim_bench(
             "async_prefetch_steps": ASYNC_PREFETCH,
             "what_if": list(what_if),
             "lane_pool": lane_pool,
+            "rollout_modes": list(rollout_modes),
             "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None,
             "jobs": jobs,
         },
@@ -752,235 +740,8 @@ def run_sim_bench(
     out = Path(out_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=float))
-    _plot(out.with_suffix(".png"), rows)
+    plot(out.with_suffix(".png"), rows)
 
     if console is not None:
-        _print_report(console, report, out)
+        print_report(console, report, out)
     return report
-
-
-def _print_report(console, report: dict, out: Path) -> None:
-    """The console's view of a written report: the rows' table, the targets, the per-model shares, the notes, the calibration."""
-    from rich.table import Table
-
-    rows, targets, notes, settings = report["rows"], report["targets"], report["notes"], report["settings"]
-    device, load, slo_ttft_ms, slo_tpot_ms = settings["device"], settings["load"], settings["slo_ttft_ms"], settings["slo_tpot_ms"]
-    summary, grid_s = report["summary"], report["grid_seconds"]
-    cal = {k: report[k] for k in ("calibration", "calibration_slo_attainment", "calibration_detail")}
-    table = Table(title=f"rose bench sim ({device}, load {load:g} of SLO capacity, SLO TTFT {slo_ttft_ms:g} ms / TPOT {slo_tpot_ms:g} ms)")
-    for col in (
-        "model",
-        "GPUs",
-        "demand",
-        "ded.",
-        "mode",
-        "policy",
-        "RL steps/h",
-        "vs static",
-        "ceiling: kv / fleet",
-        "lane pool",
-        "rollout vs elastic",
-        "SLO-viol inst-s",
-        "SLO attain",
-        "lent",
-        "notes",
-    ):
-        table.add_column(col, justify="right")
-    for r in rows:
-        axes = (f"{r['rollout_demand']:g}x", f"{r['dedicated_ratio']:g}", r["mode"])
-        if r.get("infeasible"):
-            table.add_row(r["model"], str(r["gpus"]), *axes, r["policy"], "-", "-", "-", "-", "-", "-", "-", "-", "infeasible")
-            continue
-        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-        table.add_row(
-            r["model"],
-            str(r["gpus"]),
-            *axes,
-            r["policy"],
-            f(r["rl_steps_per_hour"], ".2f"),
-            f(r["speedup_vs_static"], ".2f") + "x" + _seed_range(r.get("speedup_vs_static_by_seed")),
-            f"{f(r.get('speedup_ceiling_kv'), '.2f')} / {f(r.get('speedup_ceiling_fleet'), '.2f')}",
-            f(r.get("speedup_lane_pool"), ".2f"),
-            f(r["rollout_time_ratio_vs_elastic"], ".2f") + "x",
-            f(r["slo_violations"], ".0f"),
-            f(r["serving_slo_attainment"], ".4f"),
-            f"{r['detail']['lent_instance_fraction']:.0%}",
-            "" if r["complete"] else "incomplete",
-        )
-    console.print(table)
-    console.print(summary)
-    for mode, t in targets.items():
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        console.print(
-            f"targets ({mode}, {t['configurations']} configurations): rose/static min {fmt(t['min_speedup'])} ({t['min_at']}), "
-            f"demand >= 2 median {fmt(t['median_speedup_demand_ge_2'])} best {fmt(t['best_speedup_demand_ge_2'])} "
-            f"(ceiling best {fmt(t['best_speedup_ceiling_demand_ge_2'])}, "
-            f"{fmt(t['best_speedup_ceiling_kv_demand_ge_2'])} at the lent KV's batch; "
-            f"median gain {fmt(t['median_gain_of_ceiling_demand_ge_2'])} of it), "
-            "rollout vs elastic median "
-            f"{fmt(t['median_rollout_time_ratio_vs_elastic'])}, SLO-violating s {t['rose_slo_violation_instance_s']:.0f}; met: "
-            + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["meets"].items())
-        )
-    for label, e in (targets.get("all") or {}).get("per_model", {}).items():
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        console.print(
-            f"share of the priced gain, {label} (demand >= 2, {e['rows']} rows): median {fmt(e['median_share'])}, "
-            f"least {fmt(e['min_share'])}; of the fleet ceiling's gain: median {fmt(e['median_fleet_share'])}, least "
-            f"{fmt(e['min_fleet_share'])}; "
-            + (
-                f"rose over the lane pool: median {fmt(e['median_over_lane_pool'])}, least {fmt(e['min_over_lane_pool'])}; "
-                if e.get("median_over_lane_pool") is not None
-                else ""
-            )
-            + f"rose/static median {fmt(e['median_speedup'])}; prefill redone by prefix-cache "
-            f"misses at most {fmt(e['max_reprefill_share'])} of rollout's device time"
-        )
-    for n in notes:
-        console.print(f"- {n}")
-    if cal["calibration"]:
-        pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-        slo = cal.get("calibration_slo_attainment", {})
-        console.print(
-            "calibration (relative error, "
-            + cal["calibration_detail"]["against"]
-            + "; RL steps/h, SLO attainment): "
-            + ", ".join(f"{k} {pct(v)}, {pct(slo.get(k))}" for k, v in cal["calibration"].items())
-            + f"; all within ±{CALIBRATION_TOLERANCE:.0%}: {report['calibration_within_15pct']}"
-        )
-    else:
-        console.print("calibration: " + cal["calibration_detail"]["source"] + "; " + cal["calibration_detail"]["next"])
-    console.print(f"grid {grid_s:.1f} s; wrote {out} and {out.with_suffix('.png')}")
-
-
-def within_tolerance(cal: dict) -> bool | None:
-    """Every policy's predicted figures within ``CALIBRATION_TOLERANCE`` of the real run (None: nothing to compare)."""
-    errors = [*cal["calibration"].values(), *cal.get("calibration_slo_attainment", {}).values()]
-    known = [e for e in errors if e is not None]
-    return all(e <= CALIBRATION_TOLERANCE for e in known) if known else None
-
-
-def _fresh_coserve(out_json: str, seed: int, console) -> str:
-    """Run a short real `rose bench coserve` (the executor under its policies) for calibration."""
-    from rose.bench import coserve as bench_coserve
-
-    path = str(Path(out_json).with_name(Path(out_json).stem + "-coserve.json"))
-    bench_coserve.run_coserve_bench(out_json=path, seed=seed, serving_load=0.3, duration_s=5.0, model_dir=None, console=console)
-    return path
-
-
-# ---- against a real `rose bench coserve` run --------------------------------------------------
-def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
-    """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
-    from rose.bench import coserve as bc
-    from rose.services.executor.policies import Signals, make_policy
-    from rose.sim.coserve import ServingTick, rollout_interference, rollout_share, serving_tick
-    from rose.sim.policies import executor_signals
-
-    sperf, pperf = step_models(step_times)
-    from dataclasses import replace as _replace
-
-    # One parameter is fitted, not predicted: the rollout lane's per-iteration cost beyond the forward
-    # pass (sampling, scheduling, per-sequence bookkeeping of a 32-sequence batch), from the dedicated
-    # run (the policy model alone): static's figure is then matched by construction.
-    b_r0 = float(bc.BENCH_CONFIG.rollout_max_batch)
-    dedicated = float(report.get("dedicated_rollout_tokens_per_s") or 0.0)
-    overhead = 0.0
-    if dedicated > 0:
-        per_iter = (b_r0 * bc.ROLLOUT_MAX_TOKENS / dedicated - b_r0 * float(pperf.prefill_s(bc.ROLLOUT_PROMPT_TOKENS))) / bc.ROLLOUT_MAX_TOKENS
-        overhead = max(0.0, per_iter - float(pperf.decode_s(b_r0, bc.ROLLOUT_PROMPT_TOKENS + bc.ROLLOUT_MAX_TOKENS / 2)))
-    pperf = _replace(pperf, decode_base_s=pperf.decode_base_s + overhead)
-    rate = float(report["serving_load"]) * float(report["serving_capacity_rps"])
-    duration = float(report.get("duration_s", 20.0))
-    slo_ttft, slo_tpot = float(report["slo"]["ttft_ms"]) / 1e3, float(report["slo"]["tpot_ms"]) / 1e3
-    quantum = float(report.get("quantum_ms", 10.0))
-    t = np.arange(0.0, duration, 0.1)  # the bench's bursts are 0.5 s long: 100 ms ticks
-    in_burst = (t % bc.BURST_EVERY_S) > bc.BURST_EVERY_S - bc.BURST_LEN_S
-    rates = rate * np.where(in_burst, bc.BURST_FACTOR, 1.0)
-    p, o = float(bc.SERVING_PROMPT_TOKENS), float(bc.SERVING_MAX_TOKENS)
-    b_r = float(bc.BENCH_CONFIG.rollout_max_batch)
-    ctx_r = bc.ROLLOUT_PROMPT_TOKENS + bc.ROLLOUT_MAX_TOKENS / 2
-    per_req = bc.ROLLOUT_MAX_TOKENS
-    tau_r = float(pperf.decode_s(b_r, ctx_r))
-    prefill_r = float(pperf.prefill_s(bc.ROLLOUT_PROMPT_TOKENS))
-    alone_tps = b_r * per_req / (per_req * tau_r + b_r * prefill_r)  # a batch's decode plus its prefills
-    kv_tokens = bc.BENCH_CONFIG.serving_kv_bytes / 1.0  # tokens are tiny here: never the limit
-    out = {"static": {"rollout_tokens_per_s": alone_tps}, "engine_overhead_ms": overhead * 1e3}
-    for name in ("naive_share", "rose"):
-        ep = make_policy(name, quantum_ms=quantum)
-        active = np.ones(len(t), dtype=bool)
-        st0 = serving_tick(sperf, rates, p, o, p, 0.0, 0.0, 0.0, 0.1, kv_tokens)
-        if parallel_lanes and not ep.shares_serving_lane:
-            # a CPU executor runs a policy's own rollout lane on its own thread and core, beside serving
-            st, share = st0, np.ones(len(t))
-        else:
-
-            def signals(d: int, st0: ServingTick = st0) -> Signals:  # st0 of this tick (bound now, not when called)
-                return executor_signals(
-                    float(t[d]),
-                    st0.batch[d],
-                    float(st0.iteration_s[d]) * 1e3,
-                    slo_tpot * 1e3,
-                    serving_max_batch=bc.BENCH_CONFIG.serving_max_batch,
-                    gpu_engine=False,
-                )
-
-            extra, wait, may = rollout_interference(ep, active, np.full(len(t), tau_r), per_req, signals)
-            st = serving_tick(sperf, rates, p, o, p, extra, wait, 0.0, 0.1, kv_tokens)
-            share = rollout_share(ep, st, extra, may)
-        tps = float(np.mean(share)) * alone_tps
-        ok = (st.ttft_p99_s <= slo_ttft) & (st.tpot_p99_s <= slo_tpot)
-        attain = float(np.sum(rates * ok) / max(1e-9, np.sum(rates)))
-        out[name] = {"rollout_tokens_per_s": tps, "slo_attainment": attain}
-    return out
-
-
-def calibrate_coserve(report: dict, step_times: dict, source: str) -> dict:
-    pred = predict_coserve(report, step_times)
-    meas = {
-        "static": {"rollout_tokens_per_s": report.get("dedicated_rollout_tokens_per_s")},
-        "naive_share": report["policies"]["naive_share"],
-        "rose": report["policies"]["rose"],
-    }
-    errors: dict[str, float | None] = {}
-    detail: dict = {}
-    for name in POLICIES:
-        if name == "elastic_baseline":
-            errors[name] = None
-            detail[name] = "lends whole devices: a one-executor run has nothing to compare (needs rose bench e2e)"
-            continue
-        m, p = meas[name], pred[name]
-        errors[name] = relative_error(p["rollout_tokens_per_s"], m.get("rollout_tokens_per_s"))
-        detail[name] = {"metric": "rollout_tokens_per_s", "measured": m.get("rollout_tokens_per_s"), "predicted": p["rollout_tokens_per_s"]}
-        if "slo_attainment" in p:
-            detail[name].update(measured_slo_attainment=m.get("slo_attainment"), predicted_slo_attainment=p["slo_attainment"])
-    detail["static"]["fitted"] = "the engine's per-iteration overhead is fitted to this figure: its error is 0 by construction"
-    return {
-        "calibration": errors,
-        "calibration_detail": {
-            "source": source,
-            "against": "rose bench coserve (one executor, real engine)",
-            "per_policy": detail,
-            "engine_overhead_ms_per_iteration": pred["engine_overhead_ms"],
-            "device_model": "CPU: a rollout lane of its own runs on its own core beside serving (rose); "
-            "naive_share shares the serving lane (time-sliced as on one accelerator)",
-            "step_times": step_times,
-            "step_fit_max_error": fit_error(step_times),
-        },
-    }
-
-
-def run_calibration(*, e2e: str | None, coserve: str | None, measure: bool, seed: int, console=None) -> dict:
-    """The bench's calibration block: from an e2e file, else a coserve file, else step times only."""
-    if e2e:  # its own measured step times, else measured now
-        return calibrate_e2e(json.loads(Path(e2e).read_text()), None, source=str(e2e), seed=seed)
-    if coserve:
-        return calibrate_coserve(json.loads(Path(coserve).read_text()), measure_step_times(seed), source=str(coserve))
-    step_times = measure_step_times(seed) if measure else None
-    detail: dict[str, Any] = {
-        "source": ("step times measured now; " if step_times is not None else "")
-        + "no real per-policy run to compare against (no bench-out/e2e.json)",
-        "next": "pass --e2e FILE (rose bench e2e) or --coserve FILE / --calibrate (runs rose bench coserve briefly)",
-    }
-    if step_times is not None:
-        detail.update(step_times=step_times, step_fit_max_error=fit_error(step_times))
-    return {"calibration": {}, "calibration_detail": detail}

@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from rose.bench.options import add_coserve_arguments, number_list
-from rose.sim import DEVICE_KINDS, MODEL_SIZES, POLICIES
+from rose.sim import DEVICE_KINDS, MODEL_SIZES, POLICIES, ROLLOUT_MODES
 
 E2E_JSON = "bench-out/e2e.json"
 EMULATED_DURATION_S = 120.0  # emulated seconds of a policy's window
@@ -482,6 +482,15 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
         "share and lent KV (what the lent capacity buys as lanes, beside the fleet ceiling's whole GPUs; one static run more "
         "per configuration)",
     )
+    b.add_argument(
+        "--rollout-modes",
+        nargs="+",
+        choices=ROLLOUT_MODES,
+        default=None,
+        help="how rollout shares a serving instance: two_model (a policy copy on a lane of its own) and/or co_batched (the policy "
+        "a LoRA adapter of the serving model, its sequences rows in serving's own iterations); both run the same grid and seeds, "
+        "each row says which (default: two_model)",
+    )
     b.set_defaults(func=_run_sim)
 
 
@@ -522,6 +531,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         measure_steps=not args.no_measure,
         fleet_ceilings=not args.no_fleet_ceiling,
         lane_pool=args.lane_pool,
+        rollout_modes=tuple(args.rollout_modes or ("two_model",)),
         console=Console(),
     )
     return 0

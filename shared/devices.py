@@ -55,6 +55,18 @@ Assumptions (not spec-sheet figures; change them with ``Roofline(...)``):
 - ``memory_utilization = 0.90`` of HBM given to the engine (vLLM's default
   ``gpu_memory_utilization``), less ``workspace_bytes = 2 GB`` per GPU for activations.
 
+A LoRA adapter (``LoraShape``, shared/lora.py) adds, to a pass whose ``adapted_tokens`` go through it, the adapter's
+own kernels, after the base projections (``Roofline.adapter_s``; co-batched rollout rows, every token of a
+LoRA policy's dedicated instance):
+
+    adapter = layers x adapted linears x LORA_LINEAR_S + max(2 x lora_params x adapted tokens / (tp x peak x eff_flops),
+                                                            (adapter bytes + adapted tokens x activation bytes) / (tp x bw x eff_bw))
+
+- FLOPs: x @ A^T then @ B^T, 2 x rank x (in + out) per adapted linear and token (``ModelSpec.lora_params``);
+- bytes: the adapter's weights once per pass, and each adapted token's activations, which the two low-rank kernels
+  read (x, in) and add into (y, out: read and written) apart from the base GEMM: (in + 2 x out) x 2 bytes per linear;
+- ``LORA_LINEAR_S``: the fixed time of one adapted linear's pair of kernels, measured (its comment says where).
+
 Known figures this reproduces (tests/sim/test_devices.py): a 70B decode step on H100 is
 memory-bound at batch 1..64 (arithmetic intensity far below the H100's ridge point of
 ~295 FLOP/byte); Llama-70B at TP8 decodes at ~8 ms/token at batch 1 and a 7B on one H100 at
@@ -67,10 +79,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
+from .lora import LoraShape
+
 GB = 1e9
+# The fixed time of one adapted linear layer's low-rank kernels (the shrink x @ A^T and the expand @ B^T with its add),
+# per pass, whatever the rows: a pair of small kernels is bound by launch and synchronisation, not by its FLOPs or
+# bytes. Punica (Chen et al., MLSys 2024, arXiv 2310.18547) measures its SGMV kernels "adding 2 ms latency per token"
+# on LLaMA-2 7B (32 layers, rank 16 on all 7 dense projections, A100): 2 ms / (32 x 7) = 8.9 us per adapted linear.
+# Its own kernel plots put one operator at ~37-45 us at batch 1-64 (rank 8-64, Figures 8-9), so a launch-bound pair is
+# the right shape; its 70B TP8 decode (441-446 against vLLM's 457 tokens/s at batch 32, Figure 12) reads ~4 us per
+# linear, so 8.9 us is the conservative end. The same on every GPU kind: a small kernel's floor, not its throughput.
+LORA_LINEAR_S = 2e-3 / (32 * 7)
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,31 @@ class ModelSpec:
         """FLOPs per (query token x context token): QK^T and AV, 2 x 2 x heads x head_dim per layer."""
         return 4.0 * self.layers * self.heads * self.head_dim
 
+    def linear_shape(self, module: str) -> tuple[int, int]:
+        """(in, out) features of one decoder block's linear layer (shared/lora.py names them as peft does)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden, q),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (q, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+        return shapes[module]
+
+    def lora_params(self, shape: LoraShape) -> float:
+        """Parameters of a LoRA adapter of this model: rank x (in + out) of every adapted linear, times the layers
+        (A is rank x in, B is out x rank)."""
+        return float(shape.rank * self.layers * sum(sum(self.linear_shape(m)) for m in shape.targets))
+
+    def lora_activation_bytes_per_token(self, shape: LoraShape) -> float:
+        """Bytes each adapted token moves through the adapter's kernels: every adapted linear reads its input (in)
+        and adds its low-rank output into the base's (out, read and written), apart from the base GEMM."""
+        per_layer = sum(i + 2 * o for i, o in (self.linear_shape(m) for m in shape.targets))
+        return float(self.layers * per_layer * self.bytes_per_param)
+
 
 MODELS: dict[str, ModelSpec] = {
     "7B": ModelSpec("7B", 7.61e9, 28, 28, 4, 3584, 18944, source="Qwen/Qwen2.5-7B config.json"),
@@ -128,6 +176,13 @@ MODELS: dict[str, ModelSpec] = {
     "32B": ModelSpec("32B", 32.5e9, 64, 40, 8, 5120, 27648, source="Qwen/Qwen2.5-32B config.json"),
     "70B": ModelSpec("70B", 70.6e9, 80, 64, 8, 8192, 28672, source="meta-llama/Llama-3.1-70B config.json"),
 }
+
+
+@lru_cache(maxsize=64)
+def _adapter_figures(model: ModelSpec, lora: LoraShape) -> tuple[float, float]:
+    """(parameters, activation bytes per adapted token) of ``lora`` on ``model``: the simulator prices thousands of
+    passes a second, and both are sums over the adapted modules."""
+    return model.lora_params(lora), model.lora_activation_bytes_per_token(lora)
 
 
 @dataclass(frozen=True)
@@ -186,18 +241,43 @@ class Roofline:
         t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
         return np.where(p > 0, self._fixed_s + self._allreduce_payload_s(p) + t, 0.0)
 
-    def forward_s(self, decode_contexts: Sequence[float], prefill_chunks: Sequence[tuple[float, float]]) -> float:
+    def forward_s(
+        self,
+        decode_contexts: Sequence[float],
+        prefill_chunks: Sequence[tuple[float, float]],
+        *,
+        adapted_tokens: float = 0.0,
+        lora: LoraShape | None = None,
+    ) -> float:
         """Seconds of one packed forward, as the executor runs it: one decode token for each of
         ``decode_contexts`` (the sequence's context after it) and each ``(new tokens, cached)``
         prefill chunk, in a single pass that reads the weights once. Decodes alone equal
-        ``decode_s(B, mean context)`` and one chunk alone ``prefill_s`` (tests/test_devices.py)."""
+        ``decode_s(B, mean context)`` and one chunk alone ``prefill_s`` (tests/test_devices.py).
+
+        Co-batched (a LoRA policy of this model): ``adapted_tokens`` of the pass's tokens (its rollout rows' decodes
+        and prefill) also go through the ``lora`` adapter, ``adapter_s`` more; 0 or None: exactly the pass alone."""
         decodes = float(len(decode_contexts))
         ctx = float(sum(decode_contexts))
         new = float(sum(p for p, _ in prefill_chunks))
         if decodes == 0 and new == 0:
             return 0.0
         attn = sum(p * c0 + p * p / 2.0 for p, c0 in prefill_chunks)
-        return float(self._pass_s(decodes + new, ctx + attn, ctx + sum(p + c0 for p, c0 in prefill_chunks)))
+        base = float(self._pass_s(decodes + new, ctx + attn, ctx + sum(p + c0 for p, c0 in prefill_chunks)))
+        if lora is None or adapted_tokens <= 0:
+            return base
+        return base + float(self.adapter_s(adapted_tokens, lora))
+
+    def adapter_s(self, adapted_tokens, lora: LoraShape):
+        """Seconds the adapter's own kernels add to a pass in which ``adapted_tokens`` go through it (arrays
+        broadcast; 0 where none do): their fixed time per adapted linear, then the larger of their FLOPs and their
+        bytes (the module doc). The kernels run after the base projections, so they add to the pass, not overlap."""
+        m, d = self.model, self.device
+        n = np.asarray(adapted_tokens, dtype=float)
+        params, activation_bytes = _adapter_figures(m, lora)
+        flops = 2.0 * params * n
+        nbytes = params * m.bytes_per_param + n * activation_bytes
+        t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
+        return np.where(n > 0, m.layers * len(lora.targets) * LORA_LINEAR_S + t, 0.0)
 
     def _pass_s(self, tokens, attended, kv_tokens):
         """One pass that reads the weights once: ``tokens`` computed, ``attended`` token-contexts of attention,
@@ -208,12 +288,15 @@ class Roofline:
         t = np.maximum(flops / (self.tp * d.bf16_flops * self.eff_flops), nbytes / (self.tp * d.hbm_bw * self.eff_bw))
         return self._fixed_s + self._allreduce_payload_s(tokens) + t
 
-    def mixed_s(self, batch, ctx, chunk, cached=0.0):
+    def mixed_s(self, batch, ctx, chunk, cached=0.0, *, adapted_tokens=0.0, lora: LoraShape | None = None):
         """``forward_s`` over arrays: ``batch`` decodes at mean context ``ctx`` and one prefill chunk of ``chunk``
-        tokens after ``cached``, in one pass that reads the weights once (a chunk rides on the decode step)."""
+        tokens after ``cached``, in one pass that reads the weights once (a chunk rides on the decode step);
+        ``adapted_tokens`` of them through the ``lora`` adapter (co-batched: the rollout rows and their prefill)."""
         b, c = np.asarray(batch, dtype=float), np.asarray(ctx, dtype=float)
         p, c0 = np.asarray(chunk, dtype=float), np.asarray(cached, dtype=float)
         t = self._pass_s(b + p, b * c + p * c0 + p * p / 2.0, b * c + np.where(p > 0, p + c0, 0.0))
+        if lora is not None:
+            t = t + self.adapter_s(adapted_tokens, lora)
         return np.where((b > 0) | (p > 0), t, 0.0)
 
     @property
@@ -251,6 +334,7 @@ class MeasuredSteps:
     prefill_per_token_s: float
     decode_per_ctx_token_s: float = 0.0
     host_load_per_token_s: float = 0.0  # restoring a prefix from the host tier (not measured: 0)
+    adapter_per_token_s: float = 0.0  # a LoRA adapter's time per adapted token (not measured: 0)
     name: str = "measured"
 
     def host_load_s(self, tokens):
@@ -266,20 +350,36 @@ class MeasuredSteps:
         p = np.asarray(tokens, dtype=float)
         return np.where(p > 0, self.prefill_base_s + self.prefill_per_token_s * p, 0.0)
 
-    def forward_s(self, decode_contexts: Sequence[float], prefill_chunks: Sequence[tuple[float, float]]) -> float:
+    def forward_s(
+        self,
+        decode_contexts: Sequence[float],
+        prefill_chunks: Sequence[tuple[float, float]],
+        *,
+        adapted_tokens: float = 0.0,
+        lora: LoraShape | None = None,
+    ) -> float:
         """One packed forward (see ``Roofline.forward_s``): the decode step of the batch plus each chunk's
-        per-token prefill time (a forward with no decode pays the prefill base once)."""
+        per-token prefill time (a forward with no decode pays the prefill base once), plus ``adapter_s``."""
         b = len(decode_contexts)
         new = sum(p for p, _ in prefill_chunks)
         if b == 0 and new == 0:
             return 0.0
         base = float(self.decode_s(b, sum(decode_contexts) / b)) if b else self.prefill_base_s
-        return base + self.prefill_per_token_s * new
+        if lora is None or adapted_tokens <= 0:
+            return base + self.prefill_per_token_s * new
+        return base + self.prefill_per_token_s * new + float(self.adapter_s(adapted_tokens, lora))
 
-    def mixed_s(self, batch, ctx, chunk, cached=0.0):
+    def adapter_s(self, adapted_tokens, lora: LoraShape):
+        """The adapter's time: ``adapter_per_token_s`` per adapted token (see ``Roofline.adapter_s``)."""
+        return np.asarray(adapted_tokens, dtype=float) * self.adapter_per_token_s
+
+    def mixed_s(self, batch, ctx, chunk, cached=0.0, *, adapted_tokens=0.0, lora: LoraShape | None = None):
         """``forward_s`` over arrays (see ``Roofline.mixed_s``)."""
         b, p = np.asarray(batch, dtype=float), np.asarray(chunk, dtype=float)
-        return np.where(b > 0, self.decode_s(b, ctx) + self.prefill_per_token_s * p, self.prefill_s(p, cached))
+        t = np.where(b > 0, self.decode_s(b, ctx) + self.prefill_per_token_s * p, self.prefill_s(p, cached))
+        if lora is not None:
+            t = t + self.adapter_s(adapted_tokens, lora)
+        return t
 
     @property
     def rollout_prefill_tokens(self) -> int:

@@ -7,3 +7,7 @@ POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 MODEL_SIZES = ("7B", "14B", "32B", "70B")
 # The GPU kinds they know (shared/devices.py DEVICES; the same test).
 DEVICE_KINDS = ("A100", "H100", "H200")
+# How rollout shares a serving instance (sim/sizing.py, sim/co_batched.py): "two_model", the policy a second model on
+# a lane of its own in bounded quanta; "co_batched", the policy a LoRA adapter of the serving model, its sequences rows
+# in serving's own iterations.
+ROLLOUT_MODES = ("two_model", "co_batched")

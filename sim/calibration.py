@@ -24,7 +24,8 @@ Those step models replace the roofline, and the simulator predicts a real run:
   run trained. One thing is fitted, and said so in the output: the rollout engine's in-situ
   slowdown (``fit_contention``: the two-core box is shared by every executor, the worker and the
   trainer), from the static run's median turn time, the same factor for every policy.
-- ``calibrate_coserve(path)`` (bench/sim.py: it runs and reads the real bench) — a real ``rose bench coserve`` run (one executor, serving trace
+- ``calibrate_coserve(path)`` (bench/sim_calibration.py: runs and reads the real bench) — a real
+  ``rose bench coserve`` run (one executor, serving trace
   plus a saturating rollout backlog): each executor policy's rollout tokens/s and SLO
   attainment are predicted by the simulator's per-instance model (coserve.py) over the same
   trace. The fleet policies map onto it as static = the policy model alone on the device

@@ -10,11 +10,16 @@ from dataclasses import dataclass, field
 
 from rose.services.executor.config import EngineSettings
 from rose.shared.devices import TRAIN_MFU, SyncSpec
+from rose.shared.lora import LoraShape
 from rose.shared.workload import RolloutSpec
 
 from .traces import DiurnalBursty, Trace
 
 MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
+# A co-batched job's adapter: rank 32 on every linear layer, Tinker's default (Thinking Machines' LoRA training service;
+# "LoRA Without Regret", 2025: rank 1 already matches full fine-tuning in RL, all linear layers); alpha = rank, scale 1.
+# Its cost barely depends on the rank: the adapter's kernels are bound by their launches (shared/devices.py LORA_LINEAR_S).
+DEFAULT_LORA = LoraShape(rank=32, alpha=32.0)
 FETCH_WINDOW_S = 1.0  # shared/bus.py CONSUME_FETCH_TIMEOUT_S
 
 
@@ -74,3 +79,8 @@ class SimConfig:
     early_hand_out: bool = True  # grpo.early_hand_out: one more batch out while a step waits and no executor has a rollout queue
     worker_concurrency: int | None = None  # trajectories in flight per rollout worker fleet (None: unbounded)
     trajectory_fetch_s: float = FETCH_WINDOW_S  # pipelined trainer: its consumer's fetch window (0: sees a trajectory at once)
+    # how rollout shares a serving instance (sim.ROLLOUT_MODES): "two_model", a policy copy on a lane of its own in bounded
+    # quanta; "co_batched", the policy a LoRA adapter (``lora``) of the serving model, its sequences rows in serving's own
+    # iterations (co_batched.py), its dedicated instances the base and the adapter
+    rollout_mode: str = "two_model"
+    lora: LoraShape = DEFAULT_LORA

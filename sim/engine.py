@@ -13,7 +13,8 @@ or, with ``prefetch_steps`` >= 1, asynchronous as the reference trainer runs it
 
 Processes and time:
 - a clock ticks every ``dt`` (1 s; an emulated job's 0.05 s, bench/emulated.py): Poisson arrivals per
-  serving instance, the serving model (latency, SLO accounting), what each instance's rollout lane gets,
+  serving instance, the serving model (latency, SLO accounting), what each instance's rollout lane gets (co-batched
+  mode, ``SimConfig.rollout_mode``: the rows that ride serving's own iterations, co_batched.py),
   rollout progress (admission FIFO under the batch-slot and KV caps; iterations as the executor runs
   them, a decode step with the executor's prefill chunk riding on it, ``mixed_s``), turn completions
   (at their interpolated time inside the tick), then the control plane: the monitor's burst
@@ -92,6 +93,7 @@ from rose.shared.workload import batch_trajectories, bundle_size, sample_batch, 
 
 from . import POLICIES
 from .ceiling import rollout_capacity_ceiling
+from .co_batched import CoBatchPlan, co_batch_plan
 from .config import SimConfig
 from .coserve import rollout_interference, rollout_share, serving_tick
 from .counters import Counters
@@ -142,6 +144,8 @@ class Simulation:
         self.serving = serving_setup(cfg, sized, self.policy)
         if cfg.lane_pool and cfg.policy != "static":
             raise ValueError(f"lane_pool runs static's job on the lane pool, not {cfg.policy!r}")
+        if cfg.lane_pool and cfg.rollout_mode != "two_model":
+            raise ValueError("lane_pool runs two-model lanes (a policy copy in bounded quanta): rollout_mode must be two_model")
         # the lane pool's instances, where a serving instance has memory to lend (else the lane pool is static itself)
         self.inst = Instances(shape.n_serv, shape.n_ded, shape.n_serv if cfg.lane_pool and memory.can_cohost else 0)
         for d in range(shape.n_serv, self.inst.D):
@@ -160,6 +164,8 @@ class Simulation:
         self.admitted_view = (np.zeros(self.inst.D, dtype=np.int64), np.zeros(self.inst.D, dtype=np.int64))
         # per instance, the share of its device rollout's forwards got lately (a moving mean, as the executor's prefill rate)
         self.rollout_share_seen = np.ones(self.inst.D)
+        # co-batched mode: this tick's plan of the serving instances' iterations (None: no rollout rides them)
+        self.co_plan: CoBatchPlan | None = None
         self.k_sched = max(1, int(round(SCHEDULER_TICK_S / cfg.dt)))  # ticks per scheduler tick
         # the monitor
         self.mon = MonitorState(
@@ -333,7 +339,7 @@ class Simulation:
         inst, turns, mon, acc = self.inst, self.turns, self.mon, self.counts
         n = self.inst.n_serv
         sized, serving = self.sized, self.serving
-        shape, traffic = sized.shape, sized.traffic
+        traffic = sized.traffic
         fleet_rps = float(traffic.fleet_rate[min(len(traffic.fleet_rate) - 1, int(now))])
         lent = inst.lent()
         serving_mode = ~lent if pol.drains_lent else np.ones(n, dtype=bool)
@@ -346,27 +352,7 @@ class Simulation:
         # rollout running on serving instances, at the start of the tick
         running = turns.state == 2
         br = np.bincount(turns.dev[running], minlength=inst.D)[:n] * turns.bundle if running.any() else np.zeros(n)
-        ctx_r = turns.mean_ctx(running)[:n]
-        tau_r = shape.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
-        ep = pol.executor_policy
-        ready = inst.ready_at[:n] <= now
-        active = (br > 0) & (inst.slots[:n] > 0) & ready if (ep is not None and serving.cohosting) else np.zeros(n, dtype=bool)
-        last_bs = mon.ring["bs"][:, (self.tick_no - 1) % mon.W]
-        extra, wait, may = rollout_interference(
-            ep, active, tau_r, sized.turn_p90, lambda d: executor_signals(now, last_bs[d], inst.prev_iter_ms[d], c.slo_tpot_ms)
-        )
-        st = serving_tick(
-            shape.sperf,
-            rate,
-            traffic.prompt_mean,
-            traffic.output_mean,
-            traffic.prompt_p99,
-            extra,
-            wait,
-            inst.queue,
-            dt,
-            serving.kv_tokens,
-        )
+        st, extra, lane_share = self._serving_second(now, dt, rate, br, running)
         inst.queue = np.where(serving_mode, st.queue, 0.0)
         inst.prev_iter_ms = st.iteration_s * 1e3
         slo_ttft, slo_tpot = c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3
@@ -382,8 +368,8 @@ class Simulation:
         share[n:] = (inst.ready_at[n:] <= now).astype(float)
         if self.lane_pool_share is not None:
             share[inst.is_lane] *= float(self.lane_pool_share[min(len(self.lane_pool_share) - 1, int(now))])
-        if ep is not None and serving.cohosting:
-            share[:n] = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0)
+        if pol.executor_policy is not None and serving.cohosting:
+            share[:n] = lane_share
         if serving.cohosting:
             acc.serving.lent_instance_s += float(lent.sum()) * dt
         if self.turns.N and bool(((self.turns.state == 1) | (self.turns.state == 2)).any()):
@@ -418,6 +404,58 @@ class Simulation:
             tl["rollout_tps"].append(float(tokens.sum()) / dt)
             tl["lent"].append(int(inst.lent().sum()))
             tl["violating"].append(int(violating.sum()))
+
+    def _serving_second(self, now: float, dt: float, rate: np.ndarray, br: np.ndarray, running: np.ndarray):
+        """(serving's second, what rollout adds to each serving iteration, the share of the device rollout's forwards
+        get) per serving instance, with ``br`` rollout sequences running there (``running``: the turns that run).
+
+        Two-model: a lane of its own in bounded quanta between serving's iterations (coserve.py). Co-batched: rows in
+        serving's own iterations (co_batched.py); the plan, ``self.co_plan``, then drives the rollout tick."""
+        c, pol, inst, n = self.cfg, self.policy, self.inst, self.inst.n_serv
+        sized, serving = self.sized, self.serving
+        shape, traffic = sized.shape, sized.traffic
+        ep = pol.executor_policy
+        ready = inst.ready_at[:n] <= now
+        self.co_plan = None
+        if serving.co_batched:
+            return self._co_batched_second(dt, rate, ready & (inst.slots[:n] > 0))
+        ctx_r = self.turns.mean_ctx(running)[:n]
+        tau_r = shape.pperf_s.decode_s(np.maximum(br, 1), np.maximum(ctx_r, 1.0))
+        active = (br > 0) & (inst.slots[:n] > 0) & ready if (ep is not None and serving.cohosting) else np.zeros(n, dtype=bool)
+        last_bs = self.mon.ring["bs"][:, (self.tick_no - 1) % self.mon.W]
+        extra, wait, may = rollout_interference(
+            ep, active, tau_r, sized.turn_p90, lambda d: executor_signals(now, last_bs[d], inst.prev_iter_ms[d], c.slo_tpot_ms)
+        )
+        sizes = (traffic.prompt_mean, traffic.output_mean, traffic.prompt_p99)
+        st = serving_tick(shape.sperf, rate, *sizes, extra, wait, inst.queue, dt, serving.kv_tokens)
+        lane_share = np.where(ready & (inst.slots[:n] > 0), rollout_share(ep, st, extra, may), 0.0) if ep is not None else np.zeros(n)
+        return st, extra, lane_share
+
+    def _co_batched_second(self, dt: float, rate: np.ndarray, active: np.ndarray):
+        """``_serving_second`` in co-batched mode: the rows ready to decode on each serving instance that may run rollout
+        (``active``: a lease, the current weights), and a chunk of prefill where turns wait for theirs, ride serving's
+        iterations under the guard (co_batched.py ``co_batch_plan``; naive_share's rows ride unguarded)."""
+        n, shape, traffic, c = self.inst.n_serv, self.sized.shape, self.sized.traffic, self.cfg
+        decoding, ctx, _, cached, waiting = (a[:n] for a in self.turns.ready_to_ride())
+        rows = np.where(active, decoding * self.turns.bundle, 0)
+        chunk = np.where(active & waiting, shape.pperf_s.rollout_prefill_tokens, 0)
+        sizes = (traffic.prompt_mean, traffic.output_mean, traffic.prompt_p99, self.inst.queue, dt, self.serving.kv_tokens)
+        if not (rows.any() or chunk.any()):  # nothing rides: serving alone
+            return serving_tick(shape.sperf, rate, *sizes[:3], 0.0, 0.0, *sizes[3:]), np.zeros(n), np.zeros(n)
+        self.co_plan = plan = co_batch_plan(
+            shape.sperf,
+            c.lora,
+            rate,
+            *sizes,
+            rows=rows,
+            rows_ctx=ctx,
+            prefill_tokens=chunk,
+            prefill_cached=cached,
+            slo_tpot_s=c.slo_tpot_ms / 1e3,
+            quantum_s=c.quantum_ms / 1e3,
+            guarded=self.policy.name != "naive_share",
+        )
+        return plan.serving, plan.extra_s, np.where(active, plan.rollout_time_share(), 0.0)
 
     def _dedicated_headroom(self, now: float) -> None:
         t = self.turns
@@ -505,7 +543,14 @@ class Simulation:
         T = share * dt
         n_mix = np.where(PF > 0, np.minimum(PF / np.maximum(c, 1e-30), T / np.maximum(tau_mix, 1e-30)), 0.0)
         n_it = n_mix + np.where(nb > 0, np.maximum(T - n_mix * tau_mix, 0.0) / tau, 0.0)
-        acc.rollout.device_s += float(np.where(nb > 0, T, np.minimum(T, n_mix * tau_mix)).sum())  # decode fills the tick
+        device_s = np.where(nb > 0, T, np.minimum(T, n_mix * tau_mix))  # decode fills the tick
+        chunks = n_mix * c  # prompt tokens the instance's rollout prefills this tick
+        if self.co_plan is not None:  # co-batched serving instances: rollout rides serving's iterations (co_batched.py)
+            n = self.inst.n_serv
+            row_tokens, prefill, added = self.co_plan.per_second()
+            n_it[:n] = np.where(nb[:n] > 0, row_tokens * dt / np.maximum(nb[:n], 1), 0.0)  # tokens per row this tick
+            chunks[:n], device_s[:n] = prefill * dt, added * dt
+        acc.rollout.device_s += float(device_s.sum())
         # the chunks go to the prefilling turns in admission order, as the engine's budget does (scheduling.py)
         ids = np.flatnonzero(pre)
         ids = ids[np.lexsort((t.seq[run][ids], dr[ids]))]
@@ -513,7 +558,7 @@ class Simulation:
         before = np.cumsum(want) - want
         first = np.r_[True, dr[ids][1:] != dr[ids][:-1]] if ids.size else np.zeros(0, dtype=bool)
         before -= before[np.maximum.accumulate(np.where(first, np.arange(ids.size), 0))] if ids.size else 0.0
-        took = np.clip((n_mix * c)[dr[ids]] - before, 0.0, want)
+        took = np.clip(chunks[dr[ids]] - before, 0.0, want)
         new_pf = np.zeros(run.size)
         new_pf[ids] = np.where(want - took <= 1e-9, 0.0, want - took)
         t.pf_left[run] = new_pf
@@ -1155,6 +1200,7 @@ class Simulation:
             device=c.device,
             gpus=c.gpus,
             policy=c.policy,
+            rollout_mode=c.rollout_mode,  # two_model, or co_batched (sim/co_batched.py)
             complete=complete,
             steps=len(steps),
             serving_instances=shape.n_serv,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -44,14 +45,16 @@ from rich.console import Group
 from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
-from rose.shared.devices import Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
+from rose.shared.devices import ModelSpec, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from rose.shared.workload import RolloutSpec, mean_context
 
+from . import ROLLOUT_MODES
 from .ceiling import share_of_gain, speedup_ceiling_over
-from .config import MAX_ROLLOUT_BATCH
+from .co_batched import co_batch_plan
+from .config import MAX_ROLLOUT_BATCH, SimConfig
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .policies import executor_signals, monitor_settings, serving_snapshot
-from .sizing import serving_pool_tokens
+from .sizing import co_batched_pool_tokens, serving_pool_tokens
 from .traces import Trace, load_azure_csv, requests_to_trace
 
 TARGET_PEAK_LOAD = 0.45  # --scale auto: the busiest hour's mean at this share of the fleet's SLO capacity
@@ -60,6 +63,7 @@ PAYS_FROM = 1.05  # rose at least this x static: lending pays (below: within the
 BIN_MINUTES = (1, 2, 5, 10, 15, 30, 60, 120, 180, 360)  # the table's bin: the first that gives at most MAX_ROWS rows
 MAX_ROWS = 24  # a day in hours, an hour in 5-minute bins: one screen
 TABLE_COLUMNS = 80  # the tables fit a terminal this wide (or a pipe: rich's default width)
+TWO_MODEL, CO_BATCHED = ROLLOUT_MODES
 
 
 def bin_minutes(minutes: int) -> int:
@@ -95,11 +99,15 @@ def plan(
     demands=DEMANDS,
     dedicated_ratio: float = 0.25,
     policy_model: str | None = None,
+    rollout_modes: tuple[str, ...] | None = None,
 ) -> dict:
     """``model`` is the serving fleet's (a company's product model); ``policy_model`` the RL policy trained beside it
-    (default: the same size), as the simulator takes them (sim/sizing.py)."""
+    (default: the same size), as the simulator takes them (sim/sizing.py). ``rollout_modes`` (sim.ROLLOUT_MODES): the
+    modes to plan; default both where the policy can be a LoRA adapter of the serving model (the same size), else
+    two-model."""
     n_gpus, device = parse_fleet(fleet)
     serving_spec, policy_spec = model_spec(model), model_spec(policy_model or model)
+    modes = _modes(rollout_modes, serving_spec, policy_spec)
     req = load_azure_csv(trace_path)
     trace = requests_to_trace(req)
     tp_s, tp_r = serving_tp(serving_spec, policy_spec, device), rollout_tp(policy_spec, device)
@@ -185,6 +193,12 @@ def plan(
     ded_kv = usable_bytes(device, tp_r) - policy_spec.weight_bytes
     ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * kvb)))
     ded_tps = ded_batch / float(pperf_d.decode_s(ded_batch, ctx))
+    co_batched = None
+    if CO_BATCHED in modes:  # the same lendable minutes, rows of serving's iterations from a pool without a policy copy
+        cfg = SimConfig(model=serving_spec.name, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, quantum_ms=quantum_ms)
+        sizes = (prompt, output, p99)
+        peak = float(np.percentile(instance_rate, 99.9))
+        co_batched = _co_batched_lending(cfg, sperf, n, sizes, rate_mean, lendable, peak, alone_tokens, trace.request_sizes)
 
     def binned(width: int) -> list[dict]:
         """The per-minute figures over bins of ``width`` minutes (the last one may be shorter)."""
@@ -192,6 +206,7 @@ def plan(
         for lo in range(0, minutes, width):
             sl = slice(lo, min(minutes, lo + width))
             tps = float(lend_tps[sl].mean())
+            co_tps = {"rollout_tokens_per_s_co_batched": float(co_batched["tokens_per_s"][sl].mean())} if co_batched else {}
             at = int(trace.start_s) + 60 * lo
             rows.append(
                 {
@@ -206,6 +221,7 @@ def plan(
                     "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
                     "slo_risk_alone": float(risk_alone[sl].mean()),
                     "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
+                    **co_tps,
                 }
             )
         return rows
@@ -229,12 +245,15 @@ def plan(
             dedicated_ratio,
             policy_model=policy_spec.name,
             serving_pool_tokens=pool_tokens,
+            rollout_modes=modes,
         )
     no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
     return {
         "speedup_by_demand": demand,
         "dedicated_ratio": dedicated_ratio,
-        "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if not d["pays"]], "hours": no_lend_hours},
+        "rollout_modes": list(modes),
+        # the demand levels where no mode pays, and the hours where no minute is lendable
+        "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if d["mode_that_pays"] is None], "hours": no_lend_hours},
         "trace": str(trace_path),
         "trace_requests": int(len(req.times_s)),
         "scale": factor,
@@ -249,6 +268,8 @@ def plan(
         "slo_capacity_rps_per_instance": cap,
         "serving_pool_tokens_per_instance": pool_tokens,
         "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
+        # co-batched: a serving instance hosts the adapter, not a policy copy; its pool holds serving's longer iterations
+        **({"co_batched": {k: v for k, v in co_batched.items() if k != "tokens_per_s"}} if co_batched else {}),
         "smoothing_window_s": window,
         "dedicated_instance_tokens_per_s": ded_tps,
         "dedicated_tp": tp_r,
@@ -257,6 +278,69 @@ def plan(
         "bin_minutes": width,  # the table's and the plot's bins (hours for a day, minutes for an hour)
         "bins": binned(width),
         "note": "a model, not a measurement: roofline step times (shared/devices.py) and the monitor's own headroom rules",
+    }
+
+
+def _modes(asked: tuple[str, ...] | None, serving: ModelSpec, policy: ModelSpec) -> tuple[str, ...]:
+    """The rollout modes to plan: those asked, else both where the policy can be a LoRA adapter of the serving model
+    (the same size), else two-model; co-batched with another policy is refused, saying why."""
+    modes = tuple(asked or (ROLLOUT_MODES if policy == serving else (TWO_MODEL,)))
+    if CO_BATCHED in modes and policy != serving:
+        raise ValueError(
+            f"co-batched rollout runs the policy as a LoRA adapter of the serving model: a {policy.name} policy beside "
+            f"{serving.name} serving plans two-model only (drop co_batched, or give the policy the serving model's size)"
+        )
+    return modes
+
+
+def _co_batched_lending(
+    cfg: SimConfig,
+    sperf: Roofline,
+    n: int,
+    sizes: tuple[float, float, float],
+    rate_mean: np.ndarray,
+    lendable: np.ndarray,
+    peak: float,
+    alone_tokens: float,
+    request_sizes,
+) -> dict:
+    """Co-batched mode's lending over the trace's minutes (``plan``): a serving instance's pool sized with the rows its
+    lent KV holds riding serving's iterations at the peak (sizing.py ``co_batched_pool_tokens``), and per lendable
+    minute the fleet's rollout tokens/s from those rows (co_batched.py ``co_batch_plan``, at the mean agentic context)."""
+    m = sperf.model
+    adapter = m.lora_params(cfg.lora) * m.bytes_per_param
+    room = usable_bytes(sperf.device, sperf.tp) - m.weight_bytes - adapter
+    ctx = mean_context(RolloutSpec())
+    seq = ctx * m.kv_bytes_per_token
+    pool = co_batched_pool_tokens(cfg, sperf, peak, sizes, alone_tokens, request_sizes, (room, m.kv_bytes_per_token, seq))
+    free = room - pool * m.kv_bytes_per_token
+    rows = int(min(MAX_ROLLOUT_BATCH, max(0.0, free) / seq))
+    tokens = np.zeros(len(rate_mean))
+    if rows >= 1 and lendable.any():
+        plan = co_batch_plan(
+            sperf,
+            cfg.lora,
+            rate_mean[lendable],
+            sizes[0],
+            sizes[1],
+            sizes[2],
+            0.0,
+            60.0,
+            pool,
+            rows=rows,
+            rows_ctx=ctx,
+            prefill_tokens=0,
+            prefill_cached=0.0,
+            slo_tpot_s=cfg.slo_tpot_ms / 1e3,
+            quantum_s=cfg.quantum_ms / 1e3,
+        )
+        tokens[lendable] = n * plan.per_second()[0]
+    return {
+        "serving_pool_tokens_per_instance": pool,
+        "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
+        "lora_rank": cfg.lora.rank,
+        "tokens_per_s": tokens,
+        "rollout_tokens_per_s_mean": float(tokens.mean()),
     }
 
 
@@ -272,9 +356,57 @@ def speedup_by_demand(
     seed: int = 0,
     policy_model: str | None = None,
     serving_pool_tokens: float | None = None,
+    rollout_modes: tuple[str, ...] = (TWO_MODEL,),
 ) -> list[dict]:
-    """Static against rose in the fleet simulator for each rollout demand (module doc); ``trace`` in fleet req/s;
-    ``serving_pool_tokens``: a serving instance's pool (None: sized from the simulated window, sizing.py)."""
+    """Static against rose in the fleet simulator for each rollout demand (module doc), in each of ``rollout_modes``;
+    ``trace`` in fleet req/s; ``serving_pool_tokens``: a serving instance's pool (None: sized from the simulated window,
+    sizing.py; a co-batched instance's own pool is always sized so: it holds what serving's longer iterations keep).
+
+    Each level carries the first mode's figures, that mode named (``rollout_mode``), every other mode's under its name,
+    and which mode pays (``mode_that_pays``: rose at least ``PAYS_FROM`` x its static, the most RL steps/h of those) by
+    how much over the other's rose (``over_other_mode``)."""
+    level = partial(
+        _level,
+        trace=trace,
+        fleet=fleet,
+        model=model,
+        slo=(slo_ttft_ms, slo_tpot_ms),
+        dedicated_ratio=dedicated_ratio,
+        steps=steps,
+        seed=seed,
+        policy_model=policy_model,
+        serving_pool_tokens=serving_pool_tokens,
+    )
+    out = []
+    for demand in demands:
+        levels = {mode: level(demand, mode) for mode in rollout_modes}
+        first, *others = rollout_modes
+        entry = {"rollout_demand": demand, "dedicated_ratio": dedicated_ratio, **levels[first], "rollout_mode": first}
+        entry.update({mode: levels[mode] for mode in others})
+        paying = [m for m in rollout_modes if levels[m]["pays"]]
+        best = max(paying, key=lambda m: levels[m]["rose_rl_steps_per_hour"]) if paying else None
+        rivals = [levels[m]["rose_rl_steps_per_hour"] for m in rollout_modes if m != best and levels[m].get("rose_rl_steps_per_hour")]
+        entry["mode_that_pays"] = best
+        entry["over_other_mode"] = levels[best]["rose_rl_steps_per_hour"] / max(rivals) if best and rivals else None
+        out.append(entry)
+    return out
+
+
+def _level(
+    demand: float,
+    mode: str,
+    *,
+    trace: Trace,
+    fleet: str,
+    model: str,
+    slo: tuple[float, float],
+    dedicated_ratio: float,
+    steps: int,
+    seed: int,
+    policy_model: str | None,
+    serving_pool_tokens: float | None,
+) -> dict:
+    """One demand level in one rollout mode: static's and rose's runs, what lending buys and why (``speedup_by_demand``)."""
     from dataclasses import replace
 
     from rose.shared.devices import DEVICES
@@ -283,66 +415,63 @@ def speedup_by_demand(
 
     n_gpus, device = parse_fleet(fleet)
     kind = next(k for k, d in DEVICES.items() if d is device)
-    out = []
-    for demand in demands:
-        runs = {}
-        try:
-            for policy in ("static", "rose"):
-                cfg = SimConfig(
-                    model=model,
-                    policy_model=policy_model,
-                    device=kind,
-                    gpus=n_gpus,
-                    policy=policy,
-                    trace=trace,
-                    rollout=replace(RolloutSpec(), oversubscription=demand),
-                    rollout_gpu_ratio=dedicated_ratio,
-                    slo_ttft_ms=slo_ttft_ms,
-                    slo_tpot_ms=slo_tpot_ms,
-                    steps=steps,
-                    seed=seed,
-                    memory={"serving_pool_tokens": serving_pool_tokens} if serving_pool_tokens is not None else None,
-                )
-                runs[policy] = simulate(cfg)
-        except Infeasible as exc:
-            out.append({"rollout_demand": demand, "speedup": None, "pays": False, "why": str(exc)})
-            continue
-        st, ro = runs["static"], runs["rose"]
-        speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
-        ceiling = speedup_ceiling_over(st, ro["rollout_capacity_ceiling"], pipelined=False)
-        priced = speedup_ceiling_over(st, ro["rollout_capacity_ceiling_kv"], pipelined=False)
-        pays = speedup is not None and speedup >= PAYS_FROM
-        if pays:
-            why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran on leases"
-        elif not ro["cohosting"]:
-            why = "a serving instance has no memory left for the policy beside the serving model and its pool"
-        elif ro["leases"]["granted"] == 0:
-            why = "no lease granted: the monitor never found headroom (" + (", ".join(ro["unlendable_reasons"]) or "-") + ")"
-        elif ro["rollout_tokens_on_serving_fraction"] < 0.05:
-            why = "the batch fits the dedicated pool: placement kept turns there (a leased turn would have been slower)"
-        else:
-            why = (
-                f"leases made {ro['rollout_tokens_on_serving_fraction']:.0%} of the tokens, but the step is bound by its tail "
-                f"({ro['tail_fraction']:.0%} after 90 % of trajectories) and {ro['interrupted_turns']} turns interrupted by bursts"
+    pool = {"serving_pool_tokens": serving_pool_tokens} if serving_pool_tokens is not None and mode == TWO_MODEL else None
+    runs = {}
+    try:
+        for policy in ("static", "rose"):
+            cfg = SimConfig(
+                model=model,
+                policy_model=policy_model,
+                device=kind,
+                gpus=n_gpus,
+                policy=policy,
+                trace=trace,
+                rollout=replace(RolloutSpec(), oversubscription=demand),
+                rollout_gpu_ratio=dedicated_ratio,
+                slo_ttft_ms=slo[0],
+                slo_tpot_ms=slo[1],
+                steps=steps,
+                seed=seed,
+                memory=pool,
+                rollout_mode=mode,
             )
-        out.append(
-            {
-                "rollout_demand": demand,
-                "dedicated_ratio": dedicated_ratio,
-                "trajectories_per_step": st["trajectories_per_step"],
-                "static_rl_steps_per_hour": st["rl_steps_per_hour"],
-                "rose_rl_steps_per_hour": ro["rl_steps_per_hour"],
-                "speedup": speedup,
-                "speedup_ceiling": ceiling,  # what the fleet's rollout capacity allows at most (ceiling.py)
-                "speedup_ceiling_kv": priced,  # the same with a lane priced at the lent KV's batch (an estimate)
-                "share_of_priced_gain": share_of_gain(speedup, priced),  # (speedup - 1) / (speedup_ceiling_kv - 1)
-                "rose_slo_violations": ro["slo_violations"],
-                "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
-                "pays": pays,
-                "why": why,
-            }
+            runs[policy] = simulate(cfg)
+    except Infeasible as exc:
+        return {"speedup": None, "pays": False, "why": str(exc)}
+    st, ro = runs["static"], runs["rose"]
+    speedup = ro["rl_steps_per_hour"] / st["rl_steps_per_hour"] if st["rl_steps_per_hour"] > 0 else None
+    ceiling = speedup_ceiling_over(st, ro["rollout_capacity_ceiling"], pipelined=False)
+    priced = speedup_ceiling_over(st, ro["rollout_capacity_ceiling_kv"], pipelined=False)
+    pays = speedup is not None and speedup >= PAYS_FROM
+    where = "as rows of serving's iterations" if mode != TWO_MODEL else "on leases"
+    if pays:
+        why = f"{ro['rollout_tokens_on_serving_fraction']:.0%} of the rollout tokens ran {where}"
+    elif not ro["cohosting"]:
+        beside = "the policy" if mode == TWO_MODEL else "a rollout pool"
+        why = f"a serving instance has no memory left for {beside} beside the serving model and its pool"
+    elif ro["leases"]["granted"] == 0:
+        why = "no lease granted: the monitor never found headroom (" + (", ".join(ro["unlendable_reasons"]) or "-") + ")"
+    elif ro["rollout_tokens_on_serving_fraction"] < 0.05:
+        why = "the batch fits the dedicated pool: placement kept turns there (a leased turn would have been slower)"
+    else:
+        why = (
+            f"leases made {ro['rollout_tokens_on_serving_fraction']:.0%} of the tokens, but the step is bound by its tail "
+            f"({ro['tail_fraction']:.0%} after 90 % of trajectories) and {ro['interrupted_turns']} turns interrupted by bursts"
         )
-    return out
+    return {
+        "trajectories_per_step": st["trajectories_per_step"],
+        "static_rl_steps_per_hour": st["rl_steps_per_hour"],
+        "rose_rl_steps_per_hour": ro["rl_steps_per_hour"],
+        "speedup": speedup,
+        "speedup_ceiling": ceiling,  # what the fleet's rollout capacity allows at most (ceiling.py)
+        "speedup_ceiling_kv": priced,  # the same with a lane priced at the lent KV's batch (an estimate)
+        "share_of_priced_gain": share_of_gain(speedup, priced),  # (speedup - 1) / (speedup_ceiling_kv - 1)
+        "rose_slo_violations": ro["slo_violations"],
+        "rollout_tokens_on_serving_fraction": ro["rollout_tokens_on_serving_fraction"],
+        "rollout_pool_gb_per_instance": ro["cohost_free_gb"],
+        "pays": pays,
+        "why": why,
+    }
 
 
 def models_label(result: dict) -> str:
@@ -429,11 +558,19 @@ def plan_tables(result: dict, fleet: str, width: int) -> Group:
         f"rollout pool {result['rollout_pool_gb_per_instance']:.0f} GB each; "
         f"not lendable (minutes, monitor's first reason): {result['not_lendable_minutes'] or '-'}"
     )
+    if "co_batched" in result:
+        co = result["co_batched"]
+        parts.append(
+            f"co-batched (the policy a rank-{co['lora_rank']} LoRA adapter of the serving model, its sequences rows of serving's "
+            f"iterations): rollout pool {co['rollout_pool_gb_per_instance']:.0f} GB each (no policy copy; serving's pool holds "
+            f"its longer iterations), {co['rollout_tokens_per_s_mean']:.0f} rollout tok/s at the mean"
+        )
     notes: list[str] = []
     if result["speedup_by_demand"]:
+        first = result["speedup_by_demand"][0].get("rollout_mode", TWO_MODEL).replace("_", "-")
         dt = Table(
-            title=f"expected RL speedup (rose / static, synchronous; dedicated pool {result['dedicated_ratio']:g} x the serving GPUs; "
-            "from the busiest hour)",
+            title=f"expected RL speedup (rose / static, synchronous, {first}; dedicated pool {result['dedicated_ratio']:g} x the serving "
+            "GPUs; from the busiest hour)",
             box=box.SIMPLE_HEAD,
         )
         for col in ("demand", "traj./\nstep", "static\nsteps/h", "rose\nsteps/h", "speedup", "ceiling\n(lent KV)", "share\ntaken", "pays", "why"):
@@ -456,6 +593,8 @@ def plan_tables(result: dict, fleet: str, width: int) -> Group:
                 note,
             )
         parts += [dt, *(f"[{i}] {why}" for i, why in enumerate(notes, 1))]
+        if len(result.get("rollout_modes", [])) > 1:
+            parts.append(_modes_table(result))
     nope = result["lending_does_not_pay"]
     parts.append(
         f"lending does not pay: at demand {', '.join(f'{x:g}x' for x in nope['demand_levels']) or '-'}; "
@@ -464,6 +603,24 @@ def plan_tables(result: dict, fleet: str, width: int) -> Group:
     if width < TABLE_COLUMNS:
         parts.append(f"(the tables are {TABLE_COLUMNS} columns wide: a wider terminal, or COLUMNS={TABLE_COLUMNS}, shows them whole)")
     return Group(*parts)
+
+
+def _modes_table(result: dict):
+    """Per demand level, each mode's rose / static, which mode pays and by how much over the other's rose."""
+    from rich import box
+    from rich.table import Table
+
+    modes = result["rollout_modes"]
+    table = Table(title="which mode pays: rose / static in each mode, the paying mode's rose over the other's", box=box.SIMPLE_HEAD)
+    for col in ("demand", *(m.replace("_", "-") for m in modes), "pays", "by"):
+        table.add_column(col, justify="right")
+    for d in result["speedup_by_demand"]:
+        levels = [d if m == d.get("rollout_mode", TWO_MODEL) else d.get(m, {}) for m in modes]
+        speedups = ["-" if lv.get("speedup") is None else f"{lv['speedup']:.2f}x" for lv in levels]
+        pays = (d["mode_that_pays"] or "neither").replace("_", "-")
+        by = "-" if d["over_other_mode"] is None else f"{d['over_other_mode']:.2f}x"
+        table.add_row(f"{d['rollout_demand']:g}x", *speedups, pays, by)
+    return table
 
 
 def run_plan(
@@ -479,6 +636,7 @@ def run_plan(
     demands=DEMANDS,
     dedicated_ratio: float = 0.25,
     policy_model: str | None = None,
+    rollout_modes: tuple[str, ...] | None = None,
 ) -> dict:
     result = plan(
         trace,
@@ -490,6 +648,7 @@ def run_plan(
         demands=demands,
         dedicated_ratio=dedicated_ratio,
         policy_model=policy_model,
+        rollout_modes=rollout_modes,
     )
     console.print(plan_tables(result, fleet, console.width))
     out = Path(out_json or "bench-out/plan.json")

@@ -5,7 +5,13 @@ models on which device, how many instances of which tensor-parallel width (``Fle
 each instance's memory divides between weights, the serving pool and rollout (``MemorySplit``),
 and the serving traffic it carries (``ServingTraffic``). ``serving_setup`` adds what depends on
 the fleet policy too: whether rollout co-hosts on serving instances, the serving KV pool that
-leaves, and the serving-alone baseline. They live here, apart from the engine's changing state,
+leaves, and the serving-alone baseline.
+
+The rollout mode (``SimConfig.rollout_mode``) changes what a serving instance hosts beside the serving model:
+two-model, a copy of the policy; co-batched (co_batched.py), only the policy's LoRA adapter, so it lends the HBM the
+policy's weights took in two-model mode too, less the adapter, and its serving pool holds what its requests hold while
+rollout rows ride their iterations. The instances' widths are the same in both modes (``serving_tp`` sizes for the
+serving model and a policy copy): the serving fleet is the same machine in every row. They live here, apart from the engine's changing state,
 because the planner's questions (does this model fit this fleet, how large is the lane) are
 these figures alone, and because the engine reads them everywhere and writes them nowhere.
 """
@@ -22,7 +28,9 @@ from rose.shared.devices import DEVICES, DeviceSpec, MeasuredSteps, ModelSpec, R
 from rose.shared.errors import RoseError
 from rose.shared.workload import mean_context, turn_length_quantile
 
+from . import ROLLOUT_MODES
 from .ceiling import lane_value
+from .co_batched import AdaptedSteps, co_batch_plan
 from .config import SimConfig
 from .coserve import lane_share_ceiling, serving_tick, slo_capacity_rps
 from .policies import FleetPolicy
@@ -30,8 +38,13 @@ from .traces import diurnal_bursty
 
 SERVING_POOL_QUANTILE = 0.999  # a co-hosting serving pool holds every request in flight at this share of instants, at the peak rate
 POOL_SNAPSHOTS = 20_000  # instants drawn to read that quantile (at p99.9: the 20 largest decide it)
+# Rounds that settle a co-batched instance's serving pool against the rows it lends (``co_batched_pool_tokens``): a
+# larger pool lends fewer rows, fewer rows stretch serving's iterations less, a damped swing; at 7B-70B on 16 H100s the
+# larger of the last two rounds' pools is the same from the fourth round on (tests/sim/test_co_batched.py)
+SETTLE_ROUNDS = 4
 
-StepTimes = Roofline | MeasuredSteps  # a model's step times on one instance (``SimConfig.perf`` gives measured ones)
+# a model's step times on one instance (``SimConfig.perf`` gives measured ones; a co-batched job's policy: the base + adapter)
+StepTimes = Roofline | MeasuredSteps | AdaptedSteps
 
 
 class Infeasible(RoseError, ValueError):
@@ -63,7 +76,7 @@ class MemorySplit:
     rollout co-hosts (``pool_tokens``) or not (``alone_kv_tokens``), what a serving instance has left
     to lend (``cohost_free_bytes``) and what a dedicated one holds for rollout KV."""
 
-    policy_weight_bytes: float
+    policy_weight_bytes: float  # what a new policy version ships (two-model: the policy's weights; co-batched: its adapter)
     kvb_s: float  # serving KV bytes per token
     kvb_p: float  # policy KV bytes per token
     total_s: float  # a serving instance's HBM
@@ -115,6 +128,7 @@ class ServingSetup:
     kv_tokens: float  # a serving instance's KV pool (tokens) under this policy
     lane_ceiling: np.ndarray | None
     alone_bad: np.ndarray
+    co_batched: bool = False  # rollout rides serving's own iterations (co_batched.py), not a lane of its own
 
 
 def serving_pool_tokens(
@@ -129,7 +143,8 @@ def serving_pool_tokens(
 ) -> float:
     """The KV tokens a co-hosting serving instance's pool needs: what its requests in flight hold at
     ``SERVING_POOL_QUANTILE`` of instants, ``rate`` requests/s arriving (Poisson), rollout running beside them
-    (one ``quantum_s`` per iteration makes each request stay longer); at most ``kv_tokens_cap``.
+    (one ``quantum_s`` per iteration makes each request stay longer; co-batched: what its rows add to a decode
+    iteration); at most ``kv_tokens_cap``.
 
     M/G/inf, as ``serving_tick``'s mean batch has it (Little's law): the number in flight is Poisson with that
     mean; a request in flight is one of ``request_sizes`` (prompt, output tokens; None: every request the
@@ -167,6 +182,14 @@ _POOL_TOKENS: dict[tuple, float] = {}
 def size_fleet(c: SimConfig) -> SizedFleet:
     """The fleet ``c`` describes; raises ``Infeasible`` where its models do not fit it."""
     smodel, pmodel = model_spec(c.model), model_spec(c.policy_model or c.model)
+    if c.rollout_mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout mode {c.rollout_mode!r}: choose one of {', '.join(ROLLOUT_MODES)}")
+    co_batched = c.rollout_mode == "co_batched"
+    if co_batched and pmodel != smodel:
+        raise Infeasible(
+            f"co-batched rollout runs the policy as a LoRA adapter of the serving model: a {pmodel.name} policy beside "
+            f"{smodel.name} serving runs two-model only (or give the policy the serving model's size, {smodel.name})"
+        )
     device = DEVICES[c.device]
     tp_s, tp_r = serving_tp(smodel, pmodel, device), rollout_tp(pmodel, device)
     n_serv = c.n_serving if c.n_serving is not None else c.gpus // tp_s
@@ -186,6 +209,8 @@ def size_fleet(c: SimConfig) -> SizedFleet:
         sperf = Roofline(device, smodel, tp_s)
         pperf_s = Roofline(device, pmodel, tp_s)
         pperf_d = Roofline(device, pmodel, tp_r)
+    if co_batched:  # the policy is the serving model's base with its adapter on every token it computes
+        pperf_s, pperf_d = AdaptedSteps(pperf_s, c.lora), AdaptedSteps(pperf_d, c.lora)
     if c.trace is not None:
         prompt_mean = float(np.mean(c.trace.prompt_mean))
         output_mean = float(np.mean(c.trace.output_mean))
@@ -217,15 +242,19 @@ def size_fleet(c: SimConfig) -> SizedFleet:
         sizes = trace.request_sizes
     # a co-hosting serving pool is sized for the trace's peak (p99.9 of the per-instance rate)
     peak = float(np.percentile(fleet_rate, 99.9)) / n_serv
-    pool_tokens = (
-        mem["serving_pool_tokens"]  # measured (calibration) or given (the planner's, for the whole trace)
-        if "serving_pool_tokens" in mem
-        else serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes)
-    )
-    cohost_free_bytes = usable_s - ws - wp - pool_tokens * kvb_s
-    dedicated_kv = usable_r - wp
-    max_rollout_batch = c.max_rollout_batch
+    adapter_bytes = pmodel.lora_params(c.lora) * pmodel.bytes_per_param if co_batched else 0.0
+    beside = adapter_bytes if co_batched else wp  # what a serving instance hosts beside the serving model
     mean_rollout_ctx = mean_context(c.rollout)
+    if "serving_pool_tokens" in mem:  # measured (calibration) or given (the planner's, for the whole trace)
+        pool_tokens = mem["serving_pool_tokens"]
+    elif co_batched:
+        lend = (usable_s - ws - beside, kvb_s, mean_rollout_ctx * kvb_p)
+        pool_tokens = co_batched_pool_tokens(c, sperf, peak, (prompt_mean, output_mean, prompt_p99), alone_kv_tokens, sizes, lend)
+    else:
+        pool_tokens = serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes)
+    cohost_free_bytes = usable_s - ws - beside - pool_tokens * kvb_s
+    dedicated_kv = usable_r - wp - adapter_bytes
+    max_rollout_batch = c.max_rollout_batch
     # what a lane GPU-second is worth beside a dedicated one, each at the batch its KV holds at the mean context
     seq = mean_rollout_ctx * kvb_p
     lane_b = min(float(max_rollout_batch), max(0.0, cohost_free_bytes) / seq)
@@ -244,13 +273,72 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     )
     return SizedFleet(
         shape=FleetShape(smodel, pmodel, device, tp_s, tp_r, n_serv, n_ded, trainer_gpus, sperf, pperf_s, pperf_d),
-        memory=MemorySplit(wp, kvb_s, kvb_p, total_s, alone_kv_tokens, pool_tokens, cohost_free_bytes, cohost_free_bytes > 0, dedicated_kv),
+        memory=MemorySplit(
+            adapter_bytes if co_batched else wp,  # what a version ships
+            kvb_s,
+            kvb_p,
+            total_s,
+            alone_kv_tokens,
+            pool_tokens,
+            cohost_free_bytes,
+            cohost_free_bytes > 0,
+            dedicated_kv,
+        ),
         traffic=ServingTraffic(prompt_mean, output_mean, prompt_p99, cap_rps, fleet_rate, sizes),
         max_rollout_batch=max_rollout_batch,
         turn_p90=turn_length_quantile(c.rollout, 0.9),
         mean_rollout_ctx=mean_rollout_ctx,
         lane_value=value,
     )
+
+
+def co_batched_pool_tokens(
+    c: SimConfig,
+    perf: StepTimes,
+    peak: float,
+    sizes: tuple[float, float, float],
+    kv_tokens_cap: float,
+    request_sizes: tuple[np.ndarray, np.ndarray] | None,
+    lend: tuple[float, float, float],
+) -> float:
+    """A co-batched serving instance's pool (``serving_pool_tokens``), with what the rollout rows its lent KV holds
+    add to serving's iterations at the ``peak`` rate (co_batched.py ``co_batch_plan``). The two depend on each other:
+    a larger pool lends fewer rows, fewer rows stretch serving's iterations less; ``SETTLE_ROUNDS`` rounds from the
+    two-model lane's quantum. ``sizes``: mean prompt, mean output and p99 prompt; ``lend``: (the instance's bytes
+    after its weights, serving KV bytes per token, a rollout sequence's KV at the mean context)."""
+    prompt, output, prompt_p99 = sizes
+    room, kvb_s, seq = lend
+    ctx = mean_context(c.rollout)
+    extra = c.quantum_ms / 1e3
+    pool = last = 0.0
+    for _ in range(SETTLE_ROUNDS):
+        last, pool = pool, serving_pool_tokens(perf, peak, prompt, output, prompt_p99, extra, kv_tokens_cap, request_sizes)
+        rows = int(min(c.max_rollout_batch, max(0.0, room - pool * kvb_s) / seq))
+        plan = co_batch_plan(perf, c.lora, np.array([peak]), prompt, output, prompt_p99, 0.0, 1.0, pool, rows=rows, rows_ctx=ctx, **_plan_settings(c))
+        extra = float(plan.extra_s[0])
+    return max(pool, last)  # whole rows can leave two pools ~1 % apart in turn: the larger keeps serving's side
+
+
+def _plan_settings(c: SimConfig) -> dict:
+    """``co_batch_plan``'s keywords for a lane at full rows with no prefill waiting (sizing, the lane ceiling)."""
+    return dict(prefill_tokens=0, prefill_cached=0.0, slo_tpot_s=c.slo_tpot_ms / 1e3, quantum_s=c.quantum_ms / 1e3)
+
+
+def co_batched_lane_shares(c: SimConfig, fleet: SizedFleet, kv_tokens: float, guarded: bool) -> np.ndarray:
+    """Per second of the trace, a co-batched serving instance's rollout tokens/s at the rows its lent KV holds at the
+    mean rollout context (``co_batch_plan``, every row ready), over those rows decoding alone on the instance: what
+    ``lane_shares`` is in two-model mode, so that the ceilings (ceiling.py) price it the same way."""
+    shape, memory, traffic = fleet.shape, fleet.memory, fleet.traffic
+    rows = int(min(fleet.max_rollout_batch, max(0.0, memory.cohost_free_bytes) / (fleet.mean_rollout_ctx * memory.kvb_p)))
+    rate = traffic.fleet_rate / shape.n_serv
+    if rows < 1:
+        return np.zeros(rate.shape)
+    sizes = (traffic.prompt_mean, traffic.output_mean, traffic.prompt_p99)
+    plan = co_batch_plan(
+        shape.sperf, c.lora, rate, *sizes, 0.0, 1.0, kv_tokens, rows=rows, rows_ctx=fleet.mean_rollout_ctx, guarded=guarded, **_plan_settings(c)
+    )
+    row_tokens, _, _ = plan.per_second()
+    return row_tokens / (rows / float(shape.pperf_s.decode_s(rows, fleet.mean_rollout_ctx)))
 
 
 def lane_shares(fleet: SizedFleet, executor_policy, kv_tokens: float) -> np.ndarray | None:
@@ -267,7 +355,13 @@ def serving_setup(c: SimConfig, fleet: SizedFleet, policy: FleetPolicy) -> Servi
     shape, memory, traffic = fleet.shape, fleet.memory, fleet.traffic
     cohosting = policy.hosts_policy_on_serving and memory.can_cohost
     serving_kv_tokens = memory.pool_tokens if cohosting else memory.alone_kv_tokens
-    lane_ceiling = lane_shares(fleet, policy.executor_policy, serving_kv_tokens) if cohosting and not policy.drains_lent else None
+    co_batched = cohosting and c.rollout_mode == "co_batched"
+    if not cohosting or policy.drains_lent:
+        lane_ceiling = None
+    elif co_batched:  # rose's guard bounds the rows; naive_share's equal priority puts every row in every iteration
+        lane_ceiling = co_batched_lane_shares(c, fleet, serving_kv_tokens, guarded=policy.name != "naive_share")
+    else:
+        lane_ceiling = lane_shares(fleet, policy.executor_policy, serving_kv_tokens)
     # the whole fleet serving alone, second by second (what static sees), for attribution
     alone = serving_tick(
         shape.sperf,
@@ -282,4 +376,4 @@ def serving_setup(c: SimConfig, fleet: SizedFleet, policy: FleetPolicy) -> Servi
         memory.alone_kv_tokens,
     )
     alone_bad = (alone.ttft_p99_s > c.slo_ttft_ms / 1e3) | (alone.tpot_p99_s > c.slo_tpot_ms / 1e3) | (alone.queue > 0)
-    return ServingSetup(cohosting, serving_kv_tokens, lane_ceiling, alone_bad)
+    return ServingSetup(cohosting, serving_kv_tokens, lane_ceiling, alone_bad, co_batched)

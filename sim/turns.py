@@ -107,6 +107,19 @@ class TurnTable:
         s = np.bincount(self.dev[mask], weights=self.ctx[mask], minlength=self.D)
         return s / np.maximum(cnt, 1)
 
+    def ready_to_ride(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per instance, what a co-batched iteration may take (sim/co_batched.py): running turns past their prefill and
+        their mean context, prompt tokens still to prefill and the mean context cached before them (weighted by what is
+        left), and whether a turn waits for its prefill or its admission."""
+        run = self.state == 2
+        dec, pre = run & (self.pf_left <= 1e-9), run & (self.pf_left > 1e-9)
+        decoding = np.bincount(self.dev[dec], minlength=self.D)
+        ctx = np.bincount(self.dev[dec], weights=self.ctx[dec], minlength=self.D) / np.maximum(decoding, 1)
+        pending = np.bincount(self.dev[pre], weights=self.pf_left[pre], minlength=self.D)
+        cached = np.bincount(self.dev[pre], weights=self.pf_cached[pre] * self.pf_left[pre], minlength=self.D) / np.maximum(pending, 1e-30)
+        waiting = (pending > 0) | (np.bincount(self.dev[self.state == 1], minlength=self.D) > 0)
+        return decoding, ctx, pending, cached, waiting
+
     def kv_in_use(self, d: int, kvb: float) -> float:
         """KV bytes the running turns on instance ``d`` hold."""
         on = (self.dev == d) & (self.state == 2)

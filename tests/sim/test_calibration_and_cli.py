@@ -109,14 +109,27 @@ def test_plan_end_to_end(tmp_path, capsys, monkeypatch):
     assert level["speedup_ceiling"] > 1.0 and level["speedup"] <= level["speedup_ceiling"]  # 7B co-hosts: lanes add capacity
     assert level["pays"] == (level["speedup"] >= 1.05) and level["why"]
     assert level["share_of_priced_gain"] == pytest.approx((level["speedup"] - 1.0) / (level["speedup_ceiling_kv"] - 1.0))
-    assert result["lending_does_not_pay"]["demand_levels"] == ([] if level["pays"] else [4.0])
     assert len(result["hours"]) == 24 and out.with_suffix(".png").exists()
     assert any(h["rollout_tokens_per_s"] > 0 for h in result["hours"])
+    # both rollout modes, a 7B policy being a LoRA adapter of the 7B serving model: which pays, by how much
+    assert result["rollout_modes"] == ["two_model", "co_batched"] and level["rollout_mode"] == "two_model"
+    co = level["co_batched"]
+    assert co["speedup"] == co["rose_rl_steps_per_hour"] / co["static_rl_steps_per_hour"]
+    assert result["co_batched"]["rollout_pool_gb_per_instance"] > result["rollout_pool_gb_per_instance"]  # no policy copy
+    assert sum(b["rollout_tokens_per_s_co_batched"] for b in result["bins"]) > 0
+    paying = {m: lv for m, lv in (("two_model", level), ("co_batched", co)) if lv["pays"]}
+    if paying:
+        best = max(paying, key=lambda m: paying[m]["rose_rl_steps_per_hour"])
+        other = co if best == "two_model" else level
+        assert level["mode_that_pays"] == best
+        assert level["over_other_mode"] == pytest.approx(paying[best]["rose_rl_steps_per_hour"] / other["rose_rl_steps_per_hour"])
+    assert result["lending_does_not_pay"]["demand_levels"] == ([] if paying else [4.0])
     assert all(0.0 <= h["slo_risk_with_rollout"] <= 1.0 for h in result["hours"])
     assert result["bin_minutes"] == 60 and [b["start"] for b in result["bins"]] == [f"{h:02d}:00" for h in range(24)]
     printed = capsys.readouterr().out
     _fits(printed)
     assert "[1] " + level["why"].split()[0] in printed  # the reason as a note under the table
+    assert "which mode pays" in printed and "co-batched (the policy a rank-32 LoRA adapter" in printed
 
 
 def test_plan_bins_an_hour_long_trace_in_minutes_and_fits_80_columns(tmp_path, capsys, monkeypatch):
@@ -154,6 +167,10 @@ def test_plan_sizes_the_serving_fleet_by_its_own_model_and_the_policy_by_its_own
     _fits(printed)
     h100, big, small = DEVICES["H100"], model_spec("70B"), model_spec("7B")
     assert (mixed["model"], mixed["policy_model"]) == ("70B", "7B")
+    # a 7B policy is no adapter of a 70B serving model: two-model only, and asking for co-batched says why
+    assert mixed["rollout_modes"] == ["two_model"] and "co_batched" not in mixed
+    assert main([*args, "--policy-model", "7B", "--rollout-modes", "co_batched", "--demand"]) == 2
+    assert "LoRA adapter of the serving model" in capsys.readouterr().err
     assert mixed["serving_tp"] == serving_tp(big, small, h100) == 4 and mixed["serving_instances"] == 16 // 4
     assert mixed["dedicated_tp"] == rollout_tp(small, h100) == 1
     # the hourly table and the simulation lend from one serving pool (sizing.py), and agree that lending happens:
@@ -162,7 +179,8 @@ def test_plan_sizes_the_serving_fleet_by_its_own_model_and_the_policy_by_its_own
     (level,) = mixed["speedup_by_demand"]
     assert mixed["serving_pool_tokens_per_instance"] > 0 and mixed["rollout_pool_gb_per_instance"] > 0
     assert level["rollout_tokens_on_serving_fraction"] > 0 and max(h["lendable_fraction"] for h in mixed["hours"]) > 0.5
-    assert main([*args, "--demand", "4"]) == 0  # the same fleet training a 70B policy: two 70Bs per serving instance
+    # the same fleet training a 70B policy: two 70Bs per serving instance (its co-batched plan: test_plan_end_to_end)
+    assert main([*args, "--demand", "4", "--rollout-modes", "two_model"]) == 0
     same = json.loads(out.read_text())
     assert "70B serving" not in capsys.readouterr().out
     assert (same["model"], same["policy_model"]) == ("70B", "70B") and same["serving_tp"] == serving_tp(big, big, h100) == 8
