@@ -1,5 +1,9 @@
 """The fleet simulator (engine.py) and the planner (plan.py), driving the services' own decision code."""
 
+from typing import get_args
+
+from rose.contracts.executor import RolloutMode
+
 # The four fleet policies (policies.py says what each is), here so that `rose --help` lists them
 # without importing the simulator.
 POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
@@ -7,7 +11,5 @@ POLICIES = ("static", "naive_share", "elastic_baseline", "rose")
 MODEL_SIZES = ("7B", "14B", "32B", "70B")
 # The GPU kinds they know (shared/devices.py DEVICES; the same test).
 DEVICE_KINDS = ("A100", "H100", "H200")
-# How rollout shares a serving instance (sim/sizing.py, sim/co_batched.py): "two_model", the policy a second model on
-# a lane of its own in bounded quanta; "co_batched", the policy a LoRA adapter of the serving model, its sequences rows
-# in serving's own iterations.
-ROLLOUT_MODES = ("two_model", "co_batched")
+# How rollout shares a serving instance (contracts/executor.py RolloutMode; sim/sizing.py, sim/co_batched.py)
+ROLLOUT_MODES: tuple[str, ...] = get_args(RolloutMode)

@@ -7,7 +7,9 @@ sizing.py; callers keep importing ``SimConfig`` from the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast, get_args
 
+from rose.contracts.executor import RolloutMode
 from rose.services.executor.config import EngineSettings
 from rose.shared.devices import TRAIN_MFU, SyncSpec
 from rose.shared.lora import LoraShape
@@ -16,10 +18,22 @@ from rose.shared.workload import RolloutSpec
 from .traces import DiurnalBursty, Trace
 
 MAX_ROLLOUT_BATCH = 256  # sequences per rollout engine (vLLM's default max_num_seqs)
-# A co-batched job's adapter: rank 32 on every linear layer, Tinker's default (Thinking Machines' LoRA training service;
-# "LoRA Without Regret", 2025: rank 1 already matches full fine-tuning in RL, all linear layers); alpha = rank, scale 1.
-# Its cost barely depends on the rank: the adapter's kernels are bound by their launches (shared/devices.py LORA_LINEAR_S).
-DEFAULT_LORA = LoraShape(rank=32, alpha=32.0)
+# The adapter a co-batched job is priced with (not the one `rose models init --lora` builds for the tiny CPU models,
+# shared/lora.py DEFAULT_LORA: rank 1): rank 32 on every linear layer, Tinker's default (Thinking Machines' LoRA
+# training service; "LoRA Without Regret", 2025: rank 1 already matches full fine-tuning in RL); alpha = rank, scale 1.
+# A production rank bounds the kernels' cost from above, and it barely depends on the rank: they are bound by their
+# launches (shared/devices.py LORA_LINEAR_S).
+PRICED_LORA = LoraShape(rank=32, alpha=32.0)
+
+
+def as_rollout_mode(name: str) -> RolloutMode:
+    """``name`` as a rollout mode, or a ValueError naming the modes (a command line's word, checked at the boundary)."""
+    modes = get_args(RolloutMode)
+    if name not in modes:
+        raise ValueError(f"unknown rollout mode {name!r}; use one of {', '.join(modes)}")
+    return cast(RolloutMode, name)
+
+
 FETCH_WINDOW_S = 1.0  # shared/bus.py CONSUME_FETCH_TIMEOUT_S
 
 
@@ -82,5 +96,5 @@ class SimConfig:
     # how rollout shares a serving instance (sim.ROLLOUT_MODES): "two_model", a policy copy on a lane of its own in bounded
     # quanta; "co_batched", the policy a LoRA adapter (``lora``) of the serving model, its sequences rows in serving's own
     # iterations (co_batched.py), its dedicated instances the base and the adapter
-    rollout_mode: str = "two_model"
-    lora: LoraShape = DEFAULT_LORA
+    rollout_mode: RolloutMode = "two_model"
+    lora: LoraShape = PRICED_LORA

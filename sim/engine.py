@@ -174,7 +174,7 @@ class Simulation:
             shape.n_serv,
             self.inst.D - shape.n_serv,  # the dedicated pool and any lane instances
             max(0.0, float(shape.sperf.decode_s(1.0, sized.traffic.prompt_mean)) * 1e3),
-            serving_snapshot(shape.device.name, memory.total_s, memory.cohost_free_bytes, memory.kvb_p),
+            serving_snapshot(shape.device.name, memory.total_s, memory.cohost_free_bytes, memory.kvb_p, cfg.rollout_mode),
             "sticky_throughput" in cfg.what_if,
         )
         self.worker = RolloutWorker()

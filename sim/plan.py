@@ -51,7 +51,7 @@ from rose.shared.workload import RolloutSpec, mean_context
 from . import ROLLOUT_MODES
 from .ceiling import share_of_gain, speedup_ceiling_over
 from .co_batched import co_batch_plan
-from .config import MAX_ROLLOUT_BATCH, SimConfig
+from .config import MAX_ROLLOUT_BATCH, SimConfig, as_rollout_mode
 from .coserve import rollout_share, serving_tick, slo_capacity_rps
 from .policies import executor_signals, monitor_settings, serving_snapshot
 from .sizing import co_batched_pool_tokens, serving_pool_tokens
@@ -433,7 +433,7 @@ def _level(
                 steps=steps,
                 seed=seed,
                 memory=pool,
-                rollout_mode=mode,
+                rollout_mode=as_rollout_mode(mode),
             )
             runs[policy] = simulate(cfg)
     except Infeasible as exc:

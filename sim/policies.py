@@ -40,7 +40,7 @@ which its rollout pool holds (``serving_snapshot``). Everything else is the serv
 
 from __future__ import annotations
 
-from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage
+from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage, RolloutMode
 from rose.contracts.slo import SloAlert
 from rose.services.executor.policies import Signals, make_policy
 from rose.services.scheduler.config import LeaseSettings, LendingSettings
@@ -128,10 +128,13 @@ def monitor_settings(
     )
 
 
-def serving_snapshot(device_name: str, total_bytes: float, rollout_pool_bytes: float, kv_bytes_per_token: float) -> MetricsSnapshot:
+def serving_snapshot(
+    device_name: str, total_bytes: float, rollout_pool_bytes: float, kv_bytes_per_token: float, rollout_mode: RolloutMode = "two_model"
+) -> MetricsSnapshot:
     """The memory figures a co-hosting serving executor reports: its device, and the rollout pool it preallocated
     (what the monitor lends, services/slo_monitor/headroom.py ``lendable_kv_bytes``); the device's memory all
-    taken by the engine's weights, pools and margins, as an engine that preallocates reports it."""
+    taken by the engine's weights, pools and margins, as an engine that preallocates reports it. Its rollout mode:
+    the monitor judges a co-batched executor's TPOT against its guard's setpoint."""
     block = max(1, int(kv_bytes_per_token))
     pool = max(0.0, rollout_pool_bytes)
     return MetricsSnapshot(
@@ -140,6 +143,7 @@ def serving_snapshot(device_name: str, total_bytes: float, rollout_pool_bytes: f
         interval_s=1.0,
         rollout_pool=PoolUsage(block_bytes=block, total_blocks=int(pool // block), used_blocks=0),
         device=DeviceTelemetry(kind="cuda", name=device_name, memory_total_bytes=int(total_bytes), memory_used_bytes=int(total_bytes)),
+        rollout_mode=rollout_mode,
     )
 
 
