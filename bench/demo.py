@@ -55,12 +55,13 @@ from rose.contracts.weights import WeightManifest
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import ServiceProcess, start_all, stop_all
+from rose.shared.lora import DEFAULT_LORA, is_adapter_dir, read_adapter
 from rose.shared.models import DEMO_POLICY_SHAPE, init_models
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
 from rose.shared.sketch import from_contract
-from rose.shared.workload import ROLLOUT_DOMINATED_JOB, TRAINER
+from rose.shared.workload import LORA_TRAINER, ROLLOUT_DOMINATED_JOB, TRAINER
 
 from .fleet import (
     DEDICATED_NICE,
@@ -257,6 +258,7 @@ async def run_job(
     until_steps: int | None = None,
     agent: Path | None = None,
     trl: bool = False,
+    lora: bool = False,
 ) -> dict:
     """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
 
@@ -272,21 +274,14 @@ async def run_job(
     `agent`: the tasks go to the rollout gateway, which runs this agent script for each (no rollout worker).
     `trl`: Hugging Face TRL's GRPOTrainer is the trainer (bench/trl_trainer.py), from the policy warm-started
     before the fleet starts (`warm_start_steps`, default the demo's; 0: the policy as it is).
+    `lora`: the policy is a LoRA adapter of the serving model, the serving model warm-started when the models are
+    built (`warm_start_steps`), and every executor co-batches its rollout rows into serving's batches.
     """
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
     (state / "logs").mkdir(parents=True)
-    models = models_dir or out / "models"
-    if not (models / "policy" / "config.json").exists():
-        console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
-        await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
-    if trl:  # TRL's trainer has no warm start of its own: the reference trainer's, on the policy in place, once
-        from .trl_trainer import trl_trainer, warm_start_policy  # the integration's process, only when asked for
-
-        steps = int(TRAINER["ROSE_SFT__STEPS"]) if warm_start_steps is None else warm_start_steps
-        if steps:
-            console.print(f"warm-starting the policy for TRL ({steps} supervised steps on expert traces) ...")
-            await asyncio.to_thread(warm_start_policy, models / "policy", {**TRAINER, **(job or {})}, steps)
+    models = models_dir or out / ("models-lora" if lora else "models")
+    await build_models(models, console, lora=lora, trl=trl, job={**TRAINER, **(job or {})}, warm_start_steps=warm_start_steps)
     # auth on, as in production: each process gets its own NKey, each executor one of its own instance
     creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, serving_n, dedicated_n)})
     server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
@@ -302,7 +297,15 @@ async def run_job(
     if on_bus is not None:
         await on_bus(bus, obs)
     logs = state / "logs"
-    trainer = {**trainer_settings(seed, warm_start_steps), **(job or {}), **({"ROSE_TASKS__AGENT": "true"} if agent else {})}
+    # a LoRA job: the adapter trains from the warm base, no warm start of its own, at the LoRA lr (LORA_TRAINER)
+    trainer = {
+        **trainer_settings(seed, None if lora else warm_start_steps),
+        **(LORA_TRAINER if lora else {}),
+        **(job or {}),
+        **({"ROSE_TASKS__AGENT": "true"} if agent else {}),
+    }
+    if lora:
+        env = {**(env or {}), "executor": {**(env or {}).get("executor", {}), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched"}}
     procs = job_processes(
         state,
         server.url,
@@ -317,6 +320,8 @@ async def run_job(
         **{f"{part}_env": e for part, e in (env or {}).items()},
     )
     if trl:
+        from .trl_trainer import trl_trainer  # the integration's process, only when asked for
+
         procs["trainer"] = trl_trainer(procs["trainer"], trainer, models / "policy")
     executors = {
         name: ("serving" if "-serving-" in name else "dedicated")
@@ -368,12 +373,57 @@ async def run_job(
             job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
             agent=str(agent) if agent else None,
             trainer="trl" if trl else "rose",
+            policy=policy_description(models / "policy"),
         )
         return write_report(out, obs, executors, t0, window_end, params, console)
     finally:
         await asyncio.to_thread(stop_all, list(procs.values()))
         await bus.close()
         server.stop()
+
+
+async def build_models(models: Path, console: Console, *, lora: bool, trl: bool, job: dict[str, str], warm_start_steps: int | None) -> None:
+    """The job's models under ``models``, built once and reused after: the tokenizer, the serving model and the
+    demo's tiny policy; with ``lora`` the serving model takes the demo policy's shape, is warm-started on expert traces
+    (a production serving model is a trained model) and the policy is a LoRA adapter of it (``rose models init
+    --preset demo --lora``). TRL's trainer has no warm start of its own: the reference trainer's, on the policy in place."""
+    steps = int(TRAINER["ROSE_SFT__STEPS"]) if warm_start_steps is None else warm_start_steps
+    if lora:
+        if not is_adapter_dir(models / "policy"):
+            console.print(f"building the models under {models} (tokenizer, a warm-started serving model, a LoRA adapter of it) ...")
+            report = await asyncio.to_thread(build_lora_models, models, job, steps)
+            console.print(f"serving model warm-started: {steps} steps, expert NLL/token {report.nll_before:.3f} -> {report.nll_after:.3f}")
+        return
+    if not (models / "policy" / "config.json").exists():
+        console.print(f"building the models under {models} (tokenizer, serving model, tiny policy) ...")
+        await asyncio.to_thread(init_models, models, 0, DEMO_POLICY)
+    if trl and steps:
+        from .trl_trainer import warm_start_policy  # the integration's process, only when asked for
+
+        console.print(f"warm-starting the policy for TRL ({steps} supervised steps on expert traces) ...")
+        await asyncio.to_thread(warm_start_policy, models / "policy", job, steps)
+
+
+def build_lora_models(models: Path, job: dict[str, str], warm_start_steps: int):
+    """`rose models init --preset demo --lora --warm-start-steps N` for the demo's job: its report (the warm start's NLL)."""
+    import msgspec
+
+    from rose.services.trainer.config import TrainerConfig
+    from rose.services.trainer.main import tool_envs
+    from rose.services.trainer.sft import warm_start_base
+    from rose.shared.config import load_config
+
+    paths = init_models(models, 0, preset="demo", lora=DEFAULT_LORA)
+    config = load_config(TrainerConfig, env=job)
+    return warm_start_base(paths, tool_envs(config.tasks), msgspec.structs.replace(config.sft, steps=warm_start_steps), DEFAULT_LORA)
+
+
+def policy_description(policy_dir: Path) -> dict:
+    """What the summary says of the policy: a model of its own, or a LoRA adapter (its shape) co-batched with serving."""
+    if not is_adapter_dir(policy_dir):
+        return {"kind": "model", "rollout_mode": "two_model"}
+    shape = read_adapter(policy_dir).shape
+    return {"kind": "lora", "rank": shape.rank, "alpha": shape.alpha, "targets": list(shape.targets), "rollout_mode": "co_batched"}
 
 
 def exit_reason(log_tail: str) -> str:
@@ -683,8 +733,11 @@ def run_demo(
     until_steps: int | None = None,
     agent: str | None = None,
     trl: bool = False,
+    lora: bool = False,
 ) -> dict:
     console = console or Console()
+    what = f" · agent {Path(agent).name}" if agent else " · TRL's GRPOTrainer" if trl else ""
+    what += " · LoRA policy, co-batched" if lora else ""
     return asyncio.run(
         run_job(
             Path(out).resolve(),
@@ -697,7 +750,8 @@ def run_demo(
             warm_start_steps=warm_start_steps,
             until_steps=until_steps,
             agent=Path(agent).resolve() if agent else None,
-            label=f"ROSE demo · agent {Path(agent).name}" if agent else "ROSE demo · TRL's GRPOTrainer" if trl else "ROSE demo",
+            label=f"ROSE demo{what}",
             trl=trl,
+            lora=lora,
         )
     )

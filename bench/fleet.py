@@ -162,12 +162,14 @@ def fleet_processes(
     worker_env: dict[str, str] | None = None,
     serving_env: dict[str, str] | None = None,
     scheduler_env: dict[str, str] | None = None,
+    executor_env: dict[str, str] | None = None,
     devices: dict[str, frozenset[int]] | None = None,
 ) -> dict[str, ServiceProcess]:
     """Executors, SLO monitor, scheduler and one rollout worker, keyed by instance name (not started).
 
     `serving_env`, `scheduler_env` and `worker_env` add or override settings of the serving executors,
-    the scheduler and the worker (a fleet policy of `rose bench e2e`). `devices` pins executors to CPU
+    the scheduler and the worker (a fleet policy of `rose bench e2e`); `executor_env` of every executor (a LoRA job's
+    rollout mode). `devices` pins executors to CPU
     sets (`device_plan`); a pinned dedicated executor has its own core, so it keeps the normal priority."""
     devices = devices or {}
     p = spec.prefix
@@ -181,6 +183,7 @@ def fleet_processes(
         "ROSE_ENGINE__ROLLOUT_KV_MIB": str(spec.rollout_kv_mib),
         "ROSE_ENGINE__SLO_TTFT_MS": str(spec.slo_ttft_ms),
         "ROSE_ENGINE__SLO_TPOT_MS": str(spec.slo_tpot_ms),
+        **(executor_env or {}),
     }
     procs = {
         name: ServiceProcess(

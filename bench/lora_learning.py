@@ -53,7 +53,7 @@ from rose.shared.lora import DEFAULT_LORA, LoraShape
 from rose.shared.models import init_models, load_model, load_tokenizer
 from rose.shared.weight_codec import encode_shard
 from rose.shared.weight_layout import layout_of, pack_shards, state_bytes
-from rose.shared.workload import TRAINER
+from rose.shared.workload import LORA_TRAINER, TRAINER
 
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_STEPS = 20  # GRPO steps per arm: the offline reproduction's length (docs/benchmarks.md, "Learning at seed 11")
@@ -66,10 +66,7 @@ FULL_LR = float(TRAINER["ROSE_GRPO__LR"])  # full-parameter GRPO at the demo job
 # lr warm-up did not help. So rank 1 (shared/lora.py DEFAULT_LORA), lr 1e-2, no warm-up.
 LORA_RANK = DEFAULT_LORA.rank
 LORA_ALPHA = DEFAULT_LORA.alpha
-LORA_LR = 1e-2
-# What a LoRA job of the demo's sets on top of its trainer settings (TRAINER): the lr above, and no warm start of the
-# adapter (its base is warm already: `rose models init --preset demo --lora` warm-started it).
-LORA_JOB = {"ROSE_GRPO__LR": str(LORA_LR), "ROSE_SFT__STEPS": "0"}
+LORA_LR = float(LORA_TRAINER["ROSE_GRPO__LR"])  # shared/workload.py LORA_TRAINER: the demo's LoRA job (also rose demo --lora)
 PUBLISH_DTYPE = getattr(torch, PublishSettings().dtype)  # what the trainer publishes
 KEYFRAME_INTERVAL = DEFAULT_KEYFRAME_INTERVAL  # the weight publisher's cadence: one version in ten is dense
 

@@ -46,6 +46,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         default="rose",
         help="the job's trainer: ROSE's reference GRPO trainer, or Hugging Face TRL's GRPOTrainer through rose.integrations.trl (docs/trl.md)",
     )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="the policy a LoRA adapter of the serving model (built as `rose models init --preset demo --lora`: the serving model "
+        "warm-started, --warm-start-steps N), every executor co-batching its rollout rows into serving's own batches",
+    )
     g = p.add_argument_group("a dry run on emulated GPUs (bench/emulated.py): the real services, the simulator beside")
     g.add_argument("--emulate", default=None, metavar="COUNTxKIND:MODEL[+POLICY]", help="e.g. 8xH100:7B (the demo's window: 60 emulated seconds)")
     g.add_argument("--trace", default=None, metavar="CSV", help="replay this Azure-format serving trace (as `rose plan` takes)")
@@ -70,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         until_steps=args.until_steps,
         agent=args.agent,
         trl=args.trainer == "trl",
+        lora=args.lora,
     )
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 

@@ -61,6 +61,11 @@ TRAINER = {
     "ROSE_GRPO__PREFETCH_STEPS": "0",
     "ROSE_THREADS": "1",
 }
+# The demo's job with a LoRA policy of the serving model (`rose demo --lora`, `rose bench lora`): no warm start of the
+# adapter (its base, the serving model, was warm-started when the models were built: `rose models init --preset demo
+# --lora`), and GRPO at 10x the full-parameter lr, as the LoRA-for-RL results advise; `rose bench lora` chose it on
+# this job (rank 1: rank 8 swung between seeds, higher lrs collapsed the reward; docs/benchmarks.md 2026-12-07).
+LORA_TRAINER = {"ROSE_GRPO__LR": "1e-2", "ROSE_SFT__STEPS": "0"}
 # `rose bench e2e`'s job: the demo's, made rollout-dominated as agentic RL is (rollout >= 70 % of a static
 # step; the bench's JSON reports `rollout_share_of_step`): one epoch per batch, longer multi-turn episodes.
 ROLLOUT_DOMINATED_JOB = {

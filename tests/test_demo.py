@@ -22,7 +22,10 @@ WARM_START_STEPS = 40  # the demo's is 200: learning is not what this checks, an
 
 
 @pytest.mark.slow
-def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-co-batched"])
+def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path, lora):
+    """The demo's job, and (``--lora``) the same job with the policy a LoRA adapter of the serving model, every
+    executor co-batching its rollout rows into serving's batches: the gateway, the worker and the report unchanged."""
     out = tmp_path / "report"
     proc = subprocess.run(
         [
@@ -40,6 +43,7 @@ def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
             str(WARM_START_STEPS),
             "--until-steps",
             str(UNTIL_STEPS),
+            *(["--lora"] if lora else []),
         ],
         capture_output=True,
         text=True,
@@ -52,15 +56,22 @@ def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path):
     assert s["trajectories"]["lost"] == 0 and s["trajectories"]["published"] > 0
     assert s["until_steps"] == UNTIL_STEPS and s["duration_s"] == DURATION_S
     assert s["training"]["steps"] >= 1 and s["training"]["reward_first"] is not None and s["training"]["reward_last"] is not None
-    # the warm start's version plus one per GRPO step, each announced by a manifest
-    assert s["weights"]["versions"] >= s["training"]["steps"] + 1
+    # one version per GRPO step, each announced by a manifest, and the warm start's (a LoRA job's base was warm-started
+    # when its models were built: the adapter trains from version 0)
+    assert s["weights"]["versions"] >= s["training"]["steps"] + (0 if lora else 1)
     assert s["weights"]["wire_ratio"] is None or 0.0 < s["weights"]["wire_ratio"] < 1.0
     assert max(s["weights"]["applied"].values()) >= 1, "no executor applied a trained version"
     assert any(ex.startswith("demo-dedicated-") for ex in s["rollout"]["tokens_by_executor"])
     for name in ("latency_vs_slo.png", "lease_timeline.png", "rollout_throughput.png", "reward_curve.png", "weight_bytes.png"):
         assert (out / name).stat().st_size > 1000, name
     assert "rose demo: summary" in proc.stdout
-    assert f"warm start: {WARM_START_STEPS} steps" in (out / "state" / "logs" / "trainer.log").read_text()
+    if lora:
+        assert s["policy"]["kind"] == "lora" and s["policy"]["rollout_mode"] == "co_batched"
+        assert f"serving model warm-started: {WARM_START_STEPS} steps" in proc.stdout
+        assert any(ex.startswith("demo-serving-") for ex in s["rollout"]["tokens_by_executor"])  # rows rode serving's batches
+    else:
+        assert s["policy"]["kind"] == "model"
+        assert f"warm start: {WARM_START_STEPS} steps" in (out / "state" / "logs" / "trainer.log").read_text()
 
 
 def test_reward_ends_are_the_first_and_last_fifth():
