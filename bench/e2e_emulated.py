@@ -55,7 +55,7 @@ from rose.services.scheduler.placement import rule_key
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
 from rose.shared.launch import start_all, stop_all
-from rose.shared.models import init_models, load_tokenizer
+from rose.shared.models import load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
 from rose.shared.security import OPERATOR, init_credentials
@@ -63,9 +63,19 @@ from rose.shared.sketch import from_contract, new_sketch
 from rose.shared.task_queue import still_queued
 from rose.sim.engine import simulate
 
-from .demo import DEMO_POLICY, Observed, observe, summarize, trajectories_delivered
+from .demo import Observed, observe, summarize, trajectories_delivered
 from .e2e import DRAINS_LENT, POLICIES, POLICY_ENV, Extra, _fmt, _ratio, policy_figures, run_ratios
-from .emulated import DEDICATED_PREFIX, SERVING_PREFIX, EmulatedJob, drive_serving, fleet_processes, rescale, serving_requests, trainer_process
+from .emulated import (
+    DEDICATED_PREFIX,
+    SERVING_PREFIX,
+    EmulatedJob,
+    build_models,
+    drive_serving,
+    fleet_processes,
+    rescale,
+    serving_requests,
+    trainer_process,
+)
 from .fleet import FleetSpec
 
 START_TIMEOUT_S = 300.0  # wall: twenty executors load their models in one process
@@ -463,16 +473,16 @@ def run_emulated_e2e(
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     path = Path(out_json).resolve()
     root = path.parent / f"{path.stem}-runs"
-    models = Path(model_dir).resolve() if model_dir else root / "models"
-    if not (models / "policy" / "config.json").exists():
-        console.print(f"building the local models (tokenizer, stand-in weights) under {models} ...")
-        init_models(models, 0, DEMO_POLICY)
+    models = Path(model_dir).resolve() if model_dir else root / ("models-lora" if job.rollout_mode == "co_batched" else "models")
+    console.print(f"the local models (tokenizer, stand-in weights) under {models} ...")
+    build_models(job, models)
     sim = job.sizing()
     result: dict = {
         "emulation": {
             "device": job.device,
             "model": job.model,
             "policy_model": job.policy,
+            "rollout_mode": job.rollout_mode,
             "gpus": job.gpus,
             "dedicated_gpus": job.dedicated_gpus,
             "serving_instances": sim.n_serv,

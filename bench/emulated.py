@@ -29,6 +29,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from rose.contracts.executor import RolloutMode
 from rose.contracts.rollout import TurnRecord
 from rose.shared.agentic.env_emulated import WORDS
 from rose.shared.clock import TIME_SCALE_ENV
@@ -36,10 +37,11 @@ from rose.shared.devices import model_spec
 from rose.shared.launch import ServiceProcess
 from rose.shared.security import Credentials
 from rose.shared.workload import RolloutSpec
+from rose.sim.config import PRICED_LORA, as_rollout_mode
 from rose.sim.engine import SimConfig, Simulation
 from rose.sim.traces import Requests, load_azure_csv, requests_to_trace
 
-from .demo import Observed
+from .demo import DEMO_POLICY, Observed
 from .fleet import ServingLog, serve_one
 
 STREAM_INTERVAL = 16  # tokens per streamed chunk: TTFT stays exact, the host pays per chunk (http.stream_interval)
@@ -94,6 +96,9 @@ class EmulatedJob:
     # partial rollouts (grpo.over_provision): a step's batch goes out with this share of its groups more; the trainer takes
     # the first complete groups and carries the rest (the simulator's ``over_provision``, the same share)
     over_provision: float = 0.0
+    # two_model: the policy a model of its own beside serving's; co_batched: a LoRA adapter of the serving model (the
+    # simulator's priced shape, sim/config.py PRICED_LORA), its rollout rows in serving's own batches on every executor
+    rollout_mode: RolloutMode = "two_model"
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -102,6 +107,11 @@ class EmulatedJob:
             raise ValueError("demand must be positive and dedicated_ratio in (0, 4]")
         if self.over_provision < 0:
             raise ValueError(f"over_provision must be >= 0, got {self.over_provision}")
+        as_rollout_mode(self.rollout_mode)
+        if self.rollout_mode == "co_batched" and self.policy != self.model:
+            raise ValueError(
+                f"a co-batched job's policy is a LoRA adapter of the serving model: policy_model must be {self.model}, not {self.policy}"
+            )
         model_spec(self.model)
         model_spec(self.policy_model or self.model)
 
@@ -141,6 +151,7 @@ class EmulatedJob:
             prefetch_steps=0 if self.mode == "sync" else 1,
             trace=requests_to_trace(self.trace_requests()) if self.trace else None,
             over_provision=self.over_provision,
+            rollout_mode=self.rollout_mode,
         )
 
     def trace_requests(self) -> Requests:
@@ -170,6 +181,21 @@ class EmulatedJob:
     def extra_groups(self) -> int:
         """Groups handed out beyond a step's (grpo.over_provision), as the simulator rounds the share: up."""
         return math.ceil(self.over_provision * self.groups_per_step()) if self.over_provision > 0 else 0
+
+
+def build_models(job: EmulatedJob, models: Path) -> Path:
+    """The fleet's local models under ``models`` (built once): the tokenizer and the stand-in weights (the emulated
+    device prices the emulated model's shapes, emulated.py); a co-batched job's policy an adapter of the stand-in
+    serving model in the simulator's priced shape, so real and simulated rows pay the same adapter."""
+    from rose.shared.lora import is_adapter_dir
+    from rose.shared.models import init_models
+
+    if job.rollout_mode == "co_batched":
+        if not is_adapter_dir(models / "policy"):
+            init_models(models, 0, lora=PRICED_LORA)
+    elif not (models / "policy" / "config.json").exists():
+        init_models(models, 0, DEMO_POLICY)
+    return models
 
 
 def process_env(job: EmulatedJob, url: str, models: Path) -> dict[str, str]:
@@ -211,6 +237,7 @@ def executor_groups(job: EmulatedJob, serving_env: dict[str, str] | None = None)
         "ROSE_ENGINE__ROLLOUT_MAX_BATCH": str(job.rollout_max_batch),
         "ROSE_HTTP__STREAM_INTERVAL": str(STREAM_INTERVAL),
         "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.pool_tokens * sim.kvb_s / GIB:.6f}",
+        "ROSE_ENGINE__ROLLOUT_MODE": job.rollout_mode,
     }
     serving = tuple(executor_names(SERVING_PREFIX, sim.n_serv))
     dedicated = tuple(executor_names(DEDICATED_PREFIX, sim.n_ded))
