@@ -9,6 +9,9 @@ import msgspec
 from .base import Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
 from .executor import ExecutorRole
 
+# How a trajectory's turns are placed: "affinity" (prefer the executor holding the prefix cache) or "random" (the baseline
+# `rose bench elastic` measures affinity against)
+Routing = Literal["affinity", "random"]
 # "truncated": an agent's episode at the gateway ended on its deadline or turn limit before a reward came
 # (the reason says which); the reference trainer trains on completed trajectories only
 TrajectoryStatus = Literal["completed", "failed", "truncated"]
@@ -25,9 +28,7 @@ class RolloutTask(Message):
     max_turns: NonNegInt = 4
     env_args: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: UnixSeconds = 0.0
-    # How turns are placed: "affinity" (prefer the executor holding the prefix cache) or
-    # "random" (the baseline `rose bench elastic` measures affinity against).
-    routing: Literal["affinity", "random"] = "affinity"
+    routing: Routing = "affinity"  # how its turns are placed
     # the RL batch (a step's tasks) this task belongs to and its number of tasks; the worker passes them on
     # in each `TurnRouteRequest` (the scheduler's tail rule); "" / 0: unknown
     batch_id: str = ""
@@ -44,7 +45,7 @@ class TurnRouteRequest(Message):
     task_id: str = ""
     group_id: str = ""
     group_size: NonNegInt = 1
-    routing: Literal["affinity", "random"] = "affinity"
+    routing: Routing = "affinity"
     exclude: list[str] = msgspec.field(default_factory=list)  # executors that refused or failed this turn
     hedge: bool = False  # a duplicate of a straggling turn: first result wins
     elapsed_s: NonNegFloat = 0.0  # how long the turn being hedged has run

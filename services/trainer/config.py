@@ -7,12 +7,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rose.shared.config import BusConfig, PositiveSeconds, RuntimeConfig
+from rose.contracts.rollout import Routing
+from rose.shared.config import BusConfig, DTypeName, PositiveSeconds, RuntimeConfig
 from rose.shared.devices import TRAIN_MFU, device_spec, model_spec
 from rose.shared.models import PolicyModelRef
 from rose.shared.workload import RolloutSpec
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+StalePolicy = Literal["drop", "mask"]  # a group past the staleness bound: dropped, or its stale tokens masked (groups.py)
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 
@@ -28,7 +30,7 @@ class GrpoSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     clip_eps: Positive = 0.2
     max_grad_norm: Positive = 1.0
     max_staleness: NonNegInt = 2  # versions a trajectory may lag the trainer and still be trained on
-    stale_policy: Literal["drop", "mask"] = "drop"
+    stale_policy: StalePolicy = "drop"
     group_timeout_s: PositiveSeconds = 300.0  # train on an incomplete group (>= 2 usable) after this
     micro_batch: PositiveInt = 16  # sequences per forward/backward
     epochs: PositiveInt = 1  # optimizer steps over each step's batch (later ones clipped against the behaviour policy)
@@ -64,7 +66,7 @@ class TasksSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     max_turns: PositiveInt = 3
     max_tokens: PositiveInt = 16  # per turn
-    routing: Literal["affinity", "random"] = "affinity"
+    routing: Routing = "affinity"
     max_operand: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 99  # arithmetic difficulty (operands 0..N)
     problems: NonNegInt = 0  # 0: a fresh problem for every group; N: cycle through a fixed set of N (a prompt dataset, in epochs)
     # the emulated job's workload (env "emulated", shared/workload.py RolloutSpec fields that differ from its defaults)
@@ -113,7 +115,7 @@ class EmulatedTraining(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 class PublishSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "policy"  # the name executors follow (executor `weights.model`)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # bf16 deltas are ~2-4 % of elements per step
+    dtype: DTypeName = "bfloat16"  # bf16 deltas are ~2-4 % of elements per step
     staging_dir: str = ""  # a path the weight publisher can read (same host or shared volume); empty: via the object store
     published_timeout_s: PositiveSeconds = 600.0
 

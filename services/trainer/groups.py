@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 from rose.contracts.rollout import Trajectory
 
 from .batch import Sequence, sequences_of
+from .config import StalePolicy
 from .grpo import group_advantages
-
-StalePolicy = Literal["drop", "mask"]
 
 
 @dataclass
