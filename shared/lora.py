@@ -157,6 +157,35 @@ def adapter_targets(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str]
     return out
 
 
+def base_weight_name(layer: int, module: str) -> str:
+    """The base model's name of the linear weight an adapter pair adapts (``model.layers.{layer}.{self_attn|mlp}.{module}.weight``)."""
+    return f"{_LAYERS_PREFIX.removeprefix('base_model.model.')}.{layer}.{_PARENT[module]}.{module}.weight"
+
+
+# ---- merging ------------------------------------------------------------------------------------
+
+
+def merged_weights(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The adapted linear weights with the adapter folded in, ``W + scale * B @ A`` (peft's merge), by the base's
+    names: a model holding them computes what the base plus the adapter computes, at the base's cost. ``base``
+    holds the pristine weights (never a merged one: folding twice adds the product twice); the sum is taken in
+    float32 and given back in the base's dtype."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for (layer, module), (a, b) in adapter_targets(tensors).items():
+            name = base_weight_name(layer, module)
+            w = base.get(name)
+            if w is None:
+                raise AdapterError(f"the adapter adapts {name!r}, which the base model does not have")
+            if tuple(w.shape) != (b.shape[0], a.shape[1]):
+                raise AdapterError(f"{name!r} is {tuple(w.shape)}; the adapter's B @ A is {(b.shape[0], a.shape[1])}")
+            delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
+            out[name] = (w.to(torch.float32) + scale * delta).to(w.dtype)
+    return out
+
+
 # ---- the base's identity --------------------------------------------------------------------------
 
 

@@ -5,15 +5,14 @@ Why: when the policy is a LoRA adapter of the serving model, a rollout sequence 
 batch (co_batched.py): every row reads the base weights once, together, and only the rollout rows add their
 adapter's low-rank product, ``y[rows] += scale * (x[rows] @ A^T) @ B^T`` per adapted linear layer. The rows of one
 adapter are one segment: one gather, two small matmuls and one scatter-add per segment and linear layer, whatever
-the number of rows (``LoraSegments``). A forward whose rows all take one adapter (a two-model mode's LoRA policy)
-needs no gather at all.
+the number of rows (``LoraSegments``). A forward whose rows all take one adapter needs no gather at all. (The
+two-model mode runs a LoRA policy folded into its own copy of the base instead: weights.py ``MergedAdapterWeights``.)
 
 Who owns what: the ``AdapterBank`` holds the adapter versions resident on the device, each in a *slot*: one stacked
 ``A`` [slots, rank, in] and ``B`` [slots, out, rank] per adapted (layer, module), allocated once. A new version is
 written into a free slot on the caller's thread while forwards read another (double-buffered, as the rollout
 process's weight banks); the engine then flips the policy's live slot between iterations, and each ``ForwardItem``
-names the slot its rows use. So a swap's pause is a pointer move, and a row never sees half a version. The bank's
-tensors may live in shared memory (``share_memory``): a rollout forward process reads the same slots.
+names the slot its rows use. So a swap's pause is a pointer move, and a row never sees half a version.
 
 Beside the policy's own slots, the co-batched mode holds adapters *by name* (``NamedAdapters``, SGLang's
 ``/load_lora_adapter``): each in a slot of the same bank, named by the requests that run on it (``lora_path``), and
@@ -98,11 +97,6 @@ class AdapterBank:
     def nbytes(self) -> int:
         """What the bank takes on its device: every slot of every adapted module."""
         return sum(t.numel() * t.element_size() for t in self._by_name.values())
-
-    def share_memory(self) -> None:
-        """Put the slots in shared memory, for a rollout forward process that reads them (rollout_process.py)."""
-        for t in self._by_name.values():
-            t.share_memory_()
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """AdapterError unless every tensor is one of this adapter's, in its shape: a whole version, or the subset a

@@ -54,7 +54,7 @@ from .sampling import SamplerState
 from .scheduling import Limits
 from .sequence import Sequence
 from .slo_guard import GuardState, SloGuard
-from .weights import AdapterPolicyWeights, FullPolicyWeights
+from .weights import AdapterPolicyWeights, FullPolicyWeights, MergedAdapterWeights, PolicyWeights, fold_in
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -98,19 +98,19 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._threads: list = []
         self._stopping = self._started = False
+        self.lora = adapter is not None
         co_batched = self.mode == "co_batched"
         self._check_mode(adapter)
-        base = serving_model if co_batched else policy_model
-        base.to(self.device.torch_device)
-        bank = self._adapter_bank(adapter, base) if adapter is not None else None
-        self.adapter_weights = AdapterPolicyWeights(bank) if bank is not None else None
-        # adapters loaded by name beside the policy's (co-batched: serving's own batches take any of them)
-        self.named_adapters = NamedAdapters(bank, POLICY_SLOTS) if bank is not None and co_batched and config.named_adapter_slots else None
         if co_batched:
-            self._init_co_batched(serving_model, serving_tokenizer, policy_tokenizer, bank)
+            assert adapter is not None  # _check_mode: co-batched runs an adapter
+            serving_model.to(self.device.torch_device)
+            bank = self._adapter_bank(adapter, serving_model)
+            # adapters loaded by name beside the policy's: serving's own batches take any of them
+            self.named_adapters = NamedAdapters(bank, POLICY_SLOTS) if config.named_adapter_slots else None
+            self.weights = self._init_co_batched(serving_model, serving_tokenizer, policy_tokenizer, bank)
         else:
-            self._init_two_model(serving_model, serving_tokenizer, policy_model, policy_tokenizer, bank)
-        self.weights = self.adapter_weights or FullPolicyWeights(self.rollout.model, self.rollout.runner)
+            self.named_adapters = None
+            self.weights = self._init_two_model(serving_model, serving_tokenizer, policy_model, policy_tokenizer, adapter)
         self.control = RolloutControl(
             self.rollout,
             offload_weights=None if co_batched else lambda: self.device.offload(self.rollout.model),
@@ -132,27 +132,32 @@ class Engine:
         if self.mode == "co_batched" and self.policy.name == "static_partition":
             raise EngineModeError("static_partition is a duty cycle of a rollout lane: it runs in the two_model mode only")
 
-    def _adapter_bank(self, adapter: Adapter, base) -> AdapterBank:
-        """The LoRA policy's slots beside ``base`` (the serving model, co-batched), version 0 in slot 0; refused
-        (AdapterError, saying which model and why) unless ``base`` is the model the adapter was built on."""
-        check_base(adapter, base.state_dict(), "this executor's serving model" if self.mode == "co_batched" else "the policy's base")
-        dtype = next(base.parameters()).dtype
-        slots = POLICY_SLOTS + (self.config.named_adapter_slots if self.mode == "co_batched" else 0)  # co-batched: named adapters' too
+    def _adapter_bank(self, adapter: Adapter, serving_model) -> AdapterBank:
+        """The LoRA policy's slots (and the named adapters') beside the serving model, version 0 in slot 0; refused
+        (AdapterError, saying which model and why) unless the serving model is the one the adapter was built on."""
+        check_base(adapter, serving_model.state_dict(), "this executor's serving model")
+        dtype = next(serving_model.parameters()).dtype
+        slots = POLICY_SLOTS + self.config.named_adapter_slots
         bank = AdapterBank.for_adapter(adapter, slots=slots, device=self.device.torch_device, dtype=dtype)
         bank.load(0, {n: t.to(dtype) for n, t in adapter.tensors.items()}, version=0)
         return bank
 
-    def _init_two_model(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, bank: AdapterBank | None) -> None:
-        """Two models, two lanes: each class its model on the device, its KV pool and its forward runner."""
+    def _init_two_model(self, serving_model, serving_tokenizer, policy_model, policy_tokenizer, adapter: Adapter | None) -> PolicyWeights:
+        """Two models, two lanes: each class its model on the device, its KV pool and its forward runner. A LoRA
+        policy runs folded into its base's copy (``MergedAdapterWeights``): rollout's forwards cost a plain model's."""
         config, dev = self.config, self.device.torch_device
         serving_model.to(dev)
         policy_model.to(dev)
+        pristine = None
+        if adapter is not None:
+            check_base(adapter, policy_model.state_dict(), "the policy's base")
+            pristine = fold_in(policy_model, adapter)
         serving_lane = self.device.lane("serving", SERVING_PRIORITY)
         rollout_lane = serving_lane if self.policy.shares_serving_lane else self.device.lane("rollout", ROLLOUT_PRIORITY)
         s_pool = self._pool("serving", WorkClass.SERVING, serving_model, config.serving_kv_bytes)
         r_pool = self._pool("rollout", WorkClass.ROLLOUT, policy_model, config.rollout_kv_bytes)
         r_pool.set_budget_bytes(0)  # no lease yet
-        r_runner = self._rollout_runner(policy_model, policy_tokenizer, r_pool, bank)
+        r_runner = self._rollout_runner(policy_model, policy_tokenizer, r_pool)
         self.serving = self._serving_batcher(
             serving_model, serving_tokenizer, s_pool, self.device.runner(serving_model, s_pool, WorkClass.SERVING, serving_tokenizer), serving_lane
         )
@@ -167,14 +172,15 @@ class Engine:
             metrics=self.metrics,
             version=lambda: self.policy_version,
             prefixes=RetainedPrefixes(r_pool, r_runner, int(config.host_kv_ratio * r_pool.capacity_bytes)),
-            adapter_slot=self.adapter_weights.slot if self.adapter_weights is not None else None,
         )
         if config.cuda_graphs:
             for rt in (self.serving, self.rollout):
                 if hasattr(rt.runner, "use_cuda_graphs") and not isinstance(rt.runner, ProcessRunner):  # (the CPU's child never sees CUDA)
                     rt.runner.use_cuda_graphs(rt.limits.max_batch)
+        full = FullPolicyWeights(policy_model, r_runner)
+        return MergedAdapterWeights(adapter, pristine, full) if adapter is not None and pristine is not None else full
 
-    def _init_co_batched(self, serving_model, serving_tokenizer, policy_tokenizer, bank: AdapterBank | None) -> None:
+    def _init_co_batched(self, serving_model, serving_tokenizer, policy_tokenizer, bank: AdapterBank) -> PolicyWeights:
         """One model, one lane, one runner over two KV pools: serving's rows in pool 0, rollout's (through the
         adapter's live slot) in pool 1, each pool its own tensor of the serving model's shape."""
         config = self.config
@@ -184,7 +190,7 @@ class Engine:
         r_pool.set_budget_bytes(0)  # no lease yet
         runner = self.device.runner(serving_model, [s_pool, r_pool], WorkClass.SERVING, serving_tokenizer, adapters=bank)
         self.serving = self._serving_batcher(serving_model, serving_tokenizer, s_pool, runner, lane)
-        assert self.adapter_weights is not None  # _check_mode: co-batched runs an adapter
+        weights = AdapterPolicyWeights(bank)
         self.rollout = Batcher(
             WorkClass.ROLLOUT,
             serving_model,
@@ -198,10 +204,11 @@ class Engine:
             prefixes=RetainedPrefixes(r_pool, runner, int(config.host_kv_ratio * r_pool.capacity_bytes)),
             wakeup=self.serving.wakeup,  # one thread runs both classes' iterations: either's work wakes it
             pool_index=1,
-            adapter_slot=self.adapter_weights.slot,
+            adapter_slot=weights.slot,
         )
         if config.cuda_graphs and hasattr(runner, "use_cuda_graphs"):
             runner.use_cuda_graphs(self.serving.limits.max_batch)  # serving-only decode steps; adapted ones run eagerly
+        return weights
 
     def _serving_batcher(self, model, tokenizer, pool: KVPool, runner, lane) -> Batcher:
         config = self.config
@@ -228,7 +235,7 @@ class Engine:
             storage=self.device.backs_kv,
         )
 
-    def _rollout_runner(self, policy_model, policy_tokenizer, pool: KVPool, bank: AdapterBank | None):
+    def _rollout_runner(self, policy_model, policy_tokenizer, pool: KVPool):
         """Rollout's forwards: in a child process off this interpreter's lock (CPU, where configured and shared
         memory allows), else on the device's own runner."""
         narrow = self.config.rollout_threads or self.device.threads_per_lane
@@ -241,9 +248,9 @@ class Engine:
             )
             in_child = False
         if not in_child:
-            return self.device.runner(policy_model, pool, WorkClass.ROLLOUT, policy_tokenizer, adapters=bank)
+            return self.device.runner(policy_model, pool, WorkClass.ROLLOUT, policy_tokenizer)
         idle = self.policy.rollout_cpu_idle and self.config.rollout_is_guest
-        runner = ProcessRunner(policy_model, pool, narrow, idle_priority=idle, adapters=bank)
+        runner = ProcessRunner(policy_model, pool, narrow, idle_priority=idle)
         runner.held_poll_s = lambda: max(PAUSE_POLL_S, self.serving.iteration_ms / 1000.0)  # a held forward asks again once per serving iteration
         return runner
 
@@ -541,7 +548,7 @@ class Engine:
     def _no_named_adapters(self) -> str:
         return (
             f"this engine holds no adapters by name: its rollout mode is {self.mode} with a "
-            f"{'LoRA' if self.adapter_weights is not None else 'full-weight'} policy; named adapters ride in serving's own batches, "
+            f"{'LoRA' if self.lora else 'full-weight'} policy; named adapters ride in serving's own batches, "
             'which needs engine.rollout_mode = "co_batched" and a policy that is a LoRA adapter of the serving model'
         )
 

@@ -63,7 +63,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
 
-from .adapters import AdapterBank
 from .core_lending import RETURN_TIMEOUT_S
 from .device import process_rss_bytes
 from .forward_item import ForwardItem
@@ -155,15 +154,13 @@ def _child_main(
     ctl,
     threads: int,
     idle_priority: bool = False,
-    adapters: AdapterBank | None = None,
 ) -> None:
-    """The child's loop: one message in, one reply out, until "close" or the engine goes away. ``adapters``: a LoRA
-    policy's slots, in shared memory (each forward's items name the live one)."""
+    """The child's loop: one message in, one reply out, until "close" or the engine goes away."""
     if idle_priority:
         lower_to_idle_priority()  # before torch starts its threads: they inherit it
     torch.set_num_threads(threads)
     ctl[WIDTH] = threads
-    runner = PagedModelRunner(weights, _PoolView(k, v, block_size), adapters=adapters)
+    runner = PagedModelRunner(weights, _PoolView(k, v, block_size))
     params = weights.params
     bank = ctl[BANK]  # the engine sent its parameters pointing at the live bank
     width = threads
@@ -285,12 +282,10 @@ class ProcessRunner(PagedModelRunner):
     model: torch.nn.Module  # always built from a module (the base class also takes bare ModelWeights)
     pool: KVPool  # the engine's own pool (the child holds a view of its tensors)
 
-    def __init__(
-        self, model: torch.nn.Module, pool: KVPool, threads: int, *, idle_priority: bool = False, adapters: AdapterBank | None = None
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, threads: int, *, idle_priority: bool = False) -> None:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("the rollout forward process is for CPU devices (a GPU's lanes are streams)")
-        super().__init__(model, pool, adapters=adapters)
+        super().__init__(model, pool)
         self.threads = threads
         self.idle_priority = idle_priority  # the child runs only on CPU time nothing else wants (see the module docstring)
         self._ctx = forward_context()
@@ -309,8 +304,6 @@ class ProcessRunner(PagedModelRunner):
         if self._process is not None and self._process.is_alive():
             return
         self.model.share_memory()
-        if self.adapters is not None:
-            self.adapters.share_memory()  # the child reads the slots the engine writes new versions into
         if self._banks is None:
             self._banks = _WeightBanks(self.weights.params)
         k, v = self.pool.k, self.pool.v
@@ -330,7 +323,6 @@ class ProcessRunner(PagedModelRunner):
                 self._ctl,
                 self._ctl[WANT_WIDTH],
                 self.idle_priority,
-                self.adapters,
             ),
             name="rose-rollout-forward",
             daemon=True,

@@ -8,8 +8,9 @@ token is produced by exactly one version: ``StagedWeights.apply`` re-points the 
 process flips between two shared-memory banks (rollout_process.py). Partial state dicts (a
 subset of names) are allowed: a delta sync may only change some tensors.
 
-Which of the two a policy is, the engine decides once: ``FullPolicyWeights`` (a model of its own) or
-``AdapterPolicyWeights`` (a LoRA adapter whose versions flip between slots of an adapter bank).
+How a policy's versions arrive, the engine decides once: ``FullPolicyWeights`` (a model of its own),
+``AdapterPolicyWeights`` (a LoRA adapter riding in serving's batches, its versions flipping between slots of an
+adapter bank) or ``MergedAdapterWeights`` (a LoRA adapter run as a model of its own, each version folded in).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from rose.shared.errors import RoseError
+from rose.shared.lora import Adapter, AdapterError, adapter_targets, base_weight_name, merged_weights
 
 
 class WeightUpdateError(RoseError, ValueError):
@@ -148,3 +150,61 @@ class AdapterPolicyWeights:
             return (time.perf_counter() - start) * 1000.0
 
         return swap
+
+
+def fold_in(model: torch.nn.Module, adapter: Adapter) -> dict[str, torch.Tensor]:
+    """Fold ``adapter`` into ``model``'s weights in place, before any runner reads them (AdapterError: not an adapter
+    of this model's shape); returns the pristine weights it changed, copied to the host, that every later version
+    is folded over (``MergedAdapterWeights``)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    names = [base_weight_name(layer, module) for layer, module in adapter_targets(adapter.tensors)]
+    pristine = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}  # a name it lacks: merged_weights says which
+    with torch.no_grad():
+        for name, weight in merged_weights(pristine, adapter.tensors, adapter.shape.scale).items():
+            params[name].copy_(weight)
+    return pristine
+
+
+class MergedAdapterWeights:
+    """A LoRA policy run as a model of its own (the two-model mode): each version is folded into the policy model's
+    adapted weights, ``W + scale * B @ A`` over the pristine ``W`` (``fold_in``), and swapped in as a full policy's
+    version is. Rollout's forwards then cost the base model's, with no per-row adapter product: co-batching needs
+    that product (serving's rows in the same batch are not adapted), a model of its own does not. The price is
+    the adapted weights twice, pristine on the host (all-linear: about the whole model; a TP shard's on an 8-GPU
+    node) and a fold per version; what is published, held and read back stays the adapter (peft names)."""
+
+    def __init__(self, adapter: Adapter, pristine: dict[str, torch.Tensor], full: FullPolicyWeights) -> None:
+        self.scale = adapter.shape.scale
+        self._pristine, self._full = pristine, full
+        self._live = {name: t.detach().to("cpu", copy=True) for name, t in adapter.tensors.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The live version's adapter tensors by peft name."""
+        return dict(self._live)
+
+    def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> Callable[[], float]:
+        if not state_dict:
+            raise WeightUpdateError("empty state dict: nothing to update")
+        for name, tensor in state_dict.items():
+            held = self._live.get(name)
+            if held is None:
+                raise WeightUpdateError(f"state dict does not match the policy's adapter: {name!r} is not one of its tensors")
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(held.shape):
+                found = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise WeightUpdateError(f"state dict does not match the policy's adapter: {name!r} is {found}, the adapter's {tuple(held.shape)}")
+        version_tensors = self._live | {name: t.detach().to("cpu", copy=True) for name, t in state_dict.items()}
+        try:
+            merged = merged_weights(self._pristine, version_tensors, self.scale)
+        except AdapterError as exc:
+            raise WeightUpdateError(f"state dict does not fold into the policy: {exc}") from None
+        swap = self._full.prepare(merged, version)
+
+        def apply() -> float:
+            pause = swap()
+            self._live = version_tensors
+            return pause
+
+        return apply
+
+
+PolicyWeights = FullPolicyWeights | AdapterPolicyWeights | MergedAdapterWeights  # how a policy's versions arrive: one, fixed at start

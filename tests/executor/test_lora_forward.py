@@ -5,13 +5,13 @@ import copy
 
 import pytest
 import torch
-from peft import PeftModel
 
-from rose.services.executor.adapters import AdapterBank, LoraSegments
+from rose.services.executor.adapters import AdapterBank
 from rose.services.executor.forward_item import ForwardItem
 from rose.services.executor.kv_pool import KVPool
 from rose.services.executor.model_runner import PagedModelRunner, kv_shape_of
-from rose.shared.lora import Adapter, AdapterError, LoraShape, lora_config, model_fingerprint, new_adapter
+from rose.services.executor.weights import FullPolicyWeights, MergedAdapterWeights, WeightUpdateError, fold_in
+from rose.shared.lora import Adapter, AdapterError, LoraShape, lora_config, merged_weights, model_fingerprint, new_adapter
 
 ATOL = 1e-4
 SHAPE = LoraShape(rank=4, alpha=8.0)
@@ -80,20 +80,44 @@ def test_one_forward_serves_base_rows_and_adapted_rows_over_two_pools(base):
     assert serving_pool.used_blocks == 6 and rollout_pool.used_blocks == 6
 
 
-def test_a_two_model_lora_policy_adapts_every_row_without_a_gather(base):
-    """The two-model mode's LoRA policy: its own copy of the base, every row through the live slot."""
+def test_a_two_model_lora_policy_folded_into_its_base_computes_what_peft_does(base):
+    """The two-model mode's LoRA policy: the adapter folded into its own copy of the base (W + scale * B @ A), then a
+    plain forward with no adapter product, equal to peft's adapted model; the pristine weights are kept aside."""
     tensors = _trained_adapter(base, seed=2)
     adapter = Adapter(shape=SHAPE, tensors=tensors, base="", base_fingerprint=None)
-    bank = AdapterBank.for_adapter(adapter, slots=2, device=torch.device("cpu"), dtype=torch.float32)
-    bank.load(0, tensors, version=0)
-    pool = KVPool("rollout", kv_shape_of(base), 4 << 20, 16, torch.device("cpu"))
-    runner = PagedModelRunner(base, pool, adapters=bank)
+    policy = copy.deepcopy(base)
+    pristine = fold_in(policy, adapter)
+    assert len(pristine) == len(tensors) // 2 and all(torch.equal(w, base.state_dict()[n]) for n, w in pristine.items())
+    pool = KVPool("rollout", kv_shape_of(policy), 4 << 20, 16, torch.device("cpu"))
+    runner = PagedModelRunner(policy, pool)
     seq = torch.randint(0, base.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
-    items = [ForwardItem(pool.allocate(1), 0, seq.tolist(), adapter=0)]
-    assert LoraSegments.of(items, [0], torch.device("cpu")).segments == ((0, None),)
     with torch.no_grad():
         ref = _peft_model(base, tensors)(seq[None]).logits[0]
-    torch.testing.assert_close(runner.forward(items, all_logits=True)[0], ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(runner.forward([ForwardItem(pool.allocate(1), 0, seq.tolist())], all_logits=True)[0], ref, atol=ATOL, rtol=0)
+
+
+def test_a_folded_version_is_folded_over_the_pristine_weights_and_checked_first(base):
+    """Each version is folded over the base's pristine weights, never over the last fold (which would add the product
+    twice); a delta names only what changed; a tensor the adapter lacks is refused before anything changes."""
+    v0 = _trained_adapter(base, seed=4)
+    adapter = Adapter(shape=SHAPE, tensors=v0, base="", base_fingerprint=None)
+    policy = copy.deepcopy(base)
+    pristine = fold_in(policy, adapter)
+    weights = MergedAdapterWeights(
+        adapter, pristine, FullPolicyWeights(policy, PagedModelRunner(policy, KVPool("r", kv_shape_of(policy), 1 << 20, 16, torch.device("cpu"))))
+    )
+    name = next(n for n in v0 if ".lora_B." in n)
+    for version in (1, 2):  # the same delta twice: the second fold must equal the first
+        weights.prepare({name: v0[name] * 3}, version)()
+        expected = merged_weights(pristine, v0 | {name: v0[name] * 3}, SHAPE.scale)
+        assert all(torch.equal(policy.state_dict()[n], w) for n, w in expected.items())
+    assert torch.equal(weights.state_dict()[name], v0[name] * 3)
+    before = {n: t.clone() for n, t in policy.state_dict().items()}
+    with pytest.raises(WeightUpdateError, match="not one of its tensors"):
+        weights.prepare({"base_model.model.lm_head.lora_A.weight": torch.ones(4, 4)}, 3)
+    with pytest.raises(WeightUpdateError, match="is \\(3, 3\\)"):
+        weights.prepare({name: torch.ones(3, 3)}, 3)
+    assert all(torch.equal(policy.state_dict()[n], t) for n, t in before.items())
 
 
 def test_a_version_is_written_into_a_spare_slot_and_checked_first(base):
