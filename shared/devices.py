@@ -163,6 +163,10 @@ class ModelSpec:
         (A is rank x in, B is out x rank)."""
         return float(shape.rank * self.layers * sum(sum(self.linear_shape(m)) for m in shape.targets))
 
+    def adapted_weight_bytes(self, shape: LoraShape) -> float:
+        """Bytes of the base's linear weights an adapter of ``shape`` adapts (all-linear: nearly the whole model)."""
+        return float(self.layers * sum(i * o for i, o in (self.linear_shape(m) for m in shape.targets)) * self.bytes_per_param)
+
     def lora_activation_bytes_per_token(self, shape: LoraShape) -> float:
         """Bytes each adapted token moves through the adapter's kernels: every adapted linear reads its input (in)
         and adds its low-rank output into the base's (out, read and written), apart from the base GEMM."""
@@ -482,6 +486,10 @@ def instances(gpus: int, tp: int) -> int:
 # - ``encode_bytes_per_s = 20 GB/s``: delta encoding of the model bytes, ~1.3 GB/s per core
 #   (anchors.md: numpy encode 1.1-1.7 GB/s on one core) on 16 cores in parallel over shards.
 # A full broadcast needs no encoding.
+# - ``host_link_bytes_per_s = 50 GB/s``: a GPU's host link, PCIe Gen5 x16 (64 GB/s a direction; pinned
+#   host-to-device copies on H100/H200 measure 50-55 GB/s, NVIDIA's nvbandwidth). A LoRA policy run as a model
+#   of its own (the two-model mode) folds each version into its base copy over pristine weights held on the host:
+#   those weights cross this link once per version (``fold_seconds``).
 
 
 @dataclass(frozen=True)
@@ -490,6 +498,7 @@ class SyncSpec:
     intra_link_gbps: float = 400.0
     delta_bytes_fraction: float = 0.02
     encode_bytes_per_s: float = 20e9
+    host_link_bytes_per_s: float = 50e9
 
 
 def sync_seconds(weight_bytes: float, mode: str, spec: SyncSpec, cross_cluster: bool) -> float:
@@ -506,6 +515,13 @@ def sync_seconds(weight_bytes: float, mode: str, spec: SyncSpec, cross_cluster: 
     if not cross_cluster:
         return encode + intra
     return encode + nbytes * 8 / (spec.cross_link_gbps * 1e9) + intra
+
+
+def fold_seconds(adapted_weight_bytes: float, spec: SyncSpec) -> float:
+    """Seconds to fold a LoRA version into a policy copy of its base (services/executor/weights.py
+    ``MergedAdapterWeights``): the adapted layers' pristine weights cross the host link; the low-rank product and
+    the add on the device are noise beside that copy."""
+    return adapted_weight_bytes / spec.host_link_bytes_per_s
 
 
 def bytes_sent(weight_bytes: float, mode: str, spec: SyncSpec) -> float:

@@ -165,11 +165,13 @@ def base_weight_name(layer: int, module: str) -> str:
 # ---- merging ------------------------------------------------------------------------------------
 
 
-def merged_weights(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+def merged_weights(
+    base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], scale: float, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """The adapted linear weights with the adapter folded in, ``W + scale * B @ A`` (peft's merge), by the base's
     names: a model holding them computes what the base plus the adapter computes, at the base's cost. ``base``
     holds the pristine weights (never a merged one: folding twice adds the product twice); the sum is taken in
-    float32 and given back in the base's dtype."""
+    float32 on ``device`` (default: where each pristine weight is) and given back in the base's dtype."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
@@ -181,8 +183,9 @@ def merged_weights(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch
                 raise AdapterError(f"the adapter adapts {name!r}, which the base model does not have")
             if tuple(w.shape) != (b.shape[0], a.shape[1]):
                 raise AdapterError(f"{name!r} is {tuple(w.shape)}; the adapter's B @ A is {(b.shape[0], a.shape[1])}")
-            delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
-            out[name] = (w.to(torch.float32) + scale * delta).to(w.dtype)
+            on = device or w.device
+            delta = b.to(on, torch.float32) @ a.to(on, torch.float32)
+            out[name] = (w.to(on, torch.float32) + scale * delta).to(w.dtype)
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rose.shared.devices import DEVICES, HOST_ROLLOUT_PREFILL_TOKENS, sync_seconds
+from rose.shared.devices import DEVICES, HOST_ROLLOUT_PREFILL_TOKENS, fold_seconds, sync_seconds
 from rose.shared.sketch import sketch_to_dict
 
 from .adapters import AdapterBank
@@ -359,8 +359,10 @@ class EmulatedDevice:
         the real model's bytes as a delta over the inter-cluster link (a serving instance) or the training
         cluster's fabric (a dedicated one, beside the trainer): shared.devices.sync_seconds."""
         # a LoRA version is priced whole: an adapter's elements nearly all move each step (unlike a full model's 2-4 %)
-        mode = "full" if self.spec.lora is not None else "delta"
-        priced = sync_seconds(self.spec.version_bytes, mode, self.spec.sync, cross_cluster=not self.spec.dedicated)
+        lora = self.spec.lora
+        priced = sync_seconds(self.spec.version_bytes, "full" if lora is not None else "delta", self.spec.sync, cross_cluster=not self.spec.dedicated)
+        if lora is not None and not self.spec.co_batched:  # the two-model mode folds each version into its base copy
+            priced += fold_seconds(self.spec.policy.adapted_weight_bytes(lora) / self.spec.tp, self.spec.sync)
         return priced * self.spec.time_scale
 
     def telemetry(self, child_pid: int | None = None) -> Telemetry:

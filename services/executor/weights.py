@@ -171,11 +171,13 @@ class MergedAdapterWeights:
     version is. Rollout's forwards then cost the base model's, with no per-row adapter product: co-batching needs
     that product (serving's rows in the same batch are not adapted), a model of its own does not. The price is
     the adapted weights twice, pristine on the host (all-linear: about the whole model; a TP shard's on an 8-GPU
-    node) and a fold per version; what is published, held and read back stays the adapter (peft names)."""
+    node), and a fold per version, on the device, that copies them over the host link (shared/devices.py
+    ``fold_seconds``); what is published, held and read back stays the adapter (peft names)."""
 
     def __init__(self, adapter: Adapter, pristine: dict[str, torch.Tensor], full: FullPolicyWeights) -> None:
         self.scale = adapter.shape.scale
         self._pristine, self._full = pristine, full
+        self._device = next(full.model.parameters()).device  # where a version is folded: the pristine weights cross the host link once
         self._live = {name: t.detach().to("cpu", copy=True) for name, t in adapter.tensors.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -194,7 +196,7 @@ class MergedAdapterWeights:
                 raise WeightUpdateError(f"state dict does not match the policy's adapter: {name!r} is {found}, the adapter's {tuple(held.shape)}")
         version_tensors = self._live | {name: t.detach().to("cpu", copy=True) for name, t in state_dict.items()}
         try:
-            merged = merged_weights(self._pristine, version_tensors, self.scale)
+            merged = merged_weights(self._pristine, version_tensors, self.scale, self._device)
         except AdapterError as exc:
             raise WeightUpdateError(f"state dict does not fold into the policy: {exc}") from None
         swap = self._full.prepare(merged, version)

@@ -21,7 +21,7 @@ from rose.services.executor.emulated import EmulatedAccelerator, EmulationSpec, 
 from rose.services.executor.engine import Engine, EngineConfig
 from rose.services.executor.protocol import EngineSampling, GenerationRequest, WorkClass
 from rose.services.executor.telemetry import Telemetry
-from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, model_spec, sync_seconds
+from rose.shared.devices import DEVICES, MODELS, Roofline, SyncSpec, fold_seconds, model_spec, sync_seconds
 from rose.shared.lora import LoraShape
 from rose.testing.engine import EMULATED_7B_H100, CoServingEngineTestcase
 
@@ -276,6 +276,15 @@ def test_a_new_version_arrives_as_the_simulator_prices_it(loaded):
     weights = MODELS["7B"].weight_bytes
     assert serving.weight_transfer_s() == pytest.approx(sync_seconds(weights, "delta", SyncSpec(), cross_cluster=True))
     assert dedicated.weight_transfer_s() == pytest.approx(3.0 * sync_seconds(weights, "delta", SyncSpec(), cross_cluster=False))
+    # a LoRA version is its adapter, whole; run as a model of its own (two-model), it is then folded into the base copy
+    lora = LoraShape(rank=8, alpha=16.0)
+    co_batched = EmulatedDevice(EmulationSpec(**{**SPEC_7B.__dict__, "lora": lora, "co_batched": True}))
+    merged = EmulatedDevice(EmulationSpec(**{**SPEC_7B.__dict__, "lora": lora, "dedicated": True}))
+    adapter = co_batched.spec.adapter_bytes
+    assert co_batched.weight_transfer_s() == pytest.approx(sync_seconds(adapter, "full", SyncSpec(), cross_cluster=True))
+    fold = fold_seconds(MODELS["7B"].adapted_weight_bytes(lora), SyncSpec())
+    assert merged.weight_transfer_s() == pytest.approx(sync_seconds(adapter, "full", SyncSpec(), cross_cluster=False) + fold)
+    assert 0.8 * weights < MODELS["7B"].adapted_weight_bytes(lora) < weights  # all-linear: all but the embeddings
 
 
 class TestEmulatedEngine(CoServingEngineTestcase):
