@@ -35,6 +35,7 @@ from rich.table import Table
 
 from rose.shared.clock import TIME_SCALE_ENV
 from rose.shared.config import ConfigError
+from rose.shared.errors import RoseError
 from rose.shared.nats_server import NatsCluster, NatsServer, state_dir
 from rose.shared.provisioning import ProvisioningConflict
 from rose.shared.security import INSTANCE_TOKENS, OPERATOR, Credentials, init_credentials, instance_user
@@ -126,84 +127,148 @@ def emulated_monitor_env(args: argparse.Namespace) -> dict[str, str]:
     return monitor_env(job) if job is not None else {}
 
 
+class UpRefused(RoseError, ValueError):
+    """`rose up` was asked for something it cannot start; the message says what to change (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class UpPlan:
+    """What `rose up` was asked to start, checked before anything starts."""
+
+    root: Path  # the state dir: logs, the embedded NATS store, credentials, up.json
+    names: list[str]  # the services
+    nodes: int  # --nats-cluster: 1 is a single embedded server
+    nats_url: str  # NATS_URL: an external server ("" starts one here)
+    tls: bool  # TLS on the embedded server (never with NATS_URL)
+    instances: dict[str, str]  # service -> its fixed instance name (instance_names)
+    groups: list  # the emulated executor groups of --emulate ([] without it)
+
+    @property
+    def declared(self) -> dict[str, list[str]]:
+        """The instances that get a user of their own: the fixed ones, and with --emulate every executor of every group."""
+        declared = {service: [name] for service, name in self.instances.items()}
+        if self.groups:
+            declared["executor"] = [member for g in self.groups for member in g.members]
+        return declared
+
+
+@dataclass
+class Nats:
+    """The NATS the services use: an embedded server or cluster started here (stopped here), or NATS_URL's."""
+
+    url: str
+    replicas: int | None  # None (an external NATS_URL): what the environment says (ROSE_BUS__REPLICAS), else 1
+    server: NatsServer | None = None
+    cluster: NatsCluster | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.server is not None or self.cluster is not None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
 def up(args: argparse.Namespace) -> int:
+    """Start NATS (unless NATS_URL is set) and every service, supervise them until Ctrl-C, then stop them all."""
     console = Console()
+    try:
+        plan = _plan(args)
+    except UpRefused as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    cluster = None
+    if not plan.nats_url and plan.nodes > 1:  # its ports now: the route include (auth on) names them
+        cluster = NatsCluster(plan.root / f"nats-cluster-{plan.nodes}", plan.nodes, log_dir=plan.root / "logs")
+    creds, route_include = _credentials(args, plan, cluster)
+    nats = _start_nats(plan, cluster, creds, route_include)
+    operator = creds.env(OPERATOR, tls=plan.tls) if creds is not None else {}
+    try:
+        asyncio.run(_provision(nats.url, nats.replicas, operator))
+    except (ConnectionError, ConfigError, ProvisioningConflict, RuntimeError) as exc:
+        console.print(f"[red]cannot provision JetStream storage on {nats.url}: {exc}[/red]")
+        nats.stop()
+        return 1
+    children = _children(args, plan, nats, creds)
+    _write_up_file(plan, nats, operator)
+    _run(console, args, plan, nats, children, creds, route_include)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> UpPlan:
+    """The services, the NATS and the instances asked for; `UpRefused` when they cannot be started as asked."""
     root = Path(args.state_dir).resolve() if args.state_dir else state_dir()
     (root / "logs").mkdir(parents=True, exist_ok=True)
     names = args.services if args.services is not None else sorted(set(SERVICE_MODULES) - set(ON_DEMAND_SERVICES))
     unknown = sorted(set(names) - set(SERVICE_MODULES))
     if unknown:
-        console.print(f"[red]unknown services {unknown}; available: {sorted(SERVICE_MODULES)}[/red]")
-        return 2
-
+        raise UpRefused(f"unknown services {unknown}; available: {sorted(SERVICE_MODULES)}")
     nodes = getattr(args, "nats_cluster", 1)
-    server: NatsServer | None = None
-    cluster: NatsCluster | None = None
-    replicas: int | None = None  # None (an external NATS_URL): what the environment says (ROSE_BUS__REPLICAS), else 1
     nats_url = os.environ.get("NATS_URL", "")
     if not 1 <= nodes <= 5:
-        console.print(f"[red]--nats-cluster takes 1 to 5 nodes (3 is the compose topology), not {nodes}[/red]")
-        return 2
+        raise UpRefused(f"--nats-cluster takes 1 to 5 nodes (3 is the compose topology), not {nodes}")
     if nodes > 1 and nats_url:
-        console.print(f"[red]--nats-cluster {nodes} starts its own cluster, but NATS_URL={nats_url} is set: unset one of them[/red]")
-        return 2
-    # Auth is on by default: the embedded server gets per-service permissions and each service its own seed
-    # (kept under the state dir, or --credentials DIR, and reused). With NATS_URL, --credentials DIR names the
-    # `rose security init` output the external server was configured with.
-    creds: Credentials | None = None
-    route_include: Path | None = None
-    tls = bool(getattr(args, "tls", False)) and not nats_url
+        raise UpRefused(f"--nats-cluster {nodes} starts its own cluster, but NATS_URL={nats_url} is set: unset one of them")
     instances = instance_names(names)
     try:
         for service, name in instances.items():
             instance_user(service, name)
         groups = emulated_groups(args) if "executor" in names else []
     except ValueError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
-    declared = {service: [name] for service, name in instances.items()}
-    if groups:  # an emulated fleet: each executor of each group is an instance with a user of its own
-        declared["executor"] = [member for g in groups for member in g.members]
-    if not nats_url and nodes > 1:  # its ports now: the route include (auth on) names them
-        cluster = NatsCluster(root / f"nats-cluster-{nodes}", nodes, log_dir=root / "logs")
-    if not nats_url and not getattr(args, "no_auth", False):
+        raise UpRefused(str(exc)) from exc
+    tls = bool(getattr(args, "tls", False)) and not nats_url
+    return UpPlan(root, names, nodes, nats_url, tls, instances, groups)
+
+
+def _credentials(args: argparse.Namespace, plan: UpPlan, cluster: NatsCluster | None) -> tuple[Credentials | None, Path | None]:
+    """The services' credentials, and the cluster's route include written for its ports (None: no cluster, or no auth).
+
+    Auth is on by default: the embedded server gets per-service permissions and each service its own seed
+    (kept under the state dir, or --credentials DIR, and reused). With NATS_URL, --credentials DIR names the
+    `rose security init` output the external server was configured with.
+    """
+    if not plan.nats_url and not getattr(args, "no_auth", False):
         creds = init_credentials(
-            getattr(args, "credentials", None) or root / "security",
-            tls_hosts=["127.0.0.1", "localhost"] if tls else None,
+            getattr(args, "credentials", None) or plan.root / "security",
+            tls_hosts=["127.0.0.1", "localhost"] if plan.tls else None,
             cluster_routes=cluster.route_addresses if cluster is not None else None,
-            instances=declared,
+            instances=plan.declared,
         )
-        route_include = creds.cluster_include if cluster is not None else None  # written just now for this cluster's ports
-    elif getattr(args, "credentials", None):  # an external server's: instance seeds are used where the directory has them
-        creds = Credentials(Path(args.credentials).resolve())
-    auth_config = creds.server_config(tls=tls) if creds is not None and not nats_url else ""
+        return creds, creds.cluster_include if cluster is not None else None  # written just now for this cluster's ports
+    if getattr(args, "credentials", None):  # an external server's: instance seeds are used where the directory has them
+        return Credentials(Path(args.credentials).resolve()), None
+    return None, None
+
+
+def _start_nats(plan: UpPlan, cluster: NatsCluster | None, creds: Credentials | None, route_include: Path | None) -> Nats:
+    """The embedded cluster or server started (with the credentials' permissions), or NATS_URL's server as it is."""
+    auth_config = creds.server_config(tls=plan.tls) if creds is not None and not plan.nats_url else ""
     if cluster is not None:
         cluster.use_auth(auth_config, route_include)
         cluster.start()
-        nats_url, replicas = cluster.url, nodes
-    elif not nats_url:
-        server = NatsServer(root / "nats", log_file=root / "logs" / "nats-server.log", extra_config=auth_config).start()
-        nats_url, replicas = server.url, 1  # one server holds one replica, whatever the environment says
-    operator = creds.env(OPERATOR, tls=tls) if creds is not None else {}
-    try:
-        asyncio.run(_provision(nats_url, replicas, operator))
-    except (ConnectionError, ConfigError, ProvisioningConflict, RuntimeError) as exc:
-        console.print(f"[red]cannot provision JetStream storage on {nats_url}: {exc}[/red]")
-        if server is not None:
-            server.stop()
-        if cluster is not None:
-            cluster.stop()
-        return 1
-    env = {**os.environ, "NATS_URL": nats_url, "ROSE_STATE_DIR": str(root)}
-    if replicas is not None:
-        env["ROSE_BUS__REPLICAS"] = str(replicas)
+        return Nats(cluster.url, plan.nodes, cluster=cluster)
+    if not plan.nats_url:
+        server = NatsServer(plan.root / "nats", log_file=plan.root / "logs" / "nats-server.log", extra_config=auth_config).start()
+        return Nats(server.url, 1, server=server)  # one server holds one replica, whatever the environment says
+    return Nats(plan.nats_url, None)
+
+
+def _children(args: argparse.Namespace, plan: UpPlan, nats: Nats, creds: Credentials | None) -> list[Supervised]:
+    """A supervised process per service (with --emulate, one per executor group instead of the executor)."""
+    env = {**os.environ, "NATS_URL": nats.url, "ROSE_STATE_DIR": str(plan.root)}
+    if nats.replicas is not None:
+        env["ROSE_BUS__REPLICAS"] = str(nats.replicas)
+    groups, instances, tls = plan.groups, plan.instances, plan.tls
     if groups:
         env[TIME_SCALE_ENV] = f"{args.time_scale:g}"
     children = [
         Supervised(
             name,
             [sys.executable, "-m", "rose.cli.main", "run", name],
-            root / "logs" / f"{name}.log",
+            plan.root / "logs" / f"{name}.log",
             {
                 **env,
                 **({"ROSE_RUNTIME__INSTANCE": instances[name]} if name in instances else {}),
@@ -211,26 +276,31 @@ def up(args: argparse.Namespace) -> int:
                 **(emulated_monitor_env(args) if groups and name == "slo_monitor" else {}),
             },
         )
-        for name in names
+        for name in plan.names
         if not (groups and name == "executor")
     ]
     children += [
         Supervised(
             g.name,
             [sys.executable, "-m", "rose.cli.main", "run", "executor", *g.args],
-            root / "logs" / f"{g.name}.log",
+            plan.root / "logs" / f"{g.name}.log",
             {**env, **g.env, **(creds.env("executor", g.members[0], tls=tls) if creds else {})},
         )
         for g in groups
     ]
-    (root / UP_FILE).write_text(
+    return children
+
+
+def _write_up_file(plan: UpPlan, nats: Nats, operator: dict[str, str]) -> None:
+    """up.json in the state dir: where `rose status` and `rose health` find this NATS and the operator's credentials."""
+    (plan.root / UP_FILE).write_text(
         json.dumps(
             {
-                "nats_url": nats_url,
+                "nats_url": nats.url,
                 "pid": os.getpid(),
-                "embedded_nats": server is not None or cluster is not None,
-                "nats_nodes": nodes if cluster is not None else 1,
-                "services": names,
+                "embedded_nats": nats.embedded,
+                "nats_nodes": plan.nodes if nats.cluster is not None else 1,
+                "services": plan.names,
                 # where `rose status` / `rose health` find the operator's credentials (paths only, never secrets)
                 "operator_seed_file": operator.get("ROSE_BUS__NKEY_SEED_FILE", ""),
                 "tls_ca_file": operator.get("ROSE_BUS__TLS_CA_FILE", ""),
@@ -239,6 +309,17 @@ def up(args: argparse.Namespace) -> int:
         )
     )
 
+
+def _run(
+    console: Console,
+    args: argparse.Namespace,
+    plan: UpPlan,
+    nats: Nats,
+    children: list[Supervised],
+    creds: Credentials | None,
+    route_include: Path | None,
+) -> None:
+    """Start the services, say where everything is, supervise until SIGINT or SIGTERM; then stop the services, then NATS."""
     stop = {"now": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -249,20 +330,8 @@ def up(args: argparse.Namespace) -> int:
     try:
         for child in children:
             child.start()
-        if cluster is not None:
-            console.print(f"NATS: {nats_url} (embedded {nodes}-node JetStream cluster, R{nodes}, stores under {cluster.root})")
-        else:
-            console.print(f"NATS: {nats_url} ({'embedded, store ' + str(root / 'nats') if server else 'external'})")
-        console.print(f"logs: {root / 'logs'}  services: {', '.join(names) or '(none)'}")
-        if creds is not None:
-            own = [f"{s} {i}" for s, i in instances.items() if creds.seed_file(s, i).exists()]
-            console.print(
-                f"auth: per-service NKeys in {creds.directory}{' + TLS' if tls else ''}"
-                f"{' (' + ', '.join(own) + ': its own instance key)' if own else ''}"
-                f"{'; cluster routes authenticated' if route_include is not None else ''} (`rose run trainer` needs "
-                f"ROSE_BUS__NKEY_SEED_FILE={creds.seed_file('trainer')}; `rose security permissions` lists what each may do)"
-            )
-        _wait_ready(console, nats_url, names, args.ready_timeout, stop, root)
+        _announce(console, plan, nats, creds, route_include)
+        _wait_ready(console, nats.url, plan.names, args.ready_timeout, stop, plan.root)
         console.print("[green]ROSE is up.[/green] `rose status` lists the services; Ctrl-C stops everything.")
         _supervise(console, children, stop)
     finally:
@@ -272,13 +341,26 @@ def up(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in children:
             child.wait(deadline)
-        if server is not None:
-            server.stop()
-        if cluster is not None:
-            cluster.stop()
-        (root / UP_FILE).unlink(missing_ok=True)
+        nats.stop()
+        (plan.root / UP_FILE).unlink(missing_ok=True)
         console.print("stopped.")
-    return 0
+
+
+def _announce(console: Console, plan: UpPlan, nats: Nats, creds: Credentials | None, route_include: Path | None) -> None:
+    """Where NATS, the logs and the credentials are."""
+    if nats.cluster is not None:
+        console.print(f"NATS: {nats.url} (embedded {plan.nodes}-node JetStream cluster, R{plan.nodes}, stores under {nats.cluster.root})")
+    else:
+        console.print(f"NATS: {nats.url} ({'embedded, store ' + str(plan.root / 'nats') if nats.server else 'external'})")
+    console.print(f"logs: {plan.root / 'logs'}  services: {', '.join(plan.names) or '(none)'}")
+    if creds is not None:
+        own = [f"{s} {i}" for s, i in plan.instances.items() if creds.seed_file(s, i).exists()]
+        console.print(
+            f"auth: per-service NKeys in {creds.directory}{' + TLS' if plan.tls else ''}"
+            f"{' (' + ', '.join(own) + ': its own instance key)' if own else ''}"
+            f"{'; cluster routes authenticated' if route_include is not None else ''} (`rose run trainer` needs "
+            f"ROSE_BUS__NKEY_SEED_FILE={creds.seed_file('trainer')}; `rose security permissions` lists what each may do)"
+        )
 
 
 async def _provision(url: str, replicas: int | None, operator: dict[str, str]) -> None:

@@ -250,7 +250,7 @@ async def test_connect_to_an_unreachable_server_gives_up_at_its_deadline():
         await asyncio.wait_for(bus.connect(), timeout=20.0)
 
 
-# ---- the nats-py private method shared/bus.py `_survive_cancelled_flushes` replaces ---------------
+# ---- the nats-py private method shared/bus_connection.py `_survive_cancelled_flushes` replaces ----
 # nats-py is bounded `>=2.16,<3` in pyproject.toml (constraints.txt pins only torch); these tests fail
 # when a nats-py release changes what the patch relies on, or fixes the bug it works around.
 
@@ -297,7 +297,7 @@ def test_the_nats_py_method_the_bus_replaces_is_still_the_one_it_assumes():
 async def test_nats_py_alone_stops_reading_after_a_cancelled_flush(nats_server):
     """The bug the patch works around, on a client without it: the PONG of a cancelled flush raises
     InvalidStateError in the read loop, which ends, so a later request never gets its reply. When a
-    nats-py release fixes this, this test fails: the patch in shared/bus.py can then go."""
+    nats-py release fixes this, this test fails: the patch in shared/bus_connection.py can then go."""
     import nats
 
     async def echo(msg) -> None:

@@ -13,16 +13,18 @@ from the host, the `train` profile's GRPO steps with every executor applying eve
 accounting from the bus, the rollout worker's sandbox in its container, Prometheus (every dashboard
 query against the live cluster, promtool), then `down` and `up` again: JetStream state kept, the
 trainer resumes. Everything it started is stopped, also when a step fails.
+
+The check is this file (the phases and what each one checks, `main`) and its parts beside it:
+check_engine.py (the Docker daemon), check_images.py (the wheelhouse, the base and the images),
+check_cluster.py (the cluster seen from the host), check_common.py (what they all use).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -32,29 +34,43 @@ import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from rose.shared.errors import RoseError  # (the check runs in the project's .venv: scripts/compose-check)
+if str(Path(__file__).resolve().parent) not in sys.path:  # its parts, beside it: deploy/compose is no package
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy" / "compose"
-COMPOSE_FILES = [REPO / "docker-compose.yml", DEPLOY / "host-network.yml"]
+from check_cluster import (  # noqa: E402
+    EXECUTORS,
+    LISTEN_PORTS,
+    NATS_URL,
+    PROMETHEUS,
+    Seen,
+    ServingLoad,
+    dashboard_queries,
+    http_json,
+    listening,
+    observe,
+    stream_counts,
+)
+from check_common import DEPLOY, CheckFailed, log, need, run  # noqa: E402
+from check_engine import Engine, engine_tools, host_packages, leftovers  # noqa: E402
+from check_images import (  # noqa: E402
+    BASE_IMAGE,
+    IMAGE_INPUTS,  # noqa: F401 - tests/deploy/test_compose_host.py reads it from this script
+    IMAGES,
+    SUITE,
+    base_tarball,
+    build_context,
+    build_images,
+    build_wheelhouse,
+    images_key,
+    manifest,
+    missing_wheels,  # noqa: F401 - tests/deploy/test_compose_host.py reads it from this script
+)
+
 DEFAULT_CACHE = Path(os.environ.get("ROSE_COMPOSE_CACHE", "/var/cache/rose-compose"))
-EXTRAS = "agents"  # the gateway of profile `train` imports the official openai client: one image serves all
-SUITE = "bookworm"  # Debian 12: its python3 is 3.11, the project's Python
-ENGINE_SUITE = "trixie"  # Debian 13: docker.io 26 and docker-compose 2.26, what the compose file needs
-MIN_ENGINE, MIN_COMPOSE = (26, 0), (2, 24)  # volume subpath (API 1.45); `!reset`/`!override` in host-network.yml
-HOST_PACKAGES = ["containerd", "runc", "tini", "debootstrap", "prometheus"]  # prometheus: promtool on the host
-BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
-IMAGES = {"ROSE_IMAGE": "rose:local", "ROSE_AGENTS_IMAGE": "rose:local-agents", "ROSE_PROMETHEUS_IMAGE": "rose-prometheus:local"}
-# What the compose file reads from the environment here: the images, and `rose demo`'s models (its policy
-# is 1/20 of the default's: GRPO steps and weight versions in seconds on 2 shared cores)
-COMPOSE_VARS = {**IMAGES, "ROSE_MODELS_PRESET": "demo"}
-BASE_IMAGE = "rose-base:bookworm"
 CORE = [
     "nats-1",
     "nats-2",
@@ -74,13 +90,6 @@ CORE = [
 ]
 TRAIN = ["trainer", "gateway"]
 ONE_SHOT = {"security-init", "models-init", "weights-key", "provision"}
-EXECUTORS = {"executor-1": 18001, "executor-2": 18002, "executor-dedicated": 18003}
-SERVING = ["executor-1", "executor-2"]  # ROSE_ROLE=serving: production traffic first (ServingLoad)
-NATS_URL = "nats://127.0.0.1:14222,nats://127.0.0.1:14223,nats://127.0.0.1:14224"
-PROMETHEUS = "http://127.0.0.1:19090"
-# Every port host-network.yml listens on (NATS client, route and monitor ports, executors, services'
-# /metrics, Prometheus): free before the check starts (tests/deploy/test_compose_host.py).
-LISTEN_PORTS = [14222, 14223, 14224, 16222, 16223, 16224, 18222, 18223, 18224, *EXECUTORS.values(), *range(19101, 19107), 19090]
 # The check's RL job: `rose demo`'s (rose.shared.workload.TRAINER: synchronous steps, one torch thread, a
 # fixed set of problems), in smaller steps, so that steps come in seconds on 2 cores. Only the trainer's
 # settings; the cluster is the compose file's (with ROSE_MODELS_PRESET=demo: COMPOSE_VARS).
@@ -122,488 +131,6 @@ attempt("write_file", write)
 """
 
 
-def log(msg: str) -> None:
-    print(f"[compose-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class CheckFailed(RoseError, RuntimeError):
-    """A step of the compose check did not hold: what, and the logs that show why."""
-
-
-def need(ok: bool, what: str) -> None:
-    if not ok:
-        raise CheckFailed(what)
-
-
-def run(cmd: list[str], *, env: dict[str, str] | None = None, check: bool = True, capture: bool = True, timeout: float | None = None, **kw):
-    out = subprocess.run(cmd, env=env, capture_output=capture, text=True, timeout=timeout, **kw)
-    if check and out.returncode != 0:
-        tail = ((out.stdout or "") + (out.stderr or ""))[-3000:] if capture else ""
-        raise CheckFailed(f"{' '.join(cmd[:6])} ... exited {out.returncode}:\n{tail}")
-    return out
-
-
-# ---- the wheelhouse ---------------------------------------------------------------------------
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def manifest(extras: Iterable[str] = (EXTRAS,)) -> list[str]:
-    """`name==version` of every distribution `rose-rl[extras]` needs, as installed in this Python.
-
-    The image installs exactly these (pip --no-index, `-c manifest.txt`): the versions the host's
-    tests ran, torch's local version (`+cpu`) included. Markers are evaluated here: the image is
-    the same platform (Linux x86_64, CPython 3.11).
-    """
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    from packaging.requirements import Requirement
-
-    pins: dict[str, str] = {}
-    todo: list[tuple[str, frozenset[str]]] = [("rose-rl", frozenset(extras))]
-    seen: set[tuple[str, frozenset[str]]] = set()
-    while todo:
-        name, want = todo.pop()
-        if (name, want) in seen:
-            continue
-        seen.add((name, want))
-        try:
-            dist = distribution(name)
-        except PackageNotFoundError as exc:
-            raise CheckFailed(f"{name} is required but not installed in {sys.prefix}: run ./scripts/bootstrap.sh") from exc
-        if name != "rose-rl":
-            pins[_norm(dist.metadata["Name"])] = dist.version
-        for line in dist.requires or []:
-            req = Requirement(line)
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (want or {""})):
-                todo.append((_norm(req.name), frozenset(req.extras)))
-    return [f"{n}=={v}" for n, v in sorted(pins.items())]
-
-
-def _wheel_pin(path: Path) -> str | None:
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-
-    try:
-        name, version, _, _ = parse_wheel_filename(path.name)
-    except InvalidWheelFilename:
-        return None
-    return f"{_norm(name)}=={version}"
-
-
-def missing_wheels(directory: Path, pins: list[str]) -> list[str]:
-    """The pins that no wheel in `directory` provides (name and exact version, local label included)."""
-    have = {_wheel_pin(p) for p in directory.glob("*.whl")}
-    return [p for p in pins if p not in have]
-
-
-def build_wheelhouse(directory: Path, extras: Iterable[str] = (EXTRAS,)) -> dict[str, int]:
-    """Fill `directory` with a wheel per manifest pin (kept across runs) and this tree's own wheel (always rebuilt).
-
-    pip takes each wheel where the host's pip does (its index and find-links: torch's CPU wheel
-    from a local folder where the host has one); a distribution without a wheel is built here.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    pins = manifest(extras)
-    (directory / "manifest.txt").write_text("# deploy/compose/check.py wheelhouse: the host venv's versions\n" + "\n".join(pins) + "\n")
-    absent = missing_wheels(directory, pins)
-    if absent:
-        req = directory / "requirements.txt"
-        req.write_text("\n".join(absent) + "\n")
-        run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(directory), "-r", str(req)])
-        req.unlink()
-    still = missing_wheels(directory, pins)
-    need(not still, f"no wheel for {still} after pip wheel")
-    for old in directory.glob("rose_rl-*.whl"):
-        old.unlink()
-    had_build = (REPO / "build").exists()
-    with tempfile.TemporaryDirectory() as build:
-        run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(directory), str(REPO)],
-            capture=False,
-            cwd=build,
-        )
-    if not had_build:  # setuptools' staging folder in the tree
-        shutil.rmtree(REPO / "build", ignore_errors=True)
-    return {"pins": len(pins), "downloaded": len(absent), "bytes": sum(p.stat().st_size for p in directory.glob("*.whl"))}
-
-
-# ---- the engine -------------------------------------------------------------------------------
-
-
-def _version(text: str) -> tuple[int, int]:
-    m = re.search(r"(\d+)\.(\d+)", text)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-def debian_mirror() -> str:
-    """The Debian mirror the host's apt uses (its sources), for debootstrap and Debian 13's engine packages."""
-    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
-        if not path.is_file():
-            continue
-        text = path.read_text()
-        for m in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
-            if not m.group(1).rstrip("/").endswith("-security"):
-                return m.group(1).rstrip("/")
-        for m in re.finditer(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", text, re.M):
-            if not m.group(1).rstrip("/").endswith("-security"):
-                return m.group(1).rstrip("/")
-    raise CheckFailed("no Debian mirror in /etc/apt/sources.list{,.d}: this check needs Debian's packages")
-
-
-def host_packages() -> None:
-    absent = [p for p in HOST_PACKAGES if run(["dpkg-query", "-W", "-f=${Status}", p], check=False).stdout.strip() != "install ok installed"]
-    if absent:
-        log(f"apt-get install {' '.join(absent)}")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        run(["apt-get", "update", "-qq"], env=env)
-        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *absent], env=env)
-
-
-def engine_tools(cache: Path) -> tuple[Path, Path, Path]:
-    """dockerd, docker and compose: the host's when new enough, else Debian 13's packages unpacked into the cache.
-
-    Debian 12's docker.io (20.10) and docker-compose (1.29) reject docker-compose.yml (`name`,
-    volume `subpath`: Engine >= 26, Compose >= 2.24); Debian 13's run on Debian 12 (libc >= 2.34)
-    beside its containerd and runc. Unpacked (dpkg -x), not installed: the host's packages stay.
-    """
-    host = {n: shutil.which(n) for n in ("dockerd", "docker")}
-    if all(host.values()):
-        dv = _version(run([host["dockerd"], "--version"], check=False).stdout)  # type: ignore[list-item]
-        cv = _version(run([host["docker"], "compose", "version"], check=False).stdout)  # type: ignore[list-item]
-        if dv >= MIN_ENGINE and cv >= MIN_COMPOSE:
-            return Path(host["dockerd"]), Path(host["docker"]), Path(host["docker"])  # type: ignore[arg-type]
-    root = cache / f"engine-{ENGINE_SUITE}"
-    dockerd, docker, compose = root / "usr/sbin/dockerd", root / "usr/bin/docker", root / "usr/libexec/docker/cli-plugins/docker-compose"
-    if not (dockerd.exists() and docker.exists() and compose.exists()):
-        apt = cache / f"apt-{ENGINE_SUITE}"
-        (apt / "lists/partial").mkdir(parents=True, exist_ok=True)
-        (apt / "archives/partial").mkdir(parents=True, exist_ok=True)
-        (apt / "sources.list").write_text(f"deb {debian_mirror()} {ENGINE_SUITE} main\n")
-        opts = [
-            f"-oDir::Etc::SourceList={apt / 'sources.list'}",
-            "-oDir::Etc::SourceParts=/nonexistent",
-            f"-oDir::State::Lists={apt / 'lists'}",
-            f"-oDir::Cache::Archives={apt / 'archives'}",
-            "-oAPT::Sandbox::User=root",
-        ]
-        run(["apt-get", *opts, "update", "-qq"])
-        run(["apt-get", *opts, "download", "docker.io", "docker-cli", "docker-compose"], cwd=apt)
-        for deb in apt.glob("*.deb"):
-            run(["dpkg-deb", "-x", str(deb), str(root)])
-            deb.unlink()
-    need(_version(run([str(dockerd), "--version"]).stdout) >= MIN_ENGINE, f"{dockerd} is older than Engine {MIN_ENGINE}")
-    return dockerd, docker, compose
-
-
-@dataclass
-class Engine:
-    """A Docker daemon to talk to: one already running (left running) or one started here (stopped here)."""
-
-    docker: Path
-    compose_bin: Path
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    root: Path | None = None
-
-    @classmethod
-    def start(cls, dockerd: Path, docker: Path, compose_bin: Path) -> Engine:
-        env = dict(os.environ)
-        probe = run([str(docker), "version", "--format", "{{.Server.Version}}"], env=env, check=False, timeout=20)
-        if probe.returncode == 0 and _version(probe.stdout) >= MIN_ENGINE:
-            log(f"using the running Docker Engine {probe.stdout.strip()}")
-            return cls(docker, compose_bin, env)
-        root = Path(tempfile.mkdtemp(prefix="rose-dockerd-"))
-        sock = root / "docker.sock"
-        path = os.pathsep.join([str(dockerd.parent), str(docker.parent), os.environ.get("PATH", "")])
-        # docker-init: Debian's tini-static (dockerd looks for it on PATH)
-        bin_dir = root / "bin"
-        bin_dir.mkdir()
-        tini = shutil.which("tini-static") or shutil.which("tini")
-        if tini:
-            (bin_dir / "docker-init").symlink_to(tini)
-        denv = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{path}")
-        logf = open(root / "dockerd.log", "w")  # noqa: SIM115 - the daemon's, closed when it stops
-        proc = subprocess.Popen(
-            [
-                str(dockerd),
-                "--bridge=none",
-                "--iptables=false",
-                "--ip6tables=false",
-                "--data-root",
-                str(root / "data"),
-                "--exec-root",
-                str(root / "exec"),
-                "--pidfile",
-                str(root / "dockerd.pid"),
-                "-H",
-                f"unix://{sock}",
-            ],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=denv,
-            start_new_session=True,
-        )
-        env = dict(os.environ, DOCKER_HOST=f"unix://{sock}", PATH=denv["PATH"])
-        engine = cls(docker, compose_bin, env, proc, root)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise CheckFailed(f"dockerd exited {proc.returncode}:\n{(root / 'dockerd.log').read_text()[-2000:]}")
-                probe = run([str(docker), "version", "--format", "{{.Server.Version}}"], env=env, check=False, timeout=10)
-                if probe.returncode == 0 and probe.stdout.strip():
-                    break
-                if time.monotonic() > deadline:
-                    raise CheckFailed("dockerd did not answer within 60 s")
-                time.sleep(0.5)
-            info = probe.stdout.strip()
-            driver = run([str(docker), "info", "--format", "{{.Driver}}"], env=env).stdout.strip()
-        except BaseException:
-            engine.stop()
-            raise
-        log(f"started dockerd {info} ({driver}, --bridge=none --iptables=false, data under {root})")
-        return engine
-
-    def docker_cmd(self, *args: str, check: bool = True, timeout: float | None = None, capture: bool = True):
-        return run([str(self.docker), *args], env=self.env, check=check, timeout=timeout, capture=capture)
-
-    def compose(self, *args: str, extra: Iterable[Path] = (), check: bool = True, timeout: float | None = 600, capture: bool = True):
-        files = [a for f in [*COMPOSE_FILES, *extra] for a in ("-f", str(f))]
-        env = dict(self.env, **COMPOSE_VARS)
-        # the host's `docker compose` plugin, or Debian 13's plugin binary run on its own (standalone mode)
-        prefix = [str(self.docker), "compose"] if self.compose_bin == self.docker else [str(self.compose_bin)]
-        return run(
-            [*prefix, *files, "--project-directory", str(REPO), *args],
-            env=env,
-            check=check,
-            timeout=timeout,
-            capture=capture,
-        )
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        if self.root is not None:
-            for mnt in reversed(_mounts_under(self.root)):  # overlay and shm mounts a killed daemon leaves
-                subprocess.run(["umount", "-l", mnt], capture_output=True)
-            stopped = time.monotonic()
-            shutil.rmtree(self.root, ignore_errors=True)
-            log(f"dockerd stopped, its data removed ({time.monotonic() - stopped:.1f} s to remove)")
-
-
-def _mounts_under(root: Path) -> list[str]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        target = line.split()[4]
-        if target.startswith(str(root)):
-            out.append(target)
-    return out
-
-
-# ---- images -----------------------------------------------------------------------------------
-
-
-def base_tarball(cache: Path) -> Path:
-    """Debian bookworm (minbase, python3 and venv) from Debian's packages, as a tarball for `docker import`."""
-    tar = cache / f"base-{SUITE}.tar"
-    if tar.exists():
-        return tar
-    rootfs = Path(tempfile.mkdtemp(prefix="rose-rootfs-", dir=cache))
-    try:
-        run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(rootfs), debian_mirror()], capture=True)
-        run(["chroot", str(rootfs), "apt-get", "clean"])
-        partial = tar.with_suffix(".tar.partial")
-        run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(partial), "."])
-        partial.rename(tar)
-    finally:
-        shutil.rmtree(rootfs, ignore_errors=True)
-    return tar
-
-
-def build_context(wheels: Path) -> Path:
-    """The image's build context: the package's files as the Dockerfile copies them, the wheelhouse beside."""
-    ctx = Path(tempfile.mkdtemp(prefix="rose-context-"))
-    files = run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"]).stdout.split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file() and not rel.startswith(("tests/", ".")):
-            (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, ctx / rel)
-    house = ctx / "deploy/compose/wheelhouse"
-    house.mkdir(parents=True, exist_ok=True)
-    for whl in [*wheels.glob("*.whl"), wheels / "manifest.txt"]:
-        try:
-            os.link(whl, house / whl.name)  # 300 MB: a hard link where the cache is on the same file system
-        except OSError:
-            shutil.copy2(whl, house / whl.name)
-    return ctx
-
-
-# What the Dockerfile copies into the image, the key of a saved image (images_key). README.md is
-# copied too, only as the project wheel's long description: a change to it alone keeps a saved image.
-IMAGE_INPUTS = (
-    "deploy/compose/Dockerfile",
-    "constraints.txt",
-    "deploy/compose/wheelhouse",
-    "pyproject.toml",
-    "__init__.py",
-    "bench",
-    "cli",
-    "client",
-    "contracts",
-    "services",
-    "shared",
-    "sim",
-    "testing",
-)
-
-
-def images_key(ctx: Path, base_tar: Path) -> str:
-    """A digest of what the images are made of: the Dockerfile's inputs in the build context (the project's
-    own wheel aside: it is built from the same tree files, which are hashed), the Prometheus image's
-    Dockerfile, the base tarball."""
-    h = hashlib.sha256()
-    st = base_tar.stat()
-    h.update(f"{base_tar.name}:{st.st_size}:{st.st_mtime_ns}:{EXTRAS}:{sorted(IMAGES.items())}".encode())
-    files = [p for rel in IMAGE_INPUTS for p in ([ctx / rel] if (ctx / rel).is_file() else (ctx / rel).rglob("*"))]
-    files.append(DEPLOY / "prometheus" / "Dockerfile")  # its only input (the configs are mounted)
-    for path in sorted(files):
-        if path.is_file() and not path.name.startswith("rose_rl-") and "__pycache__" not in path.parts:
-            h.update(f"{path.relative_to(ctx if path.is_relative_to(ctx) else REPO).as_posix()}\0".encode())
-            with path.open("rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()[:16]
-
-
-# ---- the cluster, seen from the host ----------------------------------------------------------
-
-
-@dataclass
-class Seen:
-    published: set[str] = field(default_factory=set)
-    trajectories: set[str] = field(default_factory=set)
-    duplicates: int = 0
-    manifests: set[int] = field(default_factory=set)
-    keyframes: set[int] = field(default_factory=set)  # versions published as a keyframe (a full state)
-    applied: list[tuple[str, int, int]] = field(default_factory=list)  # (executor, version, versions behind)
-    steps: list[tuple[float, str, int, int]] = field(default_factory=list)  # (t, run id, step, version)
-
-    def versions_lost(self, executors: Iterable[str], upto: int | None = None) -> list[int]:
-        """Published versions (up to `upto`) some executor neither applied nor folded into a later one (a catch-up)."""
-        lost: set[int] = set()
-        wanted = {v for v in self.manifests if upto is None or v <= upto}
-        for ex in executors:
-            covered: set[int] = set()
-            for e, v, behind in self.applied:
-                if e == ex:
-                    covered.update(range(v - behind, v + 1))
-            lost |= wanted - covered
-        return sorted(lost)
-
-    def versions_never_applied(self) -> list[int]:
-        """`rose bench faults`'s accounting: published versions that no executor applied, directly or on its
-        way to a later one. (An executor restarted after a kill joins at the latest keyframe, a full state
-        that carries every earlier version, and applies the deltas after it: the versions between the
-        one it held and the keyframe are folded into the keyframe, not applied one by one.)"""
-        covered: set[int] = set()
-        for _, v, behind in self.applied:
-            covered.update(range(v - behind, v + 1))
-        return sorted(self.manifests - covered)
-
-    def folded_into_keyframes(self, executor: str) -> tuple[list[int], list[int]]:
-        """Of the versions `executor` neither applied nor had in a chain it applied: (those before a keyframe it
-        joined at, which carries them; the others, truly skipped)."""
-        joined = [v - behind for e, v, behind in self.applied if e == executor and v - behind in self.keyframes]
-        rest = self.versions_lost([executor])
-        folded = [v for v in rest if any(v < k for k in joined)]
-        return folded, [v for v in rest if v not in folded]
-
-    def executors_behind(self, executors: Iterable[str]) -> dict[str, int]:
-        """Executors whose newest applied version is not the newest published one (-1: none applied)."""
-        newest = max(self.manifests, default=0)
-        last = {ex: max((v for e, v, _ in self.applied if e == ex), default=-1) for ex in executors}
-        return {ex: v for ex, v in last.items() if v < newest}
-
-    def last_step(self) -> int:
-        return self.steps[-1][2] if self.steps else 0
-
-
-async def observe(bus, seen: Seen, tag: str) -> None:
-    from rose.contracts.registry import AGENT_TASK, ROLLOUT_TASK, TRAINING_STEP, TRAJECTORY, WEIGHT_APPLIED, WEIGHT_MANIFEST
-
-    async def on_task(t, _d):
-        seen.published.add(t.task_id)
-
-    async def on_trajectory(t, _d):
-        if t.task_id in seen.trajectories:
-            seen.duplicates += 1
-        seen.trajectories.add(t.task_id)
-
-    async def on_manifest(m, _d):
-        seen.manifests.add(m.version)
-        if m.kind == "keyframe":
-            seen.keyframes.add(m.version)
-
-    async def on_applied(a, _d):
-        seen.applied.append((a.executor_id, a.version, a.versions_behind))
-
-    async def on_step(s, _d):
-        seen.steps.append((time.time(), s.run_id, s.step, s.version))
-
-    await bus.subscribe(ROLLOUT_TASK, on_task)
-    await bus.subscribe(AGENT_TASK, on_task)
-    await bus.consume(TRAJECTORY, on_trajectory, durable=f"check_traj_{tag}")
-    await bus.consume(WEIGHT_MANIFEST, on_manifest, durable=f"check_manifests_{tag}")
-    await bus.consume(WEIGHT_APPLIED, on_applied, durable=f"check_applied_{tag}")
-    await bus.consume(TRAINING_STEP, on_step, durable=f"check_steps_{tag}")
-
-
-class ServingLoad:
-    """Production traffic while the check runs (from `rose status` to the metrics): a short completion to
-    each serving executor in turn, about one a second, with the official `openai` client. The cluster
-    serves while it trains, as it is meant to; the serving dashboard's latency and request series come
-    from these. Failures (an executor killed) are counted, not retried."""
-
-    def __init__(self, model: str, every_s: float = 1.0) -> None:
-        self.model, self.every_s = model, every_s
-        self.ok = dict.fromkeys(SERVING, 0)
-        self.failed = dict.fromkeys(SERVING, 0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="serving-load", daemon=True)
-
-    def _run(self) -> None:
-        import openai
-
-        clients = {n: openai.OpenAI(base_url=f"http://127.0.0.1:{EXECUTORS[n]}/v1", api_key="unused", timeout=20, max_retries=0) for n in SERVING}
-        i = 0
-        while not self._stop.is_set():
-            name = SERVING[i % len(SERVING)]
-            i += 1
-            try:
-                clients[name].completions.create(model=self.model, prompt=f"{i % 7} + {i % 5} =", max_tokens=8)
-                self.ok[name] += 1
-            except Exception:
-                self.failed[name] += 1
-            self._stop.wait(self.every_s)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> dict[str, dict[str, int]]:
-        self._stop.set()
-        self._thread.join(30)
-        return {"ok": dict(self.ok), "failed": dict(self.failed)}
-
-
 async def until(what: str, ok, timeout: float, every: float = 1.0) -> float:
     t0 = time.monotonic()
     while True:
@@ -612,11 +139,6 @@ async def until(what: str, ok, timeout: float, every: float = 1.0) -> float:
         if time.monotonic() - t0 > timeout:
             raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
         await asyncio.sleep(every)
-
-
-def http_json(url: str, timeout: float = 10.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
-        return json.loads(r.read())
 
 
 @contextmanager
@@ -727,7 +249,7 @@ class Check:
                 self.e.docker_cmd("load", "-q", "-i", str(saved), timeout=600)
                 log(f"images loaded from {saved.name} (their inputs are unchanged)")
             else:
-                self.build_images(ctx)
+                build_images(self.e, ctx, self.base_tar)
                 for old in self.cache.glob("images-*.tar*"):
                     old.unlink()
                 partial = saved.with_suffix(".tar.partial")
@@ -738,38 +260,6 @@ class Check:
         size = self.e.docker_cmd("image", "inspect", "--format", "{{.Size}}", IMAGES["ROSE_IMAGE"]).stdout.strip()
         self.results["image_mb"] = round(int(size) / 2**20)
 
-    def build_images(self, ctx: Path) -> None:
-        if self.e.docker_cmd("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
-            self.e.docker_cmd("import", "--change", 'CMD ["/bin/bash"]', str(self.base_tar), BASE_IMAGE)
-        build = ["build", "--network", "none", "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=1"]
-        self.e.docker_cmd(
-            *build,
-            "--build-arg",
-            f"ROSE_EXTRAS=[{EXTRAS}]",
-            "-f",
-            str(ctx / "deploy/compose/Dockerfile"),
-            "-t",
-            IMAGES["ROSE_IMAGE"],
-            "-t",
-            IMAGES["ROSE_AGENTS_IMAGE"],
-            str(ctx),
-            timeout=900,
-        )
-        # Debian's prometheus, fetched from Debian's packages during the build (host network: no bridge here)
-        self.e.docker_cmd(
-            "build",
-            "--network",
-            "host",
-            "--build-arg",
-            f"BASE={BASE_IMAGE}",
-            "-f",
-            str(DEPLOY / "prometheus/Dockerfile"),
-            "-t",
-            IMAGES["ROSE_PROMETHEUS_IMAGE"],
-            str(DEPLOY / "prometheus"),
-            timeout=600,
-        )
-
     def job_file(self) -> None:
         from rose.shared.workload import TRAINER
 
@@ -779,7 +269,7 @@ class Check:
         self.job.write_text(f"# the check's RL job (deploy/compose/check.py JOB_CHANGES)\nservices:\n  trainer:\n    environment:\n{env}\n")
 
     async def up_phase(self) -> None:
-        busy = [p for p in LISTEN_PORTS if _listening(p)]
+        busy = [p for p in LISTEN_PORTS if listening(p)]
         need(not busy, f"ports already in use on 127.0.0.1: {busy} (host-network.yml needs them)")
         await asyncio.to_thread(self.up, CORE)
         took = await self.wait_healthy([s for s in CORE])
@@ -1121,49 +611,6 @@ class Check:
         left = leftovers(self.engine)
         self.results["left_behind"] = left
         log(f"cleanup {self.timings['cleanup']:.1f} s; left behind: {left or 'nothing'}")
-
-
-async def stream_counts(bus) -> dict[str, int]:
-    """Messages in every JetStream stream (the operator may read every stream's info)."""
-    return {info.config.name: info.state.messages for info in await bus.js.streams_info()}
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def leftovers(engine: Engine | None) -> list[str]:
-    out = []
-    if Path("/sys/class/net/docker0").exists():
-        out.append("docker0 bridge")
-    if engine is not None and engine.proc is not None:
-        if engine.proc.poll() is None:
-            out.append(f"dockerd pid {engine.proc.pid}")
-        if engine.root is not None and engine.root.exists():
-            out.append(str(engine.root))
-        if engine.root is not None and _mounts_under(engine.root):
-            out.append(f"mounts under {engine.root}")
-    ours = run(["pgrep", "-f", "rose-dockerd-"], check=False).stdout.split()
-    out += [f"process {p} of a check's dockerd" for p in ours if int(p) != os.getpid()]
-    return out
-
-
-def dashboard_queries() -> list[tuple[str, str]]:
-    """(dashboard file, PromQL) of every panel target of every Grafana dashboard in the repo."""
-    out = []
-
-    def walk(name: str, panel: dict) -> None:
-        for target in panel.get("targets") or []:
-            if target.get("expr"):
-                out.append((name, target["expr"]))
-        for child in panel.get("panels") or []:
-            walk(name, child)
-
-    for path in sorted((DEPLOY / "grafana/dashboards").glob("*.json")):
-        walk(path.name, json.loads(path.read_text()))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
