@@ -458,7 +458,7 @@ WEIGHT_APPLIED = Channel(
     WeightApplied,
     "An executor verified and swapped in a weight version.",
     publishers=("executor",),
-    consumers=("cli", "integrations"),
+    consumers=("cli", "integrations", "trainer"),  # the trainer: TRL's rollout function waits until every executor runs its version
     stream=EVENTS_STREAM,
 )
 WEIGHT_FAILED = Channel(

@@ -8,7 +8,9 @@
 `apply(state_dict, version)` is the executor's coroutine: it gets the *whole* tensors of every
 shard that changed (only those passing `tensor_filter`, e.g. a tensor-parallel rank's slice),
 swaps them in at an iteration boundary and returns the pause in ms (or None). It may raise to
-refuse the version.
+refuse the version. A version that changed no shard this follower holds (a trainer step that
+moved no weight, or none of this rank's) still reaches it, as an empty state dict: the executor
+then labels its later tokens with the new version, between iterations as any swap, copying nothing.
 
 How a version is taken (`_advance`): check the manifest against the model (names, shapes,
 dtypes, shard sizes) before fetching anything; fetch only the shards holding wanted tensors,
@@ -495,7 +497,7 @@ class WeightFollower:
                 buf = held.shards[t.shard_id][t.offset : t.offset + t.nbytes]
                 state[t.name] = tensor_from_bytes(buf, t.dtype, tuple(t.shape))
         try:
-            pause_ms = await self._apply_fn(state, held.version) if state else 0.0
+            pause_ms = await self._apply_fn(state, held.version)  # {}: the version changed nothing here, only its label moves
         except Exception as exc:
             await self._fail(held.version, WeightError("apply", f"the executor refused version {held.version}: {exc}"), "wait_keyframe")
             return

@@ -11,6 +11,10 @@ came from (TRL's `model_version`: its staleness filter drops what lags more than
 Each of TRL's weight syncs is a ROSE version every executor applies between its own iterations.
 Off CUDA, `install_cpu_fallbacks()` swaps the two places TRL 1.16 hard-wires to CUDA or the Hub
 (docs/trl.md), and `token_budget=0` (a fixed count of samples per step) keeps TRL from asking a vLLM server.
+
+With `--lora` the policy is a LoRA adapter of the serving model (`rose models init DIR --lora`, executors with
+`engine.rollout_mode = "co_batched"`): TRL trains the adapter over the base (TRL's peft path: `LoraPolicy`) and
+each sync publishes the adapter's tensors, read from the adapter itself (TRL merges it into the base for a sync).
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from rose.integrations.trl import RoseConnection, RoseRolloutWorker, RoseWeightTransfer, TaskTable, install_cpu_fallbacks
+from rose.integrations.trl import (
+    LoraPolicy,
+    RoseConnection,
+    RoseRolloutWorker,
+    RoseWeightTransfer,
+    TaskTable,
+    install_cpu_fallbacks,
+    policy_state_dict,
+)
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv
 from rose.shared.config import BusConfig
+from rose.shared.lora import is_adapter_dir
+from rose.shared.weight_layout import state_digest
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,6 +49,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--nkey-seed-file", default=os.environ.get("ROSE_BUS__NKEY_SEED_FILE", ""), help="the trainer's NKey seed (ROSE's auth)")
     p.add_argument("--policy", required=True, help="the policy model directory the executors serve (rose up: .rose/models/policy)")
+    p.add_argument("--lora", action="store_true", help="the policy is a LoRA adapter of the serving model: train the adapter")
     p.add_argument("--steps", type=int, default=20, help="TRL optimizer steps")
     p.add_argument("--problems", type=int, default=16, help="arithmetic problems (seeds 0..N-1)")
     p.add_argument("--max-operand", type=int, default=4)
@@ -53,6 +69,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    lora = LoraPolicy.read(args.policy) if args.lora else None  # the adapter the executors serve (AdapterError: not one)
+    if lora is None and is_adapter_dir(args.policy):
+        raise SystemExit(f"--policy {args.policy} is a LoRA adapter of the serving model: pass --lora")
     torch.set_num_threads(args.threads)
     if not torch.cuda.is_available():
         install_cpu_fallbacks()
@@ -77,7 +96,17 @@ def main(argv: list[str] | None = None) -> int:
             disable_tqdm=True,
         )
         worker, transfer = RoseRolloutWorker(rose, config), RoseWeightTransfer(rose)  # ROSE
-        trainer = AsyncGRPOTrainer(model=args.policy, args=config, train_dataset=tasks.dataset(), rollout_worker=worker, weight_transfer=transfer)
+        trainer = AsyncGRPOTrainer(
+            model=str(lora.base_dir) if lora else args.policy,
+            peft_config=lora.config if lora else None,  # TRL's peft path: an adapter of this shape over the base
+            processing_class=AutoTokenizer.from_pretrained(args.policy),
+            args=config,
+            train_dataset=tasks.dataset(),
+            rollout_worker=worker,
+            weight_transfer=transfer,
+        )
+        if lora:
+            lora.load_into(trainer.model)  # ROSE: start from the adapter the executors serve
         transfer.bind(trainer.model)  # ROSE: what each sync publishes
         trainer.train()
         summary = {
@@ -88,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "groups_scored": worker.groups_scored,
             "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
             "staleness_max": [h["sample/staleness_max"] for h in trainer.state.log_history if "sample/staleness_max" in h],
+            "policy_sha256": state_digest(policy_state_dict(trainer.accelerator.unwrap_model(trainer.model))),  # the last sync's
         }
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

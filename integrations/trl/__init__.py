@@ -13,6 +13,10 @@ Two seams, both through TRL's own arguments and protocols:
                                    rollout_worker=RoseRolloutWorker(rose, args), weight_transfer=transfer)
         transfer.bind(trainer.model)
 
+A LoRA policy (the executors run an adapter of the serving model, `rose models init --lora`): TRL's peft path,
+`lora = LoraPolicy.read(policy_dir)`, `model=str(lora.base_dir)`, `peft_config=lora.config`, then
+`lora.load_into(trainer.model)`; each version published is the adapter's tensors.
+
 A client of ROSE: it imports contracts, shared and client, never a service.
 """
 
@@ -20,11 +24,12 @@ from .async_grpo import RoseRolloutWorker, RoseWeightTransfer
 from .bridge import RoseConnection
 from .cpu import install_cpu_fallbacks
 from .groups import RolloutFailed
-from .policy import UnsupportedPolicy, policy_state_dict
+from .policy import LoraPolicy, UnsupportedPolicy, check_lora_config, policy_state_dict
 from .rollout_func import RoseRolloutFunc
 from .tasks import TaskSpec, TaskTable, UnknownPrompt, env_reward
 
 __all__ = [
+    "LoraPolicy",
     "RolloutFailed",
     "RoseConnection",
     "RoseRolloutFunc",
@@ -34,6 +39,7 @@ __all__ = [
     "TaskTable",
     "UnknownPrompt",
     "UnsupportedPolicy",
+    "check_lora_config",
     "env_reward",
     "install_cpu_fallbacks",
     "policy_state_dict",

@@ -15,10 +15,11 @@ computes the importance ratio against `old_log_probs` and drops a sample more th
   its ROSE version, bridge.py `trl_version`), so TRL's staleness filter sees ROSE's real lag.
 * `RoseWeightTransfer` publishes the policy through ROSE's weight publisher on each of TRL's syncs
   (TRL's first, on train begin, included) and returns once every executor can fetch it. What is
-  published is `policy_state_dict(model)` (policy.py), so the transfer needs the trainer's model:
-  `transfer.bind(trainer.model)` after building the trainer. `pause` and `resume` have nothing to
-  do: executors swap versions between their own iterations, and turns in flight finish on the
-  version they started with, each token recording it.
+  published is `policy_state_dict(model)` (policy.py: the whole model, or a `PeftModel`'s adapter
+  read from its own parameters, which TRL's merge before the sync leaves as they are), so the
+  transfer needs the trainer's model: `transfer.bind(trainer.model)` after building the trainer.
+  `pause` and `resume` have nothing to do: executors swap versions between their own iterations,
+  and each token records the version that sampled it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from rose.shared.errors import RoseError
 
 from .bridge import RoseConnection
 from .groups import Group
-from .policy import policy_state_dict
+from .policy import check_policy, policy_state_dict
 from .sequences import episode_runs
 from .tasks import ENV_REWARD_FIELD, env_reward
 
@@ -173,7 +174,9 @@ class RoseWeightTransfer:
         self.sent: list[int] = []  # the ROSE version of each sync, in order
 
     def bind(self, model: torch.nn.Module) -> RoseWeightTransfer:
-        """The trainer's model, whose `policy_state_dict` each sync publishes (`transfer.bind(trainer.model)`)."""
+        """The trainer's model, whose `policy_state_dict` each sync publishes (`transfer.bind(trainer.model)`); a LoRA
+        configuration the executors cannot run is refused here, before TRL's first sync."""
+        check_policy(_unwrapped(model))
         self.model = model
         return self
 

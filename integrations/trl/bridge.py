@@ -19,10 +19,10 @@ The three calls of ROSE's trainer SDK (services/trainer/trainer.py's module docs
 The synchronous seam also waits until the executors run the version (`applied`) before it hands
 tasks out, as TRL's own vLLM path syncs weights before it generates: a turn started on the previous
 version would be a stale sample handed out again (groups.py). The fleet is the executors whose
-headroom the SLO monitor published lately (`slo.headroom`, which a trainer reads), and what each
-runs comes from `weights.applied`. Under ROSE's authorisation the registry names only `cli` and
-`integrations` as readers of `weights.applied`; refused it, the connection says so once and the
-re-hand-out of stale members alone keeps samples on-policy (docs/trl.md).
+headroom the SLO monitor published lately (`slo.headroom`), and what each runs comes from
+`weights.applied`; the registry names the trainer a reader of both. A version that changed no
+weight is applied like any other (the executors relabel, shared/weight_sync.py), so a token's
+version is the version whose weights sampled it.
 
 The process connects as the `trainer` service: with ROSE's authorisation on, give it the
 trainer's credentials (`BusConfig(nkey_seed_file=...)`); it needs no other right.
@@ -49,8 +49,8 @@ from rose.contracts.registry import HEADROOM, ROLLOUT_TASK, TRAINING_STEP, TRAJE
 from rose.contracts.rollout import RolloutTask, Trajectory
 from rose.contracts.slo import Headroom
 from rose.contracts.training import TrainingStep
-from rose.contracts.weights import VERSION_NOT_NEWER, WeightApplied, WeightManifest
-from rose.shared.bus import Bus, Delivery, PermissionDenied, RemoteError
+from rose.contracts.weights import VERSION_NOT_NEWER, WeightApplied
+from rose.shared.bus import Bus, Delivery, RemoteError
 from rose.shared.config import BusConfig
 
 from .groups import MAX_ATTEMPTS, MEMBER_TIMEOUT_S, GroupBook
@@ -67,7 +67,6 @@ EXPIRE_POLL_S = 1.0  # how often members past `member_timeout_s` are looked for 
 # as a fleet started together with the trainer may take to come up (`rose up`, `rose demo`: a minute or two on a busy box).
 PUBLISH_RETRY_S, PUBLISH_RETRY_DEADLINE_S = 0.2, 180.0
 PUBLISHED_TIMEOUT_S = 600.0  # the SDK's default wait for a version's manifest (client/weights.py)
-STORED_MANIFEST_S = 5.0  # reading an earlier version's manifest back from the stream (one request; it is there or gone)
 # The fleet: executors whose headroom the monitor published within 5 of its intervals (slo_monitor headroom_interval_s,
 # 1 s by default); an executor unheard of for that long has stopped or left.
 FLEET_FRESH_S = 5.0
@@ -135,10 +134,9 @@ class RoseConnection:
         self._book: GroupBook | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._fleet: dict[str, float] = {}  # executor id -> when its headroom was last heard (monotonic)
-        self._running: dict[str, int] | None = {}  # executor id -> the newest version it applied; None: not readable here
+        self._running: dict[str, int] = {}  # executor id -> the newest version it applied
         self._heard = asyncio.Event()  # set on every headroom or applied event: `applied` looks again
         self._fleet_heard = asyncio.Event()  # set on the first headroom: the fleet is known
-        self._same_as: dict[int, int] = {}  # a version published with the weights of the one before -> that one
 
     def __enter__(self) -> RoseConnection:
         return self.open()
@@ -189,14 +187,9 @@ class RoseConnection:
         await self._bus.consume(TRAJECTORY, self._on_trajectory, durable=f"trl_{self.run_id}", deliver_new=True, batch=TRAJECTORY_FETCH_BATCH)
         self._expiry = asyncio.create_task(self._expire_loop(), name="trl:expire")
         await self._bus.subscribe(HEADROOM, self._on_headroom)
-        try:
-            await self._bus.subscribe(WEIGHT_APPLIED, self._on_applied)
-        except PermissionDenied:
-            self._running = None
-            log.warning(
-                "this trainer may not read weights.applied: tasks go out without waiting for the executors to run a new version; "
-                "members sampled on the previous one are handed out again (docs/trl.md)"
-            )
+        # the registry names the trainer a reader: refused, the NATS server still runs an older registry's rights (its
+        # authorisation include is rewritten at every `rose up`: restart it) and PermissionDenied says so
+        await self._bus.subscribe(WEIGHT_APPLIED, self._on_applied)
         log.info("TRL run %s on %s: policy %r at v%d", self.run_id, self.config.display_url(), self.model, self.version)
 
     async def _close(self) -> None:
@@ -224,14 +217,12 @@ class RoseConnection:
         self._heard.set()
 
     async def _on_applied(self, applied: WeightApplied, _delivery: Delivery) -> None:
-        if self._running is not None and applied.model == self.model:
+        if applied.model == self.model:
             self._running[applied.executor_id] = max(applied.version, self._running.get(applied.executor_id, 0))
             self._heard.set()
 
     def behind(self, version: int) -> list[str]:
-        """The fleet's executors not running `version` yet (none when what they run cannot be read here)."""
-        if self._running is None:
-            return []
+        """The fleet's executors not running `version` yet."""
         now = time.monotonic()
         return sorted(e for e, seen in self._fleet.items() if now - seen <= FLEET_FRESH_S and self._running.get(e, 0) < version)
 
@@ -283,31 +274,11 @@ class RoseConnection:
                 if time.monotonic() > deadline:
                     raise
             await asyncio.sleep(PUBLISH_RETRY_S)
-        await self._note_unchanged(await self._weights.published(version, timeout=PUBLISHED_TIMEOUT_S))
+        await self._weights.published(version, timeout=PUBLISHED_TIMEOUT_S)
         self.version = version
         self.versions.append(version)
         return version
 
-    async def _note_unchanged(self, manifest: WeightManifest) -> None:
-        """Record the versions before `manifest` whose weights it repeats (a TRL step on a batch whose rewards were all
-        equal changes nothing): an executor applies no tensor of such a version and goes on labelling its tokens with
-        the version before, so its samples carry that older label. Walks back over earlier runs' versions too."""
-        while not manifest.keyframe and manifest.changed_fraction == 0.0 and manifest.base_version is not None:
-            if manifest.version in self._same_as:
-                return
-            self._same_as[manifest.version] = manifest.base_version
-            assert self._weights is not None
-            try:
-                manifest = await self._weights.published(manifest.base_version, timeout=STORED_MANIFEST_S)
-            except TimeoutError:  # no longer on the manifest stream: the chain ends here
-                return
-
-    def floor(self, version: int) -> int:
-        """The oldest version whose weights are `version`'s (an executor's tokens may carry that label)."""
-        while version in self._same_as:
-            version = self._same_as[version]
-        return version
-
     def trl_version(self, rose_version: int) -> int:
         """TRL's count of weight syncs whose weights ROSE's `rose_version` ran (0 before this run's first publish)."""
-        return bisect.bisect_right([self.floor(v) for v in self.versions], rose_version)
+        return bisect.bisect_right(self.versions, rose_version)

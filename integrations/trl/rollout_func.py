@@ -92,7 +92,7 @@ class RoseRolloutFunc:
         self._sync(trainer)
         published = time.monotonic()
         size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        min_version = self.rose.floor(self.rose.version) - self.max_staleness
+        min_version = self.rose.version - self.max_staleness
         batch_id = f"{self.rose.run_id}-r{len(self.rounds)}"
         runs = prompt_runs(list(prompts), size)
         trajectories = self.rose.call(self._rollout(runs, batch_id, len(prompts), min_version))

@@ -54,7 +54,7 @@ from .sampling import SamplerState
 from .scheduling import Limits
 from .sequence import Sequence
 from .slo_guard import GuardState, SloGuard
-from .weights import AdapterPolicyWeights, FullPolicyWeights, MergedAdapterWeights, PolicyWeights, fold_in
+from .weights import AdapterPolicyWeights, FullPolicyWeights, MergedAdapterWeights, PolicyWeights, checked_version, fold_in
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -506,10 +506,20 @@ class Engine:
         """Validate now (raises WeightUpdateError, old weights kept), swap between rollout iterations.
 
         Returns a future resolved with the swap pause in ms once the new version is live
-        (``await asyncio.wrap_future(f)`` from asyncio).
+        (``await asyncio.wrap_future(f)`` from asyncio). An empty ``state_dict`` is a version that changed no weight
+        (shared/weight_sync.py): only the label later tokens record moves, between iterations as any swap, nothing copied.
         """
+        if not state_dict:
+            checked_version(version)
+            return self.control.between_iterations(lambda: self._relabel(version))
         swap = self.weights.prepare(state_dict, version)  # here, not in the lane's pause (a standby bank or slot is filled)
         return self.control.between_iterations(lambda: self._swap(swap, version))
+
+    def _relabel(self, version: int) -> float:
+        """The same weights under a new version. Prefixes retained under the old label are not reused (the prefix cache
+        matches labels): a prefill more, never a token of other weights."""
+        self.policy_version = version
+        return 0.0
 
     def _swap(self, swap: Callable[[], float], version: int) -> float:
         pause_ms = swap()

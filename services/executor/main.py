@@ -50,14 +50,14 @@ def model_dirs(config: ExecutorConfig) -> tuple[Path, Path]:
     root = models_root(m.dir)
     serving = Path(m.serving_dir) if m.serving_dir else root / SERVING_DIRNAME
     policy = Path(m.policy_dir) if m.policy_dir else root / POLICY_DIRNAME
-    missing = [p for p in (serving, policy) if not (p / "config.json").exists()]
+    missing = [p for p in (serving, policy) if not ((p / "config.json").exists() or is_adapter_dir(p))]  # a LoRA policy: an adapter
     if missing and not (m.init_if_missing and not m.serving_dir and not m.policy_dir):
         raise FileNotFoundError(f"no model at {', '.join(map(str, missing))}: run `rose models init {root}` or set models.dir")
     if missing:
         root.mkdir(parents=True, exist_ok=True)
         with open(root / ".init.lock", "w") as lock:  # several executors may start at once
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not all((p / "config.json").exists() for p in (serving, policy)):
+            if not all((p / "config.json").exists() or is_adapter_dir(p) for p in (serving, policy)):
                 log.info("building tiny models in %s", root)
                 init_models(root, seed=m.seed)
     return serving, policy

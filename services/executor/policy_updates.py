@@ -28,8 +28,11 @@ class PolicyUpdates:
         Validation and the staging copy run in a worker thread, off the event loop that
         answers serving HTTP requests. An emulated device first waits the time the real model's
         delta would take to arrive (``weight_transfer_s``; 0 on a real device, whose bytes came
-        over the bus for real).
+        over the bus for real). An empty `state` is a version that changed no weight here: nothing to
+        transfer or stage, the engine only moves the version label.
         """
+        if not state:
+            return await asyncio.wrap_future(self.engine.apply_policy_weights({}, version))
         transfer_s = self.engine.device.weight_transfer_s()
         if transfer_s > 0:
             await asyncio.sleep(transfer_s)

@@ -21,7 +21,7 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 from rose.shared.lora import Adapter, write_adapter
 
 from .sglang_wire import ServerError
-from .weights import StagedWeights, WeightUpdateError
+from .weights import StagedWeights, WeightUpdateError, checked_version
 
 log = logging.getLogger("rose.executor.sglang")
 
@@ -70,11 +70,11 @@ class LoraVersions:
     # ---- versions
     def stage(self, state: dict[str, torch.Tensor], version: int) -> StagedWeights:
         """The whole adapter of ``version``: ``state`` (every tensor, or the ones a delta changed) over the live one's.
-        WeightUpdateError, nothing changed, for a state that is not this adapter's."""
-        if not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+        WeightUpdateError, nothing changed, for a state that is not this adapter's. An empty state is a version that
+        changed no weight: ``update`` then only relabels the live adapter."""
         if not state:
-            raise WeightUpdateError("empty state dict: nothing to update")
+            return StagedWeights({}, checked_version(version))
+        checked_version(version)
         unknown = sorted(set(state) - set(self.mirror))
         if unknown:
             raise WeightUpdateError(f"not tensors of the policy's adapter (its rank, targets and layers are fixed): {unknown[:5]}")
@@ -103,8 +103,15 @@ class LoraVersions:
     async def update(self, staged: StagedWeights) -> float:
         """Write the staged version as an adapter directory, load it, make it the live one; the milliseconds the
         server's load took (its scheduler loads between batches). ServerError, aiohttp's errors, OSError: the live
-        version stays."""
+        version stays. A version that changed no weight (no tensor staged) is the live adapter under the new label:
+        nothing written or loaded, later requests record the new version, those in flight keep theirs."""
         tensors, version = staged.tensors, staged.version
+        if not tensors:
+            if self.live is None:
+                raise ServerError(self.url, 0, f"version {version} changed no weight, and no adapter is loaded on the server to relabel")
+            self.live = replace(self.live, version=version)
+            log.info("policy version %d changed no weight: adapter %s on %s now carries its label", version, self.live.name, self.url)
+            return 0.0
         target = AdapterVersion(f"{ADAPTER_PREFIX}-v{version}", version, self.staging_dir / f"v{version}")
         await asyncio.to_thread(self._write, target.path, tensors)
         started = time.perf_counter()

@@ -24,7 +24,7 @@ from rose.shared.weight_layout import save_safetensors
 from .sglang_lora import Call
 from .sglang_tensors import serialize_named_tensors
 from .sglang_wire import ServerError
-from .weights import StagedWeights, stage
+from .weights import StagedWeights, checked_version, stage
 
 log = logging.getLogger("rose.executor.sglang")
 
@@ -46,8 +46,9 @@ class MirroredWeights:
         return self.mirror.state_dict()
 
     def stage(self, state: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        """Checked against the mirror (WeightUpdateError, nothing changed)."""
-        return stage(self.mirror, state, version)
+        """Checked against the mirror (WeightUpdateError, nothing changed). An empty state is a version that changed no
+        weight: `update` then sends no tensor, only the server's version label moves."""
+        return stage(self.mirror, state, version) if state else StagedWeights({}, checked_version(version))
 
     async def update(self, staged: StagedWeights) -> float:
         """Send what changed; the milliseconds the server took to load it. ServerError, aiohttp's errors, OSError:

@@ -219,6 +219,8 @@ class Telemetry:
         last = self.last
         if last is None:
             return {}
+        # forwards that carried serving's rows and rollout's (co_batched.py); the engines that keep no such count leave it out
+        co_batched = getattr(getattr(self.engine, "metrics", None), "co_batched_iterations", None)
         return {
             "serving_queue": float(last.serving_queue),
             "serving_running": float(last.serving_running),
@@ -227,6 +229,7 @@ class Telemetry:
             "rollout_tokens_per_s": round(last.rollout_tokens_per_s, 1),
             "serving_tokens_per_s": round(last.serving_tokens_per_s, 1),
             "policy_version": float(last.policy_version),
+            **({"co_batched_iterations": float(co_batched)} if co_batched is not None else {}),
             "lease_held": 1.0 if last.lease_id and not last.rollout_parked else 0.0,
             "lease_parked": 1.0 if last.rollout_parked else 0.0,
             **({"rollout_share": round(last.slo_guard.share, 3)} if last.slo_guard is not None else {}),

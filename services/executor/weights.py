@@ -71,9 +71,15 @@ class StagedWeights:
         return (time.perf_counter() - start) * 1000.0
 
 
-def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
+def checked_version(version: object) -> int:
+    """A policy version label: a non-negative integer (WeightUpdateError otherwise)."""
     if not isinstance(version, int) or version < 0:
         raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+    return version
+
+
+def stage(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
+    checked_version(version)
     if not state_dict:
         raise WeightUpdateError("empty state dict: nothing to update")
     live = model.state_dict()
@@ -131,8 +137,7 @@ class AdapterPolicyWeights:
         return self.bank.state_dict(self.live)
 
     def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> Callable[[], float]:
-        if not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}")
+        checked_version(version)
         if not state_dict:
             raise WeightUpdateError("empty state dict: nothing to update")
         if self._pending is not None:

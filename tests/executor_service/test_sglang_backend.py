@@ -358,17 +358,21 @@ async def test_weight_updates_send_only_changed_tensors_and_land_bit_exact(serve
         caplog.clear()
         await asyncio.wrap_future(backend.apply_policy_weights({other: original[other]}, 3))
         assert "0 tensors sent" in caplog.text and (await _get(url, "/get_weight_version"))["weight_version"] == "3"
+        # a version that changed no weight reaches it as the weight follower hands it over, an empty state: the label moves
+        caplog.clear()
+        await PolicyUpdates(backend).apply({}, 4)
+        assert "0 tensors sent" in caplog.text and (await _get(url, "/get_weight_version"))["weight_version"] == "4"
 
         backend.set_rollout_lease(8 << 20, time.monotonic() + FAR, "lease-w")
         turn = await backend.submit(_request(WorkClass.ROLLOUT, 3, stream=False)).result()
-        assert turn.policy_version == 3 and set(turn.token_versions) == {3}
+        assert turn.policy_version == 4 and set(turn.token_versions) == {4}
         streamed = await backend.submit(_request(WorkClass.ROLLOUT, 3, stream=True)).result()  # a streaming rollout caller
-        assert streamed.policy_version == 3 and len(streamed.logprobs) == len(streamed.token_ids)
+        assert streamed.policy_version == 4 and len(streamed.logprobs) == len(streamed.token_ids)
 
         # a state that does not fit the policy is refused here, before anything is sent
         with pytest.raises(WeightUpdateError, match="shape"):
-            backend.apply_policy_weights({name: torch.zeros(3, 3)}, 4)
-        assert backend.policy_version == 3
+            backend.apply_policy_weights({name: torch.zeros(3, 3)}, 5)
+        assert backend.policy_version == 4
     finally:
         await backend.stop()
 

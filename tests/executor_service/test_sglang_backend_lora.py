@@ -173,9 +173,14 @@ async def test_a_new_version_is_loaded_and_the_old_one_unloaded_once_unused(back
     assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == ["v2"]  # the unloaded version's directory is gone
     turn = await backend.submit(_request(WorkClass.ROLLOUT)).result()
     assert list(turn.token_ids) == peft_greedy(lora_models["base"], {**lora_models["v1"], **delta}) and set(turn.token_versions) == {2}
+    # a version that changed no weight (the weight follower hands it over as an empty state): v2's adapter under label 3
+    assert await asyncio.wrap_future(backend.apply_policy_weights({}, 3)) == 0.0 and backend.policy_version == 3
+    assert await _loaded(server) == {"policy", "rose-policy-v2"} and sorted(p.name for p in (tmp_path / "staging").iterdir()) == ["v2"]
+    turn = await backend.submit(_request(WorkClass.ROLLOUT)).result()
+    assert list(turn.token_ids) == peft_greedy(lora_models["base"], {**lora_models["v1"], **delta}) and set(turn.token_versions) == {3}
     with pytest.raises(WeightUpdateError, match="adapter"):  # refused here, before anything is written or sent
-        backend.apply_policy_weights({name: torch.zeros(3, 3)}, 3)
-    assert backend.policy_version == 2
+        backend.apply_policy_weights({name: torch.zeros(3, 3)}, 4)
+    assert backend.policy_version == 3
 
 
 async def test_a_version_the_server_refuses_leaves_the_live_one(backend, server, lora_models, tmp_path):
