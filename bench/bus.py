@@ -19,6 +19,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,19 @@ async def _publish_rate(publish, flush, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def run_bus_bench(*, out_json: str, requests: int = 2000, rounds: int = 3, console: Console | None = None) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class BusOptions:
+    """What a `rose bench bus` run measures: ``requests`` request/replies per contender per round, ``rounds`` rounds
+    alternating between the contenders (the median is reported)."""
+
+    requests: int = 2000
+    rounds: int = 3
+
+
+async def run_bus_bench(options: BusOptions, out_json: str, console: Console | None = None) -> dict[str, Any]:
+    """Every contender on one server with auth on; the result (also written to ``out_json``)."""
     console = console or Console()
+    requests, rounds = options.requests, options.rounds
     setup_tracing("bench", "bench-1")  # the helpers pay for tracing exactly as services do
     with tempfile.TemporaryDirectory() as tmp:
         creds = init_credentials(Path(tmp) / "security")

@@ -62,9 +62,11 @@ TTFT_MEDIAN_MS, TPOT_MEDIAN_MS = 40.0, 12.0  # the tiny CPU fleet's medians (REA
 BURST_LATENCY_FACTOR = 2.5
 
 
-@dataclass
-class Settings:
-    executors: list[int]
+@dataclass(frozen=True, kw_only=True)
+class ControlPlaneOptions:
+    """What a `rose bench control-plane` run measures (module docstring): one run per fleet size in ``executors``."""
+
+    executors: tuple[int, ...] = (100, 300, 1000)
     duration_s: float = 30.0
     interval_s: float = 1.0
     cluster: bool = False
@@ -121,7 +123,7 @@ def sketch_templates(rng: np.random.Generator, median_ms: float, count: int) -> 
 class StandInFleet:
     """N executor stand-ins over a few connections; see the module docstring."""
 
-    def __init__(self, url: str, s: Settings, n: int, prefix: str) -> None:
+    def __init__(self, url: str, s: ControlPlaneOptions, n: int, prefix: str) -> None:
         self.url, self.s, self.n = url, s, n
         self.replicas = 3 if s.cluster else 1
         self.rng = random.Random(s.seed)
@@ -362,7 +364,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 # ---- one level ------------------------------------------------------------------------
-async def run_level(n: int, s: Settings, root: Path) -> dict:
+async def run_level(n: int, s: ControlPlaneOptions, root: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     monitor_ports: list[int] = []
     server: NatsCluster | NatsServer
@@ -497,7 +499,8 @@ def meets_targets(level: dict, interval_s: float) -> dict[str, bool]:
     }
 
 
-async def run_control_plane_bench(json_path: str | Path, s: Settings, *, plot: bool = True) -> dict:
+async def run_control_plane_bench(s: ControlPlaneOptions, json_path: str | Path, *, plot: bool = True) -> dict:
+    """Each fleet size's run; the result (also written to ``json_path``, plotted beside it with more than one size)."""
     levels = []
     with tempfile.TemporaryDirectory(prefix="rose-cp-") as tmp:
         for n in s.executors:
@@ -523,7 +526,7 @@ async def run_control_plane_bench(json_path: str | Path, s: Settings, *, plot: b
         "bench": "control_plane",
         "nats": "cluster3" if s.cluster else "single",
         "interval_s": s.interval_s,
-        "settings": dataclasses.asdict(s),
+        "settings": {**dataclasses.asdict(s), "executors": list(s.executors)},  # as the JSON holds it
         "levels": levels,
         "machine": {"cpus": os.cpu_count()},
     }

@@ -12,7 +12,7 @@ contract a service really has, the same for every cell).
 and all CPU threads for its lane; measured before and after the policies, averaged);
 ``harvest_ratio`` = rose rollout tokens/s / dedicated. ``reclaim_latency_ms_p99``: serving
 arrival -> rollout off serving's compute, over the trace and over lull probes (see
-``_reclaim_probes``), with ``reclaim_samples``.
+bench/coserve_runs.py ``_reclaim_probes``), with ``reclaim_samples``.
 
 A grid (``--loads``, ``--seeds``, ``--noise``) runs every (noise, load, seed) cell with the same
 capacity and dedicated baseline (measured once, without noise): ``--noise F`` starts a co-runner
@@ -23,6 +23,9 @@ JSON's ``cells`` lists each cell's per-policy SLO attainment, TTFT/TPOT p99, rol
 tokens/s and harvest; the top-level fields are the first cell's, as for a single run. The rose run
 of the first cell also records the SLO guard (slo_guard.py) every GUARD_SAMPLE_S: its share, the
 measured tail ratio and the setpoint, plotted beside the JSON as ``<name>-guard.png``.
+
+The runs on one engine (the models, the trace, a policy's run, the capacity and dedicated baselines) are
+bench/coserve_runs.py's; this module runs them over the grid (``CoserveOptions``) and reports the figures.
 """
 
 from __future__ import annotations
@@ -31,341 +34,125 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rose.bench.options import SLO_BASES
-from rose.services.executor.config import RolloutMode
-from rose.services.executor.engine import Engine, EngineConfig
-from rose.services.executor.policies import POLICY_NAMES as POLICIES
-from rose.services.executor.protocol import EngineSampling, GenerationRequest, GenerationResult, WorkClass
+from rose.bench.options import SLO_BASES, options_from_args
+from rose.services.executor.engine import EngineConfig
 
-MIB = 1 << 20
+from .coserve_runs import (
+    BURST_EVERY_S,
+    BURST_FACTOR,
+    BURST_LEN_S,
+    CO_BATCHED,
+    MIB,
+    RECLAIM_PROBES,
+    BenchModels,
+    Contender,
+    Noise,
+    bench_config,
+    contenders,
+    load_models,
+    measure_capacity,
+    measure_dedicated,
+    run_policy,
+    serving_trace,
+)
+
 SLO_MULTIPLIER = 2.0  # SLO = 2 x serving_only's p99 TTFT / TPOT
-SERVING_PROMPT_TOKENS = 48
-SERVING_MAX_TOKENS = 32
-ROLLOUT_PROMPT_TOKENS = 32
-ROLLOUT_MAX_TOKENS = 128
-CAPACITY_REQUESTS = 96
-CAPACITY_ROUNDS = 3  # the median sets the rate (see _capacity)
-BURST_EVERY_S = 5.0
-BURST_LEN_S = 0.5
-BURST_FACTOR = 3.0
-WARMUP_REQUESTS = 8
-RECLAIM_PROBES = 20  # serving requests sent into lulls after the trace (rose only): reclaim samples (--reclaim-probes)
-RECLAIM_PROBE_SETTLE_S = 0.25  # a lull: the serving lane idles and the rollout lane has widened over its core
-GRACE_S = 5.0  # after the trace, unanswered serving requests get this long, then are aborted
 DEDICATED_FRACTION = 0.5  # dedicated run length as a fraction of duration (at least DEDICATED_MIN_S; --dedicated-s overrides)
 DEDICATED_MIN_S = 5.0
-NOISE_PERIOD_S = 0.01  # the co-runner's duty-cycle period: busy F of it, asleep the rest
-GUARD_SAMPLE_S = 0.01  # how often the rose run records the SLO guard's state
-BENCH_CONFIG = EngineConfig(serving_kv_bytes=64 * MIB, rollout_kv_bytes=128 * MIB, device="auto", seed=0, rollout_process=True)
-# On a GPU the pools hold GPU-class models' KV (``--preset qwen2.5``: 12 / 28 KiB per token) for full batches.
-CUDA_KV_BYTES = {"serving_kv_bytes": 1024 * MIB, "rollout_kv_bytes": 2048 * MIB}
 
 
-def bench_config(device: str = "auto", dtype: str = "auto") -> EngineConfig:
-    """BENCH_CONFIG on ``device``; ``dtype`` auto is bfloat16 on CUDA (its tensor cores), float32 on CPU."""
-    from rose.services.executor.device import select_device
+@dataclass(frozen=True, kw_only=True)
+class CoserveOptions:
+    """What a `rose bench coserve` run measures (options.add_coserve_arguments says each): the policies on one trace
+    (``lora``: the policy a LoRA adapter of the serving model, and rose in the co-batched mode beside the four, each row
+    saying its mode), or on each cell of loads x seeds x noises, ``repeats`` rounds per cell (``_run_cell``: figures
+    pooled over the rounds). ``min_requests``: each cell's trace is long enough for that many serving requests (at
+    least ``duration_s``), so that the SLO target's tolerance (SLO_TOLERANCE of the requests) is finer than one
+    request: 200 for 0.005, 1,000 to resolve it.
 
-    kind = select_device(device).kind  # resolves auto, and refuses cuda where there is none
-    if dtype == "auto":
-        dtype = "bfloat16" if kind == "cuda" else "float32"
-    config = replace(BENCH_CONFIG, device=device, dtype=getattr(torch, dtype))
-    if kind == "cuda":
-        config = replace(config, serving_kv_bytes=CUDA_KV_BYTES["serving_kv_bytes"], rollout_kv_bytes=CUDA_KV_BYTES["rollout_kv_bytes"])
-    return config
+    The SLO: ``slo_ms`` (TTFT, TPOT) when given, for every cell; else basis ``cell``, each cell's own serving_only p99s
+    x SLO_MULTIPLIER (a sample of that cell: a cell under noise gets a looser SLO); or basis ``run``, the p99s of
+    serving_only at the grid's highest load, first seed, without noise, for every cell (run once, first, and reused as
+    that cell's serving_only). One SLO per run makes cells comparable, but at a high load one seed's bursts set it:
+    2026-12-02 it came out at 10x the low loads' p99 (docs/benchmarks.md)."""
 
+    seed: int = 0
+    serving_load: float = 0.3
+    duration_s: float = 20.0
+    device: str = "auto"
+    dtype: str = "auto"
+    preset: str = "tiny"
+    loads: tuple[float, ...] | None = None
+    seeds: tuple[int, ...] | None = None
+    noises: tuple[float, ...] | None = None
+    min_requests: int = 0
+    slo_basis: str = "cell"
+    slo_ms: tuple[float, float] | None = None
+    repeats: int = 1
+    reclaim_probes: int = RECLAIM_PROBES
+    dedicated_s: float | None = None
+    lora: bool = False
 
-CO_BATCHED = "rose+co_batched"  # rose in the co-batched mode (``--lora``): its rollout rows inside serving's own batches
+    def __post_init__(self) -> None:
+        if self.slo_basis not in SLO_BASES:
+            raise ValueError(f"slo_basis must be one of {SLO_BASES}, got {self.slo_basis!r}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.reclaim_probes < 0 or (self.dedicated_s is not None and self.dedicated_s <= 0):
+            raise ValueError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {self.reclaim_probes} and {self.dedicated_s}")
 
-
-@dataclass(frozen=True)
-class Contender:
-    """One row of the bench: a co-serving policy in a rollout mode (services/executor/config.py ROLLOUT_MODES)."""
-
-    label: str
-    policy: str
-    mode: RolloutMode = "two_model"
-
-
-def contenders(lora: bool) -> list[Contender]:
-    """The four policies in the two-model mode, and with a LoRA policy rose in the co-batched mode beside them."""
-    rows = [Contender(name, name) for name in POLICIES]
-    return rows + ([Contender(CO_BATCHED, "rose", "co_batched")] if lora else [])
-
-
-@dataclass(frozen=True)
-class BenchModels:
-    """The serving model, the policy (a model of its own, or with ``adapter`` a copy of the serving model's base) and
-    the policy's adapter (``--lora``: version 0 of a LoRA adapter of the serving model; None: a full-weight policy)."""
-
-    serving: tuple[Any, Any]  # (model, tokenizer)
-    policy: tuple[Any, Any]
-    adapter: Any = None  # shared.lora.Adapter
-
-    def engine(self, contender: Contender, config: EngineConfig) -> Engine:
-        (s_model, s_tok), (p_model, p_tok) = self.serving, self.policy
-        co_batched = contender.mode == "co_batched"
-        cfg = replace(config, rollout_mode=contender.mode)
-        return Engine(s_model, s_tok, None if co_batched else p_model, p_tok, cfg, contender.policy, adapter=self.adapter)
+    def grid(self) -> list[tuple[float, float, int]]:
+        """Every (noise, load, seed) cell, in the order they run; the first one's load and seed are the report's."""
+        return [
+            (noise, load, s) for noise in (self.noises or [0.0]) for load in (self.loads or [self.serving_load]) for s in (self.seeds or [self.seed])
+        ]
 
     @property
-    def vocab(self) -> int:
-        return min(self.serving[0].config.vocab_size, self.policy[0].config.vocab_size)
+    def calibrates(self) -> bool:
+        """The run's SLO is measured once, before the cells (basis ``run``, none given)."""
+        return self.slo_ms is None and self.slo_basis == "run"
+
+    @property
+    def dedicated_run_s(self) -> float:
+        """Seconds of each dedicated-baseline run (before and after the cells)."""
+        return self.dedicated_s or max(DEDICATED_MIN_S, self.duration_s * DEDICATED_FRACTION)
 
 
-def _models(model_dir: str | None, seed: int, dtype: torch.dtype, preset: str = "tiny", lora: bool = False) -> BenchModels:
-    """The models of ``preset`` (built on the spot unless ``model_dir`` holds them); with ``lora`` the policy is
-    an adapter of the serving model (its shape ``rose models init --lora`` builds: shared.lora DEFAULT_LORA)."""
-    from rose.shared.lora import DEFAULT_LORA, Adapter, model_fingerprint, new_adapter
-    from rose.shared.models import init_models, load_model, load_tokenizer
+@dataclass(frozen=True)
+class Baselines:
+    """What every cell is measured against, measured before the cells: the serving capacity (its rounds; the median
+    sets the cells' rates), the policy model alone's rollout tokens/s by threads, and the run's SLO (None: each cell
+    its own) with, on the ``run`` basis, the serving_only run that set it (reused as that cell's) and its cell."""
 
-    root = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="rose-bench-models-"))
-    if not (root / "serving" / "config.json").exists():
-        init_models(root, seed, preset=preset)
-    serving = (load_model(root / "serving", dtype=dtype), load_tokenizer(root / "serving"))
-    if not lora:
-        return BenchModels(serving, (load_model(root / "policy", dtype=dtype), load_tokenizer(root / "policy")))
-    base = serving[0]
-    tensors = new_adapter(base, DEFAULT_LORA, seed=seed)  # version 0: B = 0 (computes as any version does)
-    adapter = Adapter(shape=DEFAULT_LORA, tensors=tensors, base="serving", base_fingerprint=model_fingerprint(base.state_dict()))
-    return BenchModels(serving, (load_model(root / "serving", dtype=dtype), serving[1]), adapter)
+    capacity_rounds: list[float]
+    dedicated_before: dict[int, float]
+    slo: tuple[float, float] | None
+    calibration: dict | None
+    calibration_cell: tuple[float, float, int]
 
-
-def _trace(rate: float, duration_s: float, seed: int) -> list[float]:
-    """Arrival times: Poisson at ``rate``, at BURST_FACTOR x rate during periodic bursts."""
-    rng = np.random.default_rng(seed)
-    t = 0.0
-    out: list[float] = []
-    while True:
-        in_burst = (t % BURST_EVERY_S) > BURST_EVERY_S - BURST_LEN_S
-        t += rng.exponential(1.0 / (rate * (BURST_FACTOR if in_burst else 1.0)))
-        if t >= duration_s:
-            return out
-        out.append(t)
+    @property
+    def capacity(self) -> float:
+        return float(np.median(self.capacity_rounds))
 
 
-def _prompt(rng: np.random.Generator, vocab: int, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in rng.integers(10, vocab, n))
+@dataclass(frozen=True)
+class CellRun:
+    """One cell's runs: its trace's arrivals, each policy's pooled run and the SLO it was judged against."""
 
-
-def _serving_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=f"{tag}-s{i}",
-        work_class=WorkClass.SERVING,
-        prompt_token_ids=_prompt(rng, vocab, SERVING_PROMPT_TOKENS),
-        sampling=EngineSampling(temperature=0, max_tokens=SERVING_MAX_TOKENS, ignore_eos=True),
-    )
-
-
-def _rollout_request(i: int, rng, vocab: int, tag: str) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=f"{tag}-r{i}",
-        work_class=WorkClass.ROLLOUT,
-        prompt_token_ids=_prompt(rng, vocab, ROLLOUT_PROMPT_TOKENS),
-        sampling=EngineSampling(temperature=1.0, max_tokens=ROLLOUT_MAX_TOKENS, seed=i, ignore_eos=True),
-        stream=False,
-    )
-
-
-async def _consume(handle) -> GenerationResult:
-    async for _ in handle:  # stream like an SSE client would
-        pass
-    return await handle.result()
-
-
-class _Backlog:
-    """Keeps the rollout queue saturated: 2 x max batch requests outstanding."""
-
-    def __init__(self, engine: Engine, vocab: int, seed: int, tag: str) -> None:
-        self.engine, self.vocab, self.tag = engine, vocab, tag
-        self.rng = np.random.default_rng(seed + 1)
-        self.outstanding = 2 * engine.config.rollout_max_batch
-        self.count = 0
-        self.tasks: set[asyncio.Task] = set()
-
-    def fill(self) -> None:
-        while len(self.tasks) < self.outstanding:
-            handle = self.engine.submit(_rollout_request(self.count, self.rng, self.vocab, self.tag))
-            self.count += 1
-            task = asyncio.ensure_future(handle.result())
-            self.tasks.add(task)
-            task.add_done_callback(self._done)
-
-    def _done(self, task) -> None:
-        self.tasks.discard(task)
-        if not self.engine.stopping:
-            self.fill()
-
-
-async def _run_policy(
-    contender: Contender,
-    models: BenchModels,
-    config: EngineConfig,
-    arrivals: list[float],
-    seed: int,
-    slo,
-    with_rollout: bool = True,
-    progress=None,
-    reclaim_probes: int = RECLAIM_PROBES,
-) -> dict:
-    engine = models.engine(contender, config)
-    policy = contender.label
-    if slo:
-        engine.set_slo(*slo)
-    engine.start()
-    vocab = models.vocab
-    rng = np.random.default_rng(seed)
-    await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, f"warm-{policy}"))) for i in range(WARMUP_REQUESTS)])
-    backlog = None
-    if with_rollout and engine.policy.admits_rollout:
-        engine.set_rollout_lease(config.rollout_kv_bytes, time.monotonic() + 3600)
-        backlog = _Backlog(engine, vocab, seed, policy)
-        backlog.fill()
-        await asyncio.sleep(0.5)  # let the rollout batch fill up
-    engine.stats()  # start a fresh interval
-    start = time.monotonic()
-    guard_trace: list[tuple[float, float, float]] = []  # (s since start, share, tail ratio)
-    sampler = asyncio.ensure_future(_sample_guard(engine, start, guard_trace)) if engine.policy.name == "rose" and slo else None
-    tasks, handles = [], []
-    for i, at in enumerate(arrivals):
-        delay = start + at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        handles.append(engine.submit(_serving_request(i, rng, vocab, policy)))
-        tasks.append(asyncio.ensure_future(_consume(handles[-1])))
-        if progress:
-            progress(at)
-    duration = arrivals[-1] if arrivals else 0.0
-    while time.monotonic() - start < duration:
-        await asyncio.sleep(0.05)
-    window = engine.stats()  # rollout/serving tokens over the trace window
-    if sampler is not None:
-        sampler.cancel()
-    await asyncio.wait(tasks, timeout=GRACE_S)
-    for handle in handles:  # still unanswered after the grace period: aborted, an SLO miss
-        handle.cancel()
-    results = await asyncio.gather(*tasks)
-    if backlog and engine.policy.yields_on_arrival:
-        await _reclaim_probes(engine, rng, vocab, policy, reclaim_probes)
-    co_batched_iterations = engine.metrics.co_batched_iterations
-    await engine.stop()  # stopping at once: the backlog stops refilling
-    if backlog:
-        await asyncio.gather(*backlog.tasks, return_exceptions=True)
-    graphs = engine.cuda_graph_stats()
-    # An aborted request (unanswered after the grace period) counts as an SLO miss; its latency is
-    # reported as a lower bound: the time it had waited when it was aborted.
-    aborted = [r.finish_reason == "abort" for r in results]
-    return {
-        "ttft_ms": [r.timings.total_ms if a and not r.token_ids else r.timings.ttft_ms for r, a in zip(results, aborted)],
-        "tpot_ms": [r.timings.total_ms if a and len(r.token_ids) < 2 else r.timings.tpot_ms for r, a in zip(results, aborted)],
-        "aborted": aborted,
-        "serving_tokens_per_s": sum(len(r.token_ids) for r in results) / max(1e-9, window.interval_s),
-        "rollout_tokens_per_s": window.rollout_tokens_per_s,
-        "reclaim_ms": list(engine.metrics.reclaim_ms),
-        "rss_bytes": window.device.get("process_rss_bytes", 0),
-        "cuda_graphs": graphs if any(graphs.values()) else None,
-        "lane_failures": engine.metrics.lane_failures,
-        "guard_trace": guard_trace,
-        "arrivals_s": list(arrivals),
-        "mode": contender.mode,
-        "co_batched_iterations": co_batched_iterations,
-    }
-
-
-async def _sample_guard(engine: Engine, start: float, out: list) -> None:
-    while True:
-        state = engine.slo_guard.state
-        out.append((time.monotonic() - start, state.share, state.tail_ratio))
-        await asyncio.sleep(GUARD_SAMPLE_S)
-
-
-class Noise:
-    """A co-runner process that burns ``fraction`` of one core (busy, then asleep, every NOISE_PERIOD_S)."""
-
-    def __init__(self, fraction: float) -> None:
-        self.fraction = fraction
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Noise:
-        if self.fraction > 0:
-            code = (
-                "import time\n"
-                f"busy, period = {self.fraction * NOISE_PERIOD_S!r}, {NOISE_PERIOD_S!r}\n"
-                "while True:\n"
-                "    t = time.perf_counter()\n"
-                "    while time.perf_counter() - t < busy: pass\n"
-                "    time.sleep(max(0.0, period - busy))\n"
-            )
-            self.proc = subprocess.Popen([sys.executable, "-c", code])
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-async def _reclaim_probes(engine: Engine, rng, vocab: int, tag: str, probes: int = RECLAIM_PROBES) -> None:
-    """Serving requests that each arrive into a lull, when the rollout lane has widened over the
-    serving lane's idle core: each one's arrival -> rollout narrowed off it is a reclaim sample
-    (in the trace above, serving at load 0.3 is rarely idle, so arrivals rarely find it lent)."""
-    for i in range(probes):
-        await asyncio.sleep(RECLAIM_PROBE_SETTLE_S)
-        await _consume(engine.submit(_serving_request(i, rng, vocab, f"{tag}-probe")))
-
-
-async def _capacity(models: BenchModels, config: EngineConfig, seed: int) -> list[float]:
-    """Serving requests/s the serving model sustains when saturated (serving only), once per round.
-
-    The median of the rounds sets the trace's rate. Why rounds: one round is ~1.5 s on the
-    2-core VM, and a stall of the VM in it moved the rate (so every policy's operating point,
-    bursts near saturation or not) by up to a quarter between runs of the same seed."""
-    engine = models.engine(Contender("serving_only", "serving_only"), config)
-    engine.start()
-    rng = np.random.default_rng(seed)
-    vocab = models.serving[0].config.vocab_size
-    await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, "cap-warm"))) for i in range(WARMUP_REQUESTS)])
-    rounds = []
-    for r in range(CAPACITY_ROUNDS):
-        start = time.monotonic()
-        await asyncio.gather(*[_consume(engine.submit(_serving_request(i, rng, vocab, f"cap{r}"))) for i in range(CAPACITY_REQUESTS)])
-        rounds.append(CAPACITY_REQUESTS / (time.monotonic() - start))
-    await engine.stop()
-    return rounds
-
-
-async def _dedicated(models: BenchModels, config: EngineConfig, seconds: float, seed: int) -> dict[int, float]:
-    """Rollout tokens/s of the policy model alone, with one thread and with all cores (the best is the baseline)."""
-    by_threads: dict[int, float] = {}
-    from rose.services.executor.device import select_device
-
-    # on a GPU one host thread drives the lane's stream: more CPU threads are no more device
-    threads = [1] if select_device(config.device).kind == "cuda" else sorted({1, os.cpu_count() or 1})
-    for n in threads:
-        # exactly n threads, in this process: the policy alone has no lock to share, and no pipe to pay
-        cfg = EngineConfig(**{**vars(config), "rollout_threads": n, "lend_serving_core": False, "rollout_process": False})
-        engine = models.engine(Contender("rose", "rose"), cfg)  # the policy alone (a LoRA policy: base copy + adapter)
-        engine.start()
-        engine.set_rollout_lease(cfg.rollout_kv_bytes, time.monotonic() + 3600)
-        backlog = _Backlog(engine, models.policy[0].config.vocab_size, seed, f"ded{n}")
-        backlog.fill()
-        await asyncio.sleep(0.5)
-        engine.stats()
-        await asyncio.sleep(seconds)
-        by_threads[n] = engine.stats().rollout_tokens_per_s
-        await engine.stop()
-        await asyncio.gather(*backlog.tasks, return_exceptions=True)
-    return by_threads
+    noise: float
+    load: float
+    seed: int
+    arrivals: list[float]
+    runs: dict[str, dict]
+    slo: tuple[float, float]
 
 
 def _device_name(device: str) -> str:
@@ -585,7 +372,7 @@ def _run_cell(
                 if round_ == 0 and done and c.label in done:
                     runs[c.label].append(done[c.label])
                 else:
-                    runs[c.label].append(asyncio.run(_run_policy(c, models, config, arrivals, seed, slo, reclaim_probes=reclaim_probes)))
+                    runs[c.label].append(asyncio.run(run_policy(c, models, config, arrivals, seed, slo, reclaim_probes=reclaim_probes)))
                 if c.label == "serving_only" and slo is None:
                     slo = _slo_from(runs[c.label][0])
     assert slo is not None
@@ -612,127 +399,125 @@ def _pooled(runs: list[dict]) -> dict:
     }
 
 
-def run_coserve_bench(
-    *,
-    out_json: str,
-    seed: int,
-    serving_load: float,
-    duration_s: float,
-    model_dir: str | None,
-    console,
-    device: str = "auto",
-    dtype: str = "auto",
-    preset: str = "tiny",
-    loads: list[float] | None = None,
-    seeds: list[int] | None = None,
-    noises: list[float] | None = None,
-    min_requests: int = 0,
-    slo_basis: str = "cell",
-    slo_ms: tuple[float, float] | None = None,
-    repeats: int = 1,
-    reclaim_probes: int = RECLAIM_PROBES,
-    dedicated_s: float | None = None,
-    lora: bool = False,
-) -> dict:
-    """The policies on one trace (``lora``: the policy a LoRA adapter of the serving model, and rose in the co-batched
-    mode beside the four, each row saying its mode), or on each cell of loads x seeds x noises, ``repeats`` rounds per cell
-    (``_run_cell``: figures pooled over the rounds). ``min_requests``: each cell's trace
-    is long enough for that many serving requests (at least ``duration_s``), so that the SLO target's
-    tolerance (SLO_TOLERANCE of the requests) is finer than one request: 200 for 0.005, 1,000 to resolve it.
-
-    The SLO: ``slo_ms`` (TTFT, TPOT) when given, for every cell; else basis ``cell``, each cell's own
-    serving_only p99s x SLO_MULTIPLIER (a sample of that cell: a cell under noise gets a looser SLO);
-    or basis ``run``, the p99s of serving_only at the grid's highest load, first seed, without noise,
-    for every cell (run once, first, and reused as that cell's serving_only). One SLO per run makes
-    cells comparable, but at a high load one seed's bursts set it: 2026-12-02 it came out at 10x
-    the low loads' p99 (docs/benchmarks.md)."""
-    if slo_basis not in SLO_BASES:
-        raise ValueError(f"slo_basis must be one of {SLO_BASES}, got {slo_basis!r}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if reclaim_probes < 0 or (dedicated_s is not None and dedicated_s <= 0):
-        raise ValueError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {reclaim_probes} and {dedicated_s}")
+def run_coserve_bench(options: CoserveOptions, out_json: str, model_dir: str | None = None, console=None) -> dict:
+    """`rose bench coserve`: the baselines, every cell of the grid, the dedicated baseline again, then the report
+    (written to ``out_json``, plotted beside it, printed). ``model_dir``: models to reuse (default: built on the spot)."""
+    from rich.console import Console
     from rich.progress import Progress
 
+    console = console or Console()
     torch.set_num_threads(1)
-    config = bench_config(device, dtype)
-    grid = [(noise, load, s) for noise in (noises or [0.0]) for load in (loads or [serving_load]) for s in (seeds or [seed])]
-    seed, serving_load, first_noise = grid[0][2], grid[0][1], grid[0][0]
+    config = bench_config(options.device, options.dtype)
+    cells = options.grid()
+    seed = cells[0][2]
     with Progress(console=console, transient=True) as progress:
-        calibrate = slo_ms is None and slo_basis == "run"
-        task = progress.add_task("loading models", total=len(contenders(lora)) * len(grid) * repeats + 3 + calibrate)
-        models = _models(model_dir, seed, config.dtype, preset, lora)
-        progress.update(task, description="measuring serving capacity")
-        capacity_rounds = asyncio.run(_capacity(models, config, seed))
-        capacity = float(np.median(capacity_rounds))
-        progress.advance(task)
-        dedicated_s = dedicated_s or max(DEDICATED_MIN_S, duration_s * DEDICATED_FRACTION)
-        progress.update(task, description="dedicated rollout (before)")
-        dedicated_before = asyncio.run(_dedicated(models, config, dedicated_s, seed))
-        run_slo, calibration, calibration_cell = slo_ms, None, (0.0, max(load for _, load, _ in grid), seed)
-        if calibrate:
-            _, c_load, c_seed = calibration_cell
-            progress.update(task, description=f"SLO: serving_only at load {c_load:g} seed {c_seed} without noise")
-            c_trace = _trace(c_load * capacity, cell_duration_s(duration_s, min_requests, c_load * capacity), c_seed)
-            calibration = asyncio.run(_run_policy(Contender("serving_only", "serving_only"), models, config, c_trace, c_seed, None))
-            run_slo = _slo_from(calibration)
-            progress.advance(task)
-        cell_runs = []
-        partial = Path(out_json).with_suffix(".cells.jsonl")  # a killed grid keeps the cells it finished
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text("")
-        for noise, load, cell_seed in grid:
-            cell_arrivals = _trace(load * capacity, cell_duration_s(duration_s, min_requests, load * capacity), cell_seed)
-            n_arrivals = len(cell_arrivals)
-            done = {"serving_only": calibration} if calibration is not None and (noise, load, cell_seed) == calibration_cell else None
-
-            def on_policy(name, noise=noise, load=load, cell_seed=cell_seed, n=n_arrivals):
-                progress.update(task, description=f"load {load:g} seed {cell_seed} noise {noise:g}: policy {name} ({n} serving requests)")
-                progress.advance(task)
-
-            runs_and_slo = _run_cell(models, config, cell_arrivals, cell_seed, noise, on_policy, run_slo, done, repeats, reclaim_probes)
-            cell_runs.append((noise, load, cell_seed, cell_arrivals, *runs_and_slo))
-            # harvest against the dedicated baseline measured so far (the final JSON's: before and after, averaged)
-            row = _cell(*runs_and_slo, dedicated_before, load, cell_seed, noise, load * capacity)
-            with partial.open("a") as f:
-                f.write(json.dumps({**row, "harvest_baseline": "dedicated_before"}) + "\n")
-        _, _, _, arrivals, runs, slo = cell_runs[0]
+        task = progress.add_task("loading models", total=len(contenders(options.lora)) * len(cells) * options.repeats + 3 + options.calibrates)
+        models = load_models(model_dir, seed, config.dtype, options.preset, options.lora)
+        base = _baselines(options, models, config, progress, task)
+        cell_runs = _run_cells(options, models, config, base, Path(out_json).with_suffix(".cells.jsonl"), progress, task)
         progress.update(task, description="dedicated rollout (after)")
-        dedicated_after = asyncio.run(_dedicated(models, config, dedicated_s, seed))
-        # measured before and after the policies, averaged: this machine's speed drifts over a run
-        dedicated_by_threads = {n: (dedicated_before[n] + dedicated_after[n]) / 2 for n in dedicated_after}
-        dedicated = max(dedicated_by_threads.values())
+        dedicated_after = asyncio.run(measure_dedicated(models, config, options.dedicated_run_s, seed))
         progress.advance(task)
+    report = _report(options, config, models, base, cell_runs, dedicated_after, out_json)
+    out = Path(out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    first = cell_runs[0]
+    _plot(out.with_suffix(".png"), first.runs)
+    _plot_guard(out.with_name(out.stem + "-guard.png"), first.runs["rose"], first.slo)
+    _print_report(console, report, out)
+    return report
 
-    slo_ttft, slo_tpot = slo
-    policies = {name: _policy_figures(run, slo) for name, run in runs.items()}
-    cells = [_cell(c_runs, c_slo, dedicated_by_threads, load, c_seed, noise, load * capacity) for noise, load, c_seed, _, c_runs, c_slo in cell_runs]
+
+def _baselines(options: CoserveOptions, models: BenchModels, config: EngineConfig, progress, task) -> Baselines:
+    """The serving capacity, the dedicated rollout before the cells and, on the ``run`` basis, the run's SLO: serving_only
+    at the grid's highest load, first seed, without noise."""
+    cells = options.grid()
+    seed = cells[0][2]
+    progress.update(task, description="measuring serving capacity")
+    capacity_rounds = asyncio.run(measure_capacity(models, config, seed))
+    capacity = float(np.median(capacity_rounds))
+    progress.advance(task)
+    progress.update(task, description="dedicated rollout (before)")
+    dedicated_before = asyncio.run(measure_dedicated(models, config, options.dedicated_run_s, seed))
+    calibration_cell = (0.0, max(load for _, load, _ in cells), seed)
+    if not options.calibrates:
+        return Baselines(capacity_rounds, dedicated_before, options.slo_ms, None, calibration_cell)
+    _, load, c_seed = calibration_cell
+    progress.update(task, description=f"SLO: serving_only at load {load:g} seed {c_seed} without noise")
+    trace = serving_trace(load * capacity, cell_duration_s(options.duration_s, options.min_requests, load * capacity), c_seed)
+    calibration = asyncio.run(run_policy(Contender("serving_only", "serving_only"), models, config, trace, c_seed, None))
+    progress.advance(task)
+    return Baselines(capacity_rounds, dedicated_before, _slo_from(calibration), calibration, calibration_cell)
+
+
+def _run_cells(options: CoserveOptions, models: BenchModels, config: EngineConfig, base: Baselines, partial: Path, progress, task) -> list[CellRun]:
+    """Every cell of the grid in turn; each, as it finishes, appended to ``partial`` (a killed grid keeps the cells it
+    finished) with its harvest against the dedicated baseline measured so far (the final JSON's: before and after)."""
+    cell_runs = []
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    for noise, load, seed in options.grid():
+        rate = load * base.capacity
+        arrivals = serving_trace(rate, cell_duration_s(options.duration_s, options.min_requests, rate), seed)
+        n_arrivals = len(arrivals)
+        done = {"serving_only": base.calibration} if base.calibration is not None and (noise, load, seed) == base.calibration_cell else None
+
+        def on_policy(name, noise=noise, load=load, seed=seed, n=n_arrivals):
+            progress.update(task, description=f"load {load:g} seed {seed} noise {noise:g}: policy {name} ({n} serving requests)")
+            progress.advance(task)
+
+        runs, slo = _run_cell(models, config, arrivals, seed, noise, on_policy, base.slo, done, options.repeats, options.reclaim_probes)
+        cell_runs.append(CellRun(noise, load, seed, arrivals, runs, slo))
+        row = _cell(runs, slo, base.dedicated_before, load, seed, noise, rate)
+        with partial.open("a") as f:
+            f.write(json.dumps({**row, "harvest_baseline": "dedicated_before"}) + "\n")
+    return cell_runs
+
+
+def _report(
+    options: CoserveOptions,
+    config: EngineConfig,
+    models: BenchModels,
+    base: Baselines,
+    cell_runs: list[CellRun],
+    dedicated_after: dict[int, float],
+    out_json: str,
+) -> dict:
+    """The JSON: the first cell's figures at the top (as for a single run), every cell's under ``cells``."""
+    first = cell_runs[0]
+    runs, (slo_ttft, slo_tpot) = first.runs, first.slo
+    # measured before and after the policies, averaged: this machine's speed drifts over a run
+    dedicated_by_threads = {n: (base.dedicated_before[n] + dedicated_after[n]) / 2 for n in dedicated_after}
+    dedicated = max(dedicated_by_threads.values())
+    policies = {name: _policy_figures(run, first.slo) for name, run in runs.items()}
+    cells = [_cell(c.runs, c.slo, dedicated_by_threads, c.load, c.seed, c.noise, c.load * base.capacity) for c in cell_runs]
     rose_reclaim = runs["rose"]["reclaim_ms"]
-    report = {
+    return {
         "policies": policies,
         "dedicated_rollout_tokens_per_s": dedicated,
         "dedicated_by_threads": {str(n): v for n, v in sorted(dedicated_by_threads.items())},
-        "dedicated_runs": [{str(n): v for n, v in sorted(d.items())} for d in (dedicated_before, dedicated_after)],
+        "dedicated_runs": [{str(n): v for n, v in sorted(d.items())} for d in (base.dedicated_before, dedicated_after)],
         "harvest_ratio_vs_one_thread": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated_by_threads.get(1, dedicated)),
         "harvest_ratio": policies["rose"]["rollout_tokens_per_s"] / max(1e-9, dedicated),
         "reclaim_latency_ms_p99": _p(rose_reclaim, 99),
-        "repeats": repeats,  # rounds per cell; every policy figure pools its rounds' requests
+        "repeats": options.repeats,  # rounds per cell; every policy figure pools its rounds' requests
         "executor_rss_mb": max(r["rss_bytes"] for r in runs.values()) / MIB,
         "device_memory_peak_mb": torch.cuda.max_memory_allocated() / MIB if torch.cuda.is_available() and config.device != "cpu" else None,
         "slo": {
             "ttft_ms": slo_ttft,
             "tpot_ms": slo_tpot,
             "multiplier": SLO_MULTIPLIER,
-            "basis": "given" if slo_ms is not None else slo_basis,  # run: one SLO for every cell; cell: each its own
-            **({"calibration": dict(zip(("noise", "load", "seed"), calibration_cell))} if calibrate else {}),
+            "basis": "given" if options.slo_ms is not None else options.slo_basis,  # run: one SLO for every cell; cell: each its own
+            **({"calibration": dict(zip(("noise", "load", "seed"), base.calibration_cell))} if options.calibrates else {}),
         },
-        "serving_load": serving_load,
-        "serving_capacity_rps": capacity,
-        "serving_capacity_rounds_rps": capacity_rounds,
-        "serving_requests": len(arrivals),
-        "duration_s": duration_s,
-        "min_requests": min_requests,
-        "seed": seed,
+        "serving_load": first.load,
+        "serving_capacity_rps": base.capacity,
+        "serving_capacity_rounds_rps": base.capacity_rounds,
+        "serving_requests": len(first.arrivals),
+        "duration_s": options.duration_s,
+        "min_requests": options.min_requests,
+        "seed": first.seed,
         "device": _device_name(config.device),
         "dtype": str(config.dtype).removeprefix("torch."),
         "models": {name: _model_summary(model) for name, (model, _) in (("serving", models.serving), ("policy", models.policy))},
@@ -740,7 +525,7 @@ def run_coserve_bench(
         "co_batched": _co_batched_summary(cells),
         "quantum_ms": config.quantum_ms,
         "reclaim_samples": len(rose_reclaim),
-        "noise": first_noise,
+        "noise": first.noise,
         "cells": cells,
         "grid": {
             "loads": sorted({c["load"] for c in cells}),
@@ -749,14 +534,6 @@ def run_coserve_bench(
         },
         "rose_slo_guard": {"setpoint": _setpoint(), "guard_png": str(Path(out_json).with_name(Path(out_json).stem + "-guard.png"))},
     }
-    out = Path(out_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    _plot(out.with_suffix(".png"), runs)
-    _plot_guard(out.with_name(out.stem + "-guard.png"), runs["rose"], slo)
-
-    _print_report(console, report, out)
-    return report
 
 
 def _co_batched_summary(cells: list[dict]) -> dict | None:
@@ -864,29 +641,7 @@ def _slo_pair(values: list[float] | None) -> tuple[float, float] | None:
 
 def command(args: argparse.Namespace) -> int:
     """`rose bench coserve` with parsed options (see options.add_coserve_arguments)."""
-    from rich.console import Console
-
-    run_coserve_bench(
-        out_json=args.json,
-        seed=args.seed,
-        serving_load=args.serving_load,
-        duration_s=args.duration,
-        model_dir=args.models,
-        console=Console(),
-        device=args.device,
-        dtype=args.dtype,
-        preset=args.preset,
-        loads=args.loads,
-        seeds=args.seeds,
-        noises=args.noise,
-        min_requests=args.min_requests,
-        slo_basis=args.slo_basis,
-        slo_ms=_slo_pair(args.slo_ms),
-        repeats=args.repeats,
-        reclaim_probes=RECLAIM_PROBES if args.reclaim_probes is None else args.reclaim_probes,
-        dedicated_s=args.dedicated_s,
-        lora=args.lora,
-    )
+    run_coserve_bench(options_from_args(CoserveOptions, args, slo_ms=_slo_pair(args.slo_ms)), args.json, args.models)
     return 0
 
 

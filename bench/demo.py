@@ -31,7 +31,7 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console, Group
@@ -238,148 +238,215 @@ def trainer_settings(seed: int, warm_start_steps: int | None = None) -> dict[str
     return {**TRAINER, "ROSE_TASKS__SEED": str(seed), **steps}
 
 
-async def run_job(
-    out: Path,
-    duration: float,
-    seed: int,
-    models_dir: Path | None,
-    serving_n: int,
-    dedicated_n: int,
-    console: Console,
-    *,
-    label: str = "ROSE demo",
-    env: dict[str, dict[str, str]] | None = None,
-    drained: set[str] | None = None,
-    on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
-    obs: Observed | None = None,
-    warm_start_steps: int | None = None,
-    job: dict[str, str] | None = None,
-    devices: dict[str, frozenset[int]] | None = None,
-    until_steps: int | None = None,
-    agent: Path | None = None,
-    trl: bool = False,
-    lora: bool = False,
-) -> dict:
-    """The demo's RL job on a fresh fleet; returns the summary (also written under `out`).
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """One run of the demo's RL job (``run_job``): what `rose demo` takes, and what `rose bench e2e` and `rose bench trl`
+    change.
 
-    `rose bench e2e` runs it under other fleet policies: `env` adds settings per part
-    ({"serving": ..., "scheduler": ..., "worker": ...}, see fleet.fleet_processes), `drained` is
-    the set of serving executors the load balancer sends no traffic to (the caller may change it
-    during the run), `on_bus` adds subscriptions beside the observer's, `obs` receives what is observed.
+    `env` adds settings per part ({"serving": ..., "scheduler": ..., "worker": ...}, see fleet.fleet_processes).
     `warm_start_steps` replaces the trainer's SFT steps (TRAINER's ROSE_SFT__STEPS) when given.
     `job` overrides TRAINER settings (`rose bench e2e` runs ROLLOUT_DOMINATED_JOB); `devices` pins
     executors to CPU sets (fleet.device_plan). Both are written in the summary's `job`.
     `until_steps` ends the window early once the trainer has taken that many GRPO steps (the
-    run is then as long as the job needs, at most `duration`).
+    run is then as long as the job needs, at most `duration_s`).
     `agent`: the tasks go to the rollout gateway, which runs this agent script for each (no rollout worker).
     `trl`: Hugging Face TRL's GRPOTrainer is the trainer (bench/trl_trainer.py), from the policy warm-started
     before the fleet starts (`warm_start_steps`, default the demo's; 0: the policy as it is).
     `lora`: the policy is a LoRA adapter of the serving model, the serving model warm-started when the models are
     built (`warm_start_steps`), and every executor co-batches its rollout rows into serving's batches.
+    `models_dir`: models to reuse (default: built under the run's directory). `label` titles the live table.
     """
+
+    duration_s: float = DEFAULT_DURATION_S
+    seed: int = 0
+    models_dir: Path | None = None
+    serving: int = 2
+    dedicated: int = 1
+    warm_start_steps: int | None = None
+    until_steps: int | None = None
+    agent: Path | None = None
+    trl: bool = False
+    lora: bool = False
+    label: str = "ROSE demo"
+    env: dict[str, dict[str, str]] | None = None
+    job: dict[str, str] | None = None
+    devices: dict[str, frozenset[int]] | None = None
+
+    def trainer(self) -> dict[str, str]:
+        """The trainer's settings: TRAINER and the run's own; a LoRA job's adapter trains from the warm base, no warm
+        start of its own, at the LoRA lr (LORA_TRAINER)."""
+        return {
+            **trainer_settings(self.seed, None if self.lora else self.warm_start_steps),
+            **(LORA_TRAINER if self.lora else {}),
+            **(self.job or {}),
+            **({"ROSE_TASKS__AGENT": "true"} if self.agent else {}),
+        }
+
+    def part_env(self) -> dict[str, dict[str, str]]:
+        """The settings each part adds (`env`); a LoRA job's executors co-batch its rollout rows into serving's batches."""
+        env = dict(self.env or {})
+        if self.lora:
+            env["executor"] = {**env.get("executor", {}), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched"}
+        return env
+
+
+@dataclass
+class JobFleet:
+    """A run's fleet: the embedded nats-server, the observer's bus, the job's processes (started by ``run_window``) and
+    each executor's role."""
+
+    server: NatsServer
+    bus: Bus
+    procs: dict[str, ServiceProcess]
+    models: Path
+    logs: Path
+
+    @property
+    def executors(self) -> dict[str, str]:
+        """Each executor's role: serving or dedicated."""
+        return {
+            name: ("serving" if "-serving-" in name else "dedicated")
+            for name, proc in self.procs.items()
+            if name.startswith(f"{SPEC.prefix}-") and proc.service == "executor"
+        }
+
+    async def close(self) -> None:
+        await asyncio.to_thread(stop_all, list(self.procs.values()))
+        await self.bus.close()
+        self.server.stop()
+
+
+@dataclass(frozen=True)
+class Window:
+    """The training window: when it began (wall clock) and ended, how long the trainer's warm start before it took, why
+    the trainer ended it early ("": it did not), and each executor's CPU set at its end."""
+
+    t0: float
+    end: float
+    warm_start_s: float
+    trainer_exit: str
+    devices_seen: dict[str, str]
+
+
+async def run_job(
+    out: Path,
+    options: JobOptions,
+    console: Console,
+    *,
+    drained: set[str] | None = None,
+    on_bus: Callable[[Bus, Observed], Awaitable[None]] | None = None,
+    obs: Observed | None = None,
+) -> dict:
+    """The demo's RL job (``options``) on a fresh fleet; returns the summary (also written under `out`).
+
+    `rose bench e2e` runs it under other fleet policies (`JobOptions.env`): `drained` is the set of serving executors
+    the load balancer sends no traffic to (the caller may change it during the run), `on_bus` adds subscriptions
+    beside the observer's, `obs` receives what is observed.
+    """
+    obs = obs if obs is not None else Observed()
+    fleet = await job_fleet(out, options, console, obs, on_bus)
+    try:
+        window = await run_window(fleet, options, console, obs, drained if drained is not None else set())
+        await asyncio.sleep(1.0)  # the last events in flight
+        params = dict(
+            seed=options.seed,
+            duration_s=options.duration_s,
+            warm_start_s=window.warm_start_s,
+            until_steps=options.until_steps,
+            trainer_exit=window.trainer_exit,
+            serving_executors=options.serving,
+            dedicated_executors=options.dedicated,
+            job=job_description(options.trainer(), options.job, window.devices_seen, pinned=bool(options.devices)),
+            agent=str(options.agent) if options.agent else None,
+            trainer="trl" if options.trl else "rose",
+            policy=policy_description(fleet.models / "policy"),
+        )
+        return write_report(out, obs, fleet.executors, window.t0, window.end, params, console)
+    finally:
+        await fleet.close()
+
+
+async def job_fleet(
+    out: Path, options: JobOptions, console: Console, obs: Observed, on_bus: Callable[[Bus, Observed], Awaitable[None]] | None
+) -> JobFleet:
+    """Set up: the models (built once under `out`), auth on as in production (each process its own NKey, each executor
+    one of its own instance), an embedded nats-server, the observer's subscriptions, the job's processes (not started)."""
     state = out / "state"
     shutil.rmtree(state, ignore_errors=True)
     (state / "logs").mkdir(parents=True)
-    models = models_dir or out / ("models-lora" if lora else "models")
-    await build_models(models, console, lora=lora, trl=trl, job={**TRAINER, **(job or {})}, warm_start_steps=warm_start_steps)
-    # auth on, as in production: each process gets its own NKey, each executor one of its own instance
-    creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, serving_n, dedicated_n)})
+    models = options.models_dir or out / ("models-lora" if options.lora else "models")
+    job = {**TRAINER, **(options.job or {})}
+    await build_models(models, console, lora=options.lora, trl=options.trl, job=job, warm_start_steps=options.warm_start_steps)
+    creds = init_credentials(state / "security", instances={"executor": executor_instances(SPEC, options.serving, options.dedicated)})
     server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
     bus = Bus(
         BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))),
         service="cli",
-        instance=f"demo-{seed}",
+        instance=f"demo-{options.seed}",
     )
     await bus.connect()
     await provision(bus.js)
-    obs = obs if obs is not None else Observed()
     await observe(bus, obs)
     if on_bus is not None:
         await on_bus(bus, obs)
-    logs = state / "logs"
-    # a LoRA job: the adapter trains from the warm base, no warm start of its own, at the LoRA lr (LORA_TRAINER)
-    trainer = {
-        **trainer_settings(seed, None if lora else warm_start_steps),
-        **(LORA_TRAINER if lora else {}),
-        **(job or {}),
-        **({"ROSE_TASKS__AGENT": "true"} if agent else {}),
-    }
-    if lora:
-        env = {**(env or {}), "executor": {**(env or {}).get("executor", {}), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched"}}
+    trainer = options.trainer()
     procs = job_processes(
         state,
         server.url,
         models,
         creds,
         SPEC,
-        serving_n,
-        dedicated_n,
+        options.serving,
+        options.dedicated,
         trainer,
-        devices=devices,
-        agent=agent,
-        **{f"{part}_env": e for part, e in (env or {}).items()},
+        devices=options.devices,
+        agent=options.agent,
+        **{f"{part}_env": e for part, e in options.part_env().items()},
     )
-    if trl:
+    if options.trl:
         from .trl_trainer import trl_trainer  # the integration's process, only when asked for
 
         procs["trainer"] = trl_trainer(procs["trainer"], trainer, models / "policy")
-    executors = {
-        name: ("serving" if "-serving-" in name else "dedicated")
-        for name in procs
-        if name.startswith(f"{SPEC.prefix}-") and procs[name].service == "executor"
-    }
+    return JobFleet(server, bus, procs, models, state / "logs")
+
+
+async def run_window(fleet: JobFleet, options: JobOptions, console: Console, obs: Observed, drained: set[str]) -> Window:
+    """Run: start the fleet, wait out the trainer's warm start, then `duration_s` of serving trace and GRPO training (or
+    until `until_steps`), stop the trainer and drain: every task handed out must come back as a trajectory."""
+    procs, executors, duration, label = fleet.procs, fleet.executors, options.duration_s, options.label
     serving = [n for n, role in executors.items() if role == "serving"]
-    try:
-        console.print(f"starting {len(procs)} services on {server.url} (logs in {logs}) ...")
-        started = time.monotonic()
-        await start_all(bus, list(procs.values()), START_TIMEOUT_S)
-        urls = {n: (await procs[n].wait_ready(bus, 10.0))["http"] for n in serving}
-        console.print(f"fleet ready in {time.monotonic() - started:.0f} s")
-        warm_start_s = await wait_for_warm_start(obs, procs["trainer"], console)
-        console.print(f"the trainer's warm start took {warm_start_s:.0f} s; {duration:.0f} s of serving trace and GRPO follow")
-        t0, t0_mono = time.time(), time.monotonic()
-        trace = serving_trace(serving, duration, SPEC, seed, obs.serving, t0)
-        driver = asyncio.ensure_future(drive_serving(trace, urls, drained if drained is not None else set(), SPEC, obs.serving, t0_mono, seed))
-        trainer_exit = ""  # why the trainer ended the job before the window did ("": it did not)
-        with Live(live_view(obs, executors, 0, duration, "training", label), console=console, refresh_per_second=2, transient=False) as live:
-            while time.monotonic() - t0_mono < duration and not (until_steps and len(obs.steps) >= until_steps):
-                await asyncio.sleep(0.5)
-                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
-                if not procs["trainer"].alive():  # the job ended (e.g. degenerate rewards): the window ends with it, reported
-                    trainer_exit = exit_reason(procs["trainer"].log_tail(4000))
-                    console.print(f"[yellow]the trainer ended the job after {time.monotonic() - t0_mono:.0f} s: {trainer_exit}[/yellow]")
-                    break
-            # the CPU sets the executors' process trees really had (fleet.tree_cpus: the rollout forward child included)
-            devices_seen = {n: cpu_list(tree_cpus(procs[n].pid)) for n in executors if procs[n].alive()}
-            await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
-            window_end = time.time()
-            cut = next((i for i, (at, _) in enumerate(trace) if at > time.monotonic() - t0_mono), len(trace))
-            del trace[cut:]  # ended early (until_steps): the driver iterates this list, sends what is due and returns
-            obs.serving.bursts[:] = [b for b in obs.serving.bursts if b[0] <= window_end]  # only the bursts the window saw
-            await driver
-            deadline = time.monotonic() + DRAIN_TIMEOUT_S
-            while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
-        await asyncio.sleep(1.0)  # the last events in flight
-        params = dict(
-            seed=seed,
-            duration_s=duration,
-            warm_start_s=warm_start_s,
-            until_steps=until_steps,
-            trainer_exit=trainer_exit,
-            serving_executors=serving_n,
-            dedicated_executors=dedicated_n,
-            job=job_description(trainer, job, devices_seen, pinned=bool(devices)),
-            agent=str(agent) if agent else None,
-            trainer="trl" if trl else "rose",
-            policy=policy_description(models / "policy"),
-        )
-        return write_report(out, obs, executors, t0, window_end, params, console)
-    finally:
-        await asyncio.to_thread(stop_all, list(procs.values()))
-        await bus.close()
-        server.stop()
+    console.print(f"starting {len(procs)} services on {fleet.server.url} (logs in {fleet.logs}) ...")
+    started = time.monotonic()
+    await start_all(fleet.bus, list(procs.values()), START_TIMEOUT_S)
+    urls = {n: (await procs[n].wait_ready(fleet.bus, 10.0))["http"] for n in serving}
+    console.print(f"fleet ready in {time.monotonic() - started:.0f} s")
+    warm_start_s = await wait_for_warm_start(obs, procs["trainer"], console)
+    console.print(f"the trainer's warm start took {warm_start_s:.0f} s; {duration:.0f} s of serving trace and GRPO follow")
+    t0, t0_mono = time.time(), time.monotonic()
+    trace = serving_trace(serving, duration, SPEC, options.seed, obs.serving, t0)
+    driver = asyncio.ensure_future(drive_serving(trace, urls, drained, SPEC, obs.serving, t0_mono, options.seed))
+    trainer_exit = ""  # why the trainer ended the job before the window did ("": it did not)
+    with Live(live_view(obs, executors, 0, duration, "training", label), console=console, refresh_per_second=2, transient=False) as live:
+        while time.monotonic() - t0_mono < duration and not (options.until_steps and len(obs.steps) >= options.until_steps):
+            await asyncio.sleep(0.5)
+            live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "training", label))
+            if not procs["trainer"].alive():  # the job ended (e.g. degenerate rewards): the window ends with it, reported
+                trainer_exit = exit_reason(procs["trainer"].log_tail(4000))
+                console.print(f"[yellow]the trainer ended the job after {time.monotonic() - t0_mono:.0f} s: {trainer_exit}[/yellow]")
+                break
+        # the CPU sets the executors' process trees really had (fleet.tree_cpus: the rollout forward child included)
+        devices_seen = {n: cpu_list(tree_cpus(procs[n].pid)) for n in executors if procs[n].alive()}
+        await asyncio.to_thread(procs["trainer"].stop)  # no new tasks; the ones handed out must still come back
+        window_end = time.time()
+        cut = next((i for i, (at, _) in enumerate(trace) if at > time.monotonic() - t0_mono), len(trace))
+        del trace[cut:]  # ended early (until_steps): the driver iterates this list, sends what is due and returns
+        obs.serving.bursts[:] = [b for b in obs.serving.bursts if b[0] <= window_end]  # only the bursts the window saw
+        await driver
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not obs.published <= set(obs.trajectories) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            live.update(live_view(obs, executors, time.monotonic() - t0_mono, duration, "draining", label))
+    return Window(t0, window_end, warm_start_s, trainer_exit, devices_seen)
 
 
 async def build_models(models: Path, console: Console, *, lora: bool, trl: bool, job: dict[str, str], warm_start_steps: int | None) -> None:
@@ -720,38 +787,15 @@ def plot_all(out: Path, obs: Observed, executors: dict[str, str], t0: float, end
     return written
 
 
-def run_demo(
-    *,
-    out: str,
-    duration: float | None,
-    seed: int,
-    models: str | None,
-    serving: int,
-    dedicated: int,
-    console: Console | None = None,
-    warm_start_steps: int | None = None,
-    until_steps: int | None = None,
-    agent: str | None = None,
-    trl: bool = False,
-    lora: bool = False,
-) -> dict:
+def run_demo(options: JobOptions, out: str = DEFAULT_OUT, console: Console | None = None) -> dict:
+    """`rose demo`: the job in `out` (its paths resolved), its live table titled with what differs from the demo."""
     console = console or Console()
-    what = f" · agent {Path(agent).name}" if agent else " · TRL's GRPOTrainer" if trl else ""
-    what += " · LoRA policy, co-batched" if lora else ""
-    return asyncio.run(
-        run_job(
-            Path(out).resolve(),
-            duration or DEFAULT_DURATION_S,
-            seed,
-            Path(models).resolve() if models else None,
-            serving,
-            dedicated,
-            console,
-            warm_start_steps=warm_start_steps,
-            until_steps=until_steps,
-            agent=Path(agent).resolve() if agent else None,
-            label=f"ROSE demo{what}",
-            trl=trl,
-            lora=lora,
-        )
+    what = f" · agent {options.agent.name}" if options.agent else " · TRL's GRPOTrainer" if options.trl else ""
+    what += " · LoRA policy, co-batched" if options.lora else ""
+    resolved = replace(
+        options,
+        models_dir=options.models_dir.resolve() if options.models_dir else None,
+        agent=options.agent.resolve() if options.agent else None,
+        label=f"ROSE demo{what}",
     )
+    return asyncio.run(run_job(Path(out).resolve(), resolved, console))

@@ -55,6 +55,7 @@ import re
 import signal
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,7 @@ from rose.shared.workload import ROLLOUT_DOMINATED_JOB, TRAINER, steady_step_rat
 from rose.sim import POLICIES
 from rose.sim.calibration import time_steps
 
-from .demo import DEMO_POLICY, SPEC, Observed, run_job, trainer_settings
+from .demo import DEMO_POLICY, SPEC, JobOptions, Observed, run_job, trainer_settings
 from .fleet import device_plan, usable_cpus
 
 PIN_MODES = ("auto", "none")  # auto: one core per executor (fleet.device_plan); none: every executor floats on every core
@@ -434,36 +435,46 @@ def default_serving(pin: str, dedicated: int) -> int:
     return 2 if pin == "none" else max(1, min(2, len(usable_cpus()) - dedicated))
 
 
-def run_e2e_bench(
-    *,
-    out_json: str,
-    seed: int = 0,
-    duration_s: float | None = None,
-    policies: list[str] | None = None,
-    model_dir: str | None = None,
-    serving: int | None = None,
-    dedicated: int = 1,
-    console: Console | None = None,
-    warm_start_steps: int | None = None,
-    pin: str = "auto",
-    rollout_demand: int = 1,
-    until_steps: int | None = None,
-) -> dict:
-    """``until_steps``: each policy's window ends after that many trainer steps, at most ``duration_s``."""
+@dataclass(frozen=True, kw_only=True)
+class E2eOptions:
+    """What a `rose bench e2e` run measures (cli/bench.py says each): the demo's job under each of ``policies``,
+    ``duration_s`` of trace and training each (or until ``until_steps`` trainer steps), on ``serving`` (default: the
+    demo's 2, pinned at most the cores left, ``default_serving``) and ``dedicated`` executors pinned per ``pin``, with
+    ``rollout_demand`` x the dedicated executors' batch in flight (``demand_settings``)."""
+
+    seed: int = 0
+    duration_s: float = DEFAULT_DURATION_S
+    policies: tuple[str, ...] = POLICIES
+    serving: int | None = None
+    dedicated: int = 1
+    warm_start_steps: int | None = None
+    pin: str = "auto"
+    rollout_demand: int = 1
+    until_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pin not in PIN_MODES:
+            raise ValueError(f"unknown pin mode {self.pin!r}; choose from {', '.join(PIN_MODES)}")
+        unknown = sorted(set(self.policies) - set(POLICIES))
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+
+    def chosen(self) -> list[str]:
+        """The policies to run, in POLICIES' order."""
+        return [p for p in POLICIES if p in self.policies]
+
+
+def run_e2e_bench(options: E2eOptions, out_json: str, model_dir: str | None = None, console: Console | None = None) -> dict:
+    """Each chosen policy's run of the demo's job on a fresh fleet, one after another; the result (also written to
+    ``out_json``, plotted beside it, each run's report and logs under ``<name>-runs/``). ``model_dir``: models to
+    reuse (default: built under ``<name>-runs/models``)."""
     console = console or Console()
-    worker_env, demand_job = demand_settings(rollout_demand, dedicated)
+    worker_env, demand_job = demand_settings(options.rollout_demand, options.dedicated)
     job = {**ROLLOUT_DOMINATED_JOB, **demand_job}
-    duration = duration_s or DEFAULT_DURATION_S
-    if pin not in PIN_MODES:
-        raise ValueError(f"unknown pin mode {pin!r}; choose from {', '.join(PIN_MODES)}")
-    serving = default_serving(pin, dedicated) if serving is None else serving
-    devices = device_plan(SPEC, serving, dedicated) if pin == "auto" else None  # raises, naming the fix, if cores are short
+    serving = default_serving(options.pin, options.dedicated) if options.serving is None else options.serving
+    devices = device_plan(SPEC, serving, options.dedicated) if options.pin == "auto" else None  # raises, naming the fix, if cores are short
     # SIGTERM (a test's or CI's timeout) ends the run like Ctrl-C, so the fleet is stopped, not orphaned
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    chosen = [p for p in POLICIES if p in (policies or POLICIES)]
-    unknown = sorted(set(policies or ()) - set(POLICIES))
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     path = Path(out_json).resolve()
     root = path.parent / f"{path.stem}-runs"
     models = Path(model_dir).resolve() if model_dir else root / "models"
@@ -472,87 +483,23 @@ def run_e2e_bench(
         init_models(models, 0, DEMO_POLICY)
     console.print("measuring the models' step times alone (calibration) ...")
     step_times = e2e_step_times(models)
-    from rose.shared.models import load_tokenizer
-
-    from .fleet import PROMPTS
-
-    tokenizer = load_tokenizer(models / "serving")
-    serving_prompt_tokens = statistics.fmean(len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
-    result: dict = {
-        "seed": seed,
-        "duration_s": duration,
-        "until_steps": until_steps,
-        "serving_executors": serving,
-        "dedicated_executors": dedicated,
-        "fleet": {
-            "slo_ttft_ms": SPEC.slo_ttft_ms,
-            "slo_tpot_ms": SPEC.slo_tpot_ms,
-            "base_rps": SPEC.base_rps,
-            "burst_factor": SPEC.burst_factor,
-            "burst_every_s": SPEC.burst_every_s,
-            "burst_len_s": SPEC.burst_len_s,
-            "serving_max_tokens": SPEC.serving_max_tokens,
-            "rollout_max_tokens": SPEC.rollout_max_tokens,
-            "worker_concurrency": int(worker_env["ROSE_CONCURRENCY"]),
-        },
-        "trainer": {**trainer_settings(seed, warm_start_steps), **job},
-        "policy_settings": POLICY_ENV,
-        "elastic_drains_lent_executors": True,
-        # the job: the demo's (shared/workload.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
-        "job": {
-            "differs_from_demo": job,
-            "rollout_dominated": True,
-            # in-flight trajectories over what the dedicated executors run at once (1: they keep up)
-            "rollout_demand": rollout_demand,
-            "trajectories_per_step": trajectories_per_step({**TRAINER, **job}),
-            "rollout_share_target": ROLLOUT_SHARE_TARGET,
-            "serving_executors_demo": 2,
-            "serving_executors": serving,
-        },
-        "pin": pin,
-        "devices": {},
-        # what the simulator's calibration (sim/calibration.py e2e_setup) would otherwise assume
-        "setup": {
-            "serving_prompt_tokens": serving_prompt_tokens,
-            "serving_output_tokens": SPEC.serving_max_tokens,
-            "serving_kv_bytes": SPEC.serving_kv_mib << 20,
-            "rollout_kv_bytes": SPEC.rollout_kv_mib << 20,
-            "serving_kv_bytes_per_token": step_times["serving"]["kv_bytes_per_token"],
-            "policy_kv_bytes_per_token": step_times["policy"]["kv_bytes_per_token"],
-        },
-        "policies": {},
-    }
-    for policy in chosen:
-        console.rule(f"[bold]{policy}[/bold]: {duration:.0f} s of the demo's RL job")
-        obs, extra = Observed(), Extra(policy in DRAINS_LENT)
-        started = time.monotonic()
-        summary = asyncio.run(
-            run_job(
-                root / policy,
-                duration,
-                seed,
-                models,
-                serving,
-                dedicated,
-                console,
-                label=f"rose bench e2e · {policy}",
-                env=_with_worker(POLICY_ENV[policy], worker_env),
-                drained=extra.drained,
-                on_bus=extra.subscribe,
-                obs=obs,
-                warm_start_steps=warm_start_steps,
-                until_steps=until_steps,
-                job=job,
-                devices=devices,
-            )
+    result = result_head(options, serving, worker_env, job, step_times, serving_prompt_tokens(models))
+    for policy in options.chosen():
+        run = JobOptions(
+            duration_s=options.duration_s,
+            seed=options.seed,
+            models_dir=models,
+            serving=serving,
+            dedicated=options.dedicated,
+            label=f"rose bench e2e · {policy}",
+            env=_with_worker(POLICY_ENV[policy], worker_env),
+            warm_start_steps=options.warm_start_steps,
+            until_steps=options.until_steps,
+            job=job,
+            devices=devices,
         )
-        result["policies"][policy] = {
-            **policy_figures(summary, obs, extra),
-            "devices": summary["job"]["devices"],
-            "wall_s": time.monotonic() - started,
-            "report": str(root / policy),
-        }
-        result["devices"] = summary["job"]["devices"]  # observed: each executor's process tree's CPU set (the same plan for every policy)
+        result["policies"][policy] = run_policy_job(policy, run, root / policy, console)
+        result["devices"] = result["policies"][policy]["devices"]  # observed: each executor's process tree's CPU set (the same plan for every policy)
     p = result["policies"]
     result["speedup_vs_static"], result["rollout_time_ratio_vs_elastic"] = run_ratios(p)
     share = p.get("static", {}).get("rollout_share_of_step")
@@ -565,6 +512,79 @@ def run_e2e_bench(
     print_table(result, console)
     console.print(f"JSON: {path}; plot: {result['plot']}; per-policy reports and logs under {root}")
     return result
+
+
+def serving_prompt_tokens(models: Path) -> float:
+    """The serving clients' mean prompt length in the serving model's tokens."""
+    from rose.shared.models import load_tokenizer
+
+    from .fleet import PROMPTS
+
+    tokenizer = load_tokenizer(models / "serving")
+    return statistics.fmean(len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
+
+
+def run_policy_job(policy: str, run: JobOptions, out: Path, console: Console) -> dict:
+    """One policy's run of the job under ``out``: its figures (``policy_figures``), the executors' CPU sets, its wall time."""
+    console.rule(f"[bold]{policy}[/bold]: {run.duration_s:.0f} s of the demo's RL job")
+    obs, extra = Observed(), Extra(policy in DRAINS_LENT)
+    started = time.monotonic()
+    summary = asyncio.run(run_job(out, run, console, drained=extra.drained, on_bus=extra.subscribe, obs=obs))
+    return {
+        **policy_figures(summary, obs, extra),
+        "devices": summary["job"]["devices"],
+        "wall_s": time.monotonic() - started,
+        "report": str(out),
+    }
+
+
+def result_head(options: E2eOptions, serving: int, worker_env: dict[str, str], job: dict[str, str], step_times: dict, prompt_tokens: float) -> dict:
+    """The result's settings, before any policy runs: the fleet, the trainer, the job and what differs from the demo, the
+    setup the simulator's calibration reads (sim/calibration.py e2e_setup)."""
+    return {
+        "seed": options.seed,
+        "duration_s": options.duration_s,
+        "until_steps": options.until_steps,
+        "serving_executors": serving,
+        "dedicated_executors": options.dedicated,
+        "fleet": {
+            "slo_ttft_ms": SPEC.slo_ttft_ms,
+            "slo_tpot_ms": SPEC.slo_tpot_ms,
+            "base_rps": SPEC.base_rps,
+            "burst_factor": SPEC.burst_factor,
+            "burst_every_s": SPEC.burst_every_s,
+            "burst_len_s": SPEC.burst_len_s,
+            "serving_max_tokens": SPEC.serving_max_tokens,
+            "rollout_max_tokens": SPEC.rollout_max_tokens,
+            "worker_concurrency": int(worker_env["ROSE_CONCURRENCY"]),
+        },
+        "trainer": {**trainer_settings(options.seed, options.warm_start_steps), **job},
+        "policy_settings": POLICY_ENV,
+        "elastic_drains_lent_executors": True,
+        # the job: the demo's (shared/workload.py TRAINER) with these changes, so that rollout dominates a static step as in agentic RL
+        "job": {
+            "differs_from_demo": job,
+            "rollout_dominated": True,
+            # in-flight trajectories over what the dedicated executors run at once (1: they keep up)
+            "rollout_demand": options.rollout_demand,
+            "trajectories_per_step": trajectories_per_step({**TRAINER, **job}),
+            "rollout_share_target": ROLLOUT_SHARE_TARGET,
+            "serving_executors_demo": 2,
+            "serving_executors": serving,
+        },
+        "pin": options.pin,
+        "devices": {},
+        # what the simulator's calibration (sim/calibration.py e2e_setup) would otherwise assume
+        "setup": {
+            "serving_prompt_tokens": prompt_tokens,
+            "serving_output_tokens": SPEC.serving_max_tokens,
+            "serving_kv_bytes": SPEC.serving_kv_mib << 20,
+            "rollout_kv_bytes": SPEC.rollout_kv_mib << 20,
+            "serving_kv_bytes_per_token": step_times["serving"]["kv_bytes_per_token"],
+            "policy_kv_bytes_per_token": step_times["policy"]["kv_bytes_per_token"],
+        },
+        "policies": {},
+    }
 
 
 def _fmt(v, spec: str = ".2f") -> str:

@@ -655,22 +655,30 @@ def duration_for(min_bursts: int, executors: int) -> float:
     return 5.0 + per_executor * BURST_EVERY_S
 
 
-def run_elastic_bench(
-    *,
-    out_json: str,
-    seed: int,
-    executors: int,
-    dedicated: int,
-    burst_factor: float,
-    duration_s: float,
-    model_dir: str | None,
-    console,
-    burst_factors: list[float] | None = None,
-    min_bursts: int = 0,
-) -> dict:
-    """One fleet run per burst factor (``burst_factors``, else ``burst_factor``); with ``min_bursts`` the
-    bursts come every BURST_EVERY_S and the trace is long enough for that many to find a lease held."""
-    spec, factors = SPEC, burst_factors or [burst_factor]
+@dataclass(frozen=True, kw_only=True)
+class ElasticOptions:
+    """What a `rose bench elastic` run measures: ``executors`` serving and ``dedicated`` rollout executors under
+    ``duration_s`` of bursty trace (``seed``), one fleet run per burst factor (``burst_factors``, else
+    ``burst_factor``); with ``min_bursts`` the bursts come every BURST_EVERY_S and the trace is long enough for that
+    many to find a lease held."""
+
+    seed: int = 0
+    executors: int = 2
+    dedicated: int = 1
+    burst_factor: float = 3.0
+    burst_factors: tuple[float, ...] | None = None
+    min_bursts: int = 0
+    duration_s: float = 90.0
+
+
+def run_elastic_bench(options: ElasticOptions, out_json: str, model_dir: str | None = None, console=None) -> dict:
+    """Each burst factor's fleet run; its result, or with several the first's and each one's key figures (written to
+    ``out_json``, each run's beside it). ``model_dir``: models to reuse (default: tiny models built on the spot)."""
+    from rich.console import Console
+
+    console = console or Console()
+    seed, executors, dedicated, duration_s, min_bursts = options.seed, options.executors, options.dedicated, options.duration_s, options.min_bursts
+    spec, factors = SPEC, list(options.burst_factors or [options.burst_factor])
     if min_bursts:
         spec = replace(SPEC, burst_every_s=BURST_EVERY_S, burst_len_s=BURST_LEN_S)
         duration_s = max(duration_s, duration_for(min_bursts, executors))

@@ -781,6 +781,18 @@ def plot(path: Path, obs: demo.Observed, f: Faults, records: list[dict], serving
     plt.close(fig)
 
 
-def run_faults_bench(*, out_json: str, seed: int, quick: bool, models: str | None, console: Console | None = None) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class FaultsOptions:
+    """What a `rose bench faults` run injects: every fault, or with ``quick`` the subset QUICK; ``seed`` of the serving
+    trace and the RL job."""
+
+    seed: int = 0
+    quick: bool = False
+
+
+def run_faults_bench(options: FaultsOptions, out_json: str, model_dir: str | None = None, console: Console | None = None) -> dict:
+    """The demo's fleet under the faults; the result (also written to ``out_json``). ``model_dir``: models to reuse
+    (default: tiny models built on the spot)."""
     console = console or Console()
-    return asyncio.run(_run(Path(out_json).resolve(), seed, quick, Path(models).resolve() if models else None, console))
+    models = Path(model_dir).resolve() if model_dir else None
+    return asyncio.run(_run(Path(out_json).resolve(), options.seed, options.quick, models, console))

@@ -472,5 +472,16 @@ def print_summary(result: dict[str, Any], out_json: str, console: Console) -> No
     console.print(f"wrote {out_json}")
 
 
-def run_gateway_bench(*, out_json: str, pairs: int, turns: int, models: str | None = None, console: Console | None = None) -> dict[str, Any]:
-    return asyncio.run(run(out_json, pairs, turns, models, console or Console()))
+@dataclass(frozen=True, kw_only=True)
+class GatewayOptions:
+    """What a `rose bench gateway` run measures: ``pairs`` 3-turn conversations on both paths (each gives 3 paired
+    turns), ``turns`` turns from the example agents for the token-for-token check."""
+
+    pairs: int = 200
+    turns: int = 1000
+
+
+def run_gateway_bench(options: GatewayOptions, out_json: str, model_dir: str | None = None, console: Console | None = None) -> dict[str, Any]:
+    """Both paths and the fidelity check; the result (also written to ``out_json``). ``model_dir``: where to build the
+    warm-started policy and keep it (default: a temporary directory)."""
+    return asyncio.run(run(out_json, options.pairs, options.turns, model_dir, console or Console()))

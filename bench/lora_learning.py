@@ -212,21 +212,30 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def run_lora_bench(
-    out_json: str | Path,
-    *,
-    seeds: tuple[int, ...] = DEFAULT_SEEDS,
-    steps: int = DEFAULT_STEPS,
-    lora: LoraShape | None = None,
-    lora_lr: float = LORA_LR,
-    full_lr: float = FULL_LR,
-    warm_start_steps: int | None = None,
-    console: Console | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class LoraOptions:
+    """What a `rose bench lora` run compares: ``steps`` GRPO steps of each arm at every seed in ``seeds``, the LoRA arm an
+    adapter of rank ``lora_rank`` and ``lora_alpha`` at ``lora_lr``, the full-parameter arm at ``full_lr``, both from one
+    base warm-started for ``warm_start_steps`` SFT steps (default: the demo job's)."""
+
+    seeds: tuple[int, ...] = DEFAULT_SEEDS
+    steps: int = DEFAULT_STEPS
+    lora_rank: int = LORA_RANK
+    lora_alpha: float = LORA_ALPHA
+    lora_lr: float = LORA_LR
+    full_lr: float = FULL_LR
+    warm_start_steps: int | None = None
+
+    @property
+    def lora(self) -> LoraShape:
+        return LoraShape(rank=self.lora_rank, alpha=self.lora_alpha)
+
+
+def run_lora_bench(options: LoraOptions, out_json: str | Path, console: Console | None = None) -> dict[str, Any]:
     """Both arms at every seed from one warm base; the result (also written to ``out_json``)."""
     console = console or Console()
-    lora = lora or LoraShape(rank=LORA_RANK, alpha=LORA_ALPHA)
-    warm = demo_job(0).sft.steps if warm_start_steps is None else warm_start_steps
+    seeds, steps, lora, lora_lr, full_lr = options.seeds, options.steps, options.lora, options.lora_lr, options.full_lr
+    warm = demo_job(0).sft.steps if options.warm_start_steps is None else options.warm_start_steps
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rose-bench-lora-") as scratch:
         console.print(f"building the demo's LoRA models and warm-starting the base ({warm} SFT steps) ...")

@@ -534,9 +534,19 @@ def print_summary(result: dict[str, Any], out_json: str, console: Console) -> No
     console.print(f"written to {out_json}")
 
 
-def run_openapi_bench(*, out_json: str, requests: int, seed: int, console: Console | None = None) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class OpenApiOptions:
+    """What a `rose bench openapi` run sends: ``requests`` generated requests per target (executor, gateway), from
+    hypothesis ``seed`` (the same requests for the same seed)."""
+
+    requests: int = 3000
+    seed: int = 0
+
+
+def run_openapi_bench(options: OpenApiOptions, out_json: str, console: Console | None = None) -> dict[str, Any]:
+    """Both targets fuzzed; the result (also written to ``out_json``)."""
     console = console or Console()
-    result = asyncio.run(run(requests, seed, console))
+    result = asyncio.run(run(options.requests, options.seed, console))
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
     print_summary(result, out_json, console)

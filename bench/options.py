@@ -1,4 +1,5 @@
-"""Argument vocabulary shared by `rose` (cli/bench.py, cli/models.py) and the stand-alone bench entry points.
+"""Argument vocabulary shared by `rose` (cli/bench.py, cli/models.py) and the stand-alone bench entry points, and
+the one way a bench's parsed arguments become its options (``options_from_args``).
 
 Kept free of heavy imports (torch, the bus): `rose --help` builds every parser, and
 ``python -m rose.bench.coserve`` must run on a bare GPU image.
@@ -7,8 +8,15 @@ Kept free of heavy imports (torch, the bus): `rose --help` builds every parser, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import TYPE_CHECKING, Any, TypeVar
 
-SLO_BASES = ("cell", "run")  # how `rose bench coserve` sets its SLO (bench/coserve.py run_coserve_bench)
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Options = TypeVar("Options", bound="DataclassInstance")
+
+SLO_BASES = ("cell", "run")  # how `rose bench coserve` sets its SLO (bench/coserve.py CoserveOptions)
 MODEL_PRESET_NAMES = ("tiny", "demo", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)
 
 
@@ -24,12 +32,25 @@ def number_list(kind):
     return parse
 
 
+def options_from_args(cls: type[Options], args: argparse.Namespace, **derived: Any) -> Options:
+    """A bench's frozen options dataclass from its parsed arguments: each field from the argument its parser stores
+    under the field's name (``dest``), a list as a tuple; an argument left None keeps the field's default (the bench's
+    own, defined once beside its code); ``derived``: fields the parser does not hold as they are (a value it parsed
+    into another form), over both."""
+    values = dict(derived)
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name, None)
+        if f.name not in values and value is not None:
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
 def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     """`rose bench coserve`'s options (also `python -m rose.bench.coserve`'s)."""
     b.add_argument("--json", default="bench-out/coserve.json", help="where to write the JSON result (the PNG goes beside it)")
     b.add_argument("--seed", type=int, default=0, help="seed of the trace, prompts and sampling")
     b.add_argument("--serving-load", type=float, default=0.3, help="serving arrival rate as a fraction of the measured serving capacity")
-    b.add_argument("--duration", type=float, default=20.0, help="seconds of replayed trace per policy")
+    b.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float, default=20.0, help="seconds of replayed trace per policy")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: models of --preset built on the spot)")
     b.add_argument("--preset", choices=MODEL_PRESET_NAMES, default="tiny", help="sizes of the models built on the spot (see `rose models init`)")
     b.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
@@ -81,6 +102,8 @@ def add_coserve_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--noise",
+        dest="noises",
+        metavar="NOISE",
         type=number_list(float),
         default=None,
         help="a co-runner burning this fraction of one core through every policy; comma-separated for a grid, e.g. 0,0.3 (default: none)",

@@ -40,7 +40,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rose.bench.sim_calibration import fresh_coserve, run_calibration, within_tolerance
@@ -588,79 +588,147 @@ def _config_line(key: tuple, done: dict[str, dict], many_seeds: bool) -> str:
     )
 
 
-def run_sim_bench(
-    *,
-    out_json: str,
-    seed: int = 0,
-    seeds: tuple[int, ...] = (),
-    models=MODELS,
-    serving_models=(),
-    policy_models=(),
-    over_provision=(0.0,),
-    host_kv_ratio: float | None = None,
-    fleets=FLEETS,
-    demands=DEMANDS,
-    ratios=RATIOS,
-    modes=MODES,
-    policies=POLICIES,
-    steps: int = 2,
-    jobs: int | None = None,
-    device: str = "H100",
-    load: float = 0.35,
-    slo_ttft_ms: float = 1000.0,
-    slo_tpot_ms: float = 100.0,
-    quantum_ms: float = 10.0,
-    what_if: tuple[str, ...] = (),
-    e2e: str | None = None,
-    coserve: str | None = None,
-    calibrate: bool = False,
-    measure_steps: bool = True,
-    fleet_ceilings: bool = True,
-    lane_pool: bool = False,
-    rollout_modes: tuple[str, ...] = (TWO_MODEL,),
-    console=None,
-) -> dict:
-    from rich.progress import Progress
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    """What a `rose bench sim` grid covers (cli/bench.py says each). An axis left None takes the full grid's values
+    (``quick``: the small grid's, ``QUICK_*``); ``oversubscription`` is one ``demands`` value (old scripts' word).
+    ``seeds``: every configuration at each (default: ``seed`` alone). ``e2e`` / ``coserve``: real runs to calibrate
+    against (``calibrate``: a short `rose bench coserve` now); ``fleet_ceilings`` and ``lane_pool``: the static runs
+    beside the grid (sim/ceiling.py)."""
 
-    started = time.perf_counter()
-    jobs = jobs if jobs is not None else min(2, os.cpu_count() or 1)
-    seeds = tuple(seeds) or (seed,)
-    host = {} if host_kv_ratio is None else {"host_kv_ratio": host_kv_ratio}  # default: SimConfig's, the executor's
+    seed: int = 0
+    seeds: tuple[int, ...] = ()
+    quick: bool = False
+    models: tuple[str, ...] | None = None
+    serving_models: tuple[str, ...] = ()
+    policy_models: tuple[str, ...] = ()
+    over_provision: tuple[float, ...] = (0.0,)
+    host_kv_ratio: float | None = None
+    fleets: tuple[int, ...] | None = None
+    demands: tuple[float, ...] | None = None
+    oversubscription: float | None = None
+    ratios: tuple[float, ...] | None = None
+    modes: tuple[str, ...] = MODES
+    policies: tuple[str, ...] = POLICIES
+    steps: int | None = None
+    jobs: int | None = None
+    device: str = "H100"
+    load: float = 0.35
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 100.0
+    quantum_ms: float = 10.0
+    what_if: tuple[str, ...] = ()
+    e2e: str | None = None
+    coserve: str | None = None
+    calibrate: bool = False
+    measure_steps: bool = True
+    fleet_ceilings: bool = True
+    lane_pool: bool = False
+    rollout_modes: tuple[str, ...] = (TWO_MODEL,)
+
+    @property
+    def grid_models(self) -> tuple[str, ...]:
+        return self.models or (QUICK_MODELS if self.quick else MODELS)
+
+    @property
+    def grid_fleets(self) -> tuple[int, ...]:
+        return self.fleets or (QUICK_FLEETS if self.quick else FLEETS)
+
+    @property
+    def grid_demands(self) -> tuple[float, ...]:
+        return self.demands or ((self.oversubscription,) if self.oversubscription else (QUICK_DEMANDS if self.quick else DEMANDS))
+
+    @property
+    def grid_ratios(self) -> tuple[float, ...]:
+        return self.ratios or (QUICK_RATIOS if self.quick else RATIOS)
+
+    @property
+    def grid_steps(self) -> int:
+        return self.steps or (1 if self.quick else 2)
+
+    @property
+    def grid_seeds(self) -> tuple[int, ...]:
+        return self.seeds or (self.seed,)
+
+    @property
+    def workers(self) -> int:
+        """Worker processes (default: 2, at most the cores)."""
+        return self.jobs if self.jobs is not None else min(2, os.cpu_count() or 1)
+
+
+def sim_configs(options: SimOptions) -> list[SimConfig]:
+    """Every configuration of the grid at every seed, and rose again with the what-if inputs (engine.SimConfig.what_if)
+    as extra rows."""
+    host = {} if options.host_kv_ratio is None else {"host_kv_ratio": options.host_kv_ratio}  # default: SimConfig's, the executor's
     configs = [
         c
-        for s in seeds
+        for s in options.grid_seeds
         for c in grid_configs(
-            models=models,
-            serving_models=serving_models,
-            policy_models=policy_models,
-            over_provision=over_provision,
-            fleets=fleets,
-            demands=demands,
-            ratios=ratios,
-            modes=modes,
-            policies=policies,
-            steps=steps,
-            device=device,
+            models=options.grid_models,
+            serving_models=options.serving_models,
+            policy_models=options.policy_models,
+            over_provision=options.over_provision,
+            fleets=options.grid_fleets,
+            demands=options.grid_demands,
+            ratios=options.grid_ratios,
+            modes=options.modes,
+            policies=options.policies,
+            steps=options.grid_steps,
+            device=options.device,
             seed=s,
-            load=load,
-            slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms,
-            quantum_ms=quantum_ms,
-            rollout_modes=rollout_modes,
+            load=options.load,
+            slo_ttft_ms=options.slo_ttft_ms,
+            slo_tpot_ms=options.slo_tpot_ms,
+            quantum_ms=options.quantum_ms,
+            rollout_modes=options.rollout_modes,
             **host,
         )
     ]
-    if what_if:  # rose again with the what-if inputs (engine.SimConfig.what_if), as extra rows
-        configs += [replace(c, what_if=frozenset(what_if)) for c in configs if c.policy == "rose"]
+    if options.what_if:
+        configs += [replace(c, what_if=frozenset(options.what_if)) for c in configs if c.policy == "rose"]
+    return configs
+
+
+def run_sim_bench(options: SimOptions, out_json: str, console=None) -> dict:
+    """`rose bench sim`: the grid simulated (and the static runs beside it), calibrated against real runs, reported (the
+    JSON at ``out_json``, its plot beside it; printed when there is a ``console``)."""
+    started = time.perf_counter()
+    configs = sim_configs(options)
+    results, grown, lanes = simulate_grid(options, configs, console)
+    grid_s = time.perf_counter() - started
+    e2e, coserve = options.e2e, options.coserve
+    if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
+        e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
+    if options.calibrate and not (e2e or coserve):
+        coserve = fresh_coserve(out_json, options.seed, console)
+    cal = run_calibration(e2e=e2e, coserve=coserve, measure=options.measure_steps and bool(coserve), seed=options.seed, console=console)
+    rows = combine_seeds(rows_of(results, grown, lanes))
+    report = sim_report(options, configs, rows, cal, grid_s)
+    out = Path(out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=float))
+    plot(out.with_suffix(".png"), rows)
+
+    if console is not None:
+        print_report(console, report, out)
+    return report
+
+
+def simulate_grid(options: SimOptions, configs: list[SimConfig], console) -> tuple[list[dict], dict[tuple, dict[int, float]], dict[tuple, float]]:
+    """The grid's results, then the fleet ceiling's (config key -> grown pool size -> static's steps/h) and the lane
+    pool's (config key -> static's steps/h) runs; a line per configuration as its policies are all in."""
+    from rich.progress import Progress
+
+    jobs, many_seeds = options.workers, len(options.grid_seeds) > 1
     per_config: collections.defaultdict[tuple, dict[str, dict]] = collections.defaultdict(dict)  # config_key -> policy -> result
-    wanted = len(set(policies))
+    wanted = len(set(options.policies))
 
     def progress_line(result: dict) -> None:
         """As each configuration's policies are all in: one line with rose's figures against static and elastic."""
         key = config_key(result)
         per_config[key][result["policy"]] = result
         if console is not None and len(per_config[key]) >= wanted:
-            console.print(_config_line(key, per_config[key], many_seeds=len(seeds) > 1))
+            console.print(_config_line(key, per_config[key], many_seeds=many_seeds))
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {len(configs)} runs ({jobs} processes)", total=len(configs))
@@ -670,78 +738,67 @@ def run_sim_bench(
             progress_line(result)
 
         results = run_grid(configs, jobs, advance)
-        grown_runs = grown_pool_configs(configs, results) if fleet_ceilings else []
+        grown_runs = grown_pool_configs(configs, results) if options.fleet_ceilings else []
         grown: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
         if grown_runs:
             task = progress.add_task(f"the fleet ceiling: static on grown pools, {len(grown_runs)} runs", total=len(grown_runs))
             for (key, k, _), r in zip(grown_runs, run_grid([c for _, _, c in grown_runs], jobs, lambda _: progress.advance(task))):
                 if "infeasible" not in r:
                     grown[key][k] = r["rl_steps_per_hour"]
-        lane_runs = lane_pool_configs(configs, results) if lane_pool else []
+        lane_runs = lane_pool_configs(configs, results) if options.lane_pool else []
         lanes: dict[tuple, float] = {}
         if lane_runs:
             task = progress.add_task(f"the lane pool: static with the serving lanes in its pool, {len(lane_runs)} runs", total=len(lane_runs))
             for (key, _), r in zip(lane_runs, run_grid([c for _, c in lane_runs], jobs, lambda _: progress.advance(task))):
                 if "infeasible" not in r:
                     lanes[key] = r["rl_steps_per_hour"]
-    grid_s = time.perf_counter() - started
-    if not (e2e or coserve) and Path(DEFAULT_E2E).exists():
-        e2e = DEFAULT_E2E  # the last real `rose bench e2e` run
-    if calibrate and not (e2e or coserve):
-        coserve = fresh_coserve(out_json, seed, console)
-    cal = run_calibration(e2e=e2e, coserve=coserve, measure=measure_steps and bool(coserve), seed=seed, console=console)
-    rows = combine_seeds(rows_of(results, grown, lanes))
-    notes = notes_of(rows)
-    targets = targets_of(rows)
+    return results, grown, lanes
+
+
+def sim_report(options: SimOptions, configs: list[SimConfig], rows: list[dict], cal: dict, grid_s: float) -> dict:
+    """The JSON: the rows, the issue's targets, the calibration, the notes and the grid's settings."""
     rose = [r["speedup_vs_static"] for r in rows if r["policy"] == "rose" and r.get("speedup_vs_static")]
     summary = (
         f"rose vs static: {min(rose):.2f}-{max(rose):.2f}x over {len(rose)} configurations (paper: {PAPER_RANGE[0]}-{PAPER_RANGE[1]}x)"
         if rose
         else "no rose result"
     )
-    report = {
+    seeds, models = options.grid_seeds, options.grid_models
+    return {
         "rows": rows,
-        "targets": targets,
+        "targets": targets_of(rows),
         "calibration": cal["calibration"],
         "calibration_slo_attainment": cal.get("calibration_slo_attainment", {}),
         "calibration_within_15pct": within_tolerance(cal),
         "calibration_detail": cal["calibration_detail"],
-        "notes": notes,
+        "notes": notes_of(rows),
         "summary": summary,
         "settings": {
             "seed": seeds[0],
             "seeds": list(seeds),
-            "steps": steps,
-            "device": device,
-            "load": load,
-            "slo_ttft_ms": slo_ttft_ms,
-            "slo_tpot_ms": slo_tpot_ms,
-            "quantum_ms": quantum_ms,
+            "steps": options.grid_steps,
+            "device": options.device,
+            "load": options.load,
+            "slo_ttft_ms": options.slo_ttft_ms,
+            "slo_tpot_ms": options.slo_tpot_ms,
+            "quantum_ms": options.quantum_ms,
             "models": list(models),
-            "model_pairs": [list(p) for p in model_pairs(models, serving_models, policy_models)],
-            "over_provision": list(over_provision),
-            "host_kv_ratio": configs[0].host_kv_ratio if configs else host_kv_ratio,
-            "fleets": list(fleets),
-            "rollout_demands": list(demands),
-            "dedicated_ratios": list(ratios),
-            "modes": list(modes),
+            "model_pairs": [list(p) for p in model_pairs(models, options.serving_models, options.policy_models)],
+            "over_provision": list(options.over_provision),
+            "host_kv_ratio": configs[0].host_kv_ratio if configs else options.host_kv_ratio,
+            "fleets": list(options.grid_fleets),
+            "rollout_demands": list(options.grid_demands),
+            "dedicated_ratios": list(options.grid_ratios),
+            "modes": list(options.modes),
             "async_prefetch_steps": ASYNC_PREFETCH,
-            "what_if": list(what_if),
-            "lane_pool": lane_pool,
-            "rollout_modes": list(rollout_modes),
+            "what_if": list(options.what_if),
+            "lane_pool": options.lane_pool,
+            "rollout_modes": list(options.rollout_modes),
             "trainer_gpu_ratio": configs[0].trainer_gpu_ratio if configs else None,
-            "jobs": jobs,
+            "jobs": options.workers,
         },
         "grid_seconds": grid_s,
         "note": (
             "simulated, not measured: step times from a roofline of public spec sheets (shared/devices.py); decisions by the services' own functions"
         ),
     }
-    out = Path(out_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=float))
-    plot(out.with_suffix(".png"), rows)
-
-    if console is not None:
-        print_report(console, report, out)
-    return report

@@ -25,17 +25,17 @@ def within_tolerance(cal: dict) -> bool | None:
 
 def fresh_coserve(out_json: str, seed: int, console) -> str:
     """Run a short real `rose bench coserve` (the executor under its policies) for calibration."""
-    from rose.bench import coserve as bench_coserve
+    from rose.bench.coserve import CoserveOptions, run_coserve_bench
 
     path = str(Path(out_json).with_name(Path(out_json).stem + "-coserve.json"))
-    bench_coserve.run_coserve_bench(out_json=path, seed=seed, serving_load=0.3, duration_s=5.0, model_dir=None, console=console)
+    run_coserve_bench(CoserveOptions(seed=seed, serving_load=0.3, duration_s=5.0), path, console=console)
     return path
 
 
 # ---- against a real `rose bench coserve` run --------------------------------------------------
 def predict_coserve(report: dict, step_times: dict, parallel_lanes: bool = True) -> dict:
     """Per executor policy: predicted rollout tokens/s and SLO attainment over the bench's trace."""
-    from rose.bench import coserve as bc
+    from rose.bench import coserve_runs as bc
     from rose.services.executor.policies import Signals, make_policy
     from rose.sim.coserve import ServingTick, rollout_interference, rollout_share, serving_tick
     from rose.sim.policies import executor_signals

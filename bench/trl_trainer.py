@@ -9,6 +9,9 @@ demo's live table, its report and the e2e step figures read it as they read ROSE
 TRL has no warm start of its own here: `warm_start_policy` runs the reference trainer's (sft.py, the
 demo's settings) on the policy in place before the fleet starts, so the executors and TRL start from
 the same warm policy; `rose bench trl` gives ROSE's trainer the same start (its own warm start off).
+
+`run_trl_alone` runs `rose bench trl`'s third arm, TRL generating by itself (bench/trl_alone.py), on the
+same arguments (`job_args`).
 """
 
 from __future__ import annotations
@@ -65,15 +68,21 @@ class TrlTrainerProcess(ServiceProcess):
 def trl_trainer(reference: ServiceProcess, settings: dict[str, str], policy: Path) -> TrlTrainerProcess:
     """The TRL process standing in for `reference` (the reference trainer's process, its environment and credentials),
     on the job `settings` describes (the reference trainer's ROSE_* settings)."""
+    args = ["--steps", str(RUN_UNTIL_STOPPED), *job_args(settings, policy, reference.log_path.parent.parent / "trl-out")]
+    return TrlTrainerProcess("trainer", reference.instance, dict(reference.env), reference.log_path, nice=reference.nice, args=tuple(args))
+
+
+def job_args(settings: dict[str, str], policy: Path, out: Path) -> list[str]:
+    """The example's arguments for the job `settings` describes (the reference trainer's ROSE_* settings): the same
+    problems (the reference trainer's task seeds), group size, groups per step, turns, tokens per turn, lr, epochs,
+    threads and seed; TRL's output under `out`. Both TRL arms of `rose bench trl` run on them."""
     problems = int(settings.get("ROSE_TASKS__PROBLEMS", "0"))
     if problems <= 0:
         raise ValueError("TRL trains on a dataset of problems: the job needs ROSE_TASKS__PROBLEMS > 0 (the demo's is 16)")
     seed = int(settings.get("ROSE_TASKS__SEED", "0"))
-    args = [
+    return [
         "--policy",
         str(policy),
-        "--steps",
-        str(RUN_UNTIL_STOPPED),
         "--seeds",
         ",".join(str(task_seed(seed, -1, i)) for i in range(problems)),  # the reference trainer's problem set (trainer.py `emit`)
         "--max-operand",
@@ -95,9 +104,27 @@ def trl_trainer(reference: ServiceProcess, settings: dict[str, str], policy: Pat
         "--seed",
         str(seed),
         "--out",
-        str(reference.log_path.parent.parent / "trl-out"),
+        str(out),
     ]
-    return TrlTrainerProcess("trainer", reference.instance, dict(reference.env), reference.log_path, nice=reference.nice, args=tuple(args))
+
+
+def run_trl_alone(settings: dict[str, str], policy: Path, out: Path, steps: int, timeout_s: float) -> list[dict]:
+    """TRL generating by itself (bench/trl_alone.py, no fleet) on the job `settings` describes, for `steps` batches;
+    each batch's figures (`Batch`). Its log is `out / "alone.log"`."""
+    out.mkdir(parents=True, exist_ok=True)
+    result, log_path = out / "alone.json", out / "alone.log"
+    args = ["--steps", str(steps), *job_args(settings, policy, out / "trl-out"), "--json", str(result)]
+    with open(log_path, "wb") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "rose.bench.trl_alone", *args],
+            env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL alone exited with {done.returncode}:\n{log_path.read_text()[-3000:]}")
+    return json.loads(result.read_text())["batches"]
 
 
 def warm_start_policy(policy: Path, settings: dict[str, str], steps: int) -> dict:

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,16 +274,22 @@ def _stop(proc: subprocess.Popen) -> None:
 # ---- the bench ------------------------------------------------------------------------
 
 
-async def run_weights_bench(
-    *,
-    out_json: str,
-    params: int = DEFAULT_PARAMS,
-    steps: int = DEFAULT_STEPS,
-    lr: float = DEFAULT_LR,
-    seed: int = DEFAULT_SEED,
-    console: Console | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class WeightsOptions:
+    """What a `rose bench weights` run measures (module docstring): a Qwen2 policy of about ``params`` parameters taking
+    ``steps`` AdamW steps at ``lr``, one published version each; ``seed`` of the weights and the training batches."""
+
+    params: int = DEFAULT_PARAMS
+    steps: int = DEFAULT_STEPS
+    lr: float = DEFAULT_LR
+    seed: int = DEFAULT_SEED
+
+
+async def run_weights_bench(options: WeightsOptions, out_json: str, console: Console | None = None) -> dict[str, Any]:
+    """Every version through a real publisher and executor, then the full-snapshot comparison; the result (also
+    written to ``out_json``, plotted beside it)."""
     console = console or Console()
+    params, steps, lr, seed = options.params, options.steps, options.lr, options.seed
     config = qwen2_config(params)
     trainer = Trainer(config, lr, seed)
     with tempfile.TemporaryDirectory() as tmp:

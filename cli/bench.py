@@ -1,7 +1,9 @@
 """`rose bench <BENCH>`: each bench's arguments beside the code that runs it.
 
-The bench's own module (torch, the services, the bus) loads only when it runs. `rose bench coserve`'s
-options live in rose.bench.options, which `python -m rose.bench.coserve` reads too.
+The bench's own module (torch, the services, the bus) loads only when it runs. Each bench takes one frozen options
+dataclass defined beside its code (`BusOptions`, `CoserveOptions`, ...), built from the parsed arguments by
+rose.bench.options `options_from_args`: an argument's ``dest`` is its option's name. `rose bench coserve`'s
+arguments live in rose.bench.options, which `python -m rose.bench.coserve` reads too.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import asyncio
 import json
 
-from rose.bench.options import add_coserve_arguments, number_list
+from rose.bench.options import add_coserve_arguments, number_list, options_from_args
 from rose.sim import DEVICE_KINDS, MODEL_SIZES, POLICIES, ROLLOUT_MODES
 
 E2E_JSON = "bench-out/e2e.json"
@@ -46,9 +48,9 @@ def _register_bus(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_bus(args: argparse.Namespace) -> int:
-    from rose.bench.bus import run_bus_bench
+    from rose.bench.bus import BusOptions, run_bus_bench
 
-    result = asyncio.run(run_bus_bench(out_json=args.json, requests=args.requests, rounds=args.rounds))
+    result = asyncio.run(run_bus_bench(options_from_args(BusOptions, args), args.json))
     return 0 if result["meets_target"] else 1
 
 
@@ -58,14 +60,14 @@ def _register_security(benches: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--json", default="bench-out/security.json", help="where to write the JSON result (one row per attack)")
     b.add_argument("--quick", action="store_true", help="fewer bus combinations, the unpickler without the HTTP engine, a few sandbox escapes")
-    b.add_argument("--no-sandbox", action="store_true", help="leave out the code sandbox's escapes")
+    b.add_argument("--no-sandbox", dest="include_sandbox", action="store_false", help="leave out the code sandbox's escapes")
     b.set_defaults(func=_run_security)
 
 
 def _run_security(args: argparse.Namespace) -> int:
-    from rose.bench.security import print_summary, run_security_bench
+    from rose.bench.security import SecurityOptions, print_summary, run_security_bench
 
-    result = run_security_bench(args.json, quick=args.quick, include_sandbox=not args.no_sandbox)
+    result = run_security_bench(options_from_args(SecurityOptions, args), args.json)
     print_summary(result, args.json)
     return 0 if result["attacks_blocked"] == result["attacks_tried"] else 1
 
@@ -96,9 +98,9 @@ def _register_weights(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_weights(args: argparse.Namespace) -> int:
-    from rose.bench.weights import run_weights_bench
+    from rose.bench.weights import WeightsOptions, run_weights_bench
 
-    out = asyncio.run(run_weights_bench(out_json=args.json, params=args.params, steps=args.steps, lr=args.lr, seed=args.seed))
+    out = asyncio.run(run_weights_bench(options_from_args(WeightsOptions, args), args.json))
     return 0 if all(out["meets_target"].values()) else 1
 
 
@@ -116,9 +118,9 @@ def _register_gateway(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
-    from rose.bench.gateway import run_gateway_bench
+    from rose.bench.gateway import GatewayOptions, run_gateway_bench
 
-    out = run_gateway_bench(out_json=args.json, pairs=args.pairs, turns=args.turns, models=args.models)
+    out = run_gateway_bench(options_from_args(GatewayOptions, args), args.json, args.models)
     return 0 if out["fidelity"]["tokens_differing"] == 0 and out["fidelity"]["segment_breaks_without_reason"] == 0 else 1
 
 
@@ -133,9 +135,9 @@ def _register_openapi(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_openapi(args: argparse.Namespace) -> int:
-    from rose.bench.openapi_fuzz import run_openapi_bench
+    from rose.bench.openapi_fuzz import OpenApiOptions, run_openapi_bench
 
-    out = run_openapi_bench(out_json=args.json, requests=args.requests, seed=args.seed)
+    out = run_openapi_bench(options_from_args(OpenApiOptions, args), args.json)
     clean = [r["schema_violations"] == 0 and r["dropped_connections"] == 0 and r["still_serving"] for r in (out["executor"], out["gateway"])]
     return 0 if all(clean) and not any(int(s) >= 500 for r in (out["executor"], out["gateway"]) for s in r["statuses"]) else 1
 
@@ -146,9 +148,18 @@ def _register_control_plane(benches: argparse._SubParsersAction) -> None:
         help="the real SLO monitor and scheduler against N executor stand-ins on real NATS: snapshots/s, route and alert-to-revoke latency, CPU",
     )
     b.add_argument("--json", default="bench-out/control-plane.json", help="where to write the JSON result (the PNG goes beside it)")
-    b.add_argument("--executors", default="100,300,1000", help="comma-separated fleet sizes, one run each")
-    b.add_argument("--duration", type=float, default=30.0, help="measured seconds per fleet size (after a warm-up for the first leases)")
-    b.add_argument("--interval", type=float, default=1.0, help="executors' metrics snapshot interval in seconds")
+    b.add_argument("--executors", type=number_list(int), default=[100, 300, 1000], help="comma-separated fleet sizes, one run each")
+    b.add_argument(
+        "--duration",
+        dest="duration_s",
+        metavar="DURATION",
+        type=float,
+        default=30.0,
+        help="measured seconds per fleet size (after a warm-up for the first leases)",
+    )
+    b.add_argument(
+        "--interval", dest="interval_s", metavar="INTERVAL", type=float, default=1.0, help="executors' metrics snapshot interval in seconds"
+    )
     b.add_argument("--cluster", action="store_true", help="on the 3-node JetStream cluster (R3 storage) instead of one node")
     b.add_argument("--turns-per-s", type=float, default=0.5, help="turn route requests per second per leased executor")
     b.add_argument("--seed", type=int, default=0, help="seed of arrivals and bursts")
@@ -160,19 +171,9 @@ def _register_control_plane(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_control_plane(args: argparse.Namespace) -> int:
-    from rose.bench.control_plane import Settings, run_control_plane_bench
+    from rose.bench.control_plane import ControlPlaneOptions, run_control_plane_bench
 
-    settings = Settings(
-        executors=[int(n) for n in args.executors.split(",") if n.strip()],
-        duration_s=args.duration,
-        interval_s=args.interval,
-        cluster=args.cluster,
-        turns_per_s=args.turns_per_s,
-        seed=args.seed,
-        instances=args.instances,
-        kill=args.kill,
-    )
-    out = asyncio.run(run_control_plane_bench(args.json, settings))
+    out = asyncio.run(run_control_plane_bench(options_from_args(ControlPlaneOptions, args), args.json))
     return 0 if all(level["snapshots_lost"] == 0 for level in out["levels"]) else 1
 
 
@@ -191,28 +192,15 @@ def _register_elastic(benches: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--min-bursts", type=int, default=0, help="bursts every 12 s and a trace long enough for this many to find a lease held (e.g. 20 for a p99)"
     )
-    b.add_argument("--duration", type=float, default=90.0, help="seconds of replayed serving trace")
+    b.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float, default=90.0, help="seconds of replayed serving trace")
     b.add_argument("--models", default=None, help="model directory with serving/ and policy/ (default: tiny models built on the spot)")
     b.set_defaults(func=_run_elastic)
 
 
 def _run_elastic(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rose.bench.elastic import ElasticOptions, run_elastic_bench
 
-    from rose.bench.elastic import run_elastic_bench
-
-    result = run_elastic_bench(
-        out_json=args.json,
-        seed=args.seed,
-        executors=args.executors,
-        dedicated=args.dedicated,
-        burst_factor=args.burst_factor,
-        duration_s=args.duration,
-        model_dir=args.models,
-        console=Console(),
-        burst_factors=args.burst_factors,
-        min_bursts=args.min_bursts,
-    )
+    result = run_elastic_bench(options_from_args(ElasticOptions, args), args.json, args.models)
     return 0 if result["tasks_lost"] == 0 else 1
 
 
@@ -230,9 +218,9 @@ def _register_faults(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_faults(args: argparse.Namespace) -> int:
-    from rose.bench.faults import run_faults_bench
+    from rose.bench.faults import FaultsOptions, run_faults_bench
 
-    result = run_faults_bench(out_json=args.json, seed=args.seed, quick=args.quick, models=args.models)
+    result = run_faults_bench(options_from_args(FaultsOptions, args), args.json, args.models)
     ok = result["faults_survived"] == result["faults_injected"] and result["trajectories_lost"] == 0 and result["weight_versions_lost"] == 0
     return 0 if ok else 1
 
@@ -246,6 +234,8 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the serving trace and the tasks (the same for every policy)")
     b.add_argument(
         "--duration",
+        dest="duration_s",
+        metavar="DURATION",
         type=float,
         default=None,
         help="seconds of trace and training per policy (default: 120, about 12 minutes for all four; emulated: 120 emulated seconds)",
@@ -265,7 +255,7 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: each executor on a core of its own (one core = one device; the trainer and light services float); none: unpinned",
     )
-    b.add_argument("--unpinned", action="store_true", help="the same as --pin none")
+    b.add_argument("--unpinned", dest="pin", action="store_const", const="none", help="the same as --pin none")
     b.add_argument(
         "--rollout-demand",
         type=int,
@@ -315,26 +305,11 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_e2e(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     if args.emulate:
         return _run_e2e_emulated(args)
-    from rose.bench.e2e import run_e2e_bench
+    from rose.bench.e2e import E2eOptions, run_e2e_bench
 
-    result = run_e2e_bench(
-        out_json=args.json,
-        seed=args.seed,
-        duration_s=args.duration,
-        policies=args.policies,
-        model_dir=args.models,
-        serving=args.serving,
-        dedicated=args.dedicated,
-        console=Console(),
-        warm_start_steps=args.warm_start_steps,
-        pin="none" if args.unpinned else args.pin,
-        rollout_demand=args.rollout_demand,
-        until_steps=args.until_steps,
-    )
+    result = run_e2e_bench(options_from_args(E2eOptions, args), args.json, args.models)
     return 0 if all(p["trajectories_lost"] == 0 for p in result["policies"].values()) else 1
 
 
@@ -346,27 +321,12 @@ def _run_e2e_emulated(args: argparse.Namespace) -> int:
     from rose.shared.devices import parse_fleet
 
     gpus, device = parse_fleet(args.emulate)
-    job = EmulatedJob(
-        gpus=gpus,
-        device=device.name,
-        model=args.model,
-        policy_model=args.policy_model or "",
-        dedicated_ratio=args.dedicated_ratio,
-        demand=args.demand,
-        mode=args.mode,
-        seed=args.seed,
-        load=args.load,
-        time_scale=args.time_scale,
-        rollout_max_batch=args.rollout_max_batch,
-        workload={**BENCH_WORKLOAD, **(args.workload or {})},
-        trace=args.trace or "",
-        over_provision=args.over_provision,
-    )
+    job = options_from_args(EmulatedJob, args, gpus=gpus, device=device.name, workload={**BENCH_WORKLOAD, **(args.workload or {})})
     result = run_emulated_e2e(
         out_json=args.json if args.json != E2E_JSON else "bench-out/e2e-emulated.json",
         job=job,
         policies=args.policies,
-        duration_s=args.duration or EMULATED_DURATION_S,
+        duration_s=args.duration_s or EMULATED_DURATION_S,
         until_steps=args.until_steps,
         model_dir=args.models,
         console=Console(),
@@ -392,76 +352,7 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--quick", action="store_true", help="a small grid (7B on 8 GPUs, demand 1x and 4x, dedicated ratio 0.25, sync and async, one RL step each)"
     )
-    b.add_argument(
-        "--models",
-        nargs="+",
-        default=None,
-        choices=MODEL_SIZES,
-        help="model sizes, each as serving model and policy (default: all four)",
-    )
-    b.add_argument(
-        "--serving-model",
-        nargs="+",
-        default=None,
-        choices=MODEL_SIZES,
-        help="the serving fleet's model sizes, each with every --policy-model (default: --models)",
-    )
-    b.add_argument(
-        "--policy-model",
-        nargs="+",
-        default=None,
-        choices=MODEL_SIZES,
-        help="the RL policy's sizes, each beside every --serving-model (default: --models)",
-    )
-    b.add_argument(
-        "--over-provision",
-        nargs="+",
-        type=float,
-        default=None,
-        help="partial rollouts: hand a step's batch out with this share of its groups more, train on the first complete, carry the rest "
-        "(grpo.over_provision; default: 0, none)",
-    )
-    b.add_argument(
-        "--host-kv-ratio",
-        type=float,
-        default=None,
-        help="the executors' host tier for retained prefixes, x each instance's rollout KV (engine.host_kv_ratio; 0: none; default: the executor's)",
-    )
-    b.add_argument("--gpus", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)")
-    b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
-    b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
-    b.add_argument("--device", default="H100", choices=DEVICE_KINDS, help="GPU kind of every instance")
-    b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
-    b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
-    b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
-    b.add_argument(
-        "--demand",
-        nargs="+",
-        type=float,
-        default=None,
-        help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)",
-    )
-    b.add_argument("--dedicated-ratio", nargs="+", type=float, default=None, help="dedicated rollout GPUs per serving GPU (default: 0.125 0.25 0.5)")
-    b.add_argument(
-        "--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)"
-    )
-    b.add_argument(
-        "--policies",
-        nargs="+",
-        choices=POLICIES,
-        default=None,
-        help="policies to run (default: all four)",
-    )
-    b.add_argument("--oversubscription", type=float, default=None, help="the same as one --demand value (kept for old scripts)")
-    b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
-    b.add_argument(
-        "--what-if",
-        nargs="+",
-        default=None,
-        choices=["kv_slots", "sticky_throughput"],
-        help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever "
-        "measured)",
-    )
+    _add_sim_grid_arguments(b)
     b.add_argument(
         "--e2e",
         default=None,
@@ -469,10 +360,13 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--coserve", default=None, help="calibrate against this `rose bench coserve` JSON (per-policy rollout tokens/s error)")
     b.add_argument("--calibrate", action="store_true", help="run a short real `rose bench coserve` now and calibrate against it (about a minute)")
-    b.add_argument("--no-measure", action="store_true", help="do not measure the tiny models' step times (no calibration at all)")
+    b.add_argument(
+        "--no-measure", dest="measure_steps", action="store_false", help="do not measure the tiny models' step times (no calibration at all)"
+    )
     b.add_argument(
         "--no-fleet-ceiling",
-        action="store_true",
+        dest="fleet_ceilings",
+        action="store_false",
         help="skip the fleet ceiling's runs (static on its dedicated pool grown by the lanes' capacity; 10-40 %% of the grid's time)",
     )
     b.add_argument(
@@ -494,46 +388,100 @@ def _register_sim(benches: argparse._SubParsersAction) -> None:
     b.set_defaults(func=_run_sim)
 
 
+def _add_sim_grid_arguments(b: argparse.ArgumentParser) -> None:
+    """`rose bench sim`'s grid: its axes and each configuration's settings."""
+    b.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=MODEL_SIZES,
+        help="model sizes, each as serving model and policy (default: all four)",
+    )
+    b.add_argument(
+        "--serving-model",
+        dest="serving_models",
+        nargs="+",
+        default=None,
+        choices=MODEL_SIZES,
+        help="the serving fleet's model sizes, each with every --policy-model (default: --models)",
+    )
+    b.add_argument(
+        "--policy-model",
+        dest="policy_models",
+        nargs="+",
+        default=None,
+        choices=MODEL_SIZES,
+        help="the RL policy's sizes, each beside every --serving-model (default: --models)",
+    )
+    b.add_argument(
+        "--over-provision",
+        nargs="+",
+        type=float,
+        default=None,
+        help="partial rollouts: hand a step's batch out with this share of its groups more, train on the first complete, carry the rest "
+        "(grpo.over_provision; default: 0, none)",
+    )
+    b.add_argument(
+        "--host-kv-ratio",
+        type=float,
+        default=None,
+        help="the executors' host tier for retained prefixes, x each instance's rollout KV (engine.host_kv_ratio; 0: none; default: the executor's)",
+    )
+    b.add_argument(
+        "--gpus", dest="fleets", metavar="GPUS", nargs="+", type=int, default=None, help="serving fleet sizes in GPUs (default: 8 16 32 64)"
+    )
+    b.add_argument("--steps", type=int, default=None, help="RL steps simulated per configuration (default: 2; --quick: 1)")
+    b.add_argument("--jobs", type=int, default=None, help="worker processes (default: 2)")
+    b.add_argument("--device", default="H100", choices=DEVICE_KINDS, help="GPU kind of every instance")
+    b.add_argument("--load", type=float, default=0.35, help="mean serving load as a fraction of the fleet's SLO capacity")
+    b.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="serving p99 TTFT SLO")
+    b.add_argument("--slo-tpot-ms", type=float, default=100.0, help="serving p99 TPOT SLO")
+    b.add_argument(
+        "--demand",
+        dest="demands",
+        metavar="DEMAND",
+        nargs="+",
+        type=float,
+        default=None,
+        help="rollout demand: trajectories per step as multiples of what the dedicated pool runs at once (default: 1 2 4)",
+    )
+    b.add_argument(
+        "--dedicated-ratio",
+        dest="ratios",
+        metavar="DEDICATED_RATIO",
+        nargs="+",
+        type=float,
+        default=None,
+        help="dedicated rollout GPUs per serving GPU (default: 0.125 0.25 0.5)",
+    )
+    b.add_argument(
+        "--modes", nargs="+", choices=["sync", "async"], default=None, help="synchronous RL and/or asynchronous (one step prefetched) (default: both)"
+    )
+    b.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=None,
+        help="policies to run (default: all four)",
+    )
+    b.add_argument("--oversubscription", type=float, default=None, help="the same as one --demand value (kept for old scripts)")
+    b.add_argument("--quantum-ms", type=float, default=10.0, help="the executor's rollout quantum on serving instances")
+    b.add_argument(
+        "--what-if",
+        nargs="+",
+        default=None,
+        choices=["kv_slots", "sticky_throughput"],
+        help="also run rose with these input changes (kv_slots: headroom slots capped by the lent KV; sticky_throughput: best tokens/s ever "
+        "measured)",
+    )
+
+
 def _run_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rose.bench import sim
+    from rose.bench.sim import SimOptions, run_sim_bench
 
-    models = args.models or (sim.QUICK_MODELS if args.quick else sim.MODELS)
-    fleets = args.gpus or (sim.QUICK_FLEETS if args.quick else sim.FLEETS)
-    demands = args.demand or ([args.oversubscription] if args.oversubscription else (sim.QUICK_DEMANDS if args.quick else sim.DEMANDS))
-    ratios = args.dedicated_ratio or (sim.QUICK_RATIOS if args.quick else sim.RATIOS)
-    sim.run_sim_bench(
-        out_json=args.json,
-        seed=args.seed,
-        seeds=tuple(args.seeds or ()),
-        models=models,
-        serving_models=tuple(args.serving_model or ()),
-        policy_models=tuple(args.policy_model or ()),
-        over_provision=tuple(args.over_provision or (0.0,)),
-        host_kv_ratio=args.host_kv_ratio,
-        fleets=fleets,
-        demands=demands,
-        ratios=ratios,
-        modes=args.modes or sim.MODES,
-        policies=args.policies or sim.POLICIES,
-        steps=args.steps or (1 if args.quick else 2),
-        jobs=args.jobs,
-        device=args.device,
-        load=args.load,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        quantum_ms=args.quantum_ms,
-        what_if=tuple(args.what_if or ()),
-        e2e=args.e2e,
-        coserve=args.coserve,
-        calibrate=args.calibrate,
-        measure_steps=not args.no_measure,
-        fleet_ceilings=not args.no_fleet_ceiling,
-        lane_pool=args.lane_pool,
-        rollout_modes=tuple(args.rollout_modes or ("two_model",)),
-        console=Console(),
-    )
+    run_sim_bench(options_from_args(SimOptions, args), args.json, Console())
     return 0
 
 
@@ -548,7 +496,7 @@ def _register_pool(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--policy-model", choices=MODEL_SIZES, default="7B", help="the RL policy beside it")
     b.add_argument("--loads", type=number_list(float), default=[0.3, 0.6], help="arrival rates as fractions of the instance's SLO capacity")
     b.add_argument("--pool-scales", type=number_list(float), default=[0.5, 1.0], help="pools run, x the derived one (an unbounded one always runs)")
-    b.add_argument("--duration", type=float, default=120.0, help="emulated seconds of arrivals per load")
+    b.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float, default=120.0, help="emulated seconds of arrivals per load")
     b.add_argument("--seed", type=int, default=0, help="seed of the arrivals and their sizes")
     b.add_argument("--trace", default="", help="an Azure-format CSV whose request sizes to replay (default: the simulator's synthetic sizes)")
     b.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per emulated second (raise it if the forward lag is high)")
@@ -559,28 +507,26 @@ def _register_pool(benches: argparse._SubParsersAction) -> None:
 def _run_pool(args: argparse.Namespace) -> int:
     from rose.bench.pool import PoolCheck, exit_code, run_pool_bench
 
-    check = PoolCheck(
-        device=args.device,
-        serving_model=args.serving_model,
-        policy_model=args.policy_model,
-        loads=tuple(args.loads),
-        pool_scales=tuple(args.pool_scales),
-        duration_s=args.duration,
-        seed=args.seed,
-        trace=args.trace,
-        time_scale=args.time_scale,
-    )
-    return exit_code(run_pool_bench(check, args.json, models_dir=args.models or ""))
+    return exit_code(run_pool_bench(options_from_args(PoolCheck, args), args.json, models_dir=args.models or ""))
 
 
 def _register_trl(benches: argparse._SubParsersAction) -> None:
     b = benches.add_parser(
-        "trl", help="Hugging Face TRL's GRPOTrainer through ROSE vs ROSE's own trainer on the demo's job: steps per hour and reward per step"
+        "trl",
+        help="Hugging Face TRL's GRPOTrainer through ROSE vs ROSE's own trainer and vs TRL generating by itself, on the demo's job: "
+        "steps per hour, where a step's time goes, reward per step",
     )
     b.add_argument("--json", default="bench-out/trl.json", help="where to write the JSON result")
     b.add_argument("--seeds", type=int, nargs="+", default=[0], help="task and trace seeds; each runs both trainers on fresh fleets")
     b.add_argument("--until-steps", type=int, default=20, help="steps each run takes (its window ends there)")
-    b.add_argument("--duration", type=float, default=None, help="at most this many seconds per run (default: 3x the demo's window)")
+    b.add_argument(
+        "--duration",
+        dest="duration_s",
+        metavar="DURATION",
+        type=float,
+        default=None,
+        help="at most this many seconds per run (default: 3x the demo's window)",
+    )
     b.add_argument("--serving", type=int, default=2, help="serving executors")
     b.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     b.add_argument("--warm-start-steps", type=int, default=None, help="supervised steps of the shared warm start (default: the demo's 200)")
@@ -589,18 +535,9 @@ def _register_trl(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_trl(args: argparse.Namespace) -> int:
-    from rose.bench.trl import run_trl_bench
+    from rose.bench.trl import TrlOptions, run_trl_bench
 
-    out = run_trl_bench(
-        out_json=args.json,
-        seeds=args.seeds,
-        duration_s=args.duration,
-        until_steps=args.until_steps,
-        serving=args.serving,
-        dedicated=args.dedicated,
-        warm_start_steps=args.warm_start_steps,
-        model_dir=args.models,
-    )
+    out = run_trl_bench(options_from_args(TrlOptions, args), args.json, args.models)
     return 0 if out["trajectories_lost"] == 0 else 1
 
 
@@ -618,10 +555,7 @@ def _register_lora(benches: argparse._SubParsersAction) -> None:
 
 
 def _run_lora(args: argparse.Namespace) -> int:
-    from rose.bench import lora_learning as bench
-    from rose.shared.lora import LoraShape
+    from rose.bench.lora_learning import LoraOptions, run_lora_bench
 
-    lora = LoraShape(rank=args.lora_rank or bench.LORA_RANK, alpha=args.lora_alpha or bench.LORA_ALPHA)
-    given = {"seeds": args.seeds, "steps": args.steps, "lora_lr": args.lora_lr, "full_lr": args.full_lr, "warm_start_steps": args.warm_start_steps}
-    result = bench.run_lora_bench(args.json, lora=lora, **{k: v for k, v in given.items() if v is not None})
+    result = run_lora_bench(options_from_args(LoraOptions, args), args.json)
     return 0 if result["meets_target"] else 1

@@ -6,6 +6,7 @@ Its arguments beside the code that runs it; the bench's modules (torch, the serv
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 EMULATED_DEMO_S = 60.0  # emulated seconds of `rose demo --emulate`
 
@@ -17,6 +18,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--duration",
+        dest="duration_s",
+        metavar="DURATION",
         type=float,
         default=None,
         help="seconds of the GRPO window after the warm start (default: the demo's own, 140; with start-up, warm start and "
@@ -24,7 +27,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="serving trace and task seed")
     p.add_argument("--out", default="report", help="where summary.json, the plots, logs and the models go")
-    p.add_argument("--models", default=None, help="a models directory to reuse (default: build them under --out)")
+    p.add_argument(
+        "--models", dest="models_dir", metavar="MODELS", type=Path, default=None, help="a models directory to reuse (default: build them under --out)"
+    )
     p.add_argument("--serving", type=int, default=2, help="serving executors (each takes a replayed trace with bursts)")
     p.add_argument("--dedicated", type=int, default=1, help="dedicated rollout executors")
     p.add_argument(
@@ -35,6 +40,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--agent",
+        type=Path,
         default=None,
         metavar="PATH",
         help="run the job's episodes with this agent script through the rollout gateway (e.g. examples/agents/openai_loop.py) "
@@ -63,28 +69,15 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.emulate:
         return _run_emulated(args)
-    from rose.bench.demo import run_demo
+    from rose.bench.demo import JobOptions, run_demo
+    from rose.bench.options import options_from_args
 
-    summary = run_demo(
-        out=args.out,
-        duration=args.duration,
-        seed=args.seed,
-        models=args.models,
-        serving=args.serving,
-        dedicated=args.dedicated,
-        warm_start_steps=args.warm_start_steps,
-        until_steps=args.until_steps,
-        agent=args.agent,
-        trl=args.trainer == "trl",
-        lora=args.lora,
-    )
+    summary = run_demo(options_from_args(JobOptions, args, trl=args.trainer == "trl"), args.out)
     return 0 if summary["trajectories"]["lost"] == 0 else 1
 
 
 def _run_emulated(args: argparse.Namespace) -> int:
     """`rose demo --emulate 8xH100:7B [--trace CSV]`: a dry run of ROSE on emulated GPUs, rose only, the simulator beside."""
-    from pathlib import Path
-
     from rich.console import Console
 
     from rose.bench.e2e_emulated import run_emulated_e2e
@@ -106,9 +99,9 @@ def _run_emulated(args: argparse.Namespace) -> int:
         out_json=str(Path(args.out) / "summary.json"),
         job=job,
         policies=["rose"],
-        duration_s=args.duration or EMULATED_DEMO_S,
+        duration_s=args.duration_s or EMULATED_DEMO_S,
         until_steps=args.until_steps,
-        model_dir=args.models,
+        model_dir=str(args.models_dir) if args.models_dir else None,
         console=Console(),
     )
     return 0 if result["policies"]["rose"]["trajectories_lost"] == 0 else 1

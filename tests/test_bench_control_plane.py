@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from rose.bench.control_plane import Settings, run_control_plane_bench
+from rose.bench.control_plane import ControlPlaneOptions, run_control_plane_bench
 
 
 async def test_control_plane_bench_small_fleet(tmp_path):
-    settings = Settings(executors=[20], duration_s=8.0, warmup_s=8.0, burst_share=0.25, burst_len_s=3.0, turns_per_s=2.0)
-    out = await run_control_plane_bench(tmp_path / "cp.json", settings, plot=False)
+    settings = ControlPlaneOptions(executors=(20,), duration_s=8.0, warmup_s=8.0, burst_share=0.25, burst_len_s=3.0, turns_per_s=2.0)
+    out = await run_control_plane_bench(settings, tmp_path / "cp.json", plot=False)
     assert json.loads((tmp_path / "cp.json").read_text()) == out
     (level,) = out["levels"]
     assert level["executors"] == 20 and level["instances"] == 1

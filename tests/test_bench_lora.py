@@ -7,13 +7,13 @@ import json
 
 from rich.console import Console
 
-from rose.bench.lora_learning import run_lora_bench
-from rose.shared.lora import LoraShape
+from rose.bench.lora_learning import LoraOptions, run_lora_bench
 
 
 def test_the_lora_bench_runs_both_arms_from_one_base(tmp_path):
     out = tmp_path / "lora.json"
-    result = run_lora_bench(out, seeds=(0,), steps=2, lora=LoraShape(rank=1, alpha=2.0), warm_start_steps=100, console=Console(quiet=True))
+    options = LoraOptions(seeds=(0,), steps=2, lora_rank=1, lora_alpha=2.0, warm_start_steps=100)
+    result = run_lora_bench(options, out, console=Console(quiet=True))
     assert json.loads(out.read_text())["steps"] == 2
     full, lora = (next(r for r in result["runs"] if r["arm"] == arm) for arm in ("full", "lora"))
     assert full["rewards"][0] == lora["rewards"][0]  # the same 64 episodes: the adapter's version 0 is the base bit for bit

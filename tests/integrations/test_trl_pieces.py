@@ -1,7 +1,12 @@
 """The TRL integration's pieces without a fleet: the CPU tree attention against plain attention on TRL's own packing,
-episodes as TRL's fields, the task table, the groups' re-hand-outs, and what is published as the policy."""
+episodes as TRL's fields, the task table, the groups' re-hand-outs, and what is published as the policy (the model, or a
+LoRA adapter over its base, its configuration held to what the executors run)."""
 
 from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,11 +14,23 @@ import torch
 
 from rose.contracts.rollout import RolloutTask, Trajectory, TurnRecord
 from rose.integrations.trl.groups import GroupBook, RolloutFailed
-from rose.integrations.trl.policy import UnsupportedPolicy, policy_state_dict
+from rose.integrations.trl.policy import LoraPolicy, UnsupportedPolicy, check_lora_config, policy_state_dict
 from rose.integrations.trl.rollout_func import prompt_runs, trl_fields
 from rose.integrations.trl.sequences import EpisodeShapeError, episode_runs, single_run
 from rose.integrations.trl.tasks import TaskTable, UnknownPrompt, env_reward
 from rose.shared.agentic.env_arithmetic import ArithmeticEnv
+from rose.shared.lora import (
+    ALL_LINEAR,
+    Adapter,
+    AdapterError,
+    LoraShape,
+    adapter_targets,
+    adapter_tensor_name,
+    lora_config,
+    model_fingerprint,
+    new_adapter,
+    write_adapter,
+)
 from rose.shared.models import DEMO_POLICY_SHAPE, build_model
 
 
@@ -98,15 +115,80 @@ async def test_a_member_is_handed_out_again_until_its_trajectory_is_usable():
         await broken.wait()
 
 
-def test_the_policy_is_the_whole_state_dict_and_a_lora_adapter_is_refused_for_now():
+def test_the_policy_is_the_whole_state_dict():
     model = build_model(DEMO_POLICY_SHAPE, 64, 0, seed=0)
     state = policy_state_dict(model)
     assert set(state) == set(model.state_dict()) and "lm_head.weight" in state  # tied: both names, as executors list them
     assert state["lm_head.weight"].data_ptr() != model.lm_head.weight.data_ptr()  # a copy the next step cannot change
+
+
+def lora_layout(root: Path, shape: LoraShape) -> tuple[Path, torch.nn.Module]:
+    """`rose models init --lora`'s layout, small: serving/ (the base) and policy/ (an adapter of it)."""
+    base = build_model(DEMO_POLICY_SHAPE, 64, 0, seed=0)
+    base.save_pretrained(root / "serving")
+    adapter = Adapter(
+        shape=shape, tensors=new_adapter(base, shape, seed=1), base=str(root / "serving"), base_fingerprint=model_fingerprint(base.state_dict())
+    )
+    return write_adapter(root / "policy", adapter), base
+
+
+def peft_over(base_dir: Path, config) -> torch.nn.Module:
+    """What TRL's peft path builds from `model=base_dir, peft_config=config` (trl/trainer/utils.py, then get_peft_model)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True), copy.deepcopy(config))  # (peft renames its base)
+
+
+def test_a_lora_policy_starts_from_the_executors_adapter_and_publishes_its_tensor_names(tmp_path):
+    shape = LoraShape(rank=2, alpha=4.0)
+    policy_dir, _ = lora_layout(tmp_path, shape)
+    lora = LoraPolicy.read(policy_dir)
+    assert lora.base_dir == tmp_path / "serving" and check_lora_config(lora.config, shape) == shape
+    model = peft_over(lora.base_dir, lora.config)
+    lora.load_into(model)  # TRL's model starts from the adapter the executors serve, not from peft's fresh draw
+    state = policy_state_dict(model)
+    names = {adapter_tensor_name(layer, module, ab) for layer in range(DEMO_POLICY_SHAPE.num_layers) for module in shape.targets for ab in "AB"}
+    assert set(state) == names == set(lora.adapter.tensors)  # the names the executors' live adapter has, nothing of the base
+    assert all(torch.equal(state[n], lora.adapter.tensors[n]) for n in names)
+    assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())  # the base frozen, the adapter trained
+    assert policy_state_dict(model, torch.bfloat16)[next(iter(names))].dtype == torch.bfloat16
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.add_(0.01)  # a trained adapter: B away from version 0's zeros
+    state = policy_state_dict(model)
+    model.merge_adapter()  # what TRL's async seam does before each sync: the adapter's own tensors are still what is read
+    merged = policy_state_dict(model)
+    model.unmerge_adapter()
+    assert adapter_targets(merged) and all(torch.equal(merged[n], state[n]) for n in names)
+    # the adapter over another model is refused by name, as the executors refuse it
+    other = build_model(DEMO_POLICY_SHAPE, 64, 0, seed=5)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(AdapterError, match="fingerprint"):
+        lora.load_into(peft_over(tmp_path / "other", lora.config))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"lora_dropout": 0.05}, "lora_dropout"),
+        ({"use_dora": True}, "use_dora"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules"),
+        ({"r": 4}, "r is 4"),
+        ({"lora_alpha": 8}, "scale"),
+        ({"target_modules": ["q_proj", "v_proj"]}, "target_modules"),
+    ],
+)
+def test_a_lora_config_the_executors_cannot_run_is_refused_naming_the_field(change, field):
     peft = pytest.importorskip("peft")
-    adapter = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(UnsupportedPolicy, match="LoRA"):
-        policy_state_dict(adapter)
+    executors = LoraShape(rank=2, alpha=4.0)  # the adapter the executors serve
+    assert check_lora_config(lora_config(executors), executors) == executors
+    config = peft.LoraConfig(**{"r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": list(ALL_LINEAR), **change})
+    with pytest.raises(UnsupportedPolicy, match=field):
+        check_lora_config(config, executors)
 
 
 def test_the_cpu_tree_attention_matches_plain_attention_on_trls_packing(tmp_path):
@@ -139,10 +221,13 @@ def test_the_cpu_tree_attention_matches_plain_attention_on_trls_packing(tmp_path
     assert torch.allclose(packed, expected, atol=1e-5)
 
 
-def test_the_bench_separates_trls_training_from_what_the_integration_costs():
-    """`rose bench trl`'s figures from TrainingStep events: steps per hour, and the step less the trainer's own training."""
+def test_the_bench_reports_both_baselines_and_where_a_steps_time_goes():
+    """`rose bench trl`'s figures: steps per hour from the steps' ends (TrainingStep events; TRL alone's batches), each
+    step's training share, and the two ratios: TRL through ROSE over ROSE's trainer, and over TRL alone."""
+    from rich.console import Console
+
     from rose.bench.demo import Observed
-    from rose.bench.trl import integration_ratio, run_figures, summarize
+    from rose.bench.trl import alone_figures, arm_ratios, print_table, run_figures, summarize
     from rose.contracts.training import TrainingStep
 
     def run(step_s: float, train_s: float, rewards: list[float]) -> dict:
@@ -154,11 +239,24 @@ def test_the_bench_separates_trls_training_from_what_the_integration_costs():
         return run_figures(summary, obs)
 
     rose, trl = run(9.0, 2.0, [0.1] * 5 + [0.3] * 5), run(25.0, 15.0, [0.1] * 5 + [0.2] * 5)
+    batches = [{"at": 100.0 + 18.0 * k, "train_s": 15.0, "rollout_s": 2.0, "reward_mean": 0.1 + 0.01 * k} for k in range(10)]
+    alone = alone_figures(batches)  # TRL training as long as through ROSE, generating in 2 s instead of 10 s around it
     assert rose["rl_steps_per_hour"] == pytest.approx(400.0) and trl["rl_steps_per_hour"] == pytest.approx(144.0)
-    assert (rose["around_training_s_per_step"], trl["around_training_s_per_step"]) == (pytest.approx(7.0), pytest.approx(10.0))
-    assert rose["reward_gain"] == pytest.approx(0.2) and trl["reward_gain"] == pytest.approx(0.1)
-    assert integration_ratio(rose, trl) == pytest.approx(9.0 / 12.0)  # TRL at ROSE's 2 s of training: 2 + 10 s a step
-    result = {"runs": {"0": {"rose": rose, "trl": trl, "steps_per_hour_ratio": 0.36, "integration_steps_per_hour_ratio": 0.75}}}
+    assert alone["rl_steps_per_hour"] == pytest.approx(200.0) and alone["generate_s_per_step"] == 2.0
+    assert (rose["around_training_s_per_step"], trl["around_training_s_per_step"], alone["around_training_s_per_step"]) == pytest.approx(
+        (7.0, 10.0, 3.0)
+    )
+    assert (rose["training_share"], trl["training_share"], alone["training_share"]) == pytest.approx((2 / 9, 15 / 25, 15 / 18))
+    assert rose["reward_gain"] == pytest.approx(0.2) and trl["reward_gain"] == pytest.approx(0.1) and alone["reward_gain"] == pytest.approx(0.08)
+    runs = {"rose": rose, "trl": trl, "alone": alone}
+    arm_ratios(runs)
+    assert runs["steps_per_hour_ratio"] == pytest.approx(0.36) and runs["trl_over_alone_ratio"] == pytest.approx(0.72)
+    result = {"runs": {"0": runs}}
     summarize(result)
-    assert result["steps_per_hour_ratio"]["median"] == 0.36 and not result["meets_target"] and not result["integration_meets_target"]
-    assert result["trl_reward_gain"]["each"] == [pytest.approx(0.1)] and result["trajectories_lost"] == 0
+    assert result["steps_per_hour_ratio"]["median"] == pytest.approx(0.36) and result["trl_over_alone_ratio"]["median"] == pytest.approx(0.72)
+    assert not result["meets_target"] and not result["alone_meets_target"]
+    assert result["trl_reward_gain"]["each"] == [pytest.approx(0.1)] and result["alone_training_share"]["median"] == pytest.approx(15 / 18)
+    assert result["trajectories_lost"] == 0
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=80))
+    assert "steps/h trl / alone (the integration's worth): median 0.72" in out.getvalue() and "training 15.0 s (83%)" in out.getvalue()

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
-from rose.bench.security import run_security_bench
+from rose.bench.security import SecurityOptions, run_security_bench
 
 ROW_KEYS = {"attack", "category", "as_user", "blocked", "evidence"}
 
 
 def test_quick_bench_blocks_every_attack(tmp_path):
     out = tmp_path / "security.json"
-    result = run_security_bench(out, quick=True)
+    result = run_security_bench(SecurityOptions(quick=True), out)
     assert json.loads(out.read_text()) == result
     rows = result["rows"]
     assert result["attacks_tried"] == len(rows) >= 25

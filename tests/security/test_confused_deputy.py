@@ -3,7 +3,7 @@ responder that answers wherever it is told publishes, with its own rights, into 
 (deleting the leases bucket, purging ROSE_EVENTS), `$KV.>` (a forged lease), another service's
 subjects or inboxes. Each case sends the request with the requester's real credentials to a real
 responder (the bus's `serve`) on a real nats-server with the generated permissions, and is judged
-by what the operator sees afterwards (rose.bench.security.observe): the bucket is still there
+by what the operator sees afterwards (rose.bench.security_bus.observe): the bucket is still there
 with no forged key, the stream was not purged and holds nothing on the forged subject, nothing
 reached the watched subject or inbox. The controls show the same requests do damage where
 nothing checks the reply subject.
@@ -16,7 +16,7 @@ import asyncio
 import nats
 import pytest
 
-from rose.bench.security import REPLY_TARGETS, BusWorld, attack_once, bus_world, observe, reply_target, srv_attack, valid_request
+from rose.bench.security_bus import REPLY_TARGETS, BusWorld, attack_once, bus_world, observe, reply_target, srv_attack, valid_request
 from rose.contracts.registry import CHANNELS, GENERATE, ROUTE_TURN, Kind
 from rose.shared.nats_server import NatsServer
 from rose.shared.security import INTEGRATIONS, USERS, inbox_prefix, permissions, render_authorization
@@ -63,7 +63,7 @@ async def test_srv_ping_with_a_forged_reply(world: BusWorld):
 
 async def test_legitimate_requests_still_get_their_answers(world: BusWorld):
     """The check does not get in the way: a requester's own inbox (the bus's default) is answered."""
-    from rose.bench.security import request_tokens, valid_request
+    from rose.bench.security_bus import request_tokens, valid_request
 
     reply = await world.attackers["rollout_worker"].request(GENERATE, valid_request(GENERATE.name), **request_tokens(GENERATE))
     assert reply.request_id == "atk"
