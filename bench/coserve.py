@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rose.bench.options import SLO_BASES, options_from_args
+from rose.bench.options import SLO_BASES, BenchOptionsError, options_from_args
 from rose.services.executor.engine import EngineConfig
 
 from .coserve_runs import (
@@ -103,11 +103,11 @@ class CoserveOptions:
 
     def __post_init__(self) -> None:
         if self.slo_basis not in SLO_BASES:
-            raise ValueError(f"slo_basis must be one of {SLO_BASES}, got {self.slo_basis!r}")
+            raise BenchOptionsError(f"slo_basis must be one of {SLO_BASES}, got {self.slo_basis!r}")
         if self.repeats < 1:
-            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+            raise BenchOptionsError(f"repeats must be at least 1, got {self.repeats}")
         if self.reclaim_probes < 0 or (self.dedicated_s is not None and self.dedicated_s <= 0):
-            raise ValueError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {self.reclaim_probes} and {self.dedicated_s}")
+            raise BenchOptionsError(f"reclaim_probes must be >= 0 and dedicated_s > 0, got {self.reclaim_probes} and {self.dedicated_s}")
 
     def grid(self) -> list[tuple[float, float, int]]:
         """Every (noise, load, seed) cell, in the order they run; the first one's load and seed are the report's."""

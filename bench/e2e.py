@@ -62,6 +62,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from rose.bench.options import BenchOptionsError
 from rose.contracts.registry import EXECUTOR_METRICS, HEARTBEAT, LEASE_EVENT
 from rose.services.executor.config import EngineSettings
 from rose.services.trainer.config import GrpoSettings
@@ -420,7 +421,7 @@ def demand_settings(demand: int, dedicated: int) -> tuple[dict[str, str], dict[s
     of 8 groups of 8); at demand 2 the dedicated executor has a second batch queued behind the one it
     runs, the case where lending can shorten a step (a dedicated pool that keeps up gains nothing)."""
     if demand < 1:
-        raise ValueError(f"rollout demand is a multiple of the dedicated executors' batch, at least 1; got {demand}")
+        raise BenchOptionsError(f"rollout demand is a multiple of the dedicated executors' batch, at least 1; got {demand}")
     in_flight = demand * dedicated * DEDICATED_ROLLOUT_SLOTS
     group_size, groups = int(TRAINER["ROSE_GRPO__GROUP_SIZE"]), int(TRAINER["ROSE_GRPO__GROUPS_PER_STEP"])
     return {"ROSE_CONCURRENCY": str(in_flight)}, {"ROSE_GRPO__GROUPS_PER_STEP": str(max(groups, math.ceil(in_flight / group_size)))}
@@ -454,10 +455,10 @@ class E2eOptions:
 
     def __post_init__(self) -> None:
         if self.pin not in PIN_MODES:
-            raise ValueError(f"unknown pin mode {self.pin!r}; choose from {', '.join(PIN_MODES)}")
+            raise BenchOptionsError(f"unknown pin mode {self.pin!r}; choose from {', '.join(PIN_MODES)}")
         unknown = sorted(set(self.policies) - set(POLICIES))
         if unknown:
-            raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+            raise BenchOptionsError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
 
     def chosen(self) -> list[str]:
         """The policies to run, in POLICIES' order."""

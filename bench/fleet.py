@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from rose.bench.options import BenchOptionsError
 from rose.contracts.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from rose.shared.launch import ServiceProcess
 from rose.shared.security import INSTANCE_TOKENS, Credentials
@@ -90,7 +91,7 @@ def device_plan(spec: FleetSpec, serving: int, dedicated: int, cpus: list[int] |
     names = executor_instances(spec, serving, dedicated)
     ordered = names[serving:] + names[:serving]  # dedicated first: they are the static pool
     if len(cpus) < len(ordered):
-        raise ValueError(
+        raise BenchOptionsError(
             f"pinning {len(ordered)} executors (one core each) needs {len(ordered)} cores, this process may use {len(cpus)} ({cpus}): "
             f"run fewer executors (--serving/--dedicated) or unpinned (--pin none)"
         )

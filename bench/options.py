@@ -11,10 +11,17 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rose.shared.errors import RoseError
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 Options = TypeVar("Options", bound="DataclassInstance")
+
+
+class BenchOptionsError(RoseError, ValueError):
+    """A bench's options that cannot run (an unknown word, a value out of range): the CLI says so in one line."""
+
 
 SLO_BASES = ("cell", "run")  # how `rose bench coserve` sets its SLO (bench/coserve.py CoserveOptions)
 MODEL_PRESET_NAMES = ("tiny", "demo", "qwen2.5")  # rose.shared.models.MODEL_PRESETS' keys (that module imports torch: not at CLI start)

@@ -33,6 +33,7 @@ import numpy as np
 
 from rose.bench.e2e_emulated import LAG_P99_TARGET
 from rose.bench.emulated import prompt_ids
+from rose.bench.options import BenchOptionsError
 from rose.services.executor.device import EmulatedDevice
 from rose.services.executor.emulated import EmulationSpec
 from rose.services.executor.engine import Engine, EngineConfig
@@ -72,11 +73,11 @@ class PoolCheck:
         model_spec(self.serving_model)
         model_spec(self.policy_model)
         if not self.loads or any(not 0 < x <= 1.5 for x in self.loads):
-            raise ValueError(f"loads must be in (0, 1.5] (fractions of SLO capacity), got {list(self.loads)}")
+            raise BenchOptionsError(f"loads must be in (0, 1.5] (fractions of SLO capacity), got {list(self.loads)}")
         if any(s <= 0 for s in self.pool_scales):
-            raise ValueError(f"pool scales must be positive, got {list(self.pool_scales)}")
+            raise BenchOptionsError(f"pool scales must be positive, got {list(self.pool_scales)}")
         if self.duration_s <= 0 or self.drain_s < 0 or self.time_scale <= 0 or self.rollout_inflight < 1:
-            raise ValueError("duration_s and time_scale must be positive, drain_s not negative, rollout_inflight at least 1")
+            raise BenchOptionsError("duration_s and time_scale must be positive, drain_s not negative, rollout_inflight at least 1")
 
     def sized(self) -> SizedFleet:
         """The instance as the simulator sizes it (one serving instance; the dedicated pool is not used here)."""

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rose.bench.options import BenchOptionsError
 from rose.shared.agentic.sandbox import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 
 NOBODY = 65534
@@ -590,12 +591,12 @@ def run_sandbox_attacks(as_user: str, *, backend: str = "auto", only: list[str] 
     "root" is asked for by a non-root caller.
     """
     if as_user not in ("root", "nobody"):
-        raise ValueError(f"as_user must be 'root' or 'nobody', not {as_user!r}")
+        raise BenchOptionsError(f"as_user must be 'root' or 'nobody', not {as_user!r}")
     if as_user == "root" and os.geteuid() != 0:
         raise PermissionError("the sandbox attacks as root need a root caller")
     unknown = set(only or ()) - {a.__name__.removeprefix("attack_") for a in ATTACKS}
     if unknown:
-        raise ValueError(f"unknown sandbox attacks {sorted(unknown)}; known: {[a.__name__.removeprefix('attack_') for a in ATTACKS]}")
+        raise BenchOptionsError(f"unknown sandbox attacks {sorted(unknown)}; known: {[a.__name__.removeprefix('attack_') for a in ATTACKS]}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), ROSE_ATTACK_SECRET=f"WORKER-SECRET-{secrets.token_hex(12)}")
     cmd = [sys.executable, "-m", "rose.bench.sandbox_attacks", "--as-user", as_user, "--backend", backend]
     for name in only or []:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import rose
+from rose.bench.options import BenchOptionsError
 from rose.services.trainer.config import SftSettings
 from rose.services.trainer.local_rollout import Tokens
 from rose.services.trainer.sft import expert_sequences, warm_start
@@ -78,7 +79,7 @@ def job_args(settings: dict[str, str], policy: Path, out: Path) -> list[str]:
     threads and seed; TRL's output under `out`. Both TRL arms of `rose bench trl` run on them."""
     problems = int(settings.get("ROSE_TASKS__PROBLEMS", "0"))
     if problems <= 0:
-        raise ValueError("TRL trains on a dataset of problems: the job needs ROSE_TASKS__PROBLEMS > 0 (the demo's is 16)")
+        raise BenchOptionsError("TRL trains on a dataset of problems: the job needs ROSE_TASKS__PROBLEMS > 0 (the demo's is 16)")
     seed = int(settings.get("ROSE_TASKS__SEED", "0"))
     return [
         "--policy",

@@ -24,13 +24,13 @@ from rose.bench.faults import FaultsOptions
 from rose.bench.gateway import GatewayOptions
 from rose.bench.lora_learning import LORA_RANK, LoraOptions
 from rose.bench.openapi_fuzz import OpenApiOptions
-from rose.bench.options import options_from_args
+from rose.bench.options import BenchOptionsError, options_from_args
 from rose.bench.pool import PoolCheck
 from rose.bench.security import SecurityOptions
 from rose.bench.sim import QUICK_FLEETS, QUICK_MODELS, SimOptions
 from rose.bench.trl import TrlOptions
 from rose.bench.weights import WeightsOptions
-from rose.cli.main import build_parser
+from rose.cli.main import build_parser, main
 
 WHERE = {"json", "models"}  # arguments that say where a bench reads and writes, beside its options
 DISPATCH = {"func", "command", "bench_command"}  # argparse's own: which command runs
@@ -106,5 +106,14 @@ def test_bad_options_are_refused_before_anything_runs():
         CoserveOptions(slo_basis="week")
     with pytest.raises(ValueError, match="unknown policies"):
         options_from_args(E2eOptions, parse("bench", "e2e", "--policies", "greedy"))
-    with pytest.raises(ValueError, match="loads must be"):
+    with pytest.raises(BenchOptionsError, match="loads must be"):
         options_from_args(PoolCheck, parse("bench", "pool", "--loads", "2"))
+
+
+def test_the_cli_says_what_is_wrong_with_an_option_in_one_line(tmp_path, capsys):
+    """A bench's refused option is a RoseError: `rose` prints one line naming it and exits 1, and runs nothing."""
+    out = tmp_path / "pool.json"
+    assert main(["bench", "pool", "--loads", "2", "--json", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rose bench: BenchOptionsError: loads must be in (0, 1.5]") and "\n" not in err and "Traceback" not in err
+    assert not out.exists()
