@@ -272,6 +272,13 @@ def _register_e2e(benches: argparse._SubParsersAction) -> None:
     g.add_argument("--mode", choices=("sync", "async"), default="async", help="sync: one step of tasks at a time; async: one step ahead")
     g.add_argument("--load", type=float, default=0.35, help="mean serving load, a fraction of the fleet's SLO capacity")
     g.add_argument(
+        "--rollout-mode",
+        choices=ROLLOUT_MODES,
+        default="two_model",
+        help="two_model: the policy a model of its own beside the serving one; co_batched: a LoRA adapter of the serving model, "
+        "its rows in serving's own batches (the simulator prices the same)",
+    )
+    g.add_argument(
         "--time-scale",
         type=float,
         default=4.0,
