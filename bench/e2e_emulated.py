@@ -243,8 +243,8 @@ async def run_policy(
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sim = job.sizing()
-    serving = [f"{SERVING_PREFIX}-{i}" for i in range(sim.n_serv)]
-    dedicated = [f"{DEDICATED_PREFIX}-{i}" for i in range(sim.n_ded)]
+    serving = [f"{SERVING_PREFIX}-{i}" for i in range(sim.sized.shape.n_serv)]
+    dedicated = [f"{DEDICATED_PREFIX}-{i}" for i in range(sim.sized.shape.n_ded)]
     creds = init_credentials(state / "security", instances={"executor": serving + dedicated})
     server = NatsServer(state / "nats", log_file=logs / "nats-server.log", extra_config=creds.server_config()).start()
     bus = Bus(
@@ -485,12 +485,12 @@ def run_emulated_e2e(
             "rollout_mode": job.rollout_mode,
             "gpus": job.gpus,
             "dedicated_gpus": job.dedicated_gpus,
-            "serving_instances": sim.n_serv,
-            "serving_tp": sim.tp_s,
-            "dedicated_instances": sim.n_ded,
-            "dedicated_tp": sim.tp_r,
+            "serving_instances": sim.sized.shape.n_serv,
+            "serving_tp": sim.sized.shape.tp_s,
+            "dedicated_instances": sim.sized.shape.n_ded,
+            "dedicated_tp": sim.sized.shape.tp_r,
             "time_scale": job.time_scale,
-            "executors_per_process": {"serving": sim.n_serv, "dedicated": sim.n_ded},
+            "executors_per_process": {"serving": sim.sized.shape.n_serv, "dedicated": sim.sized.shape.n_ded},
             "cpus": len(os.sched_getaffinity(0)),
         },
         "job": {

@@ -163,12 +163,12 @@ class EmulatedJob:
         return Simulation(self._fleet_config("rose"))
 
     def dedicated_instances(self) -> int:
-        return self.sizing().n_ded
+        return self.sizing().sized.shape.n_ded
 
     def in_flight(self) -> int:
         """Trajectories in flight: ``demand`` x what the dedicated executors run at once (the worker's concurrency)."""
         sim = self.sizing()
-        return max(1, int(round(self.demand * sim.n_ded * self.rollout_max_batch)))
+        return max(1, int(round(self.demand * sim.sized.shape.n_ded * self.rollout_max_batch)))
 
     def trajectories_per_step(self, group_size: int = 8) -> int:
         return max(group_size, math.ceil(self.in_flight() / group_size) * group_size)
@@ -236,22 +236,22 @@ def executor_groups(job: EmulatedJob, serving_env: dict[str, str] | None = None)
         "ROSE_ENGINE__SERVING_MAX_BATCH": "256",  # the simulator's serving engine (sim/coserve.py MAX_SERVING_BATCH)
         "ROSE_ENGINE__ROLLOUT_MAX_BATCH": str(job.rollout_max_batch),
         "ROSE_HTTP__STREAM_INTERVAL": str(STREAM_INTERVAL),
-        "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.pool_tokens * sim.kvb_s / GIB:.6f}",
+        "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.sized.memory.pool_tokens * sim.sized.memory.kvb_s / GIB:.6f}",
         "ROSE_ENGINE__ROLLOUT_MODE": job.rollout_mode,
     }
-    serving = tuple(executor_names(SERVING_PREFIX, sim.n_serv))
-    dedicated = tuple(executor_names(DEDICATED_PREFIX, sim.n_ded))
+    serving = tuple(executor_names(SERVING_PREFIX, sim.sized.shape.n_serv))
+    dedicated = tuple(executor_names(DEDICATED_PREFIX, sim.sized.shape.n_ded))
     return [
         ExecutorGroup(
             SERVING_PREFIX,
             ("--emulate", f"{job.gpus}x{job.device}:{fleet}", "--role", "serving", "--instance-prefix", SERVING_PREFIX),
-            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.cohost_free_bytes, 2**20) / GIB:.6f}", **(serving_env or {})},
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.sized.memory.cohost_free_bytes, 2**20) / GIB:.6f}", **(serving_env or {})},
             serving,
         ),
         ExecutorGroup(
             DEDICATED_PREFIX,
             ("--emulate", f"{job.dedicated_gpus}x{job.device}:{fleet}", "--role", "dedicated", "--instance-prefix", DEDICATED_PREFIX),
-            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.dedicated_kv / GIB:.6f}"},
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.sized.memory.dedicated_kv / GIB:.6f}"},
             dedicated,
         ),
     ]
@@ -264,7 +264,7 @@ def monitor_env(job: EmulatedJob) -> dict[str, str]:
         "ROSE_HEADROOM__SLO_TTFT_MS": f"{job.slo_ttft_ms:g}",
         "ROSE_HEADROOM__SLO_TPOT_MS": f"{job.slo_tpot_ms:g}",
         "ROSE_HEADROOM__MAX_ROLLOUT_SLOTS": str(job.rollout_max_batch),
-        "ROSE_HEADROOM__MAX_LEND_KV_BYTES": str(int(max(0.0, sim.cohost_free_bytes))),
+        "ROSE_HEADROOM__MAX_LEND_KV_BYTES": str(int(max(0.0, sim.sized.memory.cohost_free_bytes))),
     }
 
 
@@ -310,7 +310,7 @@ def trainer_process(logs: Path, url: str, models: Path, creds: Credentials, job:
         "ROSE_GRPO__OVER_PROVISION": str(job.extra_groups()),
         "ROSE_EMULATION__DEVICE": job.device,
         "ROSE_EMULATION__MODEL": job.policy,
-        "ROSE_EMULATION__GPUS": f"{sim.trainer_gpus:g}",
+        "ROSE_EMULATION__GPUS": f"{sim.sized.shape.trainer_gpus:g}",
         "ROSE_PUBLISH__STAGING_DIR": str(state / "staging"),
         "ROSE_STATE_DIR": str(state),
         **creds.env("trainer"),
@@ -340,7 +340,7 @@ def serving_requests(job: EmulatedJob, duration_s: float) -> list[Request]:
     rng = np.random.default_rng([job.seed, 3])
     out: list[Request] = []
     for second in range(int(math.ceil(duration_s))):
-        n = int(rng.poisson(float(sim.fleet_rate[second % len(sim.fleet_rate)])))
+        n = int(rng.poisson(float(sim.sized.traffic.fleet_rate[second % len(sim.sized.traffic.fleet_rate)])))
         if not n:
             continue
         prompts, outputs = sim.cfg.trace_shape.sizes.sample(rng, n)

@@ -20,7 +20,7 @@ Those step models replace the roofline, and the simulator predicts a real run:
   ``prefetch_steps`` / ``max_staleness`` / group size from the JSON's ``trainer`` block (else
   the demo's TRAINER in shared/workload.py), whose task bounds (``ROSE_TASKS__MAX_TURNS`` / ``ROSE_TASKS__MAX_TOKENS``)
   also cap the simulated turns and tokens per turn, the worker's ``worker_concurrency`` episodes, groups taken as
-  ``Trainer.next_groups`` takes them (engine.py ``_trainer_pipelined``), as many steps as the real
+  ``Trainer.next_groups`` takes them (trainer.py ``Trainer.pipelined``), as many steps as the real
   run trained. One thing is fitted, and said so in the output: the rollout engine's in-situ
   slowdown (``fit_contention``: the two-core box is shared by every executor, the worker and the
   trainer), from the static run's median turn time, the same factor for every policy.

@@ -61,8 +61,8 @@ def speedup_ceiling(
     takes at least its training or static's step shrunk by ``capacity``.
 
     Synchronous, the rollout (``rollout_s`` of static's step) also takes at least ``critical_s``, its
-    slowest trajectory's turns in sequence each at the fastest per-token speed (engine.py
-    ``_critical_paths``): where static's pool already runs the whole batch at once, the batch is bound by
+    slowest trajectory's turns in sequence each at the fastest per-token speed (trainer.py
+    ``critical_paths``): where static's pool already runs the whole batch at once, the batch is bound by
     its trajectories' latency, and capacity buys only the speed a smaller batch per instance gives."""
     if pipelined:
         return static_step_s / max(train_s, static_step_s / capacity)

@@ -181,3 +181,51 @@ def co_batch_plan(
         idle_prefill_tokens=idle.prefill_tokens,
         idle_iteration_s=np.asarray(idle_pass(idle.rows, idle.prefill_tokens), dtype=float),
     )
+
+
+def co_batched_second(
+    perf,
+    lora: LoraShape,
+    rate: np.ndarray,
+    sizes: tuple[float, float, float],
+    queue: np.ndarray,
+    dt: float,
+    kv_tokens: float,
+    ready: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    active: np.ndarray,
+    *,
+    chunk_tokens: int,
+    slo_tpot_s: float,
+    quantum_s: float,
+    guarded: bool,
+) -> tuple[ServingTick, np.ndarray, np.ndarray, CoBatchPlan | None]:
+    """Co-batched mode's second on the serving instances: (serving's second, what rollout adds to each serving
+    iteration, the share of the device rollout's forwards get, the plan the rollout engines then follow; None: nothing
+    rides). ``ready``: per instance, the sequences ready to decode, their mean context, the mean context cached before
+    the prompt tokens still to prefill, and whether a turn waits for its prefill or its admission
+    (``TurnTable.ready_to_ride``); ``active``: a lease and the current weights. The rows, and a chunk of
+    ``chunk_tokens`` of prefill where turns wait for theirs (the executor's rollout chunk), ride serving's iterations
+    under the guard (``co_batch_plan``; ``guarded`` False: naive_share's rows ride unguarded)."""
+    n = len(rate)
+    decoding, ctx, cached, waiting = ready
+    rows = np.where(active, decoding, 0)
+    chunk = np.where(active & waiting, chunk_tokens, 0)
+    if not (rows.any() or chunk.any()):  # nothing rides: serving alone
+        return serving_tick(perf, rate, *sizes, 0.0, 0.0, queue, dt, kv_tokens), np.zeros(n), np.zeros(n), None
+    plan = co_batch_plan(
+        perf,
+        lora,
+        rate,
+        *sizes,
+        queue,
+        dt,
+        kv_tokens,
+        rows=rows,
+        rows_ctx=ctx,
+        prefill_tokens=chunk,
+        prefill_cached=cached,
+        slo_tpot_s=slo_tpot_s,
+        quantum_s=quantum_s,
+        guarded=guarded,
+    )
+    return plan.serving, plan.extra_s, np.where(active, plan.rollout_time_share(), 0.0), plan

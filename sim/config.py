@@ -80,13 +80,13 @@ class SimConfig:
     max_rollout_batch: int = MAX_ROLLOUT_BATCH  # sequences per rollout engine (calibration runs: the executor's own)
     # asynchronous RL as the reference trainer runs it (services/trainer: grpo.prefetch_steps, grpo.max_staleness):
     # 0 = synchronous (the paper-style grid); N >= 1: N steps of tasks are handed out ahead of the one training
-    # (at most max_staleness: a batch rolled out further ahead would be dropped as stale), see ``_trainer_pipelined``
+    # (at most max_staleness: a batch rolled out further ahead would be dropped as stale), see ``Trainer.pipelined``
     prefetch_steps: int = 0
     max_staleness: int = 2
     # partial rollouts across steps (grpo.over_provision, APRIL's over-provisioning): a step's batch goes out with this
     # share of its groups more (N + k), the trainer takes the first N complete groups and the unfinished ones roll on
     # into the next steps (their tokens keep the versions they were sampled with), dropped past max_staleness, counted;
-    # > 0 also in synchronous mode (``_trainer_pipelined`` with no prefetch)
+    # > 0 also in synchronous mode (``Trainer.pipelined`` with no prefetch)
     over_provision: float = 0.0
     # the executors' host tier for retained prefixes, x each instance's rollout KV (engine.host_kv_ratio; 0: none)
     host_kv_ratio: float = EngineSettings().host_kv_ratio

@@ -180,3 +180,32 @@ def lane_share_ceiling(ep, perf, rate, prompt: float, output: float, prompt_p99:
     q = np.full(rate.shape, ep.quantum_ms / 1e3)
     st = serving_tick(perf, rate, prompt, output, prompt_p99, q, q, np.zeros(rate.shape), 1.0, kv_tokens_cap)
     return rollout_share(ep, st, q, np.ones(rate.shape, dtype=bool))
+
+
+def lane_second(
+    ep,
+    sperf,
+    pperf,
+    sizes: tuple[float, float, float],
+    rate: np.ndarray,
+    rows: np.ndarray,
+    rows_ctx: np.ndarray,
+    may_run: np.ndarray,
+    queue: np.ndarray,
+    dt: float,
+    kv_tokens: float,
+    turn_p90: float,
+    signals: Callable[[int], Signals],
+) -> tuple[ServingTick, np.ndarray, np.ndarray]:
+    """Two-model mode's second on the serving instances: (serving's second, what rollout adds to each serving
+    iteration, the share of the device the rollout lane gets). ``ep``: the executor's policy on a co-hosting serving
+    instance (None: no rollout there); ``sperf``, ``pperf``: the serving model's and the policy's step models there;
+    ``sizes``: mean prompt, mean output and p99 prompt; ``rows``: rollout sequences running on each at mean context
+    ``rows_ctx``; ``may_run``: a lease and the current weights; ``signals(d)``: the engine's Signals
+    (``rollout_interference``)."""
+    tau_r = pperf.decode_s(np.maximum(rows, 1), np.maximum(rows_ctx, 1.0))
+    active = (rows > 0) & may_run if ep is not None else np.zeros(len(rate), dtype=bool)
+    extra, wait, may = rollout_interference(ep, active, tau_r, turn_p90, signals)
+    st = serving_tick(sperf, rate, *sizes, extra, wait, queue, dt, kv_tokens)
+    lane_share = np.where(may_run, rollout_share(ep, st, extra, may), 0.0) if ep is not None else np.zeros(len(rate))
+    return st, extra, lane_share

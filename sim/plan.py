@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -45,14 +46,14 @@ from rich.console import Group
 from rose.services.executor.policies import make_policy
 from rose.services.slo_monitor.headroom import assess, fit_step_model
 from rose.services.slo_monitor.windows import WindowStats
-from rose.shared.devices import ModelSpec, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
+from rose.shared.devices import DeviceSpec, ModelSpec, Roofline, model_spec, parse_fleet, rollout_tp, serving_tp, usable_bytes
 from rose.shared.workload import RolloutSpec, mean_context
 
 from . import ROLLOUT_MODES
 from .ceiling import share_of_gain, speedup_ceiling_over
 from .co_batched import co_batch_plan
 from .config import MAX_ROLLOUT_BATCH, SimConfig, as_rollout_mode
-from .coserve import rollout_share, serving_tick, slo_capacity_rps
+from .coserve import ServingTick, rollout_share, serving_tick, slo_capacity_rps
 from .policies import executor_signals, monitor_settings, serving_snapshot
 from .sizing import co_batched_pool_tokens, serving_pool_tokens
 from .traces import Trace, load_azure_csv, requests_to_trace
@@ -88,6 +89,55 @@ def _stats(ttft_ms: float, tpot_ms: float, rate: float, batch: float, kv_util: f
     )
 
 
+@dataclass(frozen=True)
+class PlannedFleet:
+    """The fleet ``plan`` sizes: its serving instances (TP ``tp_s``, each the serving model and a policy copy) and
+    dedicated ones (TP ``tp_r``), their step models, the trace's request sizes (mean prompt, mean output, p99 prompt
+    tokens), a serving instance's KV pool with no policy copy beside it (tokens) and its SLO capacity (req/s)."""
+
+    device: DeviceSpec
+    serving: ModelSpec
+    policy: ModelSpec
+    tp_s: int
+    tp_r: int
+    n: int  # serving instances
+    sperf: Roofline  # the serving model on a serving instance
+    pperf_s: Roofline  # the policy on a serving instance
+    pperf_d: Roofline  # the policy on a dedicated instance
+    sizes: tuple[float, float, float]
+    alone_tokens: float
+    cap: float
+
+
+@dataclass(frozen=True)
+class TraceLoad:
+    """The trace as ``plan`` reads it: smoothed over ``window`` seconds (fleet req/s per second), scaled by ``factor``,
+    and per serving instance its mean and peak rate per minute and its rate per second."""
+
+    minutes: int
+    window: int
+    smooth: np.ndarray
+    hourly_mean: list[float]
+    factor: float
+    rate_mean: np.ndarray
+    rate_peak: np.ndarray
+    instance_rate: np.ndarray
+
+
+@dataclass(frozen=True)
+class MinuteLending:
+    """Per minute of the trace: whether the monitor lends, the fleet's lendable rollout tokens/s, the SLO risk with
+    rollout and serving alone (``alone_peak``: serving alone at the minute's peak), and the monitor's first reasons
+    not to lend (minutes per reason)."""
+
+    lendable: np.ndarray
+    tokens_per_s: np.ndarray
+    risk_with: np.ndarray
+    risk_alone: np.ndarray
+    alone_peak: ServingTick
+    reasons: dict[str, int]
+
+
 def plan(
     trace_path: str,
     fleet: str,
@@ -110,19 +160,102 @@ def plan(
     modes = _modes(rollout_modes, serving_spec, policy_spec)
     req = load_azure_csv(trace_path)
     trace = requests_to_trace(req)
-    tp_s, tp_r = serving_tp(serving_spec, policy_spec, device), rollout_tp(policy_spec, device)
+    f = _size_fleet((fleet, n_gpus, device), serving_spec, policy_spec, req, trace, slo_ttft_ms, slo_tpot_ms)
+    load = _trace_load(trace, f, scale)
+    prompt, output, p99 = f.sizes
+    # serving pool sized for the trace's peak as the simulator sizes it, the rest of HBM after both models is the rollout pool
+    peak = float(np.percentile(load.instance_rate, 99.9))
+    pool_tokens = serving_pool_tokens(f.sperf, peak, prompt, output, p99, quantum_ms / 1e3, f.alone_tokens, trace.request_sizes)
+    free = usable_bytes(f.device, f.tp_s) - serving_spec.weight_bytes - policy_spec.weight_bytes - pool_tokens * serving_spec.kv_bytes_per_token
+    lend = _lending_by_minute(f, load, pool_tokens, free, slo_ttft_ms, slo_tpot_ms, quantum_ms)
+    ctx = mean_context(RolloutSpec())
+    ded_kv = usable_bytes(f.device, f.tp_r) - policy_spec.weight_bytes
+    ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * policy_spec.kv_bytes_per_token)))
+    ded_tps = ded_batch / float(f.pperf_d.decode_s(ded_batch, ctx))
+    co_batched = None
+    if CO_BATCHED in modes:  # the same lendable minutes, rows of serving's iterations from a pool without a policy copy
+        cfg = SimConfig(model=serving_spec.name, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, quantum_ms=quantum_ms)
+        co_batched = _co_batched_lending(cfg, f.sperf, f.n, f.sizes, load.rate_mean, lend.lendable, peak, f.alone_tokens, trace.request_sizes)
+    binned = partial(_binned, f=f, load=load, lend=lend, start_s=trace.start_s, ded_tps=ded_tps, co_batched=co_batched)
+    start_hour = int(trace.start_s // 3600)
+    hours = [{k: v for k, v in row.items() if k != "start"} | {"hour": (start_hour + h) % 24} for h, row in enumerate(binned(60))]
+    demand = []
+    if demands:
+        busiest = int(np.argmax(load.hourly_mean)) * 3600
+        rate = np.roll(load.smooth * load.factor, -busiest)
+        sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan", trace.request_sizes)
+        # the simulation runs on the pool sized here, for the whole trace's peak (its window alone has a lower one)
+        demand = speedup_by_demand(
+            sim_trace,
+            fleet,
+            model,
+            slo_ttft_ms,
+            slo_tpot_ms,
+            demands,
+            dedicated_ratio,
+            policy_model=policy_spec.name,
+            serving_pool_tokens=pool_tokens,
+            rollout_modes=modes,
+        )
+    no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
+    width = bin_minutes(load.minutes)
+    return {
+        "speedup_by_demand": demand,
+        "dedicated_ratio": dedicated_ratio,
+        "rollout_modes": list(modes),
+        # the demand levels where no mode pays, and the hours where no minute is lendable
+        "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if d["mode_that_pays"] is None], "hours": no_lend_hours},
+        "trace": str(trace_path),
+        "trace_requests": int(len(req.times_s)),
+        "scale": load.factor,
+        "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
+        "fleet": fleet,
+        "model": serving_spec.name,  # the serving model
+        "policy_model": policy_spec.name,
+        "serving_instances": f.n,
+        "serving_tp": f.tp_s,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "slo_capacity_rps_per_instance": f.cap,
+        "serving_pool_tokens_per_instance": pool_tokens,
+        "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
+        # co-batched: a serving instance hosts the adapter, not a policy copy; its pool holds serving's longer iterations
+        **({"co_batched": {k: v for k, v in co_batched.items() if k != "tokens_per_s"}} if co_batched else {}),
+        "smoothing_window_s": load.window,
+        "dedicated_instance_tokens_per_s": ded_tps,
+        "dedicated_tp": f.tp_r,
+        "not_lendable_minutes": lend.reasons,
+        "hours": hours,
+        "bin_minutes": width,  # the table's and the plot's bins (hours for a day, minutes for an hour)
+        "bins": binned(width),
+        "note": "a model, not a measurement: roofline step times (shared/devices.py) and the monitor's own headroom rules",
+    }
+
+
+def _size_fleet(
+    gpus: tuple[str, int, DeviceSpec], serving: ModelSpec, policy: ModelSpec, req, trace: Trace, slo_ttft_ms: float, slo_tpot_ms: float
+) -> PlannedFleet:
+    """The fleet ``plan`` plans for: ``gpus`` (the fleet as given, its GPUs and their kind) in serving instances that
+    hold both models, the trace's request sizes and one instance's SLO capacity serving alone."""
+    fleet, n_gpus, device = gpus
+    tp_s, tp_r = serving_tp(serving, policy, device), rollout_tp(policy, device)
     n = n_gpus // tp_s
     if n < 1:
         raise ValueError(
-            f"{serving_spec.name} serving beside a {policy_spec.name} policy on {fleet}: one serving instance needs {tp_s} GPUs "
+            f"{serving.name} serving beside a {policy.name} policy on {fleet}: one serving instance needs {tp_s} GPUs "
             "(serving model + policy copy in 65 % of HBM)"
         )
-    sperf, pperf_s, pperf_d = Roofline(device, serving_spec, tp_s), Roofline(device, policy_spec, tp_s), Roofline(device, policy_spec, tp_r)
+    sperf, pperf_s, pperf_d = Roofline(device, serving, tp_s), Roofline(device, policy, tp_s), Roofline(device, policy, tp_r)
     prompt, output = float(np.mean(req.context)), float(np.mean(req.generated))
     p99 = float(trace.prompt_p99)
-    kvb_s, kvb = serving_spec.kv_bytes_per_token, policy_spec.kv_bytes_per_token  # serving's KV per token, and the policy's (rollout's)
-    alone_tokens = (usable_bytes(device, tp_s) - serving_spec.weight_bytes) / kvb_s
+    alone_tokens = (usable_bytes(device, tp_s) - serving.weight_bytes) / serving.kv_bytes_per_token  # serving's KV per token
     cap = slo_capacity_rps(sperf, prompt, output, p99, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, alone_tokens)
+    return PlannedFleet(device, serving, policy, tp_s, tp_r, n, sperf, pperf_s, pperf_d, (prompt, output, p99), alone_tokens, cap)
+
+
+def _trace_load(trace: Trace, f: PlannedFleet, scale: str | float) -> TraceLoad:
+    """The trace's rates per minute and instance (module doc): smoothed, scaled (``auto``: the busiest hour at
+    ``TARGET_PEAK_LOAD`` of the fleet's SLO capacity), each minute's mean and peak."""
     minutes = max(1, len(trace.rate) // 60)
     # smooth over a window holding ~20 requests (>= 1 minute): scaling up a sparse trace must not
     # turn its Poisson noise into bursts that are not there
@@ -131,39 +264,41 @@ def plan(
     per_min = smooth[: minutes * 60].reshape(minutes, 60)
     hourly_mean = [float(per_min[i : i + 60].mean()) for i in range(0, minutes, 60)]
     if scale == "auto":
-        factor = TARGET_PEAK_LOAD * n * cap / max(1e-9, max(hourly_mean))
+        factor = TARGET_PEAK_LOAD * f.n * f.cap / max(1e-9, max(hourly_mean))
     else:
         factor = float(scale)
-    rate_mean = per_min.mean(axis=1) * factor / n  # per instance
+    rate_mean = per_min.mean(axis=1) * factor / f.n  # per instance
     # the minute's busiest 10 s (when the trace is dense enough to tell); no Poisson noise on top: serving_tick's
     # p99 TTFT already waits for a Poisson arrival's queue, as the simulator's monitor reads it (noise at one
     # instance's rate on top, +2.33 sigma, counted it twice: at 70B TP4, ~2 req/s, it was most of the peak)
     per10 = per_min.reshape(minutes, 6, 10).mean(axis=2)
     dense = float(per10.mean()) * 10 >= 5.0
-    rate_peak = (per10.max(axis=1) if dense else per_min.mean(axis=1)) * factor / n
-    # serving pool sized for the trace's peak as the simulator sizes it, the rest of HBM after both models is the rollout pool
-    instance_rate = smooth[: minutes * 60] * factor / n
-    q = quantum_ms / 1e3
-    pool_tokens = serving_pool_tokens(sperf, float(np.percentile(instance_rate, 99.9)), prompt, output, p99, q, alone_tokens, trace.request_sizes)
-    free = usable_bytes(device, tp_s) - serving_spec.weight_bytes - policy_spec.weight_bytes - pool_tokens * kvb_s
+    rate_peak = (per10.max(axis=1) if dense else per_min.mean(axis=1)) * factor / f.n
+    instance_rate = smooth[: minutes * 60] * factor / f.n
+    return TraceLoad(minutes, window, smooth, hourly_mean, factor, rate_mean, rate_peak, instance_rate)
+
+
+def _lending_by_minute(
+    f: PlannedFleet, load: TraceLoad, pool_tokens: float, free: float, slo_ttft_ms: float, slo_tpot_ms: float, quantum_ms: float
+) -> MinuteLending:
+    """Per minute: the monitor's ``assess`` on the minute's figures (serving alone at its peak, with a step model
+    fitted as the monitor fits one) decides whether an instance lends, and how much; where it does, the executor's
+    ``rose`` policy gives the lane its share of the mean minute, and the peak second with rollout gives the SLO risk."""
+    prompt, output, p99 = f.sizes
+    kvb = f.policy.kv_bytes_per_token  # the policy's (rollout's) KV per token
     _, _, hcfg = monitor_settings(slo_ttft_ms, slo_tpot_ms, MAX_ROLLOUT_BATCH, int(max(0.0, free)))
-    latest = serving_snapshot(device.name, tp_s * device.hbm_bytes, free, kvb)
+    latest = serving_snapshot(f.device.name, f.tp_s * f.device.hbm_bytes, free, kvb)
     ctx = mean_context(RolloutSpec())
     ep = make_policy("rose", quantum_ms=quantum_ms)
-    # the step model the monitor would fit: serving iteration (+ the rollout quantum) over batch compositions
-    obs = []
-    for bs in (1, 8, 32, 64):
-        for br in (0, 8, 32):
-            q = min(quantum_ms / 1e3, float(pperf_s.decode_s(max(br, 1), ctx))) if br else 0.0
-            obs.append((float(bs), float(br), 1e3 * (float(sperf.decode_s(bs, prompt + output / 2)) + q)))
-    step_model = fit_step_model(obs, slo_tpot_ms / 4)
-    alone_mean = serving_tick(sperf, rate_mean, prompt, output, p99, 0.0, 0.0, 0.0, 60.0, pool_tokens)
-    alone_peak = serving_tick(sperf, rate_peak, prompt, output, p99, 0.0, 0.0, 0.0, 1.0, alone_tokens)
-    lend_tps = np.zeros(minutes)
-    lendable = np.zeros(minutes, dtype=bool)
-    risk_with = np.zeros(minutes, dtype=bool)
+    step_model = _step_model(f, ctx, quantum_ms, slo_tpot_ms)
+    rate_mean, rate_peak = load.rate_mean, load.rate_peak
+    alone_mean = serving_tick(f.sperf, rate_mean, prompt, output, p99, 0.0, 0.0, 0.0, 60.0, pool_tokens)
+    alone_peak = serving_tick(f.sperf, rate_peak, prompt, output, p99, 0.0, 0.0, 0.0, 1.0, f.alone_tokens)
+    lend_tps = np.zeros(load.minutes)
+    lendable = np.zeros(load.minutes, dtype=bool)
+    risk_with = np.zeros(load.minutes, dtype=bool)
     reasons: dict[str, int] = {}
-    for i in range(minutes):
+    for i in range(load.minutes):
         ap = alone_peak
         win = _stats(
             float(ap.ttft_p99_s[i]) * 1e3,
@@ -181,104 +316,56 @@ def plan(
         if batch < 1:
             continue
         lendable[i] = True
-        tau_r = float(pperf_s.decode_s(batch, ctx))
+        tau_r = float(f.pperf_s.decode_s(batch, ctx))
         q = min(quantum_ms / 1e3, tau_r)
         may = ep.may_run_rollout(executor_signals(0.0, float(alone_mean.batch[i]), float(alone_mean.iteration_s[i]) * 1e3, slo_tpot_ms))
-        sm = serving_tick(sperf, rate_mean[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 60.0, pool_tokens)
+        sm = serving_tick(f.sperf, rate_mean[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 60.0, pool_tokens)
         share = float(rollout_share(ep, sm, np.array([q if may else 0.0]), np.array([may]))[0])
-        lend_tps[i] = n * share * batch / tau_r
-        sp = serving_tick(sperf, rate_peak[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
+        lend_tps[i] = f.n * share * batch / tau_r
+        sp = serving_tick(f.sperf, rate_peak[i : i + 1], prompt, output, p99, q if may else 0.0, q if may else 0.0, 0.0, 1.0, pool_tokens)
         risk_with[i] = bool(sp.ttft_p99_s[0] > slo_ttft_ms / 1e3 or sp.tpot_p99_s[0] > slo_tpot_ms / 1e3 or sp.queue[0] > 0)
     risk_alone = (alone_peak.ttft_p99_s > slo_ttft_ms / 1e3) | (alone_peak.tpot_p99_s > slo_tpot_ms / 1e3) | (alone_peak.queue > 0)
-    ded_kv = usable_bytes(device, tp_r) - policy_spec.weight_bytes
-    ded_batch = min(MAX_ROLLOUT_BATCH, int(ded_kv // (ctx * kvb)))
-    ded_tps = ded_batch / float(pperf_d.decode_s(ded_batch, ctx))
-    co_batched = None
-    if CO_BATCHED in modes:  # the same lendable minutes, rows of serving's iterations from a pool without a policy copy
-        cfg = SimConfig(model=serving_spec.name, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, quantum_ms=quantum_ms)
-        sizes = (prompt, output, p99)
-        peak = float(np.percentile(instance_rate, 99.9))
-        co_batched = _co_batched_lending(cfg, sperf, n, sizes, rate_mean, lendable, peak, alone_tokens, trace.request_sizes)
+    return MinuteLending(lendable, lend_tps, risk_with, risk_alone, alone_peak, reasons)
 
-    def binned(width: int) -> list[dict]:
-        """The per-minute figures over bins of ``width`` minutes (the last one may be shorter)."""
-        rows = []
-        for lo in range(0, minutes, width):
-            sl = slice(lo, min(minutes, lo + width))
-            tps = float(lend_tps[sl].mean())
-            co_tps = {"rollout_tokens_per_s_co_batched": float(co_batched["tokens_per_s"][sl].mean())} if co_batched else {}
-            at = int(trace.start_s) + 60 * lo
-            rows.append(
-                {
-                    "hour": (at // 3600) % 24,
-                    "start": f"{(at // 3600) % 24:02d}:{(at // 60) % 60:02d}",
-                    "minutes": sl.stop - sl.start,
-                    "requests_per_s": float(rate_mean[sl].mean() * n),
-                    "load_of_slo_capacity": float(rate_mean[sl].mean() / cap),
-                    "lendable_fraction": float(lendable[sl].mean()),
-                    "rollout_tokens_per_s": tps,
-                    "dedicated_gpu_equivalent": tps / ded_tps * tp_r if ded_tps > 0 else 0.0,
-                    "ttft_p99_ms_peak": float(min(alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
-                    "slo_risk_alone": float(risk_alone[sl].mean()),
-                    "slo_risk_with_rollout": float(np.mean(risk_with[sl] | risk_alone[sl])),
-                    **co_tps,
-                }
-            )
-        return rows
 
-    start_hour = int(trace.start_s // 3600)
-    hours = [{k: v for k, v in row.items() if k != "start"} | {"hour": (start_hour + h) % 24} for h, row in enumerate(binned(60))]
-    width = bin_minutes(minutes)
-    demand = []
-    if demands:
-        busiest = int(np.argmax(hourly_mean)) * 3600
-        rate = np.roll(smooth * factor, -busiest)
-        sim_trace = Trace(rate, np.full(len(rate), prompt), np.full(len(rate), output), p99, trace.start_s + busiest, "plan", trace.request_sizes)
-        # the simulation runs on the pool sized here, for the whole trace's peak (its window alone has a lower one)
-        demand = speedup_by_demand(
-            sim_trace,
-            fleet,
-            model,
-            slo_ttft_ms,
-            slo_tpot_ms,
-            demands,
-            dedicated_ratio,
-            policy_model=policy_spec.name,
-            serving_pool_tokens=pool_tokens,
-            rollout_modes=modes,
+def _step_model(f: PlannedFleet, ctx: float, quantum_ms: float, slo_tpot_ms: float):
+    """The step model the monitor would fit: serving iteration (+ the rollout quantum) over batch compositions."""
+    prompt, output, _ = f.sizes
+    obs = []
+    for bs in (1, 8, 32, 64):
+        for br in (0, 8, 32):
+            q = min(quantum_ms / 1e3, float(f.pperf_s.decode_s(max(br, 1), ctx))) if br else 0.0
+            obs.append((float(bs), float(br), 1e3 * (float(f.sperf.decode_s(bs, prompt + output / 2)) + q)))
+    return fit_step_model(obs, slo_tpot_ms / 4)
+
+
+def _binned(
+    width: int, *, f: PlannedFleet, load: TraceLoad, lend: MinuteLending, start_s: float, ded_tps: float, co_batched: dict | None
+) -> list[dict]:
+    """The per-minute figures over bins of ``width`` minutes (the last one may be shorter)."""
+    rows = []
+    for lo in range(0, load.minutes, width):
+        sl = slice(lo, min(load.minutes, lo + width))
+        tps = float(lend.tokens_per_s[sl].mean())
+        co_tps = {"rollout_tokens_per_s_co_batched": float(co_batched["tokens_per_s"][sl].mean())} if co_batched else {}
+        at = int(start_s) + 60 * lo
+        rows.append(
+            {
+                "hour": (at // 3600) % 24,
+                "start": f"{(at // 3600) % 24:02d}:{(at // 60) % 60:02d}",
+                "minutes": sl.stop - sl.start,
+                "requests_per_s": float(load.rate_mean[sl].mean() * f.n),
+                "load_of_slo_capacity": float(load.rate_mean[sl].mean() / f.cap),
+                "lendable_fraction": float(lend.lendable[sl].mean()),
+                "rollout_tokens_per_s": tps,
+                "dedicated_gpu_equivalent": tps / ded_tps * f.tp_r if ded_tps > 0 else 0.0,
+                "ttft_p99_ms_peak": float(min(lend.alone_peak.ttft_p99_s[sl].max() * 1e3, 1e9)),
+                "slo_risk_alone": float(lend.risk_alone[sl].mean()),
+                "slo_risk_with_rollout": float(np.mean(lend.risk_with[sl] | lend.risk_alone[sl])),
+                **co_tps,
+            }
         )
-    no_lend_hours = [h["hour"] for h in hours if h["lendable_fraction"] == 0.0]
-    return {
-        "speedup_by_demand": demand,
-        "dedicated_ratio": dedicated_ratio,
-        "rollout_modes": list(modes),
-        # the demand levels where no mode pays, and the hours where no minute is lendable
-        "lending_does_not_pay": {"demand_levels": [d["rollout_demand"] for d in demand if d["mode_that_pays"] is None], "hours": no_lend_hours},
-        "trace": str(trace_path),
-        "trace_requests": int(len(req.times_s)),
-        "scale": factor,
-        "scale_rule": "auto: busiest hour at 45 % of SLO capacity" if scale == "auto" else "given",
-        "fleet": fleet,
-        "model": serving_spec.name,  # the serving model
-        "policy_model": policy_spec.name,
-        "serving_instances": n,
-        "serving_tp": tp_s,
-        "slo_ttft_ms": slo_ttft_ms,
-        "slo_tpot_ms": slo_tpot_ms,
-        "slo_capacity_rps_per_instance": cap,
-        "serving_pool_tokens_per_instance": pool_tokens,
-        "rollout_pool_gb_per_instance": max(0.0, free) / 1e9,
-        # co-batched: a serving instance hosts the adapter, not a policy copy; its pool holds serving's longer iterations
-        **({"co_batched": {k: v for k, v in co_batched.items() if k != "tokens_per_s"}} if co_batched else {}),
-        "smoothing_window_s": window,
-        "dedicated_instance_tokens_per_s": ded_tps,
-        "dedicated_tp": tp_r,
-        "not_lendable_minutes": reasons,
-        "hours": hours,
-        "bin_minutes": width,  # the table's and the plot's bins (hours for a day, minutes for an hour)
-        "bins": binned(width),
-        "note": "a model, not a measurement: roofline step times (shared/devices.py) and the monitor's own headroom rules",
-    }
+    return rows
 
 
 def _modes(asked: tuple[str, ...] | None, serving: ModelSpec, policy: ModelSpec) -> tuple[str, ...]:

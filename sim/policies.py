@@ -40,6 +40,8 @@ which its rollout pool holds (``serving_snapshot``). Everything else is the serv
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rose.contracts.executor import DeviceTelemetry, MetricsSnapshot, PoolUsage, RolloutMode
 from rose.contracts.slo import SloAlert
 from rose.services.executor.policies import Signals, make_policy
@@ -53,6 +55,9 @@ from rose.shared.bursts import BurstSettings
 
 from . import POLICIES
 from .coserve import MAX_SERVING_BATCH
+
+if TYPE_CHECKING:
+    from .control import ControlPlane
 
 MODES = {"static": "none", "naive_share": "always", "elastic_baseline": "elastic_baseline", "rose": "rose"}
 
@@ -92,23 +97,23 @@ class FleetPolicy:
         self.parks_on_burst = name == "rose"  # a burst parks the turns (Lease.park_until); elastic preempts
         self.guard_acts_on_alerts = self.executor_policy is not None and getattr(self.executor_policy, "yields_to_alerts", name != "naive_share")
 
-    def control(self, sim, now: float) -> None:
+    def control(self, plane: ControlPlane, now: float) -> None:
         """The scheduler's tick: every lease action due now."""
-        for action in self.plan_lending(now, sim.fleet.views(now), self.lease_settings, self.lending):
-            sim.apply_lease(action.kind, action.lease, action.reason)
+        for action in self.plan_lending(now, plane.fleet.views(now), self.lease_settings, self.lending):
+            plane.apply_lease(action.kind, action.lease, action.reason)
 
-    def on_alert(self, sim, d: int, alert: SloAlert, now: float) -> None:
+    def on_alert(self, plane: ControlPlane, d: int, alert: SloAlert, now: float) -> None:
         """An alert reaches the scheduler (and the executor's guard)."""
         if alert.severity != "recovered":
-            sim.fleet.on_alert(alert.executor_id, now)
-        for action in self.revoke_on_alert(sim.fleet.views(now), alert, now, self.lending):
-            sim.apply_lease(action.kind, action.lease, action.reason)
-        if self.guard_acts_on_alerts and alert.severity != "recovered" and sim.slots[d] > 0:
-            lease = sim.fleet.info(alert.executor_id).lease
+            plane.fleet.on_alert(alert.executor_id, now)
+        for action in self.revoke_on_alert(plane.fleet.views(now), alert, now, self.lending):
+            plane.apply_lease(action.kind, action.lease, action.reason)
+        if self.guard_acts_on_alerts and alert.severity != "recovered" and plane.inst.slots[d] > 0:
+            lease = plane.fleet.info(alert.executor_id).lease
             if alert.severity == "burst" and self.parks_on_burst and lease is not None and lease.expires_at > now:
-                sim.park_device(d, lease.expires_at)  # the executor's guard: as the scheduler's burst revocation will
+                plane.park_device(d, lease.expires_at)  # the executor's guard: as the scheduler's burst revocation will
             else:
-                sim.revoke_device(d, f"{alert.severity}: guard", keep_tokens=self.keep_tokens)
+                plane.revoke_device(d, f"{alert.severity}: guard", keep_tokens=self.keep_tokens)
 
 
 def make_fleet_policy(name: str, quantum_ms: float = 10.0, whole_batch: int = 256, whole_kv_bytes: float = 0.0) -> FleetPolicy:

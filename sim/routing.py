@@ -1,4 +1,4 @@
-"""The simulated scheduler's route and hedge handlers, over the scheduler's own ``Fleet`` (engine.py's turns call them)."""
+"""The simulated scheduler's route and hedge handlers, over the scheduler's own ``Fleet`` (worker.py's turns call them)."""
 
 from __future__ import annotations
 

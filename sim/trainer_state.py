@@ -1,4 +1,4 @@
-"""The simulated RL job's bookkeeping: steps trained, batches handed out, groups waiting (engine.py)."""
+"""The simulated RL job's bookkeeping: steps trained, batches handed out, groups waiting (trainer.py runs the job)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class TrainerState:
         self.steps: list[dict] = []
         self.pipelined = False  # ``prefetch_steps`` >= 1: the asynchronous trainer
         self.effective_prefetch = 0
-        # the asynchronous trainer's state (set up by ``Simulation._trainer_pipelined``)
+        # the asynchronous trainer's state (set up by ``Trainer.pipelined``)
         self.ready_groups: list[tuple[int, int, float]] = []  # (batch, group, tokens) of complete groups not trained on yet
         self.batch_info: dict[int, dict[str, Any]] = {}  # batch -> its record (handed out, first / last finish, groups left)
         self.arrived: list[tuple[dict[str, Any], int]] = []  # finished trajectories the trainer has not received yet
@@ -54,6 +54,18 @@ class TrainerState:
     def version_at(self, dedicated: bool, now: float) -> int:
         """The policy version an instance has at ``now``: the versions that reached it by then."""
         return bisect.bisect_right(self.versions_dedicated if dedicated else self.versions_serving, now)
+
+    def trajectory_done(self, info: dict[str, Any], i: int, finish: float, fetch_s: float) -> None:
+        """Row ``i`` of the batch ``info`` records finished at ``finish``; the trainer receives it at once (``fetch_s``
+        0), else its consumer's open fetch learns of it (``Trainer.consumer``)."""
+        info["last"] = max(info["last"], finish)
+        info["finished"].append(finish)
+        info["group_fins"][i // info["group_rows"]].append(finish)
+        self.arrived.append((info, i))
+        if fetch_s <= 0:
+            self.deliver(len(self.arrived))
+        elif self.arrival_evt is not None and not self.arrival_evt.triggered:
+            self.arrival_evt.succeed()
 
     def deliver(self, k: int) -> None:
         """The trainer receives ``k`` trajectories: a group is complete once all its members are in."""

@@ -78,14 +78,14 @@ def test_the_serving_trace_is_the_simulators():
     job = EmulatedJob(gpus=4, load=0.35, seed=3)
     sim = job.sizing()
     requests = serving_requests(job, 60.0)
-    assert len(requests) == pytest.approx(float(sim.fleet_rate[:60].sum()), rel=0.15)  # Poisson counts at the trace's rate
+    assert len(requests) == pytest.approx(float(sim.sized.traffic.fleet_rate[:60].sum()), rel=0.15)  # Poisson counts at the trace's rate
     assert all(0 <= r.at_s < 60 and r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
     assert requests == serving_requests(job, 60.0)  # seeded: every policy gets the same requests
 
 
 def test_over_provisioning_reaches_the_trainer_and_the_simulator_as_one_share(tmp_path):
     """The share of a step's groups handed out beyond it: the simulator takes the share, the trainer the groups,
-    rounded up as the simulator rounds them (sim/engine.py ``extra``)."""
+    rounded up as the simulator rounds them (sim/trainer.py ``extra``)."""
     job = EmulatedJob(gpus=4, over_provision=0.25)
     groups = job.trajectories_per_step() // 8
     assert job.sim_config("rose").over_provision == 0.25 and job.extra_groups() == -(-groups // 4)

@@ -13,7 +13,7 @@ capacity first: it takes the turns the dedicated pool cannot). Handing the next 
 within `grpo.max_staleness`, fills that capacity. Where capacity is full (a queue somewhere),
 more work would only queue beside the older step's turns and delay them, so the trainer waits.
 The verdict is the fleet's own measurement, not a tuned threshold: a queue of zero everywhere.
-The simulator feeds the same class its monitor's headroom (sim/engine.py).
+The simulator feeds the same class its monitor's headroom (sim/control.py).
 """
 
 from __future__ import annotations

@@ -160,13 +160,13 @@ def test_the_lane_pool_adds_each_serving_lane_to_statics_pool_at_roses_lane_shar
     a lease lends; placed on as the pool is, while the serving instances themselves lend nothing."""
     rose = Simulation(small("rose", 4.0))
     lanes = Simulation(replace(small("static", 4.0), lane_pool=True))
-    n_serv, n_ded = lanes.n_serv, lanes.n_ded
+    n_serv, n_ded, ids, memory = lanes.sized.shape.n_serv, lanes.sized.shape.n_ded, lanes.inst.ids, lanes.sized.memory
     lane = np.arange(n_serv + n_ded, n_serv + n_ded + n_serv)
-    assert [lanes.ids[d] for d in lane] == [f"l{k}" for k in range(n_serv)] and len(lanes.ids) == lanes.inst.D
-    assert np.array_equal(lanes.lane_pool_share, rose.serving.lane_ceiling)  # one definition of a lane's share
-    assert all(lanes.fleet.role_of(lanes.ids[d]) == "dedicated" for d in lane)
-    assert all(lanes._policy_steps(int(d)) is lanes.sized.shape.pperf_s for d in lane)  # a serving instance's TP
-    assert (lanes.inst.kvcap[lane] == lanes.cohost_free_bytes).all() and lanes.cohost_free_bytes < lanes.dedicated_kv
+    assert [ids[d] for d in lane] == [f"l{k}" for k in range(n_serv)] and len(ids) == lanes.inst.D
+    assert np.array_equal(lanes.rollout.lane_pool_share, rose.serving.lane_ceiling)  # one definition of a lane's share
+    assert all(lanes.router.fleet.role_of(ids[d]) == "dedicated" for d in lane)
+    assert all(lanes.rollout.policy_steps(int(d)) is lanes.sized.shape.pperf_s for d in lane)  # a serving instance's TP
+    assert (lanes.inst.kvcap[lane] == memory.cohost_free_bytes).all() and memory.cohost_free_bytes < memory.dedicated_kv
     out = lanes.run()
     assert out["complete"] and out["lane_pool_instances"] == n_serv
     assert out["rollout_tokens_on_lane_pool_fraction"] > 0.0 and out["rollout_tokens_on_serving_fraction"] == 0.0
@@ -266,7 +266,7 @@ def test_no_capacity_makes_a_synchronous_rollout_shorter_than_its_slowest_trajec
     assert speedup_ceiling(2.0, 400.0, 100.0, 50.0, pipelined=False, rollout_s=300.0, critical_s=100.0) == pytest.approx(400.0 / 275.0)
     sim = Simulation(small("static", 1.0))
     batch = sample_batch(sim.cfg.rollout, 16, np.random.default_rng(0), 1)
-    paths = sim._critical_paths(batch)
+    paths = sim.trainer.critical_paths(batch)
     tools = [float(batch.tool_s[i, : int(batch.turns[i]) - 1].sum()) for i in range(batch.n)]
     assert all(p > t for p, t in zip(paths, tools))  # every turn takes time beside its tools
 
@@ -282,4 +282,5 @@ def test_the_grid_gives_the_serving_model_and_the_policy_their_own_sizes():
     (cfg,) = configs
     assert (cfg.model, cfg.policy_model, cfg.rollout_gpu_ratio, cfg.over_provision) == ("70B", "7B", 0.125, 0.0)
     sim = Simulation(cfg)  # a serving instance holds the 70B serving model and a 7B policy copy (156 GB: TP4), the pool is sized for the 7B
-    assert (sim.tp_s, sim.tp_r, sim.n_ded) == (4, 1, 4)
+    shape = sim.sized.shape
+    assert (shape.tp_s, shape.tp_r, shape.n_ded) == (4, 1, 4)

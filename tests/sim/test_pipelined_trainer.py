@@ -13,6 +13,7 @@ from rose.shared.devices import MeasuredSteps
 from rose.shared.workload import RolloutSpec, steady_step_rate
 from rose.sim import calibration as cal
 from rose.sim import config, engine
+from rose.sim import trainer as sim_trainer
 from rose.sim.coserve import rollout_interference, serving_tick
 from rose.sim.engine import simulate
 from rose.sim.policies import make_fleet_policy
@@ -31,10 +32,10 @@ def test_the_models_constants_are_the_services_own():
     from rose.services.trainer import trainer
     from rose.shared import bus
 
-    assert engine.GROUP_POLL_S == trainer.GROUP_POLL_S
+    assert sim_trainer.GROUP_POLL_S == trainer.GROUP_POLL_S
     assert config.FETCH_WINDOW_S == bus.CONSUME_FETCH_TIMEOUT_S
     consume = re.search(r"consume\(\s*TRAJECTORY.*?batch=(\d+)", inspect.getsource(trainer.Trainer.start), re.S)
-    assert consume and int(consume.group(1)) == engine.TRAINER_FETCH_BATCH
+    assert consume and int(consume.group(1)) == sim_trainer.TRAINER_FETCH_BATCH
 
 
 def test_trainer_settings_from_the_e2e_json_else_the_demo():
@@ -76,7 +77,7 @@ def test_the_asynchronous_rate_counts_from_the_step_after_the_pipeline_fill():
     rate is the services' steady rate (shared/workload.py), from that step on, as rose bench e2e measures it."""
     sim = engine.Simulation(e2e_config())
     out = sim.run()
-    done = [s["done"] for s in sim.trainer.steps]
+    done = [s["done"] for s in sim.trainer.state.steps]
     assert out["complete"] and len(done) == 8
     assert out["rl_steps_per_hour"] == pytest.approx(steady_step_rate(done, 1)) == pytest.approx(3600 * 6 / (done[-1] - done[1]))
 
@@ -87,7 +88,7 @@ def test_the_trainer_takes_one_steps_worth_of_groups_oldest_first():
     run = simulate(e2e_config())
     assert run["groups_per_trained_step"] == 2  # the synthetic run's groups per step
     assert simulate(e2e_config()) == run  # deterministic
-    src = inspect.getsource(engine.Simulation._trainer_pipelined)
+    src = inspect.getsource(sim_trainer.Trainer.pipelined)
     assert "[:per_step]" in src and "Trainer.next_groups" in src
     from rose.services.trainer import trainer
 
@@ -151,15 +152,15 @@ def test_early_hand_out_fills_idle_capacity_within_the_staleness_bound():
     off = engine.Simulation(e2e_config(policy="rose", early_hand_out=False))
     off_run = off.run()
     assert off_run["early_hand_outs"] == 0
-    assert all(b - v <= 1 for b, v in off.trainer.batch_version.items())  # handed out prefetch_steps ahead at most
+    assert all(b - v <= 1 for b, v in off.trainer.state.batch_version.items())  # handed out prefetch_steps ahead at most
     on = engine.Simulation(e2e_config(policy="rose"))
     on_run = on.run()
     assert on.cfg.early_hand_out and on.cfg.max_staleness == 2 and on_run["complete"]
     assert on_run["early_hand_outs"] > 0
-    assert max(b - v for b, v in on.trainer.batch_version.items()) == 2  # some batch went out two steps ahead
-    assert all(s["staleness"] <= on.cfg.max_staleness for s in on.trainer.steps)
+    assert max(b - v for b, v in on.trainer.state.batch_version.items()) == 2  # some batch went out two steps ahead
+    assert all(s["staleness"] <= on.cfg.max_staleness for s in on.trainer.state.steps)
     assert on_run["staleness_mean"] > off_run["staleness_mean"]
-    src = inspect.getsource(engine.Simulation._trainer_pipelined)
+    src = inspect.getsource(sim_trainer.Trainer.pipelined)
     assert "self.capacity.idle(" in src and "Trainer.hand_out_early" in src
 
 

@@ -30,7 +30,7 @@ def test_policy_callables_are_the_services_functions():
 
 def test_the_simulation_uses_the_schedulers_fleet_and_its_decisions():
     sim = Simulation(SimConfig(model="7B", gpus=8, policy="rose", steps=1, seed=0))
-    assert type(sim.fleet) is scheduler_fleet.Fleet
+    assert type(sim.router.fleet) is scheduler_fleet.Fleet
     calls = {"plan": 0, "place": 0, "assess": 0, "classify": 0}
     real = {"plan": sim.policy.plan_lending, "place": sim.policy.place_turn, "assess": sim.policy.assess, "classify": sim.policy.classify}
 
@@ -47,10 +47,10 @@ def test_the_simulation_uses_the_schedulers_fleet_and_its_decisions():
     assert all(v > 0 for v in calls.values()), calls
     assert out["leases"]["granted"] > 0
     # every lease the scheduler's fleet holds went through the sim's apply: same state both sides
-    for d in range(sim.n_serv):
-        lease = sim.fleet.info(sim.ids[d]).lease
+    for d in range(sim.inst.n_serv):
+        lease = sim.router.fleet.info(sim.inst.ids[d]).lease
         active = leases.is_active(lease, sim.env.now)
-        assert (sim.slots[d] > 0) == active or not active
+        assert (sim.inst.slots[d] > 0) == active or not active
 
 
 def test_classify_matches_the_monitors_detector_on_window_figures():
@@ -99,7 +99,7 @@ def test_a_burst_parks_the_turns_of_the_lease_until_a_new_lease_or_its_expiry():
     sim = Simulation(SimConfig(model="7B", gpus=8, policy="rose", steps=2, seed=0, rollout_gpu_ratio=0.25))
     t = sim.turns
     parks: list[dict] = []
-    real_park, real_revoke, real_tick = sim.park_device, sim.revoke_device, sim._rollout_tick
+    real_park, real_revoke, real_tick = sim.control.park_device, sim.control.revoke_device, sim.rollout.tick
 
     def park(d, until):
         held = np.flatnonzero((t.dev == d) & (t.state > 0))
@@ -112,8 +112,8 @@ def test_a_burst_parks_the_turns_of_the_lease_until_a_new_lease_or_its_expiry():
                 x["ended"], x["left"], x["reason"] = sim.env.now, set(np.flatnonzero((t.dev == d) & (t.state > 0)).tolist()), reason
         real_revoke(d, reason, keep_tokens)
 
-    def tick(now, dt, share):
-        out = real_tick(now, dt, share)
+    def tick(now, dt, share, co_plan):
+        out = real_tick(now, dt, share, co_plan)
         for x in parks:
             if x["ended"] is None and sim.inst.park_until[x["d"]] == 0:  # a new lease resumed the parked turns
                 x["ended"], x["left"], x["reason"] = now, set(), "granted"
@@ -123,7 +123,7 @@ def test_a_burst_parks_the_turns_of_the_lease_until_a_new_lease_or_its_expiry():
                 assert share[x["d"]] == 0.0 and out[x["d"]] == 0.0, "a parked instance ran rollout"
         return out
 
-    sim.park_device, sim.revoke_device, sim._rollout_tick = park, revoke, tick
+    sim.control.park_device, sim.control.revoke_device, sim.rollout.tick = park, revoke, tick
     out = sim.run()
     busy = [x for x in parks if x["held"]]
     assert out["parked_leases"] == len(parks) and busy, "no burst found a lease with turns on it"

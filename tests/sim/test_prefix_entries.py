@@ -89,8 +89,8 @@ def test_a_returning_turn_reuses_the_prefix_it_left_there():
     sim = sim_with()
     d = sim.inst.D - 1  # a dedicated instance, its KV free
     retain(sim, 0, d, 300.0)
-    assert sim._cached(0, d, 900.0) == (300.0, 0.0)  # on the device: only the rest is prefilled, nothing to copy
-    assert sim._cached(0, d, 900.0) == (0.0, 0.0)  # taken
+    assert sim.worker.cached(0, d, 900.0) == (300.0, 0.0)  # on the device: only the rest is prefilled, nothing to copy
+    assert sim.worker.cached(0, d, 900.0) == (0.0, 0.0)  # taken
 
 
 def test_a_prefix_evicted_from_the_device_comes_back_from_the_host_tier_at_the_links_speed():
@@ -98,22 +98,22 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host_tier_at_the_l
     d = sim.inst.D - 1
     retain(sim, 0, d, 3000.0)
     sim.inst.kvcap[d] = 0.0  # the device copy is gone (no room for it)
-    tokens, load_s = sim._cached(0, d, 4000.0)
+    tokens, load_s = sim.worker.cached(0, d, 4000.0)
     assert tokens == 3000.0
     assert load_s == pytest.approx(float(sim.sized.shape.pperf_d.host_load_s(3000.0)) * sim.turns.bundle) and load_s > 0
     off = sim_with(host_kv_ratio=0.0)
     retain(off, 0, d, 3000.0)
     off.inst.kvcap[d] = 0.0
-    assert off._cached(0, d, 4000.0) == (0.0, 0.0)  # without a host tier the prefix is prefilled again
+    assert off.worker.cached(0, d, 4000.0) == (0.0, 0.0)  # without a host tier the prefix is prefilled again
 
 
 def test_a_new_policy_version_misses_what_the_old_one_computed():
     sim = sim_with()
     d = sim.inst.D - 1
     retain(sim, 0, d, 300.0)
-    sim.trainer.published(dedicated_at=0.0, serving_at=5.0)  # version 1 is on the dedicated pool now
-    assert sim.trainer.version_at(True, sim.env.now) == 1 and sim.trainer.version_at(False, sim.env.now) == 0
-    assert sim._cached(0, d, 900.0) == (0.0, 0.0)
+    sim.trainer.state.published(dedicated_at=0.0, serving_at=5.0)  # version 1 is on the dedicated pool now
+    assert sim.trainer.state.version_at(True, sim.env.now) == 1 and sim.trainer.state.version_at(False, sim.env.now) == 0
+    assert sim.worker.cached(0, d, 900.0) == (0.0, 0.0)
     assert sim.turns.cache_tokens[0, d] == 0.0  # the executor dropped the stale entry when the turn took it
 
 

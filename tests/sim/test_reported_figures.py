@@ -26,10 +26,13 @@ class Recording(Simulation):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.reported: list[Headroom] = []
+        report = self.control.report
 
-    def _headroom(self, headroom: Headroom) -> None:
-        self.reported.append(headroom)
-        super()._headroom(headroom)
+        def recording(headroom: Headroom) -> None:
+            self.reported.append(headroom)
+            report(headroom)
+
+        self.control.report = recording
 
 
 @pytest.fixture(scope="module")
@@ -70,4 +73,4 @@ def test_a_lane_reports_its_prefill_at_the_share_of_the_device_its_rollout_got(r
     dedicated = np.median([h.rollout_prefill_tokens_per_s for h in heads if h.role == "dedicated" and h.rollout_prefill_tokens_per_s > 0])
     lanes = [h.rollout_prefill_tokens_per_s for h in heads if h.role == "serving" and h.rollout_running > 0]
     assert lanes and 0 < np.median(lanes) < 0.9 * dedicated
-    assert np.all(sim.rollout_share_seen <= 1.0) and sim.rollout_share_seen[sim.inst.n_serv :].tolist() == [1.0] * (sim.inst.D - sim.inst.n_serv)
+    assert np.all(sim.rollout.share_seen <= 1.0) and sim.rollout.share_seen[sim.inst.n_serv :].tolist() == [1.0] * (sim.inst.D - sim.inst.n_serv)
