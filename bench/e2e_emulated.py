@@ -40,6 +40,7 @@ import re
 import signal
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -54,11 +55,11 @@ from rose.contracts.rollout import PlacementEvent
 from rose.services.scheduler.placement import rule_key
 from rose.shared.bus import Bus
 from rose.shared.config import BusConfig
-from rose.shared.launch import start_all, stop_all
+from rose.shared.launch import ServiceProcess, start_all, stop_all
 from rose.shared.models import load_tokenizer
 from rose.shared.nats_server import NatsServer
 from rose.shared.provisioning import provision
-from rose.shared.security import OPERATOR, init_credentials
+from rose.shared.security import OPERATOR, Credentials, init_credentials
 from rose.shared.sketch import from_contract, new_sketch
 from rose.shared.task_queue import still_queued
 from rose.sim.engine import simulate
@@ -223,6 +224,123 @@ async def drain(bus: Bus, obs: Observed, deadline_s: float, on_tick) -> tuple[se
         on_tick()
 
 
+@dataclass
+class RunRecorders:
+    """What a policy's run records off its bus as it goes: the fleet's events (``obs``), the monitor's snapshots and
+    the lent capacity (``extra``), why each lease ended, and every placement decision."""
+
+    obs: Observed
+    extra: Extra
+    lease_reasons: Counter[str] = field(default_factory=Counter)  # "revoked: <reason>" (SLO guard, alert, ...) or "expired"
+    placements: list[PlacementEvent] = field(default_factory=list)
+
+
+async def record_run(bus: Bus, policy: str) -> RunRecorders:
+    rec = RunRecorders(Observed(), Extra(policy in DRAINS_LENT))
+    await observe(bus, rec.obs)
+    await rec.extra.subscribe(bus, rec.obs)
+
+    async def on_lease(e, _d) -> None:
+        if e.kind in ("revoked", "expired"):
+            rec.lease_reasons[f"{e.kind}: {re.sub(r'[0-9.]+', 'N', e.reason or e.lease.reason or '-')}"] += 1
+
+    async def on_placement(e: PlacementEvent, _d) -> None:
+        rec.placements.append(e)
+
+    await bus.subscribe(LEASE_EVENT, on_lease)
+    await bus.subscribe(PLACEMENT, on_placement)
+    return rec
+
+
+async def start_bus(state: Path, executors: list[str]) -> tuple[Credentials, NatsServer, Bus]:
+    """A policy's own nats-server with auth on (credentials for the fleet's executors) and the run's connection to it,
+    the streams provisioned."""
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    creds = init_credentials(state / "security", instances={"executor": executors})
+    server = NatsServer(state / "nats", log_file=state / "logs" / "nats-server.log", extra_config=creds.server_config()).start()
+    bus = Bus(
+        BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance="emu"
+    )
+    await bus.connect()
+    await provision(bus.js)
+    return creds, server, bus
+
+
+@dataclass(frozen=True)
+class RunWindow:
+    """A run's measured window: its wall start (``t0``, epoch s), time scale ``k`` (wall s per emulated s), when the
+    trainer started (wall s after ``t0``) and the window ended (epoch s), the box's and the fleet's CPU use over it."""
+
+    t0: float
+    k: float
+    trained_from: float
+    end_wall: float
+    cpu: float
+    fleet_cpu: float
+
+    @property
+    def end(self) -> float:
+        """The window's end in emulated time (epoch s)."""
+        return self.t0 + (self.end_wall - self.t0) / self.k
+
+
+def run_figures(
+    job: EmulatedJob,
+    duration_s: float,
+    out: Path,
+    rec: RunRecorders,
+    window: RunWindow,
+    executors: dict[str, str],
+    trainer: ServiceProcess,
+    late: set[str],
+    ended_early: bool,
+) -> dict:
+    """A policy's figures in emulated time, its fidelity, and its records written under ``out`` for reading later.
+    Lost and late come from one view of what is missing: a task still queued when the queue was read may have
+    delivered its trajectory since (subtracting one count from the other once read -1 lost)."""
+    t0, k, end = window.t0, window.k, window.end
+    eobs = rescale(rec.obs, t0, k)
+    rec.extra.snapshots = rescale_snapshots(rec.extra.snapshots, t0, k)
+    params = {
+        "seed": job.seed,
+        "duration_s": duration_s,
+        "job": {"trainer": {key: value for key, value in trainer.env.items() if key.startswith(("ROSE_GRPO", "ROSE_TASKS", "ROSE_EMULATION"))}},
+        "trainer_ended_early": ended_early,
+    }
+    summary = summarize(eobs, executors, t0 + job.warmup_s, end, params, FleetSpec(slo_ttft_ms=job.slo_ttft_ms, slo_tpot_ms=job.slo_tpot_ms))
+    figures = policy_figures(summary, eobs, rec.extra)
+    figures["fidelity"] = fidelity(rec.extra.snapshots, t0, end, window.cpu)
+    figures["fidelity"]["fleet_cpu_cores"] = window.fleet_cpu  # this policy's processes and nats-server over its window, in cores
+    missing = eobs.published - set(eobs.trajectories)
+    late = late & missing
+    figures["trajectories_late"] = len(late)  # still in the task queue after the drain (a worker holds it, or it waits)
+    figures["trajectories_lost"] = len(missing - late)
+    figures["trainer_ended_early"] = ended_early
+    if ended_early:
+        figures["trainer_log_tail"] = trainer.log_tail(1500)
+    figures["report"] = str(out)
+    # every trajectory observed, in emulated time, for reading a run after it (which turn ran where, what it cached)
+    (out / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in eobs.trajectories.values()))
+    (out / "snapshots.jsonl").write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in rec.extra.snapshots))
+    (out / "placements.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in rescale_placements(rec.placements, t0, k)))
+    figures["placement_rules"] = placement_rules(rec.placements)
+    figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
+    figures["lease_end_reasons"] = dict(rec.lease_reasons.most_common())
+    # every TrainingStep (emulated seconds from the trainer's start): what a step trained on and when it was reported
+    figures["step_events"] = [
+        {
+            "step": e.step,
+            "at_s": round(e.at - (t0 + window.trained_from / k), 2),
+            "trajectories": e.trajectories,
+            "trained_sequences": e.trained_sequences,
+            "train_s": round(e.train_s, 3),
+            "publish_s": round(e.publish_s, 3),
+        }
+        for e in eobs.steps
+    ]
+    return figures
+
+
 async def run_policy(
     job: EmulatedJob,
     policy: str,
@@ -240,37 +358,14 @@ async def run_policy(
     k = job.time_scale
     board = board or Board()
     state = root / policy / "state"
-    logs = state / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = state / "logs"  # start_bus makes it
     sim = job.sizing()
     serving = [f"{SERVING_PREFIX}-{i}" for i in range(sim.sized.shape.n_serv)]
     dedicated = [f"{DEDICATED_PREFIX}-{i}" for i in range(sim.sized.shape.n_ded)]
-    creds = init_credentials(state / "security", instances={"executor": serving + dedicated})
-    server = NatsServer(state / "nats", log_file=logs / "nats-server.log", extra_config=creds.server_config()).start()
-    bus = Bus(
-        BusConfig(url=server.url, initial_connect_deadline_s=20.0, nkey_seed_file=str(creds.seed_file(OPERATOR))), service="cli", instance="emu"
-    )
-    await bus.connect()
-    await provision(bus.js)
-    obs, extra = Observed(), Extra(policy in DRAINS_LENT)
-    await observe(bus, obs)
-    await extra.subscribe(bus, obs)
-    lease_reasons: Counter[str] = Counter()  # why leases ended: "revoked: <reason>" (SLO guard, alert, ...) or "expired"
-
-    async def on_lease(e, _d) -> None:
-        if e.kind in ("revoked", "expired"):
-            lease_reasons[f"{e.kind}: {re.sub(r'[0-9.]+', 'N', e.reason or e.lease.reason or '-')}"] += 1
-
-    await bus.subscribe(LEASE_EVENT, on_lease)
-    placements: list[PlacementEvent] = []  # every placement decision, for reading the run after it
-
-    async def on_placement(e: PlacementEvent, _d) -> None:
-        placements.append(e)
-
-    await bus.subscribe(PLACEMENT, on_placement)
-    env = POLICY_ENV[policy]
-    in_flight = job.in_flight()
-    procs = fleet_processes(logs, server.url, models, creds, job, env, in_flight)
+    creds, server, bus = await start_bus(state, serving + dedicated)
+    rec = await record_run(bus, policy)
+    obs, extra = rec.obs, rec.extra
+    procs = fleet_processes(logs, server.url, models, creds, job, POLICY_ENV[policy], job.in_flight())
     trainer = trainer_process(logs, server.url, models, creds, job, state)
     # the trainer starts with the fleet (its interpreter and imports take tens of seconds on a busy box) and waits for its
     # policy's files (shared/models.py wait_for_files), which appear here at the warm-up's end: then it loads and hands out
@@ -355,50 +450,10 @@ async def run_policy(
         late = await still_queued(bus, obs.published - set(obs.trajectories))  # not back but still queued: late, not lost
         await trajectories_delivered(bus)  # the trajectories of the tasks the queue let go: in obs, or lost
         mark("drain", at)
-        eobs = rescale(obs, t0, k)
-        extra.snapshots = rescale_snapshots(extra.snapshots, t0, k)
+        window = RunWindow(t0=t0, k=k, trained_from=trained_from, end_wall=window_end, cpu=cpu, fleet_cpu=fleet_cpu)
         executors = {name: "serving" for name in serving} | {name: "dedicated" for name in dedicated}
-        end = t0 + (window_end - t0) / k
-        params = {
-            "seed": job.seed,
-            "duration_s": duration_s,
-            "job": {"trainer": {key: value for key, value in trainer.env.items() if key.startswith(("ROSE_GRPO", "ROSE_TASKS", "ROSE_EMULATION"))}},
-            "trainer_ended_early": ended_early,
-        }
-        summary = summarize(eobs, executors, t0 + job.warmup_s, end, params, FleetSpec(slo_ttft_ms=job.slo_ttft_ms, slo_tpot_ms=job.slo_tpot_ms))
-        figures = policy_figures(summary, eobs, extra)
-        figures["fidelity"] = fidelity(extra.snapshots, t0, end, cpu)
-        figures["fidelity"]["fleet_cpu_cores"] = fleet_cpu  # this policy's processes and nats-server over its window, in cores
-        # lost and late from one view of what is missing: a task still queued when the queue was read may have
-        # delivered its trajectory since (subtracting one count from the other once read -1 lost)
-        missing = eobs.published - set(eobs.trajectories)
-        late &= missing
-        figures["trajectories_late"] = len(late)  # still in the task queue after the drain (a worker holds it, or it waits)
-        figures["trajectories_lost"] = len(missing - late)
-        figures["trainer_ended_early"] = ended_early
-        if ended_early:
-            figures["trainer_log_tail"] = trainer.log_tail(1500)
-        figures["report"] = str(root / policy)
-        # every trajectory observed, in emulated time, for reading a run after it (which turn ran where, what it cached)
-        (root / policy / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t in eobs.trajectories.values()))
-        (root / policy / "snapshots.jsonl").write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in extra.snapshots))
-        (root / policy / "placements.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in rescale_placements(placements, t0, k)))
-        figures["placement_rules"] = placement_rules(placements)
-        figures["tokens_by_role_over_time"] = tokens_by_role(eobs, t0, end)
+        figures = run_figures(job, duration_s, root / policy, rec, window, executors, trainer, late, ended_early)
         figures["wall_phases_s"] = phases
-        figures["lease_end_reasons"] = dict(lease_reasons.most_common())
-        # every TrainingStep (emulated seconds from the trainer's start): what a step trained on and when it was reported
-        figures["step_events"] = [
-            {
-                "step": e.step,
-                "at_s": round(e.at - (t0 + trained_from / k), 2),
-                "trajectories": e.trajectories,
-                "trained_sequences": e.trained_sequences,
-                "train_s": round(e.train_s, 3),
-                "publish_s": round(e.publish_s, 3),
-            }
-            for e in eobs.steps
-        ]
         return figures
     finally:
         stopping = time.monotonic()

@@ -82,8 +82,9 @@ from .protocol import (
 )
 from .sglang_lora import LoraVersions
 from .sglang_requests import Job, ModelInfo
+from .sglang_scrapes import ServerScrapes
 from .sglang_weights import MirroredWeights
-from .sglang_wire import Scrape, ServerError, SSEDecoder, error_message, finish_reason_of, fold_scrape, parse_metrics, pool_usage, version_of
+from .sglang_wire import Scrape, ServerError, SSEDecoder, error_message, finish_reason_of, fold_scrape, pool_usage, version_of
 from .weights import StagedWeights, WeightUpdateError
 
 log = logging.getLogger("rose.executor.sglang")
@@ -153,12 +154,16 @@ class SGLangBackend:
         self._lent = asyncio.Event()  # rollout requests go out only while set (lease held, server lent)
         self._weights_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
-        self._scrape_now = asyncio.Event()
-        self.scrapes = 0  # completed scrape rounds (the first one is only the baseline of the counters)
-        self._last_scrape: dict[str, Scrape] = {}
-        self._scrape_ok: dict[str, bool] = {}
         self._lock = threading.Lock()  # the counters: stats() may be called from any thread
         self._interval = IntervalCounters()
+        urls = {"serving": self.serving_url} | ({} if self.lora is not None else {"rollout": self.rollout_url})  # LoRA mode: one server
+        self.scrapes = ServerScrapes(
+            urls,
+            lambda: self._headers(False),
+            interval_s=settings.scrape_interval_s,
+            timeout_s=settings.scrape_timeout_s,
+            on_scrape=self._fold_scrape if self.lora is None else None,  # LoRA mode counts per request instead (``_count_here``)
+        )
         self.metrics = EngineMetrics()  # no local lanes: /health reports ok here, each server's own /health tells the rest
         self._compute_yields = 0
         self._max_swap_pause_ms = 0.0
@@ -226,7 +231,7 @@ class SGLangBackend:
             self._arm_expiry(self.lease.current)
         self._tasks = [
             self._loop.create_task(self._lending_worker(), name="sglang-lending"),
-            self._loop.create_task(self._scrape_loop(), name="sglang-scrape"),
+            self._loop.create_task(self.scrapes.run(self._session), name="sglang-scrape"),
             self._loop.create_task(self._probe_servers(), name="sglang-probe"),
         ]
 
@@ -357,12 +362,12 @@ class SGLangBackend:
 
     def stats(self) -> EngineStats:
         """The interval since the previous call, from the latest scrapes; never waits for a server."""
-        self._scrape_now.set()  # refresh for the next call, in the background
+        self.scrapes.refresh()  # for the next call, in the background
         now = time.monotonic()
         with self._lock:
             interval, self._interval = self._interval, IntervalCounters(started=now)
         span = max(1e-9, now - interval.started)
-        serving, rollout = self._last_scrape.get("serving", Scrape()), self._last_scrape.get("rollout", Scrape())
+        serving, rollout = self.scrapes.last("serving"), self.scrapes.last("rollout")
         s_queue, s_running, r_queue, r_running = self._queues(serving, rollout)
         try:
             device = vars(self.device.telemetry())
@@ -849,49 +854,10 @@ class SGLangBackend:
             return pause_ms
 
     # ------------------------------------------------------------------ metrics
-    async def _scrape_loop(self) -> None:
-        while True:
-            await self._scrape_once()
-            self.scrapes += 1
-            waiter = asyncio.ensure_future(self._scrape_now.wait())  # a stats() call asks for a fresh scrape
-            try:  # asyncio.wait, not wait_for: wait_for on 3.11 can swallow the cancel that stop() sends
-                await asyncio.wait({waiter}, timeout=self.settings.scrape_interval_s)
-            finally:
-                waiter.cancel()
-            self._scrape_now.clear()
-
-    async def _scrape_once(self) -> None:
-        names = ("serving",) if self.lora else ("serving", "rollout")  # LoRA mode: one server
-        texts = await asyncio.gather(
-            *(self._fetch_metrics(self.serving_url if n == "serving" else self.rollout_url) for n in names), return_exceptions=True
-        )
-        for name, text in zip(names, texts):
-            url = self.serving_url if name == "serving" else self.rollout_url
-            if isinstance(text, BaseException):
-                if self._scrape_ok.get(name, True):
-                    log.warning("cannot scrape %s/metrics: %s", url, text)
-                self._scrape_ok[name] = False
-                continue
-            if not self._scrape_ok.get(name, True):
-                log.info("scraping %s/metrics again", url)
-            self._scrape_ok[name] = True
-            try:
-                scrape = parse_metrics(text)
-            except ValueError as exc:
-                log.warning("%s/metrics is not Prometheus text: %s", url, exc)
-                continue
-            if self.lora is None:  # LoRA mode counts tokens and latencies per request instead (``_count_here``)
-                with self._lock:
-                    fold_scrape(self._interval, name == "rollout", self._last_scrape.get(name), scrape)
-            self._last_scrape[name] = scrape
-
-    async def _fetch_metrics(self, base: str) -> str:
-        assert self._session is not None
-        t = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
-        async with self._session.get(base + "/metrics", headers=self._headers(False), timeout=t) as resp:
-            if resp.status != 200:
-                raise ServerError(base + "/metrics", resp.status, (await resp.text())[:200])
-            return await resp.text()
+    def _fold_scrape(self, name: str, prev: Scrape | None, scrape: Scrape) -> None:
+        """A two-model mode server's new scrape: its counters' growth since ``prev`` into the interval's."""
+        with self._lock:
+            fold_scrape(self._interval, name == "rollout", prev, scrape)
 
     def _pool(self, work_class: WorkClass, scrape: Scrape) -> PoolUsage:
         """KV use in tokens; the rollout pool is empty while not lent, and in LoRA mode (one pool: serving's)."""

@@ -185,7 +185,7 @@ async def test_serving_streams_with_local_timings_and_scraped_stats(servers, mod
     assert isinstance(backend, CoServingEngine)
     backend.start()
     try:
-        await until(lambda: backend.scrapes, 10, "the first scrape (the counters' baseline)")
+        await until(lambda: backend.scrapes.rounds, 10, "the first scrape (the counters' baseline)")
         backend.stats()  # the interval starts now
         handle = backend.submit(_request(WorkClass.SERVING, 8, ignore_eos=True))
         deltas = [d async for d in handle]
