@@ -283,10 +283,12 @@ class JobOptions:
         }
 
     def part_env(self) -> dict[str, dict[str, str]]:
-        """The settings each part adds (`env`); a LoRA job's executors co-batch its rollout rows into serving's batches."""
+        """The settings each part adds (`env`). A LoRA job's serving executors co-batch its rollout rows into serving's
+        batches; its dedicated executor, with no serving batches to ride in, runs the adapter folded into its own copy
+        of the base (the two-model mode, the default: services/executor/weights.py MergedAdapterWeights)."""
         env = dict(self.env or {})
         if self.lora:
-            env["executor"] = {**env.get("executor", {}), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched"}
+            env["serving"] = {**env.get("serving", {}), "ROSE_ENGINE__ROLLOUT_MODE": "co_batched"}
         return env
 
 
@@ -486,11 +488,19 @@ def build_lora_models(models: Path, job: dict[str, str], warm_start_steps: int):
 
 
 def policy_description(policy_dir: Path) -> dict:
-    """What the summary says of the policy: a model of its own, or a LoRA adapter (its shape) co-batched with serving."""
+    """What the summary says of the policy: a model of its own, or a LoRA adapter (its shape) co-batched with serving on
+    the serving executors and folded into its base on the dedicated one (``JobOptions.part_env``)."""
     if not is_adapter_dir(policy_dir):
-        return {"kind": "model", "rollout_mode": "two_model"}
+        return {"kind": "model", "rollout_mode": "two_model", "dedicated_rollout_mode": "two_model"}
     shape = read_adapter(policy_dir).shape
-    return {"kind": "lora", "rank": shape.rank, "alpha": shape.alpha, "targets": list(shape.targets), "rollout_mode": "co_batched"}
+    return {
+        "kind": "lora",
+        "rank": shape.rank,
+        "alpha": shape.alpha,
+        "targets": list(shape.targets),
+        "rollout_mode": "co_batched",
+        "dedicated_rollout_mode": "two_model",
+    }
 
 
 def exit_reason(log_tail: str) -> str:

@@ -237,7 +237,6 @@ def executor_groups(job: EmulatedJob, serving_env: dict[str, str] | None = None)
         "ROSE_ENGINE__ROLLOUT_MAX_BATCH": str(job.rollout_max_batch),
         "ROSE_HTTP__STREAM_INTERVAL": str(STREAM_INTERVAL),
         "ROSE_EMULATION__SERVING_KV_GIB": f"{sim.sized.memory.pool_tokens * sim.sized.memory.kvb_s / GIB:.6f}",
-        "ROSE_ENGINE__ROLLOUT_MODE": job.rollout_mode,
     }
     serving = tuple(executor_names(SERVING_PREFIX, sim.sized.shape.n_serv))
     dedicated = tuple(executor_names(DEDICATED_PREFIX, sim.sized.shape.n_ded))
@@ -245,13 +244,19 @@ def executor_groups(job: EmulatedJob, serving_env: dict[str, str] | None = None)
         ExecutorGroup(
             SERVING_PREFIX,
             ("--emulate", f"{job.gpus}x{job.device}:{fleet}", "--role", "serving", "--instance-prefix", SERVING_PREFIX),
-            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.sized.memory.cohost_free_bytes, 2**20) / GIB:.6f}", **(serving_env or {})},
+            {
+                **executor,
+                "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{max(sim.sized.memory.cohost_free_bytes, 2**20) / GIB:.6f}",
+                "ROSE_ENGINE__ROLLOUT_MODE": job.rollout_mode,
+                **(serving_env or {}),
+            },
             serving,
         ),
         ExecutorGroup(
             DEDICATED_PREFIX,
             ("--emulate", f"{job.dedicated_gpus}x{job.device}:{fleet}", "--role", "dedicated", "--instance-prefix", DEDICATED_PREFIX),
-            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.sized.memory.dedicated_kv / GIB:.6f}"},
+            # no serving batches to ride in: a LoRA policy runs folded into the instance's copy of the base (as the simulator prices it)
+            {**executor, "ROSE_EMULATION__ROLLOUT_KV_GIB": f"{sim.sized.memory.dedicated_kv / GIB:.6f}", "ROSE_ENGINE__ROLLOUT_MODE": "two_model"},
             dedicated,
         ),
     ]

@@ -77,6 +77,7 @@ class MemorySplit:
     to lend (``cohost_free_bytes``) and what a dedicated one holds for rollout KV."""
 
     policy_weight_bytes: float  # what a new policy version ships (two-model: the policy's weights; co-batched: its adapter)
+    fold_bytes: float  # co-batched: the adapted weights a dedicated instance copies over its host link to fold a version in
     kvb_s: float  # serving KV bytes per token
     kvb_p: float  # policy KV bytes per token
     total_s: float  # a serving instance's HBM
@@ -209,8 +210,11 @@ def size_fleet(c: SimConfig) -> SizedFleet:
         sperf = Roofline(device, smodel, tp_s)
         pperf_s = Roofline(device, pmodel, tp_s)
         pperf_d = Roofline(device, pmodel, tp_r)
-    if co_batched:  # the policy is the serving model's base with its adapter on every token it computes
-        pperf_s, pperf_d = AdaptedSteps(pperf_s, c.lora), AdaptedSteps(pperf_d, c.lora)
+    # co-batched: on a serving instance the policy is the serving model's base with its adapter on every token it
+    # computes; a dedicated instance has no serving rows to share a batch with and runs the adapter folded into its copy
+    # of the base (services/executor/weights.py MergedAdapterWeights), at the base's cost: its price is a fold per version
+    if co_batched:
+        pperf_s = AdaptedSteps(pperf_s, c.lora)
     if c.trace is not None:
         prompt_mean = float(np.mean(c.trace.prompt_mean))
         output_mean = float(np.mean(c.trace.output_mean))
@@ -253,7 +257,7 @@ def size_fleet(c: SimConfig) -> SizedFleet:
     else:
         pool_tokens = serving_pool_tokens(sperf, peak, prompt_mean, output_mean, prompt_p99, c.quantum_ms / 1e3, alone_kv_tokens, sizes)
     cohost_free_bytes = usable_s - ws - beside - pool_tokens * kvb_s
-    dedicated_kv = usable_r - wp - adapter_bytes
+    dedicated_kv = usable_r - wp  # (a folded adapter takes no room of its own)
     max_rollout_batch = c.max_rollout_batch
     # what a lane GPU-second is worth beside a dedicated one, each at the batch its KV holds at the mean context
     seq = mean_rollout_ctx * kvb_p
@@ -275,6 +279,7 @@ def size_fleet(c: SimConfig) -> SizedFleet:
         shape=FleetShape(smodel, pmodel, device, tp_s, tp_r, n_serv, n_ded, trainer_gpus, sperf, pperf_s, pperf_d),
         memory=MemorySplit(
             adapter_bytes if co_batched else wp,  # what a version ships
+            pmodel.adapted_weight_bytes(c.lora) / tp_r if co_batched else 0.0,
             kvb_s,
             kvb_p,
             total_s,

@@ -10,7 +10,7 @@ import numpy as np
 import simpy
 
 from rose.services.trainer.capacity import RolloutCapacity
-from rose.shared.devices import sync_seconds, train_seconds
+from rose.shared.devices import fold_seconds, sync_seconds, train_seconds
 from rose.shared.workload import batch_trajectories, bundle_size, sample_batch
 
 from .config import SimConfig
@@ -118,15 +118,16 @@ class Trainer:
 
     def _next_idle_s(self, batch) -> float:
         """Seconds from the end of this rollout to the next one's start (training + dedicated sync)."""
-        c = self.cfg
-        train_s = self._train_seconds(batch.tokens())
-        return train_s + sync_seconds(self.sized.memory.policy_weight_bytes, "full", c.sync, cross_cluster=False)
+        return self._train_seconds(batch.tokens()) + self._sync_seconds()[0]
 
     def _sync_seconds(self) -> tuple[float, float]:
-        """A new version's sync: to the dedicated pool over the trainer's fabric, to the serving instances over the
-        inter-cluster link (rose: a delta; the others: the full weights)."""
-        c, wp = self.cfg, self.sized.memory.policy_weight_bytes
-        return sync_seconds(wp, "full", c.sync, cross_cluster=False), sync_seconds(wp, self.policy.serving_sync_mode, c.sync, cross_cluster=True)
+        """A new version's sync: to the dedicated pool over the trainer's fabric (co-batched: then folded into each
+        instance's copy of the base), to the serving instances over the inter-cluster link (rose: a delta of a full
+        policy; a LoRA adapter whole, as the executors price it: nearly all its elements move each step)."""
+        c, mem = self.cfg, self.sized.memory
+        serving_mode = "full" if c.rollout_mode == "co_batched" else self.policy.serving_sync_mode
+        dedicated = sync_seconds(mem.policy_weight_bytes, "full", c.sync, cross_cluster=False) + fold_seconds(mem.fold_bytes, c.sync)
+        return dedicated, sync_seconds(mem.policy_weight_bytes, serving_mode, c.sync, cross_cluster=True)
 
     # ------------------------------------------------------------------ processes
     def run(self):

@@ -18,7 +18,7 @@ import pytest
 
 from rose.bench.demo import Observed
 from rose.bench.e2e_emulated import HOW_FIGURES, run_emulated_e2e
-from rose.bench.emulated import EmulatedJob, rescale, serving_requests, trainer_process
+from rose.bench.emulated import EmulatedJob, executor_groups, rescale, serving_requests, trainer_process
 from rose.contracts.rollout import PlacementEvent, Trajectory, TurnRecord
 from rose.contracts.training import TrainingStep
 from rose.services.scheduler.placement import RULES
@@ -81,6 +81,14 @@ def test_the_serving_trace_is_the_simulators():
     assert len(requests) == pytest.approx(float(sim.sized.traffic.fleet_rate[:60].sum()), rel=0.15)  # Poisson counts at the trace's rate
     assert all(0 <= r.at_s < 60 and r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
     assert requests == serving_requests(job, 60.0)  # seeded: every policy gets the same requests
+
+
+def test_a_co_batched_job_co_batches_on_serving_executors_and_folds_on_dedicated_ones():
+    """As the simulator prices it (sim/sizing.py): rollout rows ride serving's batches on the serving executors; a
+    dedicated executor, with no serving batches, runs the adapter folded into its base copy (the two-model mode)."""
+    modes = {g.name: g.env["ROSE_ENGINE__ROLLOUT_MODE"] for g in executor_groups(EmulatedJob(gpus=4, rollout_mode="co_batched"))}
+    assert modes == {"emu-serving": "co_batched", "emu-dedicated": "two_model"}
+    assert {g.env["ROSE_ENGINE__ROLLOUT_MODE"] for g in executor_groups(EmulatedJob(gpus=4))} == {"two_model"}
 
 
 def test_over_provisioning_reaches_the_trainer_and_the_simulator_as_one_share(tmp_path):

@@ -67,6 +67,8 @@ def test_demo_runs_a_real_rl_job_and_writes_the_report(tmp_path, lora):
     assert "rose demo: summary" in proc.stdout
     if lora:
         assert s["policy"]["kind"] == "lora" and s["policy"]["rollout_mode"] == "co_batched"
+        # a trained adapter version live everywhere: in the serving executors' slots, folded into the dedicated one's base copy
+        assert s["policy"]["dedicated_rollout_mode"] == "two_model" and min(s["weights"]["applied"].values()) >= 1
         assert f"serving model warm-started: {WARM_START_STEPS} steps" in proc.stdout
         assert any(ex.startswith("demo-serving-") for ex in s["rollout"]["tokens_by_executor"])  # rows rode serving's batches
     else:
