@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import subprocess
+import sys
 from pathlib import Path
 
 from test_import_graph import ROOT, package_modules
@@ -85,3 +87,12 @@ def test_the_cli_turns_a_rose_error_into_one_line_and_an_exit_code(models_dir):
     assert "Traceback" not in out.stderr
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("rose run: EngineModeError: ") and "LoRA adapter of the serving model" in line and "rose models init" in line
+
+
+def test_rose_testing_without_the_test_extra_says_which_extra():
+    """rose.testing ships with the package but needs the `test` extra: imported without it (hypothesis hidden here),
+    it names what is missing and how to install it, as a RoseError."""
+    code = "import sys; sys.modules['hypothesis'] = None; import rose.testing.polling"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "TestExtraMissing: rose.testing needs hypothesis: install the test extra (pip install 'rose-rl[test]')" in proc.stderr
