@@ -53,9 +53,9 @@ def test_the_engine_is_a_few_objects_and_the_service_talks_to_its_protocol():
     asked = []
     for path in (ROOT / "services").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2:
-                if {getattr(node.args[1], "id", ""), getattr(node.args[1], "attr", "")} & {"Engine", "SGLangBackend"}:
-                    asked.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            is_isinstance = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2
+            if is_isinstance and {getattr(node.args[1], "id", ""), getattr(node.args[1], "attr", "")} & {"Engine", "SGLangBackend"}:
+                asked.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not asked, "the service asks which engine it has (use the protocol, backend.CoServingEngine):\n" + "\n".join(asked)
 
 
