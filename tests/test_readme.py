@@ -62,11 +62,67 @@ def test_the_docs_index_lists_every_page():
     assert "](../README.md)" in index
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path, level: str = "#") -> list[str]:
+    """The heading anchors GitHub gives a page (repeats numbered), of headings that start with `level`, and its
+    explicit `<a id="...">` anchors."""
+    seen: dict[str, int] = {}
+    out, in_code = [], False
+    for line in page.read_text().splitlines():
+        in_code ^= line.startswith("```")
+        out += [] if in_code else re.findall(r'<a id="([^"]+)"></a>', line)
+        if in_code or not line.startswith("#"):
+            continue
+        s = slug(line)
+        if line.startswith(level):
+            out.append(s if s not in seen else f"{s}-{seen[s]}")
+        seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def markdown_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
 def test_relative_links_resolve():
-    """The README's pointers to its reference pages, and the pages' links to each other, name files that exist."""
+    """The README's pointers to its reference pages, and the pages' links to each other, name files (and headings) that exist."""
     broken = []
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
-            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+    for page in markdown_pages():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            linked = (page.parent / target) if target else page
+            if not linked.exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
     assert broken == []
+
+
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def test_the_benchmark_history_is_one_page_per_day_with_an_index():
+    """docs/benchmarks.md indexes docs/benchmarks/: every day's page, every entry of it, each page a day's."""
+    index = (REPO / "docs" / "benchmarks.md").read_text()
+    days = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
+    assert days and [d.name for d in days if f"](benchmarks/{d.name})" not in index] == []
+    for day in days:
+        entries = anchors(day, level="## ")
+        assert [a for a in entries if f"](benchmarks/{day.name}#{a})" not in index] == [], day.name
+
+
+def test_reference_pages_keep_no_dated_notes():
+    """What was tried and measured goes to the benchmark history, by day; a reference page says how it works."""
+    dated = [
+        f"{page.relative_to(REPO)}: {line}"
+        for page in sorted((REPO / "docs").glob("*.md"))
+        if page.name != "benchmarks.md"
+        for line in page.read_text().splitlines()
+        if line.startswith("#") and DATED.search(line)
+    ]
+    assert dated == []
