@@ -1,10 +1,11 @@
-"""The README stays true and short: its two commands exist, its lines fit a terminal, docs/ has an index;
-and docs/subjects.md, the reference the README points to, lists every channel of the registry."""
+"""The README stays true and short: its commands exist, it fits 24 KB and 160 columns, and every figure in it is found
+in the dated benchmark entry it links; docs/ has an index, and docs/subjects.md lists every channel of the registry."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from rose.cli.service_table import SERVICE_MODULES
@@ -33,23 +34,17 @@ def test_every_service_is_named():
     assert [s for s in SERVICE_MODULES if f"`{s}" not in README] == []
 
 
-MAX_LINE = 120  # what a terminal (or `less`) shows without wrapping mid-word
-# Markdown cannot wrap a table row: the current figures' rows are data (the generated tables live in docs/)
-LONG_ROW_TABLES = ("| bench | command |",)
+MAX_BYTES = 24 * 1024  # a page a newcomer reads in five minutes; the detail lives in docs/
+MAX_LINE = 160  # every line: prose, lists, code and table rows alike
 
 
-def test_readme_lines_fit_a_terminal():
-    """Prose, lists and code blocks within MAX_LINE; only the rows of LONG_ROW_TABLES may be longer."""
-    long, table = [], None
-    for number, line in enumerate(README.splitlines(), 1):
-        if line.startswith("|"):
-            table = table or line
-            if table.startswith(LONG_ROW_TABLES):
-                continue
-        else:
-            table = None
-        if len(line) > MAX_LINE:
-            long.append(f"README.md:{number}: {len(line)} characters")
+def test_readme_is_short():
+    size = len(README.encode())
+    assert size <= MAX_BYTES, f"README.md is {size:,} bytes, over {MAX_BYTES:,}"
+
+
+def test_readme_lines_fit():
+    long = [f"README.md:{n}: {len(line)} characters" for n, line in enumerate(README.splitlines(), 1) if len(line) > MAX_LINE]
     assert not long, "\n".join(long)
 
 
@@ -67,32 +62,52 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
 
 
-def anchors(page: Path, level: str = "#") -> list[str]:
-    """The heading anchors GitHub gives a page (repeats numbered), of headings that start with `level`, and its
-    explicit `<a id="...">` anchors."""
+def headings(page: Path) -> Iterator[tuple[int, str, str]]:
+    """Each heading outside code blocks: its line's index, the line, and the anchor GitHub gives it (repeats numbered)."""
     seen: dict[str, int] = {}
+    in_code = False
+    for index, line in enumerate(page.read_text().splitlines()):
+        in_code ^= line.startswith("```")
+        if in_code or not line.startswith("#"):
+            continue
+        s = slug(line)
+        yield index, line, s if s not in seen else f"{s}-{seen[s]}"
+        seen[s] = seen.get(s, 0) + 1
+
+
+def anchors(page: Path, level: str = "#") -> list[str]:
+    """The heading anchors GitHub gives a page, of headings that start with `level`, and its explicit `<a id="...">`
+    anchors."""
     out, in_code = [], False
     for line in page.read_text().splitlines():
         in_code ^= line.startswith("```")
         out += [] if in_code else re.findall(r'<a id="([^"]+)"></a>', line)
-        if in_code or not line.startswith("#"):
-            continue
-        s = slug(line)
-        if line.startswith(level):
-            out.append(s if s not in seen else f"{s}-{seen[s]}")
-        seen[s] = seen.get(s, 0) + 1
-    return out
+    return out + [anchor for _, line, anchor in headings(page) if line.startswith(level)]
+
+
+def sections(page: Path) -> dict[str, str]:
+    """Each `## ` heading's anchor and its section: the text from the heading up to the next `## ` heading."""
+    lines = page.read_text().splitlines()
+    tops = [(index, anchor) for index, line, anchor in headings(page) if line.startswith("## ")]
+    ends = [index for index, _ in tops[1:]] + [len(lines)]
+    return {anchor: "\n".join(lines[index:end]) for (index, anchor), end in zip(tops, ends, strict=True)}
 
 
 def markdown_pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
+LINK_DEFINITION = re.compile(r"^\[([^\]]+)\]:\s*(\S+)", re.M)  # a reference-style link's target: `[id]: path#anchor`
+
+
 def test_relative_links_resolve():
-    """The README's pointers to its reference pages, and the pages' links to each other, name files (and headings) that exist."""
+    """The README's pointers to its reference pages, and the pages' links to each other (inline or by reference), name
+    files (and headings) that exist."""
     broken = []
     for page in markdown_pages():
-        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+        text = page.read_text()
+        targets = re.findall(r"\]\(([^)\s]*)\)", text) + [t for _, t in LINK_DEFINITION.findall(text)]
+        for target, _, anchor in (t.partition("#") for t in targets):
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
             linked = (page.parent / target) if target else page
@@ -101,6 +116,94 @@ def test_relative_links_resolve():
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                 broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
     assert broken == []
+
+
+# A figure is a number with a unit (x, %, s, ms, tokens/s, steps/h: "1.26x", "42 %", "1.88 s") or any decimal
+# ("0.99"), either one a range ("1.09-1.20x"). Not figures: integers without a unit (years, dates, ports, counts,
+# issue numbers), numbers glued to a letter, a dot or a plus (7B, 4xH100, p99, 1e-3, 2.13.0, 3.11+), and whatever
+# sits in an inline code span (`--seeds 0 1`) or a link's target, which `figures` drops before it looks.
+NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+FIGURE = re.compile(rf"(?<![\w.,:/#]){NUMBER}(?:-{NUMBER})?(?: ?(?:tokens/s|steps/h|ms|s|x|%))?(?![\w+]|\.\d)")
+UNIT = re.compile(r"(?:tokens/s|steps/h|ms|s|x|%)$")
+DATED_ENTRY = re.compile(r"docs/benchmarks/\d{4}-\d\d(?:-\d\d)?\.md#\S+")
+
+
+def normalise(text: str) -> str:
+    """Thin and non-breaking spaces as spaces, an en dash as a hyphen: nothing else is forgiven."""
+    return re.sub("[\u00a0\u2009\u202f]", " ", text).replace("\u2013", "-")
+
+
+def blocks(text: str) -> Iterator[tuple[int, str]]:
+    """The paragraphs, list items, table rows and headings outside code blocks, each with its first line's number
+    (link definitions are not text)."""
+    lines, first, in_code = [], 0, False
+    for number, line in enumerate([*text.splitlines(), ""], 1):
+        fence = line.startswith("```")
+        in_code ^= fence
+        starts = not line.strip() or fence or in_code or line.startswith(("#", "|")) or re.match(r" *(?:[-*]|\d+\.) ", line)
+        if starts and lines:
+            yield first, "\n".join(lines)
+            lines = []
+        if fence or in_code or not line.strip() or LINK_DEFINITION.match(line):
+            continue
+        if line.startswith(("#", "|")):
+            yield number, line
+            continue
+        first = first if lines else number
+        lines.append(line)
+
+
+def figures(block: str) -> Iterator[tuple[int, str]]:
+    """Each figure of a block: the line within the block it is on (0 for the first), and its text."""
+    text = re.sub(r"`[^`]*`", lambda m: "\n" * m.group().count("\n"), normalise(block))  # code spans: no figures
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # a link's target is no figure (its text is)
+    for m in FIGURE.finditer(text):
+        if UNIT.search(m.group()) or "." in m.group():
+            yield text.count("\n", 0, m.start()), m.group()
+
+
+def figure_problems(text: str, root: Path = REPO, name: str = "README.md") -> list[str]:
+    """Every figure of `text` whose paragraph, list item or table row links no dated entry of the benchmark history
+    (docs/benchmarks/DATE.md#anchor, inline or by reference), or whose text is not in the section of any entry linked
+    there."""
+    definitions = dict(LINK_DEFINITION.findall(text))
+    problems = []
+    for first, block in blocks(text):
+        targets = re.findall(r"\]\(([^)\s]+)\)", block) + [definitions.get(ref, "") for ref in re.findall(r"\]\[([^\]]+)\]", block)]
+        entries = [t.removeprefix("./") for t in targets if DATED_ENTRY.fullmatch(t.removeprefix("./"))]
+        for offset, figure in figures(block):
+            where = f"{name}:{first + offset}: {figure!r}"
+            if not entries:
+                problems.append(f"{where} is in a paragraph or row that links no dated entry (docs/benchmarks/DATE.md#anchor)")
+                continue
+            found = re.compile(rf"(?<![\w.]){re.escape(figure)}(?![\w]|\.\d)")
+            texts = [sections(root / path).get(anchor, "") for path, _, anchor in (e.partition("#") for e in entries)]
+            if not any(found.search(normalise(t)) for t in texts):
+                problems.append(f"{where} is not in {' or '.join(entries)}")
+    return problems
+
+
+def test_every_figure_is_in_the_entry_it_links():
+    """A figure in the README is a claim about a run: its paragraph or table row links the dated entry that recorded
+    the run, and the entry's section says the same figure."""
+    problems = figure_problems(README)
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_figure_check_finds_a_wrong_figure(tmp_path):
+    day = tmp_path / "docs" / "benchmarks" / "2026-01-01.md"
+    day.parent.mkdir(parents=True)
+    day.write_text("# 2026-01-01\n\n## A run\n\nrose **1.26x** static; p99 1.88 s, 0.4–0.9 s; 42 %.\n\n## Another\n\n0.5 ms\n")
+    link = "(docs/benchmarks/2026-01-01.md#a-run)"
+    text = (
+        f"Rose made 1.26x static,\np99 1.88\u2009s and 0.4-0.9 s [there]{link}.\n\n| a row | 42 % | 0.5 ms | [there][run] |\n\n"
+        "- 0.99 alone; `--seeds 0 1`, 7B, 4xH100, p99, Python 3.11+, torch 2.13.0, 127.0.0.1:4222, 2026-12-07, 3 seeds\n\n"
+        f"[run]: {link[1:-1]}\n"
+    )
+    assert figure_problems(text, tmp_path) == [
+        "README.md:4: '0.5 ms' is not in docs/benchmarks/2026-01-01.md#a-run",
+        "README.md:6: '0.99' is in a paragraph or row that links no dated entry (docs/benchmarks/DATE.md#anchor)",
+    ]
 
 
 DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b")
