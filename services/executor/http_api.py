@@ -55,6 +55,9 @@ MAX_CHOICES = 128  # prompts x n in one request (each is an engine request)
 SEED_SPAN = 2**64  # choice i samples with seed + i, wrapped into [-2**63, 2**63)
 MODEL_CARDS: web.AppKey = web.AppKey("rose_model_cards", list)  # callables adding models served by other routes (the SGLang API's policy)
 LANE_FAILURE_HEALTH_WINDOW_S = 60.0  # /health says "degraded" this long after a lane's iteration raised
+# a serving request the engine ended early (its lane's iteration raised, or the engine stopped): a 503 the client
+# retries, not a 200 whose finish_reason ("abort") is none of OpenAI's
+CUT_SHORT = "the executor ended this request before it finished (a failed iteration or a stop): retry it"
 
 
 def lane_failure_body(failure) -> dict[str, Any]:
@@ -369,6 +372,8 @@ class OpenAIApi:
                         raise
                     for result in results:
                         self._finished(span, result, started_ns)
+                    if any(r.finish_reason == "abort" for r in results):
+                        raise ApiError(503, CUT_SHORT, kind="server_error")
                     return web.json_response(
                         {
                             **head,
@@ -416,6 +421,13 @@ class OpenAIApi:
             for _ in range(len(choices)):
                 while True:
                     choice, item = await events.get()
+                    if isinstance(item, StreamDelta) and item.finished and item.finish_reason == "abort":  # cut short: say so in-band
+                        self._count_error(503)
+                        error = {"error": {"message": CUT_SHORT, "type": "server_error", "param": None, "code": None}}
+                        await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
+                        for other in choices:
+                            other.handle.cancel()
+                        return response
                     if isinstance(item, StreamDelta):
                         completion_tokens += len(item.token_ids)
                         event = {

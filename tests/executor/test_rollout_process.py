@@ -377,6 +377,42 @@ async def test_a_failed_serving_iteration_takes_the_replica_out_of_rotation_for_
     assert await _health(engine) == (200, {"status": "ok", "policy_version": 0, "lane_failures": 1})
 
 
+async def test_a_request_a_failed_iteration_cut_short_is_a_503_to_the_client(make_engine, monkeypatch):
+    """Through the OpenAI API the aborted request is a 503 server_error the client retries, as JSON and in a
+    stream (an in-band error event): never a 200 whose finish_reason is "abort", which OpenAI's schema lacks."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from rose.services.executor.http_api import OpenAIApi
+    from rose.services.executor.telemetry import Telemetry
+
+    engine = make_engine(config=HERE)
+    runner, failures = engine.work_for(WorkClass.SERVING).runner, []
+    real = runner.forward_sample
+
+    def fails_once(*args, **kwargs):  # fault injection: the next serving forward raises
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("injected serving fault")
+        return real(*args, **kwargs)
+
+    server = TestServer(OpenAIApi(engine, Telemetry(engine, "ex-test", "serving", 1.0), "rose-serving", 1 << 20).app)
+    await server.start_server()
+    body = {"model": "rose-serving", "prompt": "2+3=", "max_tokens": 6, "temperature": 0}
+    try:
+        async with aiohttp.ClientSession() as session:
+            monkeypatch.setattr(runner, "forward_sample", fails_once)
+            async with session.post(server.make_url("/v1/completions"), json=body) as r:
+                assert r.status == 503 and (await r.json())["error"]["type"] == "server_error"
+            async with session.post(server.make_url("/v1/completions"), json={**body, "stream": True}) as r:
+                text = await r.text()
+            assert r.status == 200 and '"type": "server_error"' in text and '"finish_reason": "abort"' not in text
+            async with session.post(server.make_url("/v1/completions"), json=body) as r:  # the lane went on
+                assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        await server.close()
+
+
 # ---- double-buffered weight swaps (issue 21, item 5) -------------------------------------------
 
 
