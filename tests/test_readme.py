@@ -35,7 +35,8 @@ def test_every_service_is_named():
 
 
 MAX_BYTES = 24 * 1024  # a page a newcomer reads in five minutes; the detail lives in docs/
-MAX_LINE = 160  # every line: prose, lists, code and table rows alike
+MAX_LINE = 160  # every line: prose, lists, code and table rows alike; not a link's definition (an address cannot wrap)
+LINK_DEFINITION = re.compile(r"^\[[^\]]+\]: \S+$")
 
 
 def test_readme_is_short():
@@ -44,7 +45,11 @@ def test_readme_is_short():
 
 
 def test_readme_lines_fit():
-    long = [f"README.md:{n}: {len(line)} characters" for n, line in enumerate(README.splitlines(), 1) if len(line) > MAX_LINE]
+    long = [
+        f"README.md:{n}: {len(line)} characters"
+        for n, line in enumerate(README.splitlines(), 1)
+        if len(line) > MAX_LINE and not LINK_DEFINITION.match(line)
+    ]
     assert not long, "\n".join(long)
 
 
