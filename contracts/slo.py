@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from .base import Fraction, Identifier, Message, NonNegFloat, NonNegInt, UnixSeconds
-from .executor import ExecutorRole, RolloutMode
+from .executor import ExecutorRole
 
 AlertSeverity = Literal["burst", "violation", "recovered"]
 # The serving SLO every service assumes unless configured: p99 time to first token and per output token.
@@ -52,9 +52,6 @@ class Headroom(Message):
     device_kind: str = ""
     device_name: str = ""
     device_memory_bytes: NonNegInt = 0
-    # how its rollout runs (its latest snapshot's): co-batched rows ride in serving's own iterations, at serving's
-    # token time, so a turn there can finish a step's tail sooner than a dedicated slot (placement's tail rule)
-    rollout_mode: RolloutMode = "two_model"
 
 
 class SloAlert(Message):

@@ -365,7 +365,6 @@ class SloMonitor:
             rollout_queue=queued,
             rollout_tokens_per_s=self.state.reported_tps(d, w.tps_peak[d]),
             rollout_prefill_tokens_per_s=prefill,
-            rollout_mode=c.rollout_mode,
             device_kind="cuda",
             device_name=shape.device.name,
             device_memory_bytes=int(memory.total_s),

@@ -239,7 +239,6 @@ class Fleet:
                         i.lease.max_rollout_batch,
                         *running_queued,
                         prefill_rate=prefill_rate,
-                        co_batched=h is not None and h.rollout_mode == "co_batched",
                     )
                 )
         return out

@@ -12,10 +12,8 @@ Each turn of a trajectory is placed on its own, so that lending never makes a st
    executor other than the previous turn's adds the prefill of the turn's context there (its
    prompt at the prefill rate measured there, ``moved_prefill_s``): the prefix cache it lacks;
 3. tail: once the unfinished trajectories of the turn's RL batch fit the dedicated pool's free
-   slots (the request names its batch and size), the turn goes to a dedicated executor: a
-   two-model lane cannot make the last turns of a step faster, only slower. A co-batched lease
-   (its rows ride in serving's own iterations, a token at serving's iteration time) still takes
-   the turn when predicted to finish it sooner, revocation risk priced (rule 4);
+   slots (the request names its batch and size), the turn goes to a dedicated executor:
+   leased capacity cannot make the last turns of a step faster, only slower;
 4. a leased (serving) executor is chosen only when it is predicted to finish the turn sooner
    than the dedicated choice, waiting included; the prefix-cache executor of the previous turn
    (affinity) is the dedicated choice when it is dedicated, and keeps a leased turn only while
@@ -79,7 +77,6 @@ class Candidate:
     capacity: int = 0  # sequences it ran at once the last time others waited (its KV limit, measured; 0: never seen)
     recent: int = -1  # turns routed there since its last headroom (-1: no headroom yet: `load` is all there is)
     prefill_rate: float = 0.0  # prompt tokens/s a turn's prefill gets there, its lane's share counted (measured; 0: unknown)
-    co_batched: bool = False  # a serving executor whose rollout rows ride in serving's own iterations (Headroom.rollout_mode)
 
 
 @dataclass(frozen=True)
@@ -248,20 +245,16 @@ def place_turn(
         if home is not None and home.role == "dedicated"
         else (min(dedicated, key=lambda c: (pred[c.executor_id].finish, c.executor_id)) if dedicated else None)
     )
-    ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
-    risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
-    put = lambda c, rule, why: _placed(c, rule, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
     if ded is not None and in_tail(unfinished, dedicated):
-        # a two-model lane's token is no faster than a dedicated slot's: in the tail it can only be slower. A co-batched
-        # row's token comes at serving's iteration time: such a lease still takes the turn if predicted sooner
-        rows = sorted((risky[c.executor_id], c.executor_id, c) for c in leased if c.co_batched)
-        if rows and rows[0][0] < ded_finish:
-            return put(rows[0][2], "leased", f"co-batched in the tail: predicted {rows[0][0]:.2f} vs {ded_finish:.2f} on dedicated")
-        return put(ded, "tail", f"tail: {unfinished} unfinished fit the dedicated pool's free slots")
+        why = f"tail: {unfinished} unfinished fit the dedicated pool's free slots"
+        return _placed(ded, "tail", why, pred[ded.executor_id], turn_s, raw[ded.executor_id])
     if ded is not None and ded is home and has_room(home):
         # its prefix is there and a slot is free: a lease could only run the turn faster per token, and the move
         # would prefill the whole context there (and again, in part, when a later turn comes back)
         return _placed(home, "home slot", "prefix affinity: a free slot at home", pred[home.executor_id], turn_s, raw[home.executor_id])
+    ded_finish = pred[ded.executor_id].finish if ded is not None else float("inf")
+    risky = {c.executor_id: leased_finish(pred[c.executor_id], revoke_rate if turn_s > 0 else 0.0, ded_finish) for c in leased}
+    put = lambda c, rule, why: _placed(c, rule, why, pred[c.executor_id], turn_s, raw[c.executor_id])  # noqa: E731
     # the prefix-cache executor keeps its turn on a tie: its cache saves the prefill the prediction leaves out
     lease = (
         home

@@ -78,7 +78,6 @@ class Monitor:
             rollout_queue=latest.rollout_queue,
             rollout_tokens_per_s=long.rollout_tokens_per_s_peak,
             rollout_prefill_tokens_per_s=latest.rollout_prefill_tokens_per_s,
-            rollout_mode=latest.rollout_mode,
             device_kind=device.kind if device else "",
             device_name=device.name if device else "",
             device_memory_bytes=device.memory_total_bytes if device else 0,

@@ -73,30 +73,6 @@ def test_the_tail_goes_to_dedicated_even_from_a_lease_home():
     assert p is not None and p.executor_id == "ser-1" and p.rule == "home lease"
 
 
-def test_in_the_tail_a_co_batched_lease_still_competes_on_its_prediction():
-    """A co-batched row's token comes at serving's iteration time, faster per sequence than a loaded dedicated slot:
-    in the tail such a lease takes the turn when predicted sooner; the same figures on a two-model lane do not."""
-    fast = dict(running=2, tps=1000.0)  # 500 tok/s per sequence, against 3200 / 32 = 100 on the dedicated pool
-    pool = [ded(running=32, capacity=64), dataclasses.replace(lease(**fast), co_batched=True)]
-    p = place_turn(req(), pool, "", P, random.Random(0), unfinished=30, turn_tokens=300.0)
-    assert p is not None and p.executor_id == "ser-1" and p.rule == "leased" and "tail" in p.reason
-    p = place_turn(req(), [pool[0], lease(**fast)], "", P, random.Random(0), unfinished=30, turn_tokens=300.0)
-    assert p is not None and p.role == "dedicated" and p.rule == "tail"
-    # predicted slower than the dedicated slot (20 tok/s per sequence there): the tail stays dedicated
-    slow = dataclasses.replace(lease(running=10), co_batched=True)
-    p = place_turn(req(), [pool[0], slow], "", P, random.Random(0), unfinished=30, turn_tokens=300.0)
-    assert p is not None and p.role == "dedicated" and p.rule == "tail"
-
-
-def test_the_scheduler_knows_a_co_batched_lease_from_its_headroom():
-    for mode in ("two_model", "co_batched"):
-        fleet = fleet_of(("ser-1", "serving"))
-        fleet.on_headroom(msgspec.structs.replace(headroom("ser-1", 100.0, "serving", 2, 0, 500.0), rollout_mode=mode))
-        fleet.on_lease(active_lease("ser-1", expires_at=1e9, compute_share=0.3, max_rollout_batch=8), now=100.0)
-        (c,) = fleet.candidates(101.0)
-        assert c.role == "serving" and c.co_batched is (mode == "co_batched")
-
-
 def test_revocation_risk_and_model_error_can_turn_a_lease_down():
     pool = [ded(running=32, queued=64), lease()]
     base = place_turn(req(), pool, "", P, random.Random(0), turn_tokens=300.0)
