@@ -47,9 +47,13 @@ class ApiError(RoseError):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
+def error_body(err: ApiError) -> dict[str, Any]:
+    """OpenAI's error object: a response's body, or an in-band event of a stream that has begun."""
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+
+
 def error_response(err: ApiError) -> web.Response:
-    body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
-    return web.json_response(body, status=err.status)
+    return web.json_response(error_body(err), status=err.status)
 
 
 def finite(logprob: float) -> float:

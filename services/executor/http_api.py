@@ -34,6 +34,7 @@ from rose.shared.openai_api import (
     ApiError,
     StreamOptions,
     chat_logprobs,
+    error_body,
     error_response,
     finite,
     json_body,
@@ -422,12 +423,7 @@ class OpenAIApi:
                 while True:
                     choice, item = await events.get()
                     if isinstance(item, StreamDelta) and item.finished and item.finish_reason == "abort":  # cut short: say so in-band
-                        self._count_error(503)
-                        error = {"error": {"message": CUT_SHORT, "type": "server_error", "param": None, "code": None}}
-                        await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
-                        for other in choices:
-                            other.handle.cancel()
-                        return response
+                        return await self._stream_error(response, choices, ApiError(503, CUT_SHORT, kind="server_error"))
                     if isinstance(item, StreamDelta):
                         completion_tokens += len(item.token_ids)
                         event = {
@@ -442,12 +438,7 @@ class OpenAIApi:
                         await response.write(f"data: {json.dumps(event)}\n\n".encode())
                         continue
                     if isinstance(item, InvalidRequest):  # refused after the stream began (a backend server's 400): say so in-band
-                        self._count_error(400)
-                        error = {"error": {"message": str(item), "type": "invalid_request_error", "param": None, "code": None}}
-                        await response.write(f"data: {json.dumps(error)}\n\n".encode() + b"data: [DONE]\n\n")
-                        for other in choices:
-                            other.handle.cancel()
-                        return response
+                        return await self._stream_error(response, choices, ApiError(400, str(item)))
                     self._finished(span, item, started_ns)
                     break
             if options.include_usage:
@@ -458,6 +449,14 @@ class OpenAIApi:
         finally:
             for task in pumps:
                 task.cancel()
+
+    async def _stream_error(self, response: web.StreamResponse, choices: list[Choice], err: ApiError) -> web.StreamResponse:
+        """A stream that has begun cannot change its status: the error goes in-band, then [DONE], the other choices cancelled."""
+        self._count_error(err.status)
+        await response.write(f"data: {json.dumps(error_body(err))}\n\n".encode() + b"data: [DONE]\n\n")
+        for other in choices:
+            other.handle.cancel()
+        return response
 
     def _finished(self, span: trace.Span, result: GenerationResult, started_ns: int) -> None:
         """Metrics and span attributes of a finished serving request (timings are from submission)."""

@@ -39,6 +39,7 @@ from rose.shared.openai_api import (
     NEUTRAL_PARAMS,
     ApiError,
     chat_logprobs,
+    error_body,
     error_response,
     json_body,
     number,
@@ -230,7 +231,7 @@ class GatewayApi:
             answer = await running
         except ApiError as err:  # after the stream began: in-band, as OpenAI's streams report errors
             self._count(err.status)
-            await self._send(response, {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}})
+            await self._send(response, error_body(err))
             await response.write(b"data: [DONE]\n\n")
             return response
         turn = answer.turn
